@@ -1,0 +1,18 @@
+//! Readers for the model file formats Rampart serves, shared by the model repository and the engine.
+//!
+//! - [`gguf`]: GGUF v2/v3 (header, typed metadata, tensor infos, alignment, data offset), plus a
+//!   writer used for generated test models and for quantized exports.
+//! - [`safetensors`]: safetensors headers (dtypes, shapes, offsets, metadata).
+//! - [`onnx`]: ONNX model metadata (IR version, opsets, inputs/outputs with dtypes and shapes,
+//!   `metadata_props`, initializer statistics).
+//!
+//! Every reader treats the file as hostile: sizes and counts in the file are checked against the
+//! bytes actually present before anything is allocated, and malformed input returns a typed error,
+//! never a panic. This crate does no model computation and no network or async I/O.
+
+pub mod gguf;
+pub mod mapped;
+pub mod onnx;
+pub mod safetensors;
+
+pub use mapped::MappedFile;

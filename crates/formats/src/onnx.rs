@@ -211,8 +211,7 @@ impl std::fmt::Display for Dim {
 }
 
 /// The declared type of a graph input or output.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ValueType {
     /// A dense tensor; `shape` is absent when the model declares no rank.
     Tensor { dtype: String, shape: Option<Vec<Dim>> },
@@ -238,11 +237,9 @@ impl std::fmt::Display for ValueType {
 }
 
 /// A graph input or output.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ValueInfo {
     pub name: String,
-    #[serde(flatten)]
     pub value_type: ValueType,
 }
 

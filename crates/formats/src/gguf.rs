@@ -329,10 +329,11 @@ impl Value {
         }
     }
 
-    /// Any numeric value as `f64`.
+    /// Any numeric value as `f64`. An `f32` converts through its shortest decimal form, so a
+    /// stored `1e-5f32` reads as `1e-5`, not `9.999999747378752e-6`.
     pub fn as_f64(&self) -> Option<f64> {
         match *self {
-            Value::F32(v) => Some(v.into()),
+            Value::F32(v) => v.to_string().parse().ok(),
             Value::F64(v) => Some(v),
             _ => self.as_i64().map(|v| v as f64),
         }

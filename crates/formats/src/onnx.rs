@@ -88,8 +88,19 @@ mod proto {
     pub struct NodeProto {
         #[prost(string, tag = "4")]
         pub op_type: String,
+        #[prost(message, repeated, tag = "5")]
+        pub attribute: Vec<AttributeProto>,
         #[prost(string, tag = "7")]
         pub domain: String,
+    }
+
+    /// Only the tensor-valued part of an attribute (`Constant` nodes carry weights this way).
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct AttributeProto {
+        #[prost(string, tag = "1")]
+        pub name: String,
+        #[prost(message, optional, tag = "5")]
+        pub t: Option<TensorProto>,
     }
 
     /// Only the description of an initializer; its payload fields are skipped.
@@ -260,9 +271,10 @@ pub struct OnnxModel {
     pub outputs: Vec<ValueInfo>,
     pub metadata: BTreeMap<String, String>,
     pub initializer_count: usize,
-    /// Total elements over all initializers (the model's weights).
+    /// Total elements over all initializers and `Constant` node tensors (the model's weights;
+    /// some exporters, PaddlePaddle's among them, store every weight as a `Constant`).
     pub parameter_count: u64,
-    /// Initializer element types and how many initializers have each.
+    /// Element types of initializers and `Constant` tensors, and how many tensors have each.
     pub initializer_types: BTreeMap<String, usize>,
     /// Operator types and how often each occurs in the main graph.
     pub op_types: BTreeMap<String, usize>,
@@ -346,7 +358,12 @@ impl OnnxModel {
         let outputs = graph.output.iter().map(value_info).collect();
         let mut parameter_count = 0u64;
         let mut initializer_types = BTreeMap::new();
-        for t in &graph.initializer {
+        let constants = graph
+            .node
+            .iter()
+            .filter(|n| n.op_type == "Constant" && (n.domain.is_empty() || n.domain == "ai.onnx"))
+            .flat_map(|n| n.attribute.iter().filter_map(|a| a.t.as_ref()));
+        for t in graph.initializer.iter().chain(constants) {
             let n = t
                 .dims
                 .iter()
@@ -461,11 +478,26 @@ pub(crate) mod tests {
             graph: Some(GraphProto {
                 node: vec![
                     NodeProto {
+                        op_type: "Constant".into(),
+                        attribute: vec![AttributeProto {
+                            name: "value".into(),
+                            t: Some(TensorProto {
+                                dims: vec![4],
+                                data_type: 1,
+                                name: String::new(),
+                                data_location: 0,
+                            }),
+                        }],
+                        domain: String::new(),
+                    },
+                    NodeProto {
                         op_type: "Gemm".into(),
+                        attribute: vec![],
                         domain: String::new(),
                     },
                     NodeProto {
                         op_type: "Softmax".into(),
+                        attribute: vec![],
                         domain: String::new(),
                     },
                 ],
@@ -502,7 +534,7 @@ pub(crate) mod tests {
         assert_eq!(m.inputs.len(), 1, "initializer listed as input is not a real input");
         assert_eq!(m.inputs[0].value_type.to_string(), "float32[N, 8]");
         assert_eq!(m.outputs[0].name, "probs");
-        assert_eq!(m.parameter_count, 32);
+        assert_eq!(m.parameter_count, 36, "32 initializer + 4 Constant elements");
         assert_eq!(m.metadata["character"], "0\n90\n180\n270");
         assert_eq!(m.op_types["Softmax"], 1);
     }

@@ -1,1 +1,81 @@
-fn main(){}
+//! `rampart`: the command line. Parses arguments and calls the libraries; no logic of its own
+//! beyond presenting results.
+
+mod model_cmd;
+mod progress_bar;
+mod render;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// The build's identity, recorded in model lineage and printed by `--version`.
+pub fn build_info() -> repo::BuildInfo {
+    repo::BuildInfo {
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        git_commit: option_env!("RAMPART_GIT_COMMIT").map(str::to_string),
+        rustc: option_env!("RAMPART_RUSTC_VERSION").map(str::to_string),
+    }
+}
+
+fn long_version() -> &'static str {
+    let info = build_info();
+    let text = format!(
+        "{} (commit {}, {})",
+        info.version,
+        info.git_commit.as_deref().unwrap_or("unknown"),
+        info.rustc.as_deref().unwrap_or("rustc unknown")
+    );
+    Box::leak(text.into_boxed_str())
+}
+
+/// Rampart: a self-hosted, governed AI model server.
+///
+/// Models live in a repository folder of immutable, digest-checked versions. Start with
+/// `rampart model import`, then `rampart model list`.
+#[derive(Debug, Parser)]
+#[command(name = "rampart", version, long_version = long_version())]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Manage the model repository: import, list, inspect, verify, diff, remove.
+    Model(ModelArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ModelArgs {
+    /// The model repository folder.
+    #[arg(long, global = true, env = "RAMPART_REPO", default_value = "models", value_name = "DIR")]
+    pub repo: PathBuf,
+    #[command(subcommand)]
+    pub command: model_cmd::ModelCommand,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Model(args) => model_cmd::run(args),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        super::Cli::command().debug_assert();
+    }
+}

@@ -221,6 +221,22 @@ fn nvidia_gpus() -> (Vec<Gpu>, Option<String>) {
     (gpus, cuda_version)
 }
 
+/// The name of the user running this process: `$USER`, `$LOGNAME`, or the password-file entry of
+/// the process's uid (containers often set neither variable).
+pub fn current_user() -> Option<String> {
+    if let Some(name) = ["USER", "LOGNAME"].iter().find_map(|v| std::env::var(v).ok().filter(|s| !s.is_empty())) {
+        return Some(name);
+    }
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let uid = status.lines().find_map(|l| l.strip_prefix("Uid:"))?.split_whitespace().next()?.to_string();
+    let passwd = std::fs::read_to_string("/etc/passwd").ok()?;
+    passwd.lines().find_map(|line| {
+        let mut fields = line.split(':');
+        let name = fields.next()?;
+        (fields.nth(1)? == uid).then(|| name.to_string())
+    })
+}
+
 /// The current time as RFC 3339 UTC, to the second.
 pub fn now_rfc3339() -> String {
     humantime::format_rfc3339_seconds(std::time::SystemTime::now()).to_string()

@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use crate::describe::describe;
 use crate::digests::{copy_and_hash, hash_file, verify_dir, Digests, VerifyReport};
 use crate::error::RepoError;
-use crate::lineage::{now_rfc3339, BuildInfo, Environment, Lineage, Source, SourceFile};
+use crate::lineage::{current_user, now_rfc3339, BuildInfo, Environment, Lineage, Source, SourceFile};
 use crate::manifest::{FileEntry, Kind, Manifest, ModelSection, MANIFEST_FILE, MANIFEST_VERSION};
 use crate::model_ref::{parse_version, validate_name, ModelRef};
 use crate::progress::Progress;
@@ -351,7 +351,7 @@ impl Repository {
             },
             import_mode: if options.link { "hardlink" } else { "copy" }.into(),
             imported_at: now_rfc3339(),
-            imported_by: std::env::var("USER").or_else(|_| std::env::var("LOGNAME")).ok(),
+            imported_by: current_user(),
             rampart: options.build.clone(),
             git_commit: options.git_commit.clone(),
             dataset_version: options.dataset_version.clone(),

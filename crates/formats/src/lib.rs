@@ -3,6 +3,7 @@
 //! - [`gguf`]: GGUF v2/v3 (header, typed metadata, tensor infos, alignment, data offset), plus a
 //!   writer used for generated test models and for quantized exports.
 //! - [`safetensors`]: safetensors headers (dtypes, shapes, offsets, metadata).
+//! - [`tiny`]: tiny llama models in the real GGUF layout, for tests across the workspace.
 //! - [`onnx`]: ONNX model metadata (IR version, opsets, inputs/outputs with dtypes and shapes,
 //!   `metadata_props`, initializer statistics).
 //!
@@ -14,5 +15,6 @@ pub mod gguf;
 pub mod mapped;
 pub mod onnx;
 pub mod safetensors;
+pub mod tiny;
 
 pub use mapped::MappedFile;

@@ -30,7 +30,10 @@ fn main() {
             .ok()
             .and_then(|h| h.strip_prefix("ref: ").map(|r| r.trim().to_string()))
         {
-            println!("cargo:rerun-if-changed={}", git_dir.join(head_ref).display());
+            println!(
+                "cargo:rerun-if-changed={}",
+                git_dir.join(head_ref).display()
+            );
         }
     }
     println!("cargo:rerun-if-env-changed=RAMPART_GIT_COMMIT");

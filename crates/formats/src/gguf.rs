@@ -452,7 +452,10 @@ impl Array {
             Array::U32(v) => v.iter().map(|&x| x.into()).collect(),
             Array::I32(v) => v.iter().map(|&x| x.into()).collect(),
             Array::I64(v) => v.clone(),
-            Array::U64(v) => v.iter().map(|&x| i64::try_from(x).ok()).collect::<Option<_>>()?,
+            Array::U64(v) => v
+                .iter()
+                .map(|&x| i64::try_from(x).ok())
+                .collect::<Option<_>>()?,
             _ => return None,
         })
     }
@@ -602,7 +605,9 @@ impl<'a> Cursor<'a> {
                 let raw = self.take(count * min, "array elements")?;
                 Array::$variant(
                     raw.chunks_exact(std::mem::size_of::<$t>())
-                        .map(|c| <$t>::from_le_bytes(c.try_into().expect("chunk has the element size")))
+                        .map(|c| {
+                            <$t>::from_le_bytes(c.try_into().expect("chunk has the element size"))
+                        })
                         .collect(),
                 )
             }};
@@ -644,7 +649,9 @@ impl<'a> Cursor<'a> {
 }
 
 fn align_up(offset: u64, alignment: u64) -> Option<u64> {
-    offset.checked_add(alignment - 1).map(|v| v / alignment * alignment)
+    offset
+        .checked_add(alignment - 1)
+        .map(|v| v / alignment * alignment)
 }
 
 impl Gguf {
@@ -714,10 +721,11 @@ impl Gguf {
             }
             let type_id = cur.u32("tensor type")?;
             let offset = cur.u64("tensor offset")?;
-            let ggml_type = GgmlType::from_id(type_id).ok_or_else(|| GgufError::UnknownTensorType {
-                name: name.clone(),
-                type_id,
-            })?;
+            let ggml_type =
+                GgmlType::from_id(type_id).ok_or_else(|| GgufError::UnknownTensorType {
+                    name: name.clone(),
+                    type_id,
+                })?;
             let n_elements = dims
                 .iter()
                 .try_fold(1u64, |acc, &d| acc.checked_mul(d))
@@ -725,7 +733,10 @@ impl Gguf {
                     name: name.clone(),
                     reason: format!("element count of dims {dims:?} overflows"),
                 })?;
-            if dims.first().is_some_and(|&d| d % ggml_type.block_size() != 0) {
+            if dims
+                .first()
+                .is_some_and(|&d| d % ggml_type.block_size() != 0)
+            {
                 return Err(GgufError::BadTensor {
                     name,
                     reason: format!(
@@ -736,12 +747,15 @@ impl Gguf {
                     ),
                 });
             }
-            let size_bytes = ggml_type
-                .bytes_for(n_elements)
-                .ok_or_else(|| GgufError::BadTensor {
-                    name: name.clone(),
-                    reason: format!("size of {n_elements} {ggml_type} elements is not representable"),
-                })?;
+            let size_bytes =
+                ggml_type
+                    .bytes_for(n_elements)
+                    .ok_or_else(|| GgufError::BadTensor {
+                        name: name.clone(),
+                        reason: format!(
+                            "size of {n_elements} {ggml_type} elements is not representable"
+                        ),
+                    })?;
             if offset % alignment != 0 {
                 return Err(GgufError::BadTensor {
                     name,
@@ -762,7 +776,8 @@ impl Gguf {
         }
 
         let file_len = bytes.len() as u64;
-        let data_offset = align_up(cur.pos as u64, alignment).ok_or(GgufError::BadAlignment(alignment))?;
+        let data_offset =
+            align_up(cur.pos as u64, alignment).ok_or(GgufError::BadAlignment(alignment))?;
         for t in &tensors {
             let end = data_offset
                 .checked_add(t.offset)
@@ -923,7 +938,15 @@ impl std::ops::Deref for GgufFile {
 #[derive(Debug, Default)]
 pub struct GgufWriter<'a> {
     metadata: Vec<(String, Value)>,
-    tensors: Vec<(String, Vec<u64>, GgmlType, Cow<'a, [u8]>)>,
+    tensors: Vec<PendingTensor<'a>>,
+}
+
+#[derive(Debug)]
+struct PendingTensor<'a> {
+    name: String,
+    dims: Vec<u64>,
+    ggml_type: GgmlType,
+    data: Cow<'a, [u8]>,
 }
 
 /// Errors from building a GGUF file.
@@ -953,7 +976,11 @@ impl<'a> GgufWriter<'a> {
     }
 
     /// Adds a metadata entry.
-    pub fn metadata(&mut self, key: &str, value: impl Into<Value>) -> Result<&mut Self, GgufWriteError> {
+    pub fn metadata(
+        &mut self,
+        key: &str,
+        value: impl Into<Value>,
+    ) -> Result<&mut Self, GgufWriteError> {
         if self.metadata.iter().any(|(k, _)| k == key) {
             return Err(GgufWriteError::DuplicateKey(key.to_string()));
         }
@@ -982,10 +1009,15 @@ impl<'a> GgufWriter<'a> {
                 actual: data.len(),
             });
         }
-        if self.tensors.iter().any(|t| t.0 == name) {
+        if self.tensors.iter().any(|t| t.name == name) {
             return Err(GgufWriteError::DuplicateTensor(name.to_string()));
         }
-        self.tensors.push((name.to_string(), dims.to_vec(), ggml_type, data));
+        self.tensors.push(PendingTensor {
+            name: name.to_string(),
+            dims: dims.to_vec(),
+            ggml_type,
+            data,
+        });
         Ok(self)
     }
 
@@ -1014,7 +1046,13 @@ impl<'a> GgufWriter<'a> {
         }
         let mut offset = 0u64;
         let mut offsets = Vec::with_capacity(self.tensors.len());
-        for (name, dims, ggml_type, data) in &self.tensors {
+        for PendingTensor {
+            name,
+            dims,
+            ggml_type,
+            data,
+        } in &self.tensors
+        {
             write_string(&mut header, name);
             header.extend_from_slice(&(dims.len() as u32).to_le_bytes());
             for d in dims {
@@ -1023,18 +1061,20 @@ impl<'a> GgufWriter<'a> {
             header.extend_from_slice(&ggml_type.id().to_le_bytes());
             header.extend_from_slice(&offset.to_le_bytes());
             offsets.push(offset);
-            offset = align_up(offset + data.len() as u64, alignment).ok_or(GgufWriteError::BadAlignment)?;
+            offset = align_up(offset + data.len() as u64, alignment)
+                .ok_or(GgufWriteError::BadAlignment)?;
         }
-        let data_start = align_up(header.len() as u64, alignment).ok_or(GgufWriteError::BadAlignment)?;
+        let data_start =
+            align_up(header.len() as u64, alignment).ok_or(GgufWriteError::BadAlignment)?;
         header.resize(data_start as usize, 0);
         out.write_all(&header)?;
         let mut written = 0u64;
         let zeros = vec![0u8; alignment as usize];
-        for ((_, _, _, data), &tensor_offset) in self.tensors.iter().zip(&offsets) {
+        for (tensor, &tensor_offset) in self.tensors.iter().zip(&offsets) {
             let pad = tensor_offset - written;
             out.write_all(&zeros[..pad as usize])?;
-            out.write_all(data)?;
-            written = tensor_offset + data.len() as u64;
+            out.write_all(&tensor.data)?;
+            written = tensor_offset + tensor.data.len() as u64;
         }
         out.flush()?;
         Ok(())
@@ -1115,12 +1155,20 @@ mod tests {
         w.metadata("general.architecture", "llama").unwrap();
         w.metadata("llama.context_length", 128u32).unwrap();
         w.metadata("llama.rope.freq_base", 10000.0f32).unwrap();
-        w.metadata("tokenizer.ggml.tokens", Array::String(vec!["a".into(), "b".into()]))
+        w.metadata(
+            "tokenizer.ggml.tokens",
+            Array::String(vec!["a".into(), "b".into()]),
+        )
+        .unwrap();
+        w.metadata("tokenizer.ggml.token_type", Array::I32(vec![1, 3]))
             .unwrap();
-        w.metadata("tokenizer.ggml.token_type", Array::I32(vec![1, 3])).unwrap();
-        w.metadata("nested", Array::Array(vec![Array::U8(vec![1, 2]), Array::Bool(vec![true])]))
+        w.metadata(
+            "nested",
+            Array::Array(vec![Array::U8(vec![1, 2]), Array::Bool(vec![true])]),
+        )
+        .unwrap();
+        w.tensor("a", &[64, 2], GgmlType::Q8_0, vec![7u8; 2 * 2 * 34])
             .unwrap();
-        w.tensor("a", &[64, 2], GgmlType::Q8_0, vec![7u8; 2 * 2 * 34]).unwrap();
         w.tensor("b", &[3], GgmlType::F32, vec![1u8; 12]).unwrap();
         w.to_bytes().unwrap()
     }
@@ -1136,14 +1184,21 @@ mod tests {
         let tokens = g.get_array("tokenizer.ggml.tokens").unwrap().unwrap();
         assert_eq!(tokens.as_strings().unwrap(), ["a", "b"]);
         assert_eq!(
-            g.get_array("tokenizer.ggml.token_type").unwrap().unwrap().to_i64s().unwrap(),
+            g.get_array("tokenizer.ggml.token_type")
+                .unwrap()
+                .unwrap()
+                .to_i64s()
+                .unwrap(),
             [1, 3]
         );
         assert_eq!(g.tensors.len(), 2);
         let a = g.tensor("a").unwrap();
         assert_eq!((a.n_elements, a.size_bytes, a.offset), (128, 136, 0));
         let b = g.tensor("b").unwrap();
-        assert_eq!(b.offset, 160, "second tensor starts at the next 32-byte boundary");
+        assert_eq!(
+            b.offset, 160,
+            "second tensor starts at the next 32-byte boundary"
+        );
         assert_eq!(g.data_offset % 32, 0);
         assert_eq!(&bytes[g.tensor_range(b)], &[1u8; 12]);
         assert_eq!(g.parameter_count(), 131);
@@ -1153,17 +1208,34 @@ mod tests {
     fn wrong_types_are_reported() {
         let g = Gguf::parse(&sample()).unwrap();
         let err = g.get_u64("general.architecture").unwrap_err();
-        assert!(err.to_string().contains("should be an unsigned integer, found string"), "{err}");
+        assert!(
+            err.to_string()
+                .contains("should be an unsigned integer, found string"),
+            "{err}"
+        );
         assert_eq!(g.get_str("missing").unwrap(), None);
     }
 
     #[test]
     fn writer_checks_data_size() {
         let mut w = GgufWriter::new();
-        let err = w.tensor("x", &[33], GgmlType::Q4_0, vec![0u8; 18]).unwrap_err();
-        assert!(matches!(err, GgufWriteError::DataSize { expected: None, .. }));
-        let err = w.tensor("x", &[32], GgmlType::Q4_0, vec![0u8; 17]).unwrap_err();
-        assert!(matches!(err, GgufWriteError::DataSize { expected: Some(18), .. }));
+        let err = w
+            .tensor("x", &[33], GgmlType::Q4_0, vec![0u8; 18])
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            GgufWriteError::DataSize { expected: None, .. }
+        ));
+        let err = w
+            .tensor("x", &[32], GgmlType::Q4_0, vec![0u8; 17])
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            GgufWriteError::DataSize {
+                expected: Some(18),
+                ..
+            }
+        ));
     }
 
     #[test]
@@ -1174,14 +1246,21 @@ mod tests {
             assert_eq!((t.block_size(), t.block_bytes()), (block, bytes));
         }
         assert_eq!(GgmlType::Q4_K.bytes_for(512), Some(288));
-        assert_eq!(GgmlType::from_id(4), None, "id 4 (Q4_2) was removed from ggml");
+        assert_eq!(
+            GgmlType::from_id(4),
+            None,
+            "id 4 (Q4_2) was removed from ggml"
+        );
     }
 
     #[test]
     fn every_truncation_is_an_error() {
         let bytes = sample();
         for len in 0..bytes.len() {
-            assert!(Gguf::parse(&bytes[..len]).is_err(), "prefix of {len} bytes parsed");
+            assert!(
+                Gguf::parse(&bytes[..len]).is_err(),
+                "prefix of {len} bytes parsed"
+            );
         }
     }
 

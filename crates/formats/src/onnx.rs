@@ -225,9 +225,17 @@ impl std::fmt::Display for Dim {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ValueType {
     /// A dense tensor; `shape` is absent when the model declares no rank.
-    Tensor { dtype: String, shape: Option<Vec<Dim>> },
-    Sequence { element: Box<ValueType> },
-    Map { key: String, value: Box<ValueType> },
+    Tensor {
+        dtype: String,
+        shape: Option<Vec<Dim>>,
+    },
+    Sequence {
+        element: Box<ValueType>,
+    },
+    Map {
+        key: String,
+        value: Box<ValueType>,
+    },
     /// A type this reader does not describe (optional, sparse tensor) or none at all.
     Other,
 }
@@ -235,7 +243,10 @@ pub enum ValueType {
 impl std::fmt::Display for ValueType {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            ValueType::Tensor { dtype, shape: Some(shape) } => {
+            ValueType::Tensor {
+                dtype,
+                shape: Some(shape),
+            } => {
                 let dims: Vec<String> = shape.iter().map(Dim::to_string).collect();
                 write!(f, "{dtype}[{}]", dims.join(", "))
             }
@@ -367,8 +378,12 @@ impl OnnxModel {
             let n = t
                 .dims
                 .iter()
-                .try_fold(1u64, |acc, &d| u64::try_from(d).ok().and_then(|d| acc.checked_mul(d)))
-                .ok_or_else(|| OnnxError::Invalid(format!("initializer {:?} has dims {:?}", t.name, t.dims)))?;
+                .try_fold(1u64, |acc, &d| {
+                    u64::try_from(d).ok().and_then(|d| acc.checked_mul(d))
+                })
+                .ok_or_else(|| {
+                    OnnxError::Invalid(format!("initializer {:?} has dims {:?}", t.name, t.dims))
+                })?;
             parameter_count = parameter_count.saturating_add(n);
             *initializer_types
                 .entry(elem_type_name(t.data_type).to_string())
@@ -389,7 +404,11 @@ impl OnnxModel {
                 .opset_import
                 .iter()
                 .map(|o| {
-                    let domain = if o.domain.is_empty() { "ai.onnx" } else { &o.domain };
+                    let domain = if o.domain.is_empty() {
+                        "ai.onnx"
+                    } else {
+                        &o.domain
+                    };
                     (domain.to_string(), o.version)
                 })
                 .collect(),
@@ -438,7 +457,11 @@ pub(crate) mod tests {
     use super::proto::*;
     use super::*;
 
-    pub(crate) fn tensor_input(name: &str, elem_type: i32, dims: &[Result<i64, &str>]) -> ValueInfoProto {
+    pub(crate) fn tensor_input(
+        name: &str,
+        elem_type: i32,
+        dims: &[Result<i64, &str>],
+    ) -> ValueInfoProto {
         ValueInfoProto {
             name: name.into(),
             r#type: Some(TypeProto {
@@ -531,10 +554,17 @@ pub(crate) mod tests {
         let m = OnnxModel::parse(&sample_model()).unwrap();
         assert_eq!(m.ir_version, 8);
         assert_eq!(m.opset(), Some(15));
-        assert_eq!(m.inputs.len(), 1, "initializer listed as input is not a real input");
+        assert_eq!(
+            m.inputs.len(),
+            1,
+            "initializer listed as input is not a real input"
+        );
         assert_eq!(m.inputs[0].value_type.to_string(), "float32[N, 8]");
         assert_eq!(m.outputs[0].name, "probs");
-        assert_eq!(m.parameter_count, 36, "32 initializer + 4 Constant elements");
+        assert_eq!(
+            m.parameter_count, 36,
+            "32 initializer + 4 Constant elements"
+        );
         assert_eq!(m.metadata["character"], "0\n90\n180\n270");
         assert_eq!(m.op_types["Softmax"], 1);
     }
@@ -551,6 +581,10 @@ pub(crate) mod tests {
         // Protobuf has no end marker: a cut exactly between top-level fields can still decode,
         // but then it lacks the graph (field 7 precedes opsets and metadata in our encoding) or
         // trailing fields; most cuts land inside a field.
-        assert!(failures > bytes.len() * 9 / 10, "{failures} of {}", bytes.len());
+        assert!(
+            failures > bytes.len() * 9 / 10,
+            "{failures} of {}",
+            bytes.len()
+        );
     }
 }

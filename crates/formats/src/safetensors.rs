@@ -30,14 +30,20 @@ pub enum SafetensorsError {
 impl From<SafeTensorError> for SafetensorsError {
     fn from(e: SafeTensorError) -> Self {
         let reason = match e {
-            SafeTensorError::HeaderTooSmall => "file is shorter than the 8-byte header length".into(),
+            SafeTensorError::HeaderTooSmall => {
+                "file is shorter than the 8-byte header length".into()
+            }
             SafeTensorError::HeaderTooLarge => "header length exceeds 100 MB".into(),
-            SafeTensorError::InvalidHeaderLength => "header length runs past the end of the file".into(),
+            SafeTensorError::InvalidHeaderLength => {
+                "header length runs past the end of the file".into()
+            }
             SafeTensorError::MetadataIncompleteBuffer => {
                 "tensor data does not match the file length (truncated or padded)".into()
             }
             SafeTensorError::InvalidHeader(e) => format!("header is not UTF-8: {e}"),
-            SafeTensorError::InvalidHeaderDeserialization(e) => format!("header is not valid JSON: {e}"),
+            SafeTensorError::InvalidHeaderDeserialization(e) => {
+                format!("header is not valid JSON: {e}")
+            }
             other => format!("{other:?}"),
         };
         SafetensorsError::Invalid(reason)
@@ -74,9 +80,9 @@ impl Safetensors {
         let by_name = meta.tensors();
         let mut tensors = Vec::with_capacity(by_name.len());
         for name in meta.offset_keys() {
-            let info = by_name
-                .get(&name)
-                .ok_or_else(|| SafetensorsError::Invalid(format!("tensor {name:?} vanished from the index")))?;
+            let info = by_name.get(&name).ok_or_else(|| {
+                SafetensorsError::Invalid(format!("tensor {name:?} vanished from the index"))
+            })?;
             let shape: Vec<u64> = info.shape.iter().map(|&d| d as u64).collect();
             tensors.push(TensorInfo {
                 n_elements: shape.iter().product(),
@@ -183,8 +189,15 @@ impl ShardIndex {
         }
         let raw: Raw = serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?;
         for shard in raw.weight_map.values() {
-            if shard.is_empty() || shard.contains('/') || shard.contains('\\') || shard == ".." || shard == "." {
-                return Err(bad(format!("shard name {shard:?} is not a plain file name")));
+            if shard.is_empty()
+                || shard.contains('/')
+                || shard.contains('\\')
+                || shard == ".."
+                || shard == "."
+            {
+                return Err(bad(format!(
+                    "shard name {shard:?} is not a plain file name"
+                )));
             }
         }
         Ok(Self {
@@ -247,7 +260,10 @@ mod tests {
     fn truncation_and_garbage_are_errors() {
         let bytes = build(&[("w", "F32", &[16])]);
         for len in 0..bytes.len() {
-            assert!(Safetensors::parse(&bytes[..len]).is_err(), "prefix {len} parsed");
+            assert!(
+                Safetensors::parse(&bytes[..len]).is_err(),
+                "prefix {len} parsed"
+            );
         }
         let mut huge = u64::MAX.to_le_bytes().to_vec();
         huge.extend_from_slice(b"{}");

@@ -52,7 +52,11 @@ impl Default for TinyLlama {
     /// Two layers, hidden size 64, GQA (4 heads, 2 KV heads), a byte-level BPE vocabulary of
     /// three special tokens + 256 bytes + a few merges, and a ChatML template.
     fn default() -> Self {
-        let mut tokens = vec!["<|endoftext|>".to_string(), "<|im_start|>".into(), "<|im_end|>".into()];
+        let mut tokens = vec![
+            "<|endoftext|>".to_string(),
+            "<|im_start|>".into(),
+            "<|im_end|>".into(),
+        ];
         tokens.extend(gpt2_byte_tokens());
         let merges = vec!["Ġ t", "h e", "Ġt he", "i n", "Ġ a"];
         for m in &merges {
@@ -146,23 +150,84 @@ impl TinyLlama {
         }
         let mut rng = SplitMix(self.seed);
         let scale = 1.0 / (hidden as f32).sqrt();
-        let matrix = |rng: &mut SplitMix, cols: u64, rows: u64| f32_tensor(rng, cols * rows, scale, false);
-        w.tensor("token_embd.weight", &[hidden, vocab], GgmlType::F32, matrix(&mut rng, hidden, vocab))?;
+        let matrix =
+            |rng: &mut SplitMix, cols: u64, rows: u64| f32_tensor(rng, cols * rows, scale, false);
+        w.tensor(
+            "token_embd.weight",
+            &[hidden, vocab],
+            GgmlType::F32,
+            matrix(&mut rng, hidden, vocab),
+        )?;
         for layer in 0..self.block_count {
             let name = |t: &str| format!("blk.{layer}.{t}.weight");
-            w.tensor(&name("attn_norm"), &[hidden], GgmlType::F32, f32_tensor(&mut rng, hidden, 0.1, true))?
-                .tensor(&name("attn_q"), &[hidden, hidden], GgmlType::F32, matrix(&mut rng, hidden, hidden))?
-                .tensor(&name("attn_k"), &[hidden, kv_dim], GgmlType::F32, matrix(&mut rng, hidden, kv_dim))?
-                .tensor(&name("attn_v"), &[hidden, kv_dim], GgmlType::F32, matrix(&mut rng, hidden, kv_dim))?
-                .tensor(&name("attn_output"), &[hidden, hidden], GgmlType::F32, matrix(&mut rng, hidden, hidden))?
-                .tensor(&name("ffn_norm"), &[hidden], GgmlType::F32, f32_tensor(&mut rng, hidden, 0.1, true))?
-                .tensor(&name("ffn_gate"), &[hidden, ffn], GgmlType::F32, matrix(&mut rng, hidden, ffn))?
-                .tensor(&name("ffn_up"), &[hidden, ffn], GgmlType::F32, matrix(&mut rng, hidden, ffn))?
-                .tensor(&name("ffn_down"), &[ffn, hidden], GgmlType::F32, matrix(&mut rng, ffn, hidden))?;
+            w.tensor(
+                &name("attn_norm"),
+                &[hidden],
+                GgmlType::F32,
+                f32_tensor(&mut rng, hidden, 0.1, true),
+            )?
+            .tensor(
+                &name("attn_q"),
+                &[hidden, hidden],
+                GgmlType::F32,
+                matrix(&mut rng, hidden, hidden),
+            )?
+            .tensor(
+                &name("attn_k"),
+                &[hidden, kv_dim],
+                GgmlType::F32,
+                matrix(&mut rng, hidden, kv_dim),
+            )?
+            .tensor(
+                &name("attn_v"),
+                &[hidden, kv_dim],
+                GgmlType::F32,
+                matrix(&mut rng, hidden, kv_dim),
+            )?
+            .tensor(
+                &name("attn_output"),
+                &[hidden, hidden],
+                GgmlType::F32,
+                matrix(&mut rng, hidden, hidden),
+            )?
+            .tensor(
+                &name("ffn_norm"),
+                &[hidden],
+                GgmlType::F32,
+                f32_tensor(&mut rng, hidden, 0.1, true),
+            )?
+            .tensor(
+                &name("ffn_gate"),
+                &[hidden, ffn],
+                GgmlType::F32,
+                matrix(&mut rng, hidden, ffn),
+            )?
+            .tensor(
+                &name("ffn_up"),
+                &[hidden, ffn],
+                GgmlType::F32,
+                matrix(&mut rng, hidden, ffn),
+            )?
+            .tensor(
+                &name("ffn_down"),
+                &[ffn, hidden],
+                GgmlType::F32,
+                matrix(&mut rng, ffn, hidden),
+            )?;
         }
-        w.tensor("output_norm.weight", &[hidden], GgmlType::F32, f32_tensor(&mut rng, hidden, 0.1, true))?;
+        w.tensor(
+            "output_norm.weight",
+            &[hidden],
+            GgmlType::F32,
+            f32_tensor(&mut rng, hidden, 0.1, true),
+        )?;
         if !self.tied_embeddings {
-            w.tensor("output.weight", &[hidden, vocab], GgmlType::F32, matrix(&mut rng, hidden, vocab))?;
+            w.tensor(
+                "output.weight",
+                &[hidden, vocab],
+                GgmlType::F32,
+                matrix(&mut rng, hidden, vocab),
+            )?;
         }
         w.to_bytes()
     }
@@ -174,7 +239,11 @@ impl TinyLlama {
         let kv_dim = hidden / u64::from(self.head_count.max(1)) * u64::from(self.head_count_kv);
         let vocab = self.tokens.len() as u64;
         let per_layer = 2 * hidden + 2 * hidden * hidden + 2 * hidden * kv_dim + 3 * hidden * ffn;
-        let output = if self.tied_embeddings { 0 } else { hidden * vocab };
+        let output = if self.tied_embeddings {
+            0
+        } else {
+            hidden * vocab
+        };
         hidden * vocab + u64::from(self.block_count) * per_layer + hidden + output
     }
 }
@@ -206,7 +275,12 @@ mod tests {
         assert_eq!(g.parameter_count(), model.parameter_count());
         assert!(g.tensor("output.weight").is_none());
         assert_eq!(bytes, model.to_gguf().unwrap(), "deterministic");
-        let other = TinyLlama { seed: 7, ..TinyLlama::default() }.to_gguf().unwrap();
+        let other = TinyLlama {
+            seed: 7,
+            ..TinyLlama::default()
+        }
+        .to_gguf()
+        .unwrap();
         assert_ne!(bytes, other);
     }
 }

@@ -92,8 +92,11 @@ fn array_header(element_type: u32, count: u64) -> Vec<u8> {
     out
 }
 
+/// A hostile file, named, with the check its error must pass.
+type Case = (&'static str, Vec<u8>, fn(&GgufError) -> bool);
+
 /// The GGUF corpus: each hostile file with a check on the error it must produce.
-fn gguf_corpus() -> Vec<(&'static str, Vec<u8>, fn(&GgufError) -> bool)> {
+fn gguf_corpus() -> Vec<Case> {
     let nested = {
         let mut v = Vec::new();
         for _ in 0..100 {
@@ -102,76 +105,213 @@ fn gguf_corpus() -> Vec<(&'static str, Vec<u8>, fn(&GgufError) -> bool)> {
         v
     };
     vec![
-        ("empty file", vec![], |e| matches!(e, GgufError::Truncated { .. })),
-        ("bad magic", b"GGML\x03\0\0\0".to_vec(), |e| matches!(e, GgufError::BadMagic { .. })),
-        ("version 1", raw_gguf(1, 0, 0, &[]), |e| matches!(e, GgufError::UnsupportedVersion(1))),
-        ("version 99", raw_gguf(99, 0, 0, &[]), |e| matches!(e, GgufError::UnsupportedVersion(99))),
-        ("big-endian", raw_gguf(3u32.swap_bytes(), 0, 0, &[]), |e| matches!(e, GgufError::BigEndian)),
-        ("huge metadata count", raw_gguf(3, 0, u64::MAX, &[0; 64]), |e| {
-            matches!(e, GgufError::Truncated { what: "metadata entries", .. })
-        }),
-        ("huge tensor count", raw_gguf(3, 1 << 50, 0, &[0; 64]), |e| {
-            matches!(e, GgufError::Truncated { what: "tensor infos", .. })
-        }),
-        ("huge key length", raw_gguf(3, 0, 1, &[0xff; 16]), |e| matches!(e, GgufError::Truncated { .. })),
-        ("huge string value", raw_gguf(3, 0, 1, &kv("k", 8, &le64(u64::MAX - 3))), |e| {
+        ("empty file", vec![], |e| {
             matches!(e, GgufError::Truncated { .. })
         }),
-        ("huge string array", raw_gguf(3, 0, 1, &kv("k", 9, &array_header(8, 1 << 60))), |e| {
-            matches!(e, GgufError::Truncated { what: "array elements", .. })
+        ("bad magic", b"GGML\x03\0\0\0".to_vec(), |e| {
+            matches!(e, GgufError::BadMagic { .. })
         }),
-        ("huge u8 array", raw_gguf(3, 0, 1, &kv("k", 9, &array_header(0, 1 << 40))), |e| {
-            matches!(e, GgufError::Truncated { what: "array elements", .. })
+        ("version 1", raw_gguf(1, 0, 0, &[]), |e| {
+            matches!(e, GgufError::UnsupportedVersion(1))
         }),
-        ("array count overflow", raw_gguf(3, 0, 1, &kv("k", 9, &array_header(10, u64::MAX))), |e| {
+        ("version 99", raw_gguf(99, 0, 0, &[]), |e| {
+            matches!(e, GgufError::UnsupportedVersion(99))
+        }),
+        ("big-endian", raw_gguf(3u32.swap_bytes(), 0, 0, &[]), |e| {
+            matches!(e, GgufError::BigEndian)
+        }),
+        (
+            "huge metadata count",
+            raw_gguf(3, 0, u64::MAX, &[0; 64]),
+            |e| {
+                matches!(
+                    e,
+                    GgufError::Truncated {
+                        what: "metadata entries",
+                        ..
+                    }
+                )
+            },
+        ),
+        (
+            "huge tensor count",
+            raw_gguf(3, 1 << 50, 0, &[0; 64]),
+            |e| {
+                matches!(
+                    e,
+                    GgufError::Truncated {
+                        what: "tensor infos",
+                        ..
+                    }
+                )
+            },
+        ),
+        ("huge key length", raw_gguf(3, 0, 1, &[0xff; 16]), |e| {
             matches!(e, GgufError::Truncated { .. })
         }),
-        ("deep nesting", raw_gguf(3, 0, 1, &kv("k", 9, &nested)), |e| matches!(e, GgufError::NestingTooDeep)),
-        ("unknown value type", raw_gguf(3, 0, 1, &kv("k", 77, &[0; 8])), |e| {
-            matches!(e, GgufError::UnknownValueType { type_id: 77, .. })
-        }),
-        ("invalid utf-8 key", raw_gguf(3, 0, 1, &[&le64(2)[..], &[0xc3, 0x28], &[4, 0, 0, 0, 1, 0, 0, 0]].concat()), |e| {
-            matches!(e, GgufError::InvalidUtf8 { .. })
-        }),
-        ("duplicate key", raw_gguf(3, 0, 2, &[kv("k", 4, &[1, 0, 0, 0]), kv("k", 4, &[2, 0, 0, 0])].concat()), |e| {
-            matches!(e, GgufError::DuplicateKey(_))
-        }),
-        ("zero alignment", raw_gguf(3, 0, 1, &kv("general.alignment", 4, &[0; 4])), |e| {
-            matches!(e, GgufError::BadAlignment(0))
-        }),
-        ("odd alignment", raw_gguf(3, 0, 1, &kv("general.alignment", 4, &[3, 0, 0, 0])), |e| {
-            matches!(e, GgufError::BadAlignment(3))
-        }),
-        ("string alignment", raw_gguf(3, 0, 1, &kv("general.alignment", 8, &[&le64(1)[..], b"x"].concat())), |e| {
-            matches!(e, GgufError::WrongType { .. })
-        }),
-        ("rank 1000", raw_gguf(3, 1, 0, &tensor_info("t", &[], 0, 0).iter().take(9).chain(&[0xe8, 3, 0, 0]).copied().chain([0u8; 40]).collect::<Vec<u8>>()), |e| {
-            matches!(e, GgufError::BadTensor { .. })
-        }),
-        ("dims overflow", raw_gguf(3, 1, 0, &tensor_info("t", &[1 << 40, 1 << 40], 0, 0)), |e| {
-            matches!(e, GgufError::BadTensor { .. })
-        }),
-        ("size overflow", raw_gguf(3, 1, 0, &tensor_info("t", &[1 << 62], 0, 0)), |e| {
-            matches!(e, GgufError::BadTensor { .. })
-        }),
-        ("block size mismatch", raw_gguf(3, 1, 0, &tensor_info("t", &[33], 2, 0)), |e| {
-            matches!(e, GgufError::BadTensor { .. })
-        }),
-        ("unknown tensor type", raw_gguf(3, 1, 0, &tensor_info("t", &[32], 4, 0)), |e| {
-            matches!(e, GgufError::UnknownTensorType { type_id: 4, .. })
-        }),
-        ("unaligned offset", raw_gguf(3, 1, 0, &tensor_info("t", &[8], 0, 3)), |e| {
-            matches!(e, GgufError::BadTensor { .. })
-        }),
-        ("data past the end", raw_gguf(3, 1, 0, &tensor_info("t", &[1 << 30], 0, 0)), |e| {
-            matches!(e, GgufError::Truncated { what: "tensor data", .. })
-        }),
-        ("offset past the end", raw_gguf(3, 1, 0, &tensor_info("t", &[8], 0, u64::MAX - 31)), |e| {
-            matches!(e, GgufError::Truncated { what: "tensor data", .. })
-        }),
-        ("duplicate tensor", raw_gguf(3, 2, 0, &[tensor_info("t", &[8], 0, 0), tensor_info("t", &[8], 0, 32)].concat()), |e| {
-            matches!(e, GgufError::DuplicateTensor(_))
-        }),
+        (
+            "huge string value",
+            raw_gguf(3, 0, 1, &kv("k", 8, &le64(u64::MAX - 3))),
+            |e| matches!(e, GgufError::Truncated { .. }),
+        ),
+        (
+            "huge string array",
+            raw_gguf(3, 0, 1, &kv("k", 9, &array_header(8, 1 << 60))),
+            |e| {
+                matches!(
+                    e,
+                    GgufError::Truncated {
+                        what: "array elements",
+                        ..
+                    }
+                )
+            },
+        ),
+        (
+            "huge u8 array",
+            raw_gguf(3, 0, 1, &kv("k", 9, &array_header(0, 1 << 40))),
+            |e| {
+                matches!(
+                    e,
+                    GgufError::Truncated {
+                        what: "array elements",
+                        ..
+                    }
+                )
+            },
+        ),
+        (
+            "array count overflow",
+            raw_gguf(3, 0, 1, &kv("k", 9, &array_header(10, u64::MAX))),
+            |e| matches!(e, GgufError::Truncated { .. }),
+        ),
+        (
+            "deep nesting",
+            raw_gguf(3, 0, 1, &kv("k", 9, &nested)),
+            |e| matches!(e, GgufError::NestingTooDeep),
+        ),
+        (
+            "unknown value type",
+            raw_gguf(3, 0, 1, &kv("k", 77, &[0; 8])),
+            |e| matches!(e, GgufError::UnknownValueType { type_id: 77, .. }),
+        ),
+        (
+            "invalid utf-8 key",
+            raw_gguf(
+                3,
+                0,
+                1,
+                &[&le64(2)[..], &[0xc3, 0x28], &[4, 0, 0, 0, 1, 0, 0, 0]].concat(),
+            ),
+            |e| matches!(e, GgufError::InvalidUtf8 { .. }),
+        ),
+        (
+            "duplicate key",
+            raw_gguf(
+                3,
+                0,
+                2,
+                &[kv("k", 4, &[1, 0, 0, 0]), kv("k", 4, &[2, 0, 0, 0])].concat(),
+            ),
+            |e| matches!(e, GgufError::DuplicateKey(_)),
+        ),
+        (
+            "zero alignment",
+            raw_gguf(3, 0, 1, &kv("general.alignment", 4, &[0; 4])),
+            |e| matches!(e, GgufError::BadAlignment(0)),
+        ),
+        (
+            "odd alignment",
+            raw_gguf(3, 0, 1, &kv("general.alignment", 4, &[3, 0, 0, 0])),
+            |e| matches!(e, GgufError::BadAlignment(3)),
+        ),
+        (
+            "string alignment",
+            raw_gguf(
+                3,
+                0,
+                1,
+                &kv("general.alignment", 8, &[&le64(1)[..], b"x"].concat()),
+            ),
+            |e| matches!(e, GgufError::WrongType { .. }),
+        ),
+        (
+            "rank 1000",
+            raw_gguf(
+                3,
+                1,
+                0,
+                &tensor_info("t", &[], 0, 0)
+                    .iter()
+                    .take(9)
+                    .chain(&[0xe8, 3, 0, 0])
+                    .copied()
+                    .chain([0u8; 40])
+                    .collect::<Vec<u8>>(),
+            ),
+            |e| matches!(e, GgufError::BadTensor { .. }),
+        ),
+        (
+            "dims overflow",
+            raw_gguf(3, 1, 0, &tensor_info("t", &[1 << 40, 1 << 40], 0, 0)),
+            |e| matches!(e, GgufError::BadTensor { .. }),
+        ),
+        (
+            "size overflow",
+            raw_gguf(3, 1, 0, &tensor_info("t", &[1 << 62], 0, 0)),
+            |e| matches!(e, GgufError::BadTensor { .. }),
+        ),
+        (
+            "block size mismatch",
+            raw_gguf(3, 1, 0, &tensor_info("t", &[33], 2, 0)),
+            |e| matches!(e, GgufError::BadTensor { .. }),
+        ),
+        (
+            "unknown tensor type",
+            raw_gguf(3, 1, 0, &tensor_info("t", &[32], 4, 0)),
+            |e| matches!(e, GgufError::UnknownTensorType { type_id: 4, .. }),
+        ),
+        (
+            "unaligned offset",
+            raw_gguf(3, 1, 0, &tensor_info("t", &[8], 0, 3)),
+            |e| matches!(e, GgufError::BadTensor { .. }),
+        ),
+        (
+            "data past the end",
+            raw_gguf(3, 1, 0, &tensor_info("t", &[1 << 30], 0, 0)),
+            |e| {
+                matches!(
+                    e,
+                    GgufError::Truncated {
+                        what: "tensor data",
+                        ..
+                    }
+                )
+            },
+        ),
+        (
+            "offset past the end",
+            raw_gguf(3, 1, 0, &tensor_info("t", &[8], 0, u64::MAX - 31)),
+            |e| {
+                matches!(
+                    e,
+                    GgufError::Truncated {
+                        what: "tensor data",
+                        ..
+                    }
+                )
+            },
+        ),
+        (
+            "duplicate tensor",
+            raw_gguf(
+                3,
+                2,
+                0,
+                &[tensor_info("t", &[8], 0, 0), tensor_info("t", &[8], 0, 32)].concat(),
+            ),
+            |e| matches!(e, GgufError::DuplicateTensor(_)),
+        ),
     ]
 }
 
@@ -183,7 +323,11 @@ fn gguf_corpus_gives_typed_errors_without_large_allocations() {
             Ok(_) => panic!("{name}: parsed"),
             Err(e) => assert!(expected(&e), "{name}: unexpected error {e:?}"),
         }
-        assert!(peak <= allowed_peak(bytes.len()), "{name}: allocated {peak} bytes for a {}-byte file", bytes.len());
+        assert!(
+            peak <= allowed_peak(bytes.len()),
+            "{name}: allocated {peak} bytes for a {}-byte file",
+            bytes.len()
+        );
     }
 }
 
@@ -197,23 +341,53 @@ fn sample_gguf() -> Vec<u8> {
     w.metadata("llama.rope.freq_base", 10000.0f32).unwrap();
     w.metadata("tokenizer.ggml.model", "gpt2").unwrap();
     let tokens: Vec<String> = (0..40).map(|i| format!("tok{i}")).collect();
-    w.metadata("tokenizer.ggml.tokens", Array::String(tokens)).unwrap();
-    w.metadata("tokenizer.ggml.token_type", Array::I32(vec![1; 40])).unwrap();
-    w.metadata("tokenizer.ggml.merges", Array::String(vec!["t o".into(), "to k".into()])).unwrap();
+    w.metadata("tokenizer.ggml.tokens", Array::String(tokens))
+        .unwrap();
+    w.metadata("tokenizer.ggml.token_type", Array::I32(vec![1; 40]))
+        .unwrap();
+    w.metadata(
+        "tokenizer.ggml.merges",
+        Array::String(vec!["t o".into(), "to k".into()]),
+    )
+    .unwrap();
     w.metadata("tokenizer.ggml.bos_token_id", 1u32).unwrap();
-    w.tensor("token_embd.weight", &[32, 40], GgmlType::Q8_0, vec![1u8; 40 * 34]).unwrap();
-    w.tensor("blk.0.attn_q.weight", &[32, 32], GgmlType::Q4_1, vec![2u8; 32 * 20]).unwrap();
-    w.tensor("output_norm.weight", &[32], GgmlType::F32, vec![0u8; 128]).unwrap();
+    w.tensor(
+        "token_embd.weight",
+        &[32, 40],
+        GgmlType::Q8_0,
+        vec![1u8; 40 * 34],
+    )
+    .unwrap();
+    w.tensor(
+        "blk.0.attn_q.weight",
+        &[32, 32],
+        GgmlType::Q4_1,
+        vec![2u8; 32 * 20],
+    )
+    .unwrap();
+    w.tensor("output_norm.weight", &[32], GgmlType::F32, vec![0u8; 128])
+        .unwrap();
     w.to_bytes().unwrap()
 }
 
 #[derive(Debug, Clone)]
 enum Mutation {
-    FlipByte { at: usize, xor: u8 },
+    FlipByte {
+        at: usize,
+        xor: u8,
+    },
     /// Overwrite 8 bytes with a hostile number (a count, length or offset).
-    PutU64 { at: usize, value: u64 },
-    Truncate { to: usize },
-    Insert { at: usize, bytes: Vec<u8> },
+    PutU64 {
+        at: usize,
+        value: u64,
+    },
+    Truncate {
+        to: usize,
+    },
+    Insert {
+        at: usize,
+        bytes: Vec<u8>,
+    },
 }
 
 fn mutation() -> impl Strategy<Value = Mutation> {
@@ -229,7 +403,10 @@ fn mutation() -> impl Strategy<Value = Mutation> {
         (any::<usize>(), 1u8..=255).prop_map(|(at, xor)| Mutation::FlipByte { at, xor }),
         (any::<usize>(), hostile).prop_map(|(at, value)| Mutation::PutU64 { at, value }),
         any::<usize>().prop_map(|to| Mutation::Truncate { to }),
-        (any::<usize>(), proptest::collection::vec(any::<u8>(), 1..16))
+        (
+            any::<usize>(),
+            proptest::collection::vec(any::<u8>(), 1..16)
+        )
             .prop_map(|(at, bytes)| Mutation::Insert { at, bytes }),
     ]
 }
@@ -310,7 +487,14 @@ fn safetensors_corpus() {
         ("huge header length", [&le64(u64::MAX)[..], b"{}"].concat()),
         ("header past end", [&le64(1000)[..], b"{}"].concat()),
         ("not json", [&le64(4)[..], b"nope"].concat()),
-        ("offsets past end", [&le64(58)[..], br#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#].concat()),
+        (
+            "offsets past end",
+            [
+                &le64(58)[..],
+                br#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#,
+            ]
+            .concat(),
+        ),
         ("shape overflow", {
             let h = br#"{"a":{"dtype":"F32","shape":[4294967296,4294967296,4294967296],"data_offsets":[0,0]}}"#;
             [&le64(h.len() as u64)[..], h].concat()
@@ -323,7 +507,10 @@ fn safetensors_corpus() {
     for (name, bytes) in cases {
         let (result, peak) = peak_of(|| Safetensors::parse(&bytes));
         assert!(result.is_err(), "{name}: parsed");
-        assert!(peak <= allowed_peak(bytes.len()), "{name}: allocated {peak}");
+        assert!(
+            peak <= allowed_peak(bytes.len()),
+            "{name}: allocated {peak}"
+        );
     }
 }
 
@@ -370,21 +557,29 @@ fn onnx_corpus() {
         ("empty", vec![]),
         ("text", b"this is not a model".to_vec()),
         ("huge graph length", onnx_with_claimed_length(7, 1 << 40)),
-        ("huge metadata length", onnx_with_claimed_length(14, u64::MAX >> 1)),
+        (
+            "huge metadata length",
+            onnx_with_claimed_length(14, u64::MAX >> 1),
+        ),
         ("no graph", vec![0x08, 0x07]),
         ("deep nesting", deep_graph),
     ];
     for (name, bytes) in cases {
         let (result, peak) = peak_of(|| OnnxModel::parse(&bytes));
         assert!(result.is_err(), "{name}: parsed");
-        assert!(peak <= allowed_peak(bytes.len()), "{name}: allocated {peak}");
+        assert!(
+            peak <= allowed_peak(bytes.len()),
+            "{name}: allocated {peak}"
+        );
     }
 }
 
 fn cached(relative: &str) -> Option<PathBuf> {
     let cache = std::env::var_os("RAMPART_MODEL_CACHE")
         .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/rampart/models")))?;
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/rampart/models"))
+        })?;
     Some(cache.join(relative)).filter(|p| p.exists())
 }
 

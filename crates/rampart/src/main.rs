@@ -50,7 +50,13 @@ enum Command {
 #[derive(Debug, clap::Args)]
 pub struct ModelArgs {
     /// The model repository folder.
-    #[arg(long, global = true, env = "RAMPART_REPO", default_value = "models", value_name = "DIR")]
+    #[arg(
+        long,
+        global = true,
+        env = "RAMPART_REPO",
+        default_value = "models",
+        value_name = "DIR"
+    )]
     pub repo: PathBuf,
     #[command(subcommand)]
     pub command: model_cmd::ModelCommand,

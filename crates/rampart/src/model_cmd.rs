@@ -118,7 +118,17 @@ pub fn run(args: ModelArgs) -> Result<ExitCode> {
             git_commit,
             dataset_version,
             json,
-        } => import(&repo, source, name, version, kind, link, git_commit, dataset_version, json),
+        } => import(
+            &repo,
+            source,
+            name,
+            version,
+            kind,
+            link,
+            git_commit,
+            dataset_version,
+            json,
+        ),
         ModelCommand::List { json } => list(&repo, json),
         ModelCommand::Inspect { model, json } => inspect(&repo, &model, json),
         ModelCommand::Verify { model, json } => verify(&repo, model.as_deref(), json),
@@ -223,7 +233,10 @@ fn list(repo: &Repository, json: bool) -> Result<ExitCode> {
     } else {
         print!(
             "{}",
-            table(&["NAME", "VERSION", "KIND", "FORMAT", "PARAMS", "SIZE", "DIGEST"], &rows)
+            table(
+                &["NAME", "VERSION", "KIND", "FORMAT", "PARAMS", "SIZE", "DIGEST"],
+                &rows
+            )
         );
     }
     Ok(ExitCode::SUCCESS)
@@ -254,7 +267,13 @@ fn inspect(repo: &Repository, model: &str, json: bool) -> Result<ExitCode> {
     print!("{}", render_manifest(&version, &manifest, &digest));
     if let Some(l) = lineage {
         let mut s = Section::new("lineage");
-        s.row("source", format!("{} ({}, sha256:{})", l.source.path, l.source.kind, l.source.sha256));
+        s.row(
+            "source",
+            format!(
+                "{} ({}, sha256:{})",
+                l.source.path, l.source.kind, l.source.sha256
+            ),
+        );
         s.row(
             "imported",
             format!(
@@ -287,7 +306,11 @@ fn inspect(repo: &Repository, model: &str, json: bool) -> Result<ExitCode> {
             ),
         );
         if !env.gpus.is_empty() {
-            let gpus: Vec<String> = env.gpus.iter().map(|g| format!("{} (driver {})", g.name, g.driver)).collect();
+            let gpus: Vec<String> = env
+                .gpus
+                .iter()
+                .map(|g| format!("{} (driver {})", g.name, g.driver))
+                .collect();
             s.row("gpus", gpus.join(", "));
         }
         print!("{}", s.render());
@@ -299,7 +322,11 @@ fn inspect(repo: &Repository, model: &str, json: bool) -> Result<ExitCode> {
 fn preview(text: &str) -> String {
     let one_line = text.split_whitespace().collect::<Vec<_>>().join(" ");
     if one_line.chars().count() > 72 {
-        format!("{}… ({} bytes)", one_line.chars().take(72).collect::<String>(), text.len())
+        format!(
+            "{}… ({} bytes)",
+            one_line.chars().take(72).collect::<String>(),
+            text.len()
+        )
     } else {
         one_line
     }
@@ -312,7 +339,10 @@ fn render_manifest(version: &ModelVersion, manifest: &Manifest, digest: &str) ->
     s.row("kind", m.kind.to_string())
         .row("format", m.format.to_string())
         .opt("name", m.display_name.as_deref())
-        .row("parameters", format!("{} ({})", count(m.parameter_count), m.parameter_count))
+        .row(
+            "parameters",
+            format!("{} ({})", count(m.parameter_count), m.parameter_count),
+        )
         .row("size", bytes(m.size_bytes))
         .row("digest", format!("sha256:{digest}"))
         .row("weights", m.weights.join(", "))
@@ -336,8 +366,15 @@ fn render_manifest(version: &ModelVersion, manifest: &Manifest, digest: &str) ->
             .opt("vocab size", a.vocab_size)
             .opt("rope theta", a.rope_freq_base.map(float))
             .opt("norm eps", a.norm_eps.map(float))
-            .opt("tied embeddings", a.tied_embeddings.map(|t| if t { "yes" } else { "no" }));
-        let types: Vec<String> = a.tensor_types.iter().map(|(t, n)| format!("{t} ×{n}")).collect();
+            .opt(
+                "tied embeddings",
+                a.tied_embeddings.map(|t| if t { "yes" } else { "no" }),
+            );
+        let types: Vec<String> = a
+            .tensor_types
+            .iter()
+            .map(|(t, n)| format!("{t} ×{n}"))
+            .collect();
         s.row("tensor types", types.join(", "));
         out.push_str(&s.render());
     }
@@ -380,7 +417,10 @@ fn render_manifest(version: &ModelVersion, manifest: &Manifest, digest: &str) ->
     }
     if let Some(o) = &manifest.onnx {
         let mut s = Section::new("onnx");
-        let mut opsets = vec![format!("ai.onnx {}", o.opset.map_or("?".into(), |v| v.to_string()))];
+        let mut opsets = vec![format!(
+            "ai.onnx {}",
+            o.opset.map_or("?".into(), |v| v.to_string())
+        )];
         opsets.extend(o.extra_opsets.iter().map(|(d, v)| format!("{d} {v}")));
         s.row("ir version", o.ir_version.to_string())
             .row("opsets", opsets.join(", "));
@@ -392,15 +432,36 @@ fn render_manifest(version: &ModelVersion, manifest: &Manifest, digest: &str) ->
                 "{}: {}[{}]",
                 t.name,
                 t.dtype,
-                shape.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+                shape
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
             None => format!("{}: {}", t.name, t.dtype),
         };
-        s.row("inputs", o.inputs.iter().map(spec).collect::<Vec<_>>().join("\n"))
-            .row("outputs", o.outputs.iter().map(spec).collect::<Vec<_>>().join("\n"));
-        let types: Vec<String> = o.initializer_types.iter().map(|(t, n)| format!("{t} ×{n}")).collect();
+        s.row(
+            "inputs",
+            o.inputs.iter().map(spec).collect::<Vec<_>>().join("\n"),
+        )
+        .row(
+            "outputs",
+            o.outputs.iter().map(spec).collect::<Vec<_>>().join("\n"),
+        );
+        let types: Vec<String> = o
+            .initializer_types
+            .iter()
+            .map(|(t, n)| format!("{t} ×{n}"))
+            .collect();
         s.row("weight types", types.join(", "));
-        s.row("operators", format!("{} kinds, {} nodes", o.op_types.len(), o.op_types.values().sum::<u64>()));
+        s.row(
+            "operators",
+            format!(
+                "{} kinds, {} nodes",
+                o.op_types.len(),
+                o.op_types.values().sum::<u64>()
+            ),
+        );
         for (k, v) in &o.metadata {
             s.row(&format!("metadata {k}"), preview(v));
         }
@@ -409,7 +470,13 @@ fn render_manifest(version: &ModelVersion, manifest: &Manifest, digest: &str) ->
     let rows: Vec<Vec<String>> = manifest
         .files
         .iter()
-        .map(|f| vec![format!("{:?}", f.role).to_lowercase(), bytes(f.bytes), f.path.clone()])
+        .map(|f| {
+            vec![
+                format!("{:?}", f.role).to_lowercase(),
+                bytes(f.bytes),
+                f.path.clone(),
+            ]
+        })
         .collect();
     out.push_str("files\n");
     for line in table(&["ROLE", "SIZE", "PATH"], &rows).lines() {
@@ -474,9 +541,16 @@ fn verify(repo: &Repository, model: Option<&str>, json: bool) -> Result<ExitCode
     if json {
         println!("{}", serde_json::to_string_pretty(&reports)?);
     } else if failed > 0 {
-        eprintln!("{failed} of {} versions failed verification", versions.len());
+        eprintln!(
+            "{failed} of {} versions failed verification",
+            versions.len()
+        );
     }
-    Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+    Ok(if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 fn versioned(repo: &Repository, text: &str) -> Result<ModelVersion> {
@@ -488,14 +562,24 @@ fn versioned(repo: &Repository, text: &str) -> Result<ModelVersion> {
             if versions.is_empty() {
                 "none".to_string()
             } else {
-                versions.iter().map(|v| v.version.to_string()).collect::<Vec<_>>().join(", ")
+                versions
+                    .iter()
+                    .map(|v| v.version.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             }
         );
     }
     Ok(repo.resolve(&r)?)
 }
 
-fn diff_cmd(repo: &Repository, old: &str, new: &str, threshold: f64, json: bool) -> Result<ExitCode> {
+fn diff_cmd(
+    repo: &Repository,
+    old: &str,
+    new: &str,
+    threshold: f64,
+    json: bool,
+) -> Result<ExitCode> {
     if !(0.0..=100.0).contains(&threshold) {
         bail!("--tokenizer-threshold must be a percentage between 0 and 100, got {threshold}");
     }
@@ -544,8 +628,14 @@ fn render_diff(d: &VersionDiff) -> String {
         out.push_str(&format!(
             "  {}: {} → {}\n",
             c.key,
-            c.before.as_deref().map(preview).unwrap_or_else(|| "(absent)".into()),
-            c.after.as_deref().map(preview).unwrap_or_else(|| "(absent)".into())
+            c.before
+                .as_deref()
+                .map(preview)
+                .unwrap_or_else(|| "(absent)".into()),
+            c.after
+                .as_deref()
+                .map(preview)
+                .unwrap_or_else(|| "(absent)".into())
         ));
     }
     out.push_str("tokenizer:\n");
@@ -568,7 +658,12 @@ fn render_diff(d: &VersionDiff) -> String {
             }
             out.push_str(&format!(
                 "  vocabulary: {} → {} ids; {} added, {} removed, {} renumbered ({:.2}% changed)\n",
-                t.vocab_size.0, t.vocab_size.1, t.tokens_added, t.tokens_removed, t.tokens_renumbered, t.vocab_changed_pct
+                t.vocab_size.0,
+                t.vocab_size.1,
+                t.tokens_added,
+                t.tokens_removed,
+                t.tokens_renumbered,
+                t.vocab_changed_pct
             ));
             if !t.examples_added.is_empty() {
                 out.push_str(&format!("    added: {:?}\n", t.examples_added));
@@ -581,20 +676,36 @@ fn render_diff(d: &VersionDiff) -> String {
             }
             out.push_str(&format!(
                 "  merges: {} → {}; {} added, {} removed, {} reordered ({:.2}% changed)\n",
-                t.merges.0, t.merges.1, t.merges_added, t.merges_removed, t.merges_reordered, t.merges_changed_pct
+                t.merges.0,
+                t.merges.1,
+                t.merges_added,
+                t.merges_removed,
+                t.merges_reordered,
+                t.merges_changed_pct
             ));
             for c in &t.special_changes {
                 let show = |s: &Option<repo::manifest::SpecialToken>| match s {
                     Some(tok) => format!("{} {:?}", tok.id, tok.text),
                     None => "(none)".into(),
                 };
-                out.push_str(&format!("  special {}: {} → {}\n", c.role, show(&c.before), show(&c.after)));
+                out.push_str(&format!(
+                    "  special {}: {} → {}\n",
+                    c.role,
+                    show(&c.before),
+                    show(&c.after)
+                ));
             }
             if t.add_bos.0 != t.add_bos.1 {
-                out.push_str(&format!("  add_bos: {:?} → {:?}\n", t.add_bos.0, t.add_bos.1));
+                out.push_str(&format!(
+                    "  add_bos: {:?} → {:?}\n",
+                    t.add_bos.0, t.add_bos.1
+                ));
             }
             if t.add_eos.0 != t.add_eos.1 {
-                out.push_str(&format!("  add_eos: {:?} → {:?}\n", t.add_eos.0, t.add_eos.1));
+                out.push_str(&format!(
+                    "  add_eos: {:?} → {:?}\n",
+                    t.add_eos.0, t.add_eos.1
+                ));
             }
             if t.chat_template_changed {
                 out.push_str("  chat template changed\n");
@@ -602,7 +713,10 @@ fn render_diff(d: &VersionDiff) -> String {
         }
     }
     if d.blocking.is_empty() {
-        out.push_str(&format!("verdict: ok (tokenizer threshold {}%)\n", d.threshold_pct));
+        out.push_str(&format!(
+            "verdict: ok (tokenizer threshold {}%)\n",
+            d.threshold_pct
+        ));
     } else {
         out.push_str(&format!(
             "verdict: BLOCKING, the tokenizer changed beyond the threshold ({}%):\n",

@@ -21,9 +21,11 @@ impl Progress for TerminalProgress {
         }
         let bar = ProgressBar::new(total_bytes);
         bar.set_style(
-            ProgressStyle::with_template("{msg:30!} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} {eta}")
-                .unwrap_or_else(|_| ProgressStyle::default_bar())
-                .progress_chars("=> "),
+            ProgressStyle::with_template(
+                "{msg:30!} [{bar:30}] {bytes}/{total_bytes} {bytes_per_sec} {eta}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
         );
         bar.set_message(label.to_string());
         if let Ok(mut current) = self.current.lock() {

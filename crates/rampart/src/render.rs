@@ -90,7 +90,12 @@ impl Section {
     }
 
     pub fn render(&self) -> String {
-        let width = self.rows.iter().map(|(k, _)| k.chars().count()).max().unwrap_or(0);
+        let width = self
+            .rows
+            .iter()
+            .map(|(k, _)| k.chars().count())
+            .max()
+            .unwrap_or(0);
         let mut out = format!("{}\n", self.title);
         for (k, v) in &self.rows {
             let mut lines = v.lines();

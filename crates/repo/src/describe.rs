@@ -15,7 +15,8 @@ use serde_json::Value as Json;
 use crate::digests::walk;
 use crate::error::RepoError;
 use crate::manifest::{
-    Architecture, EmbeddingSection, FileRole, Format, Kind, OnnxSection, TensorSpec, TokenizerSection,
+    Architecture, EmbeddingSection, FileRole, Format, Kind, OnnxSection, TensorSpec,
+    TokenizerSection,
 };
 use crate::tokenizer::TokenizerFacts;
 
@@ -53,7 +54,13 @@ pub struct Description {
 }
 
 /// GGUF architectures that are text encoders rather than generators.
-const EMBEDDING_ARCHITECTURES: &[&str] = &["bert", "nomic-bert", "jina-bert-v2", "roberta", "xlm-roberta"];
+const EMBEDDING_ARCHITECTURES: &[&str] = &[
+    "bert",
+    "nomic-bert",
+    "jina-bert-v2",
+    "roberta",
+    "xlm-roberta",
+];
 const TOKENIZER_FILES: &[&str] = &[
     "tokenizer.json",
     "tokenizer_config.json",
@@ -111,7 +118,9 @@ pub fn source_files(source: &Path) -> Result<Vec<SourceEntry>, RepoError> {
             if !entry.regular {
                 return Err(unsupported(&entry.path, "not a regular file"));
             }
-            let bytes = std::fs::metadata(&entry.path).map_err(RepoError::io(&entry.path))?.len();
+            let bytes = std::fs::metadata(&entry.path)
+                .map_err(RepoError::io(&entry.path))?
+                .len();
             entries.push(SourceEntry {
                 relative: entry.relative,
                 path: entry.path,
@@ -123,11 +132,15 @@ pub fn source_files(source: &Path) -> Result<Vec<SourceEntry>, RepoError> {
         return Err(unsupported(source, "not a file or folder"));
     }
     for e in &entries {
-        crate::digests::check_relative_path(&e.relative).map_err(|reason| unsupported(&e.path, reason))?;
+        crate::digests::check_relative_path(&e.relative)
+            .map_err(|reason| unsupported(&e.path, reason))?;
         if RESERVED_FILES.contains(&e.relative.as_str()) {
             return Err(unsupported(
                 &e.path,
-                format!("{} is written by rampart itself; remove it from the source", e.relative),
+                format!(
+                    "{} is written by rampart itself; remove it from the source",
+                    e.relative
+                ),
             ));
         }
     }
@@ -144,7 +157,10 @@ pub fn describe(source: &Path, kind: Option<Kind>) -> Result<Description, RepoEr
     let names: Vec<&str> = files.iter().map(|f| f.relative.as_str()).collect();
     let of_ext = |ext: &str| names.iter().filter(|n| has_ext(n, ext)).count();
     let (ggufs, onnxs, safetensors) = (of_ext("gguf"), of_ext("onnx"), of_ext("safetensors"));
-    let formats_present = [ggufs, onnxs, safetensors].iter().filter(|&&n| n > 0).count();
+    let formats_present = [ggufs, onnxs, safetensors]
+        .iter()
+        .filter(|&&n| n > 0)
+        .count();
     if formats_present > 1 {
         return Err(unsupported(
             source,
@@ -152,18 +168,34 @@ pub fn describe(source: &Path, kind: Option<Kind>) -> Result<Description, RepoEr
         ));
     }
     let folder = source.is_dir();
-    let base = if folder { source } else { source.parent().unwrap_or(Path::new(".")) };
+    let base = if folder {
+        source
+    } else {
+        source.parent().unwrap_or(Path::new("."))
+    };
     let mut description = if ggufs > 0 {
         if ggufs > 1 {
-            return Err(unsupported(source, "it holds several .gguf files; import one file at a time"));
+            return Err(unsupported(
+                source,
+                "it holds several .gguf files; import one file at a time",
+            ));
         }
-        let weights = names.iter().find(|n| has_ext(n, "gguf")).map(|n| n.to_string());
+        let weights = names
+            .iter()
+            .find(|n| has_ext(n, "gguf"))
+            .map(|n| n.to_string());
         describe_gguf(base, weights.as_deref().unwrap_or_default(), kind)?
     } else if onnxs > 0 {
         if onnxs > 1 {
-            return Err(unsupported(source, "it holds several .onnx files; import one graph at a time"));
+            return Err(unsupported(
+                source,
+                "it holds several .onnx files; import one graph at a time",
+            ));
         }
-        let weights = names.iter().find(|n| has_ext(n, "onnx")).map(|n| n.to_string());
+        let weights = names
+            .iter()
+            .find(|n| has_ext(n, "onnx"))
+            .map(|n| n.to_string());
         describe_onnx(base, weights.as_deref().unwrap_or_default(), folder, kind)?
     } else if safetensors > 0 {
         if !folder {
@@ -195,7 +227,12 @@ pub fn describe(source: &Path, kind: Option<Kind>) -> Result<Description, RepoEr
     Ok(description)
 }
 
-fn check_kind(requested: Option<Kind>, detected: Kind, format: Format, path: &Path) -> Result<Kind, RepoError> {
+fn check_kind(
+    requested: Option<Kind>,
+    detected: Kind,
+    format: Format,
+    path: &Path,
+) -> Result<Kind, RepoError> {
     let kind = requested.unwrap_or(detected);
     let allowed = match kind {
         Kind::Llm => matches!(format, Format::Gguf | Format::Safetensors),
@@ -203,7 +240,10 @@ fn check_kind(requested: Option<Kind>, detected: Kind, format: Format, path: &Pa
         Kind::Onnx => format == Format::Onnx,
     };
     if !allowed {
-        return Err(unsupported(path, format!("a {format} model cannot be imported as kind {kind}")));
+        return Err(unsupported(
+            path,
+            format!("a {format} model cannot be imported as kind {kind}"),
+        ));
     }
     Ok(kind)
 }
@@ -221,7 +261,9 @@ fn describe_gguf(base: &Path, weights: &str, kind: Option<Kind>) -> Result<Descr
     let tokenizer = TokenizerFacts::from_gguf(&g).map_err(|e| bad_file(&path, e))?;
     let mut tensor_types = BTreeMap::new();
     for t in &g.tensors {
-        *tensor_types.entry(t.ggml_type.name().to_string()).or_insert(0u64) += 1;
+        *tensor_types
+            .entry(t.ggml_type.name().to_string())
+            .or_insert(0u64) += 1;
     }
     let architecture = match &arch {
         None => None,
@@ -241,12 +283,16 @@ fn describe_gguf(base: &Path, weights: &str, kind: Option<Kind>) -> Result<Descr
                 None => tokenizer.as_ref().map(|t| t.vocab_size),
             },
             rope_freq_base: g.arch_f64("rope.freq_base").map_err(meta)?,
-            norm_eps: match g.arch_f64("attention.layer_norm_rms_epsilon").map_err(meta)? {
+            norm_eps: match g
+                .arch_f64("attention.layer_norm_rms_epsilon")
+                .map_err(meta)?
+            {
                 Some(eps) => Some(eps),
                 None => g.arch_f64("attention.layer_norm_epsilon").map_err(meta)?,
             },
-            tied_embeddings: (kind == Kind::Llm)
-                .then(|| g.tensor("output.weight").is_none() && g.tensor("token_embd.weight").is_some()),
+            tied_embeddings: (kind == Kind::Llm).then(|| {
+                g.tensor("output.weight").is_none() && g.tensor("token_embd.weight").is_some()
+            }),
             tensor_types,
         }),
     };
@@ -279,7 +325,12 @@ fn tensor_spec(v: &formats::onnx::ValueInfo) -> TensorSpec {
     }
 }
 
-fn describe_onnx(base: &Path, weights: &str, folder: bool, kind: Option<Kind>) -> Result<Description, RepoError> {
+fn describe_onnx(
+    base: &Path,
+    weights: &str,
+    folder: bool,
+    kind: Option<Kind>,
+) -> Result<Description, RepoError> {
     let path = base.join(weights);
     let m = OnnxModel::open(&path).map_err(|e| bad_file(&path, e))?;
     if m.external_data {
@@ -294,11 +345,17 @@ fn describe_onnx(base: &Path, weights: &str, folder: bool, kind: Option<Kind>) -
     } else {
         None
     };
-    let to_u64_map = |m: &BTreeMap<String, usize>| m.iter().map(|(k, &v)| (k.clone(), v as u64)).collect();
+    let to_u64_map =
+        |m: &BTreeMap<String, usize>| m.iter().map(|(k, &v)| (k.clone(), v as u64)).collect();
     let onnx = OnnxSection {
         ir_version: m.ir_version,
         opset: m.opset(),
-        extra_opsets: m.opsets.iter().filter(|(d, _)| d != "ai.onnx").cloned().collect(),
+        extra_opsets: m
+            .opsets
+            .iter()
+            .filter(|(d, _)| d != "ai.onnx")
+            .cloned()
+            .collect(),
         producer: [m.producer_name.as_str(), m.producer_version.as_str()]
             .iter()
             .filter(|s| !s.is_empty())
@@ -330,22 +387,35 @@ fn read_json(path: &Path) -> Result<Option<Json>, RepoError> {
         return Ok(None);
     }
     let text = std::fs::read_to_string(path).map_err(RepoError::io(path))?;
-    serde_json::from_str(&text).map(Some).map_err(|e| bad_file(path, e))
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| bad_file(path, e))
 }
 
 /// Integer-like dtypes in safetensors are buffers (position ids, masks), not weights.
 fn is_weight_dtype(dtype: &str) -> bool {
-    !matches!(dtype, "BOOL" | "I16" | "U16" | "I32" | "U32" | "I64" | "U64")
+    !matches!(
+        dtype,
+        "BOOL" | "I16" | "U16" | "I32" | "U32" | "I64" | "U64"
+    )
 }
 
-fn describe_safetensors(dir: &Path, names: &[&str], kind: Option<Kind>) -> Result<Description, RepoError> {
+fn describe_safetensors(
+    dir: &Path,
+    names: &[&str],
+    kind: Option<Kind>,
+) -> Result<Description, RepoError> {
     let index_name = "model.safetensors.index.json";
     let weights: Vec<String> = if names.contains(&index_name) {
-        let index = ShardIndex::read(dir.join(index_name)).map_err(|e| bad_file(&dir.join(index_name), e))?;
+        let index = ShardIndex::read(dir.join(index_name))
+            .map_err(|e| bad_file(&dir.join(index_name), e))?;
         let shards: Vec<String> = index.shards().into_iter().map(str::to_string).collect();
         for shard in &shards {
             if !names.contains(&shard.as_str()) {
-                return Err(unsupported(dir, format!("the shard index names {shard}, which is missing")));
+                return Err(unsupported(
+                    dir,
+                    format!("the shard index names {shard}, which is missing"),
+                ));
             }
         }
         shards
@@ -394,10 +464,13 @@ fn describe_safetensors(dir: &Path, names: &[&str], kind: Option<Kind>) -> Resul
         .and_then(Json::as_array)
         .map(|a| a.iter().filter_map(Json::as_str).collect())
         .unwrap_or_default();
-    let generative = architectures
-        .iter()
-        .any(|a| a.ends_with("ForCausalLM") || a.ends_with("LMHeadModel") || a.ends_with("ForConditionalGeneration"));
-    let sentence_transformers = names.contains(&"modules.json") || names.contains(&"sentence_bert_config.json");
+    let generative = architectures.iter().any(|a| {
+        a.ends_with("ForCausalLM")
+            || a.ends_with("LMHeadModel")
+            || a.ends_with("ForConditionalGeneration")
+    });
+    let sentence_transformers =
+        names.contains(&"modules.json") || names.contains(&"sentence_bert_config.json");
     let detected = if generative {
         Kind::Llm
     } else if sentence_transformers || EMBEDDING_ARCHITECTURES.contains(&model_type.as_str()) {
@@ -414,7 +487,8 @@ fn describe_safetensors(dir: &Path, names: &[&str], kind: Option<Kind>) -> Resul
         }
     };
     let kind = check_kind(kind, detected, Format::Safetensors, dir)?;
-    let tokenizer = TokenizerFacts::from_folder(dir).map_err(|e| bad_file(&dir.join("tokenizer.json"), e))?;
+    let tokenizer =
+        TokenizerFacts::from_folder(dir).map_err(|e| bad_file(&dir.join("tokenizer.json"), e))?;
     let head_count = get_u64("num_attention_heads");
     let architecture = Architecture {
         name: model_type,
@@ -454,7 +528,10 @@ fn describe_safetensors(dir: &Path, names: &[&str], kind: Option<Kind>) -> Resul
 }
 
 /// Pooling and normalization from a sentence-transformers folder.
-fn embedding_section(dir: &Path, architecture: &Architecture) -> Result<EmbeddingSection, RepoError> {
+fn embedding_section(
+    dir: &Path,
+    architecture: &Architecture,
+) -> Result<EmbeddingSection, RepoError> {
     let modules = read_json(&dir.join("modules.json"))?;
     let module_types: Vec<String> = modules
         .as_ref()
@@ -470,7 +547,11 @@ fn embedding_section(dir: &Path, architecture: &Architecture) -> Result<Embeddin
         .and_then(Json::as_array)
         .and_then(|list| {
             list.iter()
-                .find(|m| m.get("type").and_then(Json::as_str).is_some_and(|t| t.ends_with(".Pooling")))
+                .find(|m| {
+                    m.get("type")
+                        .and_then(Json::as_str)
+                        .is_some_and(|t| t.ends_with(".Pooling"))
+                })
                 .and_then(|m| m.get("path").and_then(Json::as_str))
                 .map(str::to_string)
         })
@@ -505,10 +586,16 @@ fn embedding_section(dir: &Path, architecture: &Architecture) -> Result<Embeddin
 }
 
 /// The full tokenizer of an imported version (for `diff`), read from its GGUF or folder.
-pub fn version_tokenizer(dir: &Path, format: Format, weights: &[String]) -> Result<Option<TokenizerFacts>, RepoError> {
+pub fn version_tokenizer(
+    dir: &Path,
+    format: Format,
+    weights: &[String],
+) -> Result<Option<TokenizerFacts>, RepoError> {
     match format {
         Format::Gguf => {
-            let Some(w) = weights.first() else { return Ok(None) };
+            let Some(w) = weights.first() else {
+                return Ok(None);
+            };
             let path = dir.join(w);
             let g = GgufFile::open(&path).map_err(|e| bad_file(&path, e))?;
             TokenizerFacts::from_gguf(&g).map_err(|e| bad_file(&path, e))

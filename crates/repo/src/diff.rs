@@ -47,7 +47,11 @@ fn flatten(prefix: &str, value: &toml::Value, out: &mut BTreeMap<String, String>
     match value {
         toml::Value::Table(table) => {
             for (k, v) in table {
-                let key = if prefix.is_empty() { k.clone() } else { format!("{prefix}.{k}") };
+                let key = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
                 flatten(&key, v, out);
             }
         }
@@ -99,18 +103,43 @@ pub fn diff(
     let (old_manifest, new_manifest) = (repo.manifest(old)?, repo.manifest(new)?);
     let (old_digests, new_digests) = (repo.digests(old)?, repo.digests(new)?);
     let own = |p: &&String| p.as_str() != MANIFEST_FILE && p.as_str() != LINEAGE_FILE;
-    let files_added = new_digests.files.keys().filter(own).filter(|p| !old_digests.files.contains_key(*p)).cloned().collect();
-    let files_removed = old_digests.files.keys().filter(own).filter(|p| !new_digests.files.contains_key(*p)).cloned().collect();
+    let files_added = new_digests
+        .files
+        .keys()
+        .filter(own)
+        .filter(|p| !old_digests.files.contains_key(*p))
+        .cloned()
+        .collect();
+    let files_removed = old_digests
+        .files
+        .keys()
+        .filter(own)
+        .filter(|p| !new_digests.files.contains_key(*p))
+        .cloned()
+        .collect();
     let files_changed = new_digests
         .files
         .iter()
         .filter(|(p, _)| own(p))
-        .filter(|(p, sha)| old_digests.files.get(*p).is_some_and(|old_sha| old_sha != *sha))
+        .filter(|(p, sha)| {
+            old_digests
+                .files
+                .get(*p)
+                .is_some_and(|old_sha| old_sha != *sha)
+        })
         .map(|(p, _)| p.clone())
         .collect();
 
-    let old_tok = version_tokenizer(&old.dir, old_manifest.model.format, &old_manifest.model.weights)?;
-    let new_tok = version_tokenizer(&new.dir, new_manifest.model.format, &new_manifest.model.weights)?;
+    let old_tok = version_tokenizer(
+        &old.dir,
+        old_manifest.model.format,
+        &old_manifest.model.weights,
+    )?;
+    let new_tok = version_tokenizer(
+        &new.dir,
+        new_manifest.model.format,
+        &new_manifest.model.weights,
+    )?;
     let mut blocking = Vec::new();
     let tokenizer = match (&old_tok, &new_tok) {
         (Some(a), Some(b)) => {

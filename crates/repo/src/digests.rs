@@ -57,7 +57,11 @@ impl Digests {
 
     /// The file's text.
     pub fn render(&self) -> String {
-        format!("{HEADER}\n{}version sha256:{}\n", self.file_lines(), self.version_digest())
+        format!(
+            "{HEADER}\n{}version sha256:{}\n",
+            self.file_lines(),
+            self.version_digest()
+        )
     }
 
     /// Parses the text of a `DIGESTS` file and checks its recorded version digest.
@@ -79,7 +83,11 @@ impl Digests {
             let (hex, path) = line
                 .split_once("  ")
                 .ok_or_else(|| format!("line {number}: expected `SHA256  PATH`"))?;
-            if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()) {
+            if hex.len() != 64
+                || !hex
+                    .bytes()
+                    .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+            {
                 return Err(format!("line {number}: {hex:?} is not a lowercase sha256"));
             }
             check_relative_path(path).map_err(|reason| format!("line {number}: {reason}"))?;
@@ -118,7 +126,9 @@ pub fn check_relative_path(path: &str) -> Result<(), String> {
         || path.starts_with('/')
         || path.contains('\\')
         || path.chars().any(char::is_control)
-        || path.split('/').any(|part| part.is_empty() || part == "." || part == "..")
+        || path
+            .split('/')
+            .any(|part| part.is_empty() || part == "." || part == "..")
     {
         return Err(format!("{path:?} is not a plain relative path"));
     }
@@ -147,7 +157,11 @@ pub fn hash_file(path: &Path, progress: &dyn Progress) -> Result<(String, u64), 
 }
 
 /// Copies `src` to a new file `dst`, hashing the bytes as they pass (one read of the source).
-pub fn copy_and_hash(src: &Path, dst: &Path, progress: &dyn Progress) -> Result<(String, u64), RepoError> {
+pub fn copy_and_hash(
+    src: &Path,
+    dst: &Path,
+    progress: &dyn Progress,
+) -> Result<(String, u64), RepoError> {
     let mut input = File::open(src).map_err(RepoError::io(src))?;
     let total = input.metadata().map_err(RepoError::io(src))?.len();
     let mut output = File::options()
@@ -193,7 +207,13 @@ pub struct WalkEntry {
 /// Every entry below `root`, sorted by relative path. `follow_links` decides whether symlinks
 /// count as the files they point to (import sources) or as foreign entries (version folders).
 pub fn walk(root: &Path, follow_links: bool) -> Result<Vec<WalkEntry>, RepoError> {
-    fn visit(root: &Path, dir: &Path, depth: usize, follow: bool, out: &mut Vec<WalkEntry>) -> Result<(), RepoError> {
+    fn visit(
+        root: &Path,
+        dir: &Path,
+        depth: usize,
+        follow: bool,
+        out: &mut Vec<WalkEntry>,
+    ) -> Result<(), RepoError> {
         if depth > MAX_DEPTH {
             return Err(RepoError::UnsupportedSource {
                 path: dir.to_path_buf(),
@@ -289,7 +309,9 @@ pub fn verify_dir(dir: &Path, progress: &dyn Progress) -> Result<VerifyReport, R
         seen.insert(entry.relative.clone());
         match digests.files.get(&entry.relative) {
             None => report.unexpected.push(entry.relative.clone()),
-            Some(_) if !entry.regular => report.unexpected.push(format!("{} (not a regular file)", entry.relative)),
+            Some(_) if !entry.regular => report
+                .unexpected
+                .push(format!("{} (not a regular file)", entry.relative)),
             Some(expected) => {
                 let (actual, length) = hash_file(&entry.path, progress)?;
                 report.files_checked += 1;
@@ -300,7 +322,12 @@ pub fn verify_dir(dir: &Path, progress: &dyn Progress) -> Result<VerifyReport, R
             }
         }
     }
-    report.missing = digests.files.keys().filter(|p| !seen.contains(*p)).cloned().collect();
+    report.missing = digests
+        .files
+        .keys()
+        .filter(|p| !seen.contains(*p))
+        .cloned()
+        .collect();
     Ok(report)
 }
 
@@ -335,17 +362,29 @@ mod tests {
         changed.files.insert("model.gguf".into(), "d".repeat(64));
         assert_ne!(d.version_digest(), changed.version_digest());
         // The digest is the sha256 of the exact lines, so standard tools can recompute it.
-        let lines: String = d.render().lines().filter(|l| !l.starts_with(['#', 'v'])).map(|l| format!("{l}\n")).collect();
-        assert_eq!(hex::encode(Sha256::digest(lines.as_bytes())), d.version_digest());
+        let lines: String = d
+            .render()
+            .lines()
+            .filter(|l| !l.starts_with(['#', 'v']))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        assert_eq!(
+            hex::encode(Sha256::digest(lines.as_bytes())),
+            d.version_digest()
+        );
     }
 
     #[test]
     fn tampered_digests_are_rejected() {
         let text = sample().render();
         let edited = text.replacen(&"a".repeat(64), &"e".repeat(64), 1);
-        assert!(Digests::parse(&edited).unwrap_err().contains("does not match"));
+        assert!(Digests::parse(&edited)
+            .unwrap_err()
+            .contains("does not match"));
         assert!(Digests::parse("").unwrap_err().contains("no `version"));
-        let bad_path = sample().render().replace("sub/tokenizer.json", "../tokenizer.json");
+        let bad_path = sample()
+            .render()
+            .replace("sub/tokenizer.json", "../tokenizer.json");
         assert!(Digests::parse(&bad_path).is_err());
         assert!(Digests::parse(&format!("{}extra\n", sample().render())).is_err());
     }
@@ -356,11 +395,20 @@ mod tests {
         let path = dir.path().join("x");
         std::fs::write(&path, b"abc").unwrap();
         let (hex, len) = hash_file(&path, &crate::NoProgress).unwrap();
-        assert_eq!(hex, "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+        assert_eq!(
+            hex,
+            "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
         assert_eq!(len, 3);
         let copy = dir.path().join("y");
-        assert_eq!(copy_and_hash(&path, &copy, &crate::NoProgress).unwrap().0, hex);
+        assert_eq!(
+            copy_and_hash(&path, &copy, &crate::NoProgress).unwrap().0,
+            hex
+        );
         assert_eq!(std::fs::read(&copy).unwrap(), b"abc");
-        assert!(copy_and_hash(&path, &copy, &crate::NoProgress).is_err(), "never overwrites");
+        assert!(
+            copy_and_hash(&path, &copy, &crate::NoProgress).is_err(),
+            "never overwrites"
+        );
     }
 }

@@ -108,19 +108,44 @@ impl Lineage {
 
 /// CPU flags worth recording: they decide which kernels run and how fast.
 const INTERESTING_FLAGS: &[&str] = &[
-    "sse4_2", "avx", "avx2", "fma", "f16c", "bmi2", "avx_vnni", "avx512f", "avx512bw", "avx512vl",
-    "avx512dq", "avx512cd", "avx512_vnni", "avx512_bf16", "avx512_fp16", "avx512vbmi", "amx_tile",
-    "amx_int8", "amx_bf16", "sha_ni", "neon", "asimd", "asimddp", "sve", "sve2", "i8mm",
+    "sse4_2",
+    "avx",
+    "avx2",
+    "fma",
+    "f16c",
+    "bmi2",
+    "avx_vnni",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512dq",
+    "avx512cd",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx512vbmi",
+    "amx_tile",
+    "amx_int8",
+    "amx_bf16",
+    "sha_ni",
+    "neon",
+    "asimd",
+    "asimddp",
+    "sve",
+    "sve2",
+    "i8mm",
 ];
 
 impl Environment {
     /// Reads the host's facts. Missing sources (no `/proc`, no `nvidia-smi`) leave fields empty.
     pub fn snapshot() -> Self {
-        let os = std::fs::read_to_string("/etc/os-release").ok().and_then(|text| {
-            text.lines()
-                .find_map(|l| l.strip_prefix("PRETTY_NAME="))
-                .map(|v| v.trim_matches('"').to_string())
-        });
+        let os = std::fs::read_to_string("/etc/os-release")
+            .ok()
+            .and_then(|text| {
+                text.lines()
+                    .find_map(|l| l.strip_prefix("PRETTY_NAME="))
+                    .map(|v| v.trim_matches('"').to_string())
+            });
         let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
             .ok()
             .map(|s| s.trim().to_string());
@@ -132,26 +157,32 @@ impl Environment {
             })
         };
         let cpu_model = field("model name").or_else(|| field("Model"));
-        let flags_line = field("flags").or_else(|| field("Features")).unwrap_or_default();
+        let flags_line = field("flags")
+            .or_else(|| field("Features"))
+            .unwrap_or_default();
         let present: std::collections::HashSet<&str> = flags_line.split_whitespace().collect();
         let cpu_flags = INTERESTING_FLAGS
             .iter()
             .filter(|f| present.contains(*f))
             .map(|f| f.to_string())
             .collect();
-        let memory_bytes = std::fs::read_to_string("/proc/meminfo").ok().and_then(|text| {
-            text.lines()
-                .find_map(|l| l.strip_prefix("MemTotal:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-                .map(|kib| kib * 1024)
-        });
+        let memory_bytes = std::fs::read_to_string("/proc/meminfo")
+            .ok()
+            .and_then(|text| {
+                text.lines()
+                    .find_map(|l| l.strip_prefix("MemTotal:"))
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+                    .map(|kib| kib * 1024)
+            });
         let (gpus, cuda_version) = nvidia_gpus();
         Self {
             os,
             kernel,
             arch: std::env::consts::ARCH.to_string(),
             cpu_model,
-            logical_cpus: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+            logical_cpus: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1),
             cpu_flags,
             memory_bytes,
             gpus,
@@ -195,7 +226,10 @@ fn nvidia_gpus() -> (Vec<Gpu>, Option<String>) {
     let timeout = Duration::from_secs(5);
     let Some(csv) = run_with_timeout(
         "nvidia-smi",
-        &["--query-gpu=name,driver_version,memory.total", "--format=csv,noheader,nounits"],
+        &[
+            "--query-gpu=name,driver_version,memory.total",
+            "--format=csv,noheader,nounits",
+        ],
         timeout,
     ) else {
         return (Vec::new(), None);
@@ -224,11 +258,19 @@ fn nvidia_gpus() -> (Vec<Gpu>, Option<String>) {
 /// The name of the user running this process: `$USER`, `$LOGNAME`, or the password-file entry of
 /// the process's uid (containers often set neither variable).
 pub fn current_user() -> Option<String> {
-    if let Some(name) = ["USER", "LOGNAME"].iter().find_map(|v| std::env::var(v).ok().filter(|s| !s.is_empty())) {
+    if let Some(name) = ["USER", "LOGNAME"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok().filter(|s| !s.is_empty()))
+    {
         return Some(name);
     }
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let uid = status.lines().find_map(|l| l.strip_prefix("Uid:"))?.split_whitespace().next()?.to_string();
+    let uid = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))?
+        .split_whitespace()
+        .next()?
+        .to_string();
     let passwd = std::fs::read_to_string("/etc/passwd").ok()?;
     passwd.lines().find_map(|line| {
         let mut fields = line.split(':');
@@ -259,10 +301,19 @@ mod tests {
 
     #[test]
     fn absent_programs_and_timeouts_give_none() {
-        assert_eq!(run_with_timeout("rampart-no-such-program", &[], Duration::from_secs(1)), None);
+        assert_eq!(
+            run_with_timeout("rampart-no-such-program", &[], Duration::from_secs(1)),
+            None
+        );
         let started = Instant::now();
-        assert_eq!(run_with_timeout("sleep", &["5"], Duration::from_millis(200)), None);
+        assert_eq!(
+            run_with_timeout("sleep", &["5"], Duration::from_millis(200)),
+            None
+        );
         assert!(started.elapsed() < Duration::from_secs(3));
-        assert_eq!(run_with_timeout("echo", &["hi"], Duration::from_secs(5)).as_deref(), Some("hi\n"));
+        assert_eq!(
+            run_with_timeout("echo", &["hi"], Duration::from_secs(5)).as_deref(),
+            Some("hi\n")
+        );
     }
 }

@@ -277,7 +277,9 @@ impl Manifest {
         }
         for weight in &manifest.model.weights {
             if !manifest.files.iter().any(|f| &f.path == weight) {
-                return Err(bad(format!("weights file {weight:?} is not listed in [[files]]")));
+                return Err(bad(format!(
+                    "weights file {weight:?} is not listed in [[files]]"
+                )));
             }
         }
         Ok(manifest)

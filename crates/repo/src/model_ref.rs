@@ -28,7 +28,9 @@ pub fn validate_name(name: &str) -> Result<(), RepoError> {
         .chars()
         .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(c, '-' | '_' | '.'))
     {
-        return Err(invalid("use lowercase letters, digits, '-', '_' and '.' only"));
+        return Err(invalid(
+            "use lowercase letters, digits, '-', '_' and '.' only",
+        ));
     }
     Ok(())
 }
@@ -103,7 +105,19 @@ mod tests {
 
     #[test]
     fn rejects_bad_references() {
-        for bad in ["", "@1.0.0", "a@", "a@1.0", "a@1.0.0@2", "../x", "A", "a/b", "a b", ".hidden", "a@1.0.0+build"] {
+        for bad in [
+            "",
+            "@1.0.0",
+            "a@",
+            "a@1.0",
+            "a@1.0.0@2",
+            "../x",
+            "A",
+            "a/b",
+            "a b",
+            ".hidden",
+            "a@1.0.0+build",
+        ] {
             assert!(bad.parse::<ModelRef>().is_err(), "{bad:?} accepted");
         }
         assert!(validate_name(&"a".repeat(65)).is_err());

@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 use crate::describe::describe;
 use crate::digests::{copy_and_hash, hash_file, verify_dir, Digests, VerifyReport};
 use crate::error::RepoError;
-use crate::lineage::{current_user, now_rfc3339, BuildInfo, Environment, Lineage, Source, SourceFile};
+use crate::lineage::{
+    current_user, now_rfc3339, BuildInfo, Environment, Lineage, Source, SourceFile,
+};
 use crate::manifest::{FileEntry, Kind, Manifest, ModelSection, MANIFEST_FILE, MANIFEST_VERSION};
 use crate::model_ref::{parse_version, validate_name, ModelRef};
 use crate::progress::Progress;
@@ -183,7 +185,11 @@ impl Repository {
             return Err(RepoError::ModelNotFound {
                 name: model.name.clone(),
                 repo: self.root.clone(),
-                available: if models.is_empty() { "none".into() } else { models.join(", ") },
+                available: if models.is_empty() {
+                    "none".into()
+                } else {
+                    models.join(", ")
+                },
             });
         }
         let found = match &model.version {
@@ -196,8 +202,16 @@ impl Repository {
         };
         found.cloned().ok_or_else(|| RepoError::VersionNotFound {
             name: model.name.clone(),
-            version: model.version.as_ref().map(ToString::to_string).unwrap_or_default(),
-            available: versions.iter().map(|v| v.version.to_string()).collect::<Vec<_>>().join(", "),
+            version: model
+                .version
+                .as_ref()
+                .map(ToString::to_string)
+                .unwrap_or_default(),
+            available: versions
+                .iter()
+                .map(|v| v.version.to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
         })
     }
 
@@ -214,13 +228,21 @@ impl Repository {
     }
 
     /// Re-hashes every file of a version against its `DIGESTS`.
-    pub fn verify(&self, version: &ModelVersion, progress: &dyn Progress) -> Result<VerifyReport, RepoError> {
+    pub fn verify(
+        &self,
+        version: &ModelVersion,
+        progress: &dyn Progress,
+    ) -> Result<VerifyReport, RepoError> {
         verify_dir(&version.dir, progress)
     }
 
     /// Resolves, verifies and reads a version for serving. A version whose files do not match
     /// its digests is refused with the list of what differs.
-    pub fn load(&self, model: &ModelRef, progress: &dyn Progress) -> Result<LoadedVersion, RepoError> {
+    pub fn load(
+        &self,
+        model: &ModelRef,
+        progress: &dyn Progress,
+    ) -> Result<LoadedVersion, RepoError> {
         let version = self.resolve(model)?;
         let report = self.verify(&version, progress)?;
         if !report.ok() {
@@ -244,7 +266,11 @@ impl Repository {
     /// written), then copied (or hard-linked) into a hidden staging folder with its manifest,
     /// lineage and digests, and finally renamed into place, so a version folder is either
     /// complete or absent.
-    pub fn import(&self, source: &Path, options: &ImportOptions<'_>) -> Result<LoadedVersion, RepoError> {
+    pub fn import(
+        &self,
+        source: &Path,
+        options: &ImportOptions<'_>,
+    ) -> Result<LoadedVersion, RepoError> {
         validate_name(&options.name)?;
         let version = parse_version(&options.version)?;
         let model_dir = self.root.join(&options.name);
@@ -266,7 +292,10 @@ impl Repository {
             .map(|d| d.as_nanos())
             .unwrap_or(0);
         let mut staging = Staging {
-            dir: model_dir.join(format!(".{version}.importing-{}-{unique}", std::process::id())),
+            dir: model_dir.join(format!(
+                ".{version}.importing-{}-{unique}",
+                std::process::id()
+            )),
             armed: true,
         };
         std::fs::create_dir(&staging.dir).map_err(RepoError::io(&staging.dir))?;
@@ -337,7 +366,10 @@ impl Repository {
             }
             .version_digest()
         } else {
-            source_files.first().map(|f| f.sha256.clone()).unwrap_or_default()
+            source_files
+                .first()
+                .map(|f| f.sha256.clone())
+                .unwrap_or_default()
         };
         let lineage = Lineage {
             lineage_version: 1,
@@ -371,7 +403,11 @@ impl Repository {
         }
         let linked: Vec<PathBuf> = linked
             .iter()
-            .filter_map(|p| p.strip_prefix(&staging.dir).ok().map(|rel| target.join(rel)))
+            .filter_map(|p| {
+                p.strip_prefix(&staging.dir)
+                    .ok()
+                    .map(|rel| target.join(rel))
+            })
             .collect();
         seal(&target, &linked).map_err(RepoError::io(&target))?;
         Ok(LoadedVersion {

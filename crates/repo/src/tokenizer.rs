@@ -96,14 +96,20 @@ impl TokenizerFacts {
         Ok(Some(Self {
             source: "gguf".into(),
             kind: kind.to_string(),
-            pre: g.get_str("tokenizer.ggml.pre").map_err(err)?.map(str::to_string),
+            pre: g
+                .get_str("tokenizer.ggml.pre")
+                .map_err(err)?
+                .map(str::to_string),
             vocab,
             vocab_size,
             merges,
             special,
             add_bos: g.get_bool("tokenizer.ggml.add_bos_token").map_err(err)?,
             add_eos: g.get_bool("tokenizer.ggml.add_eos_token").map_err(err)?,
-            chat_template: g.get_str("tokenizer.chat_template").map_err(err)?.map(str::to_string),
+            chat_template: g
+                .get_str("tokenizer.chat_template")
+                .map_err(err)?
+                .map(str::to_string),
         }))
     }
 
@@ -121,13 +127,17 @@ impl TokenizerFacts {
                 return Ok(None);
             }
             let text = std::fs::read_to_string(&p).map_err(|e| format!("{name}: {e}"))?;
-            serde_json::from_str(&text).map(Some).map_err(|e| format!("{name}: {e}"))
+            serde_json::from_str(&text)
+                .map(Some)
+                .map_err(|e| format!("{name}: {e}"))
         };
         let tokenizer = read_json("tokenizer.json")?.ok_or("tokenizer.json vanished")?;
         let config = read_json("tokenizer_config.json")?.unwrap_or(Json::Null);
         let special_map = read_json("special_tokens_map.json")?.unwrap_or(Json::Null);
 
-        let model = tokenizer.get("model").ok_or("tokenizer.json has no \"model\"")?;
+        let model = tokenizer
+            .get("model")
+            .ok_or("tokenizer.json has no \"model\"")?;
         let kind = model
             .get("type")
             .and_then(Json::as_str)
@@ -170,11 +180,14 @@ impl TokenizerFacts {
         let mut added = Vec::new();
         if let Some(list) = tokenizer.get("added_tokens").and_then(Json::as_array) {
             for t in list {
-                let (Some(content), Some(id)) = (t.get("content").and_then(Json::as_str), t.get("id").and_then(Json::as_u64))
-                else {
+                let (Some(content), Some(id)) = (
+                    t.get("content").and_then(Json::as_str),
+                    t.get("id").and_then(Json::as_u64),
+                ) else {
                     return Err("added_tokens entry without content or id".into());
                 };
-                let id = u32::try_from(id).map_err(|_| format!("added token {content:?} has id {id}"))?;
+                let id = u32::try_from(id)
+                    .map_err(|_| format!("added token {content:?} has id {id}"))?;
                 vocab.insert(content.to_string(), id);
                 added.push((content.to_string(), id));
             }
@@ -185,10 +198,12 @@ impl TokenizerFacts {
                 .iter()
                 .map(|m| match m {
                     Json::String(s) => Ok(s.clone()),
-                    Json::Array(pair) if pair.len() == 2 => match (pair[0].as_str(), pair[1].as_str()) {
-                        (Some(a), Some(b)) => Ok(format!("{a} {b}")),
-                        _ => Err("merge pair is not two strings".to_string()),
-                    },
+                    Json::Array(pair) if pair.len() == 2 => {
+                        match (pair[0].as_str(), pair[1].as_str()) {
+                            (Some(a), Some(b)) => Ok(format!("{a} {b}")),
+                            _ => Err("merge pair is not two strings".to_string()),
+                        }
+                    }
                     _ => Err("merge is neither \"a b\" nor [a, b]".to_string()),
                 })
                 .collect::<Result<_, _>>()?,
@@ -214,7 +229,11 @@ impl TokenizerFacts {
                 }
             }
         }
-        let vocab_size = vocab.values().map(|&id| u64::from(id) + 1).max().unwrap_or(0);
+        let vocab_size = vocab
+            .values()
+            .map(|&id| u64::from(id) + 1)
+            .max()
+            .unwrap_or(0);
 
         let chat_template = match config.get("chat_template") {
             Some(Json::String(s)) => Some(s.clone()),
@@ -232,7 +251,10 @@ impl TokenizerFacts {
             None => {
                 let jinja = dir.join("chat_template.jinja");
                 if jinja.is_file() {
-                    Some(std::fs::read_to_string(&jinja).map_err(|e| format!("chat_template.jinja: {e}"))?)
+                    Some(
+                        std::fs::read_to_string(&jinja)
+                            .map_err(|e| format!("chat_template.jinja: {e}"))?,
+                    )
                 } else {
                     None
                 }
@@ -350,16 +372,34 @@ impl TokenizerDiff {
                 Some(_) => {}
             }
         }
-        let mut removed: Vec<String> = old.vocab.keys().filter(|t| !new.vocab.contains_key(*t)).cloned().collect();
+        let mut removed: Vec<String> = old
+            .vocab
+            .keys()
+            .filter(|t| !new.vocab.contains_key(*t))
+            .cloned()
+            .collect();
         let union = old.vocab.len() + added.len();
         added.sort_by_key(|t| new.vocab[t]);
         removed.sort_by_key(|t| old.vocab[t]);
         renumbered.sort_by_key(|t| new.vocab[t]);
 
-        let old_rank: HashMap<&str, usize> = old.merges.iter().enumerate().map(|(i, m)| (m.as_str(), i)).collect();
+        let old_rank: HashMap<&str, usize> = old
+            .merges
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (m.as_str(), i))
+            .collect();
         let new_set: HashSet<&str> = new.merges.iter().map(String::as_str).collect();
-        let merges_added = new.merges.iter().filter(|m| !old_rank.contains_key(m.as_str())).count();
-        let merges_removed = old.merges.iter().filter(|m| !new_set.contains(m.as_str())).count();
+        let merges_added = new
+            .merges
+            .iter()
+            .filter(|m| !old_rank.contains_key(m.as_str()))
+            .count();
+        let merges_removed = old
+            .merges
+            .iter()
+            .filter(|m| !new_set.contains(m.as_str()))
+            .count();
         let common_in_new_order: Vec<usize> = new
             .merges
             .iter()
@@ -368,7 +408,8 @@ impl TokenizerDiff {
         let merges_reordered = common_in_new_order.len() - longest_increasing(&common_in_new_order);
         let merges_union = old.merges.len() + merges_added;
 
-        let roles: std::collections::BTreeSet<&String> = old.special.keys().chain(new.special.keys()).collect();
+        let roles: std::collections::BTreeSet<&String> =
+            old.special.keys().chain(new.special.keys()).collect();
         let special_changes = roles
             .into_iter()
             .filter_map(|role| {
@@ -398,7 +439,10 @@ impl TokenizerDiff {
             merges_added,
             merges_removed,
             merges_reordered,
-            merges_changed_pct: pct(merges_added + merges_removed + merges_reordered, merges_union),
+            merges_changed_pct: pct(
+                merges_added + merges_removed + merges_reordered,
+                merges_union,
+            ),
             special_changes,
             add_bos: (old.add_bos, new.add_bos),
             add_eos: (old.add_eos, new.add_eos),
@@ -425,10 +469,16 @@ impl TokenizerDiff {
     pub fn blocking_reasons(&self, threshold_pct: f64) -> Vec<String> {
         let mut reasons = Vec::new();
         if self.kind.0 != self.kind.1 {
-            reasons.push(format!("tokenizer model changed: {} → {}", self.kind.0, self.kind.1));
+            reasons.push(format!(
+                "tokenizer model changed: {} → {}",
+                self.kind.0, self.kind.1
+            ));
         }
         if self.pre.0 != self.pre.1 {
-            reasons.push(format!("pre-tokenizer changed: {:?} → {:?}", self.pre.0, self.pre.1));
+            reasons.push(format!(
+                "pre-tokenizer changed: {:?} → {:?}",
+                self.pre.0, self.pre.1
+            ));
         }
         for c in &self.special_changes {
             reasons.push(format!("special token {} changed", c.role));
@@ -463,10 +513,20 @@ mod tests {
         TokenizerFacts {
             source: "gguf".into(),
             kind: "gpt2".into(),
-            vocab: tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect(),
+            vocab: tokens
+                .iter()
+                .enumerate()
+                .map(|(i, t)| (t.to_string(), i as u32))
+                .collect(),
             vocab_size: tokens.len() as u64,
             merges: merges.iter().map(|m| m.to_string()).collect(),
-            special: BTreeMap::from([("eos".to_string(), SpecialToken { id: 0, text: tokens[0].to_string() })]),
+            special: BTreeMap::from([(
+                "eos".to_string(),
+                SpecialToken {
+                    id: 0,
+                    text: tokens[0].to_string(),
+                },
+            )]),
             ..TokenizerFacts::default()
         }
     }
@@ -484,7 +544,10 @@ mod tests {
         let a = facts(&["<eos>", "a", "b", "ab"], &[]);
         let b = facts(&["<eos>", "b", "a", "c"], &[]);
         let d = TokenizerDiff::between(&a, &b);
-        assert_eq!((d.tokens_added, d.tokens_removed, d.tokens_renumbered), (1, 1, 2));
+        assert_eq!(
+            (d.tokens_added, d.tokens_removed, d.tokens_renumbered),
+            (1, 1, 2)
+        );
         assert_eq!(d.examples_added, ["c"]);
         assert_eq!(d.examples_removed, ["ab"]);
         // 4 of the 5 texts in the union changed.
@@ -497,12 +560,24 @@ mod tests {
         let mut new = old.clone();
         let moved = new.remove(10);
         new.insert(90, moved);
-        let a = TokenizerFacts { merges: old, ..facts(&["e"], &[]) };
-        let b = TokenizerFacts { merges: new, ..facts(&["e"], &[]) };
+        let a = TokenizerFacts {
+            merges: old,
+            ..facts(&["e"], &[])
+        };
+        let b = TokenizerFacts {
+            merges: new,
+            ..facts(&["e"], &[])
+        };
         let d = TokenizerDiff::between(&a, &b);
-        assert_eq!((d.merges_added, d.merges_removed, d.merges_reordered), (0, 0, 1));
+        assert_eq!(
+            (d.merges_added, d.merges_removed, d.merges_reordered),
+            (0, 0, 1)
+        );
         assert!((d.merges_changed_pct - 1.0).abs() < 1e-9);
-        assert!(d.blocking_reasons(5.0).is_empty(), "1% is under the 5% default");
+        assert!(
+            d.blocking_reasons(5.0).is_empty(),
+            "1% is under the 5% default"
+        );
         assert_eq!(d.blocking_reasons(0.5).len(), 1);
     }
 
@@ -510,7 +585,13 @@ mod tests {
     fn special_token_change_blocks() {
         let a = facts(&["<eos>", "a"], &[]);
         let mut b = a.clone();
-        b.special.insert("eos".into(), SpecialToken { id: 1, text: "a".into() });
+        b.special.insert(
+            "eos".into(),
+            SpecialToken {
+                id: 1,
+                text: "a".into(),
+            },
+        );
         let d = TokenizerDiff::between(&a, &b);
         assert_eq!(d.special_changes.len(), 1);
         assert_eq!(d.blocking_reasons(5.0), ["special token eos changed"]);
@@ -542,7 +623,13 @@ mod tests {
         assert_eq!(t.kind, "bpe");
         assert_eq!(t.vocab_size, 4);
         assert_eq!(t.merges, ["a b"]);
-        assert_eq!(t.special["eos"], SpecialToken { id: 3, text: "<|end|>".into() });
+        assert_eq!(
+            t.special["eos"],
+            SpecialToken {
+                id: 3,
+                text: "<|end|>".into()
+            }
+        );
         assert_eq!(t.add_bos, Some(false));
         assert_eq!(t.pre.as_deref(), Some("ByteLevel"));
         let section = t.section();

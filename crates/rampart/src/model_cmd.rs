@@ -510,6 +510,11 @@ fn verify(repo: &Repository, model: Option<&str>, json: bool) -> Result<ExitCode
     let progress = progress_bar::for_stderr(json);
     let mut failed = 0;
     let mut reports = Vec::new();
+    let width = versions
+        .iter()
+        .map(|v| v.to_string().len())
+        .max()
+        .unwrap_or(0);
     for v in &versions {
         let report = repo.verify(v, progress.as_ref())?;
         if !report.ok() {
@@ -518,7 +523,8 @@ fn verify(repo: &Repository, model: Option<&str>, json: bool) -> Result<ExitCode
         if !json {
             if report.ok() {
                 println!(
-                    "ok      {v}  ({} files, {}, sha256:{})",
+                    "ok      {:<width$}  {} files, {}, sha256:{}",
+                    v.to_string(),
                     report.files_checked,
                     bytes(report.bytes_checked),
                     &report.version_digest[..12]
@@ -584,7 +590,8 @@ fn diff_cmd(
         bail!("--tokenizer-threshold must be a percentage between 0 and 100, got {threshold}");
     }
     let (old, new) = (versioned(repo, old)?, versioned(repo, new)?);
-    let d = diff(repo, &old, &new, threshold)?;
+    let progress = progress_bar::for_stderr(json);
+    let d = diff(repo, &old, &new, threshold, progress.as_ref())?;
     if json {
         println!(
             "{}",

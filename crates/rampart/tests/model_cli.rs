@@ -119,7 +119,7 @@ fn smollm2_import_inspect_verify_tamper() {
         .assert()
         .success()
         .stdout(predicate::str::contains(
-            "ok      smollm2-135m@1.0.0  (3 files, 98.4 MB",
+            "ok      smollm2-135m@1.0.0  3 files, 98.4 MB",
         ));
 
     let weights = repo.join("smollm2-135m/1.0.0/SmolLM2-135M-Instruct.Q4_1.gguf");

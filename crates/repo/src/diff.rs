@@ -8,6 +8,7 @@ use crate::describe::version_tokenizer;
 use crate::error::RepoError;
 use crate::lineage::LINEAGE_FILE;
 use crate::manifest::{Manifest, MANIFEST_FILE};
+use crate::progress::Progress;
 use crate::repository::{ModelVersion, Repository};
 use crate::tokenizer::TokenizerDiff;
 
@@ -94,12 +95,18 @@ pub fn manifest_changes(old: &Manifest, new: &Manifest) -> Result<Vec<FieldChang
 
 /// Compares two versions (usually of one model). `threshold_pct` bounds the share of tokenizer
 /// merges/vocabulary that may change before the diff is blocking.
+///
+/// Both versions are verified first: a comparison of recorded digests says nothing about files
+/// that were changed after import, so a version that fails verification is an error here too.
 pub fn diff(
     repo: &Repository,
     old: &ModelVersion,
     new: &ModelVersion,
     threshold_pct: f64,
+    progress: &dyn Progress,
 ) -> Result<VersionDiff, RepoError> {
+    repo.verified(old, progress)?;
+    repo.verified(new, progress)?;
     let (old_manifest, new_manifest) = (repo.manifest(old)?, repo.manifest(new)?);
     let (old_digests, new_digests) = (repo.digests(old)?, repo.digests(new)?);
     let own = |p: &&String| p.as_str() != MANIFEST_FILE && p.as_str() != LINEAGE_FILE;

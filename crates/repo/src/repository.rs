@@ -244,7 +244,22 @@ impl Repository {
         progress: &dyn Progress,
     ) -> Result<LoadedVersion, RepoError> {
         let version = self.resolve(model)?;
-        let report = self.verify(&version, progress)?;
+        let version_digest = self.verified(&version, progress)?;
+        let manifest = self.manifest(&version)?;
+        Ok(LoadedVersion {
+            version,
+            manifest,
+            version_digest,
+        })
+    }
+
+    /// Verifies a version and returns its version digest, or the error naming what differs.
+    pub fn verified(
+        &self,
+        version: &ModelVersion,
+        progress: &dyn Progress,
+    ) -> Result<String, RepoError> {
+        let report = self.verify(version, progress)?;
         if !report.ok() {
             return Err(RepoError::VerificationFailed {
                 name: version.name.clone(),
@@ -252,12 +267,7 @@ impl Repository {
                 summary: report.summary(),
             });
         }
-        let manifest = self.manifest(&version)?;
-        Ok(LoadedVersion {
-            version,
-            manifest,
-            version_digest: report.version_digest,
-        })
+        Ok(report.version_digest)
     }
 
     /// Imports a model file or folder as a new, immutable version.

@@ -298,7 +298,7 @@ fn diff_reports_tokenizer_changes_and_blocks_on_them() {
     .unwrap();
 
     let v = |s: &str| repo.resolve(&s.parse::<ModelRef>().unwrap()).unwrap();
-    let d = diff(&repo, &v("tiny@1.0.0"), &v("tiny@1.1.0"), 5.0).unwrap();
+    let d = diff(&repo, &v("tiny@1.0.0"), &v("tiny@1.1.0"), 5.0, &NoProgress).unwrap();
     assert_eq!(d.files_added, ["v2.gguf"]);
     assert_eq!(d.files_removed, ["v1.gguf"]);
     assert!(d.tokenizer.as_ref().unwrap().is_unchanged());
@@ -309,7 +309,7 @@ fn diff_reports_tokenizer_changes_and_blocks_on_them() {
         d.manifest_changes
     );
 
-    let d = diff(&repo, &v("tiny@1.0.0"), &v("tiny@1.2.0"), 5.0).unwrap();
+    let d = diff(&repo, &v("tiny@1.0.0"), &v("tiny@1.2.0"), 5.0, &NoProgress).unwrap();
     let t = d.tokenizer.as_ref().unwrap();
     assert_eq!(t.merges_reordered, 1);
     assert!((t.merges_changed_pct - 20.0).abs() < 1e-9);
@@ -332,6 +332,15 @@ fn diff_reports_tokenizer_changes_and_blocks_on_them() {
         .manifest_changes
         .iter()
         .any(|c| c.key == "tokenizer.special.eos.id" && c.after.as_deref() == Some("0")));
+
+    // A tampered version is not compared: its recorded digests no longer describe its files.
+    flip_byte(&v("tiny@1.1.0").dir.join("v2.gguf"), 4000);
+    let err = diff(&repo, &v("tiny@1.0.0"), &v("tiny@1.1.0"), 5.0, &NoProgress).unwrap_err();
+    assert!(matches!(err, RepoError::VerificationFailed { .. }), "{err}");
+    assert!(
+        err.to_string().contains("content changed: v2.gguf"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -1,0 +1,118 @@
+//! Runtime CPU dispatch: the best instruction set this CPU has, detected once.
+
+use std::sync::OnceLock;
+
+use crate::dtype::{ActFormat, DType};
+use crate::quant;
+
+/// An instruction-set level the kernels are written for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Isa {
+    /// Portable Rust, the reference for every other level.
+    Scalar,
+    /// x86_64 with AVX2, FMA and F16C.
+    Avx2,
+}
+
+impl Isa {
+    /// The best level this CPU supports. `RAMPART_ISA=scalar` forces the reference kernels
+    /// (for comparisons and benchmarks).
+    pub fn detect() -> Isa {
+        static DETECTED: OnceLock<Isa> = OnceLock::new();
+        *DETECTED.get_or_init(|| {
+            if std::env::var("RAMPART_ISA").is_ok_and(|v| v.eq_ignore_ascii_case("scalar")) {
+                return Isa::Scalar;
+            }
+            Self::best_supported()
+        })
+    }
+
+    /// The best level the CPU supports, ignoring overrides.
+    pub fn best_supported() -> Isa {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+                return Isa::Avx2;
+            }
+        }
+        Isa::Scalar
+    }
+
+    /// Every level this CPU can run, for tests that compare them.
+    pub fn available() -> Vec<Isa> {
+        let best = Self::best_supported();
+        [Isa::Scalar, Isa::Avx2].into_iter().filter(|i| *i <= best).collect()
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Isa::Scalar => "scalar",
+            Isa::Avx2 => "avx2",
+        }
+    }
+}
+
+/// `Σ a[i]·b[i]`.
+pub fn dot_f32(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if isa >= Isa::Avx2 {
+        // SAFETY: Isa::Avx2 is only chosen when the CPU has AVX2 and FMA.
+        return unsafe { crate::x86::dot_f32(a, b) };
+    }
+    let _ = isa;
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
+
+/// Quantizes an activation row for dot products with weights of type `dtype`.
+pub fn quantize_activations(isa: Isa, format: ActFormat, x: &[f32], out: &mut [u8]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa >= Isa::Avx2 && format == ActFormat::Q8x32 {
+        assert_eq!(out.len(), format.row_bytes(x.len()), "output buffer size");
+        // SAFETY: AVX2 and FMA are present (see Isa::detect).
+        unsafe { crate::x86::quantize_q8x32(x, out) };
+        return;
+    }
+    let _ = isa;
+    quant::quantize_activations_ref(format, x, out);
+}
+
+/// Dot product of a weight row (`n` elements of `dtype`) with an activation row quantized by
+/// [`quantize_activations`] into `dtype.activation_format()` (f32 bytes for float weights).
+pub fn vec_dot(isa: Isa, dtype: DType, w: &[u8], a: &[u8], n: usize) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if isa >= Isa::Avx2 {
+        // SAFETY: AVX2, FMA and F16C are present (see Isa::detect); the kernels check lengths.
+        unsafe {
+            match dtype {
+                DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 => {
+                    return crate::x86::vec_dot_q32(dtype, w, a, n)
+                }
+                DType::Q4_K | DType::Q5_K => return crate::x86::vec_dot_q45k(dtype, w, a, n),
+                DType::Q6_K => return crate::x86::vec_dot_q6k(w, a, n),
+                DType::F32 => return crate::x86::dot_f32(as_f32(w, n), as_f32(a, n)),
+                DType::F16 => return crate::x86::dot_f16_f32(w, as_f32(a, n)),
+                _ => {}
+            }
+        }
+    }
+    let _ = isa;
+    match dtype {
+        DType::F32 => as_f32(w, n).iter().zip(as_f32(a, n)).map(|(x, y)| x * y).sum(),
+        _ => quant::vec_dot_ref(dtype, w, a, n),
+    }
+}
+
+/// Views little-endian f32 bytes as floats.
+pub fn as_f32(bytes: &[u8], n: usize) -> &[f32] {
+    assert!(bytes.len() >= n * 4, "row too short for {n} floats");
+    assert_eq!(bytes.as_ptr() as usize % std::mem::align_of::<f32>(), 0, "f32 data must be 4-byte aligned");
+    // SAFETY: length and alignment checked above; every bit pattern is a valid f32; x86_64 and
+    // aarch64 are little-endian, as the files are.
+    unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const f32, n) }
+}
+
+/// Views floats as bytes (for f32 activation rows).
+pub fn f32_bytes(x: &[f32]) -> &[u8] {
+    // SAFETY: any f32 slice is a valid byte slice of 4× its length.
+    unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u8, std::mem::size_of_val(x)) }
+}

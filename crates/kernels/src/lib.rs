@@ -1,0 +1,32 @@
+//! Rampart's CPU compute kernels: no I/O, no async, no knowledge of models.
+//!
+//! - [`dtype`]: the GGUF block formats (F32, F16, BF16, Q4_0 … Q8_0, Q2_K … Q8_K) and the
+//!   activation formats they multiply with.
+//! - [`quant`]: unpacking, dequantization, activation quantization and the scalar reference dot
+//!   products.
+//! - [`dispatch`]: runtime CPU dispatch (AVX2+FMA, scalar) of the hot kernels.
+//! - [`matmul`]: M activation rows × a quantized weight matrix, reading each weight row once.
+//! - [`ops`]: RMSNorm, LayerNorm, RoPE (normal/NeoX, linear/llama3 scaling), softmax, SiLU/GELU,
+//!   causal grouped-query attention.
+//! - [`pool`]: the fixed compute thread pool the parallel loops run on.
+//! - [`backend`]: the compute-backend interface the engine calls, and its CPU implementation.
+//!
+//! Every SIMD kernel has a scalar reference and is tested against it on random inputs of awkward
+//! sizes; `RAMPART_ISA=scalar` forces the reference kernels at run time.
+
+pub mod backend;
+pub mod dispatch;
+pub mod dtype;
+pub mod matmul;
+pub mod ops;
+pub mod pool;
+pub mod quant;
+pub mod testing;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+pub use backend::{Backend, CpuBackend};
+pub use dispatch::Isa;
+pub use dtype::{ActFormat, DType};
+pub use matmul::{Matrix, Scratch};
+pub use pool::ThreadPool;

@@ -1,0 +1,314 @@
+//! Elementwise and normalization kernels, RoPE, softmax and attention, all on f32.
+
+use crate::dispatch::{dot_f32, Isa};
+use crate::pool::ThreadPool;
+
+/// `out = x / rms(x) · weight`, with `rms(x) = sqrt(mean(x²) + eps)`.
+pub fn rms_norm(isa: Isa, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let n = x.len();
+    let mean_sq = dot_f32(isa, x, x) / n as f32;
+    let scale = 1.0 / (mean_sq + eps).sqrt();
+    for ((o, &v), &w) in out.iter_mut().zip(x).zip(weight) {
+        *o = v * scale * w;
+    }
+}
+
+/// `out = (x - mean) / sqrt(var + eps) · weight + bias`.
+pub fn layer_norm(x: &[f32], weight: &[f32], bias: Option<&[f32]>, eps: f32, out: &mut [f32]) {
+    let n = x.len() as f32;
+    let mean = x.iter().sum::<f32>() / n;
+    let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / n;
+    let scale = 1.0 / (var + eps).sqrt();
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = (x[i] - mean) * scale * weight[i] + bias.map_or(0.0, |b| b[i]);
+    }
+}
+
+/// Softmax in place (max-subtracted for stability).
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    let mut sum = 0.0;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    for v in x.iter_mut() {
+        *v *= inv;
+    }
+}
+
+/// SiLU (x·σ(x)).
+#[inline]
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// GELU, tanh approximation (as GPT-2/BERT exports use).
+#[inline]
+pub fn gelu(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
+}
+
+/// `gate[i] = silu(gate[i]) · up[i]` (the SwiGLU of llama-family MLPs).
+pub fn swiglu(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = silu(*g) * u;
+    }
+}
+
+/// `x[i] += y[i]`.
+pub fn add_assign(x: &mut [f32], y: &[f32]) {
+    for (a, &b) in x.iter_mut().zip(y) {
+        *a += b;
+    }
+}
+
+/// How RoPE frequencies are scaled for contexts longer than training.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RopeScaling {
+    None,
+    /// Positions divided by `factor`.
+    Linear { factor: f32 },
+    /// Llama 3.1: low frequencies divided by `factor`, high ones kept, smooth in between.
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_context: f32,
+    },
+}
+
+/// Rotary position embedding for one model.
+#[derive(Debug, Clone)]
+pub struct Rope {
+    /// Rotated dimensions per head (≤ head_dim; the rest pass through).
+    pub dims: usize,
+    /// NeoX layout rotates pairs `(i, i + dims/2)`; the normal (GPT-J) layout pairs `(2i, 2i+1)`.
+    /// Llama GGUFs store Q/K permuted for the normal layout; Qwen2 uses NeoX.
+    pub neox: bool,
+    position_scale: f32,
+    inv_freq: Vec<f32>,
+}
+
+impl Rope {
+    pub fn new(dims: usize, theta: f32, neox: bool, scaling: RopeScaling) -> Self {
+        let mut inv_freq: Vec<f32> = (0..dims / 2)
+            .map(|i| 1.0 / theta.powf(2.0 * i as f32 / dims as f32))
+            .collect();
+        let mut position_scale = 1.0;
+        match scaling {
+            RopeScaling::None => {}
+            RopeScaling::Linear { factor } => position_scale = 1.0 / factor,
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_context,
+            } => {
+                let low_wavelen = original_context / low_freq_factor;
+                let high_wavelen = original_context / high_freq_factor;
+                for f in inv_freq.iter_mut() {
+                    let wavelen = 2.0 * std::f32::consts::PI / *f;
+                    if wavelen > low_wavelen {
+                        *f /= factor;
+                    } else if wavelen >= high_wavelen {
+                        let smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        *f = (1.0 - smooth) * *f / factor + smooth * *f;
+                    }
+                }
+            }
+        }
+        Self {
+            dims,
+            neox,
+            position_scale,
+            inv_freq,
+        }
+    }
+
+    /// Rotates `heads` vectors of `head_dim` in `x` for position `pos`.
+    pub fn apply(&self, x: &mut [f32], heads: usize, head_dim: usize, pos: usize) {
+        let half = self.dims / 2;
+        let p = pos as f32 * self.position_scale;
+        // cos/sin of this position, computed once for all heads.
+        let mut cs = [(0f32, 0f32); 256];
+        assert!(half <= cs.len(), "RoPE over more than 512 dimensions");
+        for (i, c) in cs.iter_mut().take(half).enumerate() {
+            let (s, co) = (p * self.inv_freq[i]).sin_cos();
+            *c = (co, s);
+        }
+        for h in 0..heads {
+            let v = &mut x[h * head_dim..h * head_dim + self.dims];
+            for (i, &(c, s)) in cs.iter().take(half).enumerate() {
+                let (a, b) = if self.neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
+                let (x0, x1) = (v[a], v[b]);
+                v[a] = x0 * c - x1 * s;
+                v[b] = x0 * s + x1 * c;
+            }
+        }
+    }
+}
+
+/// Shapes of an attention call.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionShape {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Position of the first query row; query `i` sees keys `0..=first_pos + i`.
+    pub first_pos: usize,
+}
+
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: each item writes its own head of its own query row; the loop ends before return.
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+
+/// Causal multi-head attention with grouped KV heads.
+///
+/// - `q`: `m × heads·head_dim` query rows (RoPE applied);
+/// - `k`, `v`: `n_keys × kv_heads·head_dim`, the cache up to and including the last query;
+/// - `out`: `m × heads·head_dim`.
+///
+/// Each (row, head) item runs a single pass with an online softmax (running max and sum), so
+/// no score buffer is needed at any context length.
+pub fn attention(pool: &ThreadPool, isa: Isa, shape: AttentionShape, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) {
+    let AttentionShape {
+        heads,
+        kv_heads,
+        head_dim,
+        first_pos,
+    } = shape;
+    assert!(head_dim <= 256, "head_dim {head_dim} exceeds 256");
+    assert!(heads % kv_heads == 0, "heads must be a multiple of kv heads");
+    let q_stride = heads * head_dim;
+    let kv_stride = kv_heads * head_dim;
+    let m = q.len() / q_stride;
+    assert_eq!(out.len(), q.len());
+    assert!(k.len() >= (first_pos + m) * kv_stride && v.len() >= (first_pos + m) * kv_stride, "cache too short");
+    let group = heads / kv_heads;
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    let out_ptr = SharedOut(out.as_mut_ptr());
+    pool.for_each(m * heads, &|item| {
+        let out_ptr = out_ptr;
+        let (i, h) = (item / heads, item % heads);
+        let kvh = h / group;
+        let qv = &q[i * q_stride + h * head_dim..i * q_stride + (h + 1) * head_dim];
+        let mut acc = [0f32; 256];
+        let acc = &mut acc[..head_dim];
+        let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
+        for t in 0..=first_pos + i {
+            let kv = &k[t * kv_stride + kvh * head_dim..t * kv_stride + (kvh + 1) * head_dim];
+            let score = dot_f32(isa, qv, kv) * scale;
+            let vv = &v[t * kv_stride + kvh * head_dim..t * kv_stride + (kvh + 1) * head_dim];
+            if score > max {
+                let correction = (max - score).exp();
+                for a in acc.iter_mut() {
+                    *a *= correction;
+                }
+                sum *= correction;
+                max = score;
+            }
+            let p = (score - max).exp();
+            sum += p;
+            for (a, &x) in acc.iter_mut().zip(vv) {
+                *a += p * x;
+            }
+        }
+        let inv = 1.0 / sum;
+        // SAFETY: this item owns out[i, h, ..]; in bounds by the asserts above.
+        let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.0.add(i * q_stride + h * head_dim), head_dim) };
+        for (d, a) in dst.iter_mut().zip(acc.iter()) {
+            *d = a * inv;
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::random_f32;
+
+    #[test]
+    fn rms_norm_matches_definition() {
+        let x = random_f32(77, 1);
+        let w = random_f32(77, 2);
+        for isa in Isa::available() {
+            let mut out = vec![0f32; 77];
+            rms_norm(isa, &x, &w, 1e-5, &mut out);
+            let rms = (x.iter().map(|v| v * v).sum::<f32>() / 77.0 + 1e-5).sqrt();
+            for i in 0..77 {
+                assert!((out[i] - x[i] / rms * w[i]).abs() < 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn rope_preserves_norms_and_relative_positions() {
+        for neox in [false, true] {
+            let rope = Rope::new(64, 10000.0, neox, RopeScaling::None);
+            let q = random_f32(64, 3);
+            let k = random_f32(64, 4);
+            let rotated_dot = |pq: usize, pk: usize| {
+                let (mut a, mut b) = (q.clone(), k.clone());
+                rope.apply(&mut a, 1, 64, pq);
+                rope.apply(&mut b, 1, 64, pk);
+                a.iter().zip(&b).map(|(x, y)| x * y).sum::<f32>()
+            };
+            // Attention scores depend only on the distance between positions.
+            assert!((rotated_dot(5, 2) - rotated_dot(105, 102)).abs() < 1e-3);
+            let mut a = q.clone();
+            rope.apply(&mut a, 1, 64, 17);
+            let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>();
+            assert!((norm(&a) - norm(&q)).abs() < 1e-3);
+            let mut z = q.clone();
+            rope.apply(&mut z, 1, 64, 0);
+            assert_eq!(z, q, "position 0 is the identity");
+        }
+    }
+
+    #[test]
+    fn attention_matches_naive_softmax() {
+        let pool = ThreadPool::new(2);
+        let (heads, kv_heads, head_dim, first_pos, m) = (6, 2, 16, 5, 3);
+        let n_keys = first_pos + m;
+        let q = random_f32(m * heads * head_dim, 5);
+        let k = random_f32(n_keys * kv_heads * head_dim, 6);
+        let v = random_f32(n_keys * kv_heads * head_dim, 7);
+        for isa in Isa::available() {
+            let mut out = vec![0f32; q.len()];
+            let shape = AttentionShape {
+                heads,
+                kv_heads,
+                head_dim,
+                first_pos,
+            };
+            attention(&pool, isa, shape, &q, &k, &v, &mut out);
+            for i in 0..m {
+                for h in 0..heads {
+                    let kvh = h / (heads / kv_heads);
+                    let qv = &q[(i * heads + h) * head_dim..][..head_dim];
+                    let mut scores: Vec<f32> = (0..=first_pos + i)
+                        .map(|t| {
+                            let kv = &k[(t * kv_heads + kvh) * head_dim..][..head_dim];
+                            qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() / (head_dim as f32).sqrt()
+                        })
+                        .collect();
+                    softmax(&mut scores);
+                    for d in 0..head_dim {
+                        let expected: f32 = scores
+                            .iter()
+                            .enumerate()
+                            .map(|(t, p)| p * v[(t * kv_heads + kvh) * head_dim + d])
+                            .sum();
+                        let got = out[(i * heads + h) * head_dim + d];
+                        assert!((got - expected).abs() < 1e-5, "{isa:?} i{i} h{h} d{d}: {got} vs {expected}");
+                    }
+                }
+            }
+        }
+    }
+}

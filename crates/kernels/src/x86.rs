@@ -1,0 +1,306 @@
+//! AVX2 + FMA kernels (x86_64). Each function here has a scalar reference in `quant` or `ops`
+//! and is tested against it on random inputs of awkward sizes.
+//!
+//! Every function is `unsafe` because it must only run on a CPU with AVX2, FMA and F16C
+//! (checked once by `dispatch`); each unaligned load reads inside the slices it is given.
+
+#![allow(clippy::missing_safety_doc)]
+
+use std::arch::x86_64::*;
+
+use crate::dtype::{DType, QK, QK_K, Q8X32_BLOCK_BYTES, Q8XK_BLOCK_BYTES};
+use crate::quant::{f16_at, f32_at, scale_min_k4};
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn hsum_ps(v: __m256) -> f32 {
+    let lo = _mm256_castps256_ps128(v);
+    let hi = _mm256_extractf128_ps(v, 1);
+    let s = _mm_add_ps(lo, hi);
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn hsum_epi32(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b01_00_11_10));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0b10_11_00_01));
+    _mm_cvtsi128_si32(s)
+}
+
+/// `Σ a[i]·b[i]` over f32.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut i = 0;
+    // SAFETY (all loads below): i + 32 <= n, resp. i + 8 <= n, keeps every load in bounds.
+    while i + 32 <= n {
+        for (k, acc) in acc.iter_mut().enumerate() {
+            let x = _mm256_loadu_ps(pa.add(i + 8 * k));
+            let y = _mm256_loadu_ps(pb.add(i + 8 * k));
+            *acc = _mm256_fmadd_ps(x, y, *acc);
+        }
+        i += 32;
+    }
+    while i + 8 <= n {
+        acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc[0]);
+        i += 8;
+    }
+    let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    let mut total = hsum_ps(sum);
+    while i < n {
+        total += a[i] * b[i];
+        i += 1;
+    }
+    total
+}
+
+/// Σ over f16 weights × f32 activations, converting 8 weights at a time with F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_f16_f32(w: &[u8], a: &[f32]) -> f32 {
+    let n = a.len().min(w.len() / 2);
+    let mut acc0 = _mm256_setzero_ps();
+    let mut acc1 = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY: 16 halves = 32 bytes at byte offset 2i, inside `w`; 16 floats inside `a`.
+        let h0 = _mm_loadu_si128(w.as_ptr().add(2 * i) as *const __m128i);
+        let h1 = _mm_loadu_si128(w.as_ptr().add(2 * i + 16) as *const __m128i);
+        acc0 = _mm256_fmadd_ps(_mm256_cvtph_ps(h0), _mm256_loadu_ps(a.as_ptr().add(i)), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_cvtph_ps(h1), _mm256_loadu_ps(a.as_ptr().add(i + 8)), acc1);
+        i += 16;
+    }
+    let mut total = hsum_ps(_mm256_add_ps(acc0, acc1));
+    while i < n {
+        total += f16_at(w, 2 * i) * a[i];
+        i += 1;
+    }
+    total
+}
+
+/// The 32 low/high nibbles of 16 bytes as 32 bytes: elements 0..16 from the low nibbles,
+/// 16..32 from the high nibbles (the Q4/Q5 layout).
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn nibbles_32(p: *const u8) -> __m256i {
+    let raw = _mm_loadu_si128(p as *const __m128i);
+    let mask = _mm_set1_epi8(0x0f);
+    let lo = _mm_and_si128(raw, mask);
+    let hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    _mm256_set_m128i(hi, lo)
+}
+
+/// Byte `i` = 0x10 where bit `i` of `bits` is set, else 0 (the fifth bit of Q5 quants).
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn fifth_bits(bits: u32) -> __m256i {
+    // Spread byte k of `bits` over bytes 8k..8k+8, then test one bit per byte.
+    let spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(bits as i32),
+        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+    );
+    let select = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+    _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+}
+
+/// Σ over one block: unsigned weight bytes (0..=63) × signed activation bytes, as 8 i32 lanes.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn mul_u8_i8(q: __m256i, y: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), _mm256_set1_epi16(1))
+}
+
+/// Dot product of a row of a 32-element format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with a Q8x32
+/// activation row of `n` elements.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn vec_dot_q32(dtype: DType, w: &[u8], a: &[u8], n: usize) -> f32 {
+    let nb = n / QK;
+    let bb = dtype.block_bytes();
+    assert!(w.len() >= nb * bb && a.len() >= nb * Q8X32_BLOCK_BYTES, "rows too short");
+    let mut acc = _mm256_setzero_ps();
+    let mut offsets = 0f32;
+    for b in 0..nb {
+        let wb = w.as_ptr().add(b * bb);
+        let ab = &a[b * Q8X32_BLOCK_BYTES..];
+        let (da, sa) = (f32_at(ab, 0), f32_at(ab, 4));
+        // SAFETY: the activation block holds 32 quants at byte 8.
+        let y = _mm256_loadu_si256(ab.as_ptr().add(8) as *const __m256i);
+        let dw = f16_at(&w[b * bb..], 0);
+        let sum = match dtype {
+            DType::Q4_0 => {
+                offsets -= 8.0 * dw * sa;
+                mul_u8_i8(nibbles_32(wb.add(2)), y)
+            }
+            DType::Q4_1 => {
+                offsets += f16_at(&w[b * bb..], 2) * sa;
+                mul_u8_i8(nibbles_32(wb.add(4)), y)
+            }
+            DType::Q5_0 | DType::Q5_1 => {
+                let header = if dtype == DType::Q5_0 { 2 } else { 4 };
+                let qh = u32::from_le_bytes([w[b * bb + header], w[b * bb + header + 1], w[b * bb + header + 2], w[b * bb + header + 3]]);
+                let q = _mm256_or_si256(nibbles_32(wb.add(header + 4)), fifth_bits(qh));
+                if dtype == DType::Q5_0 {
+                    offsets -= 16.0 * dw * sa;
+                } else {
+                    offsets += f16_at(&w[b * bb..], 2) * sa;
+                }
+                mul_u8_i8(q, y)
+            }
+            DType::Q8_0 => {
+                // Both operands signed: move the sign of x onto y, multiply |x| (unsigned) by it.
+                let x = _mm256_loadu_si256(wb.add(2) as *const __m256i);
+                mul_u8_i8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x))
+            }
+            other => panic!("vec_dot_q32 called for {other}"),
+        };
+        acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * da), _mm256_cvtepi32_ps(sum), acc);
+    }
+    hsum_ps(acc) + offsets
+}
+
+/// Q4_K or Q5_K row × Q8xK activations.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn vec_dot_q45k(dtype: DType, w: &[u8], a: &[u8], n: usize) -> f32 {
+    let nb = n / QK_K;
+    let bb = dtype.block_bytes();
+    assert!(w.len() >= nb * bb && a.len() >= nb * Q8XK_BLOCK_BYTES, "rows too short");
+    let five = dtype == DType::Q5_K;
+    let mask = _mm256_set1_epi8(0x0f);
+    let mut total = 0f32;
+    for b in 0..nb {
+        let wb = &w[b * bb..];
+        let ab = &a[b * Q8XK_BLOCK_BYTES..];
+        let da = f32_at(ab, 0);
+        let (d, dmin) = (f16_at(wb, 0) * da, f16_at(wb, 2) * da);
+        let mut mins = 0i32;
+        let mut scales = [0i16; 8];
+        for (j, s) in scales.iter_mut().enumerate() {
+            let (sc, m) = scale_min_k4(j, &wb[4..16]);
+            *s = i16::from(sc);
+            let bsum = i16::from_le_bytes([ab[260 + 4 * j], ab[261 + 4 * j]]) as i32
+                + i16::from_le_bytes([ab[262 + 4 * j], ab[263 + 4 * j]]) as i32;
+            mins += i32::from(m) * bsum;
+        }
+        let (qh, qs) = if five { (&wb[16..48], &wb[48..176]) } else { (&wb[16..16], &wb[16..144]) };
+        // SAFETY: qh is 32 bytes when present.
+        let high = if five { _mm256_loadu_si256(qh.as_ptr() as *const __m256i) } else { _mm256_setzero_si256() };
+        let mut sum = _mm256_setzero_si256();
+        for chunk in 0..4 {
+            // SAFETY: 32 bytes of quants per chunk; 64 activation bytes per chunk.
+            let raw = _mm256_loadu_si256(qs.as_ptr().add(chunk * 32) as *const __m256i);
+            let mut lo = _mm256_and_si256(raw, mask);
+            let mut hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+            if five {
+                let bit_lo = _mm256_set1_epi8(1 << (2 * chunk));
+                let bit_hi = _mm256_set1_epi8((1u8 << (2 * chunk + 1)) as i8);
+                let h_lo = _mm256_cmpeq_epi8(_mm256_and_si256(high, bit_lo), bit_lo);
+                let h_hi = _mm256_cmpeq_epi8(_mm256_and_si256(high, bit_hi), bit_hi);
+                lo = _mm256_or_si256(lo, _mm256_and_si256(h_lo, _mm256_set1_epi8(0x10)));
+                hi = _mm256_or_si256(hi, _mm256_and_si256(h_hi, _mm256_set1_epi8(0x10)));
+            }
+            let y_lo = _mm256_loadu_si256(ab.as_ptr().add(4 + chunk * 64) as *const __m256i);
+            let y_hi = _mm256_loadu_si256(ab.as_ptr().add(4 + chunk * 64 + 32) as *const __m256i);
+            let p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, y_lo), _mm256_set1_epi16(scales[2 * chunk]));
+            let p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, y_hi), _mm256_set1_epi16(scales[2 * chunk + 1]));
+            sum = _mm256_add_epi32(sum, _mm256_add_epi32(p_lo, p_hi));
+        }
+        total += d * hsum_epi32(sum) as f32 - dmin * mins as f32;
+    }
+    total
+}
+
+/// Q6_K row × Q8xK activations.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn vec_dot_q6k(w: &[u8], a: &[u8], n: usize) -> f32 {
+    let nb = n / QK_K;
+    let bb = DType::Q6_K.block_bytes();
+    assert!(w.len() >= nb * bb && a.len() >= nb * Q8XK_BLOCK_BYTES, "rows too short");
+    let m4 = _mm256_set1_epi8(0x0f);
+    let m2 = _mm256_set1_epi8(0x03);
+    let mut total = 0f32;
+    for b in 0..nb {
+        let wb = &w[b * bb..];
+        let ab = &a[b * Q8XK_BLOCK_BYTES..];
+        let d = f16_at(wb, 208) * f32_at(ab, 0);
+        let scales: [i8; 16] = std::array::from_fn(|g| wb[192 + g] as i8);
+        // The -32 bias of every quant, applied once through the group sums of the activations.
+        let mut bias = 0i32;
+        for (g, &sc) in scales.iter().enumerate() {
+            bias += i32::from(sc) * i32::from(i16::from_le_bytes([ab[260 + 2 * g], ab[261 + 2 * g]]));
+        }
+        let mut sum = _mm256_setzero_si256();
+        for half in 0..2 {
+            // SAFETY: ql is 64 bytes and qh 32 bytes per half; activations 128 bytes per half.
+            let ql0 = _mm256_loadu_si256(wb.as_ptr().add(half * 64) as *const __m256i);
+            let ql1 = _mm256_loadu_si256(wb.as_ptr().add(half * 64 + 32) as *const __m256i);
+            let qh = _mm256_loadu_si256(wb.as_ptr().add(128 + half * 32) as *const __m256i);
+            let quants = [
+                _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4)),
+                _mm256_or_si256(
+                    _mm256_and_si256(ql1, m4),
+                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4),
+                ),
+                _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(ql0, 4), m4),
+                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m2), 4),
+                ),
+                _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16(ql1, 4), m4),
+                    _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m2), 4),
+                ),
+            ];
+            for (k, q) in quants.into_iter().enumerate() {
+                let offset = half * 128 + k * 32;
+                let y = _mm256_loadu_si256(ab.as_ptr().add(4 + offset) as *const __m256i);
+                let g = offset / 16;
+                let sc = _mm256_set_m128i(_mm_set1_epi16(i16::from(scales[g + 1])), _mm_set1_epi16(i16::from(scales[g])));
+                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), sc));
+            }
+        }
+        total += d * (hsum_epi32(sum) - 32 * bias) as f32;
+    }
+    total
+}
+
+/// Quantizes activations into Q8x32 blocks (same rounding as the reference: nearest, ties to
+/// even).
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn quantize_q8x32(x: &[f32], out: &mut [u8]) {
+    let sign_mask = _mm256_set1_ps(-0.0);
+    for (block, xs) in out.chunks_exact_mut(Q8X32_BLOCK_BYTES).zip(x.chunks_exact(QK)) {
+        // SAFETY: each chunk holds 32 floats.
+        let v: [__m256; 4] = std::array::from_fn(|k| _mm256_loadu_ps(xs.as_ptr().add(8 * k)));
+        let mut amax = _mm256_andnot_ps(sign_mask, v[0]);
+        for vk in &v[1..] {
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_mask, *vk));
+        }
+        let m128 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        let m128 = _mm_max_ps(m128, _mm_movehl_ps(m128, m128));
+        let m128 = _mm_max_ss(m128, _mm_movehdup_ps(m128));
+        let max = _mm_cvtss_f32(m128);
+        let d = max / 127.0;
+        let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+        let mut ints = [_mm256_setzero_si256(); 4];
+        for k in 0..4 {
+            let scaled = _mm256_mul_ps(v[k], inv);
+            // The default MXCSR rounding is to nearest, ties to even.
+            ints[k] = _mm256_cvtps_epi32(scaled);
+        }
+        let sum = _mm256_add_epi32(_mm256_add_epi32(ints[0], ints[1]), _mm256_add_epi32(ints[2], ints[3]));
+        let s = hsum_epi32(sum);
+        // Pack 32 i32 → 32 i8 and undo the lane interleaving of the packs.
+        let p01 = _mm256_packs_epi32(ints[0], ints[1]);
+        let p23 = _mm256_packs_epi32(ints[2], ints[3]);
+        let p = _mm256_packs_epi16(p01, p23);
+        let p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        block[0..4].copy_from_slice(&d.to_le_bytes());
+        block[4..8].copy_from_slice(&(d * s as f32).to_le_bytes());
+        _mm256_storeu_si256(block.as_mut_ptr().add(8) as *mut __m256i, p);
+    }
+}

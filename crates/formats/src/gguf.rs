@@ -920,6 +920,11 @@ impl GgufFile {
         self.map.path()
     }
 
+    /// The whole mapped file.
+    pub fn bytes(&self) -> &[u8] {
+        self.map.bytes()
+    }
+
     /// The raw bytes of a tensor, in its ggml block layout.
     pub fn tensor_data(&self, tensor: &TensorInfo) -> &[u8] {
         &self.map.bytes()[self.header.tensor_range(tensor)]

@@ -1,5 +1,6 @@
 //! Readers for the model file formats Rampart serves, shared by the model repository and the engine.
 //!
+//! - [`byte_level`]: the byte-level alphabet of GPT-2-style BPE vocabularies.
 //! - [`gguf`]: GGUF v2/v3 (header, typed metadata, tensor infos, alignment, data offset), plus a
 //!   writer used for generated test models and for quantized exports.
 //! - [`safetensors`]: safetensors headers (dtypes, shapes, offsets, metadata).
@@ -11,6 +12,7 @@
 //! bytes actually present before anything is allocated, and malformed input returns a typed error,
 //! never a panic. This crate does no model computation and no network or async I/O.
 
+pub mod byte_level;
 pub mod gguf;
 pub mod mapped;
 pub mod onnx;

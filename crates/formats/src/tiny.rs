@@ -4,6 +4,7 @@
 //! hidden size, but the exact tensor names, layouts, metadata keys and tokenizer encoding of a
 //! llama-architecture GGUF as llama.cpp writes it.
 
+use crate::byte_level::gpt2_byte_tokens;
 use crate::gguf::{Array, GgmlType, GgufWriteError, GgufWriter};
 
 /// The shape and tokenizer of a tiny llama model.
@@ -26,26 +27,6 @@ pub struct TinyLlama {
     pub tied_embeddings: bool,
     /// Seed of the weight generator.
     pub seed: u64,
-}
-
-/// GPT-2's byte-to-text mapping: printable bytes stand for themselves, the rest are shifted
-/// to code points from 256 up, so every byte is a visible one-character token.
-pub fn gpt2_byte_tokens() -> Vec<String> {
-    let printable: Vec<u32> = (33..=126).chain(161..=172).chain(174..=255).collect();
-    let mut mapped = Vec::with_capacity(256);
-    let mut next = 256u32;
-    for b in 0u32..256 {
-        if printable.contains(&b) {
-            mapped.push(b);
-        } else {
-            mapped.push(next);
-            next += 1;
-        }
-    }
-    mapped
-        .into_iter()
-        .map(|c| char::from_u32(c).map(String::from).unwrap_or_default())
-        .collect()
 }
 
 impl Default for TinyLlama {
@@ -252,17 +233,6 @@ impl TinyLlama {
 mod tests {
     use super::*;
     use crate::gguf::Gguf;
-
-    #[test]
-    fn byte_tokens_are_distinct_single_chars() {
-        let tokens = gpt2_byte_tokens();
-        assert_eq!(tokens.len(), 256);
-        let distinct: std::collections::HashSet<&String> = tokens.iter().collect();
-        assert_eq!(distinct.len(), 256);
-        assert_eq!(tokens[b' ' as usize], "Ġ");
-        assert_eq!(tokens[b'\n' as usize], "Ċ");
-        assert_eq!(tokens[b'a' as usize], "a");
-    }
 
     #[test]
     fn tiny_llama_is_a_valid_gguf() {

@@ -75,7 +75,9 @@ impl Backend for CpuBackend {
 /// Physical cores of this machine (logical CPUs when the topology is unknown): the default
 /// number of compute threads, as hyper-threads add little to memory-bound decode.
 pub fn physical_cores() -> usize {
-    let logical = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let logical = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     let Ok(cpuinfo) = std::fs::read_to_string("/proc/cpuinfo") else {
         return logical;
     };

@@ -31,7 +31,10 @@ impl Isa {
     pub fn best_supported() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
-            if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
                 return Isa::Avx2;
             }
         }
@@ -41,7 +44,10 @@ impl Isa {
     /// Every level this CPU can run, for tests that compare them.
     pub fn available() -> Vec<Isa> {
         let best = Self::best_supported();
-        [Isa::Scalar, Isa::Avx2].into_iter().filter(|i| *i <= best).collect()
+        [Isa::Scalar, Isa::Avx2]
+            .into_iter()
+            .filter(|i| *i <= best)
+            .collect()
     }
 
     pub fn name(self) -> &'static str {
@@ -97,7 +103,11 @@ pub fn vec_dot(isa: Isa, dtype: DType, w: &[u8], a: &[u8], n: usize) -> f32 {
     }
     let _ = isa;
     match dtype {
-        DType::F32 => as_f32(w, n).iter().zip(as_f32(a, n)).map(|(x, y)| x * y).sum(),
+        DType::F32 => as_f32(w, n)
+            .iter()
+            .zip(as_f32(a, n))
+            .map(|(x, y)| x * y)
+            .sum(),
         _ => quant::vec_dot_ref(dtype, w, a, n),
     }
 }
@@ -105,7 +115,11 @@ pub fn vec_dot(isa: Isa, dtype: DType, w: &[u8], a: &[u8], n: usize) -> f32 {
 /// Views little-endian f32 bytes as floats.
 pub fn as_f32(bytes: &[u8], n: usize) -> &[f32] {
     assert!(bytes.len() >= n * 4, "row too short for {n} floats");
-    assert_eq!(bytes.as_ptr() as usize % std::mem::align_of::<f32>(), 0, "f32 data must be 4-byte aligned");
+    assert_eq!(
+        bytes.as_ptr() as usize % std::mem::align_of::<f32>(),
+        0,
+        "f32 data must be 4-byte aligned"
+    );
     // SAFETY: length and alignment checked above; every bit pattern is a valid f32; x86_64 and
     // aarch64 are little-endian, as the files are.
     unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const f32, n) }

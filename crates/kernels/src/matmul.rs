@@ -35,7 +35,12 @@ impl<'a> Matrix<'a> {
                 data.len()
             ));
         }
-        Ok(Self { dtype, data, rows, cols })
+        Ok(Self {
+            dtype,
+            data,
+            rows,
+            cols,
+        })
     }
 
     pub fn row_bytes(&self) -> usize {
@@ -68,19 +73,39 @@ impl Scratch {
     }
 }
 
-/// A raw output pointer shared by the workers of one loop, each writing disjoint elements.
+/// A raw output pointer shared by the workers of one parallel loop, each writing disjoint
+/// elements.
 #[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
+pub(crate) struct SharedOut(*mut f32);
 // SAFETY: workers write disjoint indices of one live slice; `for_each` returns only after all
 // writes are done.
 unsafe impl Send for SharedOut {}
 unsafe impl Sync for SharedOut {}
 
+impl SharedOut {
+    pub(crate) fn new(ptr: *mut f32) -> Self {
+        Self(ptr)
+    }
+
+    /// The pointer (a method, so closures capture the `Sync` wrapper, not the raw field).
+    pub(crate) fn get(&self) -> *mut f32 {
+        self.0
+    }
+}
+
 /// Activation rows processed together against one weight row.
 const ACT_BLOCK: usize = 32;
 
 /// `out[i·rows + r] = W[r] · x[i]` for `i < m`, `r < rows`.
-pub fn matmul(pool: &ThreadPool, isa: Isa, w: &Matrix<'_>, x: &[f32], m: usize, out: &mut [f32], scratch: &mut Scratch) {
+pub fn matmul(
+    pool: &ThreadPool,
+    isa: Isa,
+    w: &Matrix<'_>,
+    x: &[f32],
+    m: usize,
+    out: &mut [f32],
+    scratch: &mut Scratch,
+) {
     let (rows, cols) = (w.rows, w.cols);
     assert_eq!(x.len(), m * cols, "activations must be m × cols");
     assert_eq!(out.len(), m * rows, "output must be m × rows");
@@ -92,12 +117,19 @@ pub fn matmul(pool: &ThreadPool, isa: Isa, w: &Matrix<'_>, x: &[f32], m: usize, 
         pool.for_each(m, &|i| {
             let base = acts_out;
             // SAFETY: row i of the scratch is written by item i only.
-            let row = unsafe { std::slice::from_raw_parts_mut((base.0 as *mut u8).add(i * act_row), act_row) };
+            let row = unsafe {
+                std::slice::from_raw_parts_mut((base.0 as *mut u8).add(i * act_row), act_row)
+            };
             quantize_activations(isa, format, &x[i * cols..(i + 1) * cols], row);
         });
     } else {
         for i in 0..m {
-            quantize_activations(isa, format, &x[i * cols..(i + 1) * cols], &mut acts[i * act_row..(i + 1) * act_row]);
+            quantize_activations(
+                isa,
+                format,
+                &x[i * cols..(i + 1) * cols],
+                &mut acts[i * act_row..(i + 1) * act_row],
+            );
         }
     }
     let acts: &[u8] = acts;
@@ -106,19 +138,24 @@ pub fn matmul(pool: &ThreadPool, isa: Isa, w: &Matrix<'_>, x: &[f32], m: usize, 
     let threads = pool.threads();
     let tile = (rows / (threads * 4)).clamp(1, 64);
     let tiles = rows.div_ceil(tile);
-    let out_ptr = SharedOut(out.as_mut_ptr());
+    let out_ptr = SharedOut::new(out.as_mut_ptr());
     pool.for_each(tiles, &|t| {
-        let out = out_ptr;
         let (r0, r1) = (t * tile, ((t + 1) * tile).min(rows));
         for i0 in (0..m).step_by(ACT_BLOCK) {
             let i1 = (i0 + ACT_BLOCK).min(m);
             for r in r0..r1 {
                 let wr = w.row(r);
                 for i in i0..i1 {
-                    let v = vec_dot(isa, w.dtype, wr, &acts[i * act_row..(i + 1) * act_row], cols);
+                    let v = vec_dot(
+                        isa,
+                        w.dtype,
+                        wr,
+                        &acts[i * act_row..(i + 1) * act_row],
+                        cols,
+                    );
                     // SAFETY: element (i, r) belongs to this tile's rows only; in bounds as
                     // out.len() == m × rows.
-                    unsafe { *out.0.add(i * rows + r) = v };
+                    unsafe { *out_ptr.get().add(i * rows + r) = v };
                 }
             }
         }
@@ -134,10 +171,19 @@ mod tests {
     #[test]
     fn matches_dequantized_reference() {
         let pool = ThreadPool::new(3);
-        for dtype in [DType::F32, DType::F16, DType::Q4_1, DType::Q8_0, DType::Q4_K, DType::Q6_K] {
+        for dtype in [
+            DType::F32,
+            DType::F16,
+            DType::Q4_1,
+            DType::Q8_0,
+            DType::Q4_K,
+            DType::Q6_K,
+        ] {
             let cols = 512;
             for (rows, m) in [(7, 1), (33, 3), (70, 5)] {
-                let data: Vec<u8> = (0..rows).flat_map(|r| random_row(dtype, cols, r as u64 + 1)).collect();
+                let data: Vec<u8> = (0..rows)
+                    .flat_map(|r| random_row(dtype, cols, r as u64 + 1))
+                    .collect();
                 let w = Matrix::new(dtype, &data, rows, cols).unwrap();
                 let x = random_f32(m * cols, 99);
                 let mut out = vec![0f32; m * rows];
@@ -148,11 +194,18 @@ mod tests {
                     for r in 0..rows {
                         dequantize_row(dtype, w.row(r), &mut wrow);
                         for i in 0..m {
-                            let exact: f32 = wrow.iter().zip(&x[i * cols..(i + 1) * cols]).map(|(a, b)| a * b).sum();
+                            let exact: f32 = wrow
+                                .iter()
+                                .zip(&x[i * cols..(i + 1) * cols])
+                                .map(|(a, b)| a * b)
+                                .sum();
                             let norm: f32 = wrow.iter().map(|v| v.abs()).sum::<f32>() + 1.0;
                             let got = out[i * rows + r];
                             // Quantized activations: error ≲ |w|₁ · max|x| / 127.
-                            assert!((got - exact).abs() <= norm * 0.02, "{dtype} {isa:?} r{r} i{i}: {got} vs {exact}");
+                            assert!(
+                                (got - exact).abs() <= norm * 0.02,
+                                "{dtype} {isa:?} r{r} i{i}: {got} vs {exact}"
+                            );
                         }
                     }
                 }

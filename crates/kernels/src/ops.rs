@@ -70,7 +70,9 @@ pub fn add_assign(x: &mut [f32], y: &[f32]) {
 pub enum RopeScaling {
     None,
     /// Positions divided by `factor`.
-    Linear { factor: f32 },
+    Linear {
+        factor: f32,
+    },
     /// Llama 3.1: low frequencies divided by `factor`, high ones kept, smooth in between.
     Llama3 {
         factor: f32,
@@ -114,7 +116,8 @@ impl Rope {
                     if wavelen > low_wavelen {
                         *f /= factor;
                     } else if wavelen >= high_wavelen {
-                        let smooth = (original_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                        let smooth = (original_context / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
                         *f = (1.0 - smooth) * *f / factor + smooth * *f;
                     }
                 }
@@ -125,6 +128,13 @@ impl Rope {
             neox,
             position_scale,
             inv_freq,
+        }
+    }
+
+    /// Divides each frequency by a per-dimension factor (Llama 3.1's `rope_freqs` tensor).
+    pub fn divide_frequencies(&mut self, factors: &[f32]) {
+        for (f, d) in self.inv_freq.iter_mut().zip(factors) {
+            *f /= d;
         }
     }
 
@@ -142,7 +152,11 @@ impl Rope {
         for h in 0..heads {
             let v = &mut x[h * head_dim..h * head_dim + self.dims];
             for (i, &(c, s)) in cs.iter().take(half).enumerate() {
-                let (a, b) = if self.neox { (i, i + half) } else { (2 * i, 2 * i + 1) };
+                let (a, b) = if self.neox {
+                    (i, i + half)
+                } else {
+                    (2 * i, 2 * i + 1)
+                };
                 let (x0, x1) = (v[a], v[b]);
                 v[a] = x0 * c - x1 * s;
                 v[b] = x0 * s + x1 * c;
@@ -161,11 +175,7 @@ pub struct AttentionShape {
     pub first_pos: usize,
 }
 
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-// SAFETY: each item writes its own head of its own query row; the loop ends before return.
-unsafe impl Send for SharedOut {}
-unsafe impl Sync for SharedOut {}
+use crate::matmul::SharedOut;
 
 /// Causal multi-head attention with grouped KV heads.
 ///
@@ -175,7 +185,15 @@ unsafe impl Sync for SharedOut {}
 ///
 /// Each (row, head) item runs a single pass with an online softmax (running max and sum), so
 /// no score buffer is needed at any context length.
-pub fn attention(pool: &ThreadPool, isa: Isa, shape: AttentionShape, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) {
+pub fn attention(
+    pool: &ThreadPool,
+    isa: Isa,
+    shape: AttentionShape,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &mut [f32],
+) {
     let AttentionShape {
         heads,
         kv_heads,
@@ -183,17 +201,22 @@ pub fn attention(pool: &ThreadPool, isa: Isa, shape: AttentionShape, q: &[f32], 
         first_pos,
     } = shape;
     assert!(head_dim <= 256, "head_dim {head_dim} exceeds 256");
-    assert!(heads % kv_heads == 0, "heads must be a multiple of kv heads");
+    assert!(
+        heads % kv_heads == 0,
+        "heads must be a multiple of kv heads"
+    );
     let q_stride = heads * head_dim;
     let kv_stride = kv_heads * head_dim;
     let m = q.len() / q_stride;
     assert_eq!(out.len(), q.len());
-    assert!(k.len() >= (first_pos + m) * kv_stride && v.len() >= (first_pos + m) * kv_stride, "cache too short");
+    assert!(
+        k.len() >= (first_pos + m) * kv_stride && v.len() >= (first_pos + m) * kv_stride,
+        "cache too short"
+    );
     let group = heads / kv_heads;
     let scale = 1.0 / (head_dim as f32).sqrt();
-    let out_ptr = SharedOut(out.as_mut_ptr());
+    let out_ptr = SharedOut::new(out.as_mut_ptr());
     pool.for_each(m * heads, &|item| {
-        let out_ptr = out_ptr;
         let (i, h) = (item / heads, item % heads);
         let kvh = h / group;
         let qv = &q[i * q_stride + h * head_dim..i * q_stride + (h + 1) * head_dim];
@@ -220,7 +243,9 @@ pub fn attention(pool: &ThreadPool, isa: Isa, shape: AttentionShape, q: &[f32], 
         }
         let inv = 1.0 / sum;
         // SAFETY: this item owns out[i, h, ..]; in bounds by the asserts above.
-        let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.0.add(i * q_stride + h * head_dim), head_dim) };
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut(out_ptr.get().add(i * q_stride + h * head_dim), head_dim)
+        };
         for (d, a) in dst.iter_mut().zip(acc.iter()) {
             *d = a * inv;
         }
@@ -294,7 +319,8 @@ mod tests {
                     let mut scores: Vec<f32> = (0..=first_pos + i)
                         .map(|t| {
                             let kv = &k[(t * kv_heads + kvh) * head_dim..][..head_dim];
-                            qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() / (head_dim as f32).sqrt()
+                            qv.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>()
+                                / (head_dim as f32).sqrt()
                         })
                         .collect();
                     softmax(&mut scores);
@@ -305,7 +331,10 @@ mod tests {
                             .map(|(t, p)| p * v[(t * kv_heads + kvh) * head_dim + d])
                             .sum();
                         let got = out[(i * heads + h) * head_dim + d];
-                        assert!((got - expected).abs() < 1e-5, "{isa:?} i{i} h{h} d{d}: {got} vs {expected}");
+                        assert!(
+                            (got - expected).abs() < 1e-5,
+                            "{isa:?} i{i} h{h} d{d}: {got} vs {expected}"
+                        );
                     }
                 }
             }

@@ -40,7 +40,9 @@ pub struct ThreadPool {
 
 impl std::fmt::Debug for ThreadPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ThreadPool").field("threads", &self.threads()).finish()
+        f.debug_struct("ThreadPool")
+            .field("threads", &self.threads())
+            .finish()
     }
 }
 
@@ -141,9 +143,10 @@ impl ThreadPool {
         let shared = &*self.shared;
         let task_ref: &(dyn Fn(usize) + Sync) = task;
         // The pointer's lifetime is erased here and restored by the workers (see `worker`).
-        shared
-            .task
-            .store(&task_ref as *const &(dyn Fn(usize) + Sync) as usize, Ordering::Release);
+        shared.task.store(
+            &task_ref as *const &(dyn Fn(usize) + Sync) as usize,
+            Ordering::Release,
+        );
         shared.items.store(items, Ordering::Release);
         shared.next.store(0, Ordering::Release);
         shared.finished.store(0, Ordering::Release);
@@ -163,7 +166,11 @@ impl Drop for ThreadPool {
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Release);
         {
-            let _guard = self.shared.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
+            let _guard = self
+                .shared
+                .sleep_lock
+                .lock()
+                .unwrap_or_else(|e| e.into_inner());
             self.shared.wake.notify_all();
         }
         for w in self.workers.drain(..) {
@@ -185,7 +192,10 @@ mod tests {
                 pool.for_each(items, &|i| {
                     counts[i].fetch_add(1, Ordering::Relaxed);
                 });
-                assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 1), "threads {threads}, items {items}");
+                assert!(
+                    counts.iter().all(|c| c.load(Ordering::Relaxed) == 1),
+                    "threads {threads}, items {items}"
+                );
             }
         }
     }

@@ -11,7 +11,7 @@
 
 use half::{bf16, f16};
 
-use crate::dtype::{ActFormat, DType, QK, QK_K, Q8X32_BLOCK_BYTES, Q8XK_BLOCK_BYTES};
+use crate::dtype::{ActFormat, DType, Q8X32_BLOCK_BYTES, Q8XK_BLOCK_BYTES, QK, QK_K};
 
 #[inline]
 pub(crate) fn f16_at(bytes: &[u8], at: usize) -> f32 {
@@ -60,8 +60,17 @@ pub fn unpack32(dtype: DType, block: &[u8]) -> Unpacked32 {
             }
         }
         DType::Q5_0 | DType::Q5_1 => {
-            let (header, bias) = if dtype == DType::Q5_0 { (2, 16) } else { (4, 0) };
-            let qh = u32::from_le_bytes([block[header], block[header + 1], block[header + 2], block[header + 3]]);
+            let (header, bias) = if dtype == DType::Q5_0 {
+                (2, 16)
+            } else {
+                (4, 0)
+            };
+            let qh = u32::from_le_bytes([
+                block[header],
+                block[header + 1],
+                block[header + 2],
+                block[header + 3],
+            ]);
             let qs = &block[header + 4..header + 20];
             for j in 0..16 {
                 let hi0 = ((qh >> j) & 1) as u8;
@@ -72,7 +81,11 @@ pub fn unpack32(dtype: DType, block: &[u8]) -> Unpacked32 {
             Unpacked32 {
                 q,
                 scale: f16_at(block, 0),
-                offset: if dtype == DType::Q5_1 { f16_at(block, 2) } else { 0.0 },
+                offset: if dtype == DType::Q5_1 {
+                    f16_at(block, 2)
+                } else {
+                    0.0
+                },
             }
         }
         DType::Q8_0 => {
@@ -119,7 +132,11 @@ pub(crate) fn scale_min_k4(j: usize, packed: &[u8]) -> (u8, u8) {
 pub(crate) fn q3k_scales(packed: &[u8]) -> [i8; 16] {
     let mut out = [0i8; 16];
     for (i, s) in out.iter_mut().enumerate() {
-        let low = if i < 8 { packed[i] & 0x0f } else { packed[i - 8] >> 4 };
+        let low = if i < 8 {
+            packed[i] & 0x0f
+        } else {
+            packed[i - 8] >> 4
+        };
         let high = (packed[8 + i % 4] >> (2 * (i / 4))) & 3;
         *s = (low | (high << 4)) as i8 - 32;
     }
@@ -211,7 +228,8 @@ pub fn unpack_k(dtype: DType, block: &[u8]) -> UnpackedK {
                     let (lo, hi) = (&ql[half * 64..], qh[half * 32 + l]);
                     let base = half * 128;
                     out.q[base + l] = ((lo[l] & 0x0f) | ((hi & 3) << 4)) as i8 - 32;
-                    out.q[base + l + 32] = ((lo[l + 32] & 0x0f) | (((hi >> 2) & 3) << 4)) as i8 - 32;
+                    out.q[base + l + 32] =
+                        ((lo[l + 32] & 0x0f) | (((hi >> 2) & 3) << 4)) as i8 - 32;
                     out.q[base + l + 64] = ((lo[l] >> 4) | (((hi >> 4) & 3) << 4)) as i8 - 32;
                     out.q[base + l + 96] = ((lo[l + 32] >> 4) | (((hi >> 6) & 3) << 4)) as i8 - 32;
                 }
@@ -237,8 +255,15 @@ pub fn unpack_k(dtype: DType, block: &[u8]) -> UnpackedK {
 pub fn dequantize_row(dtype: DType, src: &[u8], dst: &mut [f32]) {
     let n = dst.len();
     let bs = dtype.block_size();
-    assert_eq!(n % bs, 0, "{n} elements is not a whole number of {dtype} blocks");
-    assert!(src.len() >= n / bs * dtype.block_bytes(), "source row too short");
+    assert_eq!(
+        n % bs,
+        0,
+        "{n} elements is not a whole number of {dtype} blocks"
+    );
+    assert!(
+        src.len() >= n / bs * dtype.block_bytes(),
+        "source row too short"
+    );
     match dtype {
         DType::F32 => {
             for (i, v) in dst.iter_mut().enumerate() {
@@ -284,7 +309,10 @@ pub fn quantize_activations_ref(format: ActFormat, x: &[f32], out: &mut [u8]) {
             }
         }
         ActFormat::Q8x32 => {
-            for (block, xs) in out.chunks_exact_mut(Q8X32_BLOCK_BYTES).zip(x.chunks_exact(QK)) {
+            for (block, xs) in out
+                .chunks_exact_mut(Q8X32_BLOCK_BYTES)
+                .zip(x.chunks_exact(QK))
+            {
                 let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
                 let d = amax / 127.0;
                 let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
@@ -299,7 +327,10 @@ pub fn quantize_activations_ref(format: ActFormat, x: &[f32], out: &mut [u8]) {
             }
         }
         ActFormat::Q8xK => {
-            for (block, xs) in out.chunks_exact_mut(Q8XK_BLOCK_BYTES).zip(x.chunks_exact(QK_K)) {
+            for (block, xs) in out
+                .chunks_exact_mut(Q8XK_BLOCK_BYTES)
+                .zip(x.chunks_exact(QK_K))
+            {
                 let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
                 let d = amax / 127.0;
                 let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
@@ -333,7 +364,9 @@ pub fn vec_dot_ref(dtype: DType, w: &[u8], a: &[u8], n: usize) -> f32 {
                 let u = unpack32(dtype, &w[b * dtype.block_bytes()..]);
                 let act = &a[b * Q8X32_BLOCK_BYTES..];
                 let (d, s) = (f32_at(act, 0), f32_at(act, 4));
-                let dot: i32 = (0..QK).map(|i| i32::from(u.q[i]) * i32::from(act[8 + i] as i8)).sum();
+                let dot: i32 = (0..QK)
+                    .map(|i| i32::from(u.q[i]) * i32::from(act[8 + i] as i8))
+                    .sum();
                 total += u.scale * d * dot as f32 + u.offset * s;
             }
             total

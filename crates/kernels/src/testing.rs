@@ -37,7 +37,9 @@ pub fn random_f32(n: usize, seed: u64) -> Vec<f32> {
 /// mins around 0.005, as in real weights.
 pub fn random_row(dtype: DType, n: usize, seed: u64) -> Vec<u8> {
     let mut rng = Rng::new(seed);
-    let bytes = dtype.row_bytes(n).expect("n must be a whole number of blocks");
+    let bytes = dtype
+        .row_bytes(n)
+        .expect("n must be a whole number of blocks");
     let mut row: Vec<u8> = (0..bytes).map(|_| rng.next_u64() as u8).collect();
     let mut put_f16 = |row: &mut [u8], at: usize, scale: f32| {
         let v = f16::from_f32(scale * (0.5 + 0.5 * rng.unit().abs()));

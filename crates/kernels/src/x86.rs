@@ -8,7 +8,7 @@
 
 use std::arch::x86_64::*;
 
-use crate::dtype::{DType, QK, QK_K, Q8X32_BLOCK_BYTES, Q8XK_BLOCK_BYTES};
+use crate::dtype::{DType, Q8X32_BLOCK_BYTES, Q8XK_BLOCK_BYTES, QK, QK_K};
 use crate::quant::{f16_at, f32_at, scale_min_k4};
 
 #[inline]
@@ -48,7 +48,11 @@ pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
         i += 32;
     }
     while i + 8 <= n {
-        acc[0] = _mm256_fmadd_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)), acc[0]);
+        acc[0] = _mm256_fmadd_ps(
+            _mm256_loadu_ps(pa.add(i)),
+            _mm256_loadu_ps(pb.add(i)),
+            acc[0],
+        );
         i += 8;
     }
     let sum = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
@@ -71,8 +75,16 @@ pub unsafe fn dot_f16_f32(w: &[u8], a: &[f32]) -> f32 {
         // SAFETY: 16 halves = 32 bytes at byte offset 2i, inside `w`; 16 floats inside `a`.
         let h0 = _mm_loadu_si128(w.as_ptr().add(2 * i) as *const __m128i);
         let h1 = _mm_loadu_si128(w.as_ptr().add(2 * i + 16) as *const __m128i);
-        acc0 = _mm256_fmadd_ps(_mm256_cvtph_ps(h0), _mm256_loadu_ps(a.as_ptr().add(i)), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_cvtph_ps(h1), _mm256_loadu_ps(a.as_ptr().add(i + 8)), acc1);
+        acc0 = _mm256_fmadd_ps(
+            _mm256_cvtph_ps(h0),
+            _mm256_loadu_ps(a.as_ptr().add(i)),
+            acc0,
+        );
+        acc1 = _mm256_fmadd_ps(
+            _mm256_cvtph_ps(h1),
+            _mm256_loadu_ps(a.as_ptr().add(i + 8)),
+            acc1,
+        );
         i += 16;
     }
     let mut total = hsum_ps(_mm256_add_ps(acc0, acc1));
@@ -102,7 +114,10 @@ unsafe fn fifth_bits(bits: u32) -> __m256i {
     // Spread byte k of `bits` over bytes 8k..8k+8, then test one bit per byte.
     let spread = _mm256_shuffle_epi8(
         _mm256_set1_epi32(bits as i32),
-        _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+        _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
+            3, 3, 3,
+        ),
     );
     let select = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
     let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
@@ -122,7 +137,10 @@ unsafe fn mul_u8_i8(q: __m256i, y: __m256i) -> __m256i {
 pub unsafe fn vec_dot_q32(dtype: DType, w: &[u8], a: &[u8], n: usize) -> f32 {
     let nb = n / QK;
     let bb = dtype.block_bytes();
-    assert!(w.len() >= nb * bb && a.len() >= nb * Q8X32_BLOCK_BYTES, "rows too short");
+    assert!(
+        w.len() >= nb * bb && a.len() >= nb * Q8X32_BLOCK_BYTES,
+        "rows too short"
+    );
     let mut acc = _mm256_setzero_ps();
     let mut offsets = 0f32;
     for b in 0..nb {
@@ -143,7 +161,12 @@ pub unsafe fn vec_dot_q32(dtype: DType, w: &[u8], a: &[u8], n: usize) -> f32 {
             }
             DType::Q5_0 | DType::Q5_1 => {
                 let header = if dtype == DType::Q5_0 { 2 } else { 4 };
-                let qh = u32::from_le_bytes([w[b * bb + header], w[b * bb + header + 1], w[b * bb + header + 2], w[b * bb + header + 3]]);
+                let qh = u32::from_le_bytes([
+                    w[b * bb + header],
+                    w[b * bb + header + 1],
+                    w[b * bb + header + 2],
+                    w[b * bb + header + 3],
+                ]);
                 let q = _mm256_or_si256(nibbles_32(wb.add(header + 4)), fifth_bits(qh));
                 if dtype == DType::Q5_0 {
                     offsets -= 16.0 * dw * sa;
@@ -169,7 +192,10 @@ pub unsafe fn vec_dot_q32(dtype: DType, w: &[u8], a: &[u8], n: usize) -> f32 {
 pub unsafe fn vec_dot_q45k(dtype: DType, w: &[u8], a: &[u8], n: usize) -> f32 {
     let nb = n / QK_K;
     let bb = dtype.block_bytes();
-    assert!(w.len() >= nb * bb && a.len() >= nb * Q8XK_BLOCK_BYTES, "rows too short");
+    assert!(
+        w.len() >= nb * bb && a.len() >= nb * Q8XK_BLOCK_BYTES,
+        "rows too short"
+    );
     let five = dtype == DType::Q5_K;
     let mask = _mm256_set1_epi8(0x0f);
     let mut total = 0f32;
@@ -187,9 +213,17 @@ pub unsafe fn vec_dot_q45k(dtype: DType, w: &[u8], a: &[u8], n: usize) -> f32 {
                 + i16::from_le_bytes([ab[262 + 4 * j], ab[263 + 4 * j]]) as i32;
             mins += i32::from(m) * bsum;
         }
-        let (qh, qs) = if five { (&wb[16..48], &wb[48..176]) } else { (&wb[16..16], &wb[16..144]) };
+        let (qh, qs) = if five {
+            (&wb[16..48], &wb[48..176])
+        } else {
+            (&wb[16..16], &wb[16..144])
+        };
         // SAFETY: qh is 32 bytes when present.
-        let high = if five { _mm256_loadu_si256(qh.as_ptr() as *const __m256i) } else { _mm256_setzero_si256() };
+        let high = if five {
+            _mm256_loadu_si256(qh.as_ptr() as *const __m256i)
+        } else {
+            _mm256_setzero_si256()
+        };
         let mut sum = _mm256_setzero_si256();
         for chunk in 0..4 {
             // SAFETY: 32 bytes of quants per chunk; 64 activation bytes per chunk.
@@ -206,8 +240,14 @@ pub unsafe fn vec_dot_q45k(dtype: DType, w: &[u8], a: &[u8], n: usize) -> f32 {
             }
             let y_lo = _mm256_loadu_si256(ab.as_ptr().add(4 + chunk * 64) as *const __m256i);
             let y_hi = _mm256_loadu_si256(ab.as_ptr().add(4 + chunk * 64 + 32) as *const __m256i);
-            let p_lo = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, y_lo), _mm256_set1_epi16(scales[2 * chunk]));
-            let p_hi = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, y_hi), _mm256_set1_epi16(scales[2 * chunk + 1]));
+            let p_lo = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(lo, y_lo),
+                _mm256_set1_epi16(scales[2 * chunk]),
+            );
+            let p_hi = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(hi, y_hi),
+                _mm256_set1_epi16(scales[2 * chunk + 1]),
+            );
             sum = _mm256_add_epi32(sum, _mm256_add_epi32(p_lo, p_hi));
         }
         total += d * hsum_epi32(sum) as f32 - dmin * mins as f32;
@@ -220,7 +260,10 @@ pub unsafe fn vec_dot_q45k(dtype: DType, w: &[u8], a: &[u8], n: usize) -> f32 {
 pub unsafe fn vec_dot_q6k(w: &[u8], a: &[u8], n: usize) -> f32 {
     let nb = n / QK_K;
     let bb = DType::Q6_K.block_bytes();
-    assert!(w.len() >= nb * bb && a.len() >= nb * Q8XK_BLOCK_BYTES, "rows too short");
+    assert!(
+        w.len() >= nb * bb && a.len() >= nb * Q8XK_BLOCK_BYTES,
+        "rows too short"
+    );
     let m4 = _mm256_set1_epi8(0x0f);
     let m2 = _mm256_set1_epi8(0x03);
     let mut total = 0f32;
@@ -232,7 +275,8 @@ pub unsafe fn vec_dot_q6k(w: &[u8], a: &[u8], n: usize) -> f32 {
         // The -32 bias of every quant, applied once through the group sums of the activations.
         let mut bias = 0i32;
         for (g, &sc) in scales.iter().enumerate() {
-            bias += i32::from(sc) * i32::from(i16::from_le_bytes([ab[260 + 2 * g], ab[261 + 2 * g]]));
+            bias +=
+                i32::from(sc) * i32::from(i16::from_le_bytes([ab[260 + 2 * g], ab[261 + 2 * g]]));
         }
         let mut sum = _mm256_setzero_si256();
         for half in 0..2 {
@@ -241,7 +285,10 @@ pub unsafe fn vec_dot_q6k(w: &[u8], a: &[u8], n: usize) -> f32 {
             let ql1 = _mm256_loadu_si256(wb.as_ptr().add(half * 64 + 32) as *const __m256i);
             let qh = _mm256_loadu_si256(wb.as_ptr().add(128 + half * 32) as *const __m256i);
             let quants = [
-                _mm256_or_si256(_mm256_and_si256(ql0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4)),
+                _mm256_or_si256(
+                    _mm256_and_si256(ql0, m4),
+                    _mm256_slli_epi16(_mm256_and_si256(qh, m2), 4),
+                ),
                 _mm256_or_si256(
                     _mm256_and_si256(ql1, m4),
                     _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m2), 4),
@@ -259,7 +306,10 @@ pub unsafe fn vec_dot_q6k(w: &[u8], a: &[u8], n: usize) -> f32 {
                 let offset = half * 128 + k * 32;
                 let y = _mm256_loadu_si256(ab.as_ptr().add(4 + offset) as *const __m256i);
                 let g = offset / 16;
-                let sc = _mm256_set_m128i(_mm_set1_epi16(i16::from(scales[g + 1])), _mm_set1_epi16(i16::from(scales[g])));
+                let sc = _mm256_set_m128i(
+                    _mm_set1_epi16(i16::from(scales[g + 1])),
+                    _mm_set1_epi16(i16::from(scales[g])),
+                );
                 sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), sc));
             }
         }
@@ -273,7 +323,10 @@ pub unsafe fn vec_dot_q6k(w: &[u8], a: &[u8], n: usize) -> f32 {
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn quantize_q8x32(x: &[f32], out: &mut [u8]) {
     let sign_mask = _mm256_set1_ps(-0.0);
-    for (block, xs) in out.chunks_exact_mut(Q8X32_BLOCK_BYTES).zip(x.chunks_exact(QK)) {
+    for (block, xs) in out
+        .chunks_exact_mut(Q8X32_BLOCK_BYTES)
+        .zip(x.chunks_exact(QK))
+    {
         // SAFETY: each chunk holds 32 floats.
         let v: [__m256; 4] = std::array::from_fn(|k| _mm256_loadu_ps(xs.as_ptr().add(8 * k)));
         let mut amax = _mm256_andnot_ps(sign_mask, v[0]);
@@ -292,7 +345,10 @@ pub unsafe fn quantize_q8x32(x: &[f32], out: &mut [u8]) {
             // The default MXCSR rounding is to nearest, ties to even.
             ints[k] = _mm256_cvtps_epi32(scaled);
         }
-        let sum = _mm256_add_epi32(_mm256_add_epi32(ints[0], ints[1]), _mm256_add_epi32(ints[2], ints[3]));
+        let sum = _mm256_add_epi32(
+            _mm256_add_epi32(ints[0], ints[1]),
+            _mm256_add_epi32(ints[2], ints[3]),
+        );
         let s = hsum_epi32(sum);
         // Pack 32 i32 → 32 i8 and undo the lane interleaving of the packs.
         let p01 = _mm256_packs_epi32(ints[0], ints[1]);

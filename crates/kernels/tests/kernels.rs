@@ -17,12 +17,23 @@ fn dequantization_matches_the_gguf_reference() {
     for (name, case) in golden.as_object().unwrap() {
         let dtype = DType::from_name(name).unwrap();
         let hex = case["bytes"].as_str().unwrap();
-        let bytes: Vec<u8> = (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect();
-        let expected: Vec<f32> = case["values"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap() as f32).collect();
+        let bytes: Vec<u8> = (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap())
+            .collect();
+        let expected: Vec<f32> = case["values"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap() as f32)
+            .collect();
         let mut got = vec![0f32; expected.len()];
         dequantize_row(dtype, &bytes, &mut got);
         for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
-            assert!((g - e).abs() <= 1e-6 * e.abs().max(1.0), "{name}[{i}]: {g} vs {e}");
+            assert!(
+                (g - e).abs() <= 1e-6 * e.abs().max(1.0),
+                "{name}[{i}]: {g} vs {e}"
+            );
         }
         checked += 1;
     }
@@ -63,7 +74,10 @@ fn simd_dot_products_match_the_scalar_reference() {
                 for isa in Isa::available() {
                     let got = vec_dot(isa, dtype, &w, a_bytes, n);
                     let tol = 1e-4 * reference.abs().max(1.0);
-                    assert!((got - reference).abs() <= tol, "{dtype} n={n} {isa:?}: {got} vs {reference}");
+                    assert!(
+                        (got - reference).abs() <= tol,
+                        "{dtype} n={n} {isa:?}: {got} vs {reference}"
+                    );
                 }
             }
         }
@@ -88,19 +102,28 @@ fn reference_dots_agree_with_dequantized_arithmetic() {
             ActFormat::Q8x32 => (0..n)
                 .map(|i| {
                     let blk = &a_bytes[i / 32 * 40..];
-                    f32::from_le_bytes(blk[0..4].try_into().unwrap()) * f32::from(blk[8 + i % 32] as i8)
+                    f32::from_le_bytes(blk[0..4].try_into().unwrap())
+                        * f32::from(blk[8 + i % 32] as i8)
                 })
                 .collect(),
             ActFormat::Q8xK => (0..n)
                 .map(|i| {
                     let blk = &a_bytes[i / 256 * 292..];
-                    f32::from_le_bytes(blk[0..4].try_into().unwrap()) * f32::from(blk[4 + i % 256] as i8)
+                    f32::from_le_bytes(blk[0..4].try_into().unwrap())
+                        * f32::from(blk[4 + i % 256] as i8)
                 })
                 .collect(),
         };
-        let exact: f64 = wf.iter().zip(&xq).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum();
+        let exact: f64 = wf
+            .iter()
+            .zip(&xq)
+            .map(|(a, b)| f64::from(*a) * f64::from(*b))
+            .sum();
         let got = vec_dot_ref(dtype, &w, a_bytes, n);
-        assert!((f64::from(got) - exact).abs() <= 1e-4 * exact.abs().max(1.0), "{dtype}: {got} vs {exact}");
+        assert!(
+            (f64::from(got) - exact).abs() <= 1e-4 * exact.abs().max(1.0),
+            "{dtype}: {got} vs {exact}"
+        );
     }
 }
 
@@ -129,7 +152,10 @@ fn f32_dot_matches_scalar_at_every_length() {
         let b = random_f32(n, 2);
         let reference: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
         for isa in Isa::available() {
-            assert!((dot_f32(isa, &a, &b) - reference).abs() < 1e-4, "n={n} {isa:?}");
+            assert!(
+                (dot_f32(isa, &a, &b) - reference).abs() < 1e-4,
+                "n={n} {isa:?}"
+            );
         }
     }
 }

@@ -1,0 +1,37 @@
+//! Model families. The llama-family decoder in `model` serves every family here; a family
+//! states only what differs. Adding a family is one entry (and, for a new block structure, one
+//! file beside this one).
+
+/// What distinguishes a family from the llama baseline.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Family {
+    /// `general.architecture` in GGUF.
+    pub name: &'static str,
+    /// RoPE pairs `(i, i + d/2)` (NeoX) instead of `(2i, 2i+1)`. Llama GGUFs store Q/K permuted
+    /// for the pairwise layout; Qwen2 keeps the Hugging Face layout and rotates NeoX-style.
+    pub rope_neox: bool,
+    /// Q/K/V projections carry biases (loaded when present in any case).
+    pub qkv_bias: bool,
+}
+
+/// Llama 2/3, Mistral, SmolLM: GQA, tied or separate output.
+pub const LLAMA: Family = Family {
+    name: "llama",
+    rope_neox: false,
+    qkv_bias: false,
+};
+
+/// Qwen2 / Qwen2.5: biases on Q/K/V, NeoX RoPE, separate output, large vocabulary.
+pub const QWEN2: Family = Family {
+    name: "qwen2",
+    rope_neox: true,
+    qkv_bias: true,
+};
+
+/// Every supported family.
+pub const FAMILIES: &[&Family] = &[&LLAMA, &QWEN2];
+
+/// The family of a `general.architecture` value.
+pub fn family(architecture: &str) -> Option<&'static Family> {
+    FAMILIES.iter().copied().find(|f| f.name == architecture)
+}

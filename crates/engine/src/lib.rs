@@ -1,0 +1,29 @@
+//! Rampart's LLM engine: runs llama-family models from GGUF files on the CPU kernels.
+//!
+//! - [`model`]: configuration, zero-copy weights from the memory-mapped GGUF, the forward pass,
+//!   the KV cache of a sequence;
+//! - [`arch`]: the model families (llama, qwen2) and what distinguishes them;
+//! - [`tokenizer`]: byte-level BPE from GGUF metadata and streaming detokenization;
+//! - [`chat`]: chat templates (minijinja with the helpers HF templates use);
+//! - [`sampler`]: sampling with logprobs and per-token entropy;
+//! - [`generate`]: the engine API, `Engine::generate(request) → stream of events`;
+//! - [`bench`]: throughput and perplexity measured as llama.cpp measures them.
+//!
+//! The engine knows nothing of HTTP, tenants or audit; it runs on its own threads and talks
+//! through channels.
+
+pub mod arch;
+pub mod bench;
+pub mod chat;
+pub mod error;
+pub mod generate;
+pub mod model;
+pub mod sampler;
+pub mod tokenizer;
+
+pub use chat::ChatMessage;
+pub use error::EngineError;
+pub use generate::{
+    Engine, EngineOptions, Event, FinishReason, Finished, GenerateRequest, Prompt, TokenEvent,
+};
+pub use sampler::SamplingParams;

@@ -1,0 +1,531 @@
+//! A loaded model: configuration, weights mapped from the GGUF file, and the forward pass.
+//!
+//! Weights stay in the memory map (zero-copy); only the small 1-D tensors (norms, biases) are
+//! copied to f32 at load. The forward pass is the llama-family decoder; what differs between
+//! families (RoPE layout, biases) is described by an [`crate::arch::Family`].
+
+use std::ops::Range;
+use std::path::Path;
+
+use formats::gguf::{GgmlType, GgufFile, TensorInfo};
+use kernels::ops::{swiglu, AttentionShape, Rope, RopeScaling};
+use kernels::quant::dequantize_row;
+use kernels::{Backend, DType, Matrix, Scratch};
+
+use crate::arch::{family, Family};
+use crate::error::EngineError;
+
+/// The shape of the network.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelConfig {
+    pub architecture: String,
+    pub block_count: usize,
+    pub hidden: usize,
+    pub ffn: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Context the model was trained for.
+    pub context_length: usize,
+    pub vocab_size: usize,
+    pub norm_eps: f32,
+    pub rope_theta: f32,
+    pub rope_dims: usize,
+    pub rope_scaling: RopeScaling,
+}
+
+/// Where a tensor lives in the mapped file.
+#[derive(Debug, Clone)]
+struct TensorRef {
+    dtype: DType,
+    range: Range<usize>,
+    rows: usize,
+    cols: usize,
+}
+
+#[derive(Debug)]
+struct Layer {
+    attn_norm: Vec<f32>,
+    wq: TensorRef,
+    wk: TensorRef,
+    wv: TensorRef,
+    wo: TensorRef,
+    bq: Option<Vec<f32>>,
+    bk: Option<Vec<f32>>,
+    bv: Option<Vec<f32>>,
+    ffn_norm: Vec<f32>,
+    w_gate: TensorRef,
+    w_up: TensorRef,
+    w_down: TensorRef,
+}
+
+/// A model ready to run.
+pub struct Model {
+    file: GgufFile,
+    pub config: ModelConfig,
+    pub family: &'static Family,
+    embeddings: TensorRef,
+    layers: Vec<Layer>,
+    output_norm: Vec<f32>,
+    output: TensorRef,
+    rope: Rope,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+/// The kernels' type for a GGUF tensor type.
+pub fn dtype_of(t: GgmlType) -> Option<DType> {
+    Some(match t {
+        GgmlType::F32 => DType::F32,
+        GgmlType::F16 => DType::F16,
+        GgmlType::BF16 => DType::BF16,
+        GgmlType::Q4_0 => DType::Q4_0,
+        GgmlType::Q4_1 => DType::Q4_1,
+        GgmlType::Q5_0 => DType::Q5_0,
+        GgmlType::Q5_1 => DType::Q5_1,
+        GgmlType::Q8_0 => DType::Q8_0,
+        GgmlType::Q2_K => DType::Q2_K,
+        GgmlType::Q3_K => DType::Q3_K,
+        GgmlType::Q4_K => DType::Q4_K,
+        GgmlType::Q5_K => DType::Q5_K,
+        GgmlType::Q6_K => DType::Q6_K,
+        GgmlType::Q8_K => DType::Q8_K,
+        _ => return None,
+    })
+}
+
+fn tensor_error(name: &str, reason: impl Into<String>) -> EngineError {
+    EngineError::Tensor {
+        name: name.to_string(),
+        reason: reason.into(),
+    }
+}
+
+impl Model {
+    /// Maps and checks a GGUF model file.
+    pub fn load(path: &Path) -> Result<Self, EngineError> {
+        let file = GgufFile::open(path)
+            .map_err(|e| EngineError::Load(format!("{}: {e}", path.display())))?;
+        let meta = |e: formats::gguf::GgufError| EngineError::Load(e.to_string());
+        let arch = file
+            .architecture()
+            .map_err(meta)?
+            .ok_or_else(|| EngineError::Load("general.architecture is missing".into()))?
+            .to_string();
+        let family =
+            family(&arch).ok_or_else(|| EngineError::UnsupportedArchitecture(arch.clone()))?;
+        let need = |key: &str| -> Result<usize, EngineError> {
+            file.arch_u64(key)
+                .map_err(meta)?
+                .map(|v| v as usize)
+                .ok_or_else(|| EngineError::Load(format!("{arch}.{key} is missing")))
+        };
+        let hidden = need("embedding_length")?;
+        let heads = need("attention.head_count")?;
+        let kv_heads = file
+            .arch_u64("attention.head_count_kv")
+            .map_err(meta)?
+            .map_or(heads, |v| v as usize);
+        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || hidden % heads != 0 {
+            return Err(EngineError::Load(format!(
+                "inconsistent attention shape: hidden {hidden}, heads {heads}, kv heads {kv_heads}"
+            )));
+        }
+        let head_dim = hidden / heads;
+        let embd = file
+            .tensor("token_embd.weight")
+            .ok_or_else(|| tensor_error("token_embd.weight", "missing"))?;
+        let vocab_size = embd.dims.get(1).copied().unwrap_or(0) as usize;
+        let scaling = match file.arch_f64("rope.scaling.factor").map_err(meta)? {
+            Some(factor) if factor > 1.0 => {
+                let kind = file
+                    .get_str(&format!("{arch}.rope.scaling.type"))
+                    .map_err(meta)?
+                    .unwrap_or("linear");
+                match kind {
+                    "linear" => RopeScaling::Linear {
+                        factor: factor as f32,
+                    },
+                    "none" => RopeScaling::None,
+                    other => {
+                        return Err(EngineError::Load(format!(
+                            "RoPE scaling {other:?} is not supported"
+                        )))
+                    }
+                }
+            }
+            _ => RopeScaling::None,
+        };
+        let config = ModelConfig {
+            architecture: arch.clone(),
+            block_count: need("block_count")?,
+            hidden,
+            ffn: need("feed_forward_length")?,
+            heads,
+            kv_heads,
+            head_dim,
+            context_length: need("context_length")?,
+            vocab_size,
+            norm_eps: file
+                .arch_f64("attention.layer_norm_rms_epsilon")
+                .map_err(meta)?
+                .unwrap_or(1e-5) as f32,
+            rope_theta: file
+                .arch_f64("rope.freq_base")
+                .map_err(meta)?
+                .unwrap_or(10000.0) as f32,
+            rope_dims: file
+                .arch_u64("rope.dimension_count")
+                .map_err(meta)?
+                .map_or(head_dim, |v| v as usize),
+            rope_scaling: scaling,
+        };
+        if config.rope_dims > head_dim || config.rope_dims % 2 != 0 {
+            return Err(EngineError::Load(format!(
+                "rope.dimension_count {} does not fit head_dim {head_dim}",
+                config.rope_dims
+            )));
+        }
+
+        let matrix = |name: &str, rows: usize, cols: usize| -> Result<TensorRef, EngineError> {
+            let t = file
+                .tensor(name)
+                .ok_or_else(|| tensor_error(name, "missing"))?;
+            tensor_ref(&file, t, rows, cols)
+        };
+        let vector = |name: &str, len: usize| -> Result<Vec<f32>, EngineError> {
+            let t = file
+                .tensor(name)
+                .ok_or_else(|| tensor_error(name, "missing"))?;
+            load_vector(&file, t, len)
+        };
+        let optional_vector = |name: &str, len: usize| -> Result<Option<Vec<f32>>, EngineError> {
+            file.tensor(name)
+                .map(|t| load_vector(&file, t, len))
+                .transpose()
+        };
+        let (q_dim, kv_dim) = (heads * head_dim, kv_heads * head_dim);
+        let mut layers = Vec::with_capacity(config.block_count);
+        for l in 0..config.block_count {
+            let n = |t: &str| format!("blk.{l}.{t}");
+            layers.push(Layer {
+                attn_norm: vector(&n("attn_norm.weight"), hidden)?,
+                wq: matrix(&n("attn_q.weight"), q_dim, hidden)?,
+                wk: matrix(&n("attn_k.weight"), kv_dim, hidden)?,
+                wv: matrix(&n("attn_v.weight"), kv_dim, hidden)?,
+                wo: matrix(&n("attn_output.weight"), hidden, q_dim)?,
+                bq: optional_vector(&n("attn_q.bias"), q_dim)?,
+                bk: optional_vector(&n("attn_k.bias"), kv_dim)?,
+                bv: optional_vector(&n("attn_v.bias"), kv_dim)?,
+                ffn_norm: vector(&n("ffn_norm.weight"), hidden)?,
+                w_gate: matrix(&n("ffn_gate.weight"), config.ffn, hidden)?,
+                w_up: matrix(&n("ffn_up.weight"), config.ffn, hidden)?,
+                w_down: matrix(&n("ffn_down.weight"), hidden, config.ffn)?,
+            });
+        }
+        let embeddings = matrix("token_embd.weight", vocab_size, hidden)?;
+        let output = match file.tensor("output.weight") {
+            Some(t) => tensor_ref(&file, t, vocab_size, hidden)?,
+            None => embeddings.clone(),
+        };
+        let mut rope = Rope::new(
+            config.rope_dims,
+            config.rope_theta,
+            family.rope_neox,
+            config.rope_scaling,
+        );
+        if let Some(t) = file.tensor("rope_freqs.weight") {
+            // Llama 3.1 stores its long-context frequency factors as a tensor.
+            rope.divide_frequencies(&load_vector(&file, t, config.rope_dims / 2)?);
+        }
+        Ok(Self {
+            output_norm: vector("output_norm.weight", hidden)?,
+            file,
+            config,
+            family,
+            embeddings,
+            layers,
+            output,
+            rope,
+        })
+    }
+
+    fn matrix(&self, t: &TensorRef) -> Matrix<'_> {
+        Matrix {
+            dtype: t.dtype,
+            data: &self.file.bytes()[t.range.clone()],
+            rows: t.rows,
+            cols: t.cols,
+        }
+    }
+
+    /// The GGUF file the model runs from (tokenizer metadata lives there too).
+    pub fn gguf(&self) -> &GgufFile {
+        &self.file
+    }
+
+    /// Runs `tokens` (at positions `cache.len()..`) through the network, appending their keys and
+    /// values to `cache`. Logits of the rows selected by `logits` land in `state.logits`
+    /// (`rows × vocab`).
+    pub fn forward(
+        &self,
+        backend: &dyn Backend,
+        tokens: &[u32],
+        cache: &mut KvCache,
+        state: &mut ForwardState,
+        logits: LogitRows,
+    ) -> Result<(), EngineError> {
+        let c = &self.config;
+        let m = tokens.len();
+        if m == 0 {
+            return Ok(());
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+            return Err(EngineError::InvalidRequest(format!(
+                "token id {bad} is outside the vocabulary of {}",
+                c.vocab_size
+            )));
+        }
+        let start = cache.len;
+        if start + m > cache.capacity {
+            return Err(EngineError::ContextExceeded {
+                prompt_tokens: start + m,
+                max_tokens: 0,
+                context: cache.capacity,
+            });
+        }
+        let (hid, qd, kvd) = (c.hidden, c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        state.ensure(c, m);
+        let s = state;
+        let embd = self.matrix(&self.embeddings);
+        for (i, &t) in tokens.iter().enumerate() {
+            dequantize_row(
+                embd.dtype,
+                embd.row(t as usize),
+                &mut s.x[i * hid..(i + 1) * hid],
+            );
+        }
+        let shape = AttentionShape {
+            heads: c.heads,
+            kv_heads: c.kv_heads,
+            head_dim: c.head_dim,
+            first_pos: start,
+        };
+        for (l, layer) in self.layers.iter().enumerate() {
+            let (x, h) = (&mut s.x[..m * hid], &mut s.h[..m * hid]);
+            backend.rms_norm_rows(x, &layer.attn_norm, c.norm_eps, h);
+            let (q, k, v) = (&mut s.q[..m * qd], &mut s.k[..m * kvd], &mut s.v[..m * kvd]);
+            backend.matmul(&self.matrix(&layer.wq), h, m, q, &mut s.scratch);
+            backend.matmul(&self.matrix(&layer.wk), h, m, k, &mut s.scratch);
+            backend.matmul(&self.matrix(&layer.wv), h, m, v, &mut s.scratch);
+            for (buf, bias, dim) in [
+                (&mut *q, &layer.bq, qd),
+                (&mut *k, &layer.bk, kvd),
+                (&mut *v, &layer.bv, kvd),
+            ] {
+                if let Some(bias) = bias {
+                    for row in buf.chunks_exact_mut(dim) {
+                        kernels::ops::add_assign(row, bias);
+                    }
+                }
+            }
+            for i in 0..m {
+                self.rope
+                    .apply(&mut q[i * qd..(i + 1) * qd], c.heads, c.head_dim, start + i);
+                self.rope.apply(
+                    &mut k[i * kvd..(i + 1) * kvd],
+                    c.kv_heads,
+                    c.head_dim,
+                    start + i,
+                );
+            }
+            cache.k[l][start * kvd..(start + m) * kvd].copy_from_slice(k);
+            cache.v[l][start * kvd..(start + m) * kvd].copy_from_slice(v);
+            let att = &mut s.att[..m * qd];
+            backend.attention(
+                shape,
+                q,
+                &cache.k[l][..(start + m) * kvd],
+                &cache.v[l][..(start + m) * kvd],
+                att,
+            );
+            let o = &mut s.o[..m * hid];
+            backend.matmul(&self.matrix(&layer.wo), att, m, o, &mut s.scratch);
+            kernels::ops::add_assign(x, o);
+
+            backend.rms_norm_rows(x, &layer.ffn_norm, c.norm_eps, h);
+            let (gate, up) = (&mut s.gate[..m * c.ffn], &mut s.up[..m * c.ffn]);
+            backend.matmul(&self.matrix(&layer.w_gate), h, m, gate, &mut s.scratch);
+            backend.matmul(&self.matrix(&layer.w_up), h, m, up, &mut s.scratch);
+            swiglu(gate, up);
+            backend.matmul(&self.matrix(&layer.w_down), gate, m, o, &mut s.scratch);
+            kernels::ops::add_assign(x, o);
+        }
+        cache.len = start + m;
+
+        let rows = match logits {
+            LogitRows::Last => m - 1..m,
+            LogitRows::All => 0..m,
+        };
+        let n_rows = rows.len();
+        let h = &mut s.h[..n_rows * hid];
+        backend.rms_norm_rows(
+            &s.x[rows.start * hid..rows.end * hid],
+            &self.output_norm,
+            c.norm_eps,
+            h,
+        );
+        s.logits.resize(n_rows * c.vocab_size, 0.0);
+        backend.matmul(
+            &self.matrix(&self.output),
+            h,
+            n_rows,
+            &mut s.logits,
+            &mut s.scratch,
+        );
+        Ok(())
+    }
+}
+
+fn tensor_ref(
+    file: &GgufFile,
+    t: &TensorInfo,
+    rows: usize,
+    cols: usize,
+) -> Result<TensorRef, EngineError> {
+    let dtype = dtype_of(t.ggml_type)
+        .ok_or_else(|| tensor_error(&t.name, format!("type {} is not supported", t.ggml_type)))?;
+    if t.dims.len() != 2 || t.dims[0] as usize != cols || t.dims[1] as usize != rows {
+        return Err(tensor_error(
+            &t.name,
+            format!("dims {:?}, expected [{cols}, {rows}]", t.dims),
+        ));
+    }
+    if dtype.row_bytes(cols).is_none() {
+        return Err(tensor_error(
+            &t.name,
+            format!("{cols} columns is not a whole number of {dtype} blocks"),
+        ));
+    }
+    Ok(TensorRef {
+        dtype,
+        range: file.tensor_range(t),
+        rows,
+        cols,
+    })
+}
+
+fn load_vector(file: &GgufFile, t: &TensorInfo, len: usize) -> Result<Vec<f32>, EngineError> {
+    let dtype = dtype_of(t.ggml_type)
+        .ok_or_else(|| tensor_error(&t.name, format!("type {} is not supported", t.ggml_type)))?;
+    if t.n_elements as usize != len || len % dtype.block_size() != 0 {
+        return Err(tensor_error(
+            &t.name,
+            format!("{} elements, expected {len}", t.n_elements),
+        ));
+    }
+    let mut out = vec![0f32; len];
+    dequantize_row(dtype, file.tensor_data(t), &mut out);
+    Ok(out)
+}
+
+/// Which rows of a forward pass need logits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LogitRows {
+    /// Only the last token (generation).
+    Last,
+    /// Every token (perplexity, prompt logprobs).
+    All,
+}
+
+/// The keys and values of one sequence, per layer, for positions `0..len`.
+#[derive(Debug)]
+pub struct KvCache {
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+    len: usize,
+    capacity: usize,
+}
+
+impl KvCache {
+    /// A cache for `capacity` positions of `config`'s shape.
+    pub fn new(config: &ModelConfig, capacity: usize) -> Self {
+        let kvd = config.kv_heads * config.head_dim;
+        Self {
+            k: (0..config.block_count)
+                .map(|_| vec![0.0; capacity * kvd])
+                .collect(),
+            v: (0..config.block_count)
+                .map(|_| vec![0.0; capacity * kvd])
+                .collect(),
+            len: 0,
+            capacity,
+        }
+    }
+
+    /// Positions filled.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Forgets everything (the memory is kept for the next sequence).
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.k.iter().chain(&self.v).map(|l| l.len() * 4).sum()
+    }
+}
+
+/// Activation buffers of the forward pass, grown to the largest batch seen and then reused.
+#[derive(Debug, Default)]
+pub struct ForwardState {
+    rows: usize,
+    x: Vec<f32>,
+    h: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    att: Vec<f32>,
+    o: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    /// Logits of the selected rows, `rows × vocab`.
+    pub logits: Vec<f32>,
+    scratch: Scratch,
+}
+
+impl ForwardState {
+    fn ensure(&mut self, c: &ModelConfig, rows: usize) {
+        if rows <= self.rows {
+            return;
+        }
+        let (qd, kvd) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        self.rows = rows;
+        self.x.resize(rows * c.hidden, 0.0);
+        self.h.resize(rows * c.hidden, 0.0);
+        self.q.resize(rows * qd, 0.0);
+        self.k.resize(rows * kvd, 0.0);
+        self.v.resize(rows * kvd, 0.0);
+        self.att.resize(rows * qd, 0.0);
+        self.o.resize(rows * c.hidden, 0.0);
+        self.gate.resize(rows * c.ffn, 0.0);
+        self.up.resize(rows * c.ffn, 0.0);
+    }
+}

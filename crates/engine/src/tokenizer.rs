@@ -1,0 +1,392 @@
+//! Tokenizers built from GGUF metadata: byte-level BPE (`tokenizer.ggml.model = gpt2`) with the
+//! pre-tokenizer variant named by `tokenizer.ggml.pre`, special tokens, BOS/EOS rules, and an
+//! incremental detokenizer that never emits broken UTF-8 while streaming.
+//!
+//! Encoding runs on the `tokenizers` crate; decoding is ours (a byte table per token), because
+//! streaming needs bytes, not strings.
+
+use std::collections::HashMap;
+
+use formats::byte_level::char_to_byte;
+use formats::gguf::Gguf;
+use tokenizers::models::bpe::{Vocab, BPE};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::{AddedToken, SplitDelimiterBehavior};
+
+use crate::error::EngineError;
+
+/// GGUF token types (`tokenizer.ggml.token_type`).
+const TOKEN_CONTROL: i64 = 3;
+const TOKEN_USER_DEFINED: i64 = 4;
+
+const LLAMA3_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// A model's tokenizer.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    /// Bytes of each token (control tokens: their text).
+    token_bytes: Vec<Vec<u8>>,
+    /// Control and user-defined tokens: matched whole in input, not shown in output by default.
+    special: Vec<bool>,
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+    /// Tokens that end generation: EOS, EOT and EOM.
+    pub stop_tokens: Vec<u32>,
+    pub add_bos: bool,
+    /// The chat template, if the model ships one.
+    pub chat_template: Option<String>,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.token_bytes.len())
+            .field("bos", &self.bos)
+            .field("eos", &self.eos)
+            .finish()
+    }
+}
+
+fn bad(reason: impl Into<String>) -> EngineError {
+    EngineError::Tokenizer(reason.into())
+}
+
+fn split(pattern: &str) -> Result<PreTokenizerWrapper, EngineError> {
+    let split = Split::new(
+        SplitPattern::Regex(pattern.to_string()),
+        SplitDelimiterBehavior::Isolated,
+        false,
+    )
+    .map_err(|e| bad(format!("pre-tokenizer pattern: {e}")))?;
+    Ok(split.into())
+}
+
+/// The pre-tokenizer for a `tokenizer.ggml.pre` value.
+fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper, EngineError> {
+    let byte_level = |regex| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, regex));
+    Ok(match pre {
+        // GPT-2's own regex, applied by the byte-level step.
+        "default" | "gpt-2" | "gpt2" | "phi-2" | "roberta-bpe" | "starcoder" | "refact" | "olmo" | "mpt" | "jina-es"
+        | "jina-de" | "jina-v2-es" | "jina-v2-de" | "jina-v1-en" | "jina-v2-code" => byte_level(true),
+        // Digits one by one, then GPT-2's regex.
+        "smollm" | "codeshell" | "exaone" | "minerva" => PreTokenizerWrapper::Sequence(Sequence::new(vec![
+            PreTokenizerWrapper::Digits(Digits::new(true)),
+            byte_level(true),
+        ])),
+        "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" | "smaug-bpe" | "dbrx" => {
+            PreTokenizerWrapper::Sequence(Sequence::new(vec![split(LLAMA3_PATTERN)?, byte_level(false)]))
+        }
+        "qwen2" | "deepseek-r1-qwen" | "stablelm2" => {
+            PreTokenizerWrapper::Sequence(Sequence::new(vec![split(QWEN2_PATTERN)?, byte_level(false)]))
+        }
+        other => {
+            return Err(bad(format!(
+                "pre-tokenizer {other:?} is not supported (supported: gpt-2, smollm, llama3/llama-bpe, qwen2 and their aliases)"
+            )))
+        }
+    })
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer stored in a GGUF file's metadata.
+    pub fn from_gguf(g: &Gguf) -> Result<Self, EngineError> {
+        let meta = |e: formats::gguf::GgufError| bad(e.to_string());
+        let model = g
+            .get_str("tokenizer.ggml.model")
+            .map_err(meta)?
+            .ok_or_else(|| bad("the GGUF has no tokenizer (tokenizer.ggml.model)"))?;
+        if model != "gpt2" {
+            return Err(bad(format!(
+                "tokenizer model {model:?} is not supported yet (supported: gpt2 byte-level BPE)"
+            )));
+        }
+        let tokens = g
+            .get_array("tokenizer.ggml.tokens")
+            .map_err(meta)?
+            .and_then(|a| a.as_strings())
+            .ok_or_else(|| bad("tokenizer.ggml.tokens is missing or not strings"))?;
+        let merges = g
+            .get_array("tokenizer.ggml.merges")
+            .map_err(meta)?
+            .and_then(|a| a.as_strings())
+            .ok_or_else(|| bad("tokenizer.ggml.merges is missing or not strings"))?;
+        let types = match g.get_array("tokenizer.ggml.token_type").map_err(meta)? {
+            Some(a) => a
+                .to_i64s()
+                .ok_or_else(|| bad("tokenizer.ggml.token_type is not integers"))?,
+            None => vec![1; tokens.len()],
+        };
+        let pre = g
+            .get_str("tokenizer.ggml.pre")
+            .map_err(meta)?
+            .unwrap_or("default");
+        let id = |key: &str| -> Result<Option<u32>, EngineError> {
+            Ok(g.get_u64(key)
+                .map_err(meta)?
+                .and_then(|v| u32::try_from(v).ok())
+                .filter(|&v| (v as usize) < tokens.len()))
+        };
+        let bos = id("tokenizer.ggml.bos_token_id")?;
+        let eos = id("tokenizer.ggml.eos_token_id")?;
+        let mut stop_tokens: Vec<u32> = [
+            eos,
+            id("tokenizer.ggml.eot_token_id")?,
+            id("tokenizer.ggml.eom_token_id")?,
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        stop_tokens.dedup();
+        let add_bos = g
+            .get_bool("tokenizer.ggml.add_bos_token")
+            .map_err(meta)?
+            .unwrap_or(false);
+        let chat_template = g
+            .get_str("tokenizer.chat_template")
+            .map_err(meta)?
+            .map(str::to_string);
+        Self::byte_level_bpe(
+            tokens,
+            merges,
+            &types,
+            pre,
+            bos,
+            eos,
+            stop_tokens,
+            add_bos,
+            chat_template,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn byte_level_bpe(
+        tokens: &[String],
+        merges: &[String],
+        types: &[i64],
+        pre: &str,
+        bos: Option<u32>,
+        eos: Option<u32>,
+        stop_tokens: Vec<u32>,
+        add_bos: bool,
+        chat_template: Option<String>,
+    ) -> Result<Self, EngineError> {
+        let vocab: Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i as u32))
+            .collect();
+        let merge_pairs = merges
+            .iter()
+            .map(|m| {
+                m.split_once(' ')
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .ok_or_else(|| bad(format!("merge {m:?} is not two tokens")))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merge_pairs)
+            .build()
+            .map_err(|e| bad(format!("building the BPE model: {e}")))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        inner.with_pre_tokenizer(Some(pre_tokenizer(pre)?));
+        let special: Vec<bool> = (0..tokens.len())
+            .map(|i| {
+                matches!(
+                    types.get(i),
+                    Some(&TOKEN_CONTROL) | Some(&TOKEN_USER_DEFINED)
+                )
+            })
+            .collect();
+        let added: Vec<AddedToken> = tokens
+            .iter()
+            .zip(&special)
+            .filter(|(_, &s)| s)
+            .map(|(t, _)| AddedToken::from(t.clone(), true))
+            .collect();
+        inner.add_special_tokens(&added);
+
+        let table = char_to_byte();
+        let token_bytes = tokens
+            .iter()
+            .zip(&special)
+            .map(|(t, &s)| {
+                if s {
+                    t.as_bytes().to_vec()
+                } else {
+                    // Characters outside the byte alphabet (never in a well-formed vocabulary)
+                    // decode as their UTF-8.
+                    let mut out = Vec::with_capacity(t.len());
+                    for c in t.chars() {
+                        match table.get(&c) {
+                            Some(&b) => out.push(b),
+                            None => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+                        }
+                    }
+                    out
+                }
+            })
+            .collect();
+        Ok(Self {
+            inner,
+            token_bytes,
+            special,
+            bos,
+            eos,
+            stop_tokens,
+            add_bos,
+            chat_template,
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.token_bytes.len()
+    }
+
+    /// Token ids of `text`. Special-token texts in `text` become their ids (as in rendered chat
+    /// templates). With `add_bos` and a model that wants it, BOS goes first.
+    pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>, EngineError> {
+        let encoding = self
+            .inner
+            .encode_fast(text, false)
+            .map_err(|e| bad(format!("encoding: {e}")))?;
+        let mut ids = Vec::with_capacity(encoding.get_ids().len() + 1);
+        if add_bos && self.add_bos {
+            if let Some(bos) = self.bos {
+                ids.push(bos);
+            }
+        }
+        ids.extend_from_slice(encoding.get_ids());
+        Ok(ids)
+    }
+
+    /// The bytes of a token (empty for an unknown id).
+    pub fn token_bytes(&self, id: u32) -> &[u8] {
+        self.token_bytes.get(id as usize).map_or(&[], Vec::as_slice)
+    }
+
+    pub fn is_special(&self, id: u32) -> bool {
+        self.special.get(id as usize).copied().unwrap_or(false)
+    }
+
+    /// The text of a token sequence (special tokens included; invalid UTF-8 replaced).
+    pub fn decode(&self, ids: &[u32]) -> String {
+        let bytes: Vec<u8> = ids
+            .iter()
+            .flat_map(|&id| self.token_bytes(id).iter().copied())
+            .collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+}
+
+/// Turns a stream of tokens into a stream of text pieces, holding back bytes until they form
+/// complete UTF-8 characters.
+#[derive(Debug, Default)]
+pub struct Detokenizer {
+    pending: Vec<u8>,
+}
+
+impl Detokenizer {
+    /// The text that `id` completes (possibly empty while a character is incomplete).
+    pub fn push(&mut self, tokenizer: &Tokenizer, id: u32, show_special: bool) -> String {
+        if tokenizer.is_special(id) && !show_special {
+            return String::new();
+        }
+        self.pending.extend_from_slice(tokenizer.token_bytes(id));
+        let valid = match std::str::from_utf8(&self.pending) {
+            Ok(_) => self.pending.len(),
+            Err(e) if e.error_len().is_none() => e.valid_up_to(),
+            // An invalid sequence (not merely incomplete): emit it replaced rather than stall.
+            Err(_) => {
+                let text = String::from_utf8_lossy(&self.pending).into_owned();
+                self.pending.clear();
+                return text;
+            }
+        };
+        let text = String::from_utf8(self.pending[..valid].to_vec()).unwrap_or_default();
+        self.pending.drain(..valid);
+        text
+    }
+
+    /// Whatever is still held back (at the end of generation), replaced where invalid.
+    pub fn flush(&mut self) -> String {
+        let text = String::from_utf8_lossy(&self.pending).into_owned();
+        self.pending.clear();
+        text
+    }
+}
+
+/// Token texts by id (for logprob reports).
+pub fn token_texts(tokenizer: &Tokenizer, ids: &[u32]) -> HashMap<u32, String> {
+    ids.iter()
+        .map(|&id| {
+            (
+                id,
+                String::from_utf8_lossy(tokenizer.token_bytes(id)).into_owned(),
+            )
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use formats::tiny::TinyLlama;
+
+    fn tiny() -> Tokenizer {
+        let bytes = TinyLlama::default().to_gguf().unwrap();
+        Tokenizer::from_gguf(&Gguf::parse(&bytes).unwrap()).unwrap()
+    }
+
+    #[test]
+    fn encodes_with_merges_and_special_tokens() {
+        let t = tiny();
+        let ids = t.encode("<|im_start|>the cat", false).unwrap();
+        assert_eq!(ids[0], 1, "special token text becomes its id");
+        let text = t.decode(&ids);
+        assert_eq!(text, "<|im_start|>the cat");
+        // " the" merges to one token (Ġ t → Ġt, h e → he, Ġt he → Ġthe).
+        let the = t.encode(" the", false).unwrap();
+        assert_eq!(the.len(), 1, "{the:?}");
+        assert_eq!(t.decode(&the), " the");
+    }
+
+    #[test]
+    fn round_trips_arbitrary_utf8() {
+        let t = tiny();
+        for text in [
+            "héllo wörld",
+            "日本語のテキスト",
+            "emoji 🙂 and 123 digits",
+            "tabs\tand\nnewlines  ",
+        ] {
+            let ids = t.encode(text, false).unwrap();
+            assert_eq!(t.decode(&ids), text);
+        }
+    }
+
+    #[test]
+    fn detokenizer_never_splits_characters() {
+        let t = tiny();
+        let text = "a🙂é日";
+        let ids = t.encode(text, false).unwrap();
+        let mut d = Detokenizer::default();
+        let mut out = String::new();
+        for &id in &ids {
+            let piece = d.push(&t, id, false);
+            assert!(!piece.contains('\u{FFFD}'));
+            out.push_str(&piece);
+        }
+        out.push_str(&d.flush());
+        assert_eq!(out, text);
+        assert_eq!(
+            d.push(&t, 2, false),
+            "",
+            "special tokens are hidden by default"
+        );
+    }
+}

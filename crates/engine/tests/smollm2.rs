@@ -1,0 +1,92 @@
+//! SmolLM2-135M-Instruct (Q4_1 GGUF) against llama.cpp's golden outputs (shared/MODELS.md).
+
+use engine::{
+    ChatMessage, Engine, EngineOptions, Event, FinishReason, GenerateRequest, Prompt,
+    SamplingParams,
+};
+use testkit::cached_model;
+use testkit::models::SMOLLM2_GGUF;
+
+fn engine() -> Option<Engine> {
+    let path = cached_model(SMOLLM2_GGUF)?;
+    let options = EngineOptions {
+        threads: 2,
+        context: Some(1024),
+        ..EngineOptions::default()
+    };
+    Some(Engine::load(&path, &options).unwrap())
+}
+
+fn greedy(engine: &Engine, prompt: Prompt, max_tokens: usize) -> (Vec<u32>, String, FinishReason) {
+    let mut request = GenerateRequest::new(prompt, max_tokens);
+    request.sampling = SamplingParams::greedy();
+    let prepared = engine.prepare(request).unwrap();
+    let mut ids = Vec::new();
+    let mut text = String::new();
+    let finished = engine
+        .run(prepared, &mut |e| {
+            match e {
+                Event::Token(t) => {
+                    ids.push(t.id);
+                    text.push_str(&t.text);
+                }
+                Event::Finished(f) => text.push_str(&f.trailing_text),
+                Event::Failed(e) => panic!("{e}"),
+            }
+            true
+        })
+        .unwrap();
+    (ids, text, finished.reason)
+}
+
+#[test]
+fn tokenizes_and_generates_like_llama_cpp() {
+    let Some(engine) = engine() else { return };
+    let ids = engine
+        .tokenizer()
+        .encode("The capital of France is", true)
+        .unwrap();
+    assert_eq!(ids, [504, 3575, 282, 4649, 314]);
+    let (out, text, _) = greedy(&engine, Prompt::Text("The capital of France is".into()), 12);
+    assert_eq!(
+        out[..5],
+        [7042, 30, 198, 198, 504],
+        "first five greedy tokens: {out:?} ({text:?})"
+    );
+    assert!(text.starts_with(" Paris.\n\nThe"), "{text:?}");
+}
+
+#[test]
+fn chatml_answers_paris() {
+    let Some(engine) = engine() else { return };
+    // ChatML as llama.cpp's built-in template writes it (no default system message).
+    let prompt =
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
+    let (ids, text, reason) = greedy(&engine, Prompt::Text(prompt.into()), 20);
+    assert_eq!(text, "The capital of France is Paris.");
+    assert_eq!(
+        reason,
+        FinishReason::Stop,
+        "ends with <|im_end|> after {} tokens",
+        ids.len()
+    );
+}
+
+#[test]
+fn jinja_chat_template_tokenizes_like_llama_cpp() {
+    let Some(engine) = engine() else { return };
+    // The GGUF's own template adds SmolLM's default system message; llama-server (with its
+    // Jinja engine) tokenizes the rendered chat to exactly these ids.
+    let text = engine
+        .render_chat(&[ChatMessage::new("user", "What is the capital of France?")])
+        .unwrap();
+    let ids = engine.tokenizer().encode(&text, false).unwrap();
+    assert_eq!(
+        ids,
+        [
+            1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411,
+            407, 19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1,
+            520, 9531, 198
+        ]
+    );
+}

@@ -9,7 +9,7 @@
 use std::arch::x86_64::*;
 
 use crate::dtype::{DType, Q8X32_BLOCK_BYTES, Q8XK_BLOCK_BYTES, QK, QK_K};
-use crate::quant::{f16_at, f32_at, scale_min_k4};
+use crate::quant::{f16_at, scale_min_k4};
 
 #[inline]
 #[target_feature(enable = "avx2,fma")]
@@ -131,60 +131,103 @@ unsafe fn mul_u8_i8(q: __m256i, y: __m256i) -> __m256i {
     _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), _mm256_set1_epi16(1))
 }
 
+/// An f16 at `p` (any alignment) as f32, converted by F16C.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_load(p: *const u8) -> f32 {
+    let bits = std::ptr::read_unaligned(p as *const u16);
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
+
+#[inline]
+unsafe fn f32_load(p: *const u8) -> f32 {
+    std::ptr::read_unaligned(p as *const f32)
+}
+
+// The 32-element formats, as const-generic kernel parameters.
+const K_Q4_0: u8 = 0;
+const K_Q4_1: u8 = 1;
+const K_Q5_0: u8 = 2;
+const K_Q5_1: u8 = 3;
+const K_Q8_0: u8 = 4;
+
+/// One block of a 32-element format against one Q8x32 activation block: returns the integer
+/// dot as 8 i32 lanes and adds the block's offset term (`-8·d·s`, `-16·d·s` or `m·s`) to `offset`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_q32<const K: u8>(wb: *const u8, ab: *const u8, dw: f32, offset: &mut f32) -> __m256i {
+    let y = _mm256_loadu_si256(ab.add(8) as *const __m256i);
+    let sa = f32_load(ab.add(4));
+    match K {
+        K_Q4_0 => {
+            *offset -= 8.0 * dw * sa;
+            mul_u8_i8(nibbles_32(wb.add(2)), y)
+        }
+        K_Q4_1 => {
+            *offset += f16_load(wb.add(2)) * sa;
+            mul_u8_i8(nibbles_32(wb.add(4)), y)
+        }
+        K_Q5_0 | K_Q5_1 => {
+            let header = if K == K_Q5_0 { 2 } else { 4 };
+            let qh = std::ptr::read_unaligned(wb.add(header) as *const u32);
+            let q = _mm256_or_si256(nibbles_32(wb.add(header + 4)), fifth_bits(qh));
+            if K == K_Q5_0 {
+                *offset -= 16.0 * dw * sa;
+            } else {
+                *offset += f16_load(wb.add(2)) * sa;
+            }
+            mul_u8_i8(q, y)
+        }
+        _ => {
+            // Both operands signed: move the sign of x onto y, multiply |x| (unsigned) by it.
+            let x = _mm256_loadu_si256(wb.add(2) as *const __m256i);
+            mul_u8_i8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x))
+        }
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q32<const K: u8>(w: *const u8, a: *const u8, nb: usize, bb: usize) -> f32 {
+    // Two independent accumulator chains hide the FMA latency.
+    let (mut acc0, mut acc1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let (mut off0, mut off1) = (0f32, 0f32);
+    let mut b = 0;
+    while b + 2 <= nb {
+        let (w0, a0) = (w.add(b * bb), a.add(b * Q8X32_BLOCK_BYTES));
+        let (w1, a1) = (w0.add(bb), a0.add(Q8X32_BLOCK_BYTES));
+        let (d0, d1) = (f16_load(w0), f16_load(w1));
+        let s0 = block_q32::<K>(w0, a0, d0, &mut off0);
+        let s1 = block_q32::<K>(w1, a1, d1, &mut off1);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * f32_load(a0)), _mm256_cvtepi32_ps(s0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1 * f32_load(a1)), _mm256_cvtepi32_ps(s1), acc1);
+        b += 2;
+    }
+    if b < nb {
+        let (w0, a0) = (w.add(b * bb), a.add(b * Q8X32_BLOCK_BYTES));
+        let d0 = f16_load(w0);
+        let s0 = block_q32::<K>(w0, a0, d0, &mut off0);
+        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * f32_load(a0)), _mm256_cvtepi32_ps(s0), acc0);
+    }
+    hsum_ps(_mm256_add_ps(acc0, acc1)) + off0 + off1
+}
+
 /// Dot product of a row of a 32-element format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with a Q8x32
 /// activation row of `n` elements.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn vec_dot_q32(dtype: DType, w: &[u8], a: &[u8], n: usize) -> f32 {
     let nb = n / QK;
     let bb = dtype.block_bytes();
-    assert!(
-        w.len() >= nb * bb && a.len() >= nb * Q8X32_BLOCK_BYTES,
-        "rows too short"
-    );
-    let mut acc = _mm256_setzero_ps();
-    let mut offsets = 0f32;
-    for b in 0..nb {
-        let wb = w.as_ptr().add(b * bb);
-        let ab = &a[b * Q8X32_BLOCK_BYTES..];
-        let (da, sa) = (f32_at(ab, 0), f32_at(ab, 4));
-        // SAFETY: the activation block holds 32 quants at byte 8.
-        let y = _mm256_loadu_si256(ab.as_ptr().add(8) as *const __m256i);
-        let dw = f16_at(&w[b * bb..], 0);
-        let sum = match dtype {
-            DType::Q4_0 => {
-                offsets -= 8.0 * dw * sa;
-                mul_u8_i8(nibbles_32(wb.add(2)), y)
-            }
-            DType::Q4_1 => {
-                offsets += f16_at(&w[b * bb..], 2) * sa;
-                mul_u8_i8(nibbles_32(wb.add(4)), y)
-            }
-            DType::Q5_0 | DType::Q5_1 => {
-                let header = if dtype == DType::Q5_0 { 2 } else { 4 };
-                let qh = u32::from_le_bytes([
-                    w[b * bb + header],
-                    w[b * bb + header + 1],
-                    w[b * bb + header + 2],
-                    w[b * bb + header + 3],
-                ]);
-                let q = _mm256_or_si256(nibbles_32(wb.add(header + 4)), fifth_bits(qh));
-                if dtype == DType::Q5_0 {
-                    offsets -= 16.0 * dw * sa;
-                } else {
-                    offsets += f16_at(&w[b * bb..], 2) * sa;
-                }
-                mul_u8_i8(q, y)
-            }
-            DType::Q8_0 => {
-                // Both operands signed: move the sign of x onto y, multiply |x| (unsigned) by it.
-                let x = _mm256_loadu_si256(wb.add(2) as *const __m256i);
-                mul_u8_i8(_mm256_sign_epi8(x, x), _mm256_sign_epi8(y, x))
-            }
-            other => panic!("vec_dot_q32 called for {other}"),
-        };
-        acc = _mm256_fmadd_ps(_mm256_set1_ps(dw * da), _mm256_cvtepi32_ps(sum), acc);
+    assert!(w.len() >= nb * bb && a.len() >= nb * Q8X32_BLOCK_BYTES, "rows too short");
+    // SAFETY: the lengths were checked above; every block read stays inside them.
+    let (w, a) = (w.as_ptr(), a.as_ptr());
+    match dtype {
+        DType::Q4_0 => dot_q32::<K_Q4_0>(w, a, nb, bb),
+        DType::Q4_1 => dot_q32::<K_Q4_1>(w, a, nb, bb),
+        DType::Q5_0 => dot_q32::<K_Q5_0>(w, a, nb, bb),
+        DType::Q5_1 => dot_q32::<K_Q5_1>(w, a, nb, bb),
+        DType::Q8_0 => dot_q32::<K_Q8_0>(w, a, nb, bb),
+        other => panic!("vec_dot_q32 called for {other}"),
     }
-    hsum_ps(acc) + offsets
 }
 
 /// Q4_K or Q5_K row × Q8xK activations.
@@ -202,8 +245,8 @@ pub unsafe fn vec_dot_q45k(dtype: DType, w: &[u8], a: &[u8], n: usize) -> f32 {
     for b in 0..nb {
         let wb = &w[b * bb..];
         let ab = &a[b * Q8XK_BLOCK_BYTES..];
-        let da = f32_at(ab, 0);
-        let (d, dmin) = (f16_at(wb, 0) * da, f16_at(wb, 2) * da);
+        let da = f32_load(ab.as_ptr());
+        let (d, dmin) = (f16_load(wb.as_ptr()) * da, f16_load(wb.as_ptr().add(2)) * da);
         let mut mins = 0i32;
         let mut scales = [0i16; 8];
         for (j, s) in scales.iter_mut().enumerate() {
@@ -270,7 +313,7 @@ pub unsafe fn vec_dot_q6k(w: &[u8], a: &[u8], n: usize) -> f32 {
     for b in 0..nb {
         let wb = &w[b * bb..];
         let ab = &a[b * Q8XK_BLOCK_BYTES..];
-        let d = f16_at(wb, 208) * f32_at(ab, 0);
+        let d = f16_load(wb.as_ptr().add(208)) * f32_load(ab.as_ptr());
         let scales: [i8; 16] = std::array::from_fn(|g| wb[192 + g] as i8);
         // The -32 bias of every quant, applied once through the group sums of the activations.
         let mut bias = 0i32;

@@ -1,6 +1,9 @@
 //! `rampart`: the command line. Parses arguments and calls the libraries; no logic of its own
 //! beyond presenting results.
 
+mod bench_cmd;
+mod engine_args;
+mod generate_cmd;
 mod model_cmd;
 mod progress_bar;
 mod render;
@@ -45,6 +48,11 @@ struct Cli {
 enum Command {
     /// Manage the model repository: import, list, inspect, verify, diff, remove.
     Model(ModelArgs),
+    /// Generate text with an LLM (streams to the terminal).
+    Generate(generate_cmd::GenerateArgs),
+    /// Measure engine throughput and model perplexity.
+    #[command(subcommand)]
+    Bench(bench_cmd::BenchCommand),
 }
 
 #[derive(Debug, clap::Args)]
@@ -66,6 +74,8 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Model(args) => model_cmd::run(args),
+        Command::Generate(args) => generate_cmd::run(args),
+        Command::Bench(command) => bench_cmd::run(command),
     };
     match result {
         Ok(code) => code,

@@ -112,6 +112,31 @@ pub fn vec_dot(isa: Isa, dtype: DType, w: &[u8], a: &[u8], n: usize) -> f32 {
     }
 }
 
+/// Activation rows that [`vec_dot_rows`] multiplies with one weight row at once.
+pub const DOT_ROWS: usize = 4;
+
+/// [`vec_dot`] of one weight row against [`DOT_ROWS`] activation rows: the weight row is read and
+/// unpacked once for all of them where a kernel for that exists (prefill, batched decode).
+pub fn vec_dot_rows(
+    isa: Isa,
+    dtype: DType,
+    w: &[u8],
+    acts: [&[u8]; DOT_ROWS],
+    n: usize,
+) -> [f32; DOT_ROWS] {
+    #[cfg(target_arch = "x86_64")]
+    if isa >= Isa::Avx2
+        && matches!(
+            dtype,
+            DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0
+        )
+    {
+        // SAFETY: AVX2, FMA and F16C are present (see Isa::detect); the kernel checks lengths.
+        return unsafe { crate::x86::vec_dot_q32_rows(dtype, w, acts, n) };
+    }
+    acts.map(|a| vec_dot(isa, dtype, w, a, n))
+}
+
 /// Views little-endian f32 bytes as floats.
 pub fn as_f32(bytes: &[u8], n: usize) -> &[f32] {
     assert!(bytes.len() >= n * 4, "row too short for {n} floats");

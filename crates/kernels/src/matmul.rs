@@ -9,7 +9,7 @@
 //! multiplied with every activation row (in blocks that stay in cache), so decode with several
 //! sequences and prefill both pay for the weights once.
 
-use crate::dispatch::{quantize_activations, vec_dot, Isa};
+use crate::dispatch::{quantize_activations, vec_dot, vec_dot_rows, Isa, DOT_ROWS};
 use crate::dtype::DType;
 use crate::pool::ThreadPool;
 
@@ -145,16 +145,21 @@ pub fn matmul(
             let i1 = (i0 + ACT_BLOCK).min(m);
             for r in r0..r1 {
                 let wr = w.row(r);
-                for i in i0..i1 {
-                    let v = vec_dot(
-                        isa,
-                        w.dtype,
-                        wr,
-                        &acts[i * act_row..(i + 1) * act_row],
-                        cols,
-                    );
-                    // SAFETY: element (i, r) belongs to this tile's rows only; in bounds as
-                    // out.len() == m × rows.
+                let act = |i: usize| &acts[i * act_row..(i + 1) * act_row];
+                let mut i = i0;
+                while i + DOT_ROWS <= i1 {
+                    let rows4 = std::array::from_fn(|k| act(i + k));
+                    let values = vec_dot_rows(isa, w.dtype, wr, rows4, cols);
+                    for (k, v) in values.into_iter().enumerate() {
+                        // SAFETY: element (i + k, r) belongs to this tile's rows only; in
+                        // bounds as out.len() == m × rows.
+                        unsafe { *out_ptr.get().add((i + k) * rows + r) = v };
+                    }
+                    i += DOT_ROWS;
+                }
+                for i in i..i1 {
+                    let v = vec_dot(isa, w.dtype, wr, act(i), cols);
+                    // SAFETY: as above.
                     unsafe { *out_ptr.get().add(i * rows + r) = v };
                 }
             }

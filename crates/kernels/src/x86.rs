@@ -155,7 +155,12 @@ const K_Q8_0: u8 = 4;
 /// dot as 8 i32 lanes and adds the block's offset term (`-8·d·s`, `-16·d·s` or `m·s`) to `offset`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn block_q32<const K: u8>(wb: *const u8, ab: *const u8, dw: f32, offset: &mut f32) -> __m256i {
+unsafe fn block_q32<const K: u8>(
+    wb: *const u8,
+    ab: *const u8,
+    dw: f32,
+    offset: &mut f32,
+) -> __m256i {
     let y = _mm256_loadu_si256(ab.add(8) as *const __m256i);
     let sa = f32_load(ab.add(4));
     match K {
@@ -198,17 +203,124 @@ unsafe fn dot_q32<const K: u8>(w: *const u8, a: *const u8, nb: usize, bb: usize)
         let (d0, d1) = (f16_load(w0), f16_load(w1));
         let s0 = block_q32::<K>(w0, a0, d0, &mut off0);
         let s1 = block_q32::<K>(w1, a1, d1, &mut off1);
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * f32_load(a0)), _mm256_cvtepi32_ps(s0), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set1_ps(d1 * f32_load(a1)), _mm256_cvtepi32_ps(s1), acc1);
+        acc0 = _mm256_fmadd_ps(
+            _mm256_set1_ps(d0 * f32_load(a0)),
+            _mm256_cvtepi32_ps(s0),
+            acc0,
+        );
+        acc1 = _mm256_fmadd_ps(
+            _mm256_set1_ps(d1 * f32_load(a1)),
+            _mm256_cvtepi32_ps(s1),
+            acc1,
+        );
         b += 2;
     }
     if b < nb {
         let (w0, a0) = (w.add(b * bb), a.add(b * Q8X32_BLOCK_BYTES));
         let d0 = f16_load(w0);
         let s0 = block_q32::<K>(w0, a0, d0, &mut off0);
-        acc0 = _mm256_fmadd_ps(_mm256_set1_ps(d0 * f32_load(a0)), _mm256_cvtepi32_ps(s0), acc0);
+        acc0 = _mm256_fmadd_ps(
+            _mm256_set1_ps(d0 * f32_load(a0)),
+            _mm256_cvtepi32_ps(s0),
+            acc0,
+        );
     }
     hsum_ps(_mm256_add_ps(acc0, acc1)) + off0 + off1
+}
+
+/// Decodes one weight block of a 32-element format once: the quants as bytes (unsigned for
+/// Q4/Q5, signed for Q8_0), the scale, and the per-block offset factor applied to the
+/// activations' sums (`-8·d`, `-16·d`, `m`; 0 for Q8_0).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn decode_q32<const K: u8>(wb: *const u8) -> (__m256i, f32, f32) {
+    let d = f16_load(wb);
+    match K {
+        K_Q4_0 => (nibbles_32(wb.add(2)), d, -8.0 * d),
+        K_Q4_1 => (nibbles_32(wb.add(4)), d, f16_load(wb.add(2))),
+        K_Q5_0 | K_Q5_1 => {
+            let header = if K == K_Q5_0 { 2 } else { 4 };
+            let qh = std::ptr::read_unaligned(wb.add(header) as *const u32);
+            let q = _mm256_or_si256(nibbles_32(wb.add(header + 4)), fifth_bits(qh));
+            (
+                q,
+                d,
+                if K == K_Q5_0 {
+                    -16.0 * d
+                } else {
+                    f16_load(wb.add(2))
+                },
+            )
+        }
+        _ => (_mm256_loadu_si256(wb.add(2) as *const __m256i), d, 0.0),
+    }
+}
+
+/// Activation rows multiplied with each decoded weight block (the weight bytes are read and
+/// unpacked once for all of them).
+pub const ROWS: usize = 4;
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_q32_rows<const K: u8>(
+    w: *const u8,
+    acts: [*const u8; ROWS],
+    nb: usize,
+    bb: usize,
+) -> [f32; ROWS] {
+    let mut acc = [_mm256_setzero_ps(); ROWS];
+    let mut off = [0f32; ROWS];
+    for b in 0..nb {
+        let (q, d, offset) = decode_q32::<K>(w.add(b * bb));
+        let abs_q = if K == K_Q8_0 {
+            _mm256_sign_epi8(q, q)
+        } else {
+            q
+        };
+        for r in 0..ROWS {
+            let ab = acts[r].add(b * Q8X32_BLOCK_BYTES);
+            let y = _mm256_loadu_si256(ab.add(8) as *const __m256i);
+            let sum = if K == K_Q8_0 {
+                mul_u8_i8(abs_q, _mm256_sign_epi8(y, q))
+            } else {
+                mul_u8_i8(q, y)
+            };
+            acc[r] = _mm256_fmadd_ps(
+                _mm256_set1_ps(d * f32_load(ab)),
+                _mm256_cvtepi32_ps(sum),
+                acc[r],
+            );
+            off[r] += offset * f32_load(ab.add(4));
+        }
+    }
+    std::array::from_fn(|r| hsum_ps(acc[r]) + off[r])
+}
+
+/// [`vec_dot_q32`] of one weight row against [`ROWS`] activation rows at once.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn vec_dot_q32_rows(
+    dtype: DType,
+    w: &[u8],
+    acts: [&[u8]; ROWS],
+    n: usize,
+) -> [f32; ROWS] {
+    let nb = n / QK;
+    let bb = dtype.block_bytes();
+    assert!(w.len() >= nb * bb, "weight row too short");
+    assert!(
+        acts.iter().all(|a| a.len() >= nb * Q8X32_BLOCK_BYTES),
+        "activation row too short"
+    );
+    // SAFETY: the lengths were checked above; every block read stays inside them.
+    let ptrs = acts.map(|a| a.as_ptr());
+    let w = w.as_ptr();
+    match dtype {
+        DType::Q4_0 => dot_q32_rows::<K_Q4_0>(w, ptrs, nb, bb),
+        DType::Q4_1 => dot_q32_rows::<K_Q4_1>(w, ptrs, nb, bb),
+        DType::Q5_0 => dot_q32_rows::<K_Q5_0>(w, ptrs, nb, bb),
+        DType::Q5_1 => dot_q32_rows::<K_Q5_1>(w, ptrs, nb, bb),
+        DType::Q8_0 => dot_q32_rows::<K_Q8_0>(w, ptrs, nb, bb),
+        other => panic!("vec_dot_q32_rows called for {other}"),
+    }
 }
 
 /// Dot product of a row of a 32-element format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) with a Q8x32
@@ -217,7 +329,10 @@ unsafe fn dot_q32<const K: u8>(w: *const u8, a: *const u8, nb: usize, bb: usize)
 pub unsafe fn vec_dot_q32(dtype: DType, w: &[u8], a: &[u8], n: usize) -> f32 {
     let nb = n / QK;
     let bb = dtype.block_bytes();
-    assert!(w.len() >= nb * bb && a.len() >= nb * Q8X32_BLOCK_BYTES, "rows too short");
+    assert!(
+        w.len() >= nb * bb && a.len() >= nb * Q8X32_BLOCK_BYTES,
+        "rows too short"
+    );
     // SAFETY: the lengths were checked above; every block read stays inside them.
     let (w, a) = (w.as_ptr(), a.as_ptr());
     match dtype {
@@ -246,7 +361,10 @@ pub unsafe fn vec_dot_q45k(dtype: DType, w: &[u8], a: &[u8], n: usize) -> f32 {
         let wb = &w[b * bb..];
         let ab = &a[b * Q8XK_BLOCK_BYTES..];
         let da = f32_load(ab.as_ptr());
-        let (d, dmin) = (f16_load(wb.as_ptr()) * da, f16_load(wb.as_ptr().add(2)) * da);
+        let (d, dmin) = (
+            f16_load(wb.as_ptr()) * da,
+            f16_load(wb.as_ptr().add(2)) * da,
+        );
         let mut mins = 0i32;
         let mut scales = [0i16; 8];
         for (j, s) in scales.iter_mut().enumerate() {

@@ -4,7 +4,7 @@
 //! - every SIMD kernel against its scalar reference on random inputs of awkward sizes;
 //! - the reference dot products against dequantized f32 arithmetic.
 
-use kernels::dispatch::{dot_f32, quantize_activations, vec_dot, Isa};
+use kernels::dispatch::{dot_f32, quantize_activations, vec_dot, vec_dot_rows, Isa, DOT_ROWS};
 use kernels::quant::{dequantize_row, quantize_activations_ref, unpack_k, vec_dot_ref};
 use kernels::testing::{random_f32, random_row};
 use kernels::{ActFormat, DType};
@@ -77,6 +77,40 @@ fn simd_dot_products_match_the_scalar_reference() {
                     assert!(
                         (got - reference).abs() <= tol,
                         "{dtype} n={n} {isa:?}: {got} vs {reference}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn multi_row_dots_match_single_row_dots() {
+    for dtype in DType::ALL {
+        for n in sizes(dtype) {
+            let w = random_row(dtype, n, 31);
+            let format = dtype.activation_format();
+            let mut storage: Vec<Vec<u32>> = (0..DOT_ROWS)
+                .map(|_| vec![0u32; format.row_bytes(n).div_ceil(4)])
+                .collect();
+            for (k, words) in storage.iter_mut().enumerate() {
+                let x = random_f32(n, 500 + k as u64);
+                quantize_activations_ref(format, &x, as_bytes_mut(words, format.row_bytes(n)));
+            }
+            let acts: [&[u8]; DOT_ROWS] = std::array::from_fn(|k| {
+                let words = &storage[k];
+                // SAFETY: u32 storage viewed as bytes within its length.
+                unsafe {
+                    std::slice::from_raw_parts(words.as_ptr() as *const u8, format.row_bytes(n))
+                }
+            });
+            for isa in Isa::available() {
+                let many = vec_dot_rows(isa, dtype, &w, acts, n);
+                for (k, got) in many.iter().enumerate() {
+                    let one = vec_dot_ref(dtype, &w, acts[k], n);
+                    assert!(
+                        (got - one).abs() <= 1e-4 * one.abs().max(1.0),
+                        "{dtype} n={n} {isa:?} row {k}: {got} vs {one}"
                     );
                 }
             }

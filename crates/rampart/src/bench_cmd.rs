@@ -79,10 +79,16 @@ pub fn run(command: BenchCommand) -> Result<ExitCode> {
                 println!("model    {}", model.model);
                 println!("backend  {}", engine.backend().describe());
                 if prompt_tokens > 0 {
-                    println!("pp{prompt_tokens:<5}  {pp:8.1} tok/s  (median of {})", report.prefill_tps.len());
+                    println!(
+                        "pp{prompt_tokens:<5}  {pp:8.1} tok/s  (median of {})",
+                        report.prefill_tps.len()
+                    );
                 }
                 if gen_tokens > 0 {
-                    println!("tg{gen_tokens:<5}  {tg:8.1} tok/s  (median of {})", report.decode_tps.len());
+                    println!(
+                        "tg{gen_tokens:<5}  {tg:8.1} tok/s  (median of {})",
+                        report.decode_tps.len()
+                    );
                 }
             }
         }
@@ -93,7 +99,8 @@ pub fn run(command: BenchCommand) -> Result<ExitCode> {
             chunks,
             json,
         } => {
-            let text = std::fs::read_to_string(&file).with_context(|| format!("reading {}", file.display()))?;
+            let text = std::fs::read_to_string(&file)
+                .with_context(|| format!("reading {}", file.display()))?;
             let engine = model.load(Some(ctx))?;
             let r = perplexity(&engine, &text, ctx, chunks)?;
             if json {

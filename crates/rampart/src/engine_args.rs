@@ -14,7 +14,12 @@ pub struct ModelChoice {
     #[arg(long, short = 'm')]
     pub model: String,
     /// The model repository folder.
-    #[arg(long, env = "RAMPART_REPO", default_value = "models", value_name = "DIR")]
+    #[arg(
+        long,
+        env = "RAMPART_REPO",
+        default_value = "models",
+        value_name = "DIR"
+    )]
     pub repo: PathBuf,
     /// Compute threads (default: physical cores).
     #[arg(long, short = 't')]
@@ -25,16 +30,25 @@ impl ModelChoice {
     /// Loads the engine with a context of at least `context` positions.
     pub fn load(&self, context: Option<usize>) -> Result<Engine> {
         let options = EngineOptions {
-            threads: self.threads.unwrap_or_else(kernels::backend::physical_cores).max(1),
+            threads: self
+                .threads
+                .unwrap_or_else(kernels::backend::physical_cores)
+                .max(1),
             context,
             ..EngineOptions::default()
         };
         let path = PathBuf::from(&self.model);
-        if path.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) && path.is_file() {
-            return Engine::load(&path, &options).with_context(|| format!("loading {}", path.display()));
+        if path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+            && path.is_file()
+        {
+            return Engine::load(&path, &options)
+                .with_context(|| format!("loading {}", path.display()));
         }
         let model: ModelRef = self.model.parse()?;
         let repository = Repository::open(&self.repo);
-        Engine::from_repository(&repository, &model, &options).with_context(|| format!("loading {model} from {}", self.repo.display()))
+        Engine::from_repository(&repository, &model, &options)
+            .with_context(|| format!("loading {model} from {}", self.repo.display()))
     }
 }

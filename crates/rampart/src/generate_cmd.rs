@@ -80,7 +80,11 @@ pub fn run(args: GenerateArgs) -> Result<ExitCode> {
         match event {
             Event::Token(t) => {
                 if args.logprobs {
-                    let alternatives: Vec<String> = t.top_logprobs.iter().map(|(_, text, lp)| format!("{text:?} {lp:.3}")).collect();
+                    let alternatives: Vec<String> = t
+                        .top_logprobs
+                        .iter()
+                        .map(|(_, text, lp)| format!("{text:?} {lp:.3}"))
+                        .collect();
                     writeln!(
                         out,
                         "{:>6}  {:<20} logprob {:>8.4}  entropy {:>6.3}  top: {}",
@@ -99,7 +103,11 @@ pub fn run(args: GenerateArgs) -> Result<ExitCode> {
                 if !args.logprobs {
                     writeln!(out, "{}", f.trailing_text)?;
                 }
-                let decode_tps = if f.decode_seconds > 0.0 { f.completion_tokens as f64 / f.decode_seconds } else { 0.0 };
+                let decode_tps = if f.decode_seconds > 0.0 {
+                    f.completion_tokens as f64 / f.decode_seconds
+                } else {
+                    0.0
+                };
                 eprintln!(
                     "[{}: prompt {} tokens in {:.0} ms ({:.1} tok/s), generated {} tokens ({:.1} tok/s), {}]",
                     args.model.model,

@@ -137,6 +137,24 @@ pub fn vec_dot_rows(
     acts.map(|a| vec_dot(isa, dtype, w, a, n))
 }
 
+/// Asks the CPU to start loading `bytes` into cache (weights the next iterations will read:
+/// decode streams every weight once per token, and hiding that latency is most of its speed).
+#[inline]
+pub fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let mut offset = 0;
+        while offset < bytes.len() {
+            // SAFETY: prefetching is a hint; the address is inside the slice.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(bytes.as_ptr().add(offset) as *const i8) };
+            offset += 64;
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
+}
+
 /// Views little-endian f32 bytes as floats.
 pub fn as_f32(bytes: &[u8], n: usize) -> &[f32] {
     assert!(bytes.len() >= n * 4, "row too short for {n} floats");

@@ -9,7 +9,7 @@
 //! multiplied with every activation row (in blocks that stay in cache), so decode with several
 //! sequences and prefill both pay for the weights once.
 
-use crate::dispatch::{quantize_activations, vec_dot, vec_dot_rows, Isa, DOT_ROWS};
+use crate::dispatch::{prefetch, quantize_activations, vec_dot, vec_dot_rows, Isa, DOT_ROWS};
 use crate::dtype::DType;
 use crate::pool::ThreadPool;
 
@@ -93,6 +93,9 @@ impl SharedOut {
     }
 }
 
+/// How many weight rows ahead of the current one are requested from memory.
+const PREFETCH_ROWS: usize = 2;
+
 /// Activation rows processed together against one weight row.
 const ACT_BLOCK: usize = 32;
 
@@ -145,6 +148,9 @@ pub fn matmul(
             let i1 = (i0 + ACT_BLOCK).min(m);
             for r in r0..r1 {
                 let wr = w.row(r);
+                if r + PREFETCH_ROWS < r1 {
+                    prefetch(w.row(r + PREFETCH_ROWS));
+                }
                 let act = |i: usize| &acts[i * act_row..(i + 1) * act_row];
                 let mut i = i0;
                 while i + DOT_ROWS <= i1 {

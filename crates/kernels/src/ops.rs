@@ -1,6 +1,7 @@
 //! Elementwise and normalization kernels, RoPE, softmax and attention, all on f32.
 
 use crate::dispatch::{dot_f32, Isa};
+
 use crate::pool::ThreadPool;
 
 /// `out = x / rms(x) · weight`, with `rms(x) = sqrt(mean(x²) + eps)`.
@@ -183,8 +184,8 @@ use crate::matmul::SharedOut;
 /// - `k`, `v`: `n_keys × kv_heads·head_dim`, the cache up to and including the last query;
 /// - `out`: `m × heads·head_dim`.
 ///
-/// Each (row, head) item runs a single pass with an online softmax (running max and sum), so
-/// no score buffer is needed at any context length.
+/// Each (row, head) item computes its scores into a per-thread buffer, then the softmax and
+/// the weighted sum of values (SIMD with a vectorized exp where available).
 pub fn attention(
     pool: &ThreadPool,
     isa: Isa,
@@ -218,38 +219,82 @@ pub fn attention(
     let out_ptr = SharedOut::new(out.as_mut_ptr());
     pool.for_each(m * heads, &|item| {
         let (i, h) = (item / heads, item % heads);
-        let kvh = h / group;
+        let keys = first_pos + i + 1;
         let qv = &q[i * q_stride + h * head_dim..i * q_stride + (h + 1) * head_dim];
-        let mut acc = [0f32; 256];
-        let acc = &mut acc[..head_dim];
-        let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
-        for t in 0..=first_pos + i {
-            let kv = &k[t * kv_stride + kvh * head_dim..t * kv_stride + (kvh + 1) * head_dim];
-            let score = dot_f32(isa, qv, kv) * scale;
-            let vv = &v[t * kv_stride + kvh * head_dim..t * kv_stride + (kvh + 1) * head_dim];
-            if score > max {
-                let correction = (max - score).exp();
-                for a in acc.iter_mut() {
-                    *a *= correction;
-                }
-                sum *= correction;
-                max = score;
-            }
-            let p = (score - max).exp();
-            sum += p;
-            for (a, &x) in acc.iter_mut().zip(vv) {
-                *a += p * x;
-            }
-        }
-        let inv = 1.0 / sum;
         // SAFETY: this item owns out[i, h, ..]; in bounds by the asserts above.
         let dst = unsafe {
             std::slice::from_raw_parts_mut(out_ptr.get().add(i * q_stride + h * head_dim), head_dim)
         };
-        for (d, a) in dst.iter_mut().zip(acc.iter()) {
-            *d = a * inv;
-        }
+        SCORES.with(|scores| {
+            let mut scores = scores.borrow_mut();
+            if scores.len() < keys {
+                scores.resize(keys.next_power_of_two(), 0.0);
+            }
+            attend(
+                isa,
+                qv,
+                k,
+                v,
+                keys,
+                kv_stride,
+                (h / group) * head_dim,
+                scale,
+                &mut scores,
+                dst,
+            );
+        });
     });
+}
+
+thread_local! {
+    /// Per-thread attention scores, grown to the longest context seen on the thread.
+    static SCORES: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// One query head over `keys` positions (see [`attention`]): scores, softmax, weighted values.
+#[allow(clippy::too_many_arguments)]
+pub fn attend(
+    isa: Isa,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    keys: usize,
+    stride: usize,
+    offset: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    let hd = q.len();
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX2 and FMA are present; the kernel checks its bounds and declines head sizes it
+    // has no variant for.
+    if isa >= Isa::Avx2
+        && unsafe { crate::x86::attend(q, k, v, keys, stride, offset, scale, scores, out) }
+    {
+        return;
+    }
+    let _ = isa;
+    let mut max = f32::NEG_INFINITY;
+    for (t, s) in scores.iter_mut().enumerate().take(keys) {
+        let kv = &k[t * stride + offset..t * stride + offset + hd];
+        *s = q.iter().zip(kv).map(|(a, b)| a * b).sum::<f32>() * scale;
+        max = max.max(*s);
+    }
+    let mut sum = 0.0;
+    for s in scores.iter_mut().take(keys) {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    out.iter_mut().for_each(|o| *o = 0.0);
+    for (t, &p) in scores.iter().enumerate().take(keys) {
+        let vv = &v[t * stride + offset..t * stride + offset + hd];
+        for (o, &x) in out.iter_mut().zip(vv) {
+            *o += p * x;
+        }
+    }
+    let inv = 1.0 / sum;
+    out.iter_mut().for_each(|o| *o *= inv);
 }
 
 #[cfg(test)]
@@ -297,8 +342,15 @@ mod tests {
 
     #[test]
     fn attention_matches_naive_softmax() {
+        for (heads, kv_heads, head_dim, first_pos, m) in
+            [(6, 2, 16, 5, 3), (9, 3, 64, 90, 4), (4, 4, 12, 20, 2)]
+        {
+            check_attention(heads, kv_heads, head_dim, first_pos, m);
+        }
+    }
+
+    fn check_attention(heads: usize, kv_heads: usize, head_dim: usize, first_pos: usize, m: usize) {
         let pool = ThreadPool::new(2);
-        let (heads, kv_heads, head_dim, first_pos, m) = (6, 2, 16, 5, 3);
         let n_keys = first_pos + m;
         let q = random_f32(m * heads * head_dim, 5);
         let k = random_f32(n_keys * kv_heads * head_dim, 6);

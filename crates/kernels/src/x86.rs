@@ -521,3 +521,138 @@ pub unsafe fn quantize_q8x32(x: &[f32], out: &mut [u8]) {
         _mm256_storeu_si256(block.as_mut_ptr().add(8) as *mut __m256i, p);
     }
 }
+
+/// e^x for 8 lanes: range reduction x = n·ln2 + r (|r| ≤ ln2/2), a degree-6 polynomial for
+/// e^r, and 2^n built in the exponent bits. Relative error < 2e-7 for x in [-87, 88]; inputs
+/// below -87 give 0 (softmax weights that small do not matter).
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn exp_ps(x: __m256) -> __m256 {
+    let x = _mm256_min_ps(x, _mm256_set1_ps(88.0));
+    let underflow = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.0));
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
+        x,
+        _mm256_set1_ps(std::f32::consts::LOG2_E),
+    ));
+    // r = x - n·ln2 in two steps for precision.
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_145_75), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428_606_8e-6), r);
+    let mut p = _mm256_set1_ps(1.0 / 720.0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0 / 120.0));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0 / 24.0));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0 / 6.0));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0));
+    let pow2n = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+        _mm256_cvtps_epi32(n),
+        _mm256_set1_epi32(127),
+    )));
+    _mm256_andnot_ps(underflow, _mm256_mul_ps(p, pow2n))
+}
+
+/// One query head attending over `keys` cached positions: `out = softmax(q·Kᵀ·scale)·V`.
+/// `k`/`v` rows are `stride` floats apart, the head's slice starting at `offset`; `head_dim` is
+/// 16, 32, 64 or 128 (other sizes use the scalar reference); `scores` holds at least `keys`
+/// floats.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn attend(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    keys: usize,
+    stride: usize,
+    offset: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) -> bool {
+    let hd = q.len();
+    assert!(out.len() == hd && scores.len() >= keys);
+    assert!(keys == 0 || (keys - 1) * stride + offset + hd <= k.len().min(v.len()));
+    match hd {
+        16 => attend_lanes::<2>(q, k, v, keys, stride, offset, scale, scores, out),
+        32 => attend_lanes::<4>(q, k, v, keys, stride, offset, scale, scores, out),
+        64 => attend_lanes::<8>(q, k, v, keys, stride, offset, scale, scores, out),
+        128 => attend_lanes::<16>(q, k, v, keys, stride, offset, scale, scores, out),
+        _ => return false,
+    }
+    true
+}
+
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_lanes<const LANES: usize>(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    keys: usize,
+    stride: usize,
+    offset: usize,
+    scale: f32,
+    scores: &mut [f32],
+    out: &mut [f32],
+) {
+    let qv: [__m256; LANES] = std::array::from_fn(|j| _mm256_loadu_ps(q.as_ptr().add(8 * j)));
+    let dot = |t: usize| -> __m256 {
+        let kp = k.as_ptr().add(t * stride + offset);
+        let mut acc = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kp));
+        for j in 1..LANES {
+            acc = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(kp.add(8 * j)), acc);
+        }
+        acc
+    };
+    let vscale = _mm_set1_ps(scale);
+    let mut vmax4 = _mm_set1_ps(f32::NEG_INFINITY);
+    let mut t = 0;
+    // Four keys at a time: three horizontal adds reduce four dot products at once.
+    while t + 4 <= keys {
+        let (a0, a1, a2, a3) = (dot(t), dot(t + 1), dot(t + 2), dot(t + 3));
+        let h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        let s4 = _mm_mul_ps(
+            _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h)),
+            vscale,
+        );
+        _mm_storeu_ps(scores.as_mut_ptr().add(t), s4);
+        vmax4 = _mm_max_ps(vmax4, s4);
+        t += 4;
+    }
+    let vmax4 = _mm_max_ps(vmax4, _mm_movehl_ps(vmax4, vmax4));
+    let mut max = _mm_cvtss_f32(_mm_max_ss(vmax4, _mm_movehdup_ps(vmax4)));
+    while t < keys {
+        let s = hsum_ps(dot(t)) * scale;
+        scores[t] = s;
+        max = max.max(s);
+        t += 1;
+    }
+    // exp and sum, 8 scores at a time.
+    let vmax = _mm256_set1_ps(max);
+    let mut vsum = _mm256_setzero_ps();
+    let mut t = 0;
+    while t + 8 <= keys {
+        let e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(scores.as_ptr().add(t)), vmax));
+        _mm256_storeu_ps(scores.as_mut_ptr().add(t), e);
+        vsum = _mm256_add_ps(vsum, e);
+        t += 8;
+    }
+    let mut sum = hsum_ps(vsum);
+    while t < keys {
+        let e = (scores[t] - max).exp();
+        scores[t] = e;
+        sum += e;
+        t += 1;
+    }
+    let mut acc = [_mm256_setzero_ps(); LANES];
+    for (t, &p) in scores.iter().enumerate().take(keys) {
+        let vp = v.as_ptr().add(t * stride + offset);
+        let w = _mm256_set1_ps(p);
+        for (j, a) in acc.iter_mut().enumerate() {
+            *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(vp.add(8 * j)), *a);
+        }
+    }
+    let inv = _mm256_set1_ps(1.0 / sum);
+    for (j, a) in acc.iter().enumerate() {
+        _mm256_storeu_ps(out.as_mut_ptr().add(8 * j), _mm256_mul_ps(*a, inv));
+    }
+}

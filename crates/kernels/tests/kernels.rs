@@ -204,3 +204,36 @@ fn bytemuck_bytes(words: &mut [u32]) -> &mut [u8] {
     // SAFETY: u32 storage viewed as bytes within its length.
     unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, len) }
 }
+
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn vectorized_attention_exp_is_accurate() {
+    // Through the public attention path: scores spanning a wide range exercise exp_ps.
+    use kernels::ops::attend;
+    let keys = 37;
+    let hd = 16;
+    let q: Vec<f32> = random_f32(hd, 1).iter().map(|v| v * 6.0).collect();
+    let k: Vec<f32> = random_f32(keys * hd, 2).iter().map(|v| v * 6.0).collect();
+    let v = random_f32(keys * hd, 3);
+    let mut reference = vec![0f32; hd];
+    let mut scores = vec![0f32; keys];
+    attend(
+        Isa::Scalar,
+        &q,
+        &k,
+        &v,
+        keys,
+        hd,
+        0,
+        0.25,
+        &mut scores,
+        &mut reference,
+    );
+    for isa in Isa::available() {
+        let mut out = vec![0f32; hd];
+        attend(isa, &q, &k, &v, keys, hd, 0, 0.25, &mut scores, &mut out);
+        for (a, b) in out.iter().zip(&reference) {
+            assert!((a - b).abs() < 1e-5, "{isa:?}: {a} vs {b}");
+        }
+    }
+}

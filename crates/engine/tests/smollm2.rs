@@ -90,3 +90,18 @@ fn jinja_chat_template_tokenizes_like_llama_cpp() {
         ]
     );
 }
+
+#[test]
+fn perplexity_matches_llama_cpp() {
+    let Some(engine) = engine() else { return };
+    let text = include_str!("data/declaration.txt");
+    let report = engine::bench::perplexity(&engine, text, 256, 0).unwrap();
+    // llama-perplexity -c 256 on the same file and GGUF: PPL = 19.6525 over 7 chunks.
+    assert_eq!(report.chunks, 7);
+    let reference = 19.6525;
+    assert!(
+        (report.perplexity - reference).abs() / reference < 0.01,
+        "perplexity {} vs llama.cpp {reference}",
+        report.perplexity
+    );
+}

@@ -598,8 +598,8 @@ unsafe fn attend_lanes<const LANES: usize>(
     let dot = |t: usize| -> __m256 {
         let kp = k.as_ptr().add(t * stride + offset);
         let mut acc = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kp));
-        for j in 1..LANES {
-            acc = _mm256_fmadd_ps(qv[j], _mm256_loadu_ps(kp.add(8 * j)), acc);
+        for (j, lane) in qv.iter().enumerate().skip(1) {
+            acc = _mm256_fmadd_ps(*lane, _mm256_loadu_ps(kp.add(8 * j)), acc);
         }
         acc
     };

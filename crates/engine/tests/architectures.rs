@@ -1,0 +1,408 @@
+//! Tiny llama and qwen2 GGUFs with every supported weight type, run by the engine and by an
+//! independent, naive f32 reference forward pass over the dequantized weights.
+//!
+//! The engine quantizes the input of every quantized matmul to 8 bits per block (as llama.cpp
+//! does); the reference applies the same rounding to its inputs (round to nearest, per-block
+//! absolute maximum / 127), so both compute the same function and agree to float rounding. With
+//! float weights nothing is quantized.
+
+use formats::byte_level::gpt2_byte_tokens;
+use formats::gguf::{Array, GgmlType, GgufWriter};
+use kernels::quant::dequantize_row;
+use kernels::testing::{random_f32, random_row};
+use kernels::DType;
+
+const HIDDEN: usize = 256;
+const FFN: usize = 512;
+const HEADS: usize = 4;
+const KV_HEADS: usize = 2;
+const HEAD_DIM: usize = HIDDEN / HEADS;
+const LAYERS: usize = 2;
+
+struct Spec {
+    arch: &'static str,
+    dtype: DType,
+}
+
+/// A tensor as stored in the file (name, ggml dims, type, bytes) and as f32 (for the reference).
+type TestTensor = (String, Vec<u64>, GgmlType, Vec<u8>, Vec<f32>);
+
+/// Every tensor of the model.
+struct Weights {
+    tensors: Vec<TestTensor>,
+    vocab: usize,
+}
+
+fn ggml_type(d: DType) -> GgmlType {
+    GgmlType::from_name(d.name()).unwrap()
+}
+
+fn build(spec: &Spec) -> (Vec<u8>, Weights) {
+    let mut tokens = vec![
+        "<|endoftext|>".to_string(),
+        "<|im_start|>".into(),
+        "<|im_end|>".into(),
+    ];
+    tokens.extend(gpt2_byte_tokens());
+    let vocab = tokens.len();
+    let mut seed = 1u64;
+    let mut tensors = Vec::new();
+    let mut matrix =
+        |name: String, rows: usize, cols: usize, dtype: DType, tensors: &mut Vec<_>| {
+            let mut bytes = Vec::new();
+            let mut values = vec![0f32; rows * cols];
+            for r in 0..rows {
+                seed += 1;
+                let row = random_row(dtype, cols, seed);
+                dequantize_row(dtype, &row, &mut values[r * cols..(r + 1) * cols]);
+                bytes.extend_from_slice(&row);
+            }
+            tensors.push((
+                name,
+                vec![cols as u64, rows as u64],
+                ggml_type(dtype),
+                bytes,
+                values,
+            ));
+        };
+    let vector = |name: String, len: usize, around: f32, seed: u64, tensors: &mut Vec<_>| {
+        let values: Vec<f32> = random_f32(len, seed)
+            .iter()
+            .map(|v| around + 0.1 * v)
+            .collect();
+        let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        tensors.push((name, vec![len as u64], GgmlType::F32, bytes, values));
+    };
+    let d = spec.dtype;
+    matrix("token_embd.weight".into(), vocab, HIDDEN, d, &mut tensors);
+    for l in 0..LAYERS {
+        let n = |t: &str| format!("blk.{l}.{t}");
+        vector(
+            n("attn_norm.weight"),
+            HIDDEN,
+            1.0,
+            100 + l as u64,
+            &mut tensors,
+        );
+        matrix(
+            n("attn_q.weight"),
+            HEADS * HEAD_DIM,
+            HIDDEN,
+            d,
+            &mut tensors,
+        );
+        matrix(
+            n("attn_k.weight"),
+            KV_HEADS * HEAD_DIM,
+            HIDDEN,
+            d,
+            &mut tensors,
+        );
+        matrix(
+            n("attn_v.weight"),
+            KV_HEADS * HEAD_DIM,
+            HIDDEN,
+            d,
+            &mut tensors,
+        );
+        if spec.arch == "qwen2" {
+            vector(
+                n("attn_q.bias"),
+                HEADS * HEAD_DIM,
+                0.0,
+                200 + l as u64,
+                &mut tensors,
+            );
+            vector(
+                n("attn_k.bias"),
+                KV_HEADS * HEAD_DIM,
+                0.0,
+                300 + l as u64,
+                &mut tensors,
+            );
+            vector(
+                n("attn_v.bias"),
+                KV_HEADS * HEAD_DIM,
+                0.0,
+                400 + l as u64,
+                &mut tensors,
+            );
+        }
+        matrix(
+            n("attn_output.weight"),
+            HIDDEN,
+            HEADS * HEAD_DIM,
+            d,
+            &mut tensors,
+        );
+        vector(
+            n("ffn_norm.weight"),
+            HIDDEN,
+            1.0,
+            500 + l as u64,
+            &mut tensors,
+        );
+        matrix(n("ffn_gate.weight"), FFN, HIDDEN, d, &mut tensors);
+        matrix(n("ffn_up.weight"), FFN, HIDDEN, d, &mut tensors);
+        matrix(n("ffn_down.weight"), HIDDEN, FFN, d, &mut tensors);
+    }
+    vector("output_norm.weight".into(), HIDDEN, 1.0, 600, &mut tensors);
+    if spec.arch == "qwen2" {
+        matrix("output.weight".into(), vocab, HIDDEN, d, &mut tensors);
+    }
+
+    let arch = spec.arch;
+    let mut w = GgufWriter::new();
+    w.metadata("general.architecture", arch).unwrap();
+    for (key, value) in [
+        ("block_count", LAYERS),
+        ("context_length", 128),
+        ("embedding_length", HIDDEN),
+        ("feed_forward_length", FFN),
+        ("attention.head_count", HEADS),
+        ("attention.head_count_kv", KV_HEADS),
+    ] {
+        w.metadata(&format!("{arch}.{key}"), value as u32).unwrap();
+    }
+    w.metadata(&format!("{arch}.rope.freq_base"), 10000.0f32)
+        .unwrap();
+    w.metadata(&format!("{arch}.attention.layer_norm_rms_epsilon"), 1e-6f32)
+        .unwrap();
+    w.metadata("tokenizer.ggml.model", "gpt2").unwrap();
+    w.metadata(
+        "tokenizer.ggml.pre",
+        if arch == "qwen2" {
+            "qwen2"
+        } else {
+            "llama-bpe"
+        },
+    )
+    .unwrap();
+    w.metadata("tokenizer.ggml.tokens", Array::String(tokens.clone()))
+        .unwrap();
+    let types: Vec<i32> = (0..vocab).map(|i| if i < 3 { 3 } else { 1 }).collect();
+    w.metadata("tokenizer.ggml.token_type", Array::I32(types))
+        .unwrap();
+    w.metadata("tokenizer.ggml.merges", Array::String(vec![]))
+        .unwrap();
+    w.metadata("tokenizer.ggml.eos_token_id", 2u32).unwrap();
+    for (name, dims, t, bytes, _) in &tensors {
+        w.tensor(name, dims, *t, bytes.as_slice()).unwrap();
+    }
+    let file = w.to_bytes().unwrap();
+    (file, Weights { tensors, vocab })
+}
+
+impl Weights {
+    fn get(&self, name: &str) -> &[f32] {
+        &self
+            .tensors
+            .iter()
+            .find(|t| t.0 == name)
+            .unwrap_or_else(|| panic!("{name}"))
+            .4
+    }
+}
+
+/// The input as the engine's kernels see it: 8-bit per block of `block` values (0: unchanged).
+fn fake_quantize(x: &[f32], block: usize) -> Vec<f32> {
+    if block == 0 {
+        return x.to_vec();
+    }
+    x.chunks(block)
+        .flat_map(|b| {
+            let d = b.iter().fold(0f32, |m, v| m.max(v.abs())) / 127.0;
+            b.iter()
+                .map(move |v| {
+                    if d > 0.0 {
+                        (v / d).round_ties_even() * d
+                    } else {
+                        0.0
+                    }
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+thread_local! {
+    /// Activation block size of the model under test (0 for float weights).
+    static ACT_BLOCK: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// `y[r] = Σ_c W[r][c] x[c]` for a rows × cols matrix, in f64.
+fn matvec(w: &[f32], x: &[f32], rows: usize) -> Vec<f32> {
+    let x = fake_quantize(x, ACT_BLOCK.with(|b| b.get()));
+    let cols = x.len();
+    (0..rows)
+        .map(|r| {
+            (0..cols)
+                .map(|c| f64::from(w[r * cols + c]) * f64::from(x[c]))
+                .sum::<f64>() as f32
+        })
+        .collect()
+}
+
+fn rms_norm(x: &[f32], w: &[f32]) -> Vec<f32> {
+    let rms = (x.iter().map(|v| v * v).sum::<f32>() / x.len() as f32 + 1e-6).sqrt();
+    x.iter().zip(w).map(|(v, g)| v / rms * g).collect()
+}
+
+fn rope(v: &mut [f32], pos: usize, neox: bool) {
+    for h in 0..v.len() / HEAD_DIM {
+        let head = &mut v[h * HEAD_DIM..(h + 1) * HEAD_DIM];
+        for i in 0..HEAD_DIM / 2 {
+            let angle = pos as f32 / 10000f32.powf(2.0 * i as f32 / HEAD_DIM as f32);
+            let (a, b) = if neox {
+                (i, i + HEAD_DIM / 2)
+            } else {
+                (2 * i, 2 * i + 1)
+            };
+            let (x0, x1) = (head[a], head[b]);
+            head[a] = x0 * angle.cos() - x1 * angle.sin();
+            head[b] = x0 * angle.sin() + x1 * angle.cos();
+        }
+    }
+}
+
+/// The reference: every position's logits, computed the slow, obvious way.
+fn reference_logits(w: &Weights, tokens: &[u32], qwen2: bool) -> Vec<Vec<f32>> {
+    let embd = w.get("token_embd.weight");
+    let mut xs: Vec<Vec<f32>> = tokens
+        .iter()
+        .map(|&t| embd[t as usize * HIDDEN..(t as usize + 1) * HIDDEN].to_vec())
+        .collect();
+    for l in 0..LAYERS {
+        let n = |t: &str| format!("blk.{l}.{t}");
+        let mut ks = Vec::new();
+        let mut vs = Vec::new();
+        let mut qs = Vec::new();
+        for (pos, x) in xs.iter().enumerate() {
+            let h = rms_norm(x, w.get(&n("attn_norm.weight")));
+            let mut q = matvec(w.get(&n("attn_q.weight")), &h, HEADS * HEAD_DIM);
+            let mut k = matvec(w.get(&n("attn_k.weight")), &h, KV_HEADS * HEAD_DIM);
+            let mut v = matvec(w.get(&n("attn_v.weight")), &h, KV_HEADS * HEAD_DIM);
+            if qwen2 {
+                for (buf, b) in [
+                    (&mut q, "attn_q.bias"),
+                    (&mut k, "attn_k.bias"),
+                    (&mut v, "attn_v.bias"),
+                ] {
+                    buf.iter_mut().zip(w.get(&n(b))).for_each(|(a, b)| *a += b);
+                }
+            }
+            rope(&mut q, pos, qwen2);
+            rope(&mut k, pos, qwen2);
+            qs.push(q);
+            ks.push(k);
+            vs.push(v);
+        }
+        for (pos, x) in xs.iter_mut().enumerate() {
+            let mut att = vec![0f32; HEADS * HEAD_DIM];
+            for h in 0..HEADS {
+                let kvh = h / (HEADS / KV_HEADS);
+                let q = &qs[pos][h * HEAD_DIM..(h + 1) * HEAD_DIM];
+                let scores: Vec<f32> = (0..=pos)
+                    .map(|t| {
+                        q.iter()
+                            .zip(&ks[t][kvh * HEAD_DIM..])
+                            .map(|(a, b)| a * b)
+                            .sum::<f32>()
+                            / (HEAD_DIM as f32).sqrt()
+                    })
+                    .collect();
+                let max = scores.iter().cloned().fold(f32::MIN, f32::max);
+                let exps: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+                let sum: f32 = exps.iter().sum();
+                for (t, e) in exps.iter().enumerate() {
+                    for d in 0..HEAD_DIM {
+                        att[h * HEAD_DIM + d] += e / sum * vs[t][kvh * HEAD_DIM + d];
+                    }
+                }
+            }
+            let o = matvec(w.get(&n("attn_output.weight")), &att, HIDDEN);
+            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            let h = rms_norm(x, w.get(&n("ffn_norm.weight")));
+            let g = matvec(w.get(&n("ffn_gate.weight")), &h, FFN);
+            let u = matvec(w.get(&n("ffn_up.weight")), &h, FFN);
+            let act: Vec<f32> = g
+                .iter()
+                .zip(&u)
+                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
+            let down = matvec(w.get(&n("ffn_down.weight")), &act, HIDDEN);
+            x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
+        }
+    }
+    let output = if qwen2 {
+        w.get("output.weight")
+    } else {
+        w.get("token_embd.weight")
+    };
+    xs.iter()
+        .map(|x| matvec(output, &rms_norm(x, w.get("output_norm.weight")), w.vocab))
+        .collect()
+}
+
+#[test]
+fn every_weight_type_matches_the_reference_forward() {
+    let dir = std::env::temp_dir().join(format!("rampart-arch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tokens = [1u32, 40, 77, 200, 13, 150];
+    let options = engine::EngineOptions {
+        threads: 2,
+        context: Some(64),
+        ..engine::EngineOptions::default()
+    };
+    let mut report = Vec::new();
+    for arch in ["llama", "qwen2"] {
+        for dtype in DType::ALL {
+            let spec = Spec { arch, dtype };
+            let (file, weights) = build(&spec);
+            let path = dir.join(format!("{arch}-{dtype}.gguf"));
+            std::fs::write(&path, file).unwrap();
+            let engine = engine::Engine::load(&path, &options)
+                .unwrap_or_else(|e| panic!("{arch} {dtype}: {e}"));
+            assert_eq!(engine.model().family.name, arch);
+            let got = engine.logits(&tokens).unwrap();
+            ACT_BLOCK.with(|b| {
+                b.set(match dtype.activation_format() {
+                    kernels::ActFormat::F32 => 0,
+                    f => f.block_size(),
+                })
+            });
+            let want = reference_logits(&weights, &tokens, arch == "qwen2");
+            let vocab = weights.vocab;
+            let mut worst = 0f32;
+            for (pos, row) in want.iter().enumerate() {
+                let range = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+                let err = row
+                    .iter()
+                    .zip(&got[pos * vocab..(pos + 1) * vocab])
+                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                worst = worst.max(err / range);
+            }
+            report.push(format!("{arch} {dtype}: {:.4}", worst));
+            // Quantized activations (8-bit) through two layers: a few percent of the range.
+            assert!(worst < 2e-3, "{arch} {dtype}: relative logit error {worst}");
+        }
+    }
+    eprintln!("max relative logit error per model: {}", report.join(", "));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn unsupported_architectures_are_clear_errors() {
+    let dir = std::env::temp_dir().join(format!("rampart-arch-bad-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut w = GgufWriter::new();
+    w.metadata("general.architecture", "mamba").unwrap();
+    let path = dir.join("mamba.gguf");
+    std::fs::write(&path, w.to_bytes().unwrap()).unwrap();
+    let err = engine::Engine::load(&path, &engine::EngineOptions::default()).unwrap_err();
+    assert!(
+        err.to_string().contains("\"mamba\" is not supported"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -321,9 +321,17 @@ impl Model {
             let (x, h) = (&mut s.x[..m * hid], &mut s.h[..m * hid]);
             backend.rms_norm_rows(x, &layer.attn_norm, c.norm_eps, h);
             let (q, k, v) = (&mut s.q[..m * qd], &mut s.k[..m * kvd], &mut s.v[..m * kvd]);
-            backend.matmul(&self.matrix(&layer.wq), h, m, q, &mut s.scratch);
-            backend.matmul(&self.matrix(&layer.wk), h, m, k, &mut s.scratch);
-            backend.matmul(&self.matrix(&layer.wv), h, m, v, &mut s.scratch);
+            backend.matmul_many(
+                &[
+                    self.matrix(&layer.wq),
+                    self.matrix(&layer.wk),
+                    self.matrix(&layer.wv),
+                ],
+                h,
+                m,
+                &mut [&mut *q, &mut *k, &mut *v],
+                &mut s.scratch,
+            );
             for (buf, bias, dim) in [
                 (&mut *q, &layer.bq, qd),
                 (&mut *k, &layer.bk, kvd),
@@ -361,8 +369,13 @@ impl Model {
 
             backend.rms_norm_rows(x, &layer.ffn_norm, c.norm_eps, h);
             let (gate, up) = (&mut s.gate[..m * c.ffn], &mut s.up[..m * c.ffn]);
-            backend.matmul(&self.matrix(&layer.w_gate), h, m, gate, &mut s.scratch);
-            backend.matmul(&self.matrix(&layer.w_up), h, m, up, &mut s.scratch);
+            backend.matmul_many(
+                &[self.matrix(&layer.w_gate), self.matrix(&layer.w_up)],
+                h,
+                m,
+                &mut [&mut *gate, &mut *up],
+                &mut s.scratch,
+            );
             swiglu(gate, up);
             backend.matmul(&self.matrix(&layer.w_down), gate, m, o, &mut s.scratch);
             kernels::ops::add_assign(x, o);

@@ -6,7 +6,7 @@
 //! and extend the interface with buffer handles, which the CPU backend maps to slices.
 
 use crate::dispatch::Isa;
-use crate::matmul::{matmul, Matrix, Scratch};
+use crate::matmul::{matmul, matmul_many, Matrix, Scratch};
 use crate::ops::{attention, rms_norm, AttentionShape};
 use crate::pool::ThreadPool;
 
@@ -16,6 +16,16 @@ pub trait Backend: Send + Sync {
     fn describe(&self) -> String;
     /// `out[i·rows + r] = W[r] · x[i]` for `m` activation rows.
     fn matmul(&self, w: &Matrix<'_>, x: &[f32], m: usize, out: &mut [f32], scratch: &mut Scratch);
+    /// Several matrices applied to the same `m` activation rows (Q/K/V, gate/up), fused where
+    /// the backend can.
+    fn matmul_many(
+        &self,
+        ws: &[Matrix<'_>],
+        x: &[f32],
+        m: usize,
+        outs: &mut [&mut [f32]],
+        scratch: &mut Scratch,
+    );
     /// RMSNorm of each `weight.len()`-sized row of `x` into `out`.
     fn rms_norm_rows(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]);
     /// Causal attention of `q` rows over the key/value cache (see [`crate::ops::attention`]).
@@ -58,6 +68,17 @@ impl Backend for CpuBackend {
 
     fn matmul(&self, w: &Matrix<'_>, x: &[f32], m: usize, out: &mut [f32], scratch: &mut Scratch) {
         matmul(&self.pool, self.isa, w, x, m, out, scratch);
+    }
+
+    fn matmul_many(
+        &self,
+        ws: &[Matrix<'_>],
+        x: &[f32],
+        m: usize,
+        outs: &mut [&mut [f32]],
+        scratch: &mut Scratch,
+    ) {
+        matmul_many(&self.pool, self.isa, ws, x, m, outs, scratch);
     }
 
     fn rms_norm_rows(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {

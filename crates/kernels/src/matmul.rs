@@ -109,19 +109,55 @@ pub fn matmul(
     out: &mut [f32],
     scratch: &mut Scratch,
 ) {
-    let (rows, cols) = (w.rows, w.cols);
+    matmul_many(pool, isa, &[*w], x, m, &mut [out], scratch);
+}
+
+/// Most weight matrices one [`matmul_many`] call fuses.
+pub const MAX_FUSED: usize = 4;
+
+/// Several matrices applied to the same activations (Q/K/V, gate/up): the activations are
+/// quantized once and the tiles of all matrices share one parallel loop. Matrices whose weight
+/// types need different activation formats run as separate groups.
+pub fn matmul_many(
+    pool: &ThreadPool,
+    isa: Isa,
+    ws: &[Matrix<'_>],
+    x: &[f32],
+    m: usize,
+    outs: &mut [&mut [f32]],
+    scratch: &mut Scratch,
+) {
+    assert!(
+        !ws.is_empty() && ws.len() == outs.len() && ws.len() <= MAX_FUSED,
+        "1..={MAX_FUSED} matrices, one output each"
+    );
+    let format = ws[0].dtype.activation_format();
+    if let Some(split) = ws
+        .iter()
+        .position(|w| w.dtype.activation_format() != format)
+    {
+        let (first_outs, rest_outs) = outs.split_at_mut(split);
+        matmul_many(pool, isa, &ws[..split], x, m, first_outs, scratch);
+        matmul_many(pool, isa, &ws[split..], x, m, rest_outs, scratch);
+        return;
+    }
+    let cols = ws[0].cols;
     assert_eq!(x.len(), m * cols, "activations must be m × cols");
-    assert_eq!(out.len(), m * rows, "output must be m × rows");
-    let format = w.dtype.activation_format();
+    for (w, out) in ws.iter().zip(outs.iter()) {
+        assert_eq!(w.cols, cols, "fused matrices share their input width");
+        assert_eq!(out.len(), m * w.rows, "output must be m × rows");
+    }
     let act_row = format.row_bytes(cols);
     let acts = scratch.bytes(act_row * m);
     if m >= 4 {
-        let acts_out = SharedOut(acts.as_mut_ptr() as *mut f32);
+        let acts_out = SharedOut::new(acts.as_mut_ptr() as *mut f32);
         pool.for_each(m, &|i| {
-            let base = acts_out;
             // SAFETY: row i of the scratch is written by item i only.
             let row = unsafe {
-                std::slice::from_raw_parts_mut((base.0 as *mut u8).add(i * act_row), act_row)
+                std::slice::from_raw_parts_mut(
+                    (acts_out.get() as *mut u8).add(i * act_row),
+                    act_row,
+                )
             };
             quantize_activations(isa, format, &x[i * cols..(i + 1) * cols], row);
         });
@@ -139,11 +175,21 @@ pub fn matmul(
 
     // Enough tiles to balance the threads, few enough that each is worth a hand-off.
     let threads = pool.threads();
-    let tile = (rows / (threads * 4)).clamp(1, 64);
-    let tiles = rows.div_ceil(tile);
-    let out_ptr = SharedOut::new(out.as_mut_ptr());
+    let mut tile = [0usize; MAX_FUSED];
+    let mut first_tile = [0usize; MAX_FUSED + 1];
+    let mut out_ptrs = [SharedOut::new(std::ptr::null_mut()); MAX_FUSED];
+    for (j, w) in ws.iter().enumerate() {
+        tile[j] = (w.rows / (threads * 4)).clamp(1, 64);
+        first_tile[j + 1] = first_tile[j] + w.rows.div_ceil(tile[j]);
+        out_ptrs[j] = SharedOut::new(outs[j].as_mut_ptr());
+    }
+    let tiles = first_tile[ws.len()];
     pool.for_each(tiles, &|t| {
-        let (r0, r1) = (t * tile, ((t + 1) * tile).min(rows));
+        let j = (0..ws.len()).rfind(|&j| first_tile[j] <= t).unwrap_or(0);
+        let (w, out_ptr, tile) = (&ws[j], &out_ptrs[j], tile[j]);
+        let rows = w.rows;
+        let local = t - first_tile[j];
+        let (r0, r1) = (local * tile, ((local + 1) * tile).min(rows));
         for i0 in (0..m).step_by(ACT_BLOCK) {
             let i1 = (i0 + ACT_BLOCK).min(m);
             for r in r0..r1 {
@@ -158,7 +204,7 @@ pub fn matmul(
                     let values = vec_dot_rows(isa, w.dtype, wr, rows4, cols);
                     for (k, v) in values.into_iter().enumerate() {
                         // SAFETY: element (i + k, r) belongs to this tile's rows only; in
-                        // bounds as out.len() == m × rows.
+                        // bounds as the output is m × rows.
                         unsafe { *out_ptr.get().add((i + k) * rows + r) = v };
                     }
                     i += DOT_ROWS;
@@ -178,6 +224,39 @@ mod tests {
     use super::*;
     use crate::quant::dequantize_row;
     use crate::testing::{random_f32, random_row};
+
+    #[test]
+    fn fused_matmuls_equal_separate_ones() {
+        let pool = ThreadPool::new(2);
+        let cols = 256;
+        let specs = [(DType::Q4_1, 40), (DType::Q4_1, 24), (DType::Q6_K, 24)];
+        let data: Vec<Vec<u8>> = specs
+            .iter()
+            .enumerate()
+            .map(|(j, &(d, rows))| {
+                (0..rows)
+                    .flat_map(|r| random_row(d, cols, (j * 100 + r) as u64))
+                    .collect()
+            })
+            .collect();
+        let ws: Vec<Matrix> = specs
+            .iter()
+            .zip(&data)
+            .map(|(&(d, rows), bytes)| Matrix::new(d, bytes, rows, cols).unwrap())
+            .collect();
+        for m in [1, 5] {
+            let x = random_f32(m * cols, 7);
+            let mut fused: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; m * w.rows]).collect();
+            let mut outs: Vec<&mut [f32]> = fused.iter_mut().map(|v| v.as_mut_slice()).collect();
+            let mut scratch = Scratch::default();
+            matmul_many(&pool, Isa::detect(), &ws, &x, m, &mut outs, &mut scratch);
+            for (w, got) in ws.iter().zip(&fused) {
+                let mut alone = vec![0f32; m * w.rows];
+                matmul(&pool, Isa::detect(), w, &x, m, &mut alone, &mut scratch);
+                assert_eq!(&alone, got);
+            }
+        }
+    }
 
     #[test]
     fn matches_dequantized_reference() {

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job on embedded defaults: fetch the demo models, build rampart, import every demo model
-# into ./models (or $RAMPART_REPO) as version 1.0.0, then list, inspect and verify them.
+# into ./models (or $RAMPART_REPO) as version 1.0.0, list, inspect and verify them, then ask
+# SmolLM2 a question on the engine.
 # Safe to run again: models already fetched or imported are kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,3 +34,7 @@ echo
 "$rampart" model inspect smollm2-135m
 echo
 "$rampart" model verify
+echo
+echo '$ rampart generate --model smollm2-135m --chat --system "You are a helpful assistant." --prompt "What is the capital of France?"'
+"$rampart" generate --model smollm2-135m --chat --system "You are a helpful assistant." \
+  --prompt "What is the capital of France?" --max-tokens 64

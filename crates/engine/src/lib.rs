@@ -3,7 +3,8 @@
 //! - [`model`]: configuration, zero-copy weights from the memory-mapped GGUF, the forward pass,
 //!   the KV cache of a sequence;
 //! - [`arch`]: the model families (llama, qwen2) and what distinguishes them;
-//! - [`tokenizer`]: byte-level BPE from GGUF metadata and streaming detokenization;
+//! - [`tokenizer`]: byte-level BPE and SentencePiece vocabularies from GGUF metadata, streaming
+//!   detokenization ([`sentencepiece`] holds the SentencePiece algorithm);
 //! - [`chat`]: chat templates (minijinja with the helpers HF templates use);
 //! - [`sampler`]: sampling with logprobs and per-token entropy;
 //! - [`generate`]: the engine API, `Engine::generate(request) → stream of events`;
@@ -19,6 +20,7 @@ pub mod error;
 pub mod generate;
 pub mod model;
 pub mod sampler;
+pub mod sentencepiece;
 pub mod tokenizer;
 
 pub use chat::ChatMessage;

@@ -1,8 +1,10 @@
 //! Tokenizers built from GGUF metadata: byte-level BPE (`tokenizer.ggml.model = gpt2`) with the
-//! pre-tokenizer variant named by `tokenizer.ggml.pre`, special tokens, BOS/EOS rules, and an
-//! incremental detokenizer that never emits broken UTF-8 while streaming.
+//! pre-tokenizer variant named by `tokenizer.ggml.pre`, SentencePiece vocabularies
+//! (`tokenizer.ggml.model = llama`), special tokens, BOS/EOS rules, and an incremental
+//! detokenizer that never emits broken UTF-8 while streaming.
 //!
-//! Encoding runs on the `tokenizers` crate; decoding is ours (a byte table per token), because
+//! Byte-level BPE encoding runs on the `tokenizers` crate, SentencePiece on ours
+//! ([`crate::sentencepiece`]); decoding is ours for both (a byte table per token), because
 //! streaming needs bytes, not strings.
 
 use std::collections::HashMap;
@@ -18,6 +20,7 @@ use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
 use crate::error::EngineError;
+use crate::sentencepiece::SentencePiece;
 
 /// GGUF token types (`tokenizer.ggml.token_type`).
 const TOKEN_CONTROL: i64 = 3;
@@ -26,9 +29,15 @@ const TOKEN_USER_DEFINED: i64 = 4;
 const LLAMA3_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const QWEN2_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// The encoding algorithm of a vocabulary.
+enum Encoder {
+    ByteLevelBpe(Box<tokenizers::Tokenizer>),
+    SentencePiece(Box<SentencePiece>),
+}
+
 /// A model's tokenizer.
 pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
+    inner: Encoder,
     /// Bytes of each token (control tokens: their text).
     token_bytes: Vec<Vec<u8>>,
     /// Control and user-defined tokens: matched whole in input, not shown in output by default.
@@ -100,9 +109,9 @@ impl Tokenizer {
             .get_str("tokenizer.ggml.model")
             .map_err(meta)?
             .ok_or_else(|| bad("the GGUF has no tokenizer (tokenizer.ggml.model)"))?;
-        if model != "gpt2" {
+        if model != "gpt2" && model != "llama" {
             return Err(bad(format!(
-                "tokenizer model {model:?} is not supported yet (supported: gpt2 byte-level BPE)"
+                "tokenizer model {model:?} is not supported (supported: gpt2 byte-level BPE, llama SentencePiece)"
             )));
         }
         let tokens = g
@@ -110,11 +119,14 @@ impl Tokenizer {
             .map_err(meta)?
             .and_then(|a| a.as_strings())
             .ok_or_else(|| bad("tokenizer.ggml.tokens is missing or not strings"))?;
-        let merges = g
-            .get_array("tokenizer.ggml.merges")
-            .map_err(meta)?
-            .and_then(|a| a.as_strings())
-            .ok_or_else(|| bad("tokenizer.ggml.merges is missing or not strings"))?;
+        let no_merges: &[String] = &[];
+        let merges = match g.get_array("tokenizer.ggml.merges").map_err(meta)? {
+            Some(a) => a
+                .as_strings()
+                .ok_or_else(|| bad("tokenizer.ggml.merges is not strings"))?,
+            None if model == "llama" => no_merges,
+            None => return Err(bad("tokenizer.ggml.merges is missing")),
+        };
         let types = match g.get_array("tokenizer.ggml.token_type").map_err(meta)? {
             Some(a) => a
                 .to_i64s()
@@ -142,14 +154,63 @@ impl Tokenizer {
         .flatten()
         .collect();
         stop_tokens.dedup();
+        // SentencePiece models add BOS unless told otherwise; byte-level BPE models do not.
         let add_bos = g
             .get_bool("tokenizer.ggml.add_bos_token")
             .map_err(meta)?
-            .unwrap_or(false);
+            .unwrap_or(model == "llama");
         let chat_template = g
             .get_str("tokenizer.chat_template")
             .map_err(meta)?
             .map(str::to_string);
+        if model == "llama" {
+            let scores = match g.get_array("tokenizer.ggml.scores").map_err(meta)? {
+                Some(a) => a
+                    .to_f32s()
+                    .ok_or_else(|| bad("tokenizer.ggml.scores is not floats"))?,
+                None => vec![0.0; tokens.len()],
+            };
+            let add_space_prefix = g
+                .get_bool("tokenizer.ggml.add_space_prefix")
+                .map_err(meta)?
+                .unwrap_or(true);
+            let unk = id("tokenizer.ggml.unknown_token_id")?;
+            let special: Vec<bool> = (0..tokens.len())
+                .map(|i| {
+                    matches!(
+                        types.get(i),
+                        Some(&TOKEN_CONTROL) | Some(&TOKEN_USER_DEFINED)
+                    )
+                })
+                .collect();
+            let token_bytes = tokens
+                .iter()
+                .zip(&special)
+                .map(|(t, &s)| {
+                    if s {
+                        t.as_bytes().to_vec()
+                    } else {
+                        SentencePiece::piece_bytes(t)
+                    }
+                })
+                .collect();
+            return Ok(Self {
+                inner: Encoder::SentencePiece(Box::new(SentencePiece::new(
+                    tokens,
+                    scores,
+                    &special,
+                    unk,
+                    add_space_prefix,
+                ))),
+                token_bytes,
+                special,
+                bos,
+                eos,
+                stop_tokens,
+                add_bos,
+                chat_template,
+            });
+        }
         Self::byte_level_bpe(
             tokens,
             merges,
@@ -232,7 +293,7 @@ impl Tokenizer {
             })
             .collect();
         Ok(Self {
-            inner,
+            inner: Encoder::ByteLevelBpe(Box::new(inner)),
             token_bytes,
             special,
             bos,
@@ -250,17 +311,21 @@ impl Tokenizer {
     /// Token ids of `text`. Special-token texts in `text` become their ids (as in rendered chat
     /// templates). With `add_bos` and a model that wants it, BOS goes first.
     pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>, EngineError> {
-        let encoding = self
-            .inner
-            .encode_fast(text, false)
-            .map_err(|e| bad(format!("encoding: {e}")))?;
-        let mut ids = Vec::with_capacity(encoding.get_ids().len() + 1);
+        let mut ids = Vec::new();
         if add_bos && self.add_bos {
             if let Some(bos) = self.bos {
                 ids.push(bos);
             }
         }
-        ids.extend_from_slice(encoding.get_ids());
+        match &self.inner {
+            Encoder::ByteLevelBpe(inner) => {
+                let encoding = inner
+                    .encode_fast(text, false)
+                    .map_err(|e| bad(format!("encoding: {e}")))?;
+                ids.extend_from_slice(encoding.get_ids());
+            }
+            Encoder::SentencePiece(spm) => ids.extend(spm.encode(text)),
+        }
         Ok(ids)
     }
 
@@ -367,6 +432,60 @@ mod tests {
             let ids = t.encode(text, false).unwrap();
             assert_eq!(t.decode(&ids), text);
         }
+    }
+
+    #[test]
+    fn sentencepiece_vocabularies_from_gguf() {
+        use formats::gguf::{Array, GgufWriter};
+        let mut tokens: Vec<String> = vec!["<unk>".into(), "<s>".into(), "</s>".into()];
+        tokens.extend((0..=255u8).map(|b| format!("<0x{b:02X}>")));
+        let pieces = ["▁", "t", "h", "e", "▁t", "he", "▁the", "▁c", "at", "▁cat"];
+        let mut scores = vec![0f32; tokens.len()];
+        for (i, p) in pieces.iter().enumerate() {
+            tokens.push(p.to_string());
+            scores.push(p.chars().count() as f32 - i as f32 * 0.01);
+        }
+        let types: Vec<i32> = (0..tokens.len())
+            .map(|i| match i {
+                0 => 2,
+                1 | 2 => 3,
+                3..=258 => 6,
+                _ => 1,
+            })
+            .collect();
+        let mut w = GgufWriter::new();
+        w.metadata("tokenizer.ggml.model", "llama").unwrap();
+        w.metadata("tokenizer.ggml.tokens", Array::String(tokens.clone()))
+            .unwrap();
+        w.metadata("tokenizer.ggml.scores", Array::F32(scores))
+            .unwrap();
+        w.metadata("tokenizer.ggml.token_type", Array::I32(types))
+            .unwrap();
+        w.metadata("tokenizer.ggml.bos_token_id", 1u32).unwrap();
+        w.metadata("tokenizer.ggml.eos_token_id", 2u32).unwrap();
+        w.metadata("tokenizer.ggml.unknown_token_id", 0u32).unwrap();
+        let t = Tokenizer::from_gguf(&Gguf::parse(&w.to_bytes().unwrap()).unwrap()).unwrap();
+        assert!(t.add_bos, "SentencePiece models add BOS by default");
+        let ids = t.encode("the cat ü", true).unwrap();
+        let id = |p: &str| tokens.iter().position(|t| t == p).unwrap() as u32;
+        assert_eq!(
+            ids,
+            [
+                1,
+                id("▁the"),
+                id("▁cat"),
+                id("▁"),
+                id("<0xC3>"),
+                id("<0xBC>")
+            ]
+        );
+        assert_eq!(t.decode(&ids[1..]), " the cat ü");
+        let mut d = Detokenizer::default();
+        let streamed: String = ids[1..].iter().map(|&i| d.push(&t, i, false)).collect();
+        assert_eq!(
+            streamed, " the cat ü",
+            "byte pieces are joined before they are shown"
+        );
     }
 
     #[test]

@@ -8,6 +8,8 @@
 
 use std::collections::HashMap;
 
+use kernels::rng::SplitMix64;
+
 use crate::error::EngineError;
 
 /// Most alternatives a caller may ask for per token (as the OpenAI API allows).
@@ -128,30 +130,11 @@ pub struct TokenChoice {
     pub top: Vec<(u32, f32)>,
 }
 
-/// xoshiro-style generator seeded by splitmix64; ours so that seeds are stable across builds.
-#[derive(Debug, Clone)]
-struct Rng(u64);
-
-impl Rng {
-    fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
-
 /// Chooses tokens for one sequence.
 #[derive(Debug)]
 pub struct Sampler {
     params: SamplingParams,
-    rng: Rng,
+    rng: SplitMix64,
     /// How often each token was generated.
     generated: HashMap<u32, u32>,
     /// Tokens of the prompt and output so far (repetition penalty).
@@ -175,7 +158,7 @@ impl Sampler {
                 Default::default()
             },
             params,
-            rng: Rng(seed),
+            rng: SplitMix64::new(seed),
             generated: HashMap::new(),
             logprobs: Vec::new(),
             candidates: Vec::new(),
@@ -304,7 +287,7 @@ impl Sampler {
             self.candidates.sort_unstable_by_key(|c| c.0);
         }
         let total: f64 = self.candidates.iter().map(|c| f64::from(c.1)).sum();
-        let mut r = self.rng.unit() * total;
+        let mut r = self.rng.unit_f64() * total;
         for &(id, w) in &self.candidates {
             r -= f64::from(w);
             if r < 0.0 {

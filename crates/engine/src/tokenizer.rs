@@ -133,6 +133,14 @@ impl Tokenizer {
                 .ok_or_else(|| bad("tokenizer.ggml.token_type is not integers"))?,
             None => vec![1; tokens.len()],
         };
+        let special: Vec<bool> = (0..tokens.len())
+            .map(|i| {
+                matches!(
+                    types.get(i),
+                    Some(&TOKEN_CONTROL) | Some(&TOKEN_USER_DEFINED)
+                )
+            })
+            .collect();
         let pre = g
             .get_str("tokenizer.ggml.pre")
             .map_err(meta)?
@@ -175,14 +183,6 @@ impl Tokenizer {
                 .map_err(meta)?
                 .unwrap_or(true);
             let unk = id("tokenizer.ggml.unknown_token_id")?;
-            let special: Vec<bool> = (0..tokens.len())
-                .map(|i| {
-                    matches!(
-                        types.get(i),
-                        Some(&TOKEN_CONTROL) | Some(&TOKEN_USER_DEFINED)
-                    )
-                })
-                .collect();
             let token_bytes = tokens
                 .iter()
                 .zip(&special)
@@ -214,7 +214,7 @@ impl Tokenizer {
         Self::byte_level_bpe(
             tokens,
             merges,
-            &types,
+            special,
             pre,
             bos,
             eos,
@@ -228,7 +228,7 @@ impl Tokenizer {
     fn byte_level_bpe(
         tokens: &[String],
         merges: &[String],
-        types: &[i64],
+        special: Vec<bool>,
         pre: &str,
         bos: Option<u32>,
         eos: Option<u32>,
@@ -255,14 +255,6 @@ impl Tokenizer {
             .map_err(|e| bad(format!("building the BPE model: {e}")))?;
         let mut inner = tokenizers::Tokenizer::new(bpe);
         inner.with_pre_tokenizer(Some(pre_tokenizer(pre)?));
-        let special: Vec<bool> = (0..tokens.len())
-            .map(|i| {
-                matches!(
-                    types.get(i),
-                    Some(&TOKEN_CONTROL) | Some(&TOKEN_USER_DEFINED)
-                )
-            })
-            .collect();
         let added: Vec<AddedToken> = tokens
             .iter()
             .zip(&special)

@@ -10,6 +10,7 @@
 //!   causal grouped-query attention.
 //! - [`pool`]: the fixed compute thread pool the parallel loops run on.
 //! - [`backend`]: the compute-backend interface the engine calls, and its CPU implementation.
+//! - [`rng`]: the seedable generator sampling and test data use.
 //!
 //! Every SIMD kernel has a scalar reference and is tested against it on random inputs of awkward
 //! sizes; `RAMPART_ISA=scalar` forces the reference kernels at run time.
@@ -21,6 +22,7 @@ pub mod matmul;
 pub mod ops;
 pub mod pool;
 pub mod quant;
+pub mod rng;
 pub mod testing;
 #[cfg(target_arch = "x86_64")]
 mod x86;

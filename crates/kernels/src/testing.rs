@@ -5,32 +5,12 @@ use half::{bf16, f16};
 
 use crate::dtype::DType;
 
-/// splitmix64.
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Self(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [-1, 1).
-    pub fn unit(&mut self) -> f32 {
-        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
+pub use crate::rng::SplitMix64 as Rng;
 
 /// `n` floats uniform in [-1, 1).
 pub fn random_f32(n: usize, seed: u64) -> Vec<f32> {
     let mut rng = Rng::new(seed);
-    (0..n).map(|_| rng.unit()).collect()
+    (0..n).map(|_| rng.signed_f32()).collect()
 }
 
 /// A valid row of `n` elements of `dtype`: random quants, positive f16 scales around 0.01 and
@@ -42,7 +22,7 @@ pub fn random_row(dtype: DType, n: usize, seed: u64) -> Vec<u8> {
         .expect("n must be a whole number of blocks");
     let mut row: Vec<u8> = (0..bytes).map(|_| rng.next_u64() as u8).collect();
     let mut put_f16 = |row: &mut [u8], at: usize, scale: f32| {
-        let v = f16::from_f32(scale * (0.5 + 0.5 * rng.unit().abs()));
+        let v = f16::from_f32(scale * (0.5 + 0.5 * rng.signed_f32().abs()));
         row[at..at + 2].copy_from_slice(&v.to_le_bytes());
     };
     let bb = dtype.block_bytes();
@@ -50,19 +30,19 @@ pub fn random_row(dtype: DType, n: usize, seed: u64) -> Vec<u8> {
         DType::F32 => {
             let mut r = Rng::new(seed);
             for c in row.chunks_exact_mut(4) {
-                c.copy_from_slice(&r.unit().to_le_bytes());
+                c.copy_from_slice(&r.signed_f32().to_le_bytes());
             }
         }
         DType::F16 => {
             let mut r = Rng::new(seed);
             for c in row.chunks_exact_mut(2) {
-                c.copy_from_slice(&f16::from_f32(r.unit()).to_le_bytes());
+                c.copy_from_slice(&f16::from_f32(r.signed_f32()).to_le_bytes());
             }
         }
         DType::BF16 => {
             let mut r = Rng::new(seed);
             for c in row.chunks_exact_mut(2) {
-                c.copy_from_slice(&bf16::from_f32(r.unit()).to_le_bytes());
+                c.copy_from_slice(&bf16::from_f32(r.signed_f32()).to_le_bytes());
             }
         }
         DType::Q4_0 | DType::Q5_0 | DType::Q8_0 => {
@@ -100,7 +80,7 @@ pub fn random_row(dtype: DType, n: usize, seed: u64) -> Vec<u8> {
         }
         DType::Q8_K => {
             for b in 0..bytes / bb {
-                let d = 0.01 * (0.5 + 0.5 * rng.unit().abs());
+                let d = 0.01 * (0.5 + 0.5 * rng.signed_f32().abs());
                 row[b * bb..b * bb + 4].copy_from_slice(&d.to_le_bytes());
             }
         }

@@ -247,6 +247,10 @@ impl Sampler {
                 self.candidates.push((i as u32, w));
             }
         }
+        if self.candidates.is_empty() {
+            // Only NaN logits leave nothing to draw from; the first maximum is the honest answer.
+            return argmax(logits);
+        }
         let by_weight = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         if p.top_k > 0 && self.candidates.len() > p.top_k {
             self.candidates
@@ -456,6 +460,21 @@ mod tests {
             &[1, 4],
         );
         assert_eq!(s.sample(&mut logits()).id, 2, "3/2 and 2.5/2 fall below 2");
+    }
+
+    #[test]
+    fn nan_logits_do_not_panic() {
+        let mut s = Sampler::new(
+            SamplingParams {
+                top_p: 0.9,
+                top_k: 5,
+                seed: Some(1),
+                ..SamplingParams::default()
+            },
+            &[],
+        );
+        let mut l = vec![f32::NAN; 8];
+        let _ = s.sample(&mut l);
     }
 
     #[test]

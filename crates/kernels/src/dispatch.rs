@@ -93,6 +93,7 @@ pub fn vec_dot(isa: Isa, dtype: DType, w: &[u8], a: &[u8], n: usize) -> f32 {
                 DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 => {
                     return crate::x86::vec_dot_q32(dtype, w, a, n)
                 }
+                DType::Q2_K | DType::Q3_K => return crate::x86::vec_dot_q23k(dtype, w, a, n),
                 DType::Q4_K | DType::Q5_K => return crate::x86::vec_dot_q45k(dtype, w, a, n),
                 DType::Q6_K => return crate::x86::vec_dot_q6k(w, a, n),
                 DType::F32 => return crate::x86::dot_f32(as_f32(w, n), as_f32(a, n)),

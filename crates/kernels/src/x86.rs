@@ -416,6 +416,77 @@ pub unsafe fn vec_dot_q45k(dtype: DType, w: &[u8], a: &[u8], n: usize) -> f32 {
     total
 }
 
+/// Q2_K or Q3_K row × Q8xK activations. Both store 2 low bits per quant in the same order; Q3_K
+/// adds a high bit (from `hmask`) and signed 6-bit scales, Q2_K 4-bit scales and mins.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn vec_dot_q23k(dtype: DType, w: &[u8], a: &[u8], n: usize) -> f32 {
+    let nb = n / QK_K;
+    let bb = dtype.block_bytes();
+    assert!(
+        w.len() >= nb * bb && a.len() >= nb * Q8XK_BLOCK_BYTES,
+        "rows too short"
+    );
+    let three = dtype == DType::Q3_K;
+    let m3 = _mm256_set1_epi8(3);
+    let mut total = 0f32;
+    for b in 0..nb {
+        let wb = w.as_ptr().add(b * bb);
+        let ab = a.as_ptr().add(b * Q8XK_BLOCK_BYTES);
+        let da = f32_load(ab);
+        // Per-group scales (and Q2_K mins), and the correction applied through the group sums.
+        let mut scales = [0i16; 16];
+        let correction: i32;
+        let d: f32;
+        let mut dmin = 0f32;
+        let bsum =
+            |g: usize| i32::from(std::ptr::read_unaligned(ab.add(260 + 2 * g) as *const i16));
+        let (qs, hmask) = if three {
+            let sc = crate::quant::q3k_scales(std::slice::from_raw_parts(wb.add(96), 12));
+            let mut c = 0;
+            for g in 0..16 {
+                scales[g] = i16::from(sc[g]);
+                c += i32::from(sc[g]) * bsum(g);
+            }
+            // Quants are stored +4 (the high bit set means "no -4"), so subtract 4·Σ scale·sum.
+            correction = 4 * c;
+            d = f16_load(wb.add(108)) * da;
+            (wb.add(32), _mm256_loadu_si256(wb as *const __m256i))
+        } else {
+            let mut mins = 0;
+            for (g, scale) in scales.iter_mut().enumerate() {
+                let s = *wb.add(g);
+                *scale = i16::from(s & 0x0f);
+                mins += i32::from(s >> 4) * bsum(g);
+            }
+            correction = 0;
+            d = f16_load(wb.add(80)) * da;
+            dmin = f16_load(wb.add(82)) * da * mins as f32;
+            (wb.add(16), _mm256_setzero_si256())
+        };
+        let mut sum = _mm256_setzero_si256();
+        for half in 0..2 {
+            let raw = _mm256_loadu_si256(qs.add(half * 32) as *const __m256i);
+            for step in 0..4 {
+                let mut q = _mm256_and_si256(
+                    _mm256_srlv_epi32(raw, _mm256_set1_epi32(2 * step as i32)),
+                    m3,
+                );
+                if three {
+                    let bit = _mm256_set1_epi8((1u8 << (half * 4 + step)) as i8);
+                    let high = _mm256_cmpeq_epi8(_mm256_and_si256(hmask, bit), bit);
+                    q = _mm256_or_si256(q, _mm256_and_si256(high, _mm256_set1_epi8(4)));
+                }
+                let y = _mm256_loadu_si256(ab.add(4 + half * 128 + step * 32) as *const __m256i);
+                let g = half * 8 + step * 2;
+                let sc = _mm256_set_m128i(_mm_set1_epi16(scales[g + 1]), _mm_set1_epi16(scales[g]));
+                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(q, y), sc));
+            }
+        }
+        total += d * (hsum_epi32(sum) - correction) as f32 - dmin;
+    }
+    total
+}
+
 /// Q6_K row × Q8xK activations.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn vec_dot_q6k(w: &[u8], a: &[u8], n: usize) -> f32 {

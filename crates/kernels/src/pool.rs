@@ -26,6 +26,9 @@ struct Shared {
     /// Workers that have finished the current loop.
     finished: AtomicUsize,
     shutdown: AtomicBool,
+    /// Workers parked on `wake`; a loop notifies only when some are (a futex call per kernel
+    /// would cost more than many small kernels).
+    sleeping: AtomicUsize,
     sleep_lock: Mutex<()>,
     wake: Condvar,
 }
@@ -70,13 +73,17 @@ fn worker(shared: Arc<Shared>) {
             spins += 1;
             if spins % 64 == 0 && start.elapsed() > SPIN {
                 let guard = shared.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
-                let g = shared.generation.load(Ordering::Acquire);
+                // Announce the sleep before the last look at the generation (SeqCst on both
+                // sides): a loop started after this look sees `sleeping > 0` and notifies.
+                shared.sleeping.fetch_add(1, Ordering::SeqCst);
+                let g = shared.generation.load(Ordering::SeqCst);
                 if g == seen && !shared.shutdown.load(Ordering::Acquire) {
                     let _unused = shared
                         .wake
                         .wait_timeout(guard, Duration::from_millis(50))
                         .unwrap_or_else(|e| e.into_inner());
                 }
+                shared.sleeping.fetch_sub(1, Ordering::SeqCst);
             } else {
                 std::hint::spin_loop();
             }
@@ -105,6 +112,7 @@ impl ThreadPool {
             next: AtomicUsize::new(0),
             finished: AtomicUsize::new(0),
             shutdown: AtomicBool::new(false),
+            sleeping: AtomicUsize::new(0),
             sleep_lock: Mutex::new(()),
             wake: Condvar::new(),
         });
@@ -150,8 +158,8 @@ impl ThreadPool {
         shared.items.store(items, Ordering::Release);
         shared.next.store(0, Ordering::Release);
         shared.finished.store(0, Ordering::Release);
-        shared.generation.fetch_add(1, Ordering::AcqRel);
-        {
+        shared.generation.fetch_add(1, Ordering::SeqCst);
+        if shared.sleeping.load(Ordering::SeqCst) > 0 {
             let _guard = shared.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
             shared.wake.notify_all();
         }

@@ -179,7 +179,13 @@ pub fn matmul_many(
     let mut first_tile = [0usize; MAX_FUSED + 1];
     let mut out_ptrs = [SharedOut::new(std::ptr::null_mut()); MAX_FUSED];
     for (j, w) in ws.iter().enumerate() {
-        tile[j] = (w.rows / (threads * 4)).clamp(1, 64);
+        tile[j] = if m == 1 {
+            // Decode streams the weights: one long contiguous run per thread keeps the hardware
+            // prefetchers ahead.
+            w.rows.div_ceil(threads).max(1)
+        } else {
+            (w.rows / (threads * 4)).clamp(1, 64)
+        };
         first_tile[j + 1] = first_tile[j] + w.rows.div_ceil(tile[j]);
         out_ptrs[j] = SharedOut::new(outs[j].as_mut_ptr());
     }

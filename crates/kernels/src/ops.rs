@@ -342,9 +342,14 @@ mod tests {
 
     #[test]
     fn attention_matches_naive_softmax() {
-        for (heads, kv_heads, head_dim, first_pos, m) in
-            [(6, 2, 16, 5, 3), (9, 3, 64, 90, 4), (4, 4, 12, 20, 2)]
-        {
+        for (heads, kv_heads, head_dim, first_pos, m) in [
+            (6, 2, 16, 5, 3),
+            (9, 3, 64, 90, 4),
+            (4, 4, 12, 20, 2),
+            (4, 2, 80, 33, 2),
+            (2, 1, 96, 9, 3),
+            (2, 2, 128, 17, 2),
+        ] {
             check_attention(heads, kv_heads, head_dim, first_pos, m);
         }
     }

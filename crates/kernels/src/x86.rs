@@ -624,7 +624,7 @@ pub unsafe fn exp_ps(x: __m256) -> __m256 {
 
 /// One query head attending over `keys` cached positions: `out = softmax(q·Kᵀ·scale)·V`.
 /// `k`/`v` rows are `stride` floats apart, the head's slice starting at `offset`; `head_dim` is
-/// 16, 32, 64 or 128 (other sizes use the scalar reference); `scores` holds at least `keys`
+/// 16, 32, 64, 80, 96 or 128 (other sizes use the scalar reference); `scores` holds at least `keys`
 /// floats.
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
@@ -646,6 +646,8 @@ pub unsafe fn attend(
         16 => attend_lanes::<2>(q, k, v, keys, stride, offset, scale, scores, out),
         32 => attend_lanes::<4>(q, k, v, keys, stride, offset, scale, scores, out),
         64 => attend_lanes::<8>(q, k, v, keys, stride, offset, scale, scores, out),
+        80 => attend_lanes::<10>(q, k, v, keys, stride, offset, scale, scores, out),
+        96 => attend_lanes::<12>(q, k, v, keys, stride, offset, scale, scores, out),
         128 => attend_lanes::<16>(q, k, v, keys, stride, offset, scale, scores, out),
         _ => return false,
     }

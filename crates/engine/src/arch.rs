@@ -10,22 +10,19 @@ pub struct Family {
     /// RoPE pairs `(i, i + d/2)` (NeoX) instead of `(2i, 2i+1)`. Llama GGUFs store Q/K permuted
     /// for the pairwise layout; Qwen2 keeps the Hugging Face layout and rotates NeoX-style.
     pub rope_neox: bool,
-    /// Q/K/V projections carry biases (loaded when present in any case).
-    pub qkv_bias: bool,
 }
 
 /// Llama 2/3, Mistral, SmolLM: GQA, tied or separate output.
 pub const LLAMA: Family = Family {
     name: "llama",
     rope_neox: false,
-    qkv_bias: false,
 };
 
-/// Qwen2 / Qwen2.5: biases on Q/K/V, NeoX RoPE, separate output, large vocabulary.
+/// Qwen2 / Qwen2.5: NeoX RoPE, separate output, large vocabulary; its Q/K/V biases load like any
+/// bias tensor present in a file.
 pub const QWEN2: Family = Family {
     name: "qwen2",
     rope_neox: true,
-    qkv_bias: true,
 };
 
 /// Every supported family.

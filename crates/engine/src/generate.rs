@@ -178,10 +178,8 @@ impl Engine {
         }
         let template = match &tokenizer.chat_template {
             Some(source) => {
-                let text = |id: Option<u32>| {
-                    id.map(|i| String::from_utf8_lossy(tokenizer.token_bytes(i)).into_owned())
-                        .unwrap_or_default()
-                };
+                let text =
+                    |id: Option<u32>| id.map(|i| tokenizer.token_text(i)).unwrap_or_default();
                 Some(ChatTemplate::new(
                     source,
                     &text(tokenizer.bos),
@@ -347,13 +345,7 @@ impl Engine {
             let top_logprobs = choice
                 .top
                 .iter()
-                .map(|&(id, lp)| {
-                    (
-                        id,
-                        String::from_utf8_lossy(self.tokenizer.token_bytes(id)).into_owned(),
-                        lp,
-                    )
-                })
+                .map(|&(id, lp)| (id, self.tokenizer.token_text(id), lp))
                 .collect();
             let event = Event::Token(TokenEvent {
                 id: choice.id,
@@ -428,8 +420,8 @@ impl Engine {
         Ok(out)
     }
 
-    /// Runs `tokens` as a continuation of the current cache (for benchmarks), returning the
-    /// last row's logits in the session state.
+    /// Direct access to the model, backend, KV cache and buffers of the session (for benchmarks
+    /// that drive the forward pass themselves); holds the session for the duration of `f`.
     pub fn with_session<T>(
         &self,
         f: impl FnOnce(&Model, &dyn Backend, &mut KvCache, &mut ForwardState) -> T,

@@ -499,11 +499,6 @@ impl KvCache {
     pub fn clear(&mut self) {
         self.len = 0;
     }
-
-    /// Bytes held.
-    pub fn bytes(&self) -> usize {
-        self.k.iter().chain(&self.v).map(|l| l.len() * 4).sum()
-    }
 }
 
 /// Activation buffers of the forward pass, grown to the largest batch seen and then reused.

@@ -7,8 +7,6 @@
 //! ([`crate::sentencepiece`]); decoding is ours for both (a byte table per token), because
 //! streaming needs bytes, not strings.
 
-use std::collections::HashMap;
-
 use formats::byte_level::char_to_byte;
 use formats::gguf::Gguf;
 use tokenizers::models::bpe::{Vocab, BPE};
@@ -183,17 +181,7 @@ impl Tokenizer {
                 .map_err(meta)?
                 .unwrap_or(true);
             let unk = id("tokenizer.ggml.unknown_token_id")?;
-            let token_bytes = tokens
-                .iter()
-                .zip(&special)
-                .map(|(t, &s)| {
-                    if s {
-                        t.as_bytes().to_vec()
-                    } else {
-                        SentencePiece::piece_bytes(t)
-                    }
-                })
-                .collect();
+            let token_bytes = byte_table(tokens, &special, SentencePiece::piece_bytes);
             return Ok(Self {
                 inner: Encoder::SentencePiece(Box::new(SentencePiece::new(
                     tokens,
@@ -264,26 +252,18 @@ impl Tokenizer {
         inner.add_special_tokens(&added);
 
         let table = char_to_byte();
-        let token_bytes = tokens
-            .iter()
-            .zip(&special)
-            .map(|(t, &s)| {
-                if s {
-                    t.as_bytes().to_vec()
-                } else {
-                    // Characters outside the byte alphabet (never in a well-formed vocabulary)
-                    // decode as their UTF-8.
-                    let mut out = Vec::with_capacity(t.len());
-                    for c in t.chars() {
-                        match table.get(&c) {
-                            Some(&b) => out.push(b),
-                            None => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
-                        }
-                    }
-                    out
+        let token_bytes = byte_table(tokens, &special, |t| {
+            // Characters outside the byte alphabet (never in a well-formed vocabulary) decode as
+            // their UTF-8.
+            let mut out = Vec::with_capacity(t.len());
+            for c in t.chars() {
+                match table.get(&c) {
+                    Some(&b) => out.push(b),
+                    None => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
                 }
-            })
-            .collect();
+            }
+            out
+        });
         Ok(Self {
             inner: Encoder::ByteLevelBpe(Box::new(inner)),
             token_bytes,
@@ -324,6 +304,11 @@ impl Tokenizer {
     /// The bytes of a token (empty for an unknown id).
     pub fn token_bytes(&self, id: u32) -> &[u8] {
         self.token_bytes.get(id as usize).map_or(&[], Vec::as_slice)
+    }
+
+    /// A token's text (invalid UTF-8 replaced), for reports such as top logprobs.
+    pub fn token_text(&self, id: u32) -> String {
+        String::from_utf8_lossy(self.token_bytes(id)).into_owned()
     }
 
     pub fn is_special(&self, id: u32) -> bool {
@@ -377,15 +362,17 @@ impl Detokenizer {
     }
 }
 
-/// Token texts by id (for logprob reports).
-pub fn token_texts(tokenizer: &Tokenizer, ids: &[u32]) -> HashMap<u32, String> {
-    ids.iter()
-        .map(|&id| {
-            (
-                id,
-                String::from_utf8_lossy(tokenizer.token_bytes(id)).into_owned(),
-            )
-        })
+/// The bytes of every token: special tokens stand for their own text, the others for what
+/// `decode` makes of their vocabulary entry.
+fn byte_table(
+    tokens: &[String],
+    special: &[bool],
+    decode: impl Fn(&str) -> Vec<u8>,
+) -> Vec<Vec<u8>> {
+    tokens
+        .iter()
+        .zip(special)
+        .map(|(t, &s)| if s { t.as_bytes().to_vec() } else { decode(t) })
         .collect()
 }
 

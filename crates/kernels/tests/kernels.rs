@@ -195,12 +195,7 @@ fn f32_dot_matches_scalar_at_every_length() {
 }
 
 fn as_bytes_mut(words: &mut [u32], len: usize) -> &mut [u8] {
-    let bytes = bytemuck_bytes(words);
-    &mut bytes[..len]
-}
-
-fn bytemuck_bytes(words: &mut [u32]) -> &mut [u8] {
-    let len = words.len() * 4;
+    assert!(len <= words.len() * 4);
     // SAFETY: u32 storage viewed as bytes within its length.
     unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, len) }
 }

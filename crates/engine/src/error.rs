@@ -21,6 +21,14 @@ pub enum EngineError {
         max_tokens: usize,
         context: usize,
     },
+    #[error("the request needs {tokens} KV positions but the whole KV cache holds {pool_tokens}; raise the KV cache memory or lower max_tokens")]
+    PoolTooSmall { tokens: usize, pool_tokens: usize },
+    #[error("the engine's waiting queue is full ({limit} requests); retry later")]
+    QueueFull { limit: usize },
+    #[error("the engine has stopped")]
+    Stopped,
+    #[error("generation failed: {0}")]
+    Failed(String),
     #[error(transparent)]
     Repository(#[from] repo::RepoError),
 }

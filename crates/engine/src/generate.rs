@@ -1,23 +1,129 @@
-//! The engine API: load a model, then generate a stream of token events for a prompt or a chat.
+//! The engine API: load a model, then submit requests and read each one's stream of token events.
 //!
-//! One sequence runs at a time (the batching scheduler generalises this). Generation runs on a
-//! dedicated OS thread and reports through a bounded channel; dropping the receiver cancels the
-//! sequence at the next token.
+//! Each engine owns one OS thread that runs the [`crate::scheduler`]: all submitted sequences are
+//! batched together, step by step, over a paged KV cache. Requests reach that thread through a
+//! channel; events come back through one unbounded channel per request (bounded in practice by
+//! the request's `max_tokens`). Dropping a [`Stream`] cancels its sequence: its blocks are freed
+//! at the next step.
 
 use std::path::Path;
-use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{channel, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 use std::time::Instant;
 
-use kernels::{Backend, CpuBackend};
+use kernels::{Backend, CpuBackend, KvDType};
 use repo::manifest::{Format, Kind};
 use repo::{ModelRef, NoProgress, Repository};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
+use crate::block_pool::BlockPool;
 use crate::chat::{ChatMessage, ChatTemplate};
 use crate::error::EngineError;
-use crate::model::{ForwardState, KvCache, LogitRows, Model, ModelConfig};
-use crate::sampler::{Sampler, SamplingParams, TokenChoice};
-use crate::tokenizer::{Detokenizer, Tokenizer};
+use crate::kv_store::{KvLayout, KvStore, SequenceCache};
+use crate::kv_tier::{KvTier, TierConfig};
+use crate::model::{Batch, ForwardState, LogitRows, Model, ModelConfig};
+use crate::sampler::{Sampler, SamplingParams};
+use crate::scheduler::{
+    Executor, NewSequence, Scheduler, SchedulerConfig, SchedulerHandles, SchedulerLimits,
+    SchedulerSnapshot, IDLE_WAIT,
+};
+use crate::tokenizer::Tokenizer;
+
+/// How much memory the KV block pool takes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum KvMemory {
+    /// A number of bytes.
+    Bytes(u64),
+    /// A share of the memory available when the engine starts (0 < f ≤ 1).
+    Fraction(f64),
+}
+
+impl std::str::FromStr for KvMemory {
+    type Err = String;
+
+    /// `"2GiB"`, `"512MiB"`, `"1500000000"`, or a fraction like `"0.3"`.
+    fn from_str(text: &str) -> Result<Self, String> {
+        let t = text.trim();
+        let bad = || {
+            format!("{text:?} is neither a size (bytes, or with KiB/MiB/GiB/KB/MB/GB) nor a fraction in (0, 1]")
+        };
+        if t.contains('.') && t.chars().all(|c| c.is_ascii_digit() || c == '.') {
+            let f: f64 = t.parse().map_err(|_| bad())?;
+            return if f > 0.0 && f <= 1.0 {
+                Ok(KvMemory::Fraction(f))
+            } else {
+                Err(bad())
+            };
+        }
+        let digits = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+        let value: u64 = t[..digits].parse().map_err(|_| bad())?;
+        let unit: u64 = match t[digits..].trim().to_ascii_lowercase().as_str() {
+            "" | "b" => 1,
+            "kib" => 1 << 10,
+            "mib" => 1 << 20,
+            "gib" => 1 << 30,
+            "kb" | "k" => 1_000,
+            "mb" | "m" => 1_000_000,
+            "gb" | "g" => 1_000_000_000,
+            _ => return Err(bad()),
+        };
+        value.checked_mul(unit).map(KvMemory::Bytes).ok_or_else(bad)
+    }
+}
+
+/// The KV cache of the serving path.
+#[derive(Debug, Clone)]
+pub struct KvOptions {
+    /// Token slots per block.
+    pub block_tokens: usize,
+    /// Element type of keys and values.
+    pub dtype: KvDType,
+    /// Size of the block pool. It always holds at least one full-context sequence, and never
+    /// more than `max_num_seqs` of them.
+    pub memory: KvMemory,
+    /// Keep full blocks after their sequences end and share them with later prompts.
+    pub prefix_caching: bool,
+    /// The second tier (off by default: preemption recomputes).
+    pub tier: TierConfig,
+}
+
+impl Default for KvOptions {
+    fn default() -> Self {
+        Self {
+            block_tokens: 16,
+            dtype: KvDType::F16,
+            memory: KvMemory::Fraction(0.2),
+            prefix_caching: true,
+            tier: TierConfig::default(),
+        }
+    }
+}
+
+/// The batching limits of the serving path.
+#[derive(Debug, Clone)]
+pub struct SchedulerOptions {
+    /// Most sequences in one step.
+    pub max_num_seqs: usize,
+    /// Most tokens (decode tokens + prefill chunks) in one step.
+    pub max_num_batched_tokens: usize,
+    /// Most requests waiting for admission; more are refused with [`EngineError::QueueFull`].
+    pub max_waiting: usize,
+    /// Share of the pool kept free when admitting a new sequence.
+    pub watermark: f64,
+}
+
+impl Default for SchedulerOptions {
+    fn default() -> Self {
+        Self {
+            max_num_seqs: 64,
+            max_num_batched_tokens: 512,
+            max_waiting: 1024,
+            watermark: 0.01,
+        }
+    }
+}
 
 /// How to run a model.
 #[derive(Debug, Clone)]
@@ -27,8 +133,10 @@ pub struct EngineOptions {
     /// Most positions (prompt + output) of a sequence; the model's trained context when larger
     /// is asked. Default: the model's context, at most 4096.
     pub context: Option<usize>,
-    /// Prompt tokens per forward pass during prefill.
+    /// Prompt tokens per forward pass on the one-sequence paths (scoring, benchmarks).
     pub prefill_chunk: usize,
+    pub kv: KvOptions,
+    pub scheduler: SchedulerOptions,
 }
 
 impl Default for EngineOptions {
@@ -37,6 +145,8 @@ impl Default for EngineOptions {
             threads: kernels::backend::physical_cores(),
             context: None,
             prefill_chunk: 512,
+            kv: KvOptions::default(),
+            scheduler: SchedulerOptions::default(),
         }
     }
 }
@@ -118,6 +228,11 @@ pub struct Finished {
     pub reason: FinishReason,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Prompt tokens whose keys and values came from the prefix cache.
+    pub cached_prompt_tokens: usize,
+    /// From submission to the first step that ran the sequence.
+    pub queue_seconds: f64,
+    /// From the first step to the first token.
     pub prefill_seconds: f64,
     pub decode_seconds: f64,
     /// Text still held back when generation ended (flushed here).
@@ -139,33 +254,151 @@ pub struct Prepared {
     pub request: GenerateRequest,
 }
 
-struct Session {
-    cache: KvCache,
+/// The model side shared by the engine's callers and its scheduler thread.
+struct Core {
+    model: Model,
+    tokenizer: Arc<Tokenizer>,
+    template: Option<ChatTemplate>,
+    backend: Box<dyn Backend>,
+    /// One forward pass at a time on the compute pool.
+    compute: Mutex<()>,
+}
+
+/// The one-sequence paths' cache and buffers (scoring, benchmarks).
+struct Solo {
+    cache: SequenceCache,
     state: ForwardState,
 }
 
-/// A loaded model with its tokenizer, chat template and compute backend.
+enum Command {
+    Submit(Box<NewSequence>),
+    Shutdown,
+}
+
+/// The events of one request. Dropping it cancels the request.
+#[derive(Debug)]
+pub struct Stream {
+    events: UnboundedReceiver<Event>,
+    cancel: Arc<AtomicBool>,
+}
+
+impl Stream {
+    /// The next event, waiting for it (not from inside an async runtime: use [`Stream::recv`]).
+    pub fn blocking_next(&mut self) -> Option<Event> {
+        self.events.blocking_recv()
+    }
+
+    /// The next event, asynchronously.
+    pub async fn recv(&mut self) -> Option<Event> {
+        self.events.recv().await
+    }
+
+    /// Cancels the request; its blocks are freed at the next step.
+    pub fn cancel(&self) {
+        self.cancel.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Iterator for Stream {
+    type Item = Event;
+
+    fn next(&mut self) -> Option<Event> {
+        self.blocking_next()
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        self.cancel();
+    }
+}
+
+/// The size of the KV pool an engine runs with.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct KvCapacity {
+    pub layout: KvLayout,
+    pub blocks: usize,
+}
+
+impl KvCapacity {
+    /// Tokens the pool holds.
+    pub fn tokens(&self) -> usize {
+        self.blocks * self.layout.block_tokens
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.blocks * self.layout.block_bytes()
+    }
+}
+
+/// A loaded model with its tokenizer, chat template, compute backend and scheduler thread.
 pub struct Engine {
-    model: Model,
-    tokenizer: Tokenizer,
-    template: Option<ChatTemplate>,
-    backend: Box<dyn Backend>,
-    session: Mutex<Session>,
+    core: Arc<Core>,
     context: usize,
     prefill_chunk: usize,
+    kv_dtype: KvDType,
+    capacity: KvCapacity,
+    limits: Arc<SchedulerLimits>,
+    snapshot: Arc<Mutex<SchedulerSnapshot>>,
+    queued: Arc<AtomicUsize>,
+    max_waiting: usize,
+    commands: Mutex<Sender<Command>>,
+    thread: Option<JoinHandle<()>>,
+    solo: Mutex<Option<Solo>>,
 }
 
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine")
-            .field("model", &self.model)
-            .field("backend", &self.backend.describe())
+            .field("model", &self.core.model)
+            .field("backend", &self.core.backend.describe())
+            .field("kv", &self.capacity)
             .finish()
     }
 }
 
+/// Runs forward passes for the scheduler on the shared model.
+struct ModelExecutor {
+    core: Arc<Core>,
+    state: ForwardState,
+}
+
+impl Executor for ModelExecutor {
+    fn forward(&mut self, batch: &Batch, store: &mut KvStore) -> Result<&mut [f32], EngineError> {
+        let _compute = self.core.compute.lock().unwrap_or_else(|e| e.into_inner());
+        self.core
+            .model
+            .forward_batch(self.core.backend.as_ref(), batch, store, &mut self.state)?;
+        Ok(&mut self.state.logits)
+    }
+}
+
+/// Memory the OS reports as available, in bytes (`None` off Linux).
+fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Blocks of the pool for these options: the requested memory, at least one full-context
+/// sequence, at most `max_num_seqs` of them.
+fn pool_blocks(layout: &KvLayout, options: &EngineOptions, context: usize) -> usize {
+    let block_bytes = layout.block_bytes() as u64;
+    let bytes = match options.kv.memory {
+        KvMemory::Bytes(b) => b,
+        KvMemory::Fraction(f) => {
+            (available_memory().unwrap_or(4 << 30) as f64 * f.clamp(0.0, 1.0)) as u64
+        }
+    };
+    let per_sequence = context.div_ceil(layout.block_tokens);
+    let wanted = (bytes / block_bytes) as usize;
+    let most = per_sequence * options.scheduler.max_num_seqs.max(1);
+    wanted.clamp(per_sequence, most.max(per_sequence))
+}
+
 impl Engine {
-    /// Loads a GGUF file.
+    /// Loads a GGUF file and starts its scheduler thread.
     pub fn load(path: &Path, options: &EngineOptions) -> Result<Self, EngineError> {
         let model = Model::load(path)?;
         let tokenizer = Tokenizer::from_gguf(model.gguf())?;
@@ -193,18 +426,78 @@ impl Engine {
             .unwrap_or(4096)
             .min(model.config.context_length)
             .max(1);
-        let session = Session {
-            cache: KvCache::new(&model.config, context),
-            state: ForwardState::default(),
-        };
-        Ok(Self {
+        let kv = &options.kv;
+        if !kv.dtype.supports(model.config.head_dim) {
+            return Err(EngineError::Load(format!(
+                "a {} KV cache needs a head size that is a multiple of 32; this model's is {}",
+                kv.dtype, model.config.head_dim
+            )));
+        }
+        if kv.block_tokens == 0 || kv.block_tokens > 1024 {
+            return Err(EngineError::Load(format!(
+                "block_tokens {} is outside 1..=1024",
+                kv.block_tokens
+            )));
+        }
+        let layout = KvLayout::new(&model.config, kv.block_tokens, kv.dtype);
+        let blocks = pool_blocks(&layout, options, context);
+        let tier =
+            if kv.tier.enabled() {
+                Some(KvTier::new(&kv.tier, layout.block_bytes()).map_err(|e| {
+                    EngineError::Load(format!("cannot create the KV tier file: {e}"))
+                })?)
+            } else {
+                None
+            };
+        let core = Arc::new(Core {
             backend: Box::new(CpuBackend::new(options.threads)),
             model,
-            tokenizer,
+            tokenizer: Arc::new(tokenizer),
             template,
-            session: Mutex::new(session),
+            compute: Mutex::new(()),
+        });
+        let sched = &options.scheduler;
+        let handles = SchedulerHandles::new(sched.max_num_seqs, sched.max_num_batched_tokens);
+        let (commands, inbox) = channel::<Command>();
+        let thread = {
+            let config = SchedulerConfig {
+                watermark: sched.watermark.clamp(0.0, 0.5),
+                context,
+            };
+            let (core, handles) = (Arc::clone(&core), handles.clone());
+            let prefix_caching = kv.prefix_caching;
+            std::thread::Builder::new()
+                .name("rampart-engine".into())
+                .spawn(move || {
+                    let scheduler = Scheduler::new(
+                        config,
+                        handles,
+                        Arc::clone(&core.tokenizer),
+                        BlockPool::new(blocks, layout.block_tokens, prefix_caching),
+                        KvStore::new(layout, blocks),
+                        tier,
+                    );
+                    let executor = ModelExecutor {
+                        core,
+                        state: ForwardState::default(),
+                    };
+                    engine_loop(scheduler, executor, inbox);
+                })
+                .map_err(|e| EngineError::Load(format!("cannot start the engine thread: {e}")))?
+        };
+        Ok(Self {
+            core,
             context,
             prefill_chunk: options.prefill_chunk.max(1),
+            kv_dtype: kv.dtype,
+            capacity: KvCapacity { layout, blocks },
+            limits: handles.limits,
+            snapshot: handles.snapshot,
+            queued: handles.queued,
+            max_waiting: sched.max_waiting,
+            commands: Mutex::new(commands),
+            thread: Some(thread),
+            solo: Mutex::new(None),
         })
     }
 
@@ -230,19 +523,19 @@ impl Engine {
     }
 
     pub fn config(&self) -> &ModelConfig {
-        &self.model.config
+        &self.core.model.config
     }
 
     pub fn model(&self) -> &Model {
-        &self.model
+        &self.core.model
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {
-        &self.tokenizer
+        &self.core.tokenizer
     }
 
     pub fn backend(&self) -> &dyn Backend {
-        self.backend.as_ref()
+        self.core.backend.as_ref()
     }
 
     /// Most positions of a sequence.
@@ -250,18 +543,37 @@ impl Engine {
         self.context
     }
 
+    /// The KV pool's layout and size.
+    pub fn kv_capacity(&self) -> KvCapacity {
+        self.capacity
+    }
+
+    /// The scheduler's limits, adjustable while running.
+    pub fn limits(&self) -> &SchedulerLimits {
+        &self.limits
+    }
+
+    /// The scheduler's state after its latest step.
+    pub fn snapshot(&self) -> SchedulerSnapshot {
+        self.snapshot
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     /// Renders a chat with the model's template.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, EngineError> {
-        let template = self
-            .template
-            .as_ref()
-            .ok_or_else(|| EngineError::ChatTemplate("the model has no chat template".into()))?;
+        let template =
+            self.core.template.as_ref().ok_or_else(|| {
+                EngineError::ChatTemplate("the model has no chat template".into())
+            })?;
         template.render(messages, true)
     }
 
     /// Validates and tokenizes a request. Every request error surfaces here, before streaming.
     pub fn prepare(&self, request: GenerateRequest) -> Result<Prepared, EngineError> {
-        request.sampling.validate(self.model.config.vocab_size)?;
+        let vocab = self.core.model.config.vocab_size;
+        request.sampling.validate(vocab)?;
         if request.max_tokens == 0 {
             return Err(EngineError::InvalidRequest(
                 "max_tokens must be at least 1".into(),
@@ -272,14 +584,12 @@ impl Engine {
                 "stop strings must not be empty".into(),
             ));
         }
+        let tokenizer = &self.core.tokenizer;
         let tokens = match &request.prompt {
-            Prompt::Text(text) => self.tokenizer.encode(text, true)?,
-            Prompt::Chat(messages) => self.tokenizer.encode(&self.render_chat(messages)?, false)?,
+            Prompt::Text(text) => tokenizer.encode(text, true)?,
+            Prompt::Chat(messages) => tokenizer.encode(&self.render_chat(messages)?, false)?,
             Prompt::Tokens(ids) => {
-                if let Some(bad) = ids
-                    .iter()
-                    .find(|&&id| id as usize >= self.model.config.vocab_size)
-                {
+                if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
                     return Err(EngineError::InvalidRequest(format!(
                         "token id {bad} is outside the vocabulary"
                     )));
@@ -300,147 +610,209 @@ impl Engine {
         Ok(Prepared { tokens, request })
     }
 
-    /// Runs a prepared request on this thread, handing each event to `sink`; `sink` returning
-    /// false cancels. Returns how it finished.
+    /// Hands a prepared request to the scheduler. Refused at once when the pool could never
+    /// hold it or the waiting queue is full.
+    pub fn submit(&self, prepared: Prepared) -> Result<Stream, EngineError> {
+        let Prepared { tokens, request } = prepared;
+        let positions = tokens.len() + request.max_tokens;
+        if positions > self.capacity.tokens() {
+            return Err(EngineError::PoolTooSmall {
+                tokens: positions,
+                pool_tokens: self.capacity.tokens(),
+            });
+        }
+        let taken = self
+            .queued
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
+                (q < self.max_waiting).then_some(q + 1)
+            });
+        if taken.is_err() {
+            return Err(EngineError::QueueFull {
+                limit: self.max_waiting,
+            });
+        }
+        let (events, receiver) = unbounded_channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let new = NewSequence {
+            sampler: Sampler::new(request.sampling.clone(), &tokens),
+            tokens,
+            max_tokens: request.max_tokens,
+            ignore_eos: request.ignore_eos,
+            stop: request.stop,
+            events,
+            cancel: Arc::clone(&cancel),
+            arrived: Instant::now(),
+        };
+        let sent = self
+            .commands
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .send(Command::Submit(Box::new(new)));
+        if sent.is_err() {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+            return Err(EngineError::Stopped);
+        }
+        Ok(Stream {
+            events: receiver,
+            cancel,
+        })
+    }
+
+    /// Validates, tokenizes and submits a request. Request errors return here; the stream
+    /// carries the tokens and ends with `Finished` (or `Failed`). Dropping the stream cancels.
+    pub fn generate(&self, request: GenerateRequest) -> Result<Stream, EngineError> {
+        let prepared = self.prepare(request)?;
+        self.submit(prepared)
+    }
+
+    /// Runs a prepared request to its end, handing each event to `sink` on this thread; `sink`
+    /// returning false cancels. Returns how it finished.
     pub fn run(
         &self,
         prepared: Prepared,
         sink: &mut dyn FnMut(Event) -> bool,
     ) -> Result<Finished, EngineError> {
-        let mut session = self.session.lock().unwrap_or_else(|e| e.into_inner());
-        let Session { cache, state } = &mut *session;
-        cache.clear();
-        let Prepared { tokens, request } = prepared;
-        let prefill_start = Instant::now();
-        for chunk in tokens.chunks(self.prefill_chunk) {
-            self.model
-                .forward(self.backend.as_ref(), chunk, cache, state, LogitRows::Last)?;
+        let prompt_tokens = prepared.tokens.len();
+        let started = Instant::now();
+        let mut stream = self.submit(prepared)?;
+        let mut completion_tokens = 0;
+        while let Some(event) = stream.blocking_next() {
+            match event {
+                Event::Token(token) => {
+                    completion_tokens += 1;
+                    if !sink(Event::Token(token)) {
+                        return Ok(Finished {
+                            reason: FinishReason::Cancelled,
+                            prompt_tokens,
+                            completion_tokens,
+                            cached_prompt_tokens: 0,
+                            queue_seconds: 0.0,
+                            prefill_seconds: 0.0,
+                            decode_seconds: started.elapsed().as_secs_f64(),
+                            trailing_text: String::new(),
+                        });
+                    }
+                }
+                Event::Finished(done) => {
+                    sink(Event::Finished(done.clone()));
+                    return Ok(done);
+                }
+                Event::Failed(message) => return Err(EngineError::Failed(message)),
+            }
         }
-        let prefill_seconds = prefill_start.elapsed().as_secs_f64();
-        let decode_start = Instant::now();
-
-        let mut sampler = Sampler::new(request.sampling.clone(), &tokens);
-        let mut detok = Detokenizer::default();
-        let mut stops = StopMatcher::new(&request.stop);
-        let mut completion = 0;
-        let finish = |reason, completion, trailing_text: String| Finished {
-            reason,
-            prompt_tokens: tokens.len(),
-            completion_tokens: completion,
-            prefill_seconds,
-            decode_seconds: decode_start.elapsed().as_secs_f64(),
-            trailing_text,
-        };
-        loop {
-            let choice: TokenChoice = sampler.sample(&mut state.logits);
-            sampler.accept(choice.id);
-            completion += 1;
-            if !request.ignore_eos && self.tokenizer.stop_tokens.contains(&choice.id) {
-                let done = finish(FinishReason::Stop, completion, stops.flush(detok.flush()));
-                sink(Event::Finished(done.clone()));
-                return Ok(done);
-            }
-            let piece = detok.push(&self.tokenizer, choice.id, false);
-            let (text, stopped) = stops.push(&piece);
-            let top_logprobs = choice
-                .top
-                .iter()
-                .map(|&(id, lp)| (id, self.tokenizer.token_text(id), lp))
-                .collect();
-            let event = Event::Token(TokenEvent {
-                id: choice.id,
-                text,
-                logprob: choice.logprob,
-                entropy: choice.entropy,
-                top_logprobs,
-            });
-            if !sink(event) {
-                return Ok(finish(FinishReason::Cancelled, completion, String::new()));
-            }
-            if stopped {
-                let done = finish(FinishReason::Stop, completion, String::new());
-                sink(Event::Finished(done.clone()));
-                return Ok(done);
-            }
-            if completion >= request.max_tokens {
-                let done = finish(FinishReason::Length, completion, stops.flush(detok.flush()));
-                sink(Event::Finished(done.clone()));
-                return Ok(done);
-            }
-            self.model.forward(
-                self.backend.as_ref(),
-                &[choice.id],
-                cache,
-                state,
-                LogitRows::Last,
-            )?;
-        }
+        Err(EngineError::Stopped)
     }
 
-    /// Starts a generation on its own thread. Request errors return here; the stream carries the
-    /// tokens and ends with `Finished` (or `Failed`). Dropping the receiver cancels.
-    pub fn generate(
-        self: &Arc<Self>,
-        request: GenerateRequest,
-    ) -> Result<Receiver<Event>, EngineError> {
-        let prepared = self.prepare(request)?;
-        let (tx, rx) = sync_channel(64);
-        let engine = Arc::clone(self);
-        std::thread::Builder::new()
-            .name("rampart-engine".into())
-            .spawn(move || {
-                let mut send = |e: Event| tx.send(e).is_ok();
-                if let Err(e) = engine.run(prepared, &mut send) {
-                    let _ = tx.send(Event::Failed(e.to_string()));
-                }
-            })
-            .map_err(|e| EngineError::Load(format!("cannot start the engine thread: {e}")))?;
-        Ok(rx)
+    fn with_solo<T>(&self, f: impl FnOnce(&mut Solo) -> T) -> T {
+        let mut solo = self.solo.lock().unwrap_or_else(|e| e.into_inner());
+        let solo = solo.get_or_insert_with(|| Solo {
+            cache: SequenceCache::new(&self.core.model.config, self.context, self.kv_dtype),
+            state: ForwardState::default(),
+        });
+        f(solo)
     }
 
     /// Runs the model over `tokens` from an empty context and returns the logits of every
     /// position (`tokens.len() × vocab`), for scoring and reference checks.
     pub fn logits(&self, tokens: &[u32]) -> Result<Vec<f32>, EngineError> {
-        let mut session = self.session.lock().unwrap_or_else(|e| e.into_inner());
-        let Session { cache, state } = &mut *session;
-        cache.clear();
-        if tokens.len() > cache.capacity() {
-            return Err(EngineError::ContextExceeded {
-                prompt_tokens: tokens.len(),
-                max_tokens: 0,
-                context: cache.capacity(),
-            });
-        }
-        let mut out = Vec::with_capacity(tokens.len() * self.model.config.vocab_size);
-        for chunk in tokens.chunks(self.prefill_chunk) {
-            self.model
-                .forward(self.backend.as_ref(), chunk, cache, state, LogitRows::All)?;
-            out.extend_from_slice(&state.logits);
-        }
-        Ok(out)
+        self.with_session(|model, backend, cache, state| {
+            cache.clear();
+            if tokens.len() > cache.capacity() {
+                return Err(EngineError::ContextExceeded {
+                    prompt_tokens: tokens.len(),
+                    max_tokens: 0,
+                    context: cache.capacity(),
+                });
+            }
+            let mut out = Vec::with_capacity(tokens.len() * model.config.vocab_size);
+            for chunk in tokens.chunks(self.prefill_chunk) {
+                model.forward(backend, chunk, cache, state, LogitRows::All)?;
+                out.extend_from_slice(&state.logits);
+            }
+            Ok(out)
+        })
     }
 
-    /// Direct access to the model, backend, KV cache and buffers of the session (for benchmarks
-    /// that drive the forward pass themselves); holds the session for the duration of `f`.
+    /// Direct access to the model, backend, a one-sequence KV cache and buffers (for scoring and
+    /// benchmarks that drive the forward pass themselves); holds the compute lock for the
+    /// duration of `f`, so the scheduler pauses meanwhile.
     pub fn with_session<T>(
         &self,
-        f: impl FnOnce(&Model, &dyn Backend, &mut KvCache, &mut ForwardState) -> T,
+        f: impl FnOnce(&Model, &dyn Backend, &mut SequenceCache, &mut ForwardState) -> T,
     ) -> T {
-        let mut session = self.session.lock().unwrap_or_else(|e| e.into_inner());
-        let Session { cache, state } = &mut *session;
-        f(&self.model, self.backend.as_ref(), cache, state)
+        self.with_solo(|solo| {
+            let _compute = self.core.compute.lock().unwrap_or_else(|e| e.into_inner());
+            f(
+                &self.core.model,
+                self.core.backend.as_ref(),
+                &mut solo.cache,
+                &mut solo.state,
+            )
+        })
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        let commands = self.commands.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = commands.send(Command::Shutdown);
+        drop(commands);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// The engine thread: takes new requests, steps the scheduler while there is work, sleeps on
+/// the inbox when there is none.
+fn engine_loop(
+    mut scheduler: Scheduler,
+    mut executor: ModelExecutor,
+    inbox: std::sync::mpsc::Receiver<Command>,
+) {
+    let mut stalled = false;
+    loop {
+        let first = if !scheduler.has_work() {
+            match inbox.recv() {
+                Ok(command) => Some(command),
+                Err(_) => return,
+            }
+        } else if stalled {
+            match inbox.recv_timeout(IDLE_WAIT / 100) {
+                Ok(command) => Some(command),
+                Err(RecvTimeoutError::Timeout) => None,
+                Err(RecvTimeoutError::Disconnected) => {
+                    scheduler.abort_all("the engine stopped");
+                    return;
+                }
+            }
+        } else {
+            None
+        };
+        for command in first.into_iter().chain(inbox.try_iter()) {
+            match command {
+                Command::Submit(new) => scheduler.add(*new),
+                Command::Shutdown => {
+                    scheduler.abort_all("the engine stopped");
+                    return;
+                }
+            }
+        }
+        if scheduler.has_work() {
+            stalled = scheduler.step(&mut executor) == 0;
+        }
     }
 }
 
 /// Finds stop strings in streamed text, holding back any tail that could still become one.
 #[derive(Debug)]
-struct StopMatcher {
+pub(crate) struct StopMatcher {
     stops: Vec<String>,
     held: String,
 }
 
 impl StopMatcher {
-    fn new(stops: &[String]) -> Self {
+    pub(crate) fn new(stops: &[String]) -> Self {
         Self {
             stops: stops.to_vec(),
             held: String::new(),
@@ -449,7 +821,7 @@ impl StopMatcher {
 
     /// Adds text; returns what can be shown now and whether a stop string was reached (the stop
     /// string and anything after it are dropped).
-    fn push(&mut self, piece: &str) -> (String, bool) {
+    pub(crate) fn push(&mut self, piece: &str) -> (String, bool) {
         if self.stops.is_empty() {
             return (piece.to_string(), false);
         }
@@ -482,7 +854,7 @@ impl StopMatcher {
     }
 
     /// Releases held text at the end, with the detokenizer's remainder appended.
-    fn flush(&mut self, rest: String) -> String {
+    pub(crate) fn flush(&mut self, rest: String) -> String {
         let mut out = std::mem::take(&mut self.held);
         out.push_str(&rest);
         out

@@ -1,13 +1,17 @@
 //! Rampart's LLM engine: runs llama-family models from GGUF files on the CPU kernels.
 //!
-//! - [`model`]: configuration, zero-copy weights from the memory-mapped GGUF, the forward pass,
-//!   the KV cache of a sequence;
+//! - [`model`]: configuration, zero-copy weights from the memory-mapped GGUF, the batched forward
+//!   pass over a paged KV cache;
+//! - [`block_pool`]: KV block bookkeeping and the prefix cache; [`kv_store`]: the blocks' bytes;
+//!   [`kv_tier`]: the second tier (host memory, then disk) for preempted and evicted blocks;
+//! - [`scheduler`]: continuous batching with chunked prefill, preemption and cancellation;
 //! - [`arch`]: the model families (llama, qwen2) and what distinguishes them;
 //! - [`tokenizer`]: byte-level BPE and SentencePiece vocabularies from GGUF metadata, streaming
 //!   detokenization ([`sentencepiece`] holds the SentencePiece algorithm);
 //! - [`chat`]: chat templates (minijinja with the helpers HF templates use);
 //! - [`sampler`]: sampling with logprobs and per-token entropy;
-//! - [`generate`]: the engine API, `Engine::generate(request) → stream of events`;
+//! - [`generate`]: the engine API, `Engine::generate(request) → stream of events`, and the
+//!   engine thread that steps the scheduler;
 //! - [`bench`]: throughput and perplexity measured as llama.cpp measures them.
 //!
 //! The engine knows nothing of HTTP, tenants or audit; it runs on its own threads and talks
@@ -15,17 +19,24 @@
 
 pub mod arch;
 pub mod bench;
+pub mod block_pool;
 pub mod chat;
 pub mod error;
 pub mod generate;
+pub mod kv_store;
+pub mod kv_tier;
 pub mod model;
 pub mod sampler;
+pub mod scheduler;
 pub mod sentencepiece;
 pub mod tokenizer;
 
 pub use chat::ChatMessage;
 pub use error::EngineError;
 pub use generate::{
-    Engine, EngineOptions, Event, FinishReason, Finished, GenerateRequest, Prompt, TokenEvent,
+    Engine, EngineOptions, Event, FinishReason, Finished, GenerateRequest, KvMemory, KvOptions,
+    Prompt, SchedulerOptions, Stream, TokenEvent,
 };
+pub use kernels::KvDType;
 pub use sampler::SamplingParams;
+pub use scheduler::SchedulerSnapshot;

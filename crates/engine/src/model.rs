@@ -8,12 +8,13 @@ use std::ops::Range;
 use std::path::Path;
 
 use formats::gguf::{GgmlType, GgufFile, TensorInfo};
-use kernels::ops::{swiglu, AttentionShape, Rope, RopeScaling};
+use kernels::ops::{swiglu, Rope, RopeScaling};
 use kernels::quant::dequantize_row;
-use kernels::{Backend, DType, Matrix, Scratch};
+use kernels::{Backend, DType, Matrix, QueryRow, Scratch};
 
 use crate::arch::{family, Family};
 use crate::error::EngineError;
+use crate::kv_store::{KvStore, SequenceCache};
 
 /// The shape of the network.
 #[derive(Debug, Clone, PartialEq)]
@@ -277,46 +278,79 @@ impl Model {
         &self,
         backend: &dyn Backend,
         tokens: &[u32],
-        cache: &mut KvCache,
+        cache: &mut SequenceCache,
         state: &mut ForwardState,
         logits: LogitRows,
     ) -> Result<(), EngineError> {
-        let c = &self.config;
         let m = tokens.len();
         if m == 0 {
             return Ok(());
         }
-        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+        let start = cache.len;
+        if start + m > cache.capacity() {
+            return Err(EngineError::ContextExceeded {
+                prompt_tokens: start + m,
+                max_tokens: 0,
+                context: cache.capacity(),
+            });
+        }
+        let mut batch = std::mem::take(&mut state.batch);
+        batch.clear();
+        batch.push_sequence(&cache.table, tokens, start, logits == LogitRows::All);
+        if logits == LogitRows::Last {
+            batch.logit_rows.push(m - 1);
+        }
+        let result = self.forward_batch(backend, &batch, &mut cache.store, state);
+        state.batch = batch;
+        result?;
+        cache.len = start + m;
+        Ok(())
+    }
+
+    /// One forward pass over the rows of `batch` (tokens of several sequences at their own
+    /// positions), writing each row's keys and values into its sequence's blocks in `store` and
+    /// attending over them. Logits of `batch.logit_rows` land in `state.logits`
+    /// (`logit_rows × vocab`, in that order).
+    pub fn forward_batch(
+        &self,
+        backend: &dyn Backend,
+        batch: &Batch,
+        store: &mut KvStore,
+        state: &mut ForwardState,
+    ) -> Result<(), EngineError> {
+        let c = &self.config;
+        let m = batch.tokens.len();
+        if m == 0 {
+            return Ok(());
+        }
+        if let Some(&bad) = batch.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
             return Err(EngineError::InvalidRequest(format!(
                 "token id {bad} is outside the vocabulary of {}",
                 c.vocab_size
             )));
         }
-        let start = cache.len;
-        if start + m > cache.capacity {
-            return Err(EngineError::ContextExceeded {
-                prompt_tokens: start + m,
-                max_tokens: 0,
-                context: cache.capacity,
-            });
+        let block_tokens = store.layout().block_tokens;
+        for (i, &pos) in batch.positions.iter().enumerate() {
+            let table = batch.table(batch.row_seq[i]);
+            if pos / block_tokens >= table.len()
+                || table.iter().any(|&b| b as usize >= store.blocks())
+            {
+                return Err(EngineError::InvalidRequest(format!(
+                    "row {i} at position {pos} has no block in its table"
+                )));
+            }
         }
         let (hid, qd, kvd) = (c.hidden, c.heads * c.head_dim, c.kv_heads * c.head_dim);
         state.ensure(c, m);
         let s = state;
         let embd = self.matrix(&self.embeddings);
-        for (i, &t) in tokens.iter().enumerate() {
+        for (i, &t) in batch.tokens.iter().enumerate() {
             dequantize_row(
                 embd.dtype,
                 embd.row(t as usize),
                 &mut s.x[i * hid..(i + 1) * hid],
             );
         }
-        let shape = AttentionShape {
-            heads: c.heads,
-            kv_heads: c.kv_heads,
-            head_dim: c.head_dim,
-            first_pos: start,
-        };
         for (l, layer) in self.layers.iter().enumerate() {
             let (x, h) = (&mut s.x[..m * hid], &mut s.h[..m * hid]);
             backend.rms_norm_rows(x, &layer.attn_norm, c.norm_eps, h);
@@ -343,26 +377,30 @@ impl Model {
                     }
                 }
             }
-            for i in 0..m {
-                self.rope
-                    .apply(&mut q[i * qd..(i + 1) * qd], c.heads, c.head_dim, start + i);
-                self.rope.apply(
-                    &mut k[i * kvd..(i + 1) * kvd],
-                    c.kv_heads,
-                    c.head_dim,
-                    start + i,
+            for (i, &pos) in batch.positions.iter().enumerate() {
+                let (qi, ki) = (&mut q[i * qd..(i + 1) * qd], &mut k[i * kvd..(i + 1) * kvd]);
+                self.rope.apply(qi, c.heads, c.head_dim, pos);
+                self.rope.apply(ki, c.kv_heads, c.head_dim, pos);
+                let table = batch.table(batch.row_seq[i]);
+                store.write(
+                    l,
+                    table[pos / block_tokens],
+                    pos % block_tokens,
+                    ki,
+                    &v[i * kvd..(i + 1) * kvd],
                 );
             }
-            cache.k[l][start * kvd..(start + m) * kvd].copy_from_slice(k);
-            cache.v[l][start * kvd..(start + m) * kvd].copy_from_slice(v);
+            let rows: Vec<QueryRow<'_>> = batch
+                .positions
+                .iter()
+                .zip(&batch.row_seq)
+                .map(|(&pos, &seq)| QueryRow {
+                    table: batch.table(seq),
+                    keys: pos + 1,
+                })
+                .collect();
             let att = &mut s.att[..m * qd];
-            backend.attention(
-                shape,
-                q,
-                &cache.k[l][..(start + m) * kvd],
-                &cache.v[l][..(start + m) * kvd],
-                att,
-            );
+            backend.paged_attention(c.heads, q, &rows, &store.layer(l), att);
             let o = &mut s.o[..m * hid];
             backend.matmul(&self.matrix(&layer.wo), att, m, o, &mut s.scratch);
             kernels::ops::add_assign(x, o);
@@ -380,20 +418,17 @@ impl Model {
             backend.matmul(&self.matrix(&layer.w_down), gate, m, o, &mut s.scratch);
             kernels::ops::add_assign(x, o);
         }
-        cache.len = start + m;
 
-        let rows = match logits {
-            LogitRows::Last => m - 1..m,
-            LogitRows::All => 0..m,
-        };
-        let n_rows = rows.len();
+        let n_rows = batch.logit_rows.len();
+        if n_rows == 0 {
+            s.logits.clear();
+            return Ok(());
+        }
+        for (j, &row) in batch.logit_rows.iter().enumerate() {
+            s.o[j * hid..(j + 1) * hid].copy_from_slice(&s.x[row * hid..(row + 1) * hid]);
+        }
         let h = &mut s.h[..n_rows * hid];
-        backend.rms_norm_rows(
-            &s.x[rows.start * hid..rows.end * hid],
-            &self.output_norm,
-            c.norm_eps,
-            h,
-        );
+        backend.rms_norm_rows(&s.o[..n_rows * hid], &self.output_norm, c.norm_eps, h);
         s.logits.resize(n_rows * c.vocab_size, 0.0);
         backend.matmul(
             &self.matrix(&self.output),
@@ -457,47 +492,71 @@ pub enum LogitRows {
     All,
 }
 
-/// The keys and values of one sequence, per layer, for positions `0..len`.
-#[derive(Debug)]
-pub struct KvCache {
-    k: Vec<Vec<f32>>,
-    v: Vec<Vec<f32>>,
-    len: usize,
-    capacity: usize,
+/// The rows of one forward pass: tokens of one or more sequences, each at its own position, and
+/// the block table of every sequence.
+#[derive(Debug, Default, Clone)]
+pub struct Batch {
+    pub tokens: Vec<u32>,
+    pub positions: Vec<usize>,
+    /// Index of the row's sequence in the tables.
+    pub row_seq: Vec<usize>,
+    /// Rows whose logits are wanted, in output order.
+    pub logit_rows: Vec<usize>,
+    table_blocks: Vec<u32>,
+    table_ranges: Vec<Range<usize>>,
 }
 
-impl KvCache {
-    /// A cache for `capacity` positions of `config`'s shape.
-    pub fn new(config: &ModelConfig, capacity: usize) -> Self {
-        let kvd = config.kv_heads * config.head_dim;
-        Self {
-            k: (0..config.block_count)
-                .map(|_| vec![0.0; capacity * kvd])
-                .collect(),
-            v: (0..config.block_count)
-                .map(|_| vec![0.0; capacity * kvd])
-                .collect(),
-            len: 0,
-            capacity,
-        }
-    }
-
-    /// Positions filled.
-    pub fn len(&self) -> usize {
-        self.len
+impl Batch {
+    pub fn clear(&mut self) {
+        self.tokens.clear();
+        self.positions.clear();
+        self.row_seq.clear();
+        self.logit_rows.clear();
+        self.table_blocks.clear();
+        self.table_ranges.clear();
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.tokens.is_empty()
     }
 
-    pub fn capacity(&self) -> usize {
-        self.capacity
+    /// Rows in the batch.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
     }
 
-    /// Forgets everything (the memory is kept for the next sequence).
-    pub fn clear(&mut self) {
-        self.len = 0;
+    /// Sequences in the batch.
+    pub fn sequences(&self) -> usize {
+        self.table_ranges.len()
+    }
+
+    /// The block table of sequence `seq`.
+    pub fn table(&self, seq: usize) -> &[u32] {
+        &self.table_blocks[self.table_ranges[seq].clone()]
+    }
+
+    /// Adds `tokens` of a sequence at positions `first_pos..` with its block table; returns the
+    /// sequence's index. With `all_logits`, every row of it is added to `logit_rows`.
+    pub fn push_sequence(
+        &mut self,
+        table: &[u32],
+        tokens: &[u32],
+        first_pos: usize,
+        all_logits: bool,
+    ) -> usize {
+        let seq = self.table_ranges.len();
+        let at = self.table_blocks.len();
+        self.table_blocks.extend_from_slice(table);
+        self.table_ranges.push(at..self.table_blocks.len());
+        let first_row = self.tokens.len();
+        self.tokens.extend_from_slice(tokens);
+        self.positions
+            .extend((0..tokens.len()).map(|i| first_pos + i));
+        self.row_seq.extend(std::iter::repeat_n(seq, tokens.len()));
+        if all_logits {
+            self.logit_rows.extend(first_row..self.tokens.len());
+        }
+        seq
     }
 }
 
@@ -517,6 +576,7 @@ pub struct ForwardState {
     /// Logits of the selected rows, `rows × vocab`.
     pub logits: Vec<f32>,
     scratch: Scratch,
+    batch: Batch,
 }
 
 impl ForwardState {

@@ -349,9 +349,14 @@ fn every_weight_type_matches_the_reference_forward() {
     let dir = std::env::temp_dir().join(format!("rampart-arch-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let tokens = [1u32, 40, 77, 200, 13, 150];
+    // f32 keys and values: the reference keeps them exact.
     let options = engine::EngineOptions {
         threads: 2,
         context: Some(64),
+        kv: engine::KvOptions {
+            dtype: engine::KvDType::F32,
+            ..engine::KvOptions::default()
+        },
         ..engine::EngineOptions::default()
     };
     let mut report = Vec::new();

@@ -8,6 +8,7 @@
 use crate::dispatch::Isa;
 use crate::matmul::{matmul, matmul_many, Matrix, Scratch};
 use crate::ops::{attention, rms_norm, AttentionShape};
+use crate::paged::{paged_attention, PagedKv, QueryRow};
 use crate::pool::ThreadPool;
 
 /// The operations of a transformer forward pass.
@@ -30,6 +31,16 @@ pub trait Backend: Send + Sync {
     fn rms_norm_rows(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]);
     /// Causal attention of `q` rows over the key/value cache (see [`crate::ops::attention`]).
     fn attention(&self, shape: AttentionShape, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]);
+    /// Attention of `q` rows, each over its own sequence in a paged KV cache (see
+    /// [`crate::paged::paged_attention`]).
+    fn paged_attention(
+        &self,
+        heads: usize,
+        q: &[f32],
+        rows: &[QueryRow<'_>],
+        kv: &PagedKv<'_>,
+        out: &mut [f32],
+    );
 }
 
 /// The CPU backend: the best SIMD level of this CPU and a fixed thread pool.
@@ -90,6 +101,17 @@ impl Backend for CpuBackend {
 
     fn attention(&self, shape: AttentionShape, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) {
         attention(&self.pool, self.isa, shape, q, k, v, out);
+    }
+
+    fn paged_attention(
+        &self,
+        heads: usize,
+        q: &[f32],
+        rows: &[QueryRow<'_>],
+        kv: &PagedKv<'_>,
+        out: &mut [f32],
+    ) {
+        paged_attention(&self.pool, self.isa, heads, q, rows, kv, out);
     }
 }
 

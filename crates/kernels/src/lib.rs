@@ -7,7 +7,9 @@
 //! - [`dispatch`]: runtime CPU dispatch (AVX2+FMA, scalar) of the hot kernels.
 //! - [`matmul`]: M activation rows × a quantized weight matrix, reading each weight row once.
 //! - [`ops`]: RMSNorm, LayerNorm, RoPE (normal/NeoX, linear/llama3 scaling), softmax, SiLU/GELU,
-//!   causal grouped-query attention.
+//!   causal grouped-query attention over a contiguous cache.
+//! - [`paged`]: grouped-query attention over a paged KV cache (blocks found through per-sequence
+//!   block tables) stored as f32, f16 or Q8_0.
 //! - [`pool`]: the fixed compute thread pool the parallel loops run on.
 //! - [`backend`]: the compute-backend interface the engine calls, and its CPU implementation.
 //! - [`rng`]: the seedable generator sampling and test data use.
@@ -20,6 +22,7 @@ pub mod dispatch;
 pub mod dtype;
 pub mod matmul;
 pub mod ops;
+pub mod paged;
 pub mod pool;
 pub mod quant;
 pub mod rng;
@@ -31,4 +34,5 @@ pub use backend::{Backend, CpuBackend};
 pub use dispatch::Isa;
 pub use dtype::{ActFormat, DType};
 pub use matmul::{Matrix, Scratch};
+pub use paged::{KvDType, PagedKv, QueryRow};
 pub use pool::ThreadPool;

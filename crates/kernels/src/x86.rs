@@ -1,5 +1,5 @@
-//! AVX2 + FMA kernels (x86_64). Each function here has a scalar reference in `quant` or `ops`
-//! and is tested against it on random inputs of awkward sizes.
+//! AVX2 + FMA kernels (x86_64). Each function here has a scalar reference in `quant`, `ops` or
+//! `paged` and is tested against it on random inputs of awkward sizes.
 //!
 //! Every function is `unsafe` because it must only run on a CPU with AVX2, FMA and F16C
 //! (checked once by `dispatch`); each unaligned load reads inside the slices it is given.
@@ -9,6 +9,7 @@
 use std::arch::x86_64::*;
 
 use crate::dtype::{DType, Q8X32_BLOCK_BYTES, Q8XK_BLOCK_BYTES, QK, QK_K};
+use crate::paged::{KvDType, Q8_0_BLOCK, Q8_0_BLOCK_BYTES};
 use crate::quant::{f16_at, scale_min_k4};
 
 #[inline]
@@ -728,4 +729,400 @@ unsafe fn attend_lanes<const LANES: usize>(
     for (j, a) in acc.iter().enumerate() {
         _mm256_storeu_ps(out.as_mut_ptr().add(8 * j), _mm256_mul_ps(*a, inv));
     }
+}
+
+// KV cache element types, as const-generic kernel parameters.
+const KV_F32: u8 = 0;
+const KV_F16: u8 = 1;
+const KV_Q8_0: u8 = 2;
+
+/// Query heads the value kernel accumulates at once (each value chunk is decoded once for them).
+const KV_VALUE_TILE: usize = 4;
+
+/// 8-value chunks of a KV head row that share one scale (a Q8_0 block; 1 for float types).
+const fn kv_scale_span(d: u8) -> usize {
+    if d == KV_Q8_0 {
+        Q8_0_BLOCK / 8
+    } else {
+        1
+    }
+}
+
+/// The scale of chunk `c` of a KV head row of format `D` starting at `row`: the f16 scale of
+/// Q8_0 block `c/4`, broadcast (unused by the float types).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn kv_scale<const D: u8>(row: *const u8, c: usize) -> __m256 {
+    if D == KV_Q8_0 {
+        _mm256_set1_ps(f16_load(row.add(c / 4 * Q8_0_BLOCK_BYTES)))
+    } else {
+        _mm256_setzero_ps()
+    }
+}
+
+/// Values `8c..8c+8` of a KV head row of format `D` starting at `row`, as f32: loaded (f32),
+/// converted by F16C (f16), or dequantized as `scale·q` from Q8_0 block `c/4` (an f16 scale,
+/// then 32 signed quants; `scale` from [`kv_scale`]).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn kv_load8<const D: u8>(row: *const u8, c: usize, scale: __m256) -> __m256 {
+    match D {
+        KV_F32 => _mm256_loadu_ps(row.add(32 * c) as *const f32),
+        KV_F16 => _mm256_cvtph_ps(_mm_loadu_si128(row.add(16 * c) as *const __m128i)),
+        _ => {
+            let quants = row.add(c / 4 * Q8_0_BLOCK_BYTES + 2 + c % 4 * 8);
+            let q = _mm_loadl_epi64(quants as *const __m128i);
+            _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), scale)
+        }
+    }
+}
+
+/// The four horizontal sums of `a`, `b`, `c`, `d`, in that order.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn hsum4_ps(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
+    let h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h))
+}
+
+/// Dot products of `G` query heads (`q`, `head_dim` apart) with `S` key rows (`stride` bytes
+/// apart from `k`), as `S·G` vectors to reduce: each chunk of a key row is decoded once for all
+/// `G` heads, each query chunk loaded once for all `S` rows.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn kv_dots<const D: u8, const G: usize, const S: usize>(
+    k: *const u8,
+    stride: usize,
+    q: *const f32,
+    head_dim: usize,
+) -> [[__m256; G]; S] {
+    let mut acc = [[_mm256_setzero_ps(); G]; S];
+    let span = kv_scale_span(D);
+    // head_dim is a multiple of 8, and of 32 for Q8_0 (checked by the callers).
+    for first in (0..head_dim / 8).step_by(span) {
+        let scales: [__m256; S] = std::array::from_fn(|s| kv_scale::<D>(k.add(s * stride), first));
+        for c in first..first + span {
+            let qv: [__m256; G] =
+                std::array::from_fn(|g| _mm256_loadu_ps(q.add(g * head_dim + 8 * c)));
+            for (s, acc_s) in acc.iter_mut().enumerate() {
+                let key = kv_load8::<D>(k.add(s * stride), c, scales[s]);
+                for (a, qg) in acc_s.iter_mut().zip(&qv) {
+                    *a = _mm256_fmadd_ps(*qg, key, *a);
+                }
+            }
+        }
+    }
+    acc
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn kv_scores_tile<const D: u8, const G: usize>(
+    k: *const u8,
+    stride: usize,
+    slots: usize,
+    q: *const f32,
+    head_dim: usize,
+    scale: f32,
+    scores: *mut f32,
+    score_stride: usize,
+) {
+    let vscale = _mm_set1_ps(scale);
+    let mut s = 0;
+    // Four key rows at a time: one horizontal reduction gives a head's four scores at once.
+    while s + 4 <= slots {
+        let [a0, a1, a2, a3] = kv_dots::<D, G, 4>(k.add(s * stride), stride, q, head_dim);
+        for g in 0..G {
+            let sums = hsum4_ps(a0[g], a1[g], a2[g], a3[g]);
+            _mm_storeu_ps(scores.add(g * score_stride + s), _mm_mul_ps(sums, vscale));
+        }
+        s += 4;
+    }
+    while s < slots {
+        let [row] = kv_dots::<D, G, 1>(k.add(s * stride), stride, q, head_dim);
+        for (g, a) in row.iter().enumerate() {
+            *scores.add(g * score_stride + s) = hsum_ps(*a) * scale;
+        }
+        s += 1;
+    }
+}
+
+/// Query heads the score kernel carries in registers at once (with four key rows: 12
+/// accumulators).
+const KV_SCORE_TILE: usize = 3;
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn kv_scores_typed<const D: u8>(
+    k: *const u8,
+    stride: usize,
+    slots: usize,
+    q: *const f32,
+    group: usize,
+    head_dim: usize,
+    scale: f32,
+    scores: *mut f32,
+    score_stride: usize,
+) {
+    let mut g = 0;
+    while g < group {
+        // Four heads go as two pairs rather than three and one.
+        let tile = match group - g {
+            4 => 2,
+            left => left.min(KV_SCORE_TILE),
+        };
+        let (q, scores) = (q.add(g * head_dim), scores.add(g * score_stride));
+        let tile_fn = match tile {
+            1 => kv_scores_tile::<D, 1>,
+            2 => kv_scores_tile::<D, 2>,
+            _ => kv_scores_tile::<D, 3>,
+        };
+        tile_fn(k, stride, slots, q, head_dim, scale, scores, score_stride);
+        g += tile;
+    }
+}
+
+/// Paged-attention scores: `scores[g·score_stride + s] = q_g · K_s · scale` for the query heads
+/// `q` (`group × head_dim`) and `slots` key rows of `dtype`, row `s` starting at byte
+/// `s·stride` of `k` (the head's values within a token slot). `head_dim` is a multiple of 8.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn kv_scores(
+    dtype: KvDType,
+    k: &[u8],
+    stride: usize,
+    slots: usize,
+    q: &[f32],
+    head_dim: usize,
+    scale: f32,
+    scores: &mut [f32],
+    score_stride: usize,
+) {
+    let group = q.len() / head_dim;
+    assert!(head_dim % 8 == 0 && dtype.supports(head_dim) && q.len() == group * head_dim);
+    if slots == 0 || group == 0 {
+        return;
+    }
+    assert!(
+        (slots - 1) * stride + dtype.row_bytes(head_dim) <= k.len(),
+        "key rows outside the cache slice"
+    );
+    assert!(
+        (group - 1) * score_stride + slots <= scores.len(),
+        "scores outside their buffer"
+    );
+    // SAFETY: every key row and score written lies inside the slices (checked above).
+    let (k, q, out) = (k.as_ptr(), q.as_ptr(), scores.as_mut_ptr());
+    match dtype {
+        KvDType::F32 => kv_scores_typed::<KV_F32>(
+            k,
+            stride,
+            slots,
+            q,
+            group,
+            head_dim,
+            scale,
+            out,
+            score_stride,
+        ),
+        KvDType::F16 => kv_scores_typed::<KV_F16>(
+            k,
+            stride,
+            slots,
+            q,
+            group,
+            head_dim,
+            scale,
+            out,
+            score_stride,
+        ),
+        KvDType::Q8_0 => kv_scores_typed::<KV_Q8_0>(
+            k,
+            stride,
+            slots,
+            q,
+            group,
+            head_dim,
+            scale,
+            out,
+            score_stride,
+        ),
+    }
+}
+
+/// `C` chunks (from chunk `first`) of `G` heads' accumulators over all `slots` value rows: the
+/// `C·G` accumulators stay in registers as independent FMA chains, and each value chunk is
+/// decoded once for all `G` heads. `first` is a multiple of `C`, `C` a power of two, so the
+/// tile's chunks `j` use Q8_0 blocks `first/4 + j/4`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn kv_values_tile<const D: u8, const G: usize, const C: usize>(
+    v: *const u8,
+    stride: usize,
+    slots: usize,
+    probs: *const f32,
+    prob_stride: usize,
+    acc: *mut f32,
+    head_dim: usize,
+    first: usize,
+) {
+    let mut sums: [[__m256; C]; G] = std::array::from_fn(|g| {
+        std::array::from_fn(|j| _mm256_loadu_ps(acc.add(g * head_dim + 8 * (first + j))))
+    });
+    for s in 0..slots {
+        let row = v.add(s * stride);
+        let p: [__m256; G] =
+            std::array::from_fn(|g| _mm256_set1_ps(*probs.add(g * prob_stride + s)));
+        let mut scale = _mm256_setzero_ps();
+        for j in 0..C {
+            if j % 4 == 0 {
+                scale = kv_scale::<D>(row, first + j);
+            }
+            let value = kv_load8::<D>(row, first + j, scale);
+            for (sums_g, p_g) in sums.iter_mut().zip(&p) {
+                sums_g[j] = _mm256_fmadd_ps(*p_g, value, sums_g[j]);
+            }
+        }
+    }
+    for (g, sums_g) in sums.iter().enumerate() {
+        for (j, sum) in sums_g.iter().enumerate() {
+            _mm256_storeu_ps(acc.add(g * head_dim + 8 * (first + j)), *sum);
+        }
+    }
+}
+
+/// Signature of the value tile kernels.
+type ValuesTile = unsafe fn(*const u8, usize, usize, *const f32, usize, *mut f32, usize, usize);
+
+/// The value tile of `G` heads and `chunks` chunks.
+fn kv_values_tile_fn<const D: u8, const G: usize>(chunks: usize) -> ValuesTile {
+    match chunks {
+        8 => kv_values_tile::<D, G, 8>,
+        4 => kv_values_tile::<D, G, 4>,
+        2 => kv_values_tile::<D, G, 2>,
+        _ => kv_values_tile::<D, G, 1>,
+    }
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn kv_values_typed<const D: u8>(
+    v: *const u8,
+    stride: usize,
+    slots: usize,
+    probs: *const f32,
+    prob_stride: usize,
+    acc: *mut f32,
+    group: usize,
+    head_dim: usize,
+) {
+    let chunks = head_dim / 8;
+    let mut g = 0;
+    while g < group {
+        let heads = (group - g).min(KV_VALUE_TILE);
+        // About eight accumulators per tile (enough chains to hide the FMA latency, few enough
+        // to leave registers for the probabilities and values).
+        let widest = match heads {
+            1 => 8,
+            2 => 4,
+            _ => 2,
+        };
+        let (p, a) = (probs.add(g * prob_stride), acc.add(g * head_dim));
+        let mut first = 0;
+        while first < chunks {
+            // Descending powers of two keep `first` a multiple of the tile width.
+            let mut width = widest;
+            while width > chunks - first {
+                width /= 2;
+            }
+            let tile = match heads {
+                1 => kv_values_tile_fn::<D, 1>(width),
+                2 => kv_values_tile_fn::<D, 2>(width),
+                3 => kv_values_tile_fn::<D, 3>(width),
+                _ => kv_values_tile_fn::<D, 4>(width),
+            };
+            tile(v, stride, slots, p, prob_stride, a, head_dim, first);
+            first += width;
+        }
+        g += heads;
+    }
+}
+
+/// Paged-attention weighted values: `acc[g·head_dim..][..head_dim] += Σ_s probs[g·prob_stride
+/// + s] · V_s` for `slots` value rows of `dtype`, row `s` starting at byte `s·stride` of `v`.
+/// `acc` holds `group × head_dim` floats; `head_dim` is a multiple of 8.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn kv_values(
+    dtype: KvDType,
+    v: &[u8],
+    stride: usize,
+    slots: usize,
+    probs: &[f32],
+    prob_stride: usize,
+    acc: &mut [f32],
+    head_dim: usize,
+) {
+    let group = acc.len() / head_dim;
+    assert!(head_dim % 8 == 0 && dtype.supports(head_dim) && acc.len() == group * head_dim);
+    if slots == 0 || group == 0 {
+        return;
+    }
+    assert!(
+        (slots - 1) * stride + dtype.row_bytes(head_dim) <= v.len(),
+        "value rows outside the cache slice"
+    );
+    assert!(
+        (group - 1) * prob_stride + slots <= probs.len(),
+        "probabilities outside their buffer"
+    );
+    // SAFETY: every value row, probability and output touched lies inside the slices (checked
+    // above).
+    let (v, p, a) = (v.as_ptr(), probs.as_ptr(), acc.as_mut_ptr());
+    match dtype {
+        KvDType::F32 => {
+            kv_values_typed::<KV_F32>(v, stride, slots, p, prob_stride, a, group, head_dim)
+        }
+        KvDType::F16 => {
+            kv_values_typed::<KV_F16>(v, stride, slots, p, prob_stride, a, group, head_dim)
+        }
+        KvDType::Q8_0 => {
+            kv_values_typed::<KV_Q8_0>(v, stride, slots, p, prob_stride, a, group, head_dim)
+        }
+    }
+}
+
+/// Replaces `scores` by `exp(score - max)` (the softmax numerators) and returns their sum.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn softmax_numerators(scores: &mut [f32]) -> f32 {
+    let n = scores.len();
+    let p = scores.as_mut_ptr();
+    let mut vmax = _mm256_set1_ps(f32::NEG_INFINITY);
+    let mut t = 0;
+    // SAFETY (all loads and stores below): t + 8 <= n keeps them inside `scores`.
+    while t + 8 <= n {
+        vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(p.add(t)));
+        t += 8;
+    }
+    let m128 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    let m128 = _mm_max_ps(m128, _mm_movehl_ps(m128, m128));
+    let mut max = _mm_cvtss_f32(_mm_max_ss(m128, _mm_movehdup_ps(m128)));
+    for &s in &scores[t..] {
+        max = max.max(s);
+    }
+    let vmax = _mm256_set1_ps(max);
+    let mut vsum = _mm256_setzero_ps();
+    let mut t = 0;
+    while t + 8 <= n {
+        let e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(p.add(t)), vmax));
+        _mm256_storeu_ps(p.add(t), e);
+        vsum = _mm256_add_ps(vsum, e);
+        t += 8;
+    }
+    let mut sum = hsum_ps(vsum);
+    for s in &mut scores[t..] {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    sum
 }

@@ -1,0 +1,186 @@
+//! The bytes of the KV cache: one pre-allocated region per layer for keys and one for values,
+//! cut into blocks of `block_tokens` token slots, in the element type chosen for the model.
+//!
+//! Which block belongs to whom is [`crate::block_pool::BlockPool`]'s business; this module only
+//! stores rows, hands the attention kernel a view of a layer, and copies whole blocks out and in
+//! (for the second tier).
+
+use kernels::{KvDType, PagedKv};
+
+use crate::model::ModelConfig;
+
+/// The shape of the cache of one model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvLayout {
+    pub layers: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub block_tokens: usize,
+    pub dtype: KvDType,
+}
+
+impl KvLayout {
+    pub fn new(config: &ModelConfig, block_tokens: usize, dtype: KvDType) -> Self {
+        Self {
+            layers: config.block_count,
+            kv_heads: config.kv_heads,
+            head_dim: config.head_dim,
+            block_tokens,
+            dtype,
+        }
+    }
+
+    /// Values in one token row of one layer's keys (or values).
+    pub fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Bytes of one token row of one layer's keys (or values).
+    pub fn row_bytes(&self) -> usize {
+        self.dtype.row_bytes(self.kv_dim())
+    }
+
+    /// Bytes of one block of one layer's keys (or values).
+    pub fn layer_block_bytes(&self) -> usize {
+        self.row_bytes() * self.block_tokens
+    }
+
+    /// Bytes of one block across all layers, keys and values: what a block costs.
+    pub fn block_bytes(&self) -> usize {
+        2 * self.layers * self.layer_block_bytes()
+    }
+
+    /// Bytes one token costs in the cache.
+    pub fn bytes_per_token(&self) -> usize {
+        2 * self.layers * self.row_bytes()
+    }
+}
+
+/// Keys and values of every layer for a fixed number of blocks.
+#[derive(Debug)]
+pub struct KvStore {
+    layout: KvLayout,
+    blocks: usize,
+    keys: Vec<Vec<u8>>,
+    values: Vec<Vec<u8>>,
+}
+
+impl KvStore {
+    /// Allocates `blocks` blocks (zeroed memory: the OS maps pages as they are first written).
+    pub fn new(layout: KvLayout, blocks: usize) -> Self {
+        let bytes = blocks * layout.layer_block_bytes();
+        Self {
+            layout,
+            blocks,
+            keys: (0..layout.layers).map(|_| vec![0u8; bytes]).collect(),
+            values: (0..layout.layers).map(|_| vec![0u8; bytes]).collect(),
+        }
+    }
+
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
+    }
+
+    pub fn blocks(&self) -> usize {
+        self.blocks
+    }
+
+    /// Bytes reserved for the blocks.
+    pub fn bytes(&self) -> usize {
+        self.blocks * self.layout.block_bytes()
+    }
+
+    /// Stores the key and value rows of one token in `block`, slot `slot`, of `layer`.
+    pub fn write(&mut self, layer: usize, block: u32, slot: usize, key: &[f32], value: &[f32]) {
+        let l = &self.layout;
+        let at = block as usize * l.layer_block_bytes() + slot * l.row_bytes();
+        let len = l.row_bytes();
+        l.dtype.store_row(key, &mut self.keys[layer][at..at + len]);
+        l.dtype
+            .store_row(value, &mut self.values[layer][at..at + len]);
+    }
+
+    /// Reads back the key and value rows of one slot (tests and debugging).
+    pub fn read(&self, layer: usize, block: u32, slot: usize, key: &mut [f32], value: &mut [f32]) {
+        let l = &self.layout;
+        let at = block as usize * l.layer_block_bytes() + slot * l.row_bytes();
+        let len = l.row_bytes();
+        l.dtype.load_row(&self.keys[layer][at..at + len], key);
+        l.dtype.load_row(&self.values[layer][at..at + len], value);
+    }
+
+    /// The attention kernel's view of one layer.
+    pub fn layer(&self, layer: usize) -> PagedKv<'_> {
+        PagedKv {
+            dtype: self.layout.dtype,
+            k: &self.keys[layer],
+            v: &self.values[layer],
+            block_tokens: self.layout.block_tokens,
+            kv_heads: self.layout.kv_heads,
+            head_dim: self.layout.head_dim,
+        }
+    }
+
+    /// Copies one block of every layer (keys then values, layer by layer) into `out`
+    /// (`block_bytes` long).
+    pub fn copy_out(&self, block: u32, out: &mut [u8]) {
+        let n = self.layout.layer_block_bytes();
+        let at = block as usize * n;
+        for (l, chunk) in out.chunks_exact_mut(2 * n).enumerate() {
+            chunk[..n].copy_from_slice(&self.keys[l][at..at + n]);
+            chunk[n..].copy_from_slice(&self.values[l][at..at + n]);
+        }
+    }
+
+    /// The inverse of [`KvStore::copy_out`].
+    pub fn copy_in(&mut self, block: u32, data: &[u8]) {
+        let n = self.layout.layer_block_bytes();
+        let at = block as usize * n;
+        for (l, chunk) in data.chunks_exact(2 * n).enumerate() {
+            self.keys[l][at..at + n].copy_from_slice(&chunk[..n]);
+            self.values[l][at..at + n].copy_from_slice(&chunk[n..]);
+        }
+    }
+}
+
+/// The cache of a single sequence: a private store whose blocks are used in order. What the
+/// one-sequence paths (scoring, perplexity, benchmarks of one stream) run on.
+#[derive(Debug)]
+pub struct SequenceCache {
+    pub(crate) store: KvStore,
+    pub(crate) table: Vec<u32>,
+    pub(crate) len: usize,
+    capacity: usize,
+}
+
+impl SequenceCache {
+    /// A cache for `capacity` positions.
+    pub fn new(config: &ModelConfig, capacity: usize, dtype: KvDType) -> Self {
+        let block_tokens = 16;
+        let blocks = capacity.div_ceil(block_tokens).max(1);
+        Self {
+            store: KvStore::new(KvLayout::new(config, block_tokens, dtype), blocks),
+            table: (0..blocks as u32).collect(),
+            len: 0,
+            capacity,
+        }
+    }
+
+    /// Positions filled.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Forgets everything (the memory is kept for the next sequence).
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+}

@@ -1,0 +1,857 @@
+//! Continuous batching: the waiting and running queues of one model, and the step that turns them
+//! into one forward pass.
+//!
+//! Every step builds a batch under a token budget (`max_num_batched_tokens`) and a sequence cap
+//! (`max_num_seqs`). Running sequences come first, oldest first: one decode token each, or the
+//! next chunk of a prompt still being read (chunked prefill), so a long prompt never stalls the
+//! others for more than its chunk. Waiting sequences are admitted in arrival order while the
+//! budget, the cap and the pool (keeping a watermark of free blocks for the running ones) allow.
+//!
+//! KV blocks are taken as sequences grow, never reserved for `max_tokens` up front. When a
+//! running sequence needs a block and none is left, the newest running sequence is preempted:
+//! its blocks move to the second tier when one is configured (and come back when it resumes),
+//! otherwise they are released and its tokens recomputed later (the prefix cache often still
+//! holds them). Preempted sequences rejoin the waiting queue in arrival order, so nobody starves.
+//!
+//! Full blocks are registered in the prefix cache as they fill; an admitted sequence first takes
+//! the longest cached prefix of its tokens (from the pool, or back from the tier).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::block_pool::{block_hash, BlockHash, BlockId, BlockPool, PrefixStats, ROOT_HASH};
+use crate::error::EngineError;
+use crate::generate::{Event, FinishReason, Finished, StopMatcher, TokenEvent};
+use crate::kv_store::KvStore;
+use crate::kv_tier::{KvTier, TierStats};
+use crate::model::Batch;
+use crate::sampler::Sampler;
+use crate::tokenizer::{Detokenizer, Tokenizer};
+
+/// The limits a step works under; adjustable while running (the degradation controller's
+/// levers).
+#[derive(Debug)]
+pub struct SchedulerLimits {
+    max_num_seqs: AtomicUsize,
+    max_num_batched_tokens: AtomicUsize,
+}
+
+impl SchedulerLimits {
+    pub fn new(max_num_seqs: usize, max_num_batched_tokens: usize) -> Self {
+        Self {
+            max_num_seqs: AtomicUsize::new(max_num_seqs.max(1)),
+            max_num_batched_tokens: AtomicUsize::new(max_num_batched_tokens.max(1)),
+        }
+    }
+
+    /// Most sequences running at once.
+    pub fn max_num_seqs(&self) -> usize {
+        self.max_num_seqs.load(Ordering::Relaxed)
+    }
+
+    /// Most tokens (decode + prefill) in one step.
+    pub fn max_num_batched_tokens(&self) -> usize {
+        self.max_num_batched_tokens.load(Ordering::Relaxed)
+    }
+
+    /// Takes effect at the next step. Running sequences beyond a lowered cap finish normally;
+    /// no new ones start until the count is under it.
+    pub fn set_max_num_seqs(&self, value: usize) {
+        self.max_num_seqs.store(value.max(1), Ordering::Relaxed);
+    }
+
+    pub fn set_max_num_batched_tokens(&self, value: usize) {
+        self.max_num_batched_tokens
+            .store(value.max(1), Ordering::Relaxed);
+    }
+}
+
+/// What the scheduler is doing, refreshed after every step (for metrics, health and the
+/// degradation controller).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SchedulerSnapshot {
+    pub waiting: usize,
+    pub running: usize,
+    /// Waiting sequences whose blocks sit in the second tier.
+    pub swapped: usize,
+    pub blocks_total: usize,
+    pub blocks_used: usize,
+    pub blocks_free: usize,
+    /// Unreferenced blocks kept for the prefix cache (also available for new content).
+    pub blocks_cached: usize,
+    pub block_tokens: usize,
+    /// Token slots in the blocks of running sequences, and how many of them hold a token.
+    pub kv_slots_allocated: usize,
+    pub kv_slots_used: usize,
+    pub preemptions: u64,
+    pub prefix: PrefixStats,
+    /// Prompt tokens served from the prefix cache.
+    pub prefix_cached_tokens: u64,
+    pub tier: TierStats,
+    pub steps: u64,
+    pub prefill_tokens: u64,
+    pub decode_tokens: u64,
+    /// Tokens generated so far (a counter that moves while the engine makes progress).
+    pub generated_tokens: u64,
+    pub last_step_tokens: usize,
+    pub last_step_seconds: f64,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+}
+
+impl SchedulerSnapshot {
+    /// Share of allocated token slots not holding a token (0 when nothing is allocated).
+    pub fn kv_waste(&self) -> f64 {
+        if self.kv_slots_allocated == 0 {
+            0.0
+        } else {
+            1.0 - self.kv_slots_used as f64 / self.kv_slots_allocated as f64
+        }
+    }
+}
+
+/// Runs one forward pass over a batch, writing keys and values into the store; returns the
+/// logits of the batch's `logit_rows` (`rows × vocab`).
+pub trait Executor: Send {
+    fn forward(&mut self, batch: &Batch, store: &mut KvStore) -> Result<&mut [f32], EngineError>;
+}
+
+/// A request handed to the scheduler.
+pub struct NewSequence {
+    pub tokens: Vec<u32>,
+    pub max_tokens: usize,
+    pub ignore_eos: bool,
+    pub stop: Vec<String>,
+    pub sampler: Sampler,
+    pub events: UnboundedSender<Event>,
+    pub cancel: Arc<AtomicBool>,
+    pub arrived: Instant,
+}
+
+struct Sequence {
+    id: u64,
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Tokens whose keys and values are in the blocks of `table`.
+    computed: usize,
+    table: Vec<BlockId>,
+    /// Names of the full blocks of `tokens` known so far.
+    hashes: Vec<BlockHash>,
+    /// Blocks of `table` registered in the prefix cache (or found there).
+    registered: usize,
+    /// After a preemption to the tier: how many blocks wait there and how many tokens they hold.
+    swapped: Option<(usize, usize)>,
+    max_tokens: usize,
+    ignore_eos: bool,
+    sampler: Sampler,
+    detok: Detokenizer,
+    stops: StopMatcher,
+    events: UnboundedSender<Event>,
+    cancel: Arc<AtomicBool>,
+    arrived: Instant,
+    first_scheduled: Option<Instant>,
+    first_token: Option<Instant>,
+    cached_tokens: usize,
+    /// A stop string ended the text: nothing held back is shown.
+    text_done: bool,
+    /// Whether this sequence was ever admitted (its queue slot is given back then).
+    admitted: bool,
+}
+
+impl Sequence {
+    fn completion_tokens(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+
+    fn cancelled(&self) -> bool {
+        self.cancel.load(Ordering::Relaxed)
+    }
+}
+
+/// What the scheduler shares with the engine's callers.
+#[derive(Debug, Clone)]
+pub struct SchedulerHandles {
+    pub limits: Arc<SchedulerLimits>,
+    /// New requests not yet admitted: submitters take a slot, the scheduler gives it back.
+    pub queued: Arc<AtomicUsize>,
+    pub snapshot: Arc<Mutex<SchedulerSnapshot>>,
+}
+
+impl SchedulerHandles {
+    pub fn new(max_num_seqs: usize, max_num_batched_tokens: usize) -> Self {
+        Self {
+            limits: Arc::new(SchedulerLimits::new(max_num_seqs, max_num_batched_tokens)),
+            queued: Arc::new(AtomicUsize::new(0)),
+            snapshot: Arc::new(Mutex::new(SchedulerSnapshot::default())),
+        }
+    }
+}
+
+/// Parameters fixed at start.
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Share of the pool kept free when admitting a new sequence, for running ones to grow.
+    pub watermark: f64,
+    /// Most positions of a sequence.
+    pub context: usize,
+}
+
+/// The queues, the pool and the tier of one model; stepped by the engine thread.
+pub struct Scheduler {
+    config: SchedulerConfig,
+    limits: Arc<SchedulerLimits>,
+    tokenizer: Arc<Tokenizer>,
+    pool: BlockPool,
+    store: KvStore,
+    tier: Option<KvTier>,
+    /// Content of prefix blocks moved to the tier: parent hash and tokens, checked on return.
+    tier_prefixes: HashMap<BlockHash, (BlockHash, Box<[u32]>)>,
+    waiting: VecDeque<Sequence>,
+    running: Vec<Sequence>,
+    /// New requests not yet admitted (the bounded queue's occupancy, shared with submitters).
+    queued: Arc<AtomicUsize>,
+    next_id: u64,
+    batch: Batch,
+    block_buffer: Vec<u8>,
+    snapshot: Arc<Mutex<SchedulerSnapshot>>,
+    stats: SchedulerSnapshot,
+}
+
+impl std::fmt::Debug for Scheduler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Scheduler")
+            .field("waiting", &self.waiting.len())
+            .field("running", &self.running.len())
+            .finish()
+    }
+}
+
+/// Key of block `index` of preempted sequence `id` in the tier.
+fn swap_key(id: u64, index: usize) -> u64 {
+    block_hash(id ^ 0x5f5f_7377_6170_5f5f, &[index as u32])
+}
+
+impl Scheduler {
+    pub fn new(
+        config: SchedulerConfig,
+        handles: SchedulerHandles,
+        tokenizer: Arc<Tokenizer>,
+        pool: BlockPool,
+        store: KvStore,
+        tier: Option<KvTier>,
+    ) -> Self {
+        let SchedulerHandles {
+            limits,
+            queued,
+            snapshot,
+        } = handles;
+        assert_eq!(pool.total(), store.blocks(), "pool and store agree");
+        assert_eq!(pool.block_tokens(), store.layout().block_tokens);
+        let block_bytes = store.layout().block_bytes();
+        let mut scheduler = Self {
+            config,
+            limits,
+            tokenizer,
+            pool,
+            store,
+            tier,
+            tier_prefixes: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            queued,
+            next_id: 0,
+            batch: Batch::default(),
+            block_buffer: vec![0u8; block_bytes],
+            snapshot,
+            stats: SchedulerSnapshot::default(),
+        };
+        scheduler.publish();
+        scheduler
+    }
+
+    /// Whether any sequence is waiting or running.
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    pub fn pool(&self) -> &BlockPool {
+        &self.pool
+    }
+
+    pub fn store(&self) -> &KvStore {
+        &self.store
+    }
+
+    /// Block tables of the running sequences (for invariant checks).
+    pub fn running_tables(&self) -> Vec<&[BlockId]> {
+        self.running.iter().map(|s| s.table.as_slice()).collect()
+    }
+
+    /// Blocks a sequence of `tokens` positions needs.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.pool.block_tokens())
+    }
+
+    /// Queues a request (the submitter already took its queue slot).
+    pub fn add(&mut self, new: NewSequence) {
+        let block_tokens = self.pool.block_tokens();
+        let sampler = new.sampler;
+        let seq = Sequence {
+            id: self.next_id,
+            prompt_len: new.tokens.len(),
+            hashes: Vec::with_capacity(new.tokens.len() / block_tokens + 1),
+            tokens: new.tokens,
+            computed: 0,
+            table: Vec::new(),
+            registered: 0,
+            swapped: None,
+            max_tokens: new.max_tokens,
+            ignore_eos: new.ignore_eos,
+            sampler,
+            detok: Detokenizer::default(),
+            stops: StopMatcher::new(&new.stop),
+            events: new.events,
+            cancel: new.cancel,
+            arrived: new.arrived,
+            first_scheduled: None,
+            first_token: None,
+            cached_tokens: 0,
+            text_done: false,
+            admitted: false,
+        };
+        self.next_id += 1;
+        self.waiting.push_back(seq);
+    }
+
+    /// Ends every sequence (engine shutdown): each stream gets `Failed(reason)`.
+    pub fn abort_all(&mut self, reason: &str) {
+        let all: Vec<Sequence> = self
+            .running
+            .drain(..)
+            .chain(self.waiting.drain(..))
+            .collect();
+        for mut seq in all {
+            let _ = seq.events.send(Event::Failed(reason.to_string()));
+            self.free_sequence(&mut seq);
+        }
+        self.publish();
+    }
+
+    /// One scheduling step and its forward pass. Returns the tokens processed.
+    pub fn step(&mut self, executor: &mut dyn Executor) -> usize {
+        let started = Instant::now();
+        self.drop_cancelled();
+        let scheduled = self.schedule();
+        if scheduled.is_empty() {
+            self.publish();
+            return 0;
+        }
+        self.batch.clear();
+        let mut samplers = Vec::new();
+        for &(i, n) in &scheduled {
+            let seq = &mut self.running[i];
+            seq.first_scheduled.get_or_insert(started);
+            let from = seq.computed;
+            self.batch
+                .push_sequence(&seq.table, &seq.tokens[from..from + n], from, false);
+            if from + n == seq.tokens.len() {
+                self.batch.logit_rows.push(self.batch.len() - 1);
+                samplers.push(i);
+            }
+        }
+        let tokens = self.batch.len();
+        let result = executor.forward(&self.batch, &mut self.store);
+        let logits = match result {
+            Ok(logits) => logits,
+            Err(e) => {
+                let message = format!("forward pass failed: {e}");
+                let mut failed: Vec<usize> = scheduled.iter().map(|&(i, _)| i).collect();
+                failed.sort_unstable_by_key(|&i| std::cmp::Reverse(i));
+                for i in failed {
+                    let mut seq = self.running.remove(i);
+                    let _ = seq.events.send(Event::Failed(message.clone()));
+                    self.free_sequence(&mut seq);
+                }
+                self.publish();
+                return 0;
+            }
+        };
+        let vocab = if samplers.is_empty() {
+            0
+        } else {
+            logits.len() / samplers.len()
+        };
+        for &(i, n) in &scheduled {
+            let seq = &mut self.running[i];
+            let prefill = n.min(seq.prompt_len.saturating_sub(seq.computed));
+            self.stats.prefill_tokens += prefill as u64;
+            self.stats.decode_tokens += (n - prefill) as u64;
+            seq.computed += n;
+        }
+        // Register the blocks that filled up.
+        for &(i, _) in &scheduled {
+            register_full_blocks(&mut self.pool, &mut self.running[i]);
+        }
+        let mut finished = Vec::new();
+        for (row, &i) in samplers.iter().enumerate() {
+            let row_logits = &mut logits[row * vocab..(row + 1) * vocab];
+            let seq = &mut self.running[i];
+            if let Some(reason) = emit_token(seq, row_logits, &self.tokenizer, self.config.context)
+            {
+                finished.push((i, reason));
+            }
+            self.stats.generated_tokens += 1;
+        }
+        finished.sort_unstable_by_key(|f| std::cmp::Reverse(f.0));
+        for (i, reason) in finished {
+            let mut seq = self.running.remove(i);
+            finish(&mut seq, reason);
+            self.free_sequence(&mut seq);
+        }
+        self.stats.steps += 1;
+        self.stats.last_step_tokens = tokens;
+        self.stats.last_step_seconds = started.elapsed().as_secs_f64();
+        self.publish();
+        tokens
+    }
+
+    /// Removes cancelled sequences from both queues, freeing their blocks.
+    fn drop_cancelled(&mut self) {
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].cancelled() {
+                let mut seq = self.running.remove(i);
+                self.free_sequence(&mut seq);
+            } else {
+                i += 1;
+            }
+        }
+        let mut i = 0;
+        while i < self.waiting.len() {
+            if self.waiting[i].cancelled() {
+                let mut seq = self.waiting.remove(i).expect("index in range");
+                self.free_sequence(&mut seq);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Picks this step's work: `(index in running, tokens)` pairs.
+    fn schedule(&mut self) -> Vec<(usize, usize)> {
+        let mut budget = self.limits.max_num_batched_tokens();
+        let max_seqs = self.limits.max_num_seqs();
+        let mut scheduled = Vec::new();
+        let mut preempted = false;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let pending = self.running[i].tokens.len() - self.running[i].computed;
+            let n = pending.min(budget);
+            let need = self
+                .blocks_for(self.running[i].computed + n)
+                .saturating_sub(self.running[i].table.len());
+            let mut self_preempted = false;
+            while self.pool.available() < need {
+                let victim = self.running.len() - 1;
+                self.preempt(victim);
+                preempted = true;
+                if victim == i {
+                    self_preempted = true;
+                    break;
+                }
+            }
+            if self_preempted {
+                break;
+            }
+            for _ in 0..need {
+                let block = self.allocate().expect("availability checked above");
+                self.running[i].table.push(block);
+            }
+            scheduled.push((i, n));
+            budget -= n;
+            i += 1;
+        }
+        if preempted {
+            return scheduled;
+        }
+        let watermark = (self.config.watermark * self.pool.total() as f64).ceil() as usize;
+        while budget > 0 && self.running.len() < max_seqs {
+            let Some(mut seq) = self.waiting.pop_front() else {
+                break;
+            };
+            if let Some((blocks, _)) = seq.swapped {
+                let reserve = if self.running.is_empty() {
+                    0
+                } else {
+                    watermark
+                };
+                if self.pool.available() < blocks + reserve {
+                    self.waiting.push_front(seq);
+                    break;
+                }
+            }
+            if seq.table.is_empty() {
+                if seq.swapped.is_some() {
+                    self.swap_in(&mut seq);
+                } else {
+                    self.match_prefix(&mut seq);
+                }
+            }
+            let pending = seq.tokens.len() - seq.computed;
+            let n = pending.min(budget);
+            let need = self
+                .blocks_for(seq.computed + n)
+                .saturating_sub(seq.table.len());
+            if self.pool.available() < need + watermark && !self.running.is_empty() {
+                // Not now: give back what it holds (cached blocks stay cached) and keep its place.
+                self.release_blocks(&mut seq);
+                self.waiting.push_front(seq);
+                break;
+            }
+            if self.pool.available() < need {
+                self.release_blocks(&mut seq);
+                self.waiting.push_front(seq);
+                break;
+            }
+            for _ in 0..need {
+                let block = self.allocate().expect("availability checked above");
+                seq.table.push(block);
+            }
+            if !seq.admitted {
+                seq.admitted = true;
+                self.queued.fetch_sub(1, Ordering::Relaxed);
+                self.stats.prefix_cached_tokens += seq.cached_tokens as u64;
+            }
+            self.running.push(seq);
+            scheduled.push((self.running.len() - 1, n));
+            budget -= n;
+        }
+        scheduled
+    }
+
+    /// Takes a block, moving cached content it replaces to the tier.
+    fn allocate(&mut self) -> Option<BlockId> {
+        let allocated = self.pool.allocate()?;
+        if let (Some((hash, parent, tokens)), Some(tier)) = (allocated.evicted, self.tier.as_mut())
+        {
+            self.store.copy_out(allocated.block, &mut self.block_buffer);
+            match tier.put(hash, &self.block_buffer) {
+                Ok(dropped) => {
+                    for key in dropped {
+                        self.tier_prefixes.remove(&key);
+                    }
+                    if tier.contains(hash) {
+                        self.tier_prefixes.insert(hash, (parent, tokens));
+                    }
+                }
+                Err(_) => {
+                    tier.remove(hash);
+                }
+            }
+        }
+        Some(allocated.block)
+    }
+
+    /// Takes the longest cached prefix of a new (or recomputing) sequence's tokens, always
+    /// leaving at least one token to compute (its logits start the generation).
+    fn match_prefix(&mut self, seq: &mut Sequence) {
+        let block_tokens = self.pool.block_tokens();
+        extend_hashes(seq, block_tokens);
+        let limit = (seq.tokens.len() - 1) / block_tokens;
+        let mut parent = ROOT_HASH;
+        for j in 0..limit {
+            let hash = seq.hashes[j];
+            let tokens = &seq.tokens[j * block_tokens..(j + 1) * block_tokens];
+            let block = match self.pool.lookup(hash, parent, tokens) {
+                Some(block) => block,
+                None => match self.restore_prefix(hash, parent, tokens) {
+                    Some(block) => block,
+                    None => break,
+                },
+            };
+            seq.table.push(block);
+            parent = hash;
+        }
+        seq.registered = seq.table.len();
+        seq.computed = seq.table.len() * block_tokens;
+        if !seq.admitted {
+            seq.cached_tokens = seq.computed;
+        }
+    }
+
+    /// Brings a prefix block back from the tier into a fresh block.
+    fn restore_prefix(
+        &mut self,
+        hash: BlockHash,
+        parent: BlockHash,
+        tokens: &[u32],
+    ) -> Option<BlockId> {
+        let (stored_parent, stored_tokens) = self.tier_prefixes.get(&hash)?;
+        if *stored_parent != parent || **stored_tokens != *tokens {
+            return None;
+        }
+        if self.pool.available() == 0 {
+            return None;
+        }
+        let block = self.allocate()?;
+        let tier = self.tier.as_mut().expect("tier prefixes imply a tier");
+        match tier.take(hash, &mut self.block_buffer) {
+            Ok(true) => {
+                self.tier_prefixes.remove(&hash);
+                self.store.copy_in(block, &self.block_buffer);
+                self.pool.register(block, hash, parent, tokens);
+                Some(block)
+            }
+            _ => {
+                self.tier_prefixes.remove(&hash);
+                self.pool.release(block);
+                None
+            }
+        }
+    }
+
+    /// Preempts running sequence `i`: to the tier when there is one, else for recomputation.
+    fn preempt(&mut self, i: usize) {
+        let mut seq = self.running.remove(i);
+        self.stats.preemptions += 1;
+        if let Some(tier) = self.tier.as_mut() {
+            let blocks = seq.table.len();
+            let mut stored = 0;
+            for (j, &block) in seq.table.iter().enumerate() {
+                self.store.copy_out(block, &mut self.block_buffer);
+                let key = swap_key(seq.id, j);
+                match tier.put(key, &self.block_buffer) {
+                    Ok(dropped) => {
+                        for key in dropped {
+                            self.tier_prefixes.remove(&key);
+                        }
+                        stored += 1;
+                    }
+                    Err(_) => break,
+                }
+            }
+            if stored == blocks && blocks > 0 {
+                seq.swapped = Some((blocks, seq.computed));
+            }
+        }
+        self.release_blocks(&mut seq);
+        // Back in arrival order.
+        let at = self
+            .waiting
+            .iter()
+            .position(|w| w.id > seq.id)
+            .unwrap_or(self.waiting.len());
+        self.waiting.insert(at, seq);
+    }
+
+    /// Brings a swapped sequence's blocks back, as far as the tier still has them.
+    fn swap_in(&mut self, seq: &mut Sequence) {
+        let Some((blocks, computed)) = seq.swapped.take() else {
+            return;
+        };
+        let block_tokens = self.pool.block_tokens();
+        let mut restored = 0;
+        if self.pool.available() >= blocks {
+            for j in 0..blocks {
+                let key = swap_key(seq.id, j);
+                let Some(block) = self.allocate() else {
+                    break;
+                };
+                let tier = self.tier.as_mut().expect("swapped sequences imply a tier");
+                match tier.take(key, &mut self.block_buffer) {
+                    Ok(true) => {
+                        self.store.copy_in(block, &self.block_buffer);
+                        seq.table.push(block);
+                        restored += 1;
+                    }
+                    _ => {
+                        self.pool.release(block);
+                        break;
+                    }
+                }
+            }
+        }
+        if let Some(tier) = self.tier.as_mut() {
+            for j in restored..blocks {
+                tier.remove(swap_key(seq.id, j));
+            }
+        }
+        if restored == blocks {
+            seq.computed = computed;
+        } else {
+            // Part of it is gone: keep the whole blocks that came back, recompute the rest.
+            let keep = restored.min(computed / block_tokens);
+            for block in seq.table.drain(keep..) {
+                self.pool.release(block);
+            }
+            seq.computed = keep * block_tokens;
+        }
+        // Blocks registered before the swap were re-created as private copies.
+        seq.registered = 0;
+        register_full_blocks(&mut self.pool, seq);
+        if seq.table.is_empty() {
+            self.match_prefix(seq);
+        }
+    }
+
+    /// Gives back a sequence's blocks (it keeps its tokens and its place).
+    fn release_blocks(&mut self, seq: &mut Sequence) {
+        for block in seq.table.drain(..) {
+            self.pool.release(block);
+        }
+        seq.registered = 0;
+        seq.computed = seq.swapped.map_or(0, |(_, computed)| computed);
+    }
+
+    /// Everything a sequence held goes back: blocks, tier entries, its queue slot.
+    fn free_sequence(&mut self, seq: &mut Sequence) {
+        if let (Some((blocks, _)), Some(tier)) = (seq.swapped.take(), self.tier.as_mut()) {
+            for j in 0..blocks {
+                tier.remove(swap_key(seq.id, j));
+            }
+        }
+        self.release_blocks(seq);
+        if !seq.admitted {
+            seq.admitted = true;
+            self.queued.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    fn publish(&mut self) {
+        let s = &mut self.stats;
+        s.waiting = self.waiting.len();
+        s.running = self.running.len();
+        s.swapped = self.waiting.iter().filter(|w| w.swapped.is_some()).count();
+        s.blocks_total = self.pool.total();
+        s.blocks_used = self.pool.held();
+        s.blocks_free = self.pool.available() - self.pool.cached();
+        s.blocks_cached = self.pool.cached();
+        s.block_tokens = self.pool.block_tokens();
+        s.kv_slots_allocated = self
+            .running
+            .iter()
+            .map(|r| r.table.len() * self.pool.block_tokens())
+            .sum();
+        s.kv_slots_used = self.running.iter().map(|r| r.computed).sum();
+        s.prefix = self.pool.stats();
+        s.tier = self.tier.as_ref().map(KvTier::stats).unwrap_or_default();
+        s.max_num_seqs = self.limits.max_num_seqs();
+        s.max_num_batched_tokens = self.limits.max_num_batched_tokens();
+        let mut shared = self.snapshot.lock().unwrap_or_else(|e| e.into_inner());
+        *shared = self.stats.clone();
+    }
+}
+
+/// Computes the names of the sequence's full blocks not named yet.
+fn extend_hashes(seq: &mut Sequence, block_tokens: usize) {
+    let full = seq.tokens.len() / block_tokens;
+    while seq.hashes.len() < full {
+        let j = seq.hashes.len();
+        let parent = if j == 0 { ROOT_HASH } else { seq.hashes[j - 1] };
+        let hash = block_hash(
+            parent,
+            &seq.tokens[j * block_tokens..(j + 1) * block_tokens],
+        );
+        seq.hashes.push(hash);
+    }
+}
+
+/// Registers the sequence's blocks that are full of computed tokens.
+fn register_full_blocks(pool: &mut BlockPool, seq: &mut Sequence) {
+    let block_tokens = pool.block_tokens();
+    let full = (seq.computed / block_tokens).min(seq.table.len());
+    if full <= seq.registered {
+        return;
+    }
+    extend_hashes(seq, block_tokens);
+    for j in seq.registered..full {
+        let parent = if j == 0 { ROOT_HASH } else { seq.hashes[j - 1] };
+        pool.register(
+            seq.table[j],
+            seq.hashes[j],
+            parent,
+            &seq.tokens[j * block_tokens..(j + 1) * block_tokens],
+        );
+    }
+    seq.registered = full;
+}
+
+/// Samples the next token of a sequence from its logits and sends it; the finish reason when
+/// the sequence ends with it.
+fn emit_token(
+    seq: &mut Sequence,
+    logits: &mut [f32],
+    tokenizer: &Tokenizer,
+    context: usize,
+) -> Option<FinishReason> {
+    let choice = seq.sampler.sample(logits);
+    seq.sampler.accept(choice.id);
+    seq.tokens.push(choice.id);
+    seq.first_token.get_or_insert_with(Instant::now);
+    if !seq.ignore_eos && tokenizer.stop_tokens.contains(&choice.id) {
+        return Some(FinishReason::Stop);
+    }
+    let piece = seq.detok.push(tokenizer, choice.id, false);
+    let (text, stopped) = seq.stops.push(&piece);
+    let top_logprobs = choice
+        .top
+        .iter()
+        .map(|&(id, lp)| (id, tokenizer.token_text(id), lp))
+        .collect();
+    let event = Event::Token(TokenEvent {
+        id: choice.id,
+        text,
+        logprob: choice.logprob,
+        entropy: choice.entropy,
+        top_logprobs,
+    });
+    if seq.events.send(event).is_err() {
+        seq.cancel.store(true, Ordering::Relaxed);
+        return Some(FinishReason::Cancelled);
+    }
+    if stopped {
+        seq.text_done = true;
+        return Some(FinishReason::Stop);
+    }
+    if seq.completion_tokens() >= seq.max_tokens || seq.tokens.len() >= context {
+        return Some(FinishReason::Length);
+    }
+    None
+}
+
+/// Sends the final event of a sequence.
+fn finish(seq: &mut Sequence, reason: FinishReason) {
+    if reason == FinishReason::Cancelled {
+        return;
+    }
+    let now = Instant::now();
+    let first_token = seq.first_token.unwrap_or(now);
+    let first_scheduled = seq.first_scheduled.unwrap_or(first_token);
+    let trailing_text = if seq.text_done {
+        String::new()
+    } else {
+        seq.stops.flush(seq.detok.flush())
+    };
+    let done = Finished {
+        reason,
+        prompt_tokens: seq.prompt_len,
+        completion_tokens: seq.completion_tokens(),
+        cached_prompt_tokens: seq.cached_tokens,
+        queue_seconds: first_scheduled
+            .saturating_duration_since(seq.arrived)
+            .as_secs_f64(),
+        prefill_seconds: first_token
+            .saturating_duration_since(first_scheduled)
+            .as_secs_f64(),
+        decode_seconds: now.saturating_duration_since(first_token).as_secs_f64(),
+        trailing_text,
+    };
+    let _ = seq.events.send(Event::Finished(done));
+}
+
+/// How long the engine thread waits for new work before checking again when idle.
+pub(crate) const IDLE_WAIT: Duration = Duration::from_millis(100);

@@ -1,0 +1,567 @@
+//! The scheduler, block pool, prefix cache and KV tier under random workloads.
+//!
+//! A fake model stands in for the network: each token's key row records its position and token,
+//! each value row a running hash of the whole sequence up to it (computed from the previous
+//! position's value as read back through the block table), and the "logits" pick the next token
+//! from that hash. Every forward pass also re-reads every visible position of every row and
+//! checks the chain. So any block handed to the wrong sequence, shared when it should not be,
+//! lost in a preemption or restored wrong from the tier, changes the output or fails the check,
+//! and each sequence's expected output is known in advance.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use engine::block_pool::BlockPool;
+use engine::kv_store::{KvLayout, KvStore};
+use engine::kv_tier::{KvTier, TierConfig};
+use engine::model::Batch;
+use engine::sampler::Sampler;
+use engine::scheduler::{
+    Executor, NewSequence, Scheduler, SchedulerConfig, SchedulerHandles, SchedulerLimits,
+    SchedulerSnapshot,
+};
+use engine::tokenizer::Tokenizer;
+use engine::{EngineError, Event, FinishReason, KvDType, SamplingParams};
+use proptest::prelude::*;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+const VOCAB: usize = 259 + 5;
+const MODULUS: u32 = 8_388_593;
+
+fn chain(prev: u32, token: u32) -> u32 {
+    ((prev as u64 * 31 + token as u64 + 7) % MODULUS as u64) as u32
+}
+
+fn next_token(hash: u32) -> u32 {
+    3 + hash % (VOCAB as u32 - 3)
+}
+
+/// What the fake model generates after `prompt`.
+fn expected(prompt: &[u32], max_tokens: usize) -> Vec<u32> {
+    let mut h = 0;
+    for &t in prompt {
+        h = chain(h, t);
+    }
+    let mut out = Vec::new();
+    for _ in 0..max_tokens {
+        let t = next_token(h);
+        out.push(t);
+        h = chain(h, t);
+    }
+    out
+}
+
+struct ChainModel {
+    logits: Vec<f32>,
+    checked_rows: usize,
+}
+
+impl ChainModel {
+    fn read(store: &KvStore, table: &[u32], pos: usize) -> (f32, f32, f32) {
+        let bt = store.layout().block_tokens;
+        let (mut k, mut v) = (vec![0f32; 8], vec![0f32; 8]);
+        store.read(0, table[pos / bt], pos % bt, &mut k, &mut v);
+        (k[0], k[1], v[0])
+    }
+}
+
+impl Executor for ChainModel {
+    fn forward(&mut self, batch: &Batch, store: &mut KvStore) -> Result<&mut [f32], EngineError> {
+        let bt = store.layout().block_tokens;
+        for i in 0..batch.len() {
+            let (pos, token) = (batch.positions[i], batch.tokens[i]);
+            let table = batch.table(batch.row_seq[i]);
+            let mut h = 0u32;
+            for p in 0..pos {
+                let (kp, kt, v) = Self::read(store, table, p);
+                assert_eq!(kp as usize, p, "slot of position {p} holds position {kp}");
+                h = chain(h, kt as u32);
+                assert_eq!(v as u32, h, "value chain broken at position {p} of {pos}");
+            }
+            h = chain(h, token);
+            let mut k = vec![0f32; 8];
+            let mut v = vec![0f32; 8];
+            k[0] = pos as f32;
+            k[1] = token as f32;
+            v[0] = h as f32;
+            store.write(0, table[pos / bt], pos % bt, &k, &v);
+            self.checked_rows += 1;
+        }
+        self.logits.clear();
+        for &row in &batch.logit_rows {
+            let (pos, seq) = (batch.positions[row], batch.row_seq[row]);
+            let (_, _, h) = Self::read(store, batch.table(seq), pos);
+            let target = next_token(h as u32) as usize;
+            self.logits
+                .extend((0..VOCAB).map(|j| if j == target { 10.0 } else { 0.0 }));
+        }
+        Ok(&mut self.logits)
+    }
+}
+
+fn tokenizer() -> Arc<Tokenizer> {
+    let bytes = formats::tiny::TinyLlama::default().to_gguf().unwrap();
+    let gguf = formats::gguf::Gguf::parse(&bytes).unwrap();
+    let tokenizer = Tokenizer::from_gguf(&gguf).unwrap();
+    assert_eq!(tokenizer.vocab_size(), VOCAB);
+    Arc::new(tokenizer)
+}
+
+struct Harness {
+    scheduler: Scheduler,
+    model: ChainModel,
+    queued: Arc<AtomicUsize>,
+    snapshot: Arc<Mutex<SchedulerSnapshot>>,
+    limits: Arc<SchedulerLimits>,
+    requests: Vec<Request>,
+}
+
+struct Request {
+    prompt: Vec<u32>,
+    max_tokens: usize,
+    events: Option<UnboundedReceiver<Event>>,
+    cancel: Arc<AtomicBool>,
+    got: Vec<u32>,
+    finished: Option<FinishReason>,
+    cancelled: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Setup {
+    blocks: usize,
+    block_tokens: usize,
+    prefix_caching: bool,
+    tier_host_blocks: usize,
+    tier_disk_blocks: usize,
+    max_num_seqs: usize,
+    budget: usize,
+}
+
+impl Harness {
+    fn new(setup: Setup) -> Self {
+        let layout = KvLayout {
+            layers: 1,
+            kv_heads: 1,
+            head_dim: 8,
+            block_tokens: setup.block_tokens,
+            dtype: KvDType::F32,
+        };
+        let tier_config = TierConfig {
+            host_bytes: setup.tier_host_blocks * layout.block_bytes(),
+            disk_bytes: setup.tier_disk_blocks * layout.block_bytes(),
+            disk_dir: None,
+        };
+        let tier = tier_config
+            .enabled()
+            .then(|| KvTier::new(&tier_config, layout.block_bytes()).unwrap());
+        let handles = SchedulerHandles::new(setup.max_num_seqs, setup.budget);
+        let (queued, snapshot, limits) = (
+            Arc::clone(&handles.queued),
+            Arc::clone(&handles.snapshot),
+            Arc::clone(&handles.limits),
+        );
+        let scheduler = Scheduler::new(
+            SchedulerConfig {
+                watermark: 0.01,
+                context: 10_000,
+            },
+            handles,
+            tokenizer(),
+            BlockPool::new(setup.blocks, setup.block_tokens, setup.prefix_caching),
+            KvStore::new(layout, setup.blocks),
+            tier,
+        );
+        Self {
+            scheduler,
+            model: ChainModel {
+                logits: Vec::new(),
+                checked_rows: 0,
+            },
+            queued,
+            snapshot,
+            limits,
+            requests: Vec::new(),
+        }
+    }
+
+    fn submit(&mut self, prompt: Vec<u32>, max_tokens: usize) {
+        let (events, receiver) = unbounded_channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        self.queued.fetch_add(1, Ordering::Relaxed);
+        self.scheduler.add(NewSequence {
+            sampler: Sampler::new(SamplingParams::greedy(), &prompt),
+            tokens: prompt.clone(),
+            max_tokens,
+            ignore_eos: true,
+            stop: Vec::new(),
+            events,
+            cancel: Arc::clone(&cancel),
+            arrived: Instant::now(),
+        });
+        self.requests.push(Request {
+            prompt,
+            max_tokens,
+            events: Some(receiver),
+            cancel,
+            got: Vec::new(),
+            finished: None,
+            cancelled: false,
+        });
+    }
+
+    fn cancel(&mut self, which: usize, drop_stream: bool) {
+        let Some(r) = self.requests.get_mut(which) else {
+            return;
+        };
+        if r.finished.is_some() {
+            return;
+        }
+        r.cancelled = true;
+        r.cancel.store(true, Ordering::Relaxed);
+        if drop_stream {
+            r.events = None;
+        }
+    }
+
+    fn step(&mut self) {
+        self.scheduler.step(&mut self.model);
+        self.drain_events();
+        self.check();
+    }
+
+    fn drain_events(&mut self) {
+        for r in &mut self.requests {
+            let Some(events) = r.events.as_mut() else {
+                continue;
+            };
+            while let Ok(event) = events.try_recv() {
+                match event {
+                    Event::Token(t) => r.got.push(t.id),
+                    Event::Finished(f) => {
+                        assert_eq!(f.completion_tokens, r.got.len());
+                        assert_eq!(f.prompt_tokens, r.prompt.len());
+                        r.finished = Some(f.reason);
+                    }
+                    Event::Failed(e) => panic!("failed: {e}"),
+                }
+            }
+        }
+    }
+
+    /// The pool's invariants against the live block tables.
+    fn check(&self) {
+        let pool = self.scheduler.pool();
+        pool.check().unwrap();
+        let mut refs = vec![0u32; pool.total()];
+        for table in self.scheduler.running_tables() {
+            let mut seen = std::collections::HashSet::new();
+            for &b in table {
+                assert!(seen.insert(b), "block {b} twice in one table");
+                refs[b as usize] += 1;
+            }
+        }
+        for (b, &count) in refs.iter().enumerate() {
+            assert_eq!(
+                pool.refcount(b as u32),
+                count,
+                "block {b}: refcount vs tables that list it"
+            );
+            if count > 1 {
+                assert!(
+                    pool.hash_of(b as u32).is_some(),
+                    "block {b} shared by {count} tables but not a cached prefix"
+                );
+            }
+        }
+        let s = self.snapshot.lock().unwrap().clone();
+        assert_eq!(
+            s.blocks_used + s.blocks_free + s.blocks_cached,
+            s.blocks_total
+        );
+        assert!(s.kv_slots_used <= s.kv_slots_allocated);
+    }
+
+    fn run_to_end(&mut self) {
+        let mut steps = 0;
+        while self.scheduler.has_work() {
+            self.step();
+            steps += 1;
+            assert!(steps < 100_000, "no progress");
+        }
+        assert_eq!(self.scheduler.pool().held(), 0, "blocks leaked");
+        assert_eq!(self.queued.load(Ordering::Relaxed), 0, "queue slots leaked");
+        for r in &self.requests {
+            if r.cancelled {
+                continue;
+            }
+            assert_eq!(r.finished, Some(FinishReason::Length));
+            assert_eq!(
+                r.got,
+                expected(&r.prompt, r.max_tokens),
+                "prompt {:?}",
+                r.prompt
+            );
+        }
+    }
+}
+
+/// Prompts drawn from a few shared prefixes so the prefix cache has something to find.
+fn prompt_strategy() -> impl Strategy<Value = (usize, Vec<u32>, usize)> {
+    (
+        0..4usize,
+        prop::collection::vec(3u32..200, 0..12),
+        1..14usize,
+    )
+}
+
+fn prefix(kind: usize) -> Vec<u32> {
+    match kind {
+        0 => Vec::new(),
+        1 => (10..23).collect(),
+        2 => (10..31).collect(),
+        _ => vec![7; 9],
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Submit((usize, Vec<u32>, usize)),
+    Step,
+    Cancel(usize, bool),
+    Limits(usize, usize),
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => prompt_strategy().prop_map(Op::Submit),
+        6 => Just(Op::Step),
+        1 => (0..40usize, any::<bool>()).prop_map(|(i, d)| Op::Cancel(i, d)),
+        1 => (1..6usize, 1..40usize).prop_map(|(s, b)| Op::Limits(s, b)),
+    ]
+}
+
+fn setup_strategy() -> impl Strategy<Value = Setup> {
+    (
+        12..40usize,
+        prop_oneof![Just(1usize), Just(4), Just(5), Just(16)],
+        any::<bool>(),
+        prop_oneof![
+            Just((0usize, 0usize)),
+            Just((4, 0)),
+            Just((0, 6)),
+            Just((3, 5))
+        ],
+        1..6usize,
+        1..40usize,
+    )
+        .prop_map(
+            |(blocks, block_tokens, prefix_caching, tier, seqs, budget)| {
+                // The pool holds at least one longest sequence (prompt ≤ 43, output ≤ 13).
+                let blocks = blocks.max(56usize.div_ceil(block_tokens));
+                Setup {
+                    blocks,
+                    block_tokens,
+                    prefix_caching,
+                    tier_host_blocks: tier.0,
+                    tier_disk_blocks: tier.1,
+                    max_num_seqs: seqs,
+                    budget,
+                }
+            },
+        )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 160, ..ProptestConfig::default() })]
+
+    #[test]
+    fn random_workloads_keep_the_pool_consistent_and_outputs_exact(
+        setup in setup_strategy(),
+        ops in prop::collection::vec(op_strategy(), 1..80),
+    ) {
+        let mut h = Harness::new(setup);
+        for op in ops {
+            match op {
+                Op::Submit((kind, suffix, max_tokens)) => {
+                    let mut prompt = prefix(kind);
+                    prompt.extend(suffix);
+                    if prompt.is_empty() {
+                        prompt.push(5);
+                    }
+                    h.submit(prompt, max_tokens);
+                }
+                Op::Step => h.step(),
+                Op::Cancel(i, drop_stream) => h.cancel(i, drop_stream),
+                Op::Limits(seqs, budget) => {
+                    h.limits.set_max_num_seqs(seqs);
+                    h.limits.set_max_num_batched_tokens(budget);
+                }
+            }
+        }
+        h.run_to_end();
+    }
+}
+
+fn busy_setup(blocks: usize, tier: (usize, usize), prefix_caching: bool) -> Setup {
+    Setup {
+        blocks,
+        block_tokens: 4,
+        prefix_caching,
+        tier_host_blocks: tier.0,
+        tier_disk_blocks: tier.1,
+        max_num_seqs: 8,
+        budget: 64,
+    }
+}
+
+fn busy_workload(h: &mut Harness) {
+    for i in 0..8u32 {
+        let prompt: Vec<u32> = (0..10).map(|j| 3 + (i * 17 + j) % 200).collect();
+        h.submit(prompt, 30);
+    }
+    h.run_to_end();
+}
+
+#[test]
+fn preemption_recomputes_without_a_tier() {
+    // 8 sequences of 40 positions need 80 blocks of 4; 24 force preemptions.
+    let mut h = Harness::new(busy_setup(24, (0, 0), false));
+    busy_workload(&mut h);
+    let s = h.snapshot.lock().unwrap().clone();
+    assert!(s.preemptions > 0, "{s:?}");
+    assert_eq!(s.tier.stored, 0);
+}
+
+#[test]
+fn preemption_swaps_to_host_memory_and_disk_and_back() {
+    let mut h = Harness::new(busy_setup(24, (6, 200), false));
+    busy_workload(&mut h);
+    let s = h.snapshot.lock().unwrap().clone();
+    assert!(s.preemptions > 0, "{s:?}");
+    assert!(s.tier.stored > 0 && s.tier.restored > 0, "{:?}", s.tier);
+    assert!(
+        s.tier.spilled > 0,
+        "the small host tier spills to disk: {:?}",
+        s.tier
+    );
+    // Swapped blocks came back instead of being recomputed: fewer rows ran than without a tier.
+    let mut recompute = Harness::new(busy_setup(24, (0, 0), false));
+    busy_workload(&mut recompute);
+    assert!(
+        h.model.checked_rows < recompute.model.checked_rows,
+        "swap {} rows vs recompute {} rows",
+        h.model.checked_rows,
+        recompute.model.checked_rows
+    );
+}
+
+#[test]
+fn a_shared_prefix_is_computed_once() {
+    let mut h = Harness::new(Setup {
+        blocks: 64,
+        block_tokens: 4,
+        prefix_caching: true,
+        tier_host_blocks: 0,
+        tier_disk_blocks: 0,
+        max_num_seqs: 8,
+        budget: 256,
+    });
+    let shared: Vec<u32> = (3..43).collect();
+    let mut first = shared.clone();
+    first.push(100);
+    h.submit(first, 3);
+    h.run_to_end();
+    let rows_first = h.model.checked_rows;
+    let mut second = shared.clone();
+    second.extend([101, 102]);
+    h.submit(second, 3);
+    h.run_to_end();
+    // 40 shared tokens = 10 full blocks reused: only 2 prompt tokens + 2 decode steps ran.
+    assert_eq!(h.model.checked_rows - rows_first, 2 + 2);
+    let s = h.snapshot.lock().unwrap().clone();
+    assert_eq!(s.prefix.hits, 10);
+    assert_eq!(s.prefix_cached_tokens, 40);
+}
+
+#[test]
+fn evicted_prefix_blocks_come_back_from_the_tier() {
+    let mut h = Harness::new(Setup {
+        blocks: 14,
+        block_tokens: 4,
+        prefix_caching: true,
+        tier_host_blocks: 2,
+        tier_disk_blocks: 30,
+        max_num_seqs: 4,
+        budget: 256,
+    });
+    let shared: Vec<u32> = (3..43).collect();
+    let mut first = shared.clone();
+    first.push(100);
+    h.submit(first, 2);
+    h.run_to_end();
+    // Another long sequence evicts the cached prefix blocks into the tier.
+    h.submit((100..140).collect(), 10);
+    h.run_to_end();
+    let before = h.snapshot.lock().unwrap().clone();
+    assert!(before.tier.stored >= 9, "{:?}", before.tier);
+    let rows = h.model.checked_rows;
+    let mut again = shared.clone();
+    again.push(101);
+    h.submit(again, 2);
+    h.run_to_end();
+    let after = h.snapshot.lock().unwrap().clone();
+    assert!(after.tier.restored >= 9, "{:?}", after.tier);
+    assert_eq!(
+        h.model.checked_rows - rows,
+        1 + 1,
+        "only the new token and one decode ran"
+    );
+}
+
+#[test]
+fn cancelled_sequences_free_their_blocks_at_the_next_step() {
+    let mut h = Harness::new(busy_setup(80, (0, 0), false));
+    for i in 0..4u32 {
+        h.submit(vec![3 + i; 20], 50);
+    }
+    for _ in 0..5 {
+        h.step();
+    }
+    let used = h.snapshot.lock().unwrap().blocks_used;
+    assert!(used > 0);
+    h.cancel(0, true);
+    h.cancel(1, false);
+    h.step();
+    let s = h.snapshot.lock().unwrap().clone();
+    assert_eq!(s.running, 2);
+    assert!(s.blocks_used < used, "{} → {}", used, s.blocks_used);
+    h.run_to_end();
+}
+
+#[test]
+fn long_prompts_are_chunked_and_do_not_stall_decoding() {
+    let mut h = Harness::new(Setup {
+        blocks: 200,
+        block_tokens: 16,
+        prefix_caching: false,
+        tier_host_blocks: 0,
+        tier_disk_blocks: 0,
+        max_num_seqs: 8,
+        budget: 32,
+    });
+    h.submit(vec![5; 4], 100);
+    for _ in 0..3 {
+        h.step();
+    }
+    let before = h.requests[0].got.len();
+    h.submit((3..300).collect(), 4);
+    // The 297-token prompt takes ~10 steps of 31 tokens; the first sequence decodes every step.
+    for _ in 0..10 {
+        h.step();
+        let s = h.snapshot.lock().unwrap().clone();
+        assert!(s.last_step_tokens <= 32);
+    }
+    assert_eq!(h.requests[0].got.len(), before + 10);
+    h.run_to_end();
+}

@@ -268,9 +268,11 @@ unsafe fn dot_q32_rows<const K: u8>(
     nb: usize,
     bb: usize,
 ) -> [f32; ROWS] {
-    let mut acc = [_mm256_setzero_ps(); ROWS];
-    let mut off = [0f32; ROWS];
-    for b in 0..nb {
+    // Even and odd blocks accumulate separately and are summed in the same order as
+    // [`dot_q32`], so a row gets bit-identical results alone or batched with others.
+    let mut acc = [[_mm256_setzero_ps(); ROWS]; 2];
+    let mut off = [[0f32; ROWS]; 2];
+    let mut block = |b: usize, chain: usize| {
         let (q, d, offset) = decode_q32::<K>(w.add(b * bb));
         let abs_q = if K == K_Q8_0 {
             _mm256_sign_epi8(q, q)
@@ -285,15 +287,24 @@ unsafe fn dot_q32_rows<const K: u8>(
             } else {
                 mul_u8_i8(q, y)
             };
-            acc[r] = _mm256_fmadd_ps(
+            acc[chain][r] = _mm256_fmadd_ps(
                 _mm256_set1_ps(d * f32_load(ab)),
                 _mm256_cvtepi32_ps(sum),
-                acc[r],
+                acc[chain][r],
             );
-            off[r] += offset * f32_load(ab.add(4));
+            off[chain][r] += offset * f32_load(ab.add(4));
         }
+    };
+    let mut b = 0;
+    while b + 2 <= nb {
+        block(b, 0);
+        block(b + 1, 1);
+        b += 2;
     }
-    std::array::from_fn(|r| hsum_ps(acc[r]) + off[r])
+    if b < nb {
+        block(b, 0);
+    }
+    std::array::from_fn(|r| hsum_ps(_mm256_add_ps(acc[0][r], acc[1][r])) + off[0][r] + off[1][r])
 }
 
 /// [`vec_dot_q32`] of one weight row against [`ROWS`] activation rows at once.

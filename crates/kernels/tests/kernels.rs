@@ -112,6 +112,14 @@ fn multi_row_dots_match_single_row_dots() {
                         (got - one).abs() <= 1e-4 * one.abs().max(1.0),
                         "{dtype} n={n} {isa:?} row {k}: {got} vs {one}"
                     );
+                    // Bit-identical to the same ISA's single-row kernel: a sequence's tokens do
+                    // not depend on what it is batched with.
+                    let single = vec_dot(isa, dtype, &w, acts[k], n);
+                    assert_eq!(
+                        got.to_bits(),
+                        single.to_bits(),
+                        "{dtype} n={n} {isa:?} row {k}: batched {got} vs alone {single}"
+                    );
                 }
             }
         }

@@ -1,11 +1,13 @@
-//! Measurements: engine throughput (as `llama-bench` measures it) and perplexity (as
+//! Measurements: engine throughput (as `llama-bench` measures it), batched decode (as
+//! `llama-batched-bench` does), prefix-cache time to first token, and perplexity (as
 //! `llama-perplexity` computes it), so numbers compare one to one with llama.cpp.
 
 use std::time::Instant;
 
 use crate::error::EngineError;
-use crate::generate::Engine;
+use crate::generate::{Engine, Event, Finished, GenerateRequest, Prompt, Stream};
 use crate::model::LogitRows;
+use crate::sampler::SamplingParams;
 
 /// Prefill and decode speed.
 #[derive(Debug, Clone, PartialEq)]
@@ -172,4 +174,180 @@ pub fn perplexity(
         tokens_scored: scored,
         seconds: start.elapsed().as_secs_f64(),
     })
+}
+
+/// Aggregate speed of `parallel` sequences decoding together (as `llama-batched-bench` measures
+/// it: every sequence gets its own prompt of `prompt_tokens`, prefilled together, then
+/// `gen_tokens` decode steps of `parallel` tokens each).
+#[derive(Debug, Clone, PartialEq)]
+pub struct BatchedReport {
+    pub parallel: usize,
+    pub prompt_tokens: usize,
+    pub gen_tokens: usize,
+    /// From submission until every sequence has its first token.
+    pub prefill_seconds: f64,
+    /// From then until the last sequence ends.
+    pub decode_seconds: f64,
+    pub prefill_tps: f64,
+    /// Generated tokens per second over all sequences.
+    pub decode_tps: f64,
+    /// Mean share of allocated KV token slots that hold no token, sampled while decoding.
+    pub kv_waste: f64,
+    pub preemptions: u64,
+}
+
+/// Reads every stream to its end; while they run, samples the KV waste whenever all
+/// `parallel` sequences are running.
+fn drain(
+    engine: &Engine,
+    streams: Vec<Stream>,
+    parallel: usize,
+) -> Result<(Vec<Finished>, f64), EngineError> {
+    let mut streams: Vec<Option<Stream>> = streams.into_iter().map(Some).collect();
+    let mut finished = Vec::with_capacity(streams.len());
+    let (mut waste, mut samples) = (0.0, 0usize);
+    while finished.len() < streams.len() {
+        let mut progressed = false;
+        for slot in streams.iter_mut() {
+            let Some(stream) = slot.as_mut() else {
+                continue;
+            };
+            while let Some(event) = stream.try_next() {
+                progressed = true;
+                match event {
+                    Event::Token(_) => {}
+                    Event::Finished(f) => {
+                        finished.push(f);
+                        *slot = None;
+                        break;
+                    }
+                    Event::Failed(e) => return Err(EngineError::Failed(e)),
+                }
+            }
+        }
+        let s = engine.snapshot();
+        if s.running == parallel && s.waiting == 0 {
+            waste += s.kv_waste();
+            samples += 1;
+        }
+        if !progressed {
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+    }
+    Ok((
+        finished,
+        if samples > 0 {
+            waste / samples as f64
+        } else {
+            0.0
+        },
+    ))
+}
+
+/// Runs `parallel` sequences of random prompts at once through the scheduler. The prompts are
+/// distinct (no prefix sharing); the scheduler's token budget should cover
+/// `parallel × prompt_tokens` for the prompts to prefill in one step, as llama.cpp's does.
+pub fn batched(
+    engine: &Engine,
+    prompt_tokens: usize,
+    gen_tokens: usize,
+    parallel: usize,
+    seed: u64,
+) -> Result<BatchedReport, EngineError> {
+    let vocab = engine.config().vocab_size;
+    let before = engine.snapshot();
+    let mut streams = Vec::with_capacity(parallel);
+    for i in 0..parallel {
+        let tokens: Vec<u32> = token_stream(vocab, seed * 1000 + i as u64 + 1)
+            .take(prompt_tokens.max(1))
+            .collect();
+        // One more token than the decode steps: the first comes from the prefill's logits.
+        let mut request = GenerateRequest::new(Prompt::Tokens(tokens), gen_tokens + 1);
+        request.sampling = SamplingParams::greedy();
+        request.ignore_eos = true;
+        streams.push(engine.generate(request)?);
+    }
+    let (finished, kv_waste) = drain(engine, streams, parallel)?;
+    let first_token = finished
+        .iter()
+        .map(|f| f.queue_seconds + f.prefill_seconds)
+        .fold(0.0, f64::max);
+    let end = finished
+        .iter()
+        .map(|f| f.queue_seconds + f.prefill_seconds + f.decode_seconds)
+        .fold(0.0, f64::max);
+    let decode_seconds = (end - first_token).max(1e-9);
+    Ok(BatchedReport {
+        parallel,
+        prompt_tokens,
+        gen_tokens,
+        prefill_seconds: first_token,
+        decode_seconds,
+        prefill_tps: (parallel * prompt_tokens) as f64 / first_token.max(1e-9),
+        decode_tps: (parallel * gen_tokens) as f64 / decode_seconds,
+        kv_waste,
+        preemptions: engine.snapshot().preemptions - before.preemptions,
+    })
+}
+
+/// Time to first token of a request whose prompt shares a prefix with one that ran before it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PrefixReport {
+    pub prefix_tokens: usize,
+    pub suffix_tokens: usize,
+    /// Time to first token of each measured request (the second of each pair), seconds.
+    pub ttft_seconds: Vec<f64>,
+    /// Prompt tokens of the measured requests served from the cache, per request.
+    pub cached_tokens: Vec<usize>,
+}
+
+/// For each repetition, runs a request of a fresh random `prefix_tokens` prefix plus a suffix,
+/// then a second request with the same prefix and another suffix, and records the second one's
+/// time to first token (submission to first token, as the engine measures it).
+pub fn prefix_reuse(
+    engine: &Engine,
+    prefix_tokens: usize,
+    suffix_tokens: usize,
+    repetitions: usize,
+) -> Result<PrefixReport, EngineError> {
+    let vocab = engine.config().vocab_size;
+    let mut report = PrefixReport {
+        prefix_tokens,
+        suffix_tokens,
+        ttft_seconds: Vec::new(),
+        cached_tokens: Vec::new(),
+    };
+    let run = |tokens: Vec<u32>| -> Result<Finished, EngineError> {
+        let mut request = GenerateRequest::new(Prompt::Tokens(tokens), 1);
+        request.sampling = SamplingParams::greedy();
+        request.ignore_eos = true;
+        for event in engine.generate(request)? {
+            match event {
+                Event::Finished(f) => return Ok(f),
+                Event::Failed(e) => return Err(EngineError::Failed(e)),
+                Event::Token(_) => {}
+            }
+        }
+        Err(EngineError::Stopped)
+    };
+    for rep in 0..=repetitions {
+        let prefix: Vec<u32> = token_stream(vocab, 7_000 + rep as u64)
+            .take(prefix_tokens)
+            .collect();
+        let with_suffix = |seed: u64| {
+            let mut t = prefix.clone();
+            t.extend(token_stream(vocab, seed).take(suffix_tokens.max(1)));
+            t
+        };
+        run(with_suffix(9_000 + rep as u64))?;
+        let second = run(with_suffix(11_000 + rep as u64))?;
+        // The first pair warms up.
+        if rep > 0 {
+            report
+                .ttft_seconds
+                .push(second.queue_seconds + second.prefill_seconds);
+            report.cached_tokens.push(second.cached_prompt_tokens);
+        }
+    }
+    Ok(report)
 }

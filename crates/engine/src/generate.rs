@@ -288,6 +288,11 @@ impl Stream {
         self.events.blocking_recv()
     }
 
+    /// The next event if one is ready.
+    pub fn try_next(&mut self) -> Option<Event> {
+        self.events.try_recv().ok()
+    }
+
     /// The next event, asynchronously.
     pub async fn recv(&mut self) -> Option<Event> {
         self.events.recv().await

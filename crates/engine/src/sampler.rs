@@ -141,6 +141,7 @@ pub struct Sampler {
     seen: std::collections::HashSet<u32>,
     logprobs: Vec<f32>,
     candidates: Vec<(u32, f32)>,
+    isa: kernels::Isa,
 }
 
 impl Sampler {
@@ -162,6 +163,7 @@ impl Sampler {
             generated: HashMap::new(),
             logprobs: Vec::new(),
             candidates: Vec::new(),
+            isa: kernels::Isa::detect(),
         }
     }
 
@@ -200,24 +202,8 @@ impl Sampler {
             }
         }
 
-        // Log-softmax and entropy of the full distribution.
-        let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-        let sum_exp: f64 = logits.iter().map(|&v| f64::from(v - max).exp()).sum();
-        let log_z = max + sum_exp.ln() as f32;
-        self.logprobs.clear();
-        self.logprobs.extend(logits.iter().map(|&v| v - log_z));
-        let entropy = -self
-            .logprobs
-            .iter()
-            .map(|&lp| {
-                let lp = f64::from(lp);
-                if lp > -80.0 {
-                    lp.exp() * lp
-                } else {
-                    0.0
-                }
-            })
-            .sum::<f64>() as f32;
+        // Log-softmax and entropy of the full distribution (one vectorized exp per token).
+        let entropy = kernels::ops::log_softmax_entropy(self.isa, logits, &mut self.logprobs);
 
         let (temperature, top_logprobs) = (p.temperature, p.top_logprobs);
         let id = if temperature == 0.0 {

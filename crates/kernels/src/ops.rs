@@ -39,6 +39,54 @@ pub fn softmax(x: &mut [f32]) {
     }
 }
 
+/// Log-softmax of `logits` into `logprobs`, and the entropy of the distribution in nats
+/// (`H = ln S − Σ e·s / S` with `s = x − max`, `e = exp(s)`, `S = Σ e`: one exp per value).
+/// Values of −∞ (masked tokens) get a log-probability of −∞ and add nothing to the entropy.
+pub fn log_softmax_entropy(isa: Isa, logits: &[f32], logprobs: &mut Vec<f32>) -> f32 {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+    if !max.is_finite() {
+        logprobs.clear();
+        logprobs.resize(logits.len(), f32::NEG_INFINITY);
+        return 0.0;
+    }
+    let masked = logits.contains(&f32::NEG_INFINITY);
+    let (sum_e, sum_es) = {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if isa >= Isa::Avx2 && !masked {
+                // SAFETY: AVX2 and FMA are present.
+                unsafe { crate::x86::exp_moments(logits, max) }
+            } else {
+                exp_moments_scalar(logits, max)
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (isa, masked);
+            exp_moments_scalar(logits, max)
+        }
+    };
+    let log_sum = sum_e.ln();
+    let log_z = max + log_sum as f32;
+    logprobs.clear();
+    logprobs.extend(logits.iter().map(|&v| v - log_z));
+    (log_sum - sum_es / sum_e).max(0.0) as f32
+}
+
+fn exp_moments_scalar(logits: &[f32], max: f32) -> (f64, f64) {
+    let (mut sum_e, mut sum_es) = (0f64, 0f64);
+    for &v in logits {
+        if v == f32::NEG_INFINITY {
+            continue;
+        }
+        let s = f64::from(v - max);
+        let e = s.exp();
+        sum_e += e;
+        sum_es += e * s;
+    }
+    (sum_e, sum_es)
+}
+
 /// SiLU (x·σ(x)).
 #[inline]
 pub fn silu(x: f32) -> f32 {
@@ -301,6 +349,32 @@ pub fn attend(
 mod tests {
     use super::*;
     use crate::testing::random_f32;
+
+    #[test]
+    fn log_softmax_entropy_matches_the_definition() {
+        for n in [1usize, 7, 49_152, 50_001] {
+            let logits: Vec<f32> = random_f32(n, n as u64).iter().map(|v| v * 12.0).collect();
+            let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v)) as f64;
+            let z: f64 = logits.iter().map(|&v| (v as f64 - max).exp()).sum();
+            let lps: Vec<f64> = logits.iter().map(|&v| v as f64 - max - z.ln()).collect();
+            let h: f64 = -lps.iter().map(|lp| lp.exp() * lp).sum::<f64>();
+            for isa in Isa::available() {
+                let mut out = Vec::new();
+                let got = log_softmax_entropy(isa, &logits, &mut out);
+                assert!(
+                    (f64::from(got) - h).abs() < 1e-4 * h.max(1.0),
+                    "{isa:?} n{n}: {got} vs {h}"
+                );
+                for (a, b) in out.iter().zip(&lps) {
+                    assert!((f64::from(*a) - b).abs() < 1e-4, "{isa:?} n{n}");
+                }
+            }
+        }
+        let mut out = Vec::new();
+        let h = log_softmax_entropy(Isa::detect(), &[0.0, f32::NEG_INFINITY, 0.0], &mut out);
+        assert!((h - 2f32.ln()).abs() < 1e-6);
+        assert_eq!(out[1], f32::NEG_INFINITY);
+    }
 
     #[test]
     fn rms_norm_matches_definition() {

@@ -1137,3 +1137,32 @@ pub unsafe fn softmax_numerators(scores: &mut [f32]) -> f32 {
     }
     sum
 }
+
+/// `(Σ e, Σ e·s)` with `s = x − max` and `e = exp(s)` over `x` (the moments a log-softmax and
+/// its entropy need). Partial sums of 1,024 values are added in f64.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn exp_moments(x: &[f32], max: f32) -> (f64, f64) {
+    let vmax = _mm256_set1_ps(max);
+    let (mut total_e, mut total_es) = (0f64, 0f64);
+    for chunk in x.chunks(1024) {
+        let (mut se, mut ses) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let mut i = 0;
+        while i + 8 <= chunk.len() {
+            let s = _mm256_sub_ps(_mm256_loadu_ps(chunk.as_ptr().add(i)), vmax);
+            let e = exp_ps(s);
+            se = _mm256_add_ps(se, e);
+            ses = _mm256_fmadd_ps(e, s, ses);
+            i += 8;
+        }
+        let (mut e_sum, mut es_sum) = (f64::from(hsum_ps(se)), f64::from(hsum_ps(ses)));
+        for &v in &chunk[i..] {
+            let s = v - max;
+            let e = s.exp();
+            e_sum += f64::from(e);
+            es_sum += f64::from(e * s);
+        }
+        total_e += e_sum;
+        total_es += es_sum;
+    }
+    (total_e, total_es)
+}

@@ -5,7 +5,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::Subcommand;
-use engine::bench::{median, perplexity, throughput};
+use engine::bench::{batched, median, perplexity, prefix_reuse, throughput};
 use serde_json::json;
 
 use crate::engine_args::ModelChoice;
@@ -23,6 +23,41 @@ pub enum BenchCommand {
         /// Tokens generated one at a time (0 skips decode).
         #[arg(long, default_value_t = 128)]
         gen_tokens: usize,
+        #[arg(long, short = 'r', default_value_t = 5)]
+        repetitions: usize,
+        /// Print the result as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Aggregate decode tokens/s of N sequences decoding together (like llama-batched-bench:
+    /// distinct random prompts prefilled together, then --gen-tokens decode steps).
+    Batched {
+        #[command(flatten)]
+        model: ModelChoice,
+        /// Prompt tokens of each sequence.
+        #[arg(long, default_value_t = 128)]
+        prompt_tokens: usize,
+        /// Decode steps (tokens per sequence after the first).
+        #[arg(long, default_value_t = 128)]
+        gen_tokens: usize,
+        /// Sequence counts to measure, comma-separated.
+        #[arg(long, default_value = "1,4,8,16,32", value_delimiter = ',')]
+        parallel: Vec<usize>,
+        /// Print the result as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Time to first token of a request sharing a long prefix with the request before it (run
+    /// with and without --no-prefix-caching to compare).
+    Prefix {
+        #[command(flatten)]
+        model: ModelChoice,
+        /// Shared prefix tokens.
+        #[arg(long, default_value_t = 1000)]
+        prefix_tokens: usize,
+        /// Distinct tokens after the prefix.
+        #[arg(long, default_value_t = 16)]
+        suffix_tokens: usize,
         #[arg(long, short = 'r', default_value_t = 5)]
         repetitions: usize,
         /// Print the result as JSON.
@@ -90,6 +125,113 @@ pub fn run(command: BenchCommand) -> Result<ExitCode> {
                         report.decode_tps.len()
                     );
                 }
+            }
+        }
+        BenchCommand::Batched {
+            mut model,
+            prompt_tokens,
+            gen_tokens,
+            parallel,
+            json,
+        } => {
+            let most = parallel.iter().copied().max().unwrap_or(1).max(1);
+            // Every prompt prefills in one step, as llama-batched-bench's batch does.
+            model.kv.max_num_seqs = model.kv.max_num_seqs.max(most);
+            model.kv.max_num_batched_tokens = model
+                .kv
+                .max_num_batched_tokens
+                .max(most * prompt_tokens.max(1));
+            let engine = model.load(Some(prompt_tokens + gen_tokens + 1))?;
+            batched(&engine, prompt_tokens, gen_tokens.min(4), 1, 0)?; // warm-up
+            let mut rows = Vec::new();
+            if !json {
+                println!("model    {}", model.model);
+                println!("backend  {}", engine.backend().describe());
+                let capacity = engine.kv_capacity();
+                println!(
+                    "kv       {} blocks × {} tokens, {}, {:.0} MiB",
+                    capacity.blocks,
+                    capacity.layout.block_tokens,
+                    capacity.layout.dtype,
+                    capacity.bytes() as f64 / (1u64 << 20) as f64
+                );
+                println!(
+                    "{:>4} {:>6} {:>6} {:>9} {:>10} {:>9} {:>10} {:>8} {:>8}",
+                    "N", "PP", "TG", "T_PP s", "S_PP t/s", "T_TG s", "S_TG t/s", "waste", "preempt"
+                );
+            }
+            for (i, &n) in parallel.iter().enumerate() {
+                let r = batched(&engine, prompt_tokens, gen_tokens, n.max(1), i as u64 + 1)?;
+                if !json {
+                    println!(
+                        "{:>4} {:>6} {:>6} {:>9.3} {:>10.1} {:>9.3} {:>10.1} {:>7.1}% {:>8}",
+                        r.parallel,
+                        r.prompt_tokens,
+                        r.gen_tokens,
+                        r.prefill_seconds,
+                        r.prefill_tps,
+                        r.decode_seconds,
+                        r.decode_tps,
+                        100.0 * r.kv_waste,
+                        r.preemptions
+                    );
+                }
+                rows.push(json!({
+                    "parallel": r.parallel,
+                    "prompt_tokens": r.prompt_tokens,
+                    "gen_tokens": r.gen_tokens,
+                    "prefill_seconds": r.prefill_seconds,
+                    "prefill_tokens_per_second": r.prefill_tps,
+                    "decode_seconds": r.decode_seconds,
+                    "decode_tokens_per_second": r.decode_tps,
+                    "kv_waste": r.kv_waste,
+                    "preemptions": r.preemptions,
+                }));
+            }
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&json!({
+                        "model": model.model,
+                        "backend": engine.backend().describe(),
+                        "kv_cache_dtype": engine.kv_capacity().layout.dtype.name(),
+                        "runs": rows,
+                    }))?
+                );
+            }
+        }
+        BenchCommand::Prefix {
+            model,
+            prefix_tokens,
+            suffix_tokens,
+            repetitions,
+            json,
+        } => {
+            let engine = model.load(Some(prefix_tokens + suffix_tokens.max(1) + 1))?;
+            let r = prefix_reuse(&engine, prefix_tokens, suffix_tokens, repetitions.max(1))?;
+            let ttft = median(&r.ttft_seconds);
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&json!({
+                        "model": model.model,
+                        "prefix_caching": !model.kv.no_prefix_caching,
+                        "prefix_tokens": prefix_tokens,
+                        "suffix_tokens": suffix_tokens,
+                        "ttft_seconds": ttft,
+                        "ttft_runs": r.ttft_seconds,
+                        "cached_tokens": r.cached_tokens,
+                    }))?
+                );
+            } else {
+                println!(
+                    "prefix caching {}: time to first token {:.1} ms (median of {}; {} of {} prompt tokens cached)",
+                    if model.kv.no_prefix_caching { "off" } else { "on" },
+                    ttft * 1e3,
+                    r.ttft_seconds.len(),
+                    r.cached_tokens.first().copied().unwrap_or(0),
+                    prefix_tokens + suffix_tokens.max(1)
+                );
             }
         }
         BenchCommand::Perplexity {

@@ -3,7 +3,8 @@
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
-use engine::{Engine, EngineOptions};
+use engine::kv_tier::TierConfig;
+use engine::{Engine, EngineOptions, KvDType, KvMemory, KvOptions, SchedulerOptions};
 use repo::{ModelRef, Repository};
 
 /// Which model, from where, on how many threads.
@@ -24,12 +25,88 @@ pub struct ModelChoice {
     /// Compute threads (default: physical cores).
     #[arg(long, short = 't')]
     pub threads: Option<usize>,
+    #[command(flatten)]
+    pub kv: KvArgs,
+}
+
+/// The KV cache and the scheduler's limits (docs/engine.md describes each).
+#[derive(Debug, Clone, clap::Args)]
+pub struct KvArgs {
+    /// Size of the KV block pool: bytes (with KiB/MiB/GiB) or a fraction of available memory.
+    #[arg(long, default_value = "0.2", value_name = "SIZE|FRACTION", value_parser = parse_kv_memory)]
+    pub kv_cache_memory: KvMemory,
+    /// Element type of cached keys and values: f32, f16 or q8_0.
+    #[arg(long, default_value = "f16", value_parser = parse_kv_dtype)]
+    pub kv_cache_dtype: KvDType,
+    /// Token slots per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: usize,
+    /// Do not keep finished sequences' blocks for reuse by later prompts.
+    #[arg(long)]
+    pub no_prefix_caching: bool,
+    /// Host memory for KV blocks moved out of the pool (preempted sequences, evicted prefixes);
+    /// 0 turns the tier off and preemption recomputes.
+    #[arg(long, default_value = "0", value_name = "SIZE", value_parser = parse_bytes)]
+    pub kv_tier_memory: u64,
+    /// Size of the on-disk KV tier file (0: none).
+    #[arg(long, default_value = "0", value_name = "SIZE", value_parser = parse_bytes)]
+    pub kv_tier_disk: u64,
+    /// Folder of the on-disk tier file (default: the temporary folder).
+    #[arg(long, value_name = "DIR")]
+    pub kv_tier_dir: Option<PathBuf>,
+    /// Most sequences decoding together.
+    #[arg(long, default_value_t = 64)]
+    pub max_num_seqs: usize,
+    /// Most tokens (decode tokens + prompt chunks) in one forward pass.
+    #[arg(long, default_value_t = 512)]
+    pub max_num_batched_tokens: usize,
+    /// Most requests waiting for admission.
+    #[arg(long, default_value_t = 1024)]
+    pub max_waiting: usize,
+}
+
+fn parse_kv_memory(text: &str) -> Result<KvMemory, String> {
+    text.parse()
+}
+
+fn parse_kv_dtype(text: &str) -> Result<KvDType, String> {
+    text.parse()
+}
+
+fn parse_bytes(text: &str) -> Result<u64, String> {
+    match text.parse::<KvMemory>()? {
+        KvMemory::Bytes(b) => Ok(b),
+        KvMemory::Fraction(_) => Err(format!("{text:?}: a size is needed here, not a fraction")),
+    }
+}
+
+impl KvArgs {
+    /// The engine options these flags describe.
+    pub fn apply(&self, options: &mut EngineOptions) {
+        options.kv = KvOptions {
+            block_tokens: self.block_size,
+            dtype: self.kv_cache_dtype,
+            memory: self.kv_cache_memory,
+            prefix_caching: !self.no_prefix_caching,
+            tier: TierConfig {
+                host_bytes: self.kv_tier_memory as usize,
+                disk_bytes: self.kv_tier_disk as usize,
+                disk_dir: self.kv_tier_dir.clone(),
+            },
+        };
+        options.scheduler = SchedulerOptions {
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            max_waiting: self.max_waiting,
+            ..SchedulerOptions::default()
+        };
+    }
 }
 
 impl ModelChoice {
     /// Loads the engine with a context of at least `context` positions.
     pub fn load(&self, context: Option<usize>) -> Result<Engine> {
-        let options = EngineOptions {
+        let mut options = EngineOptions {
             threads: self
                 .threads
                 .unwrap_or_else(kernels::backend::physical_cores)
@@ -37,6 +114,7 @@ impl ModelChoice {
             context,
             ..EngineOptions::default()
         };
+        self.kv.apply(&mut options);
         let path = PathBuf::from(&self.model);
         if path
             .extension()

@@ -42,6 +42,8 @@ struct TensorRef {
     range: Range<usize>,
     rows: usize,
     cols: usize,
+    /// The weights interleaved for the batched kernel, when the type has one.
+    packed: Option<std::sync::Arc<Vec<u8>>>,
 }
 
 #[derive(Debug)]
@@ -257,12 +259,13 @@ impl Model {
         })
     }
 
-    fn matrix(&self, t: &TensorRef) -> Matrix<'_> {
+    fn matrix<'a>(&'a self, t: &'a TensorRef) -> Matrix<'a> {
         Matrix {
             dtype: t.dtype,
             data: &self.file.bytes()[t.range.clone()],
             rows: t.rows,
             cols: t.cols,
+            packed: t.packed.as_deref().map(Vec::as_slice),
         }
     }
 
@@ -461,11 +464,22 @@ fn tensor_ref(
             format!("{cols} columns is not a whole number of {dtype} blocks"),
         ));
     }
+    let range = file.tensor_range(t);
+    // Every multiplication with a packable matrix runs on its packed copy (one kernel for one
+    // row and for many, so a sequence's results do not depend on its batch).
+    // `RAMPART_PACKED_WEIGHTS=0` keeps the row-by-row kernels (half the weight memory when the
+    // mapped file's pages are the only copy; for comparisons).
+    let packed = std::env::var("RAMPART_PACKED_WEIGHTS")
+        .map_or(true, |v| v != "0")
+        .then(|| kernels::packed::pack(dtype, &file.bytes()[range.clone()], rows, cols))
+        .flatten()
+        .map(std::sync::Arc::new);
     Ok(TensorRef {
         dtype,
-        range: file.tensor_range(t),
+        range,
         rows,
         cols,
+        packed,
     })
 }
 

@@ -6,6 +6,8 @@
 //!   products.
 //! - [`dispatch`]: runtime CPU dispatch (AVX2+FMA, scalar) of the hot kernels.
 //! - [`matmul`]: M activation rows × a quantized weight matrix, reading each weight row once.
+//! - [`packed`]: Q4_0/Q4_1/Q8_0 weights interleaved eight rows at a time for the batched kernel
+//!   (four quants of eight rows times four activations per instruction).
 //! - [`ops`]: RMSNorm, LayerNorm, RoPE (normal/NeoX, linear/llama3 scaling), softmax, SiLU/GELU,
 //!   causal grouped-query attention over a contiguous cache.
 //! - [`paged`]: grouped-query attention over a paged KV cache (blocks found through per-sequence
@@ -22,6 +24,7 @@ pub mod dispatch;
 pub mod dtype;
 pub mod matmul;
 pub mod ops;
+pub mod packed;
 pub mod paged;
 pub mod pool;
 pub mod quant;

@@ -11,15 +11,18 @@
 
 use crate::dispatch::{prefetch, quantize_activations, vec_dot, vec_dot_rows, Isa, DOT_ROWS};
 use crate::dtype::DType;
+use crate::packed::{dot_packed, packable, packed_block_bytes, PACK_ACTS, PACK_ROWS};
 use crate::pool::ThreadPool;
 
-/// A weight matrix in its stored layout.
+/// A weight matrix in its stored layout, and optionally the same weights packed for the
+/// batched kernel ([`crate::packed`]), which is then used for every multiplication.
 #[derive(Debug, Clone, Copy)]
 pub struct Matrix<'a> {
     pub dtype: DType,
     pub data: &'a [u8],
     pub rows: usize,
     pub cols: usize,
+    pub packed: Option<&'a [u8]>,
 }
 
 impl<'a> Matrix<'a> {
@@ -40,6 +43,26 @@ impl<'a> Matrix<'a> {
             data,
             rows,
             cols,
+            packed: None,
+        })
+    }
+
+    /// The same matrix with its packed form attached (see [`crate::packed::pack`]).
+    pub fn with_packed(self, packed: &'a [u8]) -> Result<Self, String> {
+        let need =
+            self.rows / PACK_ROWS * (self.cols / crate::dtype::QK) * packed_block_bytes(self.dtype);
+        if !packable(self.dtype) || self.rows % PACK_ROWS != 0 || packed.len() != need {
+            return Err(format!(
+                "{} bytes are not a packed {}×{} {} matrix",
+                packed.len(),
+                self.rows,
+                self.cols,
+                self.dtype
+            ));
+        }
+        Ok(Self {
+            packed: Some(packed),
+            ..self
         })
     }
 
@@ -179,13 +202,17 @@ pub fn matmul_many(
     let mut first_tile = [0usize; MAX_FUSED + 1];
     let mut out_ptrs = [SharedOut::new(std::ptr::null_mut()); MAX_FUSED];
     for (j, w) in ws.iter().enumerate() {
-        tile[j] = if m == 1 {
-            // Decode streams the weights: one long contiguous run per thread keeps the hardware
-            // prefetchers ahead.
-            w.rows.div_ceil(threads).max(1)
-        } else {
-            (w.rows / (threads * 4)).clamp(1, 64)
-        };
+        // Packed matrices are tiled in groups of PACK_ROWS rows.
+        let unit = if w.packed.is_some() { PACK_ROWS } else { 1 };
+        let units = w.rows / unit;
+        tile[j] = unit
+            * if m == 1 {
+                // Decode streams the weights: one long contiguous run per thread keeps the
+                // hardware prefetchers ahead.
+                units.div_ceil(threads).max(1)
+            } else {
+                (units / (threads * 4)).clamp(1, 64usize.div_ceil(unit))
+            };
         first_tile[j + 1] = first_tile[j] + w.rows.div_ceil(tile[j]);
         out_ptrs[j] = SharedOut::new(outs[j].as_mut_ptr());
     }
@@ -196,6 +223,40 @@ pub fn matmul_many(
         let rows = w.rows;
         let local = t - first_tile[j];
         let (r0, r1) = (local * tile, ((local + 1) * tile).min(rows));
+        let act = |i: usize| &acts[i * act_row..(i + 1) * act_row];
+        if let Some(packed) = w.packed {
+            let group_bytes = packed.len() / (rows / PACK_ROWS);
+            for i0 in (0..m).step_by(ACT_BLOCK) {
+                let i1 = (i0 + ACT_BLOCK).min(m);
+                for g in r0 / PACK_ROWS..r1 / PACK_ROWS {
+                    let group = &packed[g * group_bytes..(g + 1) * group_bytes];
+                    if g + PREFETCH_ROWS < r1 / PACK_ROWS {
+                        prefetch(&packed[(g + PREFETCH_ROWS) * group_bytes..][..group_bytes]);
+                    }
+                    let mut i = i0;
+                    while i < i1 {
+                        let n = (i1 - i).min(PACK_ACTS);
+                        let rows_in: [&[u8]; PACK_ACTS] =
+                            std::array::from_fn(|k| act(i + k.min(n - 1)));
+                        let mut values = [[0f32; PACK_ROWS]; PACK_ACTS];
+                        dot_packed(isa, w.dtype, group, &rows_in[..n], cols, &mut values[..n]);
+                        for (k, v) in values[..n].iter().enumerate() {
+                            // SAFETY: elements (i + k, 8g..8g+8) belong to this tile only; in
+                            // bounds as the output is m × rows.
+                            unsafe {
+                                std::ptr::copy_nonoverlapping(
+                                    v.as_ptr(),
+                                    out_ptr.get().add((i + k) * rows + g * PACK_ROWS),
+                                    PACK_ROWS,
+                                )
+                            };
+                        }
+                        i += n;
+                    }
+                }
+            }
+            return;
+        }
         for i0 in (0..m).step_by(ACT_BLOCK) {
             let i1 = (i0 + ACT_BLOCK).min(m);
             for r in r0..r1 {
@@ -203,7 +264,6 @@ pub fn matmul_many(
                 if r + PREFETCH_ROWS < r1 {
                     prefetch(w.row(r + PREFETCH_ROWS));
                 }
-                let act = |i: usize| &acts[i * act_row..(i + 1) * act_row];
                 let mut i = i0;
                 while i + DOT_ROWS <= i1 {
                     let rows4 = std::array::from_fn(|k| act(i + k));
@@ -262,6 +322,44 @@ mod tests {
                 assert_eq!(&alone, got);
             }
         }
+    }
+
+    #[test]
+    fn packed_matmuls_match_row_kernels_and_do_not_depend_on_the_batch() {
+        let pool = ThreadPool::new(3);
+        let (rows, cols) = (48, 160);
+        for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+            let data: Vec<u8> = (0..rows)
+                .flat_map(|r| random_row(dtype, cols, r as u64 + 7))
+                .collect();
+            let plain = Matrix::new(dtype, &data, rows, cols).unwrap();
+            let packed_bytes = crate::packed::pack(dtype, &data, rows, cols).unwrap();
+            let packed = plain.with_packed(&packed_bytes).unwrap();
+            let m = 37;
+            let x = random_f32(m * cols, 5);
+            let mut scratch = Scratch::default();
+            for isa in Isa::available() {
+                let (mut a, mut b) = (vec![0f32; m * rows], vec![0f32; m * rows]);
+                matmul(&pool, isa, &plain, &x, m, &mut a, &mut scratch);
+                matmul(&pool, isa, &packed, &x, m, &mut b, &mut scratch);
+                for (i, (p, q)) in a.iter().zip(&b).enumerate() {
+                    assert!(
+                        (p - q).abs() <= 1e-4 * p.abs().max(1.0),
+                        "{dtype} {isa:?} {i}"
+                    );
+                }
+                // Each row alone gives exactly what it gave in the batch.
+                for i in [0, 3, 36] {
+                    let mut one = vec![0f32; rows];
+                    let xi = &x[i * cols..(i + 1) * cols];
+                    matmul(&pool, isa, &packed, xi, 1, &mut one, &mut scratch);
+                    assert_eq!(one, b[i * rows..(i + 1) * rows], "{dtype} {isa:?} row {i}");
+                }
+            }
+        }
+        let data = random_row(DType::Q4_1, 64, 1).repeat(8);
+        let w = Matrix::new(DType::Q4_1, &data, 8, 64).unwrap();
+        assert!(w.with_packed(&[0u8; 3]).is_err());
     }
 
     #[test]

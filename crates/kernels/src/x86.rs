@@ -1166,3 +1166,106 @@ pub unsafe fn exp_moments(x: &[f32], max: f32) -> (f64, f64) {
     }
     (total_e, total_es)
 }
+
+/// [`crate::packed::dot_packed`]: one packed group of eight weight rows against 1..=4 Q8x32
+/// activation rows (see the layout in [`crate::packed`]).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub unsafe fn dot_packed(
+    dtype: DType,
+    group: &[u8],
+    acts: &[&[u8]],
+    nb: usize,
+    outs: &mut [[f32; 8]],
+) {
+    let g = group.as_ptr();
+    match (dtype, acts.len()) {
+        (DType::Q4_0, 1) => dot_packed_n::<K_Q4_0, 1>(g, acts, nb, outs),
+        (DType::Q4_0, 2) => dot_packed_n::<K_Q4_0, 2>(g, acts, nb, outs),
+        (DType::Q4_0, 3) => dot_packed_n::<K_Q4_0, 3>(g, acts, nb, outs),
+        (DType::Q4_0, 4) => dot_packed_n::<K_Q4_0, 4>(g, acts, nb, outs),
+        (DType::Q4_1, 1) => dot_packed_n::<K_Q4_1, 1>(g, acts, nb, outs),
+        (DType::Q4_1, 2) => dot_packed_n::<K_Q4_1, 2>(g, acts, nb, outs),
+        (DType::Q4_1, 3) => dot_packed_n::<K_Q4_1, 3>(g, acts, nb, outs),
+        (DType::Q4_1, 4) => dot_packed_n::<K_Q4_1, 4>(g, acts, nb, outs),
+        (DType::Q8_0, 1) => dot_packed_n::<K_Q8_0, 1>(g, acts, nb, outs),
+        (DType::Q8_0, 2) => dot_packed_n::<K_Q8_0, 2>(g, acts, nb, outs),
+        (DType::Q8_0, 3) => dot_packed_n::<K_Q8_0, 3>(g, acts, nb, outs),
+        (DType::Q8_0, 4) => dot_packed_n::<K_Q8_0, 4>(g, acts, nb, outs),
+        (other, n) => panic!("no packed kernel for {other} × {n} rows"),
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn broadcast_i32(p: *const u8) -> __m256i {
+    _mm256_set1_epi32(std::ptr::read_unaligned(p as *const i32))
+}
+
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_packed_n<const K: u8, const N: usize>(
+    g: *const u8,
+    acts: &[&[u8]],
+    nb: usize,
+    outs: &mut [[f32; 8]],
+) {
+    let a: [*const u8; N] = std::array::from_fn(|i| acts[i].as_ptr());
+    let pbb = match K {
+        K_Q4_0 => 16 + 128,
+        K_Q4_1 => 32 + 128,
+        _ => 16 + 256,
+    };
+    let mask = _mm256_set1_epi8(0x0f);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [_mm256_setzero_ps(); N];
+    for b in 0..nb {
+        let blk = g.add(b * pbb);
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
+        let ab: [*const u8; N] = std::array::from_fn(|i| a[i].add(b * Q8X32_BLOCK_BYTES));
+        let mut dots = [_mm256_setzero_si256(); N];
+        if K == K_Q8_0 {
+            let qs = blk.add(16);
+            for c in 0..8 {
+                let w = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
+                let abs_w = _mm256_sign_epi8(w, w);
+                for i in 0..N {
+                    let y = _mm256_sign_epi8(broadcast_i32(ab[i].add(8 + 4 * c)), w);
+                    let pairs = _mm256_maddubs_epi16(abs_w, y);
+                    dots[i] = _mm256_add_epi32(dots[i], _mm256_madd_epi16(pairs, ones));
+                }
+            }
+        } else {
+            let qs = blk.add(if K == K_Q4_1 { 32 } else { 16 });
+            // 16-bit sums: 8 products pairs of at most 2·15·127 each stay below 2^15.
+            let mut sums = [_mm256_setzero_si256(); N];
+            for c in 0..4 {
+                let raw = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
+                let lo = _mm256_and_si256(raw, mask);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
+                for i in 0..N {
+                    let y_lo = broadcast_i32(ab[i].add(8 + 4 * c));
+                    let y_hi = broadcast_i32(ab[i].add(8 + 16 + 4 * c));
+                    sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(lo, y_lo));
+                    sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(hi, y_hi));
+                }
+            }
+            for i in 0..N {
+                dots[i] = _mm256_madd_epi16(sums[i], ones);
+            }
+        }
+        let offset = match K {
+            K_Q4_0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
+            K_Q4_1 => _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i)),
+            _ => _mm256_setzero_ps(),
+        };
+        for i in 0..N {
+            let scale = _mm256_mul_ps(d, _mm256_set1_ps(f32_load(ab[i])));
+            acc[i] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dots[i]), acc[i]);
+            if K != K_Q8_0 {
+                acc[i] = _mm256_fmadd_ps(offset, _mm256_set1_ps(f32_load(ab[i].add(4))), acc[i]);
+            }
+        }
+    }
+    for i in 0..N {
+        _mm256_storeu_ps(outs[i].as_mut_ptr(), acc[i]);
+    }
+}

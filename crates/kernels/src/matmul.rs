@@ -11,7 +11,7 @@
 
 use crate::dispatch::{prefetch, quantize_activations, vec_dot, vec_dot_rows, Isa, DOT_ROWS};
 use crate::dtype::DType;
-use crate::packed::{dot_packed, packable, packed_block_bytes, PACK_ACTS, PACK_ROWS};
+use crate::packed::{dot_packed_span, packable, packed_block_bytes, PACK_ACTS, PACK_ROWS};
 use crate::pool::ThreadPool;
 
 /// A weight matrix in its stored layout, and optionally the same weights packed for the
@@ -225,35 +225,27 @@ pub fn matmul_many(
         let (r0, r1) = (local * tile, ((local + 1) * tile).min(rows));
         let act = |i: usize| &acts[i * act_row..(i + 1) * act_row];
         if let Some(packed) = w.packed {
-            let group_bytes = packed.len() / (rows / PACK_ROWS);
-            for i0 in (0..m).step_by(ACT_BLOCK) {
-                let i1 = (i0 + ACT_BLOCK).min(m);
-                for g in r0 / PACK_ROWS..r1 / PACK_ROWS {
-                    let group = &packed[g * group_bytes..(g + 1) * group_bytes];
-                    if g + PREFETCH_ROWS < r1 / PACK_ROWS {
-                        prefetch(&packed[(g + PREFETCH_ROWS) * group_bytes..][..group_bytes]);
-                    }
-                    let mut i = i0;
-                    while i < i1 {
-                        let n = (i1 - i).min(PACK_ACTS);
-                        let rows_in: [&[u8]; PACK_ACTS] =
-                            std::array::from_fn(|k| act(i + k.min(n - 1)));
-                        let mut values = [[0f32; PACK_ROWS]; PACK_ACTS];
-                        dot_packed(isa, w.dtype, group, &rows_in[..n], cols, &mut values[..n]);
-                        for (k, v) in values[..n].iter().enumerate() {
-                            // SAFETY: elements (i + k, 8g..8g+8) belong to this tile only; in
-                            // bounds as the output is m × rows.
-                            unsafe {
-                                std::ptr::copy_nonoverlapping(
-                                    v.as_ptr(),
-                                    out_ptr.get().add((i + k) * rows + g * PACK_ROWS),
-                                    PACK_ROWS,
-                                )
-                            };
-                        }
-                        i += n;
-                    }
-                }
+            let (g0, g1) = (r0 / PACK_ROWS, r1 / PACK_ROWS);
+            let mut i = 0;
+            while i < m {
+                let n = (m - i).min(PACK_ACTS);
+                let rows_in: [&[u8]; PACK_ACTS] = std::array::from_fn(|k| act(i + k.min(n - 1)));
+                // SAFETY: this tile alone writes columns 8·g0..8·g1 of output rows i..i + n,
+                // all inside the m × rows output.
+                unsafe {
+                    dot_packed_span(
+                        isa,
+                        w.dtype,
+                        packed,
+                        g0,
+                        g1 - g0,
+                        &rows_in[..n],
+                        cols,
+                        out_ptr.get().add(i * rows),
+                        rows,
+                    )
+                };
+                i += n;
             }
             return;
         }

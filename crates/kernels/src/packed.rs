@@ -143,38 +143,62 @@ pub fn dot_packed_ref(dtype: DType, group: &[u8], act: &[u8], cols: usize) -> [f
     acc
 }
 
-/// One packed group against `acts.len()` (1..=[`PACK_ACTS`]) activation rows: `outs[i]` gets the
-/// eight rows' dot products with activation row `i`.
-pub fn dot_packed(
+/// Groups `first_group..first_group + n_groups` of a packed matrix against `acts.len()`
+/// (1..=[`PACK_ACTS`]) activation rows: the eight results of group `g` for activation row `i`
+/// are written to `out[i·out_stride + 8g ..][..8]`.
+///
+/// # Safety
+/// `out` must be valid for writes of every element named above, and no other thread may access
+/// those elements during the call (threads of one matmul write disjoint column ranges).
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn dot_packed_span(
     isa: Isa,
     dtype: DType,
-    group: &[u8],
+    packed: &[u8],
+    first_group: usize,
+    n_groups: usize,
     acts: &[&[u8]],
     cols: usize,
-    outs: &mut [[f32; PACK_ROWS]],
+    out: *mut f32,
+    out_stride: usize,
 ) {
     let nb = cols / QK;
+    let group_bytes = nb * packed_block_bytes(dtype);
     assert!(
-        acts.len() == outs.len() && (1..=PACK_ACTS).contains(&acts.len()),
-        "1..={PACK_ACTS} activation rows, one output each"
+        (1..=PACK_ACTS).contains(&acts.len()),
+        "1..={PACK_ACTS} activation rows"
     );
-    assert!(
-        group.len() >= nb * packed_block_bytes(dtype),
-        "group too short"
-    );
+    let groups = &packed[first_group * group_bytes..(first_group + n_groups) * group_bytes];
     assert!(
         acts.iter().all(|a| a.len() >= nb * Q8X32_BLOCK_BYTES),
         "activation row too short"
     );
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 {
-        // SAFETY: AVX2, FMA and F16C are present; lengths were checked above.
-        unsafe { crate::x86::dot_packed(dtype, group, acts, nb, outs) };
+        // SAFETY: AVX2, FMA and F16C are present; group and activation extents were checked
+        // above, the output's by the caller.
+        unsafe {
+            crate::x86::dot_packed_span(
+                dtype,
+                groups,
+                n_groups,
+                acts,
+                nb,
+                out.add(8 * first_group),
+                out_stride,
+            )
+        };
         return;
     }
     let _ = isa;
-    for (a, out) in acts.iter().zip(outs.iter_mut()) {
-        *out = dot_packed_ref(dtype, group, a, cols);
+    for g in 0..n_groups {
+        let group = &groups[g * group_bytes..(g + 1) * group_bytes];
+        for (i, a) in acts.iter().enumerate() {
+            let values = dot_packed_ref(dtype, group, a, cols);
+            let at = i * out_stride + 8 * (first_group + g);
+            // SAFETY: the caller vouches for these elements.
+            unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), out.add(at), PACK_ROWS) };
+        }
     }
 }
 
@@ -230,14 +254,27 @@ mod tests {
                                     .iter()
                                     .map(|a| a.as_slice())
                                     .collect();
-                                let mut outs = vec![[0f32; PACK_ROWS]; n];
-                                dot_packed(isa, dtype, group, &rows_in, cols, &mut outs);
-                                for (k, out) in outs.iter().enumerate() {
-                                    let want = reference[start + k];
+                                let mut out = vec![0f32; n * rows];
+                                // SAFETY: out is n × rows, the span writes group g of each row.
+                                unsafe {
+                                    dot_packed_span(
+                                        isa,
+                                        dtype,
+                                        &packed,
+                                        g,
+                                        1,
+                                        &rows_in,
+                                        cols,
+                                        out.as_mut_ptr(),
+                                        rows,
+                                    )
+                                };
+                                for k in 0..n {
+                                    let got = &out[k * rows + g * PACK_ROWS..][..PACK_ROWS];
                                     assert_eq!(
-                                        out.map(f32::to_bits),
-                                        want.map(f32::to_bits),
-                                        "{dtype} cols {cols} {isa:?} n{n}: bit-identical to the reference"
+                                        got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                                        reference[start + k].map(f32::to_bits).to_vec(),
+                                        "{dtype} cols {cols} {isa:?} n{n}: bit-identical"
                                     );
                                 }
                             }

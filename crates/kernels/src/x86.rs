@@ -1167,31 +1167,40 @@ pub unsafe fn exp_moments(x: &[f32], max: f32) -> (f64, f64) {
     (total_e, total_es)
 }
 
-/// [`crate::packed::dot_packed`]: one packed group of eight weight rows against 1..=4 Q8x32
-/// activation rows (see the layout in [`crate::packed`]).
+/// [`crate::packed::dot_packed_span`]: consecutive packed groups of eight weight rows against
+/// 1..=4 Q8x32 activation rows (see the layout in [`crate::packed`]); the eight results of group
+/// `g` for activation row `i` go to `out[i·out_stride + 8g ..]`.
+///
+/// # Safety
+/// AVX2, FMA and F16C must be present; `groups` holds `n_groups` groups of `nb` packed blocks,
+/// every activation row `nb` Q8x32 blocks, and `out` is valid for every element written.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn dot_packed(
+pub unsafe fn dot_packed_span(
     dtype: DType,
-    group: &[u8],
+    groups: &[u8],
+    n_groups: usize,
     acts: &[&[u8]],
     nb: usize,
-    outs: &mut [[f32; 8]],
+    out: *mut f32,
+    out_stride: usize,
 ) {
-    let g = group.as_ptr();
-    match (dtype, acts.len()) {
-        (DType::Q4_0, 1) => dot_packed_n::<K_Q4_0, 1>(g, acts, nb, outs),
-        (DType::Q4_0, 2) => dot_packed_n::<K_Q4_0, 2>(g, acts, nb, outs),
-        (DType::Q4_0, 3) => dot_packed_n::<K_Q4_0, 3>(g, acts, nb, outs),
-        (DType::Q4_0, 4) => dot_packed_n::<K_Q4_0, 4>(g, acts, nb, outs),
-        (DType::Q4_1, 1) => dot_packed_n::<K_Q4_1, 1>(g, acts, nb, outs),
-        (DType::Q4_1, 2) => dot_packed_n::<K_Q4_1, 2>(g, acts, nb, outs),
-        (DType::Q4_1, 3) => dot_packed_n::<K_Q4_1, 3>(g, acts, nb, outs),
-        (DType::Q4_1, 4) => dot_packed_n::<K_Q4_1, 4>(g, acts, nb, outs),
-        (DType::Q8_0, 1) => dot_packed_n::<K_Q8_0, 1>(g, acts, nb, outs),
-        (DType::Q8_0, 2) => dot_packed_n::<K_Q8_0, 2>(g, acts, nb, outs),
-        (DType::Q8_0, 3) => dot_packed_n::<K_Q8_0, 3>(g, acts, nb, outs),
-        (DType::Q8_0, 4) => dot_packed_n::<K_Q8_0, 4>(g, acts, nb, outs),
-        (other, n) => panic!("no packed kernel for {other} × {n} rows"),
+    let g = groups.as_ptr();
+    macro_rules! run {
+        ($k:expr) => {
+            match acts.len() {
+                1 => dot_packed_n::<$k, 1>(g, n_groups, acts, nb, out, out_stride),
+                2 => dot_packed_n::<$k, 2>(g, n_groups, acts, nb, out, out_stride),
+                3 => dot_packed_n::<$k, 3>(g, n_groups, acts, nb, out, out_stride),
+                4 => dot_packed_n::<$k, 4>(g, n_groups, acts, nb, out, out_stride),
+                n => panic!("no packed kernel for {n} activation rows"),
+            }
+        };
+    }
+    match dtype {
+        DType::Q4_0 => run!(K_Q4_0),
+        DType::Q4_1 => run!(K_Q4_1),
+        DType::Q8_0 => run!(K_Q8_0),
+        other => panic!("no packed kernel for {other}"),
     }
 }
 
@@ -1203,10 +1212,12 @@ unsafe fn broadcast_i32(p: *const u8) -> __m256i {
 
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_packed_n<const K: u8, const N: usize>(
-    g: *const u8,
+    groups: *const u8,
+    n_groups: usize,
     acts: &[&[u8]],
     nb: usize,
-    outs: &mut [[f32; 8]],
+    out: *mut f32,
+    out_stride: usize,
 ) {
     let a: [*const u8; N] = std::array::from_fn(|i| acts[i].as_ptr());
     let pbb = match K {
@@ -1214,6 +1225,33 @@ unsafe fn dot_packed_n<const K: u8, const N: usize>(
         K_Q4_1 => 32 + 128,
         _ => 16 + 256,
     };
+    let group_bytes = nb * pbb;
+    for group in 0..n_groups {
+        let g = groups.add(group * group_bytes);
+        // Two groups ahead, a few lines per block: the weights stream from memory in decode.
+        if group + 2 < n_groups {
+            let ahead = g.add(2 * group_bytes);
+            let mut line = 0;
+            while line < group_bytes {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.add(line) as *const i8);
+                line += 64;
+            }
+        }
+        let acc = dot_packed_group::<K, N>(g, &a, nb, pbb);
+        for (i, v) in acc.iter().enumerate() {
+            _mm256_storeu_ps(out.add(i * out_stride + 8 * group), *v);
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_packed_group<const K: u8, const N: usize>(
+    g: *const u8,
+    a: &[*const u8; N],
+    nb: usize,
+    pbb: usize,
+) -> [__m256; N] {
     let mask = _mm256_set1_epi8(0x0f);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); N];
@@ -1265,7 +1303,5 @@ unsafe fn dot_packed_n<const K: u8, const N: usize>(
             }
         }
     }
-    for i in 0..N {
-        _mm256_storeu_ps(outs[i].as_mut_ptr(), acc[i]);
-    }
+    acc
 }

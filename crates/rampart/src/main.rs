@@ -7,6 +7,7 @@ mod generate_cmd;
 mod model_cmd;
 mod progress_bar;
 mod render;
+mod serve_cmd;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -50,6 +51,8 @@ enum Command {
     Model(ModelArgs),
     /// Generate text with an LLM (streams to the terminal).
     Generate(generate_cmd::GenerateArgs),
+    /// Serve the repository's LLMs over an OpenAI-compatible HTTP API.
+    Serve(serve_cmd::ServeArgs),
     /// Measure engine throughput and model perplexity.
     #[command(subcommand)]
     Bench(bench_cmd::BenchCommand),
@@ -75,6 +78,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Model(args) => model_cmd::run(args),
         Command::Generate(args) => generate_cmd::run(args),
+        Command::Serve(args) => serve_cmd::run(args),
         Command::Bench(command) => bench_cmd::run(command),
     };
     match result {

@@ -1,0 +1,70 @@
+//! `rampart serve`: the OpenAI-compatible server on the repository's models.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use server::config::{LogFormat, ServerConfig};
+
+/// Serve the repository's LLMs over the OpenAI API (docs/api.md, docs/configuration.md).
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// The model repository folder (over the config file's `repo`).
+    #[arg(long, env = "RAMPART_REPO", value_name = "DIR")]
+    pub repo: Option<PathBuf>,
+    /// A configuration file (rampart.toml); every setting has a default.
+    #[arg(long, short = 'c', value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// Address to listen on (default 127.0.0.1:8080).
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<SocketAddr>,
+    /// File of API keys (one per line, optionally `id:key`).
+    #[arg(long, value_name = "FILE")]
+    pub api_keys: Option<PathBuf>,
+    /// Serve without keys on a non-loopback address.
+    #[arg(long)]
+    pub insecure_no_auth: bool,
+    /// Compute threads per model (default: physical cores).
+    #[arg(long, short = 't')]
+    pub threads: Option<usize>,
+    /// Log format: json (default) or text.
+    #[arg(long, value_name = "FORMAT")]
+    pub log_format: Option<String>,
+}
+
+pub fn run(args: ServeArgs) -> Result<ExitCode> {
+    let mut config = ServerConfig::load(args.config.as_deref())?;
+    if let Some(repo) = args.repo {
+        config.repo = repo;
+    }
+    if let Some(listen) = args.listen {
+        config.listen = listen;
+    }
+    if let Some(keys) = args.api_keys {
+        config.api_keys_file = Some(keys);
+    }
+    if args.insecure_no_auth {
+        config.insecure_no_auth = true;
+    }
+    if let Some(threads) = args.threads {
+        config.threads = Some(threads);
+    }
+    if let Some(format) = args.log_format {
+        config.log.format = match format.as_str() {
+            "json" => LogFormat::Json,
+            "text" => LogFormat::Text,
+            other => anyhow::bail!("--log-format {other:?}: json or text"),
+        };
+    }
+    server::observe::init_logging(&config.log).map_err(anyhow::Error::msg)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("rampart-http")
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(server::serve(config))?;
+    // Engines hold OS threads; leave without waiting for stray blocking tasks.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,181 @@
+//! Admission and load shedding for one model: a bounded number of requests in flight, a bounded
+//! FIFO of requests waiting for a slot, and a bounded wait.
+//!
+//! The slot is taken before anything costly (tokenization, image decoding): a full queue answers
+//! 429 at once with `Retry-After` estimated from the rate at which slots have been freeing up; a
+//! request that waits longer than the queue timeout gets 503. Memory stays bounded: at most
+//! `max_in_flight + max_waiting` requests per model hold anything beyond their socket.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::config;
+use crate::error::ApiError;
+
+/// Completions remembered for the drain-rate estimate.
+const RATE_WINDOW: usize = 64;
+
+/// The admission state of one model.
+#[derive(Debug)]
+pub struct Admission {
+    config: config::Admission,
+    permits: Arc<Semaphore>,
+    waiting: AtomicUsize,
+    in_flight: AtomicUsize,
+    completions: Mutex<VecDeque<Instant>>,
+}
+
+/// A request's place in flight; dropping it frees the place.
+#[derive(Debug)]
+pub struct Slot {
+    _permit: OwnedSemaphorePermit,
+    admission: Arc<Admission>,
+    /// How long the request waited for it.
+    pub queued: Duration,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.admission.in_flight.fetch_sub(1, Ordering::Relaxed);
+        let mut done = self
+            .admission
+            .completions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if done.len() == RATE_WINDOW {
+            done.pop_front();
+        }
+        done.push_back(Instant::now());
+    }
+}
+
+impl Admission {
+    pub fn new(config: config::Admission) -> Arc<Self> {
+        Arc::new(Self {
+            permits: Arc::new(Semaphore::new(config.max_in_flight)),
+            config,
+            waiting: AtomicUsize::new(0),
+            in_flight: AtomicUsize::new(0),
+            completions: Mutex::new(VecDeque::new()),
+        })
+    }
+
+    /// Requests waiting for a slot.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::Relaxed)
+    }
+
+    /// Requests holding a slot.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Slots freed per second recently (`None` before any completed).
+    pub fn drain_rate(&self) -> Option<f64> {
+        let done = self.completions.lock().unwrap_or_else(|e| e.into_inner());
+        let first = *done.front()?;
+        let span = Instant::now()
+            .saturating_duration_since(first)
+            .as_secs_f64();
+        (done.len() >= 2 && span > 0.0).then(|| done.len() as f64 / span)
+    }
+
+    /// Seconds until a new request would likely get a slot.
+    pub fn retry_after_s(&self) -> u64 {
+        let ahead = (self.waiting() + 1) as f64;
+        match self.drain_rate() {
+            Some(rate) if rate > 0.0 => (ahead / rate).ceil().clamp(1.0, 600.0) as u64,
+            _ => 1,
+        }
+    }
+
+    /// Takes a slot, waiting in line if all are taken.
+    pub async fn acquire(self: &Arc<Self>) -> Result<Slot, ApiError> {
+        let start = Instant::now();
+        let permit = match Arc::clone(&self.permits).try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                let queued = self
+                    .waiting
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+                        (w < self.config.max_waiting).then_some(w + 1)
+                    });
+                if queued.is_err() {
+                    return Err(ApiError::Overloaded {
+                        message: format!(
+                            "the model is at capacity ({} requests in flight, {} waiting); retry later",
+                            self.config.max_in_flight, self.config.max_waiting
+                        ),
+                        retry_after_s: self.retry_after_s(),
+                        code: "queue_full",
+                    });
+                }
+                let timeout = Duration::from_millis(self.config.queue_timeout_ms);
+                let got =
+                    tokio::time::timeout(timeout, Arc::clone(&self.permits).acquire_owned()).await;
+                self.waiting.fetch_sub(1, Ordering::AcqRel);
+                match got {
+                    Ok(Ok(permit)) => permit,
+                    Ok(Err(_)) => {
+                        return Err(ApiError::Unavailable {
+                            message: "the server is shutting down".into(),
+                            retry_after_s: 5,
+                        })
+                    }
+                    Err(_) => {
+                        return Err(ApiError::Unavailable {
+                            message: format!(
+                            "no slot became free within the queue timeout of {} ms; retry later",
+                            self.config.queue_timeout_ms
+                        ),
+                            retry_after_s: self.retry_after_s(),
+                        })
+                    }
+                }
+            }
+        };
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        Ok(Slot {
+            _permit: permit,
+            admission: Arc::clone(self),
+            queued: start.elapsed(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn full_queues_refuse_and_long_waits_time_out() {
+        let admission = Admission::new(config::Admission {
+            max_in_flight: 1,
+            max_waiting: 1,
+            queue_timeout_ms: 50,
+        });
+        let first = admission.acquire().await.unwrap();
+        assert_eq!(admission.in_flight(), 1);
+        // The second waits (and times out: 503); meanwhile a third finds the queue full (429).
+        let a = Arc::clone(&admission);
+        let waiter = tokio::spawn(async move { a.acquire().await });
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert_eq!(admission.waiting(), 1);
+        let refused = admission.acquire().await.unwrap_err();
+        assert_eq!(refused.status(), axum::http::StatusCode::TOO_MANY_REQUESTS);
+        let timed_out = waiter.await.unwrap().unwrap_err();
+        assert_eq!(
+            timed_out.status(),
+            axum::http::StatusCode::SERVICE_UNAVAILABLE
+        );
+        drop(first);
+        let again = admission.acquire().await.unwrap();
+        assert_eq!(admission.waiting(), 0);
+        drop(again);
+        assert_eq!(admission.in_flight(), 0);
+    }
+}

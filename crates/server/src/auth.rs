@@ -1,0 +1,210 @@
+//! API keys and per-key rate limits.
+//!
+//! Keys come from a file (one per line, `id:key` or just `key`; `#` comments) or from the
+//! `RAMPART_API_KEYS` variable (the same lines separated by commas). Only their sha256 hashes are
+//! kept; a presented key is hashed and looked up, so no comparison leaks a key's prefix through
+//! timing. The key's id is the request's principal (`key-N` for keys given without one).
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use sha2::{Digest, Sha256};
+
+use crate::config::RateLimit;
+
+/// Hashes of the accepted keys and their ids.
+#[derive(Debug, Default)]
+pub struct KeyStore {
+    by_hash: HashMap<[u8; 32], String>,
+}
+
+fn hash(key: &str) -> [u8; 32] {
+    Sha256::digest(key.as_bytes()).into()
+}
+
+impl KeyStore {
+    /// Parses key lines; errors name the offending line (never the key).
+    pub fn parse(text: &str, separator: char) -> Result<Self, String> {
+        let mut store = KeyStore::default();
+        for (n, raw) in text.split(separator).enumerate() {
+            let line = raw.trim();
+            if line.is_empty() || line.starts_with('#') {
+                continue;
+            }
+            let (id, key) = match line.split_once(':') {
+                Some((id, key)) => (id.trim().to_string(), key.trim()),
+                None => (format!("key-{}", store.by_hash.len() + 1), line),
+            };
+            if key.len() < 8 {
+                return Err(format!(
+                    "entry {} (id {id:?}): keys must be at least 8 characters",
+                    n + 1
+                ));
+            }
+            if id.is_empty() {
+                return Err(format!("entry {}: empty id before ':'", n + 1));
+            }
+            if store.by_hash.insert(hash(key), id.clone()).is_some() {
+                return Err(format!("entry {} (id {id:?}): duplicate key", n + 1));
+            }
+        }
+        Ok(store)
+    }
+
+    /// Reads a key file.
+    pub fn from_file(path: &Path) -> Result<Self, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+        Self::parse(&text, '\n').map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    pub fn len(&self) -> usize {
+        self.by_hash.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_hash.is_empty()
+    }
+
+    /// The id of a presented key.
+    pub fn principal(&self, key: &str) -> Option<&str> {
+        self.by_hash.get(&hash(key)).map(String::as_str)
+    }
+}
+
+/// A token bucket: `capacity` tokens, refilled at `rate` per second.
+#[derive(Debug, Clone, Copy)]
+struct Bucket {
+    level: f64,
+    updated: Instant,
+}
+
+impl Bucket {
+    fn refill(&mut self, rate: f64, capacity: f64, now: Instant) {
+        let dt = now.saturating_duration_since(self.updated).as_secs_f64();
+        self.level = (self.level + dt * rate).min(capacity);
+        self.updated = now;
+    }
+}
+
+/// Per-principal request and token buckets.
+#[derive(Debug)]
+pub struct RateLimiter {
+    config: RateLimit,
+    buckets: Mutex<HashMap<String, (Bucket, Bucket)>>,
+}
+
+impl RateLimiter {
+    pub fn new(config: RateLimit) -> Self {
+        Self {
+            config,
+            buckets: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn enabled(&self) -> bool {
+        self.config.requests_per_second > 0.0 || self.config.tokens_per_minute > 0
+    }
+
+    /// Takes one request from the principal's bucket; the seconds to wait when there is none
+    /// (or when the token budget is spent).
+    pub fn admit(&self, principal: &str) -> Result<(), u64> {
+        if !self.enabled() {
+            return Ok(());
+        }
+        let now = Instant::now();
+        let rps = self.config.requests_per_second;
+        let tpm = self.config.tokens_per_minute as f64;
+        let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        let fresh = Bucket {
+            level: 0.0,
+            updated: now,
+        };
+        let (requests, tokens) = buckets.entry(principal.to_string()).or_insert((
+            Bucket {
+                level: rps.max(1.0),
+                ..fresh
+            },
+            Bucket {
+                level: tpm,
+                ..fresh
+            },
+        ));
+        if rps > 0.0 {
+            requests.refill(rps, rps.max(1.0), now);
+            if requests.level < 1.0 {
+                return Err(((1.0 - requests.level) / rps).ceil().max(1.0) as u64);
+            }
+        }
+        if tpm > 0.0 {
+            tokens.refill(tpm / 60.0, tpm, now);
+            if tokens.level <= 0.0 {
+                return Err((-tokens.level / (tpm / 60.0)).ceil().max(1.0) as u64);
+            }
+        }
+        if rps > 0.0 {
+            requests.level -= 1.0;
+        }
+        Ok(())
+    }
+
+    /// Charges tokens a request used (prompt + generated) to its principal.
+    pub fn charge(&self, principal: &str, tokens: usize) {
+        if self.config.tokens_per_minute == 0 {
+            return;
+        }
+        let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, bucket)) = buckets.get_mut(principal) {
+            let tpm = self.config.tokens_per_minute as f64;
+            bucket.refill(tpm / 60.0, tpm, Instant::now());
+            bucket.level -= tokens as f64;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_parse_with_and_without_ids() {
+        let store = KeyStore::parse(
+            "# team keys\nalice:sk-alice-123456\n\nsk-anonymous-99\n",
+            '\n',
+        )
+        .unwrap();
+        assert_eq!(store.len(), 2);
+        assert_eq!(store.principal("sk-alice-123456"), Some("alice"));
+        assert_eq!(store.principal("sk-anonymous-99"), Some("key-2"));
+        assert_eq!(store.principal("sk-alice-12345"), None);
+        let err = KeyStore::parse("bob:short", '\n').unwrap_err();
+        assert!(
+            err.contains("at least 8") && !err.contains("short"),
+            "{err}"
+        );
+        assert!(KeyStore::parse("a:sk-same-key-1,b:sk-same-key-1", ',').is_err());
+    }
+
+    #[test]
+    fn request_and_token_buckets_refuse_then_refill() {
+        let limiter = RateLimiter::new(RateLimit {
+            requests_per_second: 2.0,
+            tokens_per_minute: 600,
+        });
+        assert!(limiter.admit("a").is_ok());
+        assert!(limiter.admit("a").is_ok());
+        assert!(
+            limiter.admit("a").is_err(),
+            "a burst beyond the rate is refused"
+        );
+        assert!(limiter.admit("b").is_ok(), "buckets are per principal");
+        limiter.charge("b", 700);
+        let wait = limiter.admit("b").unwrap_err();
+        assert!(wait >= 1, "spent token budget: wait {wait}s");
+        let open = RateLimiter::new(RateLimit::default());
+        for _ in 0..100 {
+            assert!(open.admit("x").is_ok());
+        }
+    }
+}

@@ -1,0 +1,266 @@
+//! The record's sinks (structured log, Prometheus metrics), the engine gauges refreshed at each
+//! scrape, and the logging setup. Metric names and labels are documented in docs/metrics.md.
+
+use std::sync::Arc;
+
+use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+use crate::config::{Log, LogFormat};
+use crate::record::InferenceRecord;
+use crate::state::ModelHandle;
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+const TOKEN_LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56,
+];
+const ENTROPY_BUCKETS: &[f64] = &[0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0];
+
+/// Installs the Prometheus recorder (once per process) and describes every metric.
+pub fn install_metrics() -> Result<PrometheusHandle, String> {
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
+        .and_then(|b| {
+            b.set_buckets_for_metric(
+                Matcher::Full("rampart_inter_token_latency_seconds".into()),
+                TOKEN_LATENCY_BUCKETS,
+            )
+        })
+        .and_then(|b| {
+            b.set_buckets_for_metric(
+                Matcher::Full("rampart_time_per_output_token_seconds".into()),
+                TOKEN_LATENCY_BUCKETS,
+            )
+        })
+        .and_then(|b| {
+            b.set_buckets_for_metric(
+                Matcher::Full("rampart_token_entropy_nats".into()),
+                ENTROPY_BUCKETS,
+            )
+        })
+        .map_err(|e| e.to_string())?
+        .install_recorder()
+        .map_err(|e| e.to_string())?;
+    describe_counter!(
+        "rampart_requests_total",
+        "Requests finished, by model, endpoint and status code."
+    );
+    describe_histogram!(
+        "rampart_request_duration_seconds",
+        "Time from arrival to the last byte of the response."
+    );
+    describe_histogram!(
+        "rampart_time_to_first_token_seconds",
+        "Time from arrival to the first generated token."
+    );
+    describe_histogram!(
+        "rampart_inter_token_latency_seconds",
+        "Gaps between consecutive tokens of a response."
+    );
+    describe_histogram!(
+        "rampart_time_per_output_token_seconds",
+        "Decode time divided by tokens after the first, per request."
+    );
+    describe_histogram!(
+        "rampart_queue_time_seconds",
+        "Time a request waited for an admission slot."
+    );
+    describe_histogram!(
+        "rampart_token_entropy_nats",
+        "Entropy of each generated token's distribution."
+    );
+    describe_counter!(
+        "rampart_prompt_tokens_total",
+        "Prompt tokens of finished requests."
+    );
+    describe_counter!(
+        "rampart_generated_tokens_total",
+        "Tokens generated for finished requests."
+    );
+    describe_counter!(
+        "rampart_rejected_requests_total",
+        "Requests refused before reaching the engine, by reason."
+    );
+    describe_counter!(
+        "rampart_abnormal_requests_total",
+        "Requests whose mean token entropy fell outside the model's band."
+    );
+    describe_gauge!(
+        "rampart_queue_depth",
+        "Requests waiting for an admission slot."
+    );
+    describe_gauge!(
+        "rampart_requests_in_flight",
+        "Requests holding an admission slot."
+    );
+    describe_gauge!(
+        "rampart_engine_running_sequences",
+        "Sequences in the engine's running batch."
+    );
+    describe_gauge!(
+        "rampart_engine_waiting_sequences",
+        "Sequences waiting inside the engine."
+    );
+    describe_gauge!("rampart_kv_blocks_used", "KV blocks held by sequences.");
+    describe_gauge!("rampart_kv_blocks_total", "KV blocks in the pool.");
+    describe_gauge!(
+        "rampart_kv_blocks_cached",
+        "Unreferenced KV blocks kept for prefix reuse."
+    );
+    describe_counter!(
+        "rampart_prefix_cache_hits_total",
+        "Prompt blocks found in the prefix cache."
+    );
+    describe_counter!(
+        "rampart_prefix_cache_lookups_total",
+        "Prompt blocks looked up in the prefix cache."
+    );
+    describe_counter!(
+        "rampart_preemptions_total",
+        "Sequences preempted for lack of KV blocks."
+    );
+    describe_gauge!(
+        "rampart_model_ready",
+        "1 when the model is loaded and serving."
+    );
+    Ok(handle)
+}
+
+/// Refreshes the per-model gauges from the engines' snapshots (called before each scrape).
+pub fn refresh_engine_gauges(models: &[Arc<ModelHandle>]) {
+    for m in models {
+        let labels = [("model", m.id.clone())];
+        let s = m.engine.snapshot();
+        gauge!("rampart_queue_depth", &labels).set(m.admission.waiting() as f64);
+        gauge!("rampart_requests_in_flight", &labels).set(m.admission.in_flight() as f64);
+        gauge!("rampart_engine_running_sequences", &labels).set(s.running as f64);
+        gauge!("rampart_engine_waiting_sequences", &labels).set(s.waiting as f64);
+        gauge!("rampart_kv_blocks_used", &labels).set(s.blocks_used as f64);
+        gauge!("rampart_kv_blocks_total", &labels).set(s.blocks_total as f64);
+        gauge!("rampart_kv_blocks_cached", &labels).set(s.blocks_cached as f64);
+        counter!("rampart_prefix_cache_hits_total", &labels).absolute(s.prefix.hits);
+        counter!("rampart_prefix_cache_lookups_total", &labels)
+            .absolute(s.prefix.hits + s.prefix.misses);
+        counter!("rampart_preemptions_total", &labels).absolute(s.preemptions);
+        gauge!("rampart_model_ready", &labels).set(1.0);
+    }
+}
+
+/// Counts a request refused before it reached a model's engine.
+pub fn rejected(model: &str, reason: &'static str) {
+    counter!(
+        "rampart_rejected_requests_total",
+        "model" => model.to_string(),
+        "reason" => reason
+    )
+    .increment(1);
+}
+
+/// The sink every record goes to: one structured log line and the metrics.
+pub fn emit(r: &InferenceRecord, gaps: &[f64], entropies: &[f32]) {
+    tracing::info!(
+        target: "rampart::record",
+        request_id = %r.request_id,
+        audit_id = %r.audit_id,
+        time_ms = r.time_ms,
+        principal = %r.principal,
+        user = r.user.as_deref(),
+        endpoint = r.endpoint,
+        model = %r.model,
+        version = %r.version,
+        version_digest = %r.version_digest,
+        input_sha256 = %r.input_sha256,
+        prompt_tokens = r.prompt_tokens,
+        completion_tokens = r.completion_tokens,
+        cached_prompt_tokens = r.cached_prompt_tokens,
+        queue_ms = r.queue_ms,
+        prefill_ms = r.prefill_ms,
+        ttft_ms = r.ttft_ms,
+        decode_ms = r.decode_ms,
+        total_ms = r.total_ms,
+        entropy_mean = r.entropy_mean,
+        entropy_min = r.entropy_min,
+        abnormal = r.abnormal,
+        finish_reason = r.finish_reason.as_deref(),
+        status = r.status,
+        error_type = r.error_type.as_deref(),
+        fallback_level = r.fallback_level,
+        stream = r.stream,
+        "inference record"
+    );
+    if r.model.is_empty() {
+        // Refused before a model was chosen: counted, not timed.
+        counter!(
+            "rampart_requests_total",
+            "model" => "none",
+            "endpoint" => r.endpoint,
+            "status" => r.status.to_string()
+        )
+        .increment(1);
+        return;
+    }
+    let model = r.model.clone();
+    counter!(
+        "rampart_requests_total",
+        "model" => model.clone(),
+        "endpoint" => r.endpoint,
+        "status" => r.status.to_string()
+    )
+    .increment(1);
+    let labels = [("model", model)];
+    histogram!("rampart_request_duration_seconds", &labels).record(r.total_ms / 1e3);
+    histogram!("rampart_queue_time_seconds", &labels).record(r.queue_ms / 1e3);
+    if r.completion_tokens > 0 {
+        histogram!("rampart_time_to_first_token_seconds", &labels).record(r.ttft_ms / 1e3);
+    }
+    if r.completion_tokens > 1 {
+        histogram!("rampart_time_per_output_token_seconds", &labels)
+            .record(r.decode_ms / 1e3 / (r.completion_tokens - 1) as f64);
+    }
+    let itl = histogram!("rampart_inter_token_latency_seconds", &labels);
+    for &gap in gaps {
+        itl.record(gap);
+    }
+    let entropy = histogram!("rampart_token_entropy_nats", &labels);
+    for &e in entropies {
+        entropy.record(f64::from(e));
+    }
+    counter!("rampart_prompt_tokens_total", &labels).increment(r.prompt_tokens as u64);
+    counter!("rampart_generated_tokens_total", &labels).increment(r.completion_tokens as u64);
+    if r.abnormal {
+        counter!("rampart_abnormal_requests_total", &labels).increment(1);
+    }
+}
+
+/// Sets up `tracing`: JSON lines (fields at the top level) or text, to stdout or a file.
+pub fn init_logging(log: &Log) -> Result<(), String> {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env()
+        .or_else(|_| EnvFilter::try_new(&log.level))
+        .map_err(|e| format!("log.level {:?}: {e}", log.level))?;
+    let writer: tracing_subscriber::fmt::writer::BoxMakeWriter = match &log.file {
+        Some(path) => {
+            let file = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .map_err(|e| format!("log file {}: {e}", path.display()))?;
+            tracing_subscriber::fmt::writer::BoxMakeWriter::new(std::sync::Mutex::new(file))
+        }
+        None => tracing_subscriber::fmt::writer::BoxMakeWriter::new(std::io::stdout),
+    };
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(writer);
+    let result = match log.format {
+        LogFormat::Json => builder
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .try_init(),
+        LogFormat::Text => builder.try_init(),
+    };
+    result.map_err(|e| e.to_string())
+}

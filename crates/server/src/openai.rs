@@ -1,0 +1,628 @@
+//! The OpenAI wire format: request and response types of `/v1/chat/completions`,
+//! `/v1/completions` and `/v1/models`, and their translation to engine requests.
+//!
+//! Requests accept the fields OpenAI clients send and ignore unknown ones (clients add new
+//! fields faster than servers learn them); every accepted field is validated against a documented
+//! range. Extensions: `top_k`, `min_p`, `repetition_penalty`, `ignore_eos` on requests, and a
+//! per-token `entropy` (nats) next to each logprob.
+
+use std::collections::HashMap;
+
+use engine::{ChatMessage, GenerateRequest, Prompt, SamplingParams};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use crate::config::Limits;
+use crate::error::ApiError;
+
+/// `stop`: one string or a list.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum StopField {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+pub struct StreamOptions {
+    /// Send a last chunk with the usage of the whole request.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Message content: a string, or a list of parts of which `text` parts are used.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum MessageContent {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct ChatMessageIn {
+    /// `system`, `developer` (treated as system), `user` or `assistant`.
+    pub role: String,
+    pub content: Option<MessageContent>,
+    pub name: Option<String>,
+}
+
+/// Sampling and output fields shared by both endpoints.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+pub struct SamplingFields {
+    pub max_tokens: Option<i64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    /// Extension: keep the k most likely tokens.
+    pub top_k: Option<i64>,
+    /// Extension: drop tokens below min_p × the top probability.
+    pub min_p: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub presence_penalty: Option<f64>,
+    /// Extension: divide logits of tokens already seen.
+    pub repetition_penalty: Option<f64>,
+    /// Token id (as a string) → bias in [-100, 100].
+    pub logit_bias: Option<HashMap<String, f64>>,
+    pub seed: Option<i64>,
+    pub stop: Option<StopField>,
+    pub n: Option<i64>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub user: Option<String>,
+    /// Extension: keep generating past end-of-sequence tokens (benchmarks).
+    pub ignore_eos: Option<bool>,
+}
+
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct ChatCompletionRequest {
+    pub model: String,
+    pub messages: Vec<ChatMessageIn>,
+    /// Newer name of max_tokens (wins when both are given).
+    pub max_completion_tokens: Option<i64>,
+    /// Return log-probabilities of the output tokens.
+    pub logprobs: Option<bool>,
+    /// Alternatives per token (0–20), with `logprobs: true`.
+    pub top_logprobs: Option<i64>,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+}
+
+/// `prompt`: a string, a list of strings, a list of token ids, or a list of those.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum PromptField {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct CompletionRequest {
+    pub model: String,
+    pub prompt: PromptField,
+    /// Log-probabilities of the output tokens and this many alternatives (0–20).
+    pub logprobs: Option<i64>,
+    pub echo: Option<bool>,
+    pub suffix: Option<String>,
+    pub best_of: Option<i64>,
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+}
+
+/// One alternative token.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct TopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+/// One output token's log-probability (chat format), with its distribution's entropy.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    /// Extension: entropy of the distribution the token was drawn from, in nats.
+    pub entropy: f32,
+    pub top_logprobs: Vec<TopLogprob>,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ChatLogprobs {
+    pub content: Vec<TokenLogprob>,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct AssistantMessage {
+    pub role: &'static str,
+    pub content: String,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ChatChoice {
+    pub index: usize,
+    pub message: AssistantMessage,
+    pub logprobs: Option<ChatLogprobs>,
+    /// `stop` or `length`.
+    pub finish_reason: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ChatCompletion {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChoice>,
+    pub usage: Usage,
+    pub system_fingerprint: String,
+}
+
+#[derive(Debug, Clone, Default, Serialize, ToSchema)]
+pub struct ChatDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ChatChunkChoice {
+    pub index: usize,
+    pub delta: ChatDelta,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ChatCompletionChunk {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChunkChoice>,
+    pub usage: Option<Usage>,
+    pub system_fingerprint: String,
+}
+
+/// Log-probabilities in the completions format, with per-token entropies.
+#[derive(Debug, Clone, Default, Serialize, ToSchema)]
+pub struct CompletionLogprobs {
+    pub tokens: Vec<String>,
+    pub token_logprobs: Vec<f32>,
+    pub top_logprobs: Vec<HashMap<String, f32>>,
+    pub text_offset: Vec<usize>,
+    /// Extension: entropy (nats) of each token's distribution.
+    pub entropies: Vec<f32>,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct CompletionChoice {
+    pub text: String,
+    pub index: usize,
+    pub logprobs: Option<CompletionLogprobs>,
+    pub finish_reason: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct Completion {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<CompletionChoice>,
+    pub usage: Option<Usage>,
+    pub system_fingerprint: String,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ModelCard {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: String,
+    /// Extension: the served version, its digest and whether it is ready.
+    pub version: String,
+    pub digest: String,
+    pub ready: bool,
+    pub max_context: usize,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ModelList {
+    pub object: &'static str,
+    pub data: Vec<ModelCard>,
+}
+
+/// What both endpoints turn into: one engine request per choice.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// Prompts (a chat has one); each runs `n` times.
+    pub prompts: Vec<Prompt>,
+    pub n: usize,
+    pub request: GenerateRequest,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub logprobs: bool,
+    pub user: Option<String>,
+    /// What the record's input hash covers.
+    pub input_for_hash: String,
+    /// `max_tokens` was left to the server.
+    pub default_max_tokens: bool,
+}
+
+fn in_range(name: &str, value: f64, lo: f64, hi: f64) -> Result<f32, ApiError> {
+    if value.is_finite() && (lo..=hi).contains(&value) {
+        Ok(value as f32)
+    } else {
+        Err(ApiError::invalid_param(
+            name,
+            format!("{name} must be between {lo} and {hi}, got {value}"),
+        ))
+    }
+}
+
+fn count(name: &str, value: i64, lo: i64, hi: usize) -> Result<usize, ApiError> {
+    if value < lo || value as u64 > hi as u64 {
+        return Err(ApiError::invalid_param(
+            name,
+            format!("{name} must be between {lo} and {hi}, got {value}"),
+        ));
+    }
+    Ok(value as usize)
+}
+
+impl SamplingFields {
+    /// Validates the fields and builds the engine's request (prompt filled in by the caller).
+    fn to_plan(
+        &self,
+        limits: &Limits,
+        max_tokens: Option<i64>,
+        top_logprobs: usize,
+    ) -> Result<(GenerateRequest, usize), ApiError> {
+        let mut sampling = SamplingParams::default();
+        if let Some(t) = self.temperature {
+            sampling.temperature = in_range("temperature", t, 0.0, 2.0)?;
+        }
+        if let Some(p) = self.top_p {
+            sampling.top_p = in_range("top_p", p, f64::MIN_POSITIVE, 1.0)?;
+        }
+        if let Some(k) = self.top_k {
+            // -1 and 0 both mean "no limit" in the servers clients talk to.
+            sampling.top_k = if k <= 0 {
+                0
+            } else {
+                count("top_k", k, 1, 1 << 20)?
+            };
+        }
+        if let Some(p) = self.min_p {
+            sampling.min_p = in_range("min_p", p, 0.0, 1.0)?;
+        }
+        if let Some(p) = self.frequency_penalty {
+            sampling.frequency_penalty = in_range("frequency_penalty", p, -2.0, 2.0)?;
+        }
+        if let Some(p) = self.presence_penalty {
+            sampling.presence_penalty = in_range("presence_penalty", p, -2.0, 2.0)?;
+        }
+        if let Some(p) = self.repetition_penalty {
+            sampling.repetition_penalty = in_range("repetition_penalty", p, 0.01, 10.0)?;
+        }
+        if let Some(bias) = &self.logit_bias {
+            if bias.len() > 1024 {
+                return Err(ApiError::invalid_param(
+                    "logit_bias",
+                    "logit_bias may name at most 1024 tokens",
+                ));
+            }
+            for (token, &value) in bias {
+                let id: u32 = token.parse().map_err(|_| {
+                    ApiError::invalid_param(
+                        "logit_bias",
+                        format!("logit_bias keys are token ids, got {token:?}"),
+                    )
+                })?;
+                sampling
+                    .logit_bias
+                    .push((id, in_range("logit_bias", value, -100.0, 100.0)?));
+            }
+            sampling.logit_bias.sort_by_key(|b| b.0);
+        }
+        sampling.seed = self.seed.map(|s| s as u64);
+        sampling.top_logprobs = top_logprobs;
+        let stop = match &self.stop {
+            None => Vec::new(),
+            Some(StopField::One(s)) => vec![s.clone()],
+            Some(StopField::Many(list)) => list.clone(),
+        };
+        if stop.len() > limits.max_stop {
+            return Err(ApiError::invalid_param(
+                "stop",
+                format!(
+                    "at most {} stop strings, got {}",
+                    limits.max_stop,
+                    stop.len()
+                ),
+            ));
+        }
+        if stop.iter().any(|s| s.is_empty() || s.len() > 256) {
+            return Err(ApiError::invalid_param(
+                "stop",
+                "stop strings must be 1 to 256 bytes long",
+            ));
+        }
+        let n = match self.n {
+            Some(n) => count("n", n, 1, limits.max_n)?,
+            None => 1,
+        };
+        let max_tokens = match max_tokens {
+            Some(m) => count("max_tokens", m, 1, limits.max_tokens)?,
+            None => 0,
+        };
+        let mut request = GenerateRequest::new(Prompt::Tokens(Vec::new()), max_tokens);
+        request.sampling = sampling;
+        request.stop = stop;
+        request.ignore_eos = self.ignore_eos.unwrap_or(false);
+        Ok((request, n))
+    }
+}
+
+impl ChatCompletionRequest {
+    pub fn plan(&self, limits: &Limits) -> Result<Plan, ApiError> {
+        if self.messages.is_empty() {
+            return Err(ApiError::invalid_param(
+                "messages",
+                "messages must hold at least one message",
+            ));
+        }
+        let mut messages = Vec::with_capacity(self.messages.len());
+        for (i, m) in self.messages.iter().enumerate() {
+            let role = match m.role.as_str() {
+                "system" | "developer" => "system",
+                "user" => "user",
+                "assistant" => "assistant",
+                other => {
+                    return Err(ApiError::invalid_param(
+                        "messages",
+                        format!(
+                            "messages[{i}].role {other:?} is not supported (system, developer, user, assistant)"
+                        ),
+                    ))
+                }
+            };
+            let content = match &m.content {
+                None => String::new(),
+                Some(MessageContent::Text(t)) => t.clone(),
+                Some(MessageContent::Parts(parts)) => {
+                    let mut text = String::new();
+                    for part in parts {
+                        match (part.kind.as_str(), &part.text) {
+                            ("text", Some(t)) => text.push_str(t),
+                            (kind, _) => {
+                                return Err(ApiError::invalid_param(
+                                    "messages",
+                                    format!(
+                                        "messages[{i}]: content parts of type {kind:?} are not supported (text only)"
+                                    ),
+                                ))
+                            }
+                        }
+                    }
+                    text
+                }
+            };
+            messages.push(ChatMessage::new(role, &content));
+        }
+        let want_logprobs = self.logprobs.unwrap_or(false);
+        let top = match self.top_logprobs {
+            Some(k) if !want_logprobs && k > 0 => {
+                return Err(ApiError::invalid_param(
+                    "top_logprobs",
+                    "top_logprobs needs logprobs: true",
+                ))
+            }
+            Some(k) => count("top_logprobs", k, 0, limits.max_top_logprobs)?,
+            None => 0,
+        };
+        let max_tokens = self.max_completion_tokens.or(self.sampling.max_tokens);
+        let (mut request, n) = self.sampling.to_plan(limits, max_tokens, top)?;
+        let input_for_hash = serde_json::to_string(
+            &messages
+                .iter()
+                .map(|m| (m.role.as_str(), m.content.as_str()))
+                .collect::<Vec<_>>(),
+        )
+        .unwrap_or_default();
+        request.prompt = Prompt::Chat(messages.clone());
+        Ok(Plan {
+            prompts: vec![Prompt::Chat(messages)],
+            n,
+            default_max_tokens: max_tokens.is_none(),
+            request,
+            stream: self.sampling.stream.unwrap_or(false),
+            include_usage: self
+                .sampling
+                .stream_options
+                .as_ref()
+                .is_some_and(|o| o.include_usage),
+            logprobs: want_logprobs,
+            user: self.sampling.user.clone(),
+            input_for_hash,
+        })
+    }
+}
+
+impl CompletionRequest {
+    pub fn plan(&self, limits: &Limits) -> Result<Plan, ApiError> {
+        if self.echo == Some(true) {
+            return Err(ApiError::invalid_param("echo", "echo is not supported"));
+        }
+        if self.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::invalid_param("suffix", "suffix is not supported"));
+        }
+        if self.best_of.is_some_and(|b| b > 1) {
+            return Err(ApiError::invalid_param(
+                "best_of",
+                "best_of is not supported (use n)",
+            ));
+        }
+        let prompts: Vec<Prompt> = match &self.prompt {
+            PromptField::Text(t) => vec![Prompt::Text(t.clone())],
+            PromptField::Texts(list) => list.iter().map(|t| Prompt::Text(t.clone())).collect(),
+            PromptField::Tokens(ids) => vec![Prompt::Tokens(ids.clone())],
+            PromptField::TokenLists(lists) => lists
+                .iter()
+                .map(|ids| Prompt::Tokens(ids.clone()))
+                .collect(),
+        };
+        if prompts.is_empty() || prompts.len() > limits.max_prompts {
+            return Err(ApiError::invalid_param(
+                "prompt",
+                format!(
+                    "prompt must hold 1 to {} prompts, got {}",
+                    limits.max_prompts,
+                    prompts.len()
+                ),
+            ));
+        }
+        let (top, want) = match self.logprobs {
+            Some(k) => (count("logprobs", k, 0, limits.max_top_logprobs)?, true),
+            None => (0, false),
+        };
+        let (request, n) = self
+            .sampling
+            .to_plan(limits, self.sampling.max_tokens, top)?;
+        if prompts.len() * n > limits.max_n * limits.max_prompts.min(limits.max_n) {
+            return Err(ApiError::invalid_param(
+                "n",
+                format!(
+                    "{} prompts × n {n} is more choices than the server allows",
+                    prompts.len()
+                ),
+            ));
+        }
+        let input_for_hash = match &self.prompt {
+            PromptField::Text(t) => t.clone(),
+            other => format!("{other:?}"),
+        };
+        Ok(Plan {
+            prompts,
+            n,
+            default_max_tokens: self.sampling.max_tokens.is_none(),
+            request,
+            stream: self.sampling.stream.unwrap_or(false),
+            include_usage: self
+                .sampling
+                .stream_options
+                .as_ref()
+                .is_some_and(|o| o.include_usage),
+            logprobs: want,
+            user: self.sampling.user.clone(),
+            input_for_hash,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chat(json: &str) -> Result<Plan, ApiError> {
+        let r: ChatCompletionRequest = serde_json::from_str(json).unwrap();
+        r.plan(&Limits::default())
+    }
+
+    #[test]
+    fn chat_requests_validate_every_field() {
+        let p = chat(
+            r#"{"model":"m","messages":[{"role":"system","content":"s"},{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]}],
+               "max_completion_tokens":5,"temperature":0.5,"top_p":0.9,"stop":"\n","n":2,"seed":-3,
+               "logprobs":true,"top_logprobs":3,"logit_bias":{"7":-100},"stream":true,
+               "stream_options":{"include_usage":true},"user":"u1","unknown_field":1}"#,
+        )
+        .unwrap();
+        assert_eq!(p.n, 2);
+        assert_eq!(p.request.max_tokens, 5);
+        assert_eq!(p.request.stop, vec!["\n".to_string()]);
+        assert_eq!(p.request.sampling.top_logprobs, 3);
+        assert_eq!(p.request.sampling.logit_bias, vec![(7, -100.0)]);
+        assert!(p.stream && p.include_usage && p.logprobs);
+        match &p.prompts[0] {
+            Prompt::Chat(m) => assert_eq!(m[1].content, "ab"),
+            other => panic!("{other:?}"),
+        }
+        for (body, param) in [
+            (r#"{"model":"m","messages":[]}"#, "messages"),
+            (
+                r#"{"model":"m","messages":[{"role":"tool","content":"x"}]}"#,
+                "messages",
+            ),
+            (
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":3}"#,
+                "temperature",
+            ),
+            (
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":0}"#,
+                "n",
+            ),
+            (
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":0}"#,
+                "max_tokens",
+            ),
+            (
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":99999999}"#,
+                "max_tokens",
+            ),
+            (
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"top_logprobs":2}"#,
+                "top_logprobs",
+            ),
+            (
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"logit_bias":{"x":1}}"#,
+                "logit_bias",
+            ),
+            (
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stop":["a","b","c","d","e"]}"#,
+                "stop",
+            ),
+        ] {
+            match chat(body) {
+                Err(ApiError::InvalidRequest { param: Some(p), .. }) => {
+                    assert_eq!(p, param, "{body}")
+                }
+                other => panic!("{body}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn completion_prompts_take_every_shape() {
+        for (prompt, count) in [
+            (r#""hello""#, 1),
+            (r#"["a","b"]"#, 2),
+            (r#"[1,2,3]"#, 1),
+            (r#"[[1,2],[3]]"#, 2),
+        ] {
+            let r: CompletionRequest =
+                serde_json::from_str(&format!(r#"{{"model":"m","prompt":{prompt}}}"#)).unwrap();
+            assert_eq!(r.plan(&Limits::default()).unwrap().prompts.len(), count);
+        }
+        let r: CompletionRequest =
+            serde_json::from_str(r#"{"model":"m","prompt":"x","echo":true}"#).unwrap();
+        assert!(r.plan(&Limits::default()).is_err());
+    }
+}

@@ -1,0 +1,277 @@
+//! What the handlers share: the loaded models, the keys, the limits, readiness and drain.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use engine::{Engine, EngineOptions, KvMemory};
+use metrics_exporter_prometheus::PrometheusHandle;
+use repo::{ModelRef, Repository};
+
+use crate::admission::Admission;
+use crate::auth::{KeyStore, RateLimiter};
+use crate::config::{ModelConfig, ServerConfig};
+
+/// One served model version.
+pub struct ModelHandle {
+    /// The model's name: its id in the API.
+    pub id: String,
+    pub version: String,
+    pub digest: String,
+    pub engine: Arc<Engine>,
+    pub admission: Arc<Admission>,
+    pub entropy_band: Option<[f32; 2]>,
+    /// Unix seconds of loading.
+    pub created: u64,
+    /// Generated-token counter and when it last moved (stall detection).
+    progress: Mutex<(u64, Instant)>,
+}
+
+impl std::fmt::Debug for ModelHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelHandle")
+            .field("id", &self.id)
+            .field("version", &self.version)
+            .finish()
+    }
+}
+
+impl ModelHandle {
+    /// `Some(seconds)` when sequences are running and no token came for longer than `stall`.
+    pub fn stalled_for(&self, stall: Duration) -> Option<Duration> {
+        let s = self.engine.snapshot();
+        let mut progress = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        if s.generated_tokens != progress.0 || s.running == 0 {
+            *progress = (s.generated_tokens, now);
+            return None;
+        }
+        let idle = now.duration_since(progress.1);
+        (idle > stall).then_some(idle)
+    }
+}
+
+/// Readiness of the model set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Loading {
+    InProgress,
+    Done,
+}
+
+/// Shared by every handler.
+pub struct AppState {
+    pub config: ServerConfig,
+    pub models: RwLock<Vec<Arc<ModelHandle>>>,
+    pub loading: Mutex<Loading>,
+    /// Models that could not be loaded, and why.
+    pub load_errors: Mutex<Vec<String>>,
+    pub draining: AtomicBool,
+    pub keys: Option<KeyStore>,
+    pub rate_limiter: RateLimiter,
+    pub metrics: Option<PrometheusHandle>,
+    pub started: Instant,
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState").finish_non_exhaustive()
+    }
+}
+
+impl AppState {
+    pub fn new(
+        config: ServerConfig,
+        keys: Option<KeyStore>,
+        metrics: Option<PrometheusHandle>,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            rate_limiter: RateLimiter::new(config.rate_limit.clone()),
+            config,
+            models: RwLock::new(Vec::new()),
+            loading: Mutex::new(Loading::InProgress),
+            load_errors: Mutex::new(Vec::new()),
+            draining: AtomicBool::new(false),
+            keys,
+            metrics,
+            started: Instant::now(),
+        })
+    }
+
+    pub fn models(&self) -> Vec<Arc<ModelHandle>> {
+        self.models
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Finds `name` (the newest loaded version) or `name@version`.
+    pub fn find(&self, id: &str) -> Option<Arc<ModelHandle>> {
+        let models = self.models.read().unwrap_or_else(|e| e.into_inner());
+        match id.split_once('@') {
+            Some((name, version)) => models
+                .iter()
+                .find(|m| m.id == name && m.version == version)
+                .cloned(),
+            None => models
+                .iter()
+                .filter(|m| m.id == id)
+                .max_by(|a, b| {
+                    let parse = |v: &str| semver::Version::parse(v).ok();
+                    parse(&a.version)
+                        .cmp(&parse(&b.version))
+                        .then_with(|| a.version.cmp(&b.version))
+                })
+                .cloned(),
+        }
+    }
+
+    /// The ids clients can use, for error messages.
+    pub fn model_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self
+            .models()
+            .iter()
+            .flat_map(|m| [m.id.clone(), format!("{}@{}", m.id, m.version)])
+            .collect();
+        ids.sort();
+        ids.dedup();
+        ids
+    }
+
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Why the server is not ready, if it is not.
+    pub fn not_ready_reason(&self) -> Option<String> {
+        if self.is_draining() {
+            return Some("draining: the server is shutting down".into());
+        }
+        if *self.loading.lock().unwrap_or_else(|e| e.into_inner()) != Loading::Done {
+            return Some("loading models".into());
+        }
+        let errors = self.load_errors.lock().unwrap_or_else(|e| e.into_inner());
+        if !errors.is_empty() {
+            return Some(format!("models failed to load: {}", errors.join("; ")));
+        }
+        let models = self.models();
+        if models.is_empty() {
+            return Some("no LLM is configured or found in the repository".into());
+        }
+        let stall = Duration::from_secs(self.config.stall_timeout_s.max(1));
+        for m in &models {
+            if let Some(idle) = m.stalled_for(stall) {
+                return Some(format!(
+                    "{}: sequences are running but no token was produced for {} s",
+                    m.id,
+                    idle.as_secs()
+                ));
+            }
+        }
+        None
+    }
+}
+
+/// What to load: the configured models, or the latest version of every LLM in the repository.
+pub fn models_to_load(
+    config: &ServerConfig,
+    repository: &Repository,
+) -> Result<Vec<ModelConfig>, String> {
+    if !config.models.is_empty() {
+        return Ok(config.models.clone());
+    }
+    let models = repository.models().map_err(|e| e.to_string())?;
+    let mut out = Vec::new();
+    for name in models {
+        let reference = ModelRef {
+            name: name.clone(),
+            version: None,
+        };
+        let Ok(version) = repository.resolve(&reference) else {
+            continue;
+        };
+        let Ok(manifest) = repository.manifest(&version) else {
+            continue;
+        };
+        if manifest.model.kind == repo::manifest::Kind::Llm {
+            out.push(ModelConfig {
+                name,
+                version: None,
+                entropy_band: None,
+                context: None,
+                kv_cache_memory: None,
+                kv_cache_dtype: None,
+                max_num_seqs: None,
+                max_num_batched_tokens: None,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Loads one model (digests verified by the repository first).
+pub fn load_model(
+    config: &ServerConfig,
+    repository: &Repository,
+    model: &ModelConfig,
+) -> Result<ModelHandle, String> {
+    let version = match &model.version {
+        Some(v) => Some(
+            semver::Version::parse(v).map_err(|e| format!("{}: version {v:?}: {e}", model.name))?,
+        ),
+        None => None,
+    };
+    let reference = ModelRef {
+        name: model.name.clone(),
+        version,
+    };
+    let mut options = EngineOptions {
+        context: model.context,
+        ..EngineOptions::default()
+    };
+    if let Some(threads) = config.threads {
+        options.threads = threads.max(1);
+    }
+    if let Some(memory) = &model.kv_cache_memory {
+        options.kv.memory = memory
+            .parse::<KvMemory>()
+            .map_err(|e| format!("{}: kv_cache_memory: {e}", model.name))?;
+    }
+    if let Some(dtype) = &model.kv_cache_dtype {
+        options.kv.dtype = dtype
+            .parse()
+            .map_err(|e| format!("{}: kv_cache_dtype: {e}", model.name))?;
+    }
+    if let Some(n) = model.max_num_seqs {
+        options.scheduler.max_num_seqs = n;
+    }
+    if let Some(n) = model.max_num_batched_tokens {
+        options.scheduler.max_num_batched_tokens = n;
+    }
+    // The server's admission bounds what reaches the engine; the engine's own queue must hold it.
+    options.scheduler.max_waiting = options
+        .scheduler
+        .max_waiting
+        .max(config.admission.max_in_flight * config.limits.max_n * config.limits.max_prompts);
+    let version = repository
+        .resolve(&reference)
+        .map_err(|e| format!("{}: {e}", model.name))?;
+    let digest = repository
+        .digests(&version)
+        .map(|d| d.version_digest())
+        .map_err(|e| format!("{}: {e}", model.name))?;
+    let engine = Engine::from_repository(repository, &reference, &options)
+        .map_err(|e| format!("{}: {e}", model.name))?;
+    Ok(ModelHandle {
+        id: model.name.clone(),
+        version: version.version.to_string(),
+        digest,
+        engine: Arc::new(engine),
+        admission: Admission::new(config.admission.clone()),
+        entropy_band: model.entropy_band,
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        progress: Mutex::new((0, Instant::now())),
+    })
+}

@@ -112,28 +112,48 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
             .await
     });
     shutdown_signal().await;
+    // Drain: readiness fails and new inference requests get 503 at once, while the requests
+    // already admitted (running or waiting for a slot) finish, up to the timeout.
     state
         .draining
         .store(true, std::sync::atomic::Ordering::Relaxed);
-    let in_flight: usize = state.models().iter().map(|m| m.admission.in_flight()).sum();
+    let busy = |state: &AppState| -> usize {
+        state
+            .models()
+            .iter()
+            .map(|m| m.admission.in_flight() + m.admission.waiting())
+            .sum()
+    };
     tracing::info!(
-        in_flight,
+        in_flight = busy(&state),
         timeout_s = state.config.shutdown_timeout_s,
-        "draining: not ready, no new connections, finishing in-flight requests"
+        "draining: not ready, refusing new requests, finishing admitted ones"
     );
+    let deadline =
+        tokio::time::Instant::now() + Duration::from_secs(state.config.shutdown_timeout_s);
+    while busy(&state) > 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let left = busy(&state);
+    if left > 0 {
+        tracing::warn!(
+            cancelled = left,
+            "shutdown timeout reached; cancelling the requests still running"
+        );
+        // Dropping the engines ends their streams.
+        state
+            .models
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+    // Stop accepting and close idle connections.
     stop.notify_one();
-    let timeout = Duration::from_secs(state.config.shutdown_timeout_s);
-    match tokio::time::timeout(timeout, server).await {
+    match tokio::time::timeout(Duration::from_secs(2), server).await {
         Ok(Ok(Ok(()))) => tracing::info!("drained; exiting"),
         Ok(Ok(Err(e))) => return Err(ServeError::Io(e)),
         Ok(Err(e)) => tracing::error!(error = %e, "server task failed"),
-        Err(_) => {
-            let left: usize = state.models().iter().map(|m| m.admission.in_flight()).sum();
-            tracing::warn!(
-                cancelled = left,
-                "shutdown timeout reached; cancelling the requests still running"
-            );
-        }
+        Err(_) => tracing::warn!("connections still open after the drain; closing them"),
     }
     // Dropping the engines cancels whatever still runs.
     state

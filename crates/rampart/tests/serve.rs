@@ -1,0 +1,524 @@
+//! `rampart serve` end to end: the real binary on the real SmolLM2 GGUF, driven over HTTP — by the
+//! official `openai` Python client (when a Python with the package is available: scripts/test.sh
+//! provides one) and by raw HTTP for what a client library hides (status codes, headers,
+//! disconnects, signals).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use testkit::cached_model;
+use testkit::models::SMOLLM2_GGUF;
+
+const KEY: &str = "sk-test-key-0001";
+const MODEL: &str = "smollm2-135m";
+
+struct Server {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+    log: PathBuf,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn binary() -> PathBuf {
+    assert_cmd::cargo::cargo_bin("rampart")
+}
+
+/// Imports SmolLM2 into a fresh repository and starts the server with `extra` config lines.
+fn start(extra: &str) -> Option<Server> {
+    let model = cached_model(SMOLLM2_GGUF)?;
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("models");
+    let status = Command::new(binary())
+        .args(["model", "import"])
+        .arg(&model)
+        .args(["--name", MODEL, "--version", "1.0.0", "--repo"])
+        .arg(&repo)
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let keys = dir.path().join("keys.txt");
+    std::fs::write(&keys, format!("# test keys\ntester:{KEY}\n")).unwrap();
+    let port = free_port();
+    let config = dir.path().join("rampart.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen = \"127.0.0.1:{port}\"\nthreads = 2\nshutdown_timeout_s = 20\n{extra}\n[[models]]\nname = \"{MODEL}\"\ncontext = 2048\nkv_cache_memory = \"256MiB\"\n"
+        ),
+    )
+    .unwrap();
+    let log = dir.path().join("server.log");
+    let child = Command::new(binary())
+        .args(["serve", "--repo"])
+        .arg(&repo)
+        .arg("--config")
+        .arg(&config)
+        .arg("--api-keys")
+        .arg(&keys)
+        .stdout(std::fs::File::create(&log).unwrap())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    Some(Server {
+        child,
+        port,
+        _dir: dir,
+        log,
+    })
+}
+
+/// A raw HTTP/1.1 exchange (Connection: close): status, headers (lower-cased), body.
+fn http(
+    port: u16,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    key: Option<&str>,
+) -> (u16, Vec<(String, String)>, String) {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(120)))
+        .unwrap();
+    let body = body.unwrap_or("");
+    let auth = key
+        .map(|k| format!("Authorization: Bearer {k}\r\n"))
+        .unwrap_or_default();
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\n{auth}Content-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    let _ = stream.read_to_end(&mut raw);
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let (head, rest) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let headers = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    (status, headers, rest.to_string())
+}
+
+fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    headers
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_str())
+}
+
+fn wait_ready(port: u16) -> Vec<u16> {
+    let start = Instant::now();
+    let mut seen = Vec::new();
+    loop {
+        if let Ok(mut s) = TcpStream::connect(("127.0.0.1", port)) {
+            drop(s.write_all(b""));
+            let (status, _, _) = http(port, "GET", "/health/ready", None, None);
+            seen.push(status);
+            if status == 200 {
+                return seen;
+            }
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "not ready: {seen:?}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn metric(port: u16, name: &str) -> f64 {
+    let (_, _, body) = http(port, "GET", "/metrics", None, None);
+    body.lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+fn python_with_openai() -> Option<PathBuf> {
+    let candidates = [
+        std::env::var_os("RAMPART_TEST_PYTHON").map(PathBuf::from),
+        testkit::model_cache().map(|c| c.join("venv/bin/python")),
+    ];
+    candidates.into_iter().flatten().find(|p| {
+        Command::new(p)
+            .args(["-c", "import openai"])
+            .status()
+            .is_ok_and(|s| s.success())
+    })
+}
+
+fn require_python() -> bool {
+    std::env::var("RAMPART_REQUIRE_MODELS").is_ok_and(|v| v == "1")
+}
+
+#[test]
+fn the_official_openai_client_works_against_the_server() {
+    let Some(python) = python_with_openai() else {
+        assert!(
+            !require_python(),
+            "no Python with the openai package (scripts/test.sh installs one)"
+        );
+        eprintln!("skipped: no Python with the openai package");
+        return;
+    };
+    let Some(server) = start("") else { return };
+    wait_ready(server.port);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2e/openai_client.py");
+    let out = Command::new(python)
+        .arg(script)
+        .env("RAMPART_URL", format!("http://127.0.0.1:{}", server.port))
+        .env("RAMPART_KEY", KEY)
+        .env("RAMPART_MODEL", MODEL)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "openai client checks failed");
+    assert!(stdout.contains("all openai client checks passed"));
+    // Every request left one record line with the fixed fields.
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    let records: Vec<serde_json::Value> = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["message"] == "inference record")
+        .collect();
+    assert!(records.len() >= 15, "{} records", records.len());
+    let ok = records
+        .iter()
+        .find(|r| r["status"] == 200 && r["endpoint"] == "chat.completions")
+        .unwrap();
+    for field in [
+        "request_id",
+        "audit_id",
+        "principal",
+        "model",
+        "version",
+        "version_digest",
+        "input_sha256",
+        "prompt_tokens",
+        "completion_tokens",
+        "ttft_ms",
+        "total_ms",
+        "entropy_mean",
+        "finish_reason",
+    ] {
+        assert!(!ok[field].is_null(), "record field {field} in {ok}");
+    }
+    assert_eq!(ok["principal"], "tester");
+    assert!(records.iter().any(|r| r["status"] == 404));
+    assert!(
+        records.iter().any(|r| r["status"] == 401) || log.contains("401"),
+        "401s are counted"
+    );
+}
+
+#[test]
+fn http_contract_auth_ids_errors_and_metrics() {
+    let Some(server) = start("") else { return };
+    let statuses = wait_ready(server.port);
+    assert_eq!(
+        statuses.first(),
+        Some(&503),
+        "readiness is 503 while the model loads: {statuses:?}"
+    );
+    let port = server.port;
+    let (status, _, body) = http(port, "GET", "/health/live", None, None);
+    assert_eq!((status, body.contains("live")), (200, true));
+    let (status, headers, body) = http(port, "GET", "/v1/models", None, None);
+    assert_eq!(status, 401, "{body}");
+    assert_eq!(header(&headers, "www-authenticate"), Some("Bearer"));
+    assert!(body.contains("authentication_error"));
+    let (status, headers, _) = http(port, "GET", "/v1/models", None, Some(KEY));
+    assert_eq!(status, 200);
+    assert!(header(&headers, "x-request-id").is_some_and(|v| v.len() == 36));
+    // A given request id is echoed.
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(s, "GET /health/live HTTP/1.1\r\nHost: x\r\nX-Request-Id: trace-42\r\nConnection: close\r\n\r\n").unwrap();
+    let mut text = String::new();
+    BufReader::new(s).read_to_string(&mut text).unwrap();
+    assert!(
+        text.to_ascii_lowercase().contains("x-request-id: trace-42"),
+        "{text}"
+    );
+    // Oversized bodies: 413 with the JSON error shape.
+    let huge = format!(
+        "{{\"model\":\"{MODEL}\",\"prompt\":\"{}\"}}",
+        "a".repeat(5 << 20)
+    );
+    let (status, _, body) = http(port, "POST", "/v1/completions", Some(&huge), Some(KEY));
+    assert_eq!(status, 413, "{body}");
+    assert!(body.contains("request_too_large"));
+    let (status, _, body) = http(port, "GET", "/v1/models/nope", None, Some(KEY));
+    assert_eq!(status, 404);
+    assert!(body.contains(MODEL), "lists the available models: {body}");
+    let (status, _, _) = http(port, "GET", "/openapi.json", None, Some(KEY));
+    assert_eq!(status, 200);
+    let (status, _, body) = http(port, "GET", "/metrics", None, None);
+    assert_eq!(status, 200);
+    assert!(
+        body.contains("rampart_kv_blocks_total"),
+        "{}",
+        &body[..body.len().min(400)]
+    );
+}
+
+/// Mutated, mistyped and oversized JSON: 4xx every time, and the server stays healthy.
+#[test]
+fn a_thousand_malformed_requests_get_4xx_and_the_server_stays_healthy() {
+    let Some(server) = start("") else { return };
+    wait_ready(server.port);
+    let port = server.port;
+    let valid = format!(
+        "{{\"model\":\"{MODEL}\",\"messages\":[{{\"role\":\"user\",\"content\":\"hi\"}}],\"max_tokens\":2,\"temperature\":0,\"top_p\":0.5,\"n\":1,\"stop\":[\"x\"],\"logprobs\":true,\"top_logprobs\":2,\"seed\":3}}"
+    );
+    let mut rng = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    };
+    let replacements = [
+        "null",
+        "-1",
+        "1e309",
+        "\"\"",
+        "[]",
+        "{}",
+        "true",
+        "99999999999999999999",
+        "\"\\ud800\"",
+        "-0",
+        "1.5",
+        "\"max_tokens\"",
+        "[[[[[[]]]]]]",
+    ];
+    let mut counts = std::collections::BTreeMap::new();
+    for i in 0..1000 {
+        let mut body = valid.clone().into_bytes();
+        match i % 4 {
+            0 => {
+                // Flip a byte.
+                let at = (next() as usize) % body.len();
+                body[at] = (next() % 256) as u8;
+            }
+            1 => {
+                // Truncate.
+                body.truncate((next() as usize) % body.len());
+            }
+            2 => {
+                // Replace a value with a wrongly typed or extreme one.
+                let text = String::from_utf8(body).unwrap();
+                let values = ["2", "0", "0.5", "1", "3", "\"hi\"", "[\"x\"]", "true"];
+                let target = values[(next() as usize) % values.len()];
+                let with = replacements[(next() as usize) % replacements.len()];
+                body = text.replacen(target, with, 1).into_bytes();
+            }
+            _ => {
+                // Duplicate a slice into itself.
+                let a = (next() as usize) % body.len();
+                let b = (a + (next() as usize) % 20).min(body.len());
+                let slice = body[a..b].to_vec();
+                body.splice(a..a, slice);
+            }
+        }
+        let body = String::from_utf8_lossy(&body).to_string();
+        let (status, _, text) = http(port, "POST", "/v1/chat/completions", Some(&body), Some(KEY));
+        assert!(
+            (200..500).contains(&status) && status != 0,
+            "request {i}: status {status} for {body:?}: {text}"
+        );
+        if status >= 400 {
+            assert!(text.contains("\"error\""), "request {i}: {text}");
+        }
+        *counts.entry(status).or_insert(0) += 1;
+    }
+    eprintln!("statuses of 1,000 mutated requests: {counts:?}");
+    assert!(counts.keys().any(|&s| s == 400));
+    let (status, _, _) = http(port, "GET", "/health/ready", None, None);
+    assert_eq!(status, 200, "still ready");
+    let (status, _, body) = http(
+        port,
+        "POST",
+        "/v1/chat/completions",
+        Some(&valid),
+        Some(KEY),
+    );
+    assert_eq!(status, 200, "{body}");
+}
+
+fn stream_request(port: u16, max_tokens: usize) -> TcpStream {
+    let body = format!(
+        "{{\"model\":\"{MODEL}\",\"prompt\":\"Once upon a time\",\"max_tokens\":{max_tokens},\"temperature\":0,\"ignore_eos\":true,\"stream\":true}}"
+    );
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nAuthorization: Bearer {KEY}\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    s
+}
+
+/// Reads SSE lines until `n` data events arrived.
+fn read_events(reader: &mut BufReader<TcpStream>, n: usize) -> Vec<String> {
+    let mut events = Vec::new();
+    let mut line = String::new();
+    while events.len() < n {
+        line.clear();
+        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+            break;
+        }
+        if let Some(data) = line.trim().strip_prefix("data: ") {
+            events.push(data.to_string());
+        }
+    }
+    events
+}
+
+#[test]
+fn a_client_that_disconnects_frees_its_kv_blocks() {
+    let Some(server) = start("") else { return };
+    wait_ready(server.port);
+    let port = server.port;
+    let mut reader = BufReader::new(stream_request(port, 1500));
+    assert_eq!(read_events(&mut reader, 3).len(), 3);
+    assert!(
+        metric(port, "rampart_kv_blocks_used") > 0.0,
+        "the stream holds blocks"
+    );
+    drop(reader);
+    let start = Instant::now();
+    while metric(port, "rampart_kv_blocks_used") > 0.0
+        || metric(port, "rampart_engine_running_sequences") > 0.0
+    {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "blocks not freed after the disconnect"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The record says the client went away.
+    std::thread::sleep(Duration::from_millis(100));
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    assert!(log.contains("\"finish_reason\":\"cancelled\""), "{log}");
+}
+
+#[test]
+fn a_burst_beyond_the_queue_gets_429_with_retry_after() {
+    let Some(server) =
+        start("[admission]\nmax_in_flight = 1\nmax_waiting = 1\nqueue_timeout_ms = 60000")
+    else {
+        return;
+    };
+    wait_ready(server.port);
+    let port = server.port;
+    // One runs, one waits: the third is refused at once.
+    let mut running = BufReader::new(stream_request(port, 400));
+    assert_eq!(read_events(&mut running, 1).len(), 1);
+    let waiting = std::thread::spawn(move || {
+        http(
+            port,
+            "POST",
+            "/v1/completions",
+            Some(&format!(
+                "{{\"model\":\"{MODEL}\",\"prompt\":\"hi\",\"max_tokens\":2}}"
+            )),
+            Some(KEY),
+        )
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let (status, headers, body) = http(
+        port,
+        "POST",
+        "/v1/completions",
+        Some(&format!(
+            "{{\"model\":\"{MODEL}\",\"prompt\":\"hi\",\"max_tokens\":2}}"
+        )),
+        Some(KEY),
+    );
+    assert_eq!(status, 429, "{body}");
+    let retry: u64 = header(&headers, "retry-after").unwrap().parse().unwrap();
+    assert!(retry >= 1);
+    assert!(body.contains("rate_limit_error"));
+    assert!(metric(port, "rampart_rejected_requests_total") >= 1.0);
+    drop(running);
+    let (status, _, _) = waiting.join().unwrap();
+    assert_eq!(status, 200, "the waiting request ran once the slot freed");
+}
+
+#[test]
+fn sigterm_drains_an_in_flight_stream_to_completion() {
+    let Some(mut server) = start("") else { return };
+    wait_ready(server.port);
+    let port = server.port;
+    let mut reader = BufReader::new(stream_request(port, 120));
+    assert_eq!(read_events(&mut reader, 1).len(), 1);
+    let pid = server.child.id();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    // Readiness flips to 503 and new requests are refused while the stream finishes.
+    let start = Instant::now();
+    loop {
+        let (status, _, _) = http(port, "GET", "/health/ready", None, None);
+        if status == 503 {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "readiness did not flip"
+        );
+    }
+    let (status, _, _) = http(
+        port,
+        "POST",
+        "/v1/completions",
+        Some(&format!(
+            "{{\"model\":\"{MODEL}\",\"prompt\":\"hi\",\"max_tokens\":2}}"
+        )),
+        Some(KEY),
+    );
+    assert_eq!(status, 503, "new work is refused while draining");
+    let rest = read_events(&mut reader, 10_000);
+    assert_eq!(
+        rest.last().map(String::as_str),
+        Some("[DONE]"),
+        "the stream ran to its end"
+    );
+    assert!(rest
+        .iter()
+        .any(|e| e.contains("\"finish_reason\":\"length\"")));
+    let status = server.child.wait().unwrap();
+    assert!(status.success(), "exit 0 after the drain: {status:?}");
+}

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on embedded defaults: fetch the demo models, build rampart, import every demo model
-# into ./models (or $RAMPART_REPO) as version 1.0.0, list, inspect and verify them, then ask
-# SmolLM2 a question on the engine.
+# into ./models (or $RAMPART_REPO) as version 1.0.0, list, inspect and verify them, ask SmolLM2 a
+# question on the engine, then serve the repository's LLMs on http://127.0.0.1:8080 (OpenAI API;
+# Ctrl-C drains and stops). RAMPART_DEMO_NO_SERVE=1 stops before serving.
 # Safe to run again: models already fetched or imported are kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,3 +39,18 @@ echo
 echo '$ rampart generate --model smollm2-135m --chat --system "You are a helpful assistant." --prompt "What is the capital of France?"'
 "$rampart" generate --model smollm2-135m --chat --system "You are a helpful assistant." \
   --prompt "What is the capital of France?" --max-tokens 64
+
+[[ "${RAMPART_DEMO_NO_SERVE:-0}" == 1 ]] && exit 0
+cat <<'EOT'
+
+Serving on http://127.0.0.1:8080 (Ctrl-C to stop). From another terminal:
+
+  curl -s http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' -d '{
+    "model": "smollm2-135m",
+    "messages": [{"role": "system", "content": "You are a helpful assistant."},
+                 {"role": "user", "content": "What is the capital of France?"}]}'
+  curl -s http://127.0.0.1:8080/health/ready
+  curl -s http://127.0.0.1:8080/metrics | grep rampart_
+
+EOT
+exec "$rampart" serve --log-format text

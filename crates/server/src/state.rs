@@ -257,7 +257,7 @@ pub fn load_model(
         .map_err(|e| format!("{}: {e}", model.name))?;
     let digest = repository
         .digests(&version)
-        .map(|d| d.version_digest())
+        .map(|d| format!("sha256:{}", d.version_digest()))
         .map_err(|e| format!("{}: {e}", model.name))?;
     let engine = Engine::from_repository(repository, &reference, &options)
         .map_err(|e| format!("{}: {e}", model.name))?;

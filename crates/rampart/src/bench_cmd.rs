@@ -1,11 +1,16 @@
-//! `rampart bench …`: engine throughput and perplexity, measured as llama.cpp measures them.
+//! `rampart bench …`: engine throughput and perplexity, measured as llama.cpp measures them, and
+//! serving load against any OpenAI-compatible server, measured as vLLM's `benchmark_serving.py`
+//! measures it.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
+use clap::builder::RangedU64ValueParser;
 use clap::Subcommand;
 use engine::bench::{batched, median, perplexity, prefix_reuse, throughput};
+use loadgen::{report::TABLE_HEADER, Benchmark, BenchmarkConfig, Endpoint, WorkloadConfig};
 use serde_json::json;
 
 use crate::engine_args::ModelChoice;
@@ -82,10 +87,81 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Load a running OpenAI-compatible server (Rampart, llama-server, vLLM) with concurrent
+    /// streaming requests; report throughput and TTFT, TPOT, ITL and end-to-end latency per
+    /// concurrency level (like vLLM's benchmark_serving.py).
+    Serve(ServeArgs),
+}
+
+#[derive(Debug, Clone, Copy, clap::ValueEnum)]
+pub enum EndpointArg {
+    /// POST /v1/completions with the prompt as is.
+    Completions,
+    /// POST /v1/chat/completions with the prompt as one user message.
+    Chat,
+}
+
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// The server's base URL (with or without /v1).
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    url: String,
+    /// Model id sent in requests [default: the first id listed by GET /v1/models].
+    #[arg(long)]
+    model: Option<String>,
+    /// Sent as `Authorization: Bearer <key>`.
+    #[arg(long, env = "RAMPART_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Which OpenAI endpoint to load.
+    #[arg(long, value_enum, default_value_t = EndpointArg::Completions)]
+    endpoint: EndpointArg,
+    /// Requests in flight at once; a comma-separated list (1,4,16) runs one level after another.
+    #[arg(
+        long,
+        default_value = "1",
+        value_delimiter = ',',
+        value_parser = RangedU64ValueParser::<usize>::new().range(1..)
+    )]
+    concurrency: Vec<usize>,
+    /// Requests measured at each concurrency level.
+    #[arg(long, default_value_t = 64, value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
+    requests: usize,
+    /// Mean prompt length in tokens — approximate: prompts are common English words, about one
+    /// token each.
+    #[arg(long, default_value_t = 256, value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
+    prompt_tokens: usize,
+    /// Prompt lengths are uniform in mean × (1 ± spread).
+    #[arg(long, default_value_t = 0.0)]
+    prompt_spread: f64,
+    /// Mean max_tokens of a request (sent with ignore_eos; servers that stop early are counted
+    /// as they are).
+    #[arg(long, default_value_t = 128, value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
+    output_tokens: usize,
+    /// Output lengths are uniform in mean × (1 ± spread).
+    #[arg(long, default_value_t = 0.0)]
+    output_spread: f64,
+    /// Seed of the prompts and lengths (the same seed sends the same requests). A server that
+    /// caches prompts finds them again in a second run with the same seed: change the seed or
+    /// restart the server to measure cold prefill.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Sampling temperature sent with each request.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    /// Unmeasured requests sent one at a time before the first level.
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// Limit on each whole request, in seconds.
+    #[arg(long, default_value_t = 600.0)]
+    timeout_s: f64,
+    /// Print the result as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 pub fn run(command: BenchCommand) -> Result<ExitCode> {
     match command {
+        BenchCommand::Serve(args) => return serve(args),
         BenchCommand::Engine {
             model,
             prompt_tokens,
@@ -265,6 +341,122 @@ pub fn run(command: BenchCommand) -> Result<ExitCode> {
                 );
             }
         }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn serve(args: ServeArgs) -> Result<ExitCode> {
+    let request_timeout = Duration::try_from_secs_f64(args.timeout_s)
+        .ok()
+        .filter(|timeout| !timeout.is_zero())
+        .with_context(|| format!("--timeout-s {} is not a positive duration", args.timeout_s))?;
+    if args.concurrency.is_empty() {
+        bail!("--concurrency needs at least one level");
+    }
+    let workload = WorkloadConfig {
+        prompt_tokens: args.prompt_tokens,
+        prompt_spread: args.prompt_spread,
+        output_tokens: args.output_tokens,
+        output_spread: args.output_spread,
+        seed: args.seed,
+    };
+    let endpoint = match args.endpoint {
+        EndpointArg::Completions => Endpoint::Completions,
+        EndpointArg::Chat => Endpoint::Chat,
+    };
+    let mut benchmark = Benchmark::new(BenchmarkConfig {
+        base_url: args.url.clone(),
+        model: args.model,
+        api_key: args.api_key,
+        endpoint,
+        workload: workload.clone(),
+        temperature: args.temperature,
+        requests_per_level: args.requests,
+        warmup_requests: args.warmup,
+        request_timeout,
+    })?;
+
+    if !args.json {
+        println!(
+            "model     {} at {} ({})",
+            benchmark.model(),
+            args.url,
+            endpoint.name()
+        );
+        println!(
+            "workload  {} requests per level; prompt ~{} tokens ±{:.0}% (approximate: one word \
+             ≈ one token); output {} tokens ±{:.0}%; temperature {}; seed {}",
+            args.requests,
+            workload.prompt_tokens,
+            100.0 * workload.prompt_spread,
+            workload.output_tokens,
+            100.0 * workload.output_spread,
+            args.temperature,
+            workload.seed
+        );
+    }
+    let warmup = benchmark.warm_up();
+    if !args.json {
+        if warmup.requests > 0 {
+            let failures = match &warmup.first_error {
+                Some(error) => format!(", {} failed (first: {error})", warmup.failed),
+                None => String::new(),
+            };
+            println!(
+                "warm-up   {} requests: {} ok{failures}",
+                warmup.requests, warmup.completed
+            );
+        }
+        println!();
+        println!("{TABLE_HEADER}");
+    }
+
+    let mut levels = Vec::with_capacity(args.concurrency.len());
+    for &concurrency in &args.concurrency {
+        let level = benchmark.run_level(concurrency)?;
+        if !args.json {
+            println!("{}", level.table_row());
+        }
+        levels.push(level);
+    }
+    let report = benchmark.report(warmup, levels);
+
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        let completed: usize = report.levels.iter().map(|level| level.completed).sum();
+        let input_reported: usize = report
+            .levels
+            .iter()
+            .map(|level| level.input_tokens_from_server)
+            .sum();
+        let output_reported: usize = report
+            .levels
+            .iter()
+            .map(|level| level.output_tokens_from_server)
+            .sum();
+        if completed > 0 {
+            println!();
+            println!(
+                "tokens    server-reported usage for {input_reported} of {completed} prompts (the rest: \
+                 word counts, approximate) and {output_reported} of {completed} outputs (the rest: \
+                 stream chunks with text)"
+            );
+        }
+        for level in report
+            .levels
+            .iter()
+            .filter(|level| !level.errors.is_empty())
+        {
+            println!("\nerrors at concurrency {}:", level.concurrency);
+            for error in &level.errors {
+                println!("  {:>5} × {}", error.count, error.message);
+            }
+        }
+    }
+    if report.every_request_failed() {
+        eprintln!("error: every request failed");
+        return Ok(ExitCode::FAILURE);
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -157,13 +157,40 @@ async fn authenticate(
                         "invalid API key"
                     };
                     observe::rejected("none", "unauthorized");
-                    return ApiError::Unauthorized(message.into()).into_response();
+                    let error = ApiError::Unauthorized(message.into());
+                    // Refused requests leave a record too (who tried what, from the audit's view).
+                    let request_id = request
+                        .extensions()
+                        .get::<RequestId>()
+                        .map_or_else(String::new, |id| id.0.clone());
+                    let mut record = RecordBuilder::new(
+                        request_id,
+                        "unauthenticated".into(),
+                        endpoint_of(request.uri().path()),
+                        observe::emit,
+                    );
+                    record.fail(error.status().as_u16(), error.kind());
+                    record.finish();
+                    return error.into_response();
                 }
             }
         }
     };
     request.extensions_mut().insert(Principal(principal));
     next.run(request).await
+}
+
+/// The record's `endpoint` for a path.
+fn endpoint_of(path: &str) -> &'static str {
+    match path {
+        paths::CHAT => "chat.completions",
+        paths::COMPLETIONS => "completions",
+        paths::MODELS => "models",
+        paths::METRICS => "metrics",
+        paths::OPENAPI => "openapi",
+        p if p.starts_with("/v1/models/") => "models",
+        _ => "other",
+    }
 }
 
 async fn not_found(request: Request) -> Response {

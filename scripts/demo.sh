@@ -46,7 +46,7 @@ cat <<'EOT'
 Serving on http://127.0.0.1:8080 (Ctrl-C to stop). From another terminal:
 
   curl -s http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' -d '{
-    "model": "smollm2-135m",
+    "model": "smollm2-135m", "temperature": 0,
     "messages": [{"role": "system", "content": "You are a helpful assistant."},
                  {"role": "user", "content": "What is the capital of France?"}]}'
   curl -s http://127.0.0.1:8080/health/ready

@@ -517,7 +517,9 @@ impl CompletionRequest {
         }
         let input_for_hash = match &self.prompt {
             PromptField::Text(t) => t.clone(),
-            other => format!("{other:?}"),
+            PromptField::Texts(list) => serde_json::to_string(list).unwrap_or_default(),
+            PromptField::Tokens(ids) => serde_json::to_string(ids).unwrap_or_default(),
+            PromptField::TokenLists(lists) => serde_json::to_string(lists).unwrap_or_default(),
         };
         Ok(Plan {
             prompts,

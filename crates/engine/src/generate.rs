@@ -27,7 +27,7 @@ use crate::model::{Batch, ForwardState, LogitRows, Model, ModelConfig};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::scheduler::{
     Executor, NewSequence, Scheduler, SchedulerConfig, SchedulerHandles, SchedulerLimits,
-    SchedulerSnapshot, IDLE_WAIT,
+    SchedulerSnapshot,
 };
 use crate::tokenizer::Tokenizer;
 
@@ -768,6 +768,10 @@ impl Drop for Engine {
     }
 }
 
+/// How long the engine thread waits for new requests when it has work but its last step could
+/// schedule nothing, instead of spinning.
+const STALLED_WAIT: std::time::Duration = std::time::Duration::from_millis(1);
+
 /// The engine thread: takes new requests, steps the scheduler while there is work, sleeps on
 /// the inbox when there is none.
 fn engine_loop(
@@ -783,7 +787,7 @@ fn engine_loop(
                 Err(_) => return,
             }
         } else if stalled {
-            match inbox.recv_timeout(IDLE_WAIT / 100) {
+            match inbox.recv_timeout(STALLED_WAIT) {
                 Ok(command) => Some(command),
                 Err(RecvTimeoutError::Timeout) => None,
                 Err(RecvTimeoutError::Disconnected) => {

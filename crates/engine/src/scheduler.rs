@@ -19,7 +19,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -852,6 +852,3 @@ fn finish(seq: &mut Sequence, reason: FinishReason) {
     };
     let _ = seq.events.send(Event::Finished(done));
 }
-
-/// How long the engine thread waits for new work before checking again when idle.
-pub(crate) const IDLE_WAIT: Duration = Duration::from_millis(100);

@@ -373,6 +373,11 @@ fn a_thousand_malformed_requests_get_4xx_and_the_server_stays_healthy() {
     assert_eq!(status, 200, "{body}");
 }
 
+/// A two-token completion request body.
+fn small_completion() -> String {
+    format!("{{\"model\":\"{MODEL}\",\"prompt\":\"hi\",\"max_tokens\":2}}")
+}
+
 fn stream_request(port: u16, max_tokens: usize) -> TcpStream {
     let body = format!(
         "{{\"model\":\"{MODEL}\",\"prompt\":\"Once upon a time\",\"max_tokens\":{max_tokens},\"temperature\":0,\"ignore_eos\":true,\"stream\":true}}"
@@ -449,9 +454,7 @@ fn a_burst_beyond_the_queue_gets_429_with_retry_after() {
             port,
             "POST",
             "/v1/completions",
-            Some(&format!(
-                "{{\"model\":\"{MODEL}\",\"prompt\":\"hi\",\"max_tokens\":2}}"
-            )),
+            Some(&small_completion()),
             Some(KEY),
         )
     });
@@ -460,9 +463,7 @@ fn a_burst_beyond_the_queue_gets_429_with_retry_after() {
         port,
         "POST",
         "/v1/completions",
-        Some(&format!(
-            "{{\"model\":\"{MODEL}\",\"prompt\":\"hi\",\"max_tokens\":2}}"
-        )),
+        Some(&small_completion()),
         Some(KEY),
     );
     assert_eq!(status, 429, "{body}");
@@ -504,9 +505,7 @@ fn sigterm_drains_an_in_flight_stream_to_completion() {
         port,
         "POST",
         "/v1/completions",
-        Some(&format!(
-            "{{\"model\":\"{MODEL}\",\"prompt\":\"hi\",\"max_tokens\":2}}"
-        )),
+        Some(&small_completion()),
         Some(KEY),
     );
     assert_eq!(status, 503, "new work is refused while draining");

@@ -20,6 +20,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use crate::block_pool::BlockPool;
 use crate::chat::{ChatMessage, ChatTemplate};
+use crate::constraint::Constraint;
 use crate::error::EngineError;
 use crate::kv_store::{KvLayout, KvStore, SequenceCache};
 use crate::kv_tier::{KvTier, TierConfig};
@@ -173,6 +174,8 @@ pub struct GenerateRequest {
     pub stop: Vec<String>,
     /// Keep going past end-of-sequence tokens.
     pub ignore_eos: bool,
+    /// Limits the output to a grammar (structured output); each choice starts its own state.
+    pub constraint: Option<Constraint>,
 }
 
 impl GenerateRequest {
@@ -183,6 +186,7 @@ impl GenerateRequest {
             max_tokens,
             stop: Vec::new(),
             ignore_eos: false,
+            constraint: None,
         }
     }
 }
@@ -539,6 +543,11 @@ impl Engine {
         &self.core.tokenizer
     }
 
+    /// The tokenizer, to keep beside the engine (grammar compilers hold one).
+    pub fn shared_tokenizer(&self) -> Arc<Tokenizer> {
+        Arc::clone(&self.core.tokenizer)
+    }
+
     pub fn backend(&self) -> &dyn Backend {
         self.core.backend.as_ref()
     }
@@ -636,9 +645,22 @@ impl Engine {
                 limit: self.max_waiting,
             });
         }
+        let constraint = match &request.constraint {
+            Some(c) => match c.0.start() {
+                Ok(state) => Some(state),
+                Err(e) => {
+                    self.queued.fetch_sub(1, Ordering::AcqRel);
+                    return Err(EngineError::InvalidRequest(format!(
+                        "structured output: {e}"
+                    )));
+                }
+            },
+            None => None,
+        };
         let (events, receiver) = unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let new = NewSequence {
+            constraint,
             sampler: Sampler::new(request.sampling.clone(), &tokens),
             tokens,
             max_tokens: request.max_tokens,

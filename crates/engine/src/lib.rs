@@ -21,6 +21,7 @@ pub mod arch;
 pub mod bench;
 pub mod block_pool;
 pub mod chat;
+pub mod constraint;
 pub mod error;
 pub mod generate;
 pub mod kv_store;
@@ -32,6 +33,7 @@ pub mod sentencepiece;
 pub mod tokenizer;
 
 pub use chat::ChatMessage;
+pub use constraint::{Constraint, ConstraintFactory, TokenConstraint, TokenMask};
 pub use error::EngineError;
 pub use generate::{
     Engine, EngineOptions, Event, FinishReason, Finished, GenerateRequest, KvMemory, KvOptions,

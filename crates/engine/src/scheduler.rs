@@ -24,6 +24,7 @@ use std::time::Instant;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::block_pool::{block_hash, BlockHash, BlockId, BlockPool, PrefixStats, ROOT_HASH};
+use crate::constraint::{TokenConstraint, TokenMask};
 use crate::error::EngineError;
 use crate::generate::{Event, FinishReason, Finished, StopMatcher, TokenEvent};
 use crate::kv_store::KvStore;
@@ -127,6 +128,8 @@ pub struct NewSequence {
     pub ignore_eos: bool,
     pub stop: Vec<String>,
     pub sampler: Sampler,
+    /// Limits which tokens may come next (structured output).
+    pub constraint: Option<Box<dyn TokenConstraint>>,
     pub events: UnboundedSender<Event>,
     pub cancel: Arc<AtomicBool>,
     pub arrived: Instant,
@@ -148,6 +151,9 @@ struct Sequence {
     max_tokens: usize,
     ignore_eos: bool,
     sampler: Sampler,
+    constraint: Option<Box<dyn TokenConstraint>>,
+    /// The constraint's mask for the token about to be sampled, or why it could not be made.
+    mask: Result<TokenMask, String>,
     detok: Detokenizer,
     stops: StopMatcher,
     events: UnboundedSender<Event>,
@@ -312,6 +318,8 @@ impl Scheduler {
             max_tokens: new.max_tokens,
             ignore_eos: new.ignore_eos,
             sampler,
+            constraint: new.constraint,
+            mask: Ok(TokenMask::default()),
             detok: Detokenizer::default(),
             stops: StopMatcher::new(&new.stop),
             events: new.events,
@@ -364,7 +372,61 @@ impl Scheduler {
             }
         }
         let tokens = self.batch.len();
-        let result = executor.forward(&self.batch, &mut self.store);
+        // The constraints' masks for this step's samples are computed while the forward pass runs.
+        let constrained: Vec<usize> = samplers
+            .iter()
+            .copied()
+            .filter(|&i| self.running[i].constraint.is_some())
+            .collect();
+        let mut masks: Vec<(usize, Box<dyn TokenConstraint>, TokenMask)> = samplers
+            .iter()
+            .filter_map(|&i| {
+                let seq = &mut self.running[i];
+                let mask = std::mem::replace(&mut seq.mask, Ok(TokenMask::default()));
+                let mask = mask.unwrap_or_default();
+                seq.constraint.take().map(|c| (i, c, mask))
+            })
+            .collect();
+        let (result, computed) = if masks.is_empty() {
+            (executor.forward(&self.batch, &mut self.store), Vec::new())
+        } else {
+            let vocab = self.tokenizer.vocab_size();
+            let (batch, store) = (&self.batch, &mut self.store);
+            std::thread::scope(|scope| {
+                let helper = scope.spawn(move || {
+                    masks
+                        .iter_mut()
+                        .map(|(_, constraint, mask)| {
+                            if mask.words().len() != vocab.div_ceil(32) {
+                                *mask = TokenMask::new(vocab);
+                            }
+                            constraint.compute_mask(mask)
+                        })
+                        .collect::<Vec<_>>()
+                        .into_iter()
+                        .zip(masks)
+                        .collect::<Vec<_>>()
+                });
+                let result = executor.forward(batch, store);
+                let computed = helper.join().unwrap_or_default();
+                (result, computed)
+            })
+        };
+        for (outcome, (i, constraint, mask)) in computed {
+            let seq = &mut self.running[i];
+            seq.constraint = Some(constraint);
+            seq.mask = match outcome {
+                Ok(()) if mask.count() == 0 => Err("the constraint allows no next token".into()),
+                Ok(()) => Ok(mask),
+                Err(e) => Err(e),
+            };
+        }
+        for &i in &constrained {
+            let seq = &mut self.running[i];
+            if seq.constraint.is_none() {
+                seq.mask = Err("the constraint failed while computing its mask".into());
+            }
+        }
         let logits = match result {
             Ok(logits) => logits,
             Err(e) => {
@@ -788,12 +850,33 @@ fn emit_token(
     tokenizer: &Tokenizer,
     context: usize,
 ) -> Option<FinishReason> {
+    match &seq.mask {
+        Err(e) => {
+            let _ = seq
+                .events
+                .send(Event::Failed(format!("structured output: {e}")));
+            // The stream already has its final event.
+            return Some(FinishReason::Cancelled);
+        }
+        Ok(mask) if seq.constraint.is_some() => mask.apply(logits),
+        Ok(_) => {}
+    }
     let choice = seq.sampler.sample(logits);
     seq.sampler.accept(choice.id);
     seq.tokens.push(choice.id);
     seq.first_token.get_or_insert_with(Instant::now);
     if !seq.ignore_eos && tokenizer.stop_tokens.contains(&choice.id) {
         return Some(FinishReason::Stop);
+    }
+    let mut complete = false;
+    if let Some(constraint) = seq.constraint.as_mut() {
+        if let Err(e) = constraint.commit(choice.id) {
+            let _ = seq
+                .events
+                .send(Event::Failed(format!("structured output: {e}")));
+            return Some(FinishReason::Cancelled);
+        }
+        complete = constraint.is_complete();
     }
     let piece = seq.detok.push(tokenizer, choice.id, false);
     let (text, stopped) = seq.stops.push(&piece);
@@ -815,6 +898,9 @@ fn emit_token(
     }
     if stopped {
         seq.text_done = true;
+        return Some(FinishReason::Stop);
+    }
+    if complete {
         return Some(FinishReason::Stop);
     }
     if seq.completion_tokens() >= seq.max_tokens || seq.tokens.len() >= context {

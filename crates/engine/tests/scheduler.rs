@@ -22,7 +22,9 @@ use engine::scheduler::{
     SchedulerSnapshot,
 };
 use engine::tokenizer::Tokenizer;
-use engine::{EngineError, Event, FinishReason, KvDType, SamplingParams};
+use engine::{
+    EngineError, Event, FinishReason, KvDType, SamplingParams, TokenConstraint, TokenMask,
+};
 use proptest::prelude::*;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
@@ -191,6 +193,7 @@ impl Harness {
         self.queued.fetch_add(1, Ordering::Relaxed);
         self.scheduler.add(NewSequence {
             sampler: Sampler::new(SamplingParams::greedy(), &prompt),
+            constraint: None,
             tokens: prompt.clone(),
             max_tokens,
             ignore_eos: true,
@@ -564,4 +567,123 @@ fn long_prompts_are_chunked_and_do_not_stall_decoding() {
     }
     assert_eq!(h.requests[0].got.len(), before + 10);
     h.run_to_end();
+}
+
+/// Allows only multiples of `step`; complete after `length` tokens; fails at token `fail_at`.
+struct Multiples {
+    step: u32,
+    length: usize,
+    fail_at: Option<usize>,
+    committed: Arc<Mutex<Vec<u32>>>,
+    mask_threads: Arc<Mutex<Vec<std::thread::ThreadId>>>,
+}
+
+impl TokenConstraint for Multiples {
+    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), String> {
+        self.mask_threads
+            .lock()
+            .unwrap()
+            .push(std::thread::current().id());
+        if self.fail_at == Some(self.committed.lock().unwrap().len()) {
+            return Err("no way on".into());
+        }
+        mask.clear();
+        for t in (0..VOCAB as u32).filter(|t| t % self.step == 0) {
+            mask.allow(t);
+        }
+        Ok(())
+    }
+
+    fn commit(&mut self, token: u32) -> Result<(), String> {
+        if token % self.step != 0 {
+            return Err(format!("token {token} was not allowed"));
+        }
+        self.committed.lock().unwrap().push(token);
+        Ok(())
+    }
+
+    fn is_complete(&self) -> bool {
+        self.committed.lock().unwrap().len() >= self.length
+    }
+}
+
+#[test]
+fn constraints_mask_every_sampled_token_off_the_engine_thread() {
+    let mut h = Harness::new(Setup {
+        blocks: 64,
+        block_tokens: 4,
+        prefix_caching: true,
+        tier_host_blocks: 0,
+        tier_disk_blocks: 0,
+        max_num_seqs: 8,
+        budget: 16,
+    });
+    let mut runs = Vec::new();
+    for (k, (step, fail_at)) in [(3, None), (7, Some(2)), (5, None)].into_iter().enumerate() {
+        let committed = Arc::new(Mutex::new(Vec::new()));
+        let mask_threads = Arc::new(Mutex::new(Vec::new()));
+        let constraint = Multiples {
+            step,
+            length: 6,
+            fail_at,
+            committed: Arc::clone(&committed),
+            mask_threads: Arc::clone(&mask_threads),
+        };
+        let (events, receiver) = unbounded_channel();
+        h.queued.fetch_add(1, Ordering::Relaxed);
+        let prompt: Vec<u32> = (0..9).map(|i| 3 + (i * 11 + k as u32) % 200).collect();
+        h.scheduler.add(NewSequence {
+            sampler: Sampler::new(SamplingParams::greedy(), &prompt),
+            constraint: Some(Box::new(constraint)),
+            tokens: prompt,
+            max_tokens: 20,
+            ignore_eos: true,
+            stop: Vec::new(),
+            events,
+            cancel: Arc::new(AtomicBool::new(false)),
+            arrived: Instant::now(),
+        });
+        runs.push((step, fail_at, committed, mask_threads, receiver));
+    }
+    // An unconstrained neighbour runs as if alone.
+    h.submit(vec![5, 6, 7, 8, 9], 8);
+    for _ in 0..200 {
+        if !h.scheduler.has_work() {
+            break;
+        }
+        h.step();
+    }
+    assert_eq!(h.requests[0].got, expected(&[5, 6, 7, 8, 9], 8));
+    let engine_thread = std::thread::current().id();
+    for (step, fail_at, committed, mask_threads, mut receiver) in runs {
+        let (mut got, mut end) = (Vec::new(), None);
+        while let Ok(event) = receiver.try_recv() {
+            match event {
+                Event::Token(t) => got.push(t.id),
+                Event::Finished(f) => end = Some(Ok(f.reason)),
+                Event::Failed(e) => end = Some(Err(e)),
+            }
+        }
+        assert!(
+            got.iter().all(|t| t % step == 0),
+            "{got:?} (multiples of {step})"
+        );
+        assert_eq!(*committed.lock().unwrap(), got);
+        let threads = mask_threads.lock().unwrap();
+        assert!(threads.iter().all(|&t| t != engine_thread));
+        match fail_at {
+            None => {
+                assert_eq!(got.len(), 6);
+                assert_eq!(end, Some(Ok(FinishReason::Stop)));
+                assert_eq!(threads.len(), 6);
+            }
+            Some(n) => {
+                assert_eq!(got.len(), n);
+                let e = end.unwrap().unwrap_err();
+                assert!(e.contains("no way on"), "{e}");
+            }
+        }
+    }
+    let snap = h.snapshot.lock().unwrap().clone();
+    assert_eq!(snap.blocks_used, 0, "every block came back");
 }

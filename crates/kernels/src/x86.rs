@@ -1143,19 +1143,26 @@ pub unsafe fn softmax_numerators(scores: &mut [f32]) -> f32 {
 #[target_feature(enable = "avx2,fma")]
 pub unsafe fn exp_moments(x: &[f32], max: f32) -> (f64, f64) {
     let vmax = _mm256_set1_ps(max);
+    let neg_inf = _mm256_set1_ps(f32::NEG_INFINITY);
     let (mut total_e, mut total_es) = (0f64, 0f64);
     for chunk in x.chunks(1024) {
         let (mut se, mut ses) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         let mut i = 0;
         while i + 8 <= chunk.len() {
-            let s = _mm256_sub_ps(_mm256_loadu_ps(chunk.as_ptr().add(i)), vmax);
-            let e = exp_ps(s);
+            let v = _mm256_loadu_ps(chunk.as_ptr().add(i));
+            // Masked-out tokens (-inf) contribute nothing: zero both e and s (0 · -inf is NaN).
+            let keep = _mm256_cmp_ps::<_CMP_NEQ_OQ>(v, neg_inf);
+            let s = _mm256_and_ps(_mm256_sub_ps(v, vmax), keep);
+            let e = _mm256_and_ps(exp_ps(s), keep);
             se = _mm256_add_ps(se, e);
             ses = _mm256_fmadd_ps(e, s, ses);
             i += 8;
         }
         let (mut e_sum, mut es_sum) = (f64::from(hsum_ps(se)), f64::from(hsum_ps(ses)));
         for &v in &chunk[i..] {
+            if v == f32::NEG_INFINITY {
+                continue;
+            }
             let s = v - max;
             let e = s.exp();
             e_sum += f64::from(e);

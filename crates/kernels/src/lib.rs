@@ -4,6 +4,8 @@
 //!   activation formats they multiply with.
 //! - [`quant`]: unpacking, dequantization, activation quantization and the scalar reference dot
 //!   products.
+//! - [`quantize`]: f32 weights into the block formats, bit-compatible with ggml's reference
+//!   quantizers (for converting models).
 //! - [`dispatch`]: runtime CPU dispatch (AVX2+FMA, scalar) of the hot kernels.
 //! - [`matmul`]: M activation rows × a quantized weight matrix, reading each weight row once.
 //! - [`packed`]: Q4_0/Q4_1/Q8_0 weights interleaved eight rows at a time for the batched kernel
@@ -28,6 +30,7 @@ pub mod packed;
 pub mod paged;
 pub mod pool;
 pub mod quant;
+pub mod quantize;
 pub mod rng;
 pub mod testing;
 #[cfg(target_arch = "x86_64")]

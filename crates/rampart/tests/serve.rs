@@ -239,6 +239,59 @@ fn the_official_openai_client_works_against_the_server() {
 }
 
 #[test]
+fn structured_output_through_the_openai_client() {
+    let Some(python) = python_with_openai() else {
+        assert!(
+            !require_python(),
+            "no Python with the openai package (scripts/test.sh installs one)"
+        );
+        eprintln!("skipped: no Python with the openai package");
+        return;
+    };
+    let Some(server) = start("") else { return };
+    wait_ready(server.port);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2e/structured_output.py");
+    let out = Command::new(python)
+        .arg(script)
+        .env("RAMPART_URL", format!("http://127.0.0.1:{}", server.port))
+        .env("RAMPART_KEY", KEY)
+        .env("RAMPART_MODEL", MODEL)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "structured output checks failed");
+    assert!(stdout.contains("all structured output checks passed"));
+    // Records name the constraint and the outcome of the final check.
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    let records: Vec<serde_json::Value> = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["message"] == "inference record" && !v["structured"].is_null())
+        .collect();
+    assert!(records.len() >= 12, "{} structured records", records.len());
+    assert!(records
+        .iter()
+        .any(|r| r["structured"] == "json_schema" && r["structured_outcome"] == "valid"));
+    assert!(records
+        .iter()
+        .any(|r| r["structured_outcome"] == "incomplete" && r["finish_reason"] == "length"));
+    assert!(
+        log.contains("\"status\":400"),
+        "the bad schema left a 400 record"
+    );
+    let hashes: std::collections::HashSet<&str> = records
+        .iter()
+        .filter(|r| r["structured"] == "json_schema")
+        .filter_map(|r| r["grammar_sha256"].as_str())
+        .collect();
+    assert!(!hashes.is_empty());
+    assert!(metric(server.port, "rampart_structured_requests_total") >= 12.0);
+    assert!(metric(server.port, "rampart_grammar_mask_seconds_count") > 100.0);
+    assert!(metric(server.port, "rampart_grammar_cache_total{result=\"hit\"}") >= 5.0);
+}
+
+#[test]
 fn http_contract_auth_ids_errors_and_metrics() {
     let Some(server) = start("") else { return };
     let statuses = wait_ready(server.port);

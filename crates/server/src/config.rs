@@ -73,6 +73,12 @@ pub struct Limits {
     pub max_top_logprobs: usize,
     /// Most prompts in one `/v1/completions` request.
     pub max_prompts: usize,
+    /// Largest JSON schema, regex, choice list or grammar of a structured-output request.
+    pub max_grammar_bytes: usize,
+    /// Longest a structured-output grammar may take to compile (first use; then it is cached).
+    pub grammar_compile_timeout_ms: u64,
+    /// Compiled grammars kept per model (least recently used goes first).
+    pub grammar_cache_entries: usize,
 }
 
 impl Default for Limits {
@@ -85,6 +91,9 @@ impl Default for Limits {
             max_stop: 4,
             max_top_logprobs: 20,
             max_prompts: 16,
+            max_grammar_bytes: 64 * 1024,
+            grammar_compile_timeout_ms: 2000,
+            grammar_cache_entries: 128,
         }
     }
 }

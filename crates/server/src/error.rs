@@ -39,6 +39,9 @@ pub enum ApiError {
     Unavailable { message: String, retry_after_s: u64 },
     #[error("{0}")]
     Internal(String),
+    /// A structured-output request ended with an output that fails its schema or grammar.
+    #[error("{0}")]
+    InvalidOutput(String),
 }
 
 #[derive(Serialize, utoipa::ToSchema)]
@@ -82,7 +85,7 @@ impl ApiError {
             ApiError::ModelNotFound(_) | ApiError::RouteNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Internal(_) | ApiError::InvalidOutput(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -96,7 +99,7 @@ impl ApiError {
             ApiError::ModelNotFound(_) | ApiError::RouteNotFound(_) => "not_found_error",
             ApiError::Overloaded { .. } => "rate_limit_error",
             ApiError::Unavailable { .. } => "service_unavailable",
-            ApiError::Internal(_) => "server_error",
+            ApiError::Internal(_) | ApiError::InvalidOutput(_) => "server_error",
         }
     }
 
@@ -107,6 +110,7 @@ impl ApiError {
             ApiError::Unauthorized(_) => Some("invalid_api_key"),
             ApiError::ModelNotFound(_) => Some("model_not_found"),
             ApiError::Overloaded { code, .. } => Some(code),
+            ApiError::InvalidOutput(_) => Some("structured_output_invalid"),
             _ => None,
         }
     }

@@ -17,6 +17,12 @@ const TOKEN_LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56,
 ];
 const ENTROPY_BUCKETS: &[f64] = &[0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0];
+const MASK_BUCKETS: &[f64] = &[
+    0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.05,
+];
+const COMPILE_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0,
+];
 
 /// Installs the Prometheus recorder (once per process) and describes every metric.
 pub fn install_metrics() -> Result<PrometheusHandle, String> {
@@ -38,6 +44,18 @@ pub fn install_metrics() -> Result<PrometheusHandle, String> {
             b.set_buckets_for_metric(
                 Matcher::Full("rampart_token_entropy_nats".into()),
                 ENTROPY_BUCKETS,
+            )
+        })
+        .and_then(|b| {
+            b.set_buckets_for_metric(
+                Matcher::Full("rampart_grammar_mask_seconds".into()),
+                MASK_BUCKETS,
+            )
+        })
+        .and_then(|b| {
+            b.set_buckets_for_metric(
+                Matcher::Full("rampart_grammar_compile_seconds".into()),
+                COMPILE_BUCKETS,
             )
         })
         .map_err(|e| e.to_string())?
@@ -70,6 +88,22 @@ pub fn install_metrics() -> Result<PrometheusHandle, String> {
     describe_histogram!(
         "rampart_token_entropy_nats",
         "Entropy of each generated token's distribution."
+    );
+    describe_counter!(
+        "rampart_structured_requests_total",
+        "Structured-output requests finished, by model, kind and outcome of the final check."
+    );
+    describe_histogram!(
+        "rampart_grammar_compile_seconds",
+        "Time to compile a structured-output grammar (cache misses), by kind."
+    );
+    describe_histogram!(
+        "rampart_grammar_mask_seconds",
+        "Time to compute one token's allowed-token mask, by kind."
+    );
+    describe_counter!(
+        "rampart_grammar_cache_total",
+        "Compiled-grammar cache lookups, by result (hit, miss)."
     );
     describe_counter!(
         "rampart_prompt_tokens_total",
@@ -188,6 +222,11 @@ pub fn emit(r: &InferenceRecord, gaps: &[f64], entropies: &[f32]) {
         error_type = r.error_type.as_deref(),
         fallback_level = r.fallback_level,
         stream = r.stream,
+        structured = r.structured.as_ref().map(|s| s.kind),
+        structured_outcome = r.structured.as_ref().and_then(|s| s.outcome),
+        structured_problem = r.structured.as_ref().and_then(|s| s.problem.as_deref()),
+        grammar_sha256 = r.structured.as_ref().map(|s| s.grammar_sha256.as_str()),
+        grammar_compile_ms = r.structured.as_ref().map(|s| s.compile_ms),
         "inference record"
     );
     if r.model.is_empty() {
@@ -209,6 +248,15 @@ pub fn emit(r: &InferenceRecord, gaps: &[f64], entropies: &[f32]) {
         "status" => r.status.to_string()
     )
     .increment(1);
+    if let Some(s) = &r.structured {
+        counter!(
+            "rampart_structured_requests_total",
+            "model" => model.clone(),
+            "kind" => s.kind,
+            "outcome" => s.outcome.unwrap_or("none")
+        )
+        .increment(1);
+    }
     let labels = [("model", model)];
     histogram!("rampart_request_duration_seconds", &labels).record(r.total_ms / 1e3);
     histogram!("rampart_queue_time_seconds", &labels).record(r.queue_ms / 1e3);

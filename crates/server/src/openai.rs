@@ -12,6 +12,8 @@ use engine::{ChatMessage, GenerateRequest, Prompt, SamplingParams};
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+use grammar::GrammarSpec;
+
 use crate::config::Limits;
 use crate::error::ApiError;
 
@@ -77,6 +79,20 @@ pub struct SamplingFields {
     pub user: Option<String>,
     /// Extension: keep generating past end-of-sequence tokens (benchmarks).
     pub ignore_eos: Option<bool>,
+    /// Structured output: `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`,
+    /// `{"type": "json_object"}` or `{"type": "text"}`; extensions `{"type": "regex", "regex"}`,
+    /// `{"type": "choice", "choices"}` and `{"type": "grammar", "grammar"}` (Lark).
+    #[schema(value_type = Option<Object>)]
+    pub response_format: Option<serde_json::Value>,
+    /// Extension (as other servers name it): a JSON schema the output follows.
+    #[schema(value_type = Option<Object>)]
+    pub guided_json: Option<serde_json::Value>,
+    /// Extension: a regex the whole output matches.
+    pub guided_regex: Option<String>,
+    /// Extension: the output is exactly one of these strings.
+    pub guided_choice: Option<Vec<String>>,
+    /// Extension: a Lark grammar the output follows.
+    pub guided_grammar: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
@@ -264,6 +280,8 @@ pub struct Plan {
     pub input_for_hash: String,
     /// `max_tokens` was left to the server.
     pub default_max_tokens: bool,
+    /// What the output must follow (structured output).
+    pub structured: Option<GrammarSpec>,
 }
 
 fn in_range(name: &str, value: f64, lo: f64, hi: f64) -> Result<f32, ApiError> {
@@ -288,6 +306,33 @@ fn count(name: &str, value: i64, lo: i64, hi: usize) -> Result<usize, ApiError> 
 }
 
 impl SamplingFields {
+    /// The structured-output constraint the request asks for, if any.
+    fn structured(&self) -> Result<Option<GrammarSpec>, ApiError> {
+        let mut guided = serde_json::Map::new();
+        if let Some(v) = &self.guided_json {
+            guided.insert("guided_json".into(), v.clone());
+        }
+        if let Some(v) = &self.guided_regex {
+            guided.insert("guided_regex".into(), v.clone().into());
+        }
+        if let Some(v) = &self.guided_choice {
+            guided.insert("guided_choice".into(), v.clone().into());
+        }
+        if let Some(v) = &self.guided_grammar {
+            guided.insert("guided_grammar".into(), v.clone().into());
+        }
+        let param = if self.response_format.is_some() || guided.is_empty() {
+            "response_format"
+        } else {
+            guided
+                .keys()
+                .next()
+                .map_or("response_format", String::as_str)
+        };
+        grammar::from_request(self.response_format.as_ref(), &guided)
+            .map_err(|e| ApiError::invalid_param(param, e.to_string()))
+    }
+
     /// Validates the fields and builds the engine's request (prompt filled in by the caller).
     fn to_plan(
         &self,
@@ -462,6 +507,7 @@ impl ChatCompletionRequest {
             logprobs: want_logprobs,
             user: self.sampling.user.clone(),
             input_for_hash,
+            structured: self.sampling.structured()?,
         })
     }
 }
@@ -535,6 +581,7 @@ impl CompletionRequest {
             logprobs: want,
             user: self.sampling.user.clone(),
             input_for_hash,
+            structured: self.sampling.structured()?,
         })
     }
 }
@@ -600,6 +647,48 @@ mod tests {
             (
                 r#"{"model":"m","messages":[{"role":"user","content":"x"}],"stop":["a","b","c","d","e"]}"#,
                 "stop",
+            ),
+        ] {
+            match chat(body) {
+                Err(ApiError::InvalidRequest { param: Some(p), .. }) => {
+                    assert_eq!(p, param, "{body}")
+                }
+                other => panic!("{body}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn structured_output_fields_become_a_grammar_spec() {
+        let p = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],
+               "response_format":{"type":"json_schema","json_schema":{"name":"t","strict":true,"schema":{"type":"object"}}}}"#,
+        )
+        .unwrap();
+        assert_eq!(p.structured.as_ref().map(|s| s.kind()), Some("json_schema"));
+        let p = chat(
+            r#"{"model":"m","messages":[{"role":"user","content":"x"}],"guided_choice":["a","b"]}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            p.structured,
+            Some(GrammarSpec::Choice(vec!["a".into(), "b".into()]))
+        );
+        let p = chat(r#"{"model":"m","messages":[{"role":"user","content":"x"}],"response_format":{"type":"text"}}"#)
+            .unwrap();
+        assert!(p.structured.is_none());
+        for (body, param) in [
+            (
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"response_format":{"type":"yaml"}}"#,
+                "response_format",
+            ),
+            (
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_object"},"guided_regex":"a"}"#,
+                "response_format",
+            ),
+            (
+                r#"{"model":"m","messages":[{"role":"user","content":"x"}],"guided_json":"{not json"}"#,
+                "guided_json",
             ),
         ] {
             match chat(body) {

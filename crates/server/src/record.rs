@@ -41,6 +41,25 @@ pub struct InferenceRecord {
     /// 0: the model asked for; higher: a fallback served (none yet).
     pub fallback_level: u8,
     pub stream: bool,
+    /// Structured-output requests: the constraint and what the final check said.
+    pub structured: Option<StructuredRecord>,
+}
+
+/// The structured-output part of a record.
+#[derive(Debug, Clone, Serialize)]
+pub struct StructuredRecord {
+    /// `json_schema`, `json_object`, `regex`, `choice` or `grammar`.
+    pub kind: &'static str,
+    /// sha256 of the canonical constraint (the compile cache's key).
+    pub grammar_sha256: String,
+    /// Compile time of this grammar (0 when it came from the cache).
+    pub compile_ms: f64,
+    pub cached: bool,
+    /// Worst outcome over the choices: `valid`, `incomplete` (ended at max_tokens inside the
+    /// structure) or `invalid` (ended but fails the check); none when the request did not finish.
+    pub outcome: Option<&'static str>,
+    /// Why the output is incomplete or invalid.
+    pub problem: Option<String>,
 }
 
 /// Collects a record while a request runs; emits it exactly once, on `finish` or when dropped
@@ -105,6 +124,7 @@ impl RecordBuilder {
                 error_type: None,
                 fallback_level: 0,
                 stream: false,
+                structured: None,
             },
             started: Instant::now(),
             first_token: None,

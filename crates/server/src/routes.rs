@@ -23,7 +23,7 @@ use crate::admission::Slot;
 use crate::error::{ApiError, ErrorBody};
 use crate::observe;
 use crate::openai::*;
-use crate::record::{sha256_hex, RecordBuilder};
+use crate::record::{sha256_hex, RecordBuilder, StructuredRecord};
 use crate::state::{AppState, ModelHandle};
 
 /// Route paths.
@@ -368,6 +368,8 @@ struct Generation {
     endpoint: Endpoint,
     id: String,
     created: u64,
+    /// The compiled constraint of a structured-output request (checks the final outputs).
+    structured: Option<Arc<grammar::Compiled>>,
 }
 
 async fn handle(
@@ -465,7 +467,16 @@ async fn start(
     let engine = Arc::clone(&model.engine);
     let prepare_plan = plan.clone();
     let default_cap = limits.default_max_tokens;
-    let prepared = tokio::task::spawn_blocking(move || {
+    let compiler = Arc::clone(&model.grammar);
+    let (prepared, structured) = tokio::task::spawn_blocking(move || {
+        // The grammar first: a bad schema is refused before any tokenization work.
+        let structured = match &prepare_plan.structured {
+            Some(spec) => Some(compiler.compile(spec).map_err(|e| match e {
+                grammar::GrammarError::Invalid(m) => ApiError::invalid_param("response_format", m),
+                grammar::GrammarError::Internal(m) => ApiError::Internal(m),
+            })?),
+            None => None,
+        };
         let mut out = Vec::new();
         for prompt in &prepare_plan.prompts {
             let mut request = prepare_plan.request.clone();
@@ -478,12 +489,30 @@ async fn start(
                 let room = engine.context().saturating_sub(prepared.tokens.len());
                 prepared.request.max_tokens = room.min(default_cap).max(1);
             }
+            if let Some((compiled, _)) = &structured {
+                let factory: Arc<dyn engine::ConstraintFactory> = compiled.clone();
+                prepared.request.constraint = Some(engine::Constraint(factory));
+            }
             out.push(prepared);
         }
-        Ok::<_, engine::EngineError>(out)
+        Ok::<_, ApiError>((out, structured))
     })
     .await
     .map_err(|e| ApiError::Internal(format!("tokenization task failed: {e}")))??;
+    if let Some((compiled, cached)) = &structured {
+        record.record.structured = Some(StructuredRecord {
+            kind: compiled.spec.kind(),
+            grammar_sha256: compiled.hash.clone(),
+            compile_ms: if *cached {
+                0.0
+            } else {
+                compiled.compile_seconds * 1e3
+            },
+            cached: *cached,
+            outcome: None,
+            problem: None,
+        });
+    }
 
     let prompt_tokens: usize = prepared.iter().map(|p| p.tokens.len()).sum();
     record.record.prompt_tokens = prompt_tokens;
@@ -521,6 +550,7 @@ async fn start(
         endpoint,
         id: format!("{prefix}-{}", uuid::Uuid::new_v4().simple()),
         created: now_s(),
+        structured: structured.map(|(compiled, _)| compiled),
     })
 }
 
@@ -545,6 +575,45 @@ struct ChoiceState {
 }
 
 impl Generation {
+    /// Checks each finished output of a structured-output request and records the worst
+    /// outcome. An output that ended by itself yet fails its schema or grammar is an error: the
+    /// API promises the shape.
+    fn check_structured(
+        &self,
+        record: &mut RecordBuilder,
+        outputs: &[(&str, &Finished)],
+    ) -> Result<(), ApiError> {
+        let Some(compiled) = &self.structured else {
+            return Ok(());
+        };
+        let mut worst = grammar::Outcome::Valid;
+        for (text, f) in outputs {
+            let outcome = compiled.check(text, f.reason == FinishReason::Length);
+            let rank = |o: &grammar::Outcome| match o {
+                grammar::Outcome::Valid => 0,
+                grammar::Outcome::Incomplete(_) => 1,
+                grammar::Outcome::Invalid(_) => 2,
+            };
+            if rank(&outcome) > rank(&worst) {
+                worst = outcome;
+            }
+        }
+        if let Some(s) = record.record.structured.as_mut() {
+            s.outcome = Some(worst.as_str());
+            s.problem = match &worst {
+                grammar::Outcome::Valid => None,
+                grammar::Outcome::Incomplete(p) | grammar::Outcome::Invalid(p) => Some(p.clone()),
+            };
+        }
+        match worst {
+            grammar::Outcome::Invalid(problem) => Err(ApiError::InvalidOutput(format!(
+                "the output does not follow the requested {}: {problem}",
+                compiled.spec.kind()
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// Charges the key's token budget for what the request used.
     fn charge(&self, record: &RecordBuilder) {
         let used = record.record.prompt_tokens + record.record.completion_tokens;
@@ -563,7 +632,7 @@ impl Generation {
                 .iter()
                 .map(|(id, text, lp)| TopLogprob {
                     token: text.clone(),
-                    logprob: *lp,
+                    logprob: finite_logprob(*lp),
                     bytes: tokenizer.token_bytes(*id).to_vec(),
                 })
                 .collect(),
@@ -580,7 +649,7 @@ impl Generation {
         lp.top_logprobs.push(
             t.top_logprobs
                 .iter()
-                .map(|(_, text, lp)| (text.clone(), *lp))
+                .map(|(_, text, lp)| (text.clone(), finite_logprob(*lp)))
                 .collect::<HashMap<_, _>>(),
         );
     }
@@ -592,6 +661,12 @@ impl Generation {
             total_tokens: self.prompt_tokens + completion_tokens,
         }
     }
+}
+
+/// Tokens a structured-output constraint ruled out have log-probability −∞, which JSON cannot
+/// carry; they are reported as −9999 (as OpenAI reports impossible tokens).
+fn finite_logprob(lp: f32) -> f32 {
+    lp.max(-9999.0)
 }
 
 fn finish_reason(f: &Finished) -> String {
@@ -687,6 +762,15 @@ async fn collect_response(mut g: Generation, mut record: RecordBuilder) -> Respo
     }
     let finished: Vec<Finished> = states.iter().filter_map(|s| s.finish.clone()).collect();
     record_finished(&mut record, &finished);
+    let outputs: Vec<(&str, &Finished)> = states
+        .iter()
+        .filter_map(|s| s.finish.as_ref().map(|f| (s.text.as_str(), f)))
+        .collect();
+    if let Err(e) = g.check_structured(&mut record, &outputs) {
+        g.charge(&record);
+        record.fail(500, e.kind());
+        return e.into_response();
+    }
     let completion_tokens = record.record.completion_tokens;
     g.charge(&record);
     let usage = g.usage(completion_tokens);
@@ -748,6 +832,8 @@ struct Streaming {
     pending: std::collections::VecDeque<String>,
     finished: Vec<Option<Finished>>,
     text_len: Vec<usize>,
+    /// Each choice's text so far (structured-output requests only: checked at the end).
+    texts: Vec<String>,
     done: bool,
 }
 
@@ -834,6 +920,9 @@ impl Streaming {
             }
         };
         self.text_len[i] += t.text.len();
+        if self.g.structured.is_some() {
+            self.texts[i].push_str(&t.text);
+        }
         self.pending.push_back(chunk);
     }
 
@@ -854,11 +943,26 @@ impl Streaming {
             }
         };
         self.pending.push_back(chunk);
+        if self.g.structured.is_some() {
+            self.texts[i].push_str(&f.trailing_text);
+        }
         self.finished[i] = Some(f);
         if self.finished.iter().all(Option::is_some) {
             let all: Vec<Finished> = self.finished.iter().flatten().cloned().collect();
             record_finished(&mut self.record, &all);
             self.g.charge(&self.record);
+            let outputs: Vec<(&str, &Finished)> = self
+                .texts
+                .iter()
+                .map(String::as_str)
+                .zip(all.iter())
+                .collect();
+            if let Err(e) = self.g.check_structured(&mut self.record, &outputs) {
+                // The text already went out; the client learns it is not to be trusted.
+                self.record.fail(500, e.kind());
+                self.pending
+                    .push_back(serde_json::to_string(&e.body()).unwrap_or_default());
+            }
             if self.g.plan.include_usage {
                 let usage = self.g.usage(self.record.record.completion_tokens);
                 let fingerprint = format!("{}@{}", self.g.model.id, self.g.model.version);
@@ -896,6 +1000,7 @@ fn stream_response(g: Generation, record: RecordBuilder) -> Response {
     let mut state = Streaming {
         finished: vec![None; choices],
         text_len: vec![0; choices],
+        texts: vec![String::new(); choices],
         g,
         record,
         pending: std::collections::VecDeque::new(),

@@ -21,6 +21,8 @@ pub struct ModelHandle {
     pub engine: Arc<Engine>,
     pub admission: Arc<Admission>,
     pub entropy_band: Option<[f32; 2]>,
+    /// Compiles structured-output requests against this model's vocabulary.
+    pub grammar: Arc<grammar::Compiler>,
     /// Unix seconds of loading.
     pub created: u64,
     /// Generated-token counter and when it last moved (stall detection).
@@ -261,7 +263,18 @@ pub fn load_model(
         .map_err(|e| format!("{}: {e}", model.name))?;
     let engine = Engine::from_repository(repository, &reference, &options)
         .map_err(|e| format!("{}: {e}", model.name))?;
+    let limits = &config.limits;
+    let grammar = grammar::Compiler::new(
+        engine.shared_tokenizer(),
+        grammar::GrammarLimits {
+            max_bytes: limits.max_grammar_bytes,
+            max_compile: Duration::from_millis(limits.grammar_compile_timeout_ms),
+            cache_entries: limits.grammar_cache_entries,
+        },
+    )
+    .map_err(|e| format!("{}: {e}", model.name))?;
     Ok(ModelHandle {
+        grammar: Arc::new(grammar),
         id: model.name.clone(),
         version: version.version.to_string(),
         digest,

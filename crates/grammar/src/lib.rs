@@ -6,6 +6,7 @@
 //! [`Compiled::check`] checks it independently of the grammar engine (a JSON-schema validator, a
 //! regex, the list of choices).
 
+pub mod bench;
 pub mod compiler;
 pub mod spec;
 mod vocab;

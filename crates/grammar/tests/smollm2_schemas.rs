@@ -10,6 +10,7 @@ use engine::{
     ChatMessage, Constraint, Engine, EngineOptions, Event, FinishReason, GenerateRequest, Prompt,
     SamplingParams,
 };
+use grammar::bench::ticket_schema;
 use grammar::{Compiler, GrammarLimits, GrammarSpec, Outcome};
 use serde_json::{json, Value};
 use testkit::cached_model;
@@ -23,20 +24,6 @@ fn engine() -> Option<Engine> {
         ..EngineOptions::default()
     };
     Some(Engine::load(&path, &options).unwrap())
-}
-
-/// The seeds' ticket classification schema.
-pub fn ticket_schema() -> Value {
-    json!({
-        "type": "object",
-        "properties": {
-            "category": {"type": "string", "enum": ["billing", "technical", "account", "shipping", "other"]},
-            "confidence": {"type": "number", "minimum": 0, "maximum": 1},
-            "reasons": {"type": "array", "items": {"type": "string", "maxLength": 80}, "minItems": 1, "maxItems": 3}
-        },
-        "required": ["category", "confidence", "reasons"],
-        "additionalProperties": false
-    })
 }
 
 fn schemas() -> Vec<(&'static str, Value)> {

@@ -87,6 +87,28 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Decode tokens/s of the same chat prompts with and without a JSON-schema constraint
+    /// (greedy; rounds alternate the two modes), mask time per token, and the schema's
+    /// first-request compile time.
+    Structured {
+        #[command(flatten)]
+        model: ModelChoice,
+        /// A JSON schema file [default: the ticket-classification schema].
+        #[arg(long)]
+        schema: Option<PathBuf>,
+        /// Most tokens per answer.
+        #[arg(long, default_value_t = 128)]
+        max_tokens: usize,
+        /// Requests in flight at once, comma-separated (1 measures one sequence's decode rate).
+        #[arg(long, default_value = "1,8", value_delimiter = ',')]
+        parallel: Vec<usize>,
+        /// Rounds of each mode (medians are reported).
+        #[arg(long, short = 'r', default_value_t = 3)]
+        rounds: usize,
+        /// Print the result as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Load a running OpenAI-compatible server (Rampart, llama-server, vLLM) with concurrent
     /// streaming requests; report throughput and TTFT, TPOT, ITL and end-to-end latency per
     /// concurrency level (like vLLM's benchmark_serving.py).
@@ -310,6 +332,14 @@ pub fn run(command: BenchCommand) -> Result<ExitCode> {
                 );
             }
         }
+        BenchCommand::Structured {
+            model,
+            schema,
+            max_tokens,
+            parallel,
+            rounds,
+            json,
+        } => structured(model, schema, max_tokens, &parallel, rounds.max(1), json)?,
         BenchCommand::Perplexity {
             model,
             file,
@@ -459,4 +489,122 @@ fn serve(args: ServeArgs) -> Result<ExitCode> {
         return Ok(ExitCode::FAILURE);
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn structured(
+    mut model: ModelChoice,
+    schema: Option<PathBuf>,
+    max_tokens: usize,
+    parallel: &[usize],
+    rounds: usize,
+    json_out: bool,
+) -> Result<()> {
+    use grammar::bench::{compile_cost, run_mode, ticket_schema, TICKETS};
+    let schema = match &schema {
+        Some(path) => serde_json::from_str(
+            &std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?,
+        )
+        .with_context(|| format!("{} is not JSON", path.display()))?,
+        None => ticket_schema(),
+    };
+    let spec = grammar::GrammarSpec::JsonSchema {
+        schema,
+        strict: true,
+    };
+    let most = parallel.iter().copied().max().unwrap_or(1).max(1);
+    model.kv.max_num_seqs = model.kv.max_num_seqs.max(most);
+    let engine = model.load(Some(1024))?;
+    let cost = compile_cost(&engine, &spec).map_err(anyhow::Error::msg)?;
+    let compiler = grammar::Compiler::new(engine.shared_tokenizer(), Default::default())?;
+    let (compiled, _) = compiler.compile(&spec)?;
+    let prompts: Vec<String> = TICKETS.iter().map(|t| t.to_string()).collect();
+    run_mode(&engine, Some(&compiled), &prompts[..2], 16, 1)?; // warm-up
+    if !json_out {
+        println!("model    {}", model.model);
+        println!("backend  {}", engine.backend().describe());
+        println!(
+            "compile  setup {:.1} ms (once per model), schema {:.2} ms (first request)",
+            cost.setup_seconds * 1e3,
+            cost.compile_seconds * 1e3
+        );
+        println!(
+            "{:>4} {:>12} {:>12} {:>7} {:>12} {:>12} {:>7} {:>10} {:>7}",
+            "N",
+            "free tok/s",
+            "json tok/s",
+            "ratio",
+            "free thr",
+            "json thr",
+            "ratio",
+            "mask µs",
+            "valid"
+        );
+    }
+    let mut rows = Vec::new();
+    for &n in parallel {
+        let n = n.max(1);
+        let (mut free, mut constrained) = (Vec::new(), Vec::new());
+        for _ in 0..rounds {
+            free.push(run_mode(&engine, None, &prompts, max_tokens, n)?);
+            constrained.push(run_mode(&engine, Some(&compiled), &prompts, max_tokens, n)?);
+        }
+        let metric = |runs: &[grammar::bench::ModeReport],
+                      f: fn(&grammar::bench::ModeReport) -> f64| {
+            median(&runs.iter().map(f).collect::<Vec<_>>())
+        };
+        let (free_tps, json_tps) = (
+            metric(&free, |r| r.decode_tps()),
+            metric(&constrained, |r| r.decode_tps()),
+        );
+        let (free_thr, json_thr) = (
+            metric(&free, |r| r.throughput()),
+            metric(&constrained, |r| r.throughput()),
+        );
+        let mask_us = metric(&constrained, |r| {
+            r.mask_seconds * 1e6 / r.masks.max(1) as f64
+        });
+        let valid: usize = constrained.iter().map(|r| r.valid).sum();
+        let total: usize = constrained.iter().map(|r| r.requests).sum();
+        if !json_out {
+            println!(
+                "{:>4} {:>12.1} {:>12.1} {:>7.3} {:>12.1} {:>12.1} {:>7.3} {:>10.1} {:>3}/{:<3}",
+                n,
+                free_tps,
+                json_tps,
+                json_tps / free_tps,
+                free_thr,
+                json_thr,
+                json_thr / free_thr,
+                mask_us,
+                valid,
+                total
+            );
+        }
+        rows.push(json!({
+            "parallel": n,
+            "free_decode_tokens_per_second": free_tps,
+            "constrained_decode_tokens_per_second": json_tps,
+            "decode_ratio": json_tps / free_tps,
+            "free_throughput": free_thr,
+            "constrained_throughput": json_thr,
+            "throughput_ratio": json_thr / free_thr,
+            "mask_microseconds_per_token": mask_us,
+            "valid_outputs": valid,
+            "outputs": total,
+        }));
+    }
+    if json_out {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({
+                "model": model.model,
+                "backend": engine.backend().describe(),
+                "compiler_setup_seconds": cost.setup_seconds,
+                "schema_compile_seconds": cost.compile_seconds,
+                "runs": rows,
+            }))?
+        );
+    }
+    Ok(())
 }

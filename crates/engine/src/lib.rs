@@ -22,6 +22,7 @@ pub mod bench;
 pub mod block_pool;
 pub mod chat;
 pub mod constraint;
+pub mod convert;
 pub mod error;
 pub mod generate;
 pub mod kv_store;

@@ -6,6 +6,7 @@ mod engine_args;
 mod generate_cmd;
 mod model_cmd;
 mod progress_bar;
+mod quantize_cmd;
 mod render;
 mod serve_cmd;
 

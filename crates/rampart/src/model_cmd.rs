@@ -96,6 +96,72 @@ pub enum ModelCommand {
         /// NAME@VERSION.
         model: String,
     },
+    /// Re-quantize a GGUF model (a file or NAME[@VERSION]) by a plan that maps tensor-name
+    /// patterns to types, and import the result as a new version whose lineage records the
+    /// source digest and the plan. The output loads in llama.cpp too.
+    Quantize {
+        /// A .gguf file or NAME[@VERSION] in the repository.
+        source: String,
+        /// A plan file (TOML: `default = "Q4_K"` and ordered `rules = [{ match, type }]`).
+        #[arg(long, value_name = "FILE")]
+        plan: Option<PathBuf>,
+        /// One type for every matrix instead of a plan (F32, F16, Q8_0, Q6_K, Q5_K, Q5_1, Q5_0,
+        /// Q4_K, Q4_1, Q4_0).
+        #[arg(long = "type", value_name = "TYPE")]
+        dtype: Option<String>,
+        /// Name of the new model version.
+        #[arg(long)]
+        name: String,
+        #[arg(long)]
+        version: String,
+        /// Quantization threads (default: physical cores).
+        #[arg(long, short = 't')]
+        threads: Option<usize>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Compare versions: perplexity on a text (and its change against --baseline), size on
+    /// disk, peak resident memory and decode tokens/s, one row per version. Each version is
+    /// measured in its own process.
+    Evaluate {
+        /// NAME@VERSION (or .gguf files), one or more.
+        #[arg(required = true)]
+        models: Vec<String>,
+        /// A UTF-8 text for perplexity.
+        #[arg(long, value_name = "FILE")]
+        text: PathBuf,
+        /// The version the others are compared with (measured first).
+        #[arg(long)]
+        baseline: Option<String>,
+        /// Tokens per perplexity chunk.
+        #[arg(long, default_value_t = 256)]
+        ctx: usize,
+        /// At most this many chunks (0: the whole text).
+        #[arg(long, default_value_t = 0)]
+        chunks: usize,
+        /// Tokens generated for the decode speed (median of 3).
+        #[arg(long, default_value_t = 64)]
+        gen_tokens: usize,
+        #[arg(long, short = 't')]
+        threads: Option<usize>,
+        #[arg(long)]
+        json: bool,
+    },
+    /// One model's measurements as JSON (what `evaluate` runs per version).
+    #[command(hide = true)]
+    EvaluateOne {
+        model: String,
+        #[arg(long)]
+        text: PathBuf,
+        #[arg(long)]
+        ctx: usize,
+        #[arg(long)]
+        chunks: usize,
+        #[arg(long)]
+        gen_tokens: usize,
+        #[arg(long, short = 't')]
+        threads: Option<usize>,
+    },
 }
 
 fn parse_kind(s: &str) -> Result<Kind, String> {
@@ -139,6 +205,47 @@ pub fn run(args: ModelArgs) -> Result<ExitCode> {
             json,
         } => diff_cmd(&repo, &old, &new, tokenizer_threshold, json),
         ModelCommand::Remove { model } => remove(&repo, &model),
+        ModelCommand::Quantize {
+            source,
+            plan,
+            dtype,
+            name,
+            version,
+            threads,
+            json,
+        } => crate::quantize_cmd::quantize(
+            &args.repo, &source, plan, dtype, name, version, threads, json,
+        ),
+        ModelCommand::Evaluate {
+            models,
+            text,
+            baseline,
+            ctx,
+            chunks,
+            gen_tokens,
+            threads,
+            json,
+        } => crate::quantize_cmd::evaluate(
+            &args.repo,
+            &models,
+            baseline.as_deref(),
+            &text,
+            ctx,
+            chunks,
+            gen_tokens,
+            threads,
+            json,
+        ),
+        ModelCommand::EvaluateOne {
+            model,
+            text,
+            ctx,
+            chunks,
+            gen_tokens,
+            threads,
+        } => crate::quantize_cmd::evaluate_one(
+            &args.repo, &model, &text, ctx, chunks, gen_tokens, threads,
+        ),
     }
 }
 
@@ -162,6 +269,7 @@ fn import(
         link,
         git_commit,
         dataset_version,
+        derived_from: None,
         build: build_info(),
         progress: progress.as_ref(),
     };

@@ -574,3 +574,151 @@ fn version_and_help() {
                 .and(predicate::str::contains("--repo <DIR>")),
         );
 }
+
+#[test]
+fn quantize_by_plan_records_lineage_and_evaluate_compares_versions() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("models");
+    let tiny = TinyLlama {
+        embedding_length: 256,
+        feed_forward_length: 512,
+        tied_embeddings: true,
+        ..TinyLlama::default()
+    };
+    let source = dir.path().join("tiny.gguf");
+    std::fs::write(&source, tiny.to_gguf().unwrap()).unwrap();
+    import(&repo, &source, "tiny", "1.0.0", &[]);
+    let plan = dir.path().join("plan.toml");
+    std::fs::write(
+        &plan,
+        r#"default = "Q4_K"
+rules = [
+  { match = "*.self_attn.o_proj", type = "F16" },
+  { match = "lm_head", type = "Q8_0" },
+  { match = "blk.*.ffn_down", type = "Q6_K" },
+  { match = "*.no_such_tensor", type = "Q8_0" },
+]
+"#,
+    )
+    .unwrap();
+    let out = json_of(rampart(
+        &repo,
+        &[
+            "quantize",
+            "tiny@1.0.0",
+            "--plan",
+            plan.to_str().unwrap(),
+            "--name",
+            "tiny",
+            "--version",
+            "1.1.0",
+            "--json",
+        ],
+    ));
+    assert_eq!(out["model"], "tiny@1.1.0");
+    assert_eq!(out["unused_rules"], serde_json::json!(["*.no_such_tensor"]));
+    // The written file has the plan's types (norms stay F32).
+    let file = GgufFile::open(repo.join("tiny/1.1.0/tiny-1.1.0.gguf")).unwrap();
+    let type_of = |name: &str| format!("{:?}", file.header().tensor(name).unwrap().ggml_type);
+    assert_eq!(type_of("blk.0.attn_output.weight"), "F16");
+    assert_eq!(
+        type_of("token_embd.weight"),
+        "Q8_0",
+        "tied output: lm_head names the embedding"
+    );
+    assert_eq!(type_of("blk.1.ffn_down.weight"), "Q6_K");
+    assert_eq!(type_of("blk.1.ffn_up.weight"), "Q4_K");
+    assert_eq!(type_of("blk.0.attn_norm.weight"), "F32");
+    assert!(file
+        .header()
+        .get_str("rampart.quantization.plan")
+        .unwrap()
+        .is_some());
+    // The lineage names the source by its version digest and records the plan.
+    let lineage: Json = serde_json::from_str(
+        &std::fs::read_to_string(repo.join("tiny/1.1.0/LINEAGE.json")).unwrap(),
+    )
+    .unwrap();
+    let inspect = json_of(rampart(&repo, &["inspect", "tiny@1.0.0", "--json"]));
+    let digest = inspect["version_digest"]
+        .as_str()
+        .unwrap()
+        .trim_start_matches("sha256:")
+        .to_string();
+    assert_eq!(lineage["derived_from"]["model"], "tiny@1.0.0");
+    assert_eq!(lineage["derived_from"]["sha256"], digest.as_str());
+    assert_eq!(lineage["derived_from"]["operation"], "quantize");
+    assert!(lineage["derived_from"]["parameters"]
+        .as_str()
+        .unwrap()
+        .contains("o_proj"));
+    // The new version serves.
+    Command::cargo_bin("rampart")
+        .unwrap()
+        .env_remove("RAMPART_REPO")
+        .args([
+            "generate",
+            "--model",
+            "tiny@1.1.0",
+            "--prompt",
+            "the",
+            "-n",
+            "4",
+            "--repo",
+        ])
+        .arg(&repo)
+        .assert()
+        .success();
+    // Evaluate: one row per version, the baseline first, deltas against it.
+    let text = dir.path().join("text.txt");
+    std::fs::write(&text, "the cat sat on the mat and then the hat ".repeat(40)).unwrap();
+    let eval = json_of(rampart(
+        &repo,
+        &[
+            "evaluate",
+            "tiny@1.1.0",
+            "--baseline",
+            "tiny@1.0.0",
+            "--text",
+            text.to_str().unwrap(),
+            "--ctx",
+            "64",
+            "--gen-tokens",
+            "8",
+            "--json",
+        ],
+    ));
+    let rows = eval["results"].as_array().unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[0]["model"], "tiny@1.0.0");
+    assert_eq!(rows[0]["ppl_delta"], 0.0);
+    for r in rows {
+        let ppl = r["perplexity"].as_f64().unwrap();
+        assert!(ppl.is_finite() && ppl > 1.0, "{r}");
+        assert!(r["size_bytes"].as_u64().unwrap() > 0);
+        assert!(r["peak_rss_bytes"].as_u64().unwrap() > 0);
+        assert!(r["decode_tokens_per_second"].as_f64().unwrap() > 0.0);
+    }
+    assert!(rows[1]["size_bytes"].as_u64() < rows[0]["size_bytes"].as_u64());
+    // A bad plan is refused with the reason, and nothing is imported.
+    std::fs::write(&plan, "default = \"Q3_K\"\n").unwrap();
+    rampart(
+        &repo,
+        &[
+            "quantize",
+            "tiny@1.0.0",
+            "--plan",
+            plan.to_str().unwrap(),
+            "--name",
+            "tiny",
+            "--version",
+            "1.2.0",
+        ],
+    )
+    .assert()
+    .failure()
+    .stderr(predicate::str::contains(
+        "unknown quantization type \"Q3_K\"",
+    ));
+    assert!(!repo.join("tiny/1.2.0").exists());
+}

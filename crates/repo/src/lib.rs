@@ -29,7 +29,7 @@ pub mod tokenizer;
 
 pub use digests::{Digests, VerifyReport};
 pub use error::RepoError;
-pub use lineage::{BuildInfo, Lineage};
+pub use lineage::{BuildInfo, Derivation, Lineage};
 pub use manifest::{Format, Kind, Manifest};
 pub use model_ref::ModelRef;
 pub use progress::{NoProgress, Progress};

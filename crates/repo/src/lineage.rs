@@ -83,6 +83,22 @@ pub struct Lineage {
     /// Dataset version, as given with `--dataset-version`.
     pub dataset_version: Option<String>,
     pub environment: Environment,
+    /// How this version was made from another model (quantization), when it was.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub derived_from: Option<Derivation>,
+}
+
+/// The model a version was derived from and how.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Derivation {
+    /// `name@version` in the repository, or the source file's path.
+    pub model: String,
+    /// sha256 of the source: its version digest when it came from the repository, else the file's.
+    pub sha256: String,
+    /// What was done: `quantize`.
+    pub operation: String,
+    /// The operation's parameters as given (for `quantize`: the plan, in TOML).
+    pub parameters: String,
 }
 
 impl Lineage {

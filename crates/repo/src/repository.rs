@@ -6,7 +6,7 @@ use crate::describe::describe;
 use crate::digests::{copy_and_hash, hash_file, verify_dir, Digests, VerifyReport};
 use crate::error::RepoError;
 use crate::lineage::{
-    current_user, now_rfc3339, BuildInfo, Environment, Lineage, Source, SourceFile,
+    current_user, now_rfc3339, BuildInfo, Derivation, Environment, Lineage, Source, SourceFile,
 };
 use crate::manifest::{FileEntry, Kind, Manifest, ModelSection, MANIFEST_FILE, MANIFEST_VERSION};
 use crate::model_ref::{parse_version, validate_name, ModelRef};
@@ -53,6 +53,8 @@ pub struct ImportOptions<'a> {
     pub git_commit: Option<String>,
     /// Version of the training/evaluation data, for the lineage.
     pub dataset_version: Option<String>,
+    /// The model this one was made from (quantization), for the lineage.
+    pub derived_from: Option<Derivation>,
     pub build: BuildInfo,
     pub progress: &'a dyn Progress,
 }
@@ -398,6 +400,7 @@ impl Repository {
             git_commit: options.git_commit.clone(),
             dataset_version: options.dataset_version.clone(),
             environment: Environment::snapshot(),
+            derived_from: options.derived_from.clone(),
         };
         lineage.write(&staging.dir)?;
         for own in [MANIFEST_FILE, crate::lineage::LINEAGE_FILE] {

@@ -24,6 +24,7 @@ fn options(name: &str, version: &str) -> ImportOptions<'static> {
         link: false,
         git_commit: None,
         dataset_version: None,
+        derived_from: None,
         build: build(),
         progress: &NoProgress,
     }

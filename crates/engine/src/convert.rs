@@ -1,0 +1,532 @@
+//! Quantization plans and model conversion: a plan maps tensor-name patterns to block types
+//! (fragile tensors such as attention `o_proj` stay in higher precision while the rest goes to
+//! 4 bits), and [`quantize_gguf`] applies one to a model, writing a GGUF that llama.cpp loads too.
+//!
+//! A plan is small TOML:
+//!
+//! ```toml
+//! default = "Q4_K"
+//! rules = [
+//!   { match = "*.self_attn.o_proj", type = "F16" },
+//!   { match = "lm_head", type = "Q8_0" },
+//!   { match = "*.mlp.*", type = "Q4_K" },
+//! ]
+//! ```
+//!
+//! Rules are tried in order and the first match wins; `*` matches any run of characters (dots
+//! included), `?` one character. A pattern is tried against the tensor's GGUF name
+//! (`blk.3.attn_output.weight`) and its Hugging Face name (`model.layers.3.self_attn.o_proj.weight`),
+//! each with and without the `.weight`/`.bias` suffix. `lm_head` also names the token embedding
+//! of a model whose output matrix is tied to it. One-dimensional tensors (norms, biases) always
+//! stay F32. A type whose block does not divide a tensor's rows falls back as llama.cpp falls
+//! back (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0, then F16), and the summary says so.
+
+use std::path::Path;
+
+use formats::gguf::{GgmlType, GgufFile, GgufWriter, Value};
+use kernels::DType;
+use serde::{Deserialize, Serialize};
+
+use crate::error::EngineError;
+use crate::model::dtype_of;
+
+/// Types a plan may ask for: the ones the engine's kernels multiply and llama.cpp reads.
+pub const PLAN_TYPES: &[DType] = &[
+    DType::F32,
+    DType::F16,
+    DType::Q8_0,
+    DType::Q6_K,
+    DType::Q5_K,
+    DType::Q5_1,
+    DType::Q5_0,
+    DType::Q4_K,
+    DType::Q4_1,
+    DType::Q4_0,
+];
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PlanFile {
+    default: String,
+    #[serde(default)]
+    rules: Vec<RuleFile>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RuleFile {
+    #[serde(rename = "match")]
+    pattern: String,
+    #[serde(rename = "type")]
+    dtype: String,
+}
+
+/// A parsed, checked quantization plan.
+#[derive(Debug, Clone, PartialEq)]
+pub struct QuantPlan {
+    pub default: DType,
+    /// `(pattern, type)`, first match wins.
+    pub rules: Vec<(String, DType)>,
+}
+
+fn plan_type(name: &str) -> Result<DType, EngineError> {
+    let upper = name.to_ascii_uppercase();
+    PLAN_TYPES
+        .iter()
+        .copied()
+        .find(|t| t.name().eq_ignore_ascii_case(&upper))
+        .ok_or_else(|| {
+            EngineError::InvalidRequest(format!(
+                "unknown quantization type {name:?} (one of {})",
+                PLAN_TYPES
+                    .iter()
+                    .map(|t| t.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+        })
+}
+
+impl QuantPlan {
+    /// One type for every matrix.
+    pub fn uniform(dtype: DType) -> Self {
+        Self {
+            default: dtype,
+            rules: Vec::new(),
+        }
+    }
+
+    /// Parses a plan from TOML (see the module documentation).
+    pub fn parse(text: &str) -> Result<Self, EngineError> {
+        let file: PlanFile = toml::from_str(text)
+            .map_err(|e| EngineError::InvalidRequest(format!("quantization plan: {e}")))?;
+        let mut rules = Vec::new();
+        for r in &file.rules {
+            if r.pattern.is_empty() {
+                return Err(EngineError::InvalidRequest(
+                    "quantization plan: a rule has an empty match".into(),
+                ));
+            }
+            rules.push((r.pattern.clone(), plan_type(&r.dtype)?));
+        }
+        Ok(Self {
+            default: plan_type(&file.default)?,
+            rules,
+        })
+    }
+
+    /// The plan as TOML (recorded in the output file and the lineage).
+    pub fn to_toml(&self) -> String {
+        let file = PlanFile {
+            default: self.default.name().to_string(),
+            rules: self
+                .rules
+                .iter()
+                .map(|(p, t)| RuleFile {
+                    pattern: p.clone(),
+                    dtype: t.name().to_string(),
+                })
+                .collect(),
+        };
+        toml::to_string(&file).unwrap_or_default()
+    }
+
+    /// The type the plan gives a tensor, and the index of the rule that decided (none: default).
+    pub fn choose(&self, names: &[String]) -> (DType, Option<usize>) {
+        for (i, (pattern, dtype)) in self.rules.iter().enumerate() {
+            if names.iter().any(|n| glob(pattern, n)) {
+                return (*dtype, Some(i));
+            }
+        }
+        (self.default, None)
+    }
+}
+
+/// `*` matches any run of characters, `?` any one.
+pub fn glob(pattern: &str, name: &str) -> bool {
+    let (p, n): (Vec<char>, Vec<char>) = (pattern.chars().collect(), name.chars().collect());
+    let (mut pi, mut ni) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while ni < n.len() {
+        if pi < p.len() && (p[pi] == '?' || p[pi] == n[ni]) {
+            pi += 1;
+            ni += 1;
+        } else if pi < p.len() && p[pi] == '*' {
+            star = Some((pi, ni));
+            pi += 1;
+        } else if let Some((sp, sn)) = star {
+            pi = sp + 1;
+            ni = sn + 1;
+            star = Some((sp, sn + 1));
+        } else {
+            return false;
+        }
+    }
+    while pi < p.len() && p[pi] == '*' {
+        pi += 1;
+    }
+    pi == p.len()
+}
+
+/// The Hugging Face name of a llama-family GGUF tensor (none for names without one).
+pub fn hf_name(gguf: &str) -> Option<String> {
+    let (stem, suffix) = gguf.rsplit_once('.')?;
+    let top = match stem {
+        "token_embd" => Some("model.embed_tokens"),
+        "output_norm" => Some("model.norm"),
+        "output" => Some("lm_head"),
+        _ => None,
+    };
+    if let Some(t) = top {
+        return Some(format!("{t}.{suffix}"));
+    }
+    let rest = stem.strip_prefix("blk.")?;
+    let (layer, part) = rest.split_once('.')?;
+    let hf = match part {
+        "attn_norm" => "input_layernorm",
+        "attn_q" => "self_attn.q_proj",
+        "attn_k" => "self_attn.k_proj",
+        "attn_v" => "self_attn.v_proj",
+        "attn_output" => "self_attn.o_proj",
+        "ffn_norm" => "post_attention_layernorm",
+        "ffn_gate" => "mlp.gate_proj",
+        "ffn_up" => "mlp.up_proj",
+        "ffn_down" => "mlp.down_proj",
+        _ => return None,
+    };
+    Some(format!("model.layers.{layer}.{hf}.{suffix}"))
+}
+
+/// Every name a plan's pattern is tried against.
+fn names_of(gguf: &str, tied_output: bool) -> Vec<String> {
+    let mut names = vec![gguf.to_string()];
+    if let Some(hf) = hf_name(gguf) {
+        names.push(hf);
+    }
+    if tied_output && gguf == "token_embd.weight" {
+        names.push("lm_head.weight".into());
+    }
+    let bare: Vec<String> = names
+        .iter()
+        .filter_map(|n| {
+            n.strip_suffix(".weight")
+                .or_else(|| n.strip_suffix(".bias"))
+                .map(str::to_string)
+        })
+        .collect();
+    names.extend(bare);
+    names
+}
+
+/// The type actually written when `wanted` does not divide rows of `row_len`.
+fn fallback(wanted: DType, row_len: usize) -> DType {
+    let mut t = wanted;
+    loop {
+        if row_len % t.block_size() == 0 {
+            return t;
+        }
+        t = match t {
+            DType::Q4_K => DType::Q5_0,
+            DType::Q5_K => DType::Q5_1,
+            DType::Q6_K => DType::Q8_0,
+            DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 => DType::F16,
+            _ => return DType::F32,
+        };
+    }
+}
+
+/// What happened to one tensor.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TensorPlan {
+    pub name: String,
+    pub shape: Vec<u64>,
+    pub from: String,
+    /// What the plan asked for.
+    pub wanted: String,
+    /// What was written (differs when the rows do not fit the wanted type's blocks).
+    pub written: String,
+    /// The rule that decided (`None`: the default, or a one-dimensional tensor).
+    pub rule: Option<usize>,
+    pub bytes: u64,
+}
+
+/// The result of a conversion.
+#[derive(Debug, Clone, Serialize)]
+pub struct QuantizeSummary {
+    pub tensors: Vec<TensorPlan>,
+    /// Rules that matched no tensor (a typo, most likely).
+    pub unused_rules: Vec<String>,
+    pub source_bytes: u64,
+    pub output_bytes: u64,
+    pub parameters: u64,
+}
+
+/// llama.cpp's `general.file_type` for a plan's default type.
+fn file_type(default: DType) -> u32 {
+    match default {
+        DType::F32 => 0,
+        DType::F16 => 1,
+        DType::Q4_0 => 2,
+        DType::Q4_1 => 3,
+        DType::Q8_0 => 7,
+        DType::Q5_0 => 8,
+        DType::Q5_1 => 9,
+        DType::Q4_K => 15,
+        DType::Q5_K => 17,
+        DType::Q6_K => 18,
+        _ => 0,
+    }
+}
+
+fn ggml_type(d: DType) -> Result<GgmlType, EngineError> {
+    GgmlType::from_name(d.name())
+        .ok_or_else(|| EngineError::Load(format!("no GGUF type for {}", d.name())))
+}
+
+/// Reads a GGUF model and writes it to `out` with every tensor re-quantized by `plan`
+/// (dequantized to f32 first; rows are spread over `threads`). `progress` is told about each
+/// tensor as it is done (index, count, tensor).
+pub fn quantize_gguf(
+    src: &Path,
+    plan: &QuantPlan,
+    out: &Path,
+    threads: usize,
+    progress: &mut dyn FnMut(usize, usize, &TensorPlan),
+) -> Result<QuantizeSummary, EngineError> {
+    let file =
+        GgufFile::open(src).map_err(|e| EngineError::Load(format!("{}: {e}", src.display())))?;
+    let header = file.header();
+    let tied = header.tensor("output.weight").is_none();
+    let mut writer = GgufWriter::new();
+    for (key, value) in header.metadata() {
+        if key == "general.file_type" || key == "general.quantization_version" {
+            continue;
+        }
+        if key.starts_with("rampart.quantization.") {
+            continue;
+        }
+        writer
+            .metadata(key, value.clone())
+            .map_err(|e| EngineError::Load(e.to_string()))?;
+    }
+    writer
+        .metadata("general.file_type", Value::U32(file_type(plan.default)))
+        .and_then(|w| w.metadata("general.quantization_version", Value::U32(2)))
+        .and_then(|w| w.metadata("rampart.quantization.plan", Value::String(plan.to_toml())))
+        .map_err(|e| EngineError::Load(e.to_string()))?;
+
+    let mut used = vec![false; plan.rules.len()];
+    let mut tensors = Vec::with_capacity(header.tensors.len());
+    let mut datas: Vec<Vec<u8>> = Vec::with_capacity(header.tensors.len());
+    let count = header.tensors.len();
+    let mut source_bytes = 0;
+    let mut parameters = 0;
+    for (index, t) in header.tensors.iter().enumerate() {
+        let from = dtype_of(t.ggml_type).ok_or_else(|| EngineError::Tensor {
+            name: t.name.clone(),
+            reason: format!("{:?} tensors cannot be converted", t.ggml_type),
+        })?;
+        let row_len = t.dims.first().copied().unwrap_or(1) as usize;
+        let rows = (t.n_elements as usize) / row_len.max(1);
+        let matrix = t.dims.iter().filter(|&&d| d > 1).count() >= 2;
+        let (wanted, rule) = if matrix && !t.name.starts_with("rope_freqs") {
+            plan.choose(&names_of(&t.name, tied))
+        } else {
+            (DType::F32, None)
+        };
+        if let Some(r) = rule {
+            used[r] = true;
+        }
+        let written = fallback(wanted, row_len);
+        let src_row = from.row_bytes(row_len).ok_or_else(|| EngineError::Tensor {
+            name: t.name.clone(),
+            reason: format!("rows of {row_len} do not fit {} blocks", from.name()),
+        })?;
+        let dst_row = written
+            .row_bytes(row_len)
+            .ok_or_else(|| EngineError::Tensor {
+                name: t.name.clone(),
+                reason: format!("rows of {row_len} do not fit {} blocks", written.name()),
+            })?;
+        let data = file.tensor_data(t);
+        let mut out_bytes = vec![0u8; rows * dst_row];
+        convert_rows(
+            from,
+            written,
+            data,
+            &mut out_bytes,
+            row_len,
+            src_row,
+            dst_row,
+            threads,
+        )
+        .map_err(|reason| EngineError::Tensor {
+            name: t.name.clone(),
+            reason,
+        })?;
+        source_bytes += t.size_bytes;
+        parameters += t.n_elements;
+        let info = TensorPlan {
+            name: t.name.clone(),
+            shape: t.dims.clone(),
+            from: from.name().to_string(),
+            wanted: wanted.name().to_string(),
+            written: written.name().to_string(),
+            rule,
+            bytes: out_bytes.len() as u64,
+        };
+        progress(index, count, &info);
+        tensors.push(info);
+        datas.push(out_bytes);
+    }
+    for (t, data) in tensors.iter().zip(datas) {
+        let dtype = plan_type(&t.written)?;
+        writer
+            .tensor(&t.name, &t.shape, ggml_type(dtype)?, data)
+            .map_err(|e| EngineError::Load(e.to_string()))?;
+    }
+    let tmp = out.with_extension("gguf.partial");
+    let f = std::fs::File::create(&tmp)
+        .map_err(|e| EngineError::Load(format!("{}: {e}", tmp.display())))?;
+    let mut w = std::io::BufWriter::new(f);
+    writer
+        .write_to(&mut w)
+        .map_err(|e| EngineError::Load(format!("writing {}: {e}", out.display())))?;
+    std::io::Write::flush(&mut w).map_err(|e| EngineError::Load(e.to_string()))?;
+    drop(w);
+    std::fs::rename(&tmp, out).map_err(|e| EngineError::Load(format!("{}: {e}", out.display())))?;
+    let output_bytes = std::fs::metadata(out).map(|m| m.len()).unwrap_or(0);
+    Ok(QuantizeSummary {
+        unused_rules: plan
+            .rules
+            .iter()
+            .zip(&used)
+            .filter(|(_, u)| !**u)
+            .map(|((p, _), _)| p.clone())
+            .collect(),
+        tensors,
+        source_bytes,
+        output_bytes,
+        parameters,
+    })
+}
+
+/// Dequantizes each row of `src` and quantizes it into `dst`, rows split over threads.
+#[allow(clippy::too_many_arguments)]
+fn convert_rows(
+    from: DType,
+    to: DType,
+    src: &[u8],
+    dst: &mut [u8],
+    row_len: usize,
+    src_row: usize,
+    dst_row: usize,
+    threads: usize,
+) -> Result<(), String> {
+    let rows = dst.len() / dst_row.max(1);
+    if src.len() < rows * src_row {
+        return Err("the tensor's data is shorter than its shape".into());
+    }
+    if from == to {
+        dst.copy_from_slice(&src[..rows * src_row]);
+        return Ok(());
+    }
+    let threads = threads.clamp(1, rows.max(1));
+    let per = rows.div_ceil(threads);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = dst
+            .chunks_mut(per * dst_row)
+            .enumerate()
+            .map(|(k, out)| {
+                let first = k * per;
+                scope.spawn(move || -> Result<(), String> {
+                    let mut row = vec![0f32; row_len];
+                    for (j, o) in out.chunks_mut(dst_row).enumerate() {
+                        let r = first + j;
+                        kernels::quant::dequantize_row(
+                            from,
+                            &src[r * src_row..(r + 1) * src_row],
+                            &mut row,
+                        );
+                        kernels::quantize::quantize_row(to, &row, o).map_err(|e| e.to_string())?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        handles.into_iter().try_for_each(|h| {
+            h.join()
+                .map_err(|_| "a quantizer thread panicked".to_string())?
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs_match_like_shells() {
+        assert!(glob("*.mlp.*", "model.layers.3.mlp.up_proj"));
+        assert!(glob(
+            "*.self_attn.o_proj",
+            "model.layers.12.self_attn.o_proj"
+        ));
+        assert!(!glob(
+            "*.self_attn.o_proj",
+            "model.layers.12.self_attn.o_proj.weight"
+        ));
+        assert!(glob("blk.?.attn_*", "blk.3.attn_q.weight"));
+        assert!(!glob("blk.?.attn_*", "blk.13.attn_q.weight"));
+        assert!(glob("*", ""));
+        assert!(glob("lm_head", "lm_head"));
+        assert!(!glob("lm_head", "lm_head2"));
+    }
+
+    #[test]
+    fn plans_parse_choose_and_round_trip() {
+        let plan = QuantPlan::parse(
+            r#"default = "q4_k"
+rules = [
+  { match = "*.self_attn.o_proj", type = "F16" },
+  { match = "lm_head", type = "Q8_0" },
+  { match = "*.mlp.*", type = "Q4_K" },
+]"#,
+        )
+        .unwrap();
+        assert_eq!(plan.default, DType::Q4_K);
+        let pick = |n: &str, tied: bool| plan.choose(&names_of(n, tied));
+        assert_eq!(
+            pick("blk.7.attn_output.weight", false),
+            (DType::F16, Some(0))
+        );
+        assert_eq!(pick("output.weight", false), (DType::Q8_0, Some(1)));
+        assert_eq!(pick("token_embd.weight", true), (DType::Q8_0, Some(1)));
+        assert_eq!(pick("token_embd.weight", false), (DType::Q4_K, None));
+        assert_eq!(pick("blk.0.ffn_up.weight", false), (DType::Q4_K, Some(2)));
+        assert_eq!(QuantPlan::parse(&plan.to_toml()).unwrap(), plan);
+        for bad in [
+            "default = \"Q3_K\"",
+            "default = \"Q4_K\"\nrules = [{ match = \"x\", type = \"Q9\" }]",
+            "default = \"Q4_K\"\nextra = 1",
+            "rules = []",
+            "default = \"Q4_K\"\nrules = [{ match = \"\", type = \"F16\" }]",
+        ] {
+            assert!(QuantPlan::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn rows_that_do_not_fit_fall_back_as_llama_cpp_does() {
+        assert_eq!(fallback(DType::Q4_K, 576), DType::Q5_0);
+        assert_eq!(fallback(DType::Q4_K, 1536), DType::Q4_K);
+        assert_eq!(fallback(DType::Q6_K, 576), DType::Q8_0);
+        assert_eq!(fallback(DType::Q5_K, 576), DType::Q5_1);
+        assert_eq!(fallback(DType::Q4_0, 40), DType::F16);
+        assert_eq!(
+            hf_name("blk.3.attn_output.weight").as_deref(),
+            Some("model.layers.3.self_attn.o_proj.weight")
+        );
+        assert_eq!(hf_name("output.weight").as_deref(), Some("lm_head.weight"));
+    }
+}

@@ -21,7 +21,7 @@
 //! stay F32. A type whose block does not divide a tensor's rows falls back as llama.cpp falls
 //! back (Q4_K → Q5_0, Q5_K → Q5_1, Q6_K → Q8_0, then F16), and the summary says so.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use formats::gguf::{GgmlType, GgufFile, GgufWriter, Value};
 use kernels::DType;
@@ -385,7 +385,8 @@ pub fn quantize_gguf(
             .tensor(&t.name, &t.shape, ggml_type(dtype)?, data)
             .map_err(|e| EngineError::Load(e.to_string()))?;
     }
-    let tmp = out.with_extension("gguf.partial");
+    // A name of its own, so that two processes converting the same model do not collide.
+    let tmp = out.with_extension(format!("partial-{}", std::process::id()));
     let f = std::fs::File::create(&tmp)
         .map_err(|e| EngineError::Load(format!("{}: {e}", tmp.display())))?;
     let mut w = std::io::BufWriter::new(f);
@@ -409,6 +410,88 @@ pub fn quantize_gguf(
         output_bytes,
         parameters,
     })
+}
+
+/// Quantization at load time: the model's weights go through `plan` once, into a file in
+/// `cache_dir` named by the source (path, size, modification time) and the plan; later loads
+/// find it there.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InSitu {
+    pub plan: QuantPlan,
+    pub cache_dir: PathBuf,
+}
+
+impl InSitu {
+    /// The default cache folder: `$XDG_CACHE_HOME/rampart/quantized`, else
+    /// `~/.cache/rampart/quantized`, else the temporary folder's `rampart-quantized`.
+    pub fn default_cache_dir() -> PathBuf {
+        if let Some(x) = std::env::var_os("XDG_CACHE_HOME").filter(|v| !v.is_empty()) {
+            return PathBuf::from(x).join("rampart/quantized");
+        }
+        if let Some(h) = std::env::var_os("HOME").filter(|v| !v.is_empty()) {
+            return PathBuf::from(h).join(".cache/rampart/quantized");
+        }
+        std::env::temp_dir().join("rampart-quantized")
+    }
+
+    /// From a type name (`Q4_K`: one type for every matrix) or the path of a plan file.
+    pub fn from_spec(spec: &str, cache_dir: Option<PathBuf>) -> Result<Self, EngineError> {
+        let plan = if PLAN_TYPES
+            .iter()
+            .any(|t| t.name().eq_ignore_ascii_case(spec))
+        {
+            QuantPlan::uniform(plan_type(spec)?)
+        } else {
+            let text = std::fs::read_to_string(spec).map_err(|e| {
+                EngineError::InvalidRequest(format!(
+                    "quantization {spec:?} is neither a type ({}) nor a readable plan file: {e}",
+                    PLAN_TYPES
+                        .iter()
+                        .map(|t| t.name())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ))
+            })?;
+            QuantPlan::parse(&text)?
+        };
+        Ok(Self {
+            plan,
+            cache_dir: cache_dir.unwrap_or_else(Self::default_cache_dir),
+        })
+    }
+
+    /// Where the quantized copy of `src` lives (made now if it is not there yet).
+    pub fn prepare(&self, src: &Path) -> Result<PathBuf, EngineError> {
+        use sha2::{Digest, Sha256};
+        let meta = std::fs::metadata(src)
+            .map_err(|e| EngineError::Load(format!("{}: {e}", src.display())))?;
+        let canonical = std::fs::canonicalize(src).unwrap_or_else(|_| src.to_path_buf());
+        let modified = meta
+            .modified()
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map_or(0, |d| d.as_nanos());
+        let mut h = Sha256::new();
+        h.update(canonical.to_string_lossy().as_bytes());
+        h.update(meta.len().to_le_bytes());
+        h.update(modified.to_le_bytes());
+        h.update(self.plan.to_toml().as_bytes());
+        let key = hex::encode(h.finalize());
+        let out = self.cache_dir.join(format!("{}.gguf", &key[..32]));
+        if out.is_file() {
+            return Ok(out);
+        }
+        std::fs::create_dir_all(&self.cache_dir)
+            .map_err(|e| EngineError::Load(format!("{}: {e}", self.cache_dir.display())))?;
+        quantize_gguf(
+            src,
+            &self.plan,
+            &out,
+            kernels::backend::physical_cores(),
+            &mut |_, _, _| {},
+        )?;
+        Ok(out)
+    }
 }
 
 /// Dequantizes each row of `src` and quantizes it into `dst`, rows split over threads.
@@ -514,6 +597,63 @@ rules = [
         ] {
             assert!(QuantPlan::parse(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn in_situ_quantization_converts_once_and_the_engine_runs_it() {
+        use crate::{Engine, EngineOptions, GenerateRequest, Prompt};
+        let dir = tempfile::tempdir().unwrap();
+        let tiny = formats::tiny::TinyLlama {
+            embedding_length: 256,
+            feed_forward_length: 512,
+            ..Default::default()
+        };
+        let src = dir.path().join("tiny.gguf");
+        std::fs::write(&src, tiny.to_gguf().unwrap()).unwrap();
+        let q8 = InSitu {
+            plan: QuantPlan::uniform(DType::Q8_0),
+            cache_dir: dir.path().join("cache"),
+        };
+        let first = q8.prepare(&src).unwrap();
+        let stamp = std::fs::metadata(&first).unwrap().modified().unwrap();
+        let again = q8.prepare(&src).unwrap();
+        assert_eq!(first, again);
+        assert_eq!(
+            std::fs::metadata(&again).unwrap().modified().unwrap(),
+            stamp
+        );
+        let file = GgufFile::open(&first).unwrap();
+        let t = file.header().tensor("blk.0.ffn_up.weight").unwrap();
+        assert_eq!(t.ggml_type, GgmlType::Q8_0);
+        let q4 = InSitu {
+            plan: QuantPlan::uniform(DType::Q4_K),
+            ..q8.clone()
+        };
+        assert_ne!(
+            q4.prepare(&src).unwrap(),
+            first,
+            "another plan, another file"
+        );
+        let options = EngineOptions {
+            threads: 1,
+            quantization: Some(q8),
+            ..EngineOptions::default()
+        };
+        let engine = Engine::load(&src, &options).unwrap();
+        let stream = engine
+            .generate(GenerateRequest::new(Prompt::Text("the".into()), 3))
+            .unwrap();
+        let tokens = stream
+            .filter(|e| matches!(e, crate::Event::Token(_)))
+            .count();
+        assert_eq!(tokens, 3);
+        assert!(InSitu::from_spec("Q9_Z", None).is_err());
+        assert_eq!(
+            InSitu::from_spec("q6_k", Some(dir.path().into()))
+                .unwrap()
+                .plan,
+            QuantPlan::uniform(DType::Q6_K)
+        );
     }
 
     #[test]

@@ -138,6 +138,8 @@ pub struct EngineOptions {
     pub prefill_chunk: usize,
     pub kv: KvOptions,
     pub scheduler: SchedulerOptions,
+    /// Quantize the weights at load by a plan ("in situ"); the result is cached on disk.
+    pub quantization: Option<crate::convert::InSitu>,
 }
 
 impl Default for EngineOptions {
@@ -148,6 +150,7 @@ impl Default for EngineOptions {
             prefill_chunk: 512,
             kv: KvOptions::default(),
             scheduler: SchedulerOptions::default(),
+            quantization: None,
         }
     }
 }
@@ -409,6 +412,14 @@ fn pool_blocks(layout: &KvLayout, options: &EngineOptions, context: usize) -> us
 impl Engine {
     /// Loads a GGUF file and starts its scheduler thread.
     pub fn load(path: &Path, options: &EngineOptions) -> Result<Self, EngineError> {
+        let converted;
+        let path = match &options.quantization {
+            Some(q) => {
+                converted = q.prepare(path)?;
+                converted.as_path()
+            }
+            None => path,
+        };
         let model = Model::load(path)?;
         let tokenizer = Tokenizer::from_gguf(model.gguf())?;
         if tokenizer.vocab_size() != model.config.vocab_size {

@@ -25,6 +25,10 @@ pub struct ModelChoice {
     /// Compute threads (default: physical cores).
     #[arg(long, short = 't')]
     pub threads: Option<usize>,
+    /// Quantize the weights at load ("in situ"): a type (Q8_0, Q6_K, Q5_K, Q4_K, Q4_0, …) or a
+    /// plan file; the result is cached in ~/.cache/rampart/quantized.
+    #[arg(long, value_name = "TYPE|PLAN")]
+    pub quantize: Option<String>,
     #[command(flatten)]
     pub kv: KvArgs,
 }
@@ -115,6 +119,9 @@ impl ModelChoice {
             ..EngineOptions::default()
         };
         self.kv.apply(&mut options);
+        if let Some(spec) = &self.quantize {
+            options.quantization = Some(engine::convert::InSitu::from_spec(spec, None)?);
+        }
         let path = PathBuf::from(&self.model);
         if path
             .extension()

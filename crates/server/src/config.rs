@@ -177,6 +177,10 @@ pub struct ModelConfig {
     pub kv_cache_dtype: Option<String>,
     pub max_num_seqs: Option<usize>,
     pub max_num_batched_tokens: Option<usize>,
+    /// Quantize the weights at load: a type (`Q4_K`) or a plan file (docs/quantization.md).
+    pub quantization: Option<String>,
+    /// Where in-situ quantized weights are kept (default: ~/.cache/rampart/quantized).
+    pub quantization_cache_dir: Option<PathBuf>,
 }
 
 /// A configuration problem, said plainly.

@@ -204,6 +204,8 @@ pub fn models_to_load(
                 kv_cache_dtype: None,
                 max_num_seqs: None,
                 max_num_batched_tokens: None,
+                quantization: None,
+                quantization_cache_dir: None,
             });
         }
     }
@@ -248,6 +250,12 @@ pub fn load_model(
     }
     if let Some(n) = model.max_num_batched_tokens {
         options.scheduler.max_num_batched_tokens = n;
+    }
+    if let Some(spec) = &model.quantization {
+        options.quantization = Some(
+            engine::convert::InSitu::from_spec(spec, model.quantization_cache_dir.clone())
+                .map_err(|e| format!("{}: quantization: {e}", model.name))?,
+        );
     }
     // The server's admission bounds what reaches the engine; the engine's own queue must hold it.
     options.scheduler.max_waiting = options

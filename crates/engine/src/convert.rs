@@ -168,39 +168,10 @@ pub fn glob(pattern: &str, name: &str) -> bool {
     pi == p.len()
 }
 
-/// The Hugging Face name of a llama-family GGUF tensor (none for names without one).
-pub fn hf_name(gguf: &str) -> Option<String> {
-    let (stem, suffix) = gguf.rsplit_once('.')?;
-    let top = match stem {
-        "token_embd" => Some("model.embed_tokens"),
-        "output_norm" => Some("model.norm"),
-        "output" => Some("lm_head"),
-        _ => None,
-    };
-    if let Some(t) = top {
-        return Some(format!("{t}.{suffix}"));
-    }
-    let rest = stem.strip_prefix("blk.")?;
-    let (layer, part) = rest.split_once('.')?;
-    let hf = match part {
-        "attn_norm" => "input_layernorm",
-        "attn_q" => "self_attn.q_proj",
-        "attn_k" => "self_attn.k_proj",
-        "attn_v" => "self_attn.v_proj",
-        "attn_output" => "self_attn.o_proj",
-        "ffn_norm" => "post_attention_layernorm",
-        "ffn_gate" => "mlp.gate_proj",
-        "ffn_up" => "mlp.up_proj",
-        "ffn_down" => "mlp.down_proj",
-        _ => return None,
-    };
-    Some(format!("model.layers.{layer}.{hf}.{suffix}"))
-}
-
 /// Every name a plan's pattern is tried against.
 fn names_of(gguf: &str, tied_output: bool) -> Vec<String> {
     let mut names = vec![gguf.to_string()];
-    if let Some(hf) = hf_name(gguf) {
+    if let Some(hf) = formats::hf::hf_tensor_name(gguf) {
         names.push(hf);
     }
     if tied_output && gguf == "token_embd.weight" {
@@ -663,10 +634,5 @@ rules = [
         assert_eq!(fallback(DType::Q6_K, 576), DType::Q8_0);
         assert_eq!(fallback(DType::Q5_K, 576), DType::Q5_1);
         assert_eq!(fallback(DType::Q4_0, 40), DType::F16);
-        assert_eq!(
-            hf_name("blk.3.attn_output.weight").as_deref(),
-            Some("model.layers.3.self_attn.o_proj.weight")
-        );
-        assert_eq!(hf_name("output.weight").as_deref(), Some("lm_head.weight"));
     }
 }

@@ -5,7 +5,7 @@
 pub enum EngineError {
     #[error("cannot load the model: {0}")]
     Load(String),
-    #[error("the model architecture {0:?} is not supported (supported: llama, qwen2)")]
+    #[error("the model architecture {0:?} is not supported (supported: llama, qwen2; in Hugging Face folders LlamaForCausalLM, Qwen2ForCausalLM)")]
     UnsupportedArchitecture(String),
     #[error("tensor {name:?}: {reason}")]
     Tensor { name: String, reason: String },

@@ -24,7 +24,7 @@ use crate::constraint::Constraint;
 use crate::error::EngineError;
 use crate::kv_store::{KvLayout, KvStore, SequenceCache};
 use crate::kv_tier::{KvTier, TierConfig};
-use crate::model::{Batch, ForwardState, LogitRows, Model, ModelConfig};
+use crate::model::{Batch, ForwardState, LogitRows, Model, ModelConfig, WeightFormat};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::scheduler::{
     Executor, NewSequence, Scheduler, SchedulerConfig, SchedulerHandles, SchedulerLimits,
@@ -410,7 +410,8 @@ fn pool_blocks(layout: &KvLayout, options: &EngineOptions, context: usize) -> us
 }
 
 impl Engine {
-    /// Loads a GGUF file and starts its scheduler thread.
+    /// Loads a model (a GGUF file, or a Hugging Face checkpoint folder with its
+    /// `tokenizer.json`) and starts its scheduler thread.
     pub fn load(path: &Path, options: &EngineOptions) -> Result<Self, EngineError> {
         let converted;
         let path = match &options.quantization {
@@ -421,7 +422,14 @@ impl Engine {
             None => path,
         };
         let model = Model::load(path)?;
-        let tokenizer = Tokenizer::from_gguf(model.gguf())?;
+        let mut tokenizer = match model.gguf() {
+            Some(gguf) => Tokenizer::from_gguf(gguf)?,
+            None => Tokenizer::from_hf_folder(path)?,
+        };
+        if model.format == WeightFormat::HuggingFace {
+            // Checkpoints pad their embedding past the tokenizer's last id.
+            tokenizer.pad_to(model.config.vocab_size);
+        }
         if tokenizer.vocab_size() != model.config.vocab_size {
             return Err(EngineError::Load(format!(
                 "the tokenizer has {} tokens but the embedding has {} rows",
@@ -529,17 +537,21 @@ impl Engine {
     ) -> Result<Self, EngineError> {
         let loaded = repository.load(model, &NoProgress)?;
         let m = &loaded.manifest.model;
-        if m.kind != Kind::Llm || m.format != Format::Gguf {
-            return Err(EngineError::Load(format!(
-                "{} is a {} model in {} format; the engine runs LLMs in GGUF",
+        match (m.kind, m.format) {
+            (Kind::Llm, Format::Gguf) => {
+                let weights = m
+                    .weights
+                    .first()
+                    .ok_or_else(|| EngineError::Load("the manifest lists no weights".into()))?;
+                Self::load(&loaded.version.dir.join(weights), options)
+            }
+            // A Hugging Face checkpoint: the version folder is the checkpoint folder.
+            (Kind::Llm, Format::Safetensors) => Self::load(&loaded.version.dir, options),
+            _ => Err(EngineError::Load(format!(
+                "{} is a {} model in {} format; the engine runs LLMs in GGUF or safetensors",
                 loaded.version, m.kind, m.format
-            )));
+            ))),
         }
-        let weights = m
-            .weights
-            .first()
-            .ok_or_else(|| EngineError::Load("the manifest lists no weights".into()))?;
-        Self::load(&loaded.version.dir.join(weights), options)
     }
 
     pub fn config(&self) -> &ModelConfig {

@@ -1,13 +1,15 @@
-//! Rampart's LLM engine: runs llama-family models from GGUF files on the CPU kernels.
+//! Rampart's LLM engine: runs llama-family models from GGUF files and Hugging Face checkpoint
+//! folders (safetensors) on the CPU kernels.
 //!
-//! - [`model`]: configuration, zero-copy weights from the memory-mapped GGUF, the batched forward
-//!   pass over a paged KV cache;
+//! - [`model`]: configuration, the batched forward pass over a paged KV cache; [`weights`]:
+//!   zero-copy weights from the memory-mapped files; [`hf`]: Hugging Face folders
+//!   (`config.json`, single or sharded safetensors);
 //! - [`block_pool`]: KV block bookkeeping and the prefix cache; [`kv_store`]: the blocks' bytes;
 //!   [`kv_tier`]: the second tier (host memory, then disk) for preempted and evicted blocks;
 //! - [`scheduler`]: continuous batching with chunked prefill, preemption and cancellation;
 //! - [`arch`]: the model families (llama, qwen2) and what distinguishes them;
-//! - [`tokenizer`]: byte-level BPE and SentencePiece vocabularies from GGUF metadata, streaming
-//!   detokenization ([`sentencepiece`] holds the SentencePiece algorithm);
+//! - [`tokenizer`]: byte-level BPE and SentencePiece vocabularies from GGUF metadata or
+//!   `tokenizer.json`, streaming detokenization ([`sentencepiece`] holds the SentencePiece algorithm);
 //! - [`chat`]: chat templates (minijinja with the helpers HF templates use);
 //! - [`sampler`]: sampling with logprobs and per-token entropy;
 //! - [`generate`]: the engine API, `Engine::generate(request) → stream of events`, and the
@@ -25,6 +27,7 @@ pub mod constraint;
 pub mod convert;
 pub mod error;
 pub mod generate;
+pub mod hf;
 pub mod kv_store;
 pub mod kv_tier;
 pub mod model;
@@ -32,6 +35,7 @@ pub mod sampler;
 pub mod scheduler;
 pub mod sentencepiece;
 pub mod tokenizer;
+pub mod weights;
 
 pub use chat::ChatMessage;
 pub use constraint::{Constraint, ConstraintFactory, TokenConstraint, TokenMask};

@@ -1,20 +1,25 @@
-//! A loaded model: configuration, weights mapped from the GGUF file, and the forward pass.
+//! A loaded model: configuration, weights mapped from a GGUF file or a Hugging Face checkpoint
+//! folder, and the forward pass.
 //!
-//! Weights stay in the memory map (zero-copy); only the small 1-D tensors (norms, biases) are
-//! copied to f32 at load. The forward pass is the llama-family decoder; what differs between
-//! families (RoPE layout, biases) is described by an [`crate::arch::Family`].
+//! Weights stay in the memory maps (zero-copy, see [`crate::weights`]); only the small 1-D
+//! tensors (norms, biases) are copied to f32 at load. The forward pass is the llama-family
+//! decoder; what differs between families (RoPE layout, biases) is described by an
+//! [`crate::arch::Family`].
 
 use std::ops::Range;
 use std::path::Path;
 
-use formats::gguf::{GgmlType, GgufFile, TensorInfo};
+use formats::gguf::GgufFile;
 use kernels::ops::{swiglu, Rope, RopeScaling};
 use kernels::quant::dequantize_row;
-use kernels::{Backend, DType, Matrix, QueryRow, Scratch};
+use kernels::{Backend, Matrix, QueryRow, Scratch};
 
 use crate::arch::{family, Family};
 use crate::error::EngineError;
 use crate::kv_store::{KvStore, SequenceCache};
+use crate::weights::{tensor_error, TensorRef, Weights};
+
+pub use crate::weights::dtype_of;
 
 /// The shape of the network.
 #[derive(Debug, Clone, PartialEq)]
@@ -35,15 +40,13 @@ pub struct ModelConfig {
     pub rope_scaling: RopeScaling,
 }
 
-/// Where a tensor lives in the mapped file.
-#[derive(Debug, Clone)]
-struct TensorRef {
-    dtype: DType,
-    range: Range<usize>,
-    rows: usize,
-    cols: usize,
-    /// The weights interleaved for the batched kernel, when the type has one.
-    packed: Option<std::sync::Arc<Vec<u8>>>,
+/// The file format a model was loaded from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WeightFormat {
+    /// One GGUF file (weights, tokenizer and chat template inside).
+    Gguf,
+    /// A Hugging Face checkpoint folder: `config.json`, safetensors, `tokenizer.json`.
+    HuggingFace,
 }
 
 #[derive(Debug)]
@@ -64,9 +67,10 @@ struct Layer {
 
 /// A model ready to run.
 pub struct Model {
-    file: GgufFile,
+    weights: Weights,
     pub config: ModelConfig,
     pub family: &'static Family,
+    pub format: WeightFormat,
     embeddings: TensorRef,
     layers: Vec<Layer>,
     output_norm: Vec<f32>,
@@ -78,41 +82,38 @@ impl std::fmt::Debug for Model {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Model")
             .field("config", &self.config)
+            .field("format", &self.format)
             .finish()
     }
 }
 
-/// The kernels' type for a GGUF tensor type.
-pub fn dtype_of(t: GgmlType) -> Option<DType> {
-    Some(match t {
-        GgmlType::F32 => DType::F32,
-        GgmlType::F16 => DType::F16,
-        GgmlType::BF16 => DType::BF16,
-        GgmlType::Q4_0 => DType::Q4_0,
-        GgmlType::Q4_1 => DType::Q4_1,
-        GgmlType::Q5_0 => DType::Q5_0,
-        GgmlType::Q5_1 => DType::Q5_1,
-        GgmlType::Q8_0 => DType::Q8_0,
-        GgmlType::Q2_K => DType::Q2_K,
-        GgmlType::Q3_K => DType::Q3_K,
-        GgmlType::Q4_K => DType::Q4_K,
-        GgmlType::Q5_K => DType::Q5_K,
-        GgmlType::Q6_K => DType::Q6_K,
-        GgmlType::Q8_K => DType::Q8_K,
-        _ => return None,
-    })
-}
-
-fn tensor_error(name: &str, reason: impl Into<String>) -> EngineError {
-    EngineError::Tensor {
-        name: name.to_string(),
-        reason: reason.into(),
-    }
-}
-
 impl Model {
-    /// Maps and checks a GGUF model file.
+    /// Maps and checks a model: a GGUF file, or a Hugging Face checkpoint folder
+    /// (see [`crate::hf`]).
     pub fn load(path: &Path) -> Result<Self, EngineError> {
+        if path.is_dir() {
+            Self::load_hf(path)
+        } else {
+            Self::load_gguf(path)
+        }
+    }
+
+    /// Maps and checks a Hugging Face checkpoint folder: `config.json` and the safetensors
+    /// weights (`model.safetensors`, or the shards `model.safetensors.index.json` names).
+    pub fn load_hf(dir: &Path) -> Result<Self, EngineError> {
+        let checkpoint = crate::hf::open(dir)?;
+        // Hugging Face keeps Q/K in their original row order, which rotates NeoX-style.
+        Self::assemble(
+            checkpoint.config,
+            checkpoint.family,
+            true,
+            WeightFormat::HuggingFace,
+            checkpoint.weights,
+        )
+    }
+
+    /// Maps and checks a GGUF model file.
+    pub fn load_gguf(path: &Path) -> Result<Self, EngineError> {
         let file = GgufFile::open(path)
             .map_err(|e| EngineError::Load(format!("{}: {e}", path.display())))?;
         let meta = |e: formats::gguf::GgufError| EngineError::Load(e.to_string());
@@ -195,63 +196,70 @@ impl Model {
                 config.rope_dims
             )));
         }
+        Self::assemble(
+            config,
+            family,
+            family.rope_neox,
+            WeightFormat::Gguf,
+            Weights::from_gguf(file),
+        )
+    }
 
-        let matrix = |name: &str, rows: usize, cols: usize| -> Result<TensorRef, EngineError> {
-            let t = file
-                .tensor(name)
-                .ok_or_else(|| tensor_error(name, "missing"))?;
-            tensor_ref(&file, t, rows, cols)
-        };
-        let vector = |name: &str, len: usize| -> Result<Vec<f32>, EngineError> {
-            let t = file
-                .tensor(name)
-                .ok_or_else(|| tensor_error(name, "missing"))?;
-            load_vector(&file, t, len)
-        };
-        let optional_vector = |name: &str, len: usize| -> Result<Option<Vec<f32>>, EngineError> {
-            file.tensor(name)
-                .map(|t| load_vector(&file, t, len))
-                .transpose()
-        };
+    /// Finds and checks every tensor of the decoder (by GGUF name) for `config`. Without
+    /// `output.weight` the output projection reuses the token embedding.
+    fn assemble(
+        config: ModelConfig,
+        family: &'static Family,
+        rope_neox: bool,
+        format: WeightFormat,
+        weights: Weights,
+    ) -> Result<Self, EngineError> {
+        let (hidden, heads, kv_heads, head_dim) = (
+            config.hidden,
+            config.heads,
+            config.kv_heads,
+            config.head_dim,
+        );
         let (q_dim, kv_dim) = (heads * head_dim, kv_heads * head_dim);
         let mut layers = Vec::with_capacity(config.block_count);
         for l in 0..config.block_count {
             let n = |t: &str| format!("blk.{l}.{t}");
             layers.push(Layer {
-                attn_norm: vector(&n("attn_norm.weight"), hidden)?,
-                wq: matrix(&n("attn_q.weight"), q_dim, hidden)?,
-                wk: matrix(&n("attn_k.weight"), kv_dim, hidden)?,
-                wv: matrix(&n("attn_v.weight"), kv_dim, hidden)?,
-                wo: matrix(&n("attn_output.weight"), hidden, q_dim)?,
-                bq: optional_vector(&n("attn_q.bias"), q_dim)?,
-                bk: optional_vector(&n("attn_k.bias"), kv_dim)?,
-                bv: optional_vector(&n("attn_v.bias"), kv_dim)?,
-                ffn_norm: vector(&n("ffn_norm.weight"), hidden)?,
-                w_gate: matrix(&n("ffn_gate.weight"), config.ffn, hidden)?,
-                w_up: matrix(&n("ffn_up.weight"), config.ffn, hidden)?,
-                w_down: matrix(&n("ffn_down.weight"), hidden, config.ffn)?,
+                attn_norm: weights.vector(&n("attn_norm.weight"), hidden)?,
+                wq: weights.matrix(&n("attn_q.weight"), q_dim, hidden)?,
+                wk: weights.matrix(&n("attn_k.weight"), kv_dim, hidden)?,
+                wv: weights.matrix(&n("attn_v.weight"), kv_dim, hidden)?,
+                wo: weights.matrix(&n("attn_output.weight"), hidden, q_dim)?,
+                bq: weights.optional_vector(&n("attn_q.bias"), q_dim)?,
+                bk: weights.optional_vector(&n("attn_k.bias"), kv_dim)?,
+                bv: weights.optional_vector(&n("attn_v.bias"), kv_dim)?,
+                ffn_norm: weights.vector(&n("ffn_norm.weight"), hidden)?,
+                w_gate: weights.matrix(&n("ffn_gate.weight"), config.ffn, hidden)?,
+                w_up: weights.matrix(&n("ffn_up.weight"), config.ffn, hidden)?,
+                w_down: weights.matrix(&n("ffn_down.weight"), hidden, config.ffn)?,
             });
         }
-        let embeddings = matrix("token_embd.weight", vocab_size, hidden)?;
-        let output = match file.tensor("output.weight") {
-            Some(t) => tensor_ref(&file, t, vocab_size, hidden)?,
+        let embeddings = weights.matrix("token_embd.weight", config.vocab_size, hidden)?;
+        let output = match weights.get("output.weight") {
+            Some(_) => weights.matrix("output.weight", config.vocab_size, hidden)?,
             None => embeddings.clone(),
         };
         let mut rope = Rope::new(
             config.rope_dims,
             config.rope_theta,
-            family.rope_neox,
+            rope_neox,
             config.rope_scaling,
         );
-        if let Some(t) = file.tensor("rope_freqs.weight") {
-            // Llama 3.1 stores its long-context frequency factors as a tensor.
-            rope.divide_frequencies(&load_vector(&file, t, config.rope_dims / 2)?);
+        if weights.get("rope_freqs.weight").is_some() {
+            // Llama 3.1 GGUFs store their long-context frequency factors as a tensor.
+            rope.divide_frequencies(&weights.vector("rope_freqs.weight", config.rope_dims / 2)?);
         }
         Ok(Self {
-            output_norm: vector("output_norm.weight", hidden)?,
-            file,
+            output_norm: weights.vector("output_norm.weight", hidden)?,
+            weights,
             config,
             family,
+            format,
             embeddings,
             layers,
             output,
@@ -260,18 +268,13 @@ impl Model {
     }
 
     fn matrix<'a>(&'a self, t: &'a TensorRef) -> Matrix<'a> {
-        Matrix {
-            dtype: t.dtype,
-            data: &self.file.bytes()[t.range.clone()],
-            rows: t.rows,
-            cols: t.cols,
-            packed: t.packed.as_deref().map(Vec::as_slice),
-        }
+        self.weights.view(t)
     }
 
-    /// The GGUF file the model runs from (tokenizer metadata lives there too).
-    pub fn gguf(&self) -> &GgufFile {
-        &self.file
+    /// The GGUF file the model runs from (tokenizer metadata lives there too); `None` for a
+    /// Hugging Face checkpoint.
+    pub fn gguf(&self) -> Option<&GgufFile> {
+        self.weights.gguf()
     }
 
     /// Runs `tokens` (at positions `cache.len()..`) through the network, appending their keys and
@@ -442,59 +445,6 @@ impl Model {
         );
         Ok(())
     }
-}
-
-fn tensor_ref(
-    file: &GgufFile,
-    t: &TensorInfo,
-    rows: usize,
-    cols: usize,
-) -> Result<TensorRef, EngineError> {
-    let dtype = dtype_of(t.ggml_type)
-        .ok_or_else(|| tensor_error(&t.name, format!("type {} is not supported", t.ggml_type)))?;
-    if t.dims.len() != 2 || t.dims[0] as usize != cols || t.dims[1] as usize != rows {
-        return Err(tensor_error(
-            &t.name,
-            format!("dims {:?}, expected [{cols}, {rows}]", t.dims),
-        ));
-    }
-    if dtype.row_bytes(cols).is_none() {
-        return Err(tensor_error(
-            &t.name,
-            format!("{cols} columns is not a whole number of {dtype} blocks"),
-        ));
-    }
-    let range = file.tensor_range(t);
-    // Every multiplication with a packable matrix runs on its packed copy (one kernel for one
-    // row and for many, so a sequence's results do not depend on its batch).
-    // `RAMPART_PACKED_WEIGHTS=0` keeps the row-by-row kernels (half the weight memory when the
-    // mapped file's pages are the only copy; for comparisons).
-    let packed = std::env::var("RAMPART_PACKED_WEIGHTS")
-        .map_or(true, |v| v != "0")
-        .then(|| kernels::packed::pack(dtype, &file.bytes()[range.clone()], rows, cols))
-        .flatten()
-        .map(std::sync::Arc::new);
-    Ok(TensorRef {
-        dtype,
-        range,
-        rows,
-        cols,
-        packed,
-    })
-}
-
-fn load_vector(file: &GgufFile, t: &TensorInfo, len: usize) -> Result<Vec<f32>, EngineError> {
-    let dtype = dtype_of(t.ggml_type)
-        .ok_or_else(|| tensor_error(&t.name, format!("type {} is not supported", t.ggml_type)))?;
-    if t.n_elements as usize != len || len % dtype.block_size() != 0 {
-        return Err(tensor_error(
-            &t.name,
-            format!("{} elements, expected {len}", t.n_elements),
-        ));
-    }
-    let mut out = vec![0f32; len];
-    dequantize_row(dtype, file.tensor_data(t), &mut out);
-    Ok(out)
 }
 
 /// Which rows of a forward pass need logits.

@@ -1,14 +1,19 @@
 //! Tokenizers built from GGUF metadata: byte-level BPE (`tokenizer.ggml.model = gpt2`) with the
 //! pre-tokenizer variant named by `tokenizer.ggml.pre`, SentencePiece vocabularies
 //! (`tokenizer.ggml.model = llama`), special tokens, BOS/EOS rules, and an incremental
-//! detokenizer that never emits broken UTF-8 while streaming.
+//! detokenizer that never emits broken UTF-8 while streaming. Hugging Face folders bring their
+//! own `tokenizer.json` ([`Tokenizer::from_hf_folder`]), with the same rules for special and stop
+//! tokens.
 //!
 //! Byte-level BPE encoding runs on the `tokenizers` crate, SentencePiece on ours
-//! ([`crate::sentencepiece`]); decoding is ours for both (a byte table per token), because
-//! streaming needs bytes, not strings.
+//! ([`crate::sentencepiece`]) for GGUF files and on the `tokenizers` crate for `tokenizer.json`;
+//! decoding is ours for all (a byte table per token), because streaming needs bytes, not strings.
+
+use std::path::Path;
 
 use formats::byte_level::char_to_byte;
 use formats::gguf::Gguf;
+use serde_json::Value as Json;
 use tokenizers::models::bpe::{Vocab, BPE};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::digits::Digits;
@@ -27,9 +32,22 @@ const TOKEN_USER_DEFINED: i64 = 4;
 const LLAMA3_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const QWEN2_PATTERN: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
+/// Texts of end-of-turn tokens that stop generation when a vocabulary has them as special
+/// tokens (chat models end their reply with them rather than with EOS).
+const END_OF_TURN_TEXTS: &[&str] = &[
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|end_of_turn|>",
+];
+
 /// The encoding algorithm of a vocabulary.
 enum Encoder {
-    ByteLevelBpe(Box<tokenizers::Tokenizer>),
+    /// A `tokenizers` pipeline: byte-level BPE built from GGUF metadata, or a whole
+    /// `tokenizer.json`.
+    Tokenizers(Box<tokenizers::Tokenizer>),
     SentencePiece(Box<SentencePiece>),
 }
 
@@ -265,7 +283,7 @@ impl Tokenizer {
             out
         });
         Ok(Self {
-            inner: Encoder::ByteLevelBpe(Box::new(inner)),
+            inner: Encoder::Tokenizers(Box::new(inner)),
             token_bytes,
             special,
             bos,
@@ -274,6 +292,192 @@ impl Tokenizer {
             add_bos,
             chat_template,
         })
+    }
+
+    /// Builds the tokenizer of a Hugging Face model folder: `tokenizer.json` (run by the
+    /// `tokenizers` crate, padding and truncation off), `tokenizer_config.json` (BOS/EOS tokens,
+    /// `add_bos_token`, the chat template), `special_tokens_map.json`, `generation_config.json`
+    /// (`eos_token_id`, one or a list) and `chat_template.jinja`/`chat_template.json` when
+    /// present. Added tokens are special (matched whole in input, hidden in output by default),
+    /// as the GGUF conversion of such a folder marks them. Stop tokens: EOS, every
+    /// `generation_config.json` EOS, and end-of-turn tokens such as `<|im_end|>`.
+    pub fn from_hf_folder(dir: &Path) -> Result<Self, EngineError> {
+        let path = dir.join("tokenizer.json");
+        if !path.is_file() {
+            return Err(bad(format!("{} is missing", path.display())));
+        }
+        let text =
+            std::fs::read_to_string(&path).map_err(|e| bad(format!("{}: {e}", path.display())))?;
+        let json: Json =
+            serde_json::from_str(&text).map_err(|e| bad(format!("{}: {e}", path.display())))?;
+        let mut inner: tokenizers::Tokenizer = text
+            .parse()
+            .map_err(|e| bad(format!("{}: {e}", path.display())))?;
+        inner
+            .with_truncation(None)
+            .map_err(|e| bad(format!("turning truncation off: {e}")))?;
+        inner.with_padding(None);
+        let read_json = |name: &str| -> Result<Json, EngineError> {
+            let p = dir.join(name);
+            if !p.is_file() {
+                return Ok(Json::Null);
+            }
+            let text =
+                std::fs::read_to_string(&p).map_err(|e| bad(format!("{}: {e}", p.display())))?;
+            serde_json::from_str(&text).map_err(|e| bad(format!("{}: {e}", p.display())))
+        };
+        let config = read_json("tokenizer_config.json")?;
+        let special_map = read_json("special_tokens_map.json")?;
+        let generation = read_json("generation_config.json")?;
+        let model_config = read_json("config.json")?;
+
+        // Token texts by id; ids the files skip decode to nothing.
+        let vocab = inner.get_vocab(true);
+        let size = vocab.values().map(|&id| id as usize + 1).max().unwrap_or(0);
+        let mut tokens = vec![String::new(); size];
+        let mut special = vec![true; size];
+        for (text, &id) in &vocab {
+            tokens[id as usize] = text.clone();
+            special[id as usize] = false;
+        }
+        for id in inner.get_added_tokens_decoder().keys() {
+            if let Some(s) = special.get_mut(*id as usize) {
+                *s = true;
+            }
+        }
+        let mentions = |part: &str, kind: &str| contains_type(&json[part], kind);
+        let token_bytes =
+            if mentions("pre_tokenizer", "ByteLevel") || mentions("decoder", "ByteLevel") {
+                let table = char_to_byte();
+                byte_table(&tokens, &special, |t| {
+                    let mut out = Vec::with_capacity(t.len());
+                    for c in t.chars() {
+                        match table.get(&c) {
+                            Some(&b) => out.push(b),
+                            None => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+                        }
+                    }
+                    out
+                })
+            } else if json["model"]["byte_fallback"] == Json::Bool(true)
+                || mentions("decoder", "ByteFallback")
+                || mentions("decoder", "Metaspace")
+                || mentions("pre_tokenizer", "Metaspace")
+            {
+                byte_table(&tokens, &special, SentencePiece::piece_bytes)
+            } else {
+                return Err(bad(format!(
+                "{}: neither byte-level BPE nor a SentencePiece-style vocabulary (no ByteLevel, \
+                 byte fallback or Metaspace step), so token bytes are unknown",
+                path.display()
+            )));
+            };
+
+        let token_text = |v: &Json| -> Option<String> {
+            match v {
+                Json::String(s) => Some(s.clone()),
+                Json::Object(o) => o.get("content").and_then(Json::as_str).map(str::to_string),
+                _ => None,
+            }
+        };
+        let in_vocab = |id: u64| u32::try_from(id).ok().filter(|&i| (i as usize) < size);
+        let named = |key: &str| -> Option<u32> {
+            let text = token_text(&config[key]).or_else(|| token_text(&special_map[key]))?;
+            vocab.get(&text).copied()
+        };
+        let ids = |v: &Json| -> Vec<u32> {
+            match v {
+                Json::Array(list) => list
+                    .iter()
+                    .filter_map(Json::as_u64)
+                    .filter_map(in_vocab)
+                    .collect(),
+                other => other.as_u64().and_then(in_vocab).into_iter().collect(),
+            }
+        };
+        let generation_eos = {
+            let from_generation = ids(&generation["eos_token_id"]);
+            if from_generation.is_empty() {
+                ids(&model_config["eos_token_id"])
+            } else {
+                from_generation
+            }
+        };
+        let bos = named("bos_token").or_else(|| {
+            let mut candidates = ids(&generation["bos_token_id"]);
+            candidates.extend(ids(&model_config["bos_token_id"]));
+            candidates.first().copied()
+        });
+        let eos = named("eos_token").or_else(|| generation_eos.first().copied());
+        let mut stop_tokens: Vec<u32> = Vec::new();
+        let end_of_turn = END_OF_TURN_TEXTS
+            .iter()
+            .filter_map(|t| vocab.get(*t).copied())
+            .filter(|&id| special[id as usize]);
+        for id in eos.into_iter().chain(generation_eos).chain(end_of_turn) {
+            if !stop_tokens.contains(&id) {
+                stop_tokens.push(id);
+            }
+        }
+        // Without `add_bos_token`, BOS is added when the file's post-processor adds it.
+        let add_bos = match config["add_bos_token"].as_bool() {
+            Some(add) => add,
+            None => match bos {
+                Some(bos) => {
+                    let with = inner
+                        .encode_fast("a", true)
+                        .map_err(|e| bad(format!("encoding: {e}")))?;
+                    let without = inner
+                        .encode_fast("a", false)
+                        .map_err(|e| bad(format!("encoding: {e}")))?;
+                    with.get_ids().first() == Some(&bos) && without.get_ids().first() != Some(&bos)
+                }
+                None => false,
+            },
+        };
+        let chat_template = match &config["chat_template"] {
+            Json::String(s) => Some(s.clone()),
+            Json::Array(named) => named
+                .iter()
+                .find(|t| t["name"] == "default")
+                .or_else(|| named.first())
+                .and_then(|t| t["template"].as_str())
+                .map(str::to_string),
+            _ => None,
+        };
+        let chat_template = match chat_template {
+            Some(t) => Some(t),
+            None if dir.join("chat_template.jinja").is_file() => {
+                let p = dir.join("chat_template.jinja");
+                Some(
+                    std::fs::read_to_string(&p)
+                        .map_err(|e| bad(format!("{}: {e}", p.display())))?,
+                )
+            }
+            None => read_json("chat_template.json")?["chat_template"]
+                .as_str()
+                .map(str::to_string),
+        };
+        Ok(Self {
+            inner: Encoder::Tokenizers(Box::new(inner)),
+            token_bytes,
+            special,
+            bos,
+            eos,
+            stop_tokens,
+            add_bos,
+            chat_template,
+        })
+    }
+
+    /// Extends the vocabulary with empty special tokens up to `size` ids: Hugging Face models
+    /// often pad their embedding beyond the tokenizer (to a multiple of 64 or 128); those ids
+    /// are never produced by encoding and decode to nothing.
+    pub fn pad_to(&mut self, size: usize) {
+        if size > self.token_bytes.len() {
+            self.token_bytes.resize(size, Vec::new());
+            self.special.resize(size, true);
+        }
     }
 
     pub fn vocab_size(&self) -> usize {
@@ -290,7 +494,7 @@ impl Tokenizer {
             }
         }
         match &self.inner {
-            Encoder::ByteLevelBpe(inner) => {
+            Encoder::Tokenizers(inner) => {
                 let encoding = inner
                     .encode_fast(text, false)
                     .map_err(|e| bad(format!("encoding: {e}")))?;
@@ -359,6 +563,19 @@ impl Detokenizer {
         let text = String::from_utf8_lossy(&self.pending).into_owned();
         self.pending.clear();
         text
+    }
+}
+
+/// Whether a `tokenizer.json` component (or a `Sequence` of them, at any depth) has a step of
+/// type `kind`.
+fn contains_type(component: &Json, kind: &str) -> bool {
+    match component {
+        Json::Object(fields) => {
+            fields.get("type").and_then(Json::as_str) == Some(kind)
+                || fields.values().any(|v| contains_type(v, kind))
+        }
+        Json::Array(items) => items.iter().any(|v| contains_type(v, kind)),
+        _ => false,
     }
 }
 
@@ -465,6 +682,78 @@ mod tests {
             streamed, " the cat ü",
             "byte pieces are joined before they are shown"
         );
+    }
+
+    #[test]
+    fn sentencepiece_style_tokenizer_json_with_byte_fallback() {
+        // Llama 2's layout: a BPE model with byte fallback behind a normalizer that writes
+        // spaces as ▁, BOS added by the post-processor.
+        let mut vocab = serde_json::Map::new();
+        let mut tokens: Vec<String> = vec!["<unk>".into(), "<s>".into(), "</s>".into()];
+        tokens.extend((0..=255u8).map(|b| format!("<0x{b:02X}>")));
+        for p in [
+            "▁", "t", "h", "e", "▁t", "he", "▁the", "c", "a", "▁c", "at", "▁cat",
+        ] {
+            tokens.push(p.to_string());
+        }
+        for (i, t) in tokens.iter().enumerate() {
+            vocab.insert(t.clone(), serde_json::json!(i));
+        }
+        let added: Vec<Json> = (0..3)
+            .map(|i| {
+                serde_json::json!({"id": i, "content": tokens[i], "single_word": false,
+                    "lstrip": false, "rstrip": false, "normalized": false, "special": true})
+            })
+            .collect();
+        let file = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null, "added_tokens": added,
+            "normalizer": {"type": "Sequence", "normalizers": [
+                {"type": "Prepend", "prepend": "▁"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]},
+            "pre_tokenizer": null,
+            "post_processor": {"type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}},
+                           {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"Sequence": {"id": "A", "type_id": 0}},
+                         {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+                {"type": "ByteFallback"}, {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+            "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>",
+                "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": true,
+                "byte_fallback": true, "ignore_merges": false, "vocab": vocab,
+                "merges": ["▁ t", "h e", "▁t he", "▁ c", "a t", "▁c at"]}
+        });
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("tokenizer.json"), file.to_string()).unwrap();
+        std::fs::write(
+            dir.path().join("tokenizer_config.json"),
+            r#"{"bos_token": "<s>", "eos_token": {"content": "</s>"}}"#,
+        )
+        .unwrap();
+        let t = Tokenizer::from_hf_folder(dir.path()).unwrap();
+        assert!(t.add_bos, "the post-processor adds BOS");
+        assert_eq!(
+            (t.bos, t.eos, t.stop_tokens.as_slice()),
+            (Some(1), Some(2), &[2][..])
+        );
+        let id = |p: &str| tokens.iter().position(|t| t == p).unwrap() as u32;
+        let ids = t.encode("the cat ü", true).unwrap();
+        assert_eq!(
+            ids,
+            [
+                1,
+                id("▁the"),
+                id("▁cat"),
+                id("▁"),
+                id("<0xC3>"),
+                id("<0xBC>")
+            ]
+        );
+        assert_eq!(t.decode(&ids[1..]), " the cat ü");
+        assert!(t.is_special(1) && !t.is_special(id("▁the")));
     }
 
     #[test]

@@ -3,8 +3,11 @@
 //! - [`byte_level`]: the byte-level alphabet of GPT-2-style BPE vocabularies.
 //! - [`gguf`]: GGUF v2/v3 (header, typed metadata, tensor infos, alignment, data offset), plus a
 //!   writer used for generated test models and for quantized exports.
-//! - [`safetensors`]: safetensors headers (dtypes, shapes, offsets, metadata).
-//! - [`tiny`]: tiny llama models in the real GGUF layout, for tests across the workspace.
+//! - [`hf`]: Hugging Face checkpoint conventions of the llama family (tensor names, Q/K order).
+//! - [`safetensors`]: safetensors headers (dtypes, shapes, offsets, metadata), shard indexes and
+//!   a writer.
+//! - [`tiny`]: tiny llama and qwen2 models in the real GGUF and Hugging Face layouts, for tests
+//!   across the workspace.
 //! - [`onnx`]: ONNX model metadata (IR version, opsets, inputs/outputs with dtypes and shapes,
 //!   `metadata_props`, initializer statistics).
 //!
@@ -14,6 +17,7 @@
 
 pub mod byte_level;
 pub mod gguf;
+pub mod hf;
 pub mod mapped;
 pub mod onnx;
 pub mod safetensors;

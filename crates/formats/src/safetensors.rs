@@ -3,9 +3,12 @@
 //!
 //! Parsing and validation (offsets contiguous and in bounds, sizes matching dtype × shape, header
 //! at most 100 MB and never longer than the file) come from the `safetensors` crate; this module
-//! turns the result into Rampart's types and errors and adds sharded-checkpoint indexes.
+//! turns the result into Rampart's types and errors and adds sharded-checkpoint indexes and a
+//! writer ([`SafetensorsWriter`], for generated test checkpoints and conversions).
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use ::safetensors::tensor::{SafeTensorError, SafeTensors};
@@ -147,10 +150,25 @@ impl SafetensorsFile {
 
     /// A tensor's raw little-endian bytes.
     pub fn tensor_data(&self, tensor: &TensorInfo) -> &[u8] {
+        &self.map.bytes()[self.tensor_range(tensor)]
+    }
+
+    /// Where a tensor's bytes lie in the whole file (see [`Self::bytes`]).
+    pub fn tensor_range(&self, tensor: &TensorInfo) -> std::ops::Range<usize> {
         // Offsets were validated against the file length by `parse`.
         let start = (self.header.data_offset + tensor.data_offsets.0) as usize;
         let end = (self.header.data_offset + tensor.data_offsets.1) as usize;
-        &self.map.bytes()[start..end]
+        start..end
+    }
+
+    /// The whole mapped file.
+    pub fn bytes(&self) -> &[u8] {
+        self.map.bytes()
+    }
+
+    /// The path the file was mapped from.
+    pub fn path(&self) -> &Path {
+        self.map.path()
     }
 }
 
@@ -215,6 +233,151 @@ impl ShardIndex {
     }
 }
 
+/// Bytes per element of a safetensors dtype name; `None` for names this writer does not know.
+pub fn dtype_bytes(dtype: &str) -> Option<usize> {
+    Some(match dtype {
+        "BOOL" | "U8" | "I8" | "F8_E4M3" | "F8_E5M2" => 1,
+        "F16" | "BF16" | "I16" | "U16" => 2,
+        "F32" | "I32" | "U32" => 4,
+        "F64" | "I64" | "U64" => 8,
+        _ => return None,
+    })
+}
+
+/// Errors from building a safetensors file.
+#[derive(Debug, thiserror::Error)]
+pub enum SafetensorsWriteError {
+    #[error(
+        "tensor {name:?}: data is {actual} bytes, {dtype} with shape {shape:?} needs {expected:?}"
+    )]
+    DataSize {
+        name: String,
+        dtype: String,
+        shape: Vec<u64>,
+        expected: Option<u64>,
+        actual: usize,
+    },
+    #[error("tensor {0:?}: unknown dtype")]
+    UnknownDtype(String),
+    #[error("tensor {0:?} was added twice, or is named __metadata__")]
+    DuplicateTensor(String),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
+
+/// Builds a safetensors file: tensors laid out in insertion order, the JSON header padded with
+/// spaces to a multiple of 8 bytes (as the reference implementation writes it, so 8-byte
+/// alignment of the data section holds).
+#[derive(Debug, Default)]
+pub struct SafetensorsWriter<'a> {
+    metadata: BTreeMap<String, String>,
+    tensors: Vec<PendingTensor<'a>>,
+}
+
+#[derive(Debug)]
+struct PendingTensor<'a> {
+    name: String,
+    dtype: String,
+    shape: Vec<u64>,
+    data: Cow<'a, [u8]>,
+}
+
+impl<'a> SafetensorsWriter<'a> {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds an entry to `__metadata__`.
+    pub fn metadata(&mut self, key: &str, value: &str) -> &mut Self {
+        self.metadata.insert(key.to_string(), value.to_string());
+        self
+    }
+
+    /// Adds a tensor: `shape` row-major (PyTorch order), `data` little-endian, exactly the size
+    /// dtype × shape implies.
+    pub fn tensor(
+        &mut self,
+        name: &str,
+        dtype: &str,
+        shape: &[u64],
+        data: impl Into<Cow<'a, [u8]>>,
+    ) -> Result<&mut Self, SafetensorsWriteError> {
+        let data = data.into();
+        let elem = dtype_bytes(dtype)
+            .ok_or_else(|| SafetensorsWriteError::UnknownDtype(name.to_string()))?;
+        let expected = shape
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d))
+            .and_then(|n| n.checked_mul(elem as u64));
+        if expected != Some(data.len() as u64) {
+            return Err(SafetensorsWriteError::DataSize {
+                name: name.to_string(),
+                dtype: dtype.to_string(),
+                shape: shape.to_vec(),
+                expected,
+                actual: data.len(),
+            });
+        }
+        if name == "__metadata__" || self.tensors.iter().any(|t| t.name == name) {
+            return Err(SafetensorsWriteError::DuplicateTensor(name.to_string()));
+        }
+        self.tensors.push(PendingTensor {
+            name: name.to_string(),
+            dtype: dtype.to_string(),
+            shape: shape.to_vec(),
+            data,
+        });
+        Ok(self)
+    }
+
+    /// Bytes of tensor data added so far.
+    pub fn data_bytes(&self) -> u64 {
+        self.tensors.iter().map(|t| t.data.len() as u64).sum()
+    }
+
+    /// Writes the file.
+    pub fn write_to(&self, mut out: impl Write) -> Result<(), SafetensorsWriteError> {
+        let mut header = serde_json::Map::new();
+        if !self.metadata.is_empty() {
+            header.insert(
+                "__metadata__".into(),
+                serde_json::to_value(&self.metadata).expect("a string map is valid JSON"),
+            );
+        }
+        let mut offset = 0u64;
+        for PendingTensor {
+            name,
+            dtype,
+            shape,
+            data,
+        } in &self.tensors
+        {
+            let end = offset + data.len() as u64;
+            header.insert(
+                name.clone(),
+                serde_json::json!({"dtype": dtype, "shape": shape, "data_offsets": [offset, end]}),
+            );
+            offset = end;
+        }
+        let mut json = serde_json::to_vec(&header).expect("a JSON map serializes");
+        json.resize(json.len().next_multiple_of(8), b' ');
+        out.write_all(&(json.len() as u64).to_le_bytes())?;
+        out.write_all(&json)?;
+        for t in &self.tensors {
+            out.write_all(&t.data)?;
+        }
+        out.flush()?;
+        Ok(())
+    }
+
+    /// The whole file as bytes.
+    pub fn to_bytes(&self) -> Result<Vec<u8>, SafetensorsWriteError> {
+        let mut out = Vec::new();
+        self.write_to(&mut out)?;
+        Ok(out)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -254,6 +417,36 @@ mod tests {
         assert_eq!(st.parameter_count(), 40);
         assert_eq!(st.metadata.get("format").map(String::as_str), Some("pt"));
         assert_eq!(st.dtype_counts().get("F16"), Some(&1));
+    }
+
+    #[test]
+    fn the_writer_round_trips_through_the_reader() {
+        let w16: Vec<u8> = (0..24u8).collect();
+        let b32: Vec<u8> = (0..12u8).collect();
+        let mut w = SafetensorsWriter::new();
+        w.metadata("format", "pt");
+        w.tensor("w", "BF16", &[3, 4], w16.as_slice())
+            .unwrap()
+            .tensor("b", "F32", &[3], b32.as_slice())
+            .unwrap();
+        assert!(w.tensor("w", "F32", &[3], b32.as_slice()).is_err());
+        assert!(w.tensor("x", "F32", &[4], b32.as_slice()).is_err());
+        assert!(w.tensor("x", "Q4", &[3], b32.as_slice()).is_err());
+        let bytes = w.to_bytes().unwrap();
+        let st = Safetensors::parse(&bytes).unwrap();
+        assert_eq!(st.data_offset % 8, 0, "the header is padded to 8 bytes");
+        assert_eq!(st.metadata["format"], "pt");
+        let t = st.tensor("w").unwrap();
+        assert_eq!(
+            (t.dtype.as_str(), t.shape.as_slice()),
+            ("BF16", &[3u64, 4][..])
+        );
+        let at = |t: &TensorInfo| {
+            &bytes[(st.data_offset + t.data_offsets.0) as usize
+                ..(st.data_offset + t.data_offsets.1) as usize]
+        };
+        assert_eq!(at(t), w16.as_slice());
+        assert_eq!(at(st.tensor("b").unwrap()), b32.as_slice());
     }
 
     #[test]

@@ -98,6 +98,7 @@ pub fn vec_dot(isa: Isa, dtype: DType, w: &[u8], a: &[u8], n: usize) -> f32 {
                 DType::Q6_K => return crate::x86::vec_dot_q6k(w, a, n),
                 DType::F32 => return crate::x86::dot_f32(as_f32(w, n), as_f32(a, n)),
                 DType::F16 => return crate::x86::dot_f16_f32(w, as_f32(a, n)),
+                DType::BF16 => return crate::x86::dot_bf16_f32(w, as_f32(a, n)),
                 _ => {}
             }
         }

@@ -360,6 +360,7 @@ mod tests {
         for dtype in [
             DType::F32,
             DType::F16,
+            DType::BF16,
             DType::Q4_1,
             DType::Q8_0,
             DType::Q4_K,

@@ -96,6 +96,45 @@ pub unsafe fn dot_f16_f32(w: &[u8], a: &[f32]) -> f32 {
     total
 }
 
+/// Eight bf16 at `p` (16 readable bytes, any alignment) as f32.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn bf16x8_load(p: *const u8) -> __m256 {
+    let h = _mm_loadu_si128(p as *const __m128i);
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+}
+
+/// Σ over bf16 weights × f32 activations. A bf16 is the upper half of an f32, so 8 weights
+/// widen to 32 bits and shift left by 16 (exact, no rounding).
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn dot_bf16_f32(w: &[u8], a: &[f32]) -> f32 {
+    let n = a.len().min(w.len() / 2);
+    let mut acc0 = _mm256_setzero_ps();
+    let mut acc1 = _mm256_setzero_ps();
+    let mut i = 0;
+    while i + 16 <= n {
+        // SAFETY: 16 bf16 = 32 bytes at byte offset 2i, inside `w`; 16 floats inside `a`.
+        acc0 = _mm256_fmadd_ps(
+            bf16x8_load(w.as_ptr().add(2 * i)),
+            _mm256_loadu_ps(a.as_ptr().add(i)),
+            acc0,
+        );
+        acc1 = _mm256_fmadd_ps(
+            bf16x8_load(w.as_ptr().add(2 * i + 16)),
+            _mm256_loadu_ps(a.as_ptr().add(i + 8)),
+            acc1,
+        );
+        i += 16;
+    }
+    let mut total = hsum_ps(_mm256_add_ps(acc0, acc1));
+    while i < n {
+        let bits = u32::from(u16::from_le_bytes([w[2 * i], w[2 * i + 1]])) << 16;
+        total += f32::from_bits(bits) * a[i];
+        i += 1;
+    }
+    total
+}
+
 /// The 32 low/high nibbles of 16 bytes as 32 bytes: elements 0..16 from the low nibbles,
 /// 16..32 from the high nibbles (the Q4/Q5 layout).
 #[inline]

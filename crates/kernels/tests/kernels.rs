@@ -202,6 +202,30 @@ fn f32_dot_matches_scalar_at_every_length() {
     }
 }
 
+#[test]
+fn float_weight_dots_match_scalar_at_every_length() {
+    for dtype in [DType::F16, DType::BF16] {
+        for n in 0..70 {
+            let w = random_row(dtype, n, 3);
+            let x = random_f32(n, 4);
+            let mut wf = vec![0f32; n];
+            dequantize_row(dtype, &w, &mut wf);
+            let reference: f32 = wf.iter().zip(&x).map(|(a, b)| a * b).sum();
+            let x_bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let mut a = vec![0u32; n];
+            as_bytes_mut(&mut a, 4 * n).copy_from_slice(&x_bytes);
+            let a_bytes = as_bytes_mut(&mut a, 4 * n);
+            for isa in Isa::available() {
+                let got = vec_dot(isa, dtype, &w, a_bytes, n);
+                assert!(
+                    (got - reference).abs() < 1e-4,
+                    "{dtype} n={n} {isa:?}: {got} vs {reference}"
+                );
+            }
+        }
+    }
+}
+
 fn as_bytes_mut(words: &mut [u32], len: usize) -> &mut [u8] {
     assert!(len <= words.len() * 4);
     // SAFETY: u32 storage viewed as bytes within its length.

@@ -11,7 +11,8 @@ use repo::{ModelRef, Repository};
 #[derive(Debug, clap::Args)]
 pub struct ModelChoice {
     /// NAME[@VERSION] in the repository (digests are verified before loading), or a path to a
-    /// .gguf file.
+    /// .gguf file or to a Hugging Face checkpoint folder (config.json, safetensors,
+    /// tokenizer.json).
     #[arg(long, short = 'm')]
     pub model: String,
     /// The model repository folder.
@@ -123,11 +124,12 @@ impl ModelChoice {
             options.quantization = Some(engine::convert::InSitu::from_spec(spec, None)?);
         }
         let path = PathBuf::from(&self.model);
-        if path
+        let gguf_file = path
             .extension()
             .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
-            && path.is_file()
-        {
+            && path.is_file();
+        let hf_folder = path.is_dir() && path.join("config.json").is_file();
+        if gguf_file || hf_folder {
             return Engine::load(&path, &options)
                 .with_context(|| format!("loading {}", path.display()));
         }

@@ -101,6 +101,36 @@ fn generate_from_the_repository_verifies_digests_first() {
 }
 
 #[test]
+fn generate_from_a_hugging_face_folder_and_its_import() {
+    let tmp = tempfile::tempdir().unwrap();
+    let repo = tmp.path().join("models");
+    let gguf = tiny_gguf(tmp.path());
+    let hf = tmp.path().join("tiny-hf");
+    TinyLlama::default().write_hf_folder(&hf, 2).unwrap();
+    rampart(&repo)
+        .args(["model", "import", hf.to_str().unwrap()])
+        .args(["--name", "tiny-hf", "--version", "1.0.0"])
+        .assert()
+        .success();
+    let greedy = |model: &str| {
+        let out = rampart(&repo)
+            .args([
+                "generate", "-m", model, "-t", "2", "-p", "the cat", "-n", "8",
+            ])
+            .assert()
+            .success()
+            .stderr(predicate::str::contains("generated 8 tokens"))
+            .get_output()
+            .stdout
+            .clone();
+        String::from_utf8(out).unwrap()
+    };
+    let from_gguf = greedy(gguf.to_str().unwrap());
+    assert_eq!(greedy(hf.to_str().unwrap()), from_gguf, "the folder itself");
+    assert_eq!(greedy("tiny-hf"), from_gguf, "the imported version");
+}
+
+#[test]
 fn bad_requests_are_clear_errors() {
     let tmp = tempfile::tempdir().unwrap();
     let gguf = tiny_gguf(tmp.path());

@@ -254,6 +254,14 @@ fn ggml_type(d: DType) -> Result<GgmlType, EngineError> {
         .ok_or_else(|| EngineError::Load(format!("no GGUF type for {}", d.name())))
 }
 
+/// A tensor to convert: its GGUF name, dims in ggml order (contiguous first), type and bytes.
+struct SourceTensor<'a> {
+    name: String,
+    dims: Vec<u64>,
+    dtype: DType,
+    data: std::borrow::Cow<'a, [u8]>,
+}
+
 /// Reads a GGUF model and writes it to `out` with every tensor re-quantized by `plan`
 /// (dequantized to f32 first; rows are spread over `threads`). `progress` is told about each
 /// tensor as it is done (index, count, tensor).
@@ -267,17 +275,167 @@ pub fn quantize_gguf(
     let file =
         GgufFile::open(src).map_err(|e| EngineError::Load(format!("{}: {e}", src.display())))?;
     let header = file.header();
-    let tied = header.tensor("output.weight").is_none();
-    let mut writer = GgufWriter::new();
-    for (key, value) in header.metadata() {
-        if key == "general.file_type" || key == "general.quantization_version" {
-            continue;
+    let metadata: Vec<(String, Value)> = header
+        .metadata()
+        .map(|(k, v)| (k.to_string(), v.clone()))
+        .collect();
+    let mut sources = Vec::with_capacity(header.tensors.len());
+    for t in &header.tensors {
+        let dtype = dtype_of(t.ggml_type).ok_or_else(|| EngineError::Tensor {
+            name: t.name.clone(),
+            reason: format!("{:?} tensors cannot be converted", t.ggml_type),
+        })?;
+        sources.push(SourceTensor {
+            name: t.name.clone(),
+            dims: t.dims.clone(),
+            dtype,
+            data: std::borrow::Cow::Borrowed(file.tensor_data(t)),
+        });
+    }
+    write_quantized(metadata, sources, plan, out, threads, progress)
+}
+
+/// Converts a Hugging Face checkpoint folder (llama or qwen2 family, byte-level BPE tokenizer)
+/// into a GGUF by `plan`, as llama.cpp's converter lays it out: GGUF tensor names, llama Q/K rows
+/// permuted for pairwise RoPE, the shape and the tokenizer in metadata.
+pub fn quantize_hf(
+    dir: &Path,
+    plan: &QuantPlan,
+    out: &Path,
+    threads: usize,
+    progress: &mut dyn FnMut(usize, usize, &TensorPlan),
+) -> Result<QuantizeSummary, EngineError> {
+    let checkpoint = crate::hf::open(dir)?;
+    let c = &checkpoint.config;
+    let arch = checkpoint.family.name;
+    let tokenizer = crate::tokenizer::Tokenizer::from_hf_folder(dir)?;
+    let mut metadata: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(arch.into())),
+        (
+            "general.name".into(),
+            Value::String(
+                dir.file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_else(|| "model".into()),
+            ),
+        ),
+    ];
+    let u = |v: usize| Value::U32(v as u32);
+    for (key, value) in [
+        ("context_length", u(c.context_length)),
+        ("embedding_length", u(c.hidden)),
+        ("feed_forward_length", u(c.ffn)),
+        ("block_count", u(c.block_count)),
+        ("attention.head_count", u(c.heads)),
+        ("attention.head_count_kv", u(c.kv_heads)),
+        ("attention.layer_norm_rms_epsilon", Value::F32(c.norm_eps)),
+        ("rope.freq_base", Value::F32(c.rope_theta)),
+        ("rope.dimension_count", u(c.rope_dims)),
+        ("vocab_size", u(c.vocab_size)),
+    ] {
+        metadata.push((format!("{arch}.{key}"), value));
+    }
+    if c.head_dim * c.heads != c.hidden {
+        metadata.push((format!("{arch}.attention.key_length"), u(c.head_dim)));
+        metadata.push((format!("{arch}.attention.value_length"), u(c.head_dim)));
+    }
+    match c.rope_scaling {
+        kernels::ops::RopeScaling::None => {}
+        kernels::ops::RopeScaling::Linear { factor } => {
+            metadata.push((
+                format!("{arch}.rope.scaling.type"),
+                Value::String("linear".into()),
+            ));
+            metadata.push((format!("{arch}.rope.scaling.factor"), Value::F32(factor)));
         }
-        if key.starts_with("rampart.quantization.") {
+        _ => {
+            return Err(EngineError::Load(
+                "converting a checkpoint with llama3 RoPE scaling to GGUF is not supported yet (it loads directly)".into(),
+            ))
+        }
+    }
+    metadata.extend(crate::tokenizer::gguf_metadata_from_hf(
+        dir,
+        &tokenizer,
+        c.vocab_size,
+    )?);
+
+    let weights = &checkpoint.weights;
+    let mut sources = Vec::new();
+    for (name, t) in weights.all() {
+        let dtype = t.dtype.ok_or_else(|| EngineError::Tensor {
+            name: t.file_name.clone(),
+            reason: format!("type {} cannot be converted", t.type_name),
+        })?;
+        let dims: Vec<u64> = t.shape.iter().rev().map(|&d| d as u64).collect();
+        let raw = weights.raw(t);
+        // llama GGUFs store Q/K rows permuted for pairwise RoPE; Qwen2 keeps the HF order.
+        let heads = match name.rsplit('.').nth(1) {
+            Some("attn_q") => Some(c.heads),
+            Some("attn_k") => Some(c.kv_heads),
+            _ => None,
+        };
+        let data = match heads {
+            Some(h) if !checkpoint.family.rope_neox => {
+                let cols = if t.shape.len() == 2 { t.shape[1] } else { 1 };
+                let mut values = vec![0f32; t.shape.iter().product()];
+                kernels::quant::dequantize_row(dtype, raw, &mut values);
+                let permuted = formats::hf::permute_qk(&values, h, cols);
+                let bytes: Vec<u8> = permuted.iter().flat_map(|v| v.to_le_bytes()).collect();
+                sources.push(SourceTensor {
+                    name: name.to_string(),
+                    dims,
+                    dtype: DType::F32,
+                    data: std::borrow::Cow::Owned(bytes),
+                });
+                continue;
+            }
+            _ => std::borrow::Cow::Borrowed(raw),
+        };
+        sources.push(SourceTensor {
+            name: name.to_string(),
+            dims,
+            dtype,
+            data,
+        });
+    }
+    // The order llama.cpp writes: embeddings, the blocks in order, the output.
+    sources.sort_by_key(|s| tensor_order(&s.name));
+    write_quantized(metadata, sources, plan, out, threads, progress)
+}
+
+fn tensor_order(name: &str) -> (usize, usize, String) {
+    match name.strip_prefix("blk.") {
+        Some(rest) => {
+            let (layer, part) = rest.split_once('.').unwrap_or((rest, ""));
+            (1, layer.parse().unwrap_or(usize::MAX), part.to_string())
+        }
+        None if name.starts_with("token_embd") => (0, 0, name.to_string()),
+        None => (2, 0, name.to_string()),
+    }
+}
+
+/// Writes `sources` re-quantized by `plan` with `metadata` (its file-type and plan keys
+/// replaced) into `out`, atomically.
+fn write_quantized(
+    metadata: Vec<(String, Value)>,
+    sources: Vec<SourceTensor<'_>>,
+    plan: &QuantPlan,
+    out: &Path,
+    threads: usize,
+    progress: &mut dyn FnMut(usize, usize, &TensorPlan),
+) -> Result<QuantizeSummary, EngineError> {
+    let tied = !sources.iter().any(|t| t.name == "output.weight");
+    let mut writer = GgufWriter::new();
+    for (key, value) in metadata {
+        if key == "general.file_type"
+            || key == "general.quantization_version"
+            || key.starts_with("rampart.quantization.")
+        {
             continue;
         }
         writer
-            .metadata(key, value.clone())
+            .metadata(&key, value)
             .map_err(|e| EngineError::Load(e.to_string()))?;
     }
     writer
@@ -287,18 +445,16 @@ pub fn quantize_gguf(
         .map_err(|e| EngineError::Load(e.to_string()))?;
 
     let mut used = vec![false; plan.rules.len()];
-    let mut tensors = Vec::with_capacity(header.tensors.len());
-    let mut datas: Vec<Vec<u8>> = Vec::with_capacity(header.tensors.len());
-    let count = header.tensors.len();
+    let mut tensors = Vec::with_capacity(sources.len());
+    let mut datas: Vec<Vec<u8>> = Vec::with_capacity(sources.len());
+    let count = sources.len();
     let mut source_bytes = 0;
     let mut parameters = 0;
-    for (index, t) in header.tensors.iter().enumerate() {
-        let from = dtype_of(t.ggml_type).ok_or_else(|| EngineError::Tensor {
-            name: t.name.clone(),
-            reason: format!("{:?} tensors cannot be converted", t.ggml_type),
-        })?;
+    for (index, t) in sources.iter().enumerate() {
+        let from = t.dtype;
+        let elements: u64 = t.dims.iter().product();
         let row_len = t.dims.first().copied().unwrap_or(1) as usize;
-        let rows = (t.n_elements as usize) / row_len.max(1);
+        let rows = (elements as usize) / row_len.max(1);
         let matrix = t.dims.iter().filter(|&&d| d > 1).count() >= 2;
         let (wanted, rule) = if matrix && !t.name.starts_with("rope_freqs") {
             plan.choose(&names_of(&t.name, tied))
@@ -319,12 +475,11 @@ pub fn quantize_gguf(
                 name: t.name.clone(),
                 reason: format!("rows of {row_len} do not fit {} blocks", written.name()),
             })?;
-        let data = file.tensor_data(t);
         let mut out_bytes = vec![0u8; rows * dst_row];
         convert_rows(
             from,
             written,
-            data,
+            &t.data,
             &mut out_bytes,
             row_len,
             src_row,
@@ -335,8 +490,8 @@ pub fn quantize_gguf(
             name: t.name.clone(),
             reason,
         })?;
-        source_bytes += t.size_bytes;
-        parameters += t.n_elements;
+        source_bytes += t.data.len() as u64;
+        parameters += elements;
         let info = TensorPlan {
             name: t.name.clone(),
             shape: t.dims.clone(),
@@ -350,6 +505,7 @@ pub fn quantize_gguf(
         tensors.push(info);
         datas.push(out_bytes);
     }
+    drop(sources);
     for (t, data) in tensors.iter().zip(datas) {
         let dtype = plan_type(&t.written)?;
         writer
@@ -381,6 +537,21 @@ pub fn quantize_gguf(
         output_bytes,
         parameters,
     })
+}
+
+/// Converts a model (a GGUF file or a Hugging Face folder) by `plan` into the GGUF `out`.
+pub fn quantize_model(
+    src: &Path,
+    plan: &QuantPlan,
+    out: &Path,
+    threads: usize,
+    progress: &mut dyn FnMut(usize, usize, &TensorPlan),
+) -> Result<QuantizeSummary, EngineError> {
+    if src.is_dir() {
+        quantize_hf(src, plan, out, threads, progress)
+    } else {
+        quantize_gguf(src, plan, out, threads, progress)
+    }
 }
 
 /// Quantization at load time: the model's weights go through `plan` once, into a file in
@@ -434,18 +605,35 @@ impl InSitu {
     /// Where the quantized copy of `src` lives (made now if it is not there yet).
     pub fn prepare(&self, src: &Path) -> Result<PathBuf, EngineError> {
         use sha2::{Digest, Sha256};
-        let meta = std::fs::metadata(src)
-            .map_err(|e| EngineError::Load(format!("{}: {e}", src.display())))?;
+        let stamp = |path: &Path, h: &mut Sha256| -> Result<(), EngineError> {
+            let meta = std::fs::metadata(path)
+                .map_err(|e| EngineError::Load(format!("{}: {e}", path.display())))?;
+            let modified = meta
+                .modified()
+                .ok()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                .map_or(0, |d| d.as_nanos());
+            h.update(path.to_string_lossy().as_bytes());
+            h.update(meta.len().to_le_bytes());
+            h.update(modified.to_le_bytes());
+            Ok(())
+        };
         let canonical = std::fs::canonicalize(src).unwrap_or_else(|_| src.to_path_buf());
-        let modified = meta
-            .modified()
-            .ok()
-            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-            .map_or(0, |d| d.as_nanos());
         let mut h = Sha256::new();
-        h.update(canonical.to_string_lossy().as_bytes());
-        h.update(meta.len().to_le_bytes());
-        h.update(modified.to_le_bytes());
+        if canonical.is_dir() {
+            // A folder: every file in it (a changed shard or tokenizer is a new source).
+            let mut files: Vec<PathBuf> = std::fs::read_dir(&canonical)
+                .map_err(|e| EngineError::Load(format!("{}: {e}", canonical.display())))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.is_file())
+                .collect();
+            files.sort();
+            for f in &files {
+                stamp(f, &mut h)?;
+            }
+        } else {
+            stamp(&canonical, &mut h)?;
+        }
         h.update(self.plan.to_toml().as_bytes());
         let key = hex::encode(h.finalize());
         let out = self.cache_dir.join(format!("{}.gguf", &key[..32]));
@@ -454,7 +642,7 @@ impl InSitu {
         }
         std::fs::create_dir_all(&self.cache_dir)
             .map_err(|e| EngineError::Load(format!("{}: {e}", self.cache_dir.display())))?;
-        quantize_gguf(
+        quantize_model(
             src,
             &self.plan,
             &out,
@@ -625,6 +813,83 @@ rules = [
                 .plan,
             QuantPlan::uniform(DType::Q6_K)
         );
+    }
+
+    #[test]
+    fn hugging_face_folders_convert_to_the_gguf_llama_cpp_would_write() {
+        use crate::{Engine, EngineOptions};
+        use formats::tiny::{TinyArchitecture, TinyFloat, TinyLlama};
+        let dir = tempfile::tempdir().unwrap();
+        for (k, (architecture, weight_type, tied)) in [
+            (TinyArchitecture::Llama, TinyFloat::F16, true),
+            (TinyArchitecture::Llama, TinyFloat::BF16, false),
+            (TinyArchitecture::Qwen2, TinyFloat::F32, false),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let tiny = TinyLlama {
+                architecture,
+                weight_type,
+                tied_embeddings: tied,
+                ..TinyLlama::default()
+            };
+            let hf = dir.path().join(format!("hf{k}"));
+            tiny.write_hf_folder(&hf, 1 + k % 2).unwrap();
+            let out = dir.path().join(format!("out{k}.gguf"));
+            let summary = quantize_hf(
+                &hf,
+                &QuantPlan::uniform(DType::F32),
+                &out,
+                2,
+                &mut |_, _, _| {},
+            )
+            .unwrap();
+            assert!(summary.tensors.iter().all(|t| t.written == "F32"));
+            // What llama.cpp's converter writes: GGUF names, permuted llama Q/K, the shape and
+            // the tokenizer in metadata.
+            let file = GgufFile::open(&out).unwrap();
+            let h = file.header();
+            assert_eq!(
+                h.get_str("general.architecture").unwrap(),
+                Some(architecture.name())
+            );
+            assert!(h.tensor("blk.1.attn_q.weight").is_some());
+            assert_eq!(h.tensor("output.weight").is_some(), !tied);
+            assert_eq!(h.get_str("tokenizer.ggml.model").unwrap(), Some("gpt2"));
+            assert!(h.get_str("tokenizer.chat_template").unwrap().is_some());
+            // The converted GGUF computes what the folder computes.
+            let options = EngineOptions {
+                threads: 1,
+                ..EngineOptions::default()
+            };
+            let from_hf = Engine::load(&hf, &options).unwrap();
+            let from_gguf = Engine::load(&out, &options).unwrap();
+            let ids = from_hf
+                .tokenizer()
+                .encode("the cat in the hat", false)
+                .unwrap();
+            assert_eq!(
+                from_gguf
+                    .tokenizer()
+                    .encode("the cat in the hat", false)
+                    .unwrap(),
+                ids
+            );
+            let (a, b) = (
+                from_hf.logits(&ids).unwrap(),
+                from_gguf.logits(&ids).unwrap(),
+            );
+            let diff = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            assert!(
+                diff < 1e-3,
+                "{architecture:?} {weight_type:?}: logits differ by {diff}"
+            );
+        }
     }
 
     #[test]

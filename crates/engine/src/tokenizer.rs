@@ -593,6 +593,126 @@ fn byte_table(
         .collect()
 }
 
+/// The GGUF tokenizer metadata (`tokenizer.ggml.*`, as llama.cpp's converter writes it) of a
+/// Hugging Face folder's byte-level BPE `tokenizer.json`, padded with unused tokens to
+/// `vocab_size` rows. `tokenizer` is the folder's tokenizer as loaded (for BOS/EOS and the chat
+/// template).
+pub fn gguf_metadata_from_hf(
+    dir: &Path,
+    tokenizer: &Tokenizer,
+    vocab_size: usize,
+) -> Result<Vec<(String, formats::gguf::Value)>, EngineError> {
+    use formats::gguf::{Array, Value};
+    let path = dir.join("tokenizer.json");
+    let text =
+        std::fs::read_to_string(&path).map_err(|e| bad(format!("{}: {e}", path.display())))?;
+    let json: Json =
+        serde_json::from_str(&text).map_err(|e| bad(format!("{}: {e}", path.display())))?;
+    let model = &json["model"];
+    if model["type"].as_str() != Some("BPE") {
+        return Err(bad(format!(
+            "{}: only BPE tokenizers convert to GGUF (this one is {})",
+            path.display(),
+            model["type"]
+        )));
+    }
+    let pre = json["pre_tokenizer"].to_string();
+    if !pre.contains("ByteLevel") && !json["decoder"].to_string().contains("ByteLevel") {
+        return Err(bad(format!(
+            "{}: only byte-level BPE tokenizers convert to GGUF",
+            path.display()
+        )));
+    }
+    // llama.cpp names pre-tokenizers; these are the ones this engine (and llama.cpp) know.
+    let pre_name = if pre.contains("\"individual_digits\":true") {
+        "smollm"
+    } else if pre.contains("\\\\p{N}{1,3}") {
+        "llama-bpe"
+    } else if pre.contains("\\\\p{N}") && pre.contains("Split") {
+        "qwen2"
+    } else {
+        "gpt2"
+    };
+    let n = vocab_size.max(tokenizer.vocab_size());
+    let mut tokens: Vec<Option<String>> = vec![None; n];
+    let mut types = vec![1i32; n];
+    if let Some(vocab) = model["vocab"].as_object() {
+        for (token, id) in vocab {
+            if let Some(slot) = id.as_u64().and_then(|i| tokens.get_mut(i as usize)) {
+                *slot = Some(token.clone());
+            }
+        }
+    }
+    for added in json["added_tokens"].as_array().into_iter().flatten() {
+        let (Some(id), Some(content)) = (added["id"].as_u64(), added["content"].as_str()) else {
+            continue;
+        };
+        if let Some(slot) = tokens.get_mut(id as usize) {
+            *slot = Some(content.to_string());
+            types[id as usize] = if added["special"].as_bool().unwrap_or(false) {
+                3 // control
+            } else {
+                4 // user-defined
+            };
+        }
+    }
+    let tokens: Vec<String> = tokens
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| {
+            t.unwrap_or_else(|| {
+                types[i] = 5; // unused
+                format!("[PAD{i}]")
+            })
+        })
+        .collect();
+    let merges: Vec<String> = model["merges"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|m| match m {
+            Json::String(s) => Some(s.clone()),
+            Json::Array(pair) if pair.len() == 2 => {
+                Some(format!("{} {}", pair[0].as_str()?, pair[1].as_str()?))
+            }
+            _ => None,
+        })
+        .collect();
+    let mut out = vec![
+        (
+            "tokenizer.ggml.model".to_string(),
+            Value::String("gpt2".into()),
+        ),
+        ("tokenizer.ggml.pre".into(), Value::String(pre_name.into())),
+        (
+            "tokenizer.ggml.tokens".into(),
+            Value::Array(Array::String(tokens)),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            Value::Array(Array::I32(types)),
+        ),
+        (
+            "tokenizer.ggml.merges".into(),
+            Value::Array(Array::String(merges)),
+        ),
+        (
+            "tokenizer.ggml.add_bos_token".into(),
+            Value::Bool(tokenizer.add_bos),
+        ),
+    ];
+    if let Some(b) = tokenizer.bos {
+        out.push(("tokenizer.ggml.bos_token_id".into(), Value::U32(b)));
+    }
+    if let Some(e) = tokenizer.eos {
+        out.push(("tokenizer.ggml.eos_token_id".into(), Value::U32(e)));
+    }
+    if let Some(t) = &tokenizer.chat_template {
+        out.push(("tokenizer.chat_template".into(), Value::String(t.clone())));
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -176,6 +176,18 @@ impl Weights {
         self.tensors.get(name)
     }
 
+    /// Every tensor by GGUF name, sorted by name.
+    pub fn all(&self) -> Vec<(&str, &StoredTensor)> {
+        let mut all: Vec<_> = self.tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        all.sort_by(|a, b| a.0.cmp(b.0));
+        all
+    }
+
+    /// A tensor's bytes as stored.
+    pub fn raw(&self, t: &StoredTensor) -> &[u8] {
+        &self.files[t.file].bytes()[t.range.clone()]
+    }
+
     /// The name a tensor has in the files, for errors about a missing one.
     fn external_name(&self, name: &str) -> String {
         match self.naming {

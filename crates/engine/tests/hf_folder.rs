@@ -645,4 +645,31 @@ fn smollm2_hf_folder_matches_its_f16_gguf_twin() {
         worst <= SMOLLM2_LOGIT_TOLERANCE,
         "logits differ by {worst} (tolerance {SMOLLM2_LOGIT_TOLERANCE})"
     );
+
+    // The folder converted back to GGUF (as `rampart model quantize` does for a folder) is the
+    // twin again: same tokenizer, same greedy tokens. RAMPART_TEST_KEEP=DIR keeps the file, to
+    // check it with llama.cpp.
+    let back = tmp.path().join("from-hf.gguf");
+    engine::convert::quantize_hf(
+        &hf,
+        &engine::convert::QuantPlan::uniform(kernels::DType::F16),
+        &back,
+        2,
+        &mut |_, _, _| {},
+    )
+    .unwrap();
+    if let Some(keep) = std::env::var_os("RAMPART_TEST_KEEP") {
+        std::fs::copy(
+            &back,
+            std::path::Path::new(&keep).join("smollm2-from-hf.gguf"),
+        )
+        .unwrap();
+    }
+    let converted = Engine::load(&back, &options(512)).unwrap();
+    let ids = ta.encode(&prompts[0], true).unwrap();
+    assert_eq!(
+        converted.tokenizer().encode(&prompts[2], true).unwrap(),
+        ta.encode(&prompts[2], true).unwrap()
+    );
+    assert_eq!(greedy(&converted, &ids, 40), greedy(&from_gguf, &ids, 40));
 }

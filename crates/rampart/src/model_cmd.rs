@@ -96,11 +96,11 @@ pub enum ModelCommand {
         /// NAME@VERSION.
         model: String,
     },
-    /// Re-quantize a GGUF model (a file or NAME[@VERSION]) by a plan that maps tensor-name
+    /// Quantize a model (a GGUF, a Hugging Face folder, or NAME[@VERSION]) by a plan that maps tensor-name
     /// patterns to types, and import the result as a new version whose lineage records the
     /// source digest and the plan. The output loads in llama.cpp too.
     Quantize {
-        /// A .gguf file or NAME[@VERSION] in the repository.
+        /// A .gguf file, a Hugging Face checkpoint folder, or NAME[@VERSION] in the repository.
         source: String,
         /// A plan file (TOML: `default = "Q4_K"` and ordered `rules = [{ match, type }]`).
         #[arg(long, value_name = "FILE")]

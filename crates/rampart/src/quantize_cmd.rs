@@ -6,7 +6,7 @@ use std::process::{Command, ExitCode};
 
 use anyhow::{bail, Context, Result};
 use engine::bench::{median, perplexity, throughput};
-use engine::convert::{quantize_gguf, QuantPlan, QuantizeSummary};
+use engine::convert::{quantize_model, QuantPlan, QuantizeSummary};
 use engine::EngineOptions;
 use indicatif::{ProgressBar, ProgressStyle};
 use repo::{Derivation, ImportOptions, ModelRef, Repository};
@@ -25,6 +25,23 @@ struct Source {
 
 fn resolve(repo: &Repository, model: &str) -> Result<Source> {
     let path = PathBuf::from(model);
+    if path.is_dir() {
+        // A Hugging Face folder: named by the digest of its files, as an import would name it.
+        let mut digests = repo::Digests {
+            files: Default::default(),
+        };
+        for entry in repo::digests::walk(&path, true)? {
+            if entry.regular {
+                let (sha256, _) = repo::digests::hash_file(&entry.path, &repo::NoProgress)?;
+                digests.files.insert(entry.relative, sha256);
+            }
+        }
+        return Ok(Source {
+            label: path.display().to_string(),
+            path,
+            sha256: digests.version_digest(),
+        });
+    }
     if path.is_file() {
         let (sha256, _) = repo::digests::hash_file(&path, &repo::NoProgress)
             .with_context(|| format!("hashing {}", path.display()))?;
@@ -40,16 +57,21 @@ fn resolve(repo: &Repository, model: &str) -> Result<Source> {
     let loaded = repo
         .load(&reference, &repo::NoProgress)
         .with_context(|| format!("loading {reference}"))?;
-    let weights = loaded
-        .manifest
-        .model
-        .weights
-        .iter()
-        .find(|w| w.ends_with(".gguf"))
-        .with_context(|| format!("{} has no GGUF weights to quantize", loaded.version))?;
+    let m = &loaded.manifest.model;
+    let path = if m.format == repo::Format::Safetensors {
+        // A Hugging Face checkpoint: the version folder holds config, shards and tokenizer.
+        loaded.version.dir.clone()
+    } else {
+        let weights = m
+            .weights
+            .iter()
+            .find(|w| w.ends_with(".gguf"))
+            .with_context(|| format!("{} has no GGUF or safetensors weights", loaded.version))?;
+        loaded.version.dir.join(weights)
+    };
     Ok(Source {
         label: loaded.version.to_string(),
-        path: loaded.version.dir.join(weights),
+        path,
         sha256: loaded.version_digest.clone(),
     })
 }
@@ -95,7 +117,7 @@ pub fn quantize(
     } else {
         None
     };
-    let summary = quantize_gguf(&src.path, &plan, &out, threads, &mut |i, n, t| {
+    let summary = quantize_model(&src.path, &plan, &out, threads, &mut |i, n, t| {
         if let Some(bar) = &bar {
             bar.set_length(n as u64);
             bar.set_position(i as u64 + 1);
@@ -220,6 +242,19 @@ fn peak_rss() -> u64 {
 }
 
 fn weights_summary(path: &Path) -> (String, u64) {
+    if path.is_dir() {
+        let size = repo::digests::walk(path, true)
+            .map(|entries| {
+                entries
+                    .iter()
+                    .filter(|e| e.relative.ends_with(".safetensors"))
+                    .filter_map(|e| std::fs::metadata(&e.path).ok())
+                    .map(|m| m.len())
+                    .sum()
+            })
+            .unwrap_or(0);
+        return ("safetensors".into(), size);
+    }
     let Ok(file) = formats::gguf::GgufFile::open(path) else {
         return ("?".into(), 0);
     };

@@ -69,6 +69,15 @@ pub struct QuantPlan {
     pub rules: Vec<(String, DType)>,
 }
 
+/// The plan types, comma-separated (for messages).
+fn plan_type_names() -> String {
+    PLAN_TYPES
+        .iter()
+        .map(|t| t.name())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn plan_type(name: &str) -> Result<DType, EngineError> {
     let upper = name.to_ascii_uppercase();
     PLAN_TYPES
@@ -78,11 +87,7 @@ fn plan_type(name: &str) -> Result<DType, EngineError> {
         .ok_or_else(|| {
             EngineError::InvalidRequest(format!(
                 "unknown quantization type {name:?} (one of {})",
-                PLAN_TYPES
-                    .iter()
-                    .map(|t| t.name())
-                    .collect::<Vec<_>>()
-                    .join(", ")
+                plan_type_names()
             ))
         })
 }
@@ -587,11 +592,7 @@ impl InSitu {
             let text = std::fs::read_to_string(spec).map_err(|e| {
                 EngineError::InvalidRequest(format!(
                     "quantization {spec:?} is neither a type ({}) nor a readable plan file: {e}",
-                    PLAN_TYPES
-                        .iter()
-                        .map(|t| t.name())
-                        .collect::<Vec<_>>()
-                        .join(", ")
+                    plan_type_names()
                 ))
             })?;
             QuantPlan::parse(&text)?

@@ -177,19 +177,23 @@ fn require_python() -> bool {
     std::env::var("RAMPART_REQUIRE_MODELS").is_ok_and(|v| v == "1")
 }
 
-#[test]
-fn the_official_openai_client_works_against_the_server() {
+/// Starts a server and runs a Python script of tests/e2e against it with the official `openai`
+/// client; the script must end by printing `done_line`. Returns the server (for its log and
+/// metrics) and the records of its log. `None`: no Python with the client, or no model.
+fn run_client_script(script: &str, done_line: &str) -> Option<(Server, Vec<serde_json::Value>)> {
     let Some(python) = python_with_openai() else {
         assert!(
             !require_python(),
             "no Python with the openai package (scripts/test.sh installs one)"
         );
         eprintln!("skipped: no Python with the openai package");
-        return;
+        return None;
     };
-    let Some(server) = start("") else { return };
+    let server = start("")?;
     wait_ready(server.port);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2e/openai_client.py");
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/e2e")
+        .join(script);
     let out = Command::new(python)
         .arg(script)
         .env("RAMPART_URL", format!("http://127.0.0.1:{}", server.port))
@@ -199,15 +203,26 @@ fn the_official_openai_client_works_against_the_server() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "openai client checks failed");
-    assert!(stdout.contains("all openai client checks passed"));
-    // Every request left one record line with the fixed fields.
+    assert!(out.status.success(), "the client checks failed");
+    assert!(stdout.contains(done_line));
     let log = std::fs::read_to_string(&server.log).unwrap();
-    let records: Vec<serde_json::Value> = log
+    let records = log
         .lines()
         .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .filter(|v| v["message"] == "inference record")
         .collect();
+    Some((server, records))
+}
+
+#[test]
+fn the_official_openai_client_works_against_the_server() {
+    let Some((server, records)) =
+        run_client_script("openai_client.py", "all openai client checks passed")
+    else {
+        return;
+    };
+    // Every request left one record line with the fixed fields.
+    let log = std::fs::read_to_string(&server.log).unwrap();
     assert!(records.len() >= 15, "{} records", records.len());
     let ok = records
         .iter()
@@ -240,35 +255,15 @@ fn the_official_openai_client_works_against_the_server() {
 
 #[test]
 fn structured_output_through_the_openai_client() {
-    let Some(python) = python_with_openai() else {
-        assert!(
-            !require_python(),
-            "no Python with the openai package (scripts/test.sh installs one)"
-        );
-        eprintln!("skipped: no Python with the openai package");
+    let Some((server, all)) = run_client_script(
+        "structured_output.py",
+        "all structured output checks passed",
+    ) else {
         return;
     };
-    let Some(server) = start("") else { return };
-    wait_ready(server.port);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2e/structured_output.py");
-    let out = Command::new(python)
-        .arg(script)
-        .env("RAMPART_URL", format!("http://127.0.0.1:{}", server.port))
-        .env("RAMPART_KEY", KEY)
-        .env("RAMPART_MODEL", MODEL)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "structured output checks failed");
-    assert!(stdout.contains("all structured output checks passed"));
     // Records name the constraint and the outcome of the final check.
-    let log = std::fs::read_to_string(&server.log).unwrap();
-    let records: Vec<serde_json::Value> = log
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v["message"] == "inference record" && !v["structured"].is_null())
-        .collect();
+    let records: Vec<&serde_json::Value> =
+        all.iter().filter(|v| !v["structured"].is_null()).collect();
     assert!(records.len() >= 12, "{} structured records", records.len());
     assert!(records
         .iter()
@@ -277,7 +272,7 @@ fn structured_output_through_the_openai_client() {
         .iter()
         .any(|r| r["structured_outcome"] == "incomplete" && r["finish_reason"] == "length"));
     assert!(
-        log.contains("\"status\":400"),
+        all.iter().any(|r| r["status"] == 400),
         "the bad schema left a 400 record"
     );
     let hashes: std::collections::HashSet<&str> = records

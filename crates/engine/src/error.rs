@@ -21,6 +21,12 @@ pub enum EngineError {
         max_tokens: usize,
         context: usize,
     },
+    #[error("input {index} has {tokens} tokens, more than the model's limit of {limit}")]
+    InputTooLong {
+        index: usize,
+        tokens: usize,
+        limit: usize,
+    },
     #[error("the request needs {tokens} KV positions but the whole KV cache holds {pool_tokens}; raise the KV cache memory or lower max_tokens")]
     PoolTooSmall { tokens: usize, pool_tokens: usize },
     #[error("the engine's waiting queue is full ({limit} requests); retry later")]

@@ -14,6 +14,7 @@
 //! - [`sampler`]: sampling with logprobs and per-token entropy;
 //! - [`generate`]: the engine API, `Engine::generate(request) → stream of events`, and the
 //!   engine thread that steps the scheduler;
+//! - [`bert`]: sentence embeddings from BERT encoders (sentence-transformers folders);
 //! - [`bench`]: throughput and perplexity measured as llama.cpp measures them.
 //!
 //! The engine knows nothing of HTTP, tenants or audit; it runs on its own threads and talks
@@ -21,6 +22,7 @@
 
 pub mod arch;
 pub mod bench;
+pub mod bert;
 pub mod block_pool;
 pub mod chat;
 pub mod constraint;
@@ -37,6 +39,7 @@ pub mod sentencepiece;
 pub mod tokenizer;
 pub mod weights;
 
+pub use bert::{EmbedOptions, Embedder, EmbedderOptions};
 pub use chat::ChatMessage;
 pub use constraint::{Constraint, ConstraintFactory, TokenConstraint, TokenMask};
 pub use error::EngineError;

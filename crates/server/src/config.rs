@@ -79,6 +79,9 @@ pub struct Limits {
     pub grammar_compile_timeout_ms: u64,
     /// Compiled grammars kept per model (least recently used goes first).
     pub grammar_cache_entries: usize,
+    /// Most inputs in one `/v1/embeddings` request (each input is limited to the model's
+    /// `max_seq_len` tokens).
+    pub max_embedding_inputs: usize,
 }
 
 impl Default for Limits {
@@ -94,6 +97,7 @@ impl Default for Limits {
             max_grammar_bytes: 64 * 1024,
             grammar_compile_timeout_ms: 2000,
             grammar_cache_entries: 128,
+            max_embedding_inputs: 2048,
         }
     }
 }

@@ -176,6 +176,7 @@ impl From<EngineError> for ApiError {
                 "This model's maximum context length is {context} tokens. However, you requested {} tokens ({prompt_tokens} in the prompt, {max_tokens} for the completion). Please reduce the prompt or max_tokens.",
                 prompt_tokens + max_tokens
             )),
+            e @ EngineError::InputTooLong { .. } => ApiError::invalid_param("input", e.to_string()),
             e @ EngineError::PoolTooSmall { .. } => ApiError::ContextLengthExceeded(e.to_string()),
             EngineError::QueueFull { limit } => ApiError::Overloaded {
                 message: format!("the engine's queue is full ({limit} requests); retry later"),

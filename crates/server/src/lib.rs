@@ -183,6 +183,35 @@ fn spawn_loading(state: Arc<AppState>) {
         };
         for model in wanted {
             let started = std::time::Instant::now();
+            if state::is_embedding_model(&repository, &model).unwrap_or(false) {
+                match state::load_embedder(&state.config, &repository, &model) {
+                    Ok(handle) => {
+                        tracing::info!(
+                            model = %handle.id,
+                            version = %handle.version,
+                            digest = %handle.digest,
+                            dimensions = handle.embedder.dimensions(),
+                            max_seq_len = handle.embedder.max_seq_len(),
+                            seconds = started.elapsed().as_secs_f64(),
+                            "embedding model loaded (digests verified)"
+                        );
+                        state
+                            .embedders
+                            .write()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .push(Arc::new(handle));
+                    }
+                    Err(e) => {
+                        tracing::error!(model = %model.name, error = %e, "model refused");
+                        state
+                            .load_errors
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .push(e);
+                    }
+                }
+                continue;
+            }
             match state::load_model(&state.config, &repository, &model) {
                 Ok(handle) => {
                     tracing::info!(

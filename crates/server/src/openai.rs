@@ -717,3 +717,204 @@ mod tests {
         assert!(r.plan(&Limits::default()).is_err());
     }
 }
+
+/// `input` of `/v1/embeddings`: one text, several texts, one token list or several.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum EmbeddingInput {
+    Text(String),
+    Texts(Vec<String>),
+    Tokens(Vec<u32>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+/// A `/v1/embeddings` request.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct EmbeddingRequest {
+    pub model: String,
+    pub input: EmbeddingInput,
+    /// `float` (default) or `base64` (the little-endian f32 bytes, base64-encoded).
+    pub encoding_format: Option<String>,
+    /// Keep the first `dimensions` components and L2-normalize again.
+    pub dimensions: Option<usize>,
+    pub user: Option<String>,
+}
+
+/// What an embedding request asks for, validated.
+#[derive(Debug, Clone)]
+pub struct EmbeddingPlan {
+    /// Texts to tokenize, or token lists as given.
+    pub inputs: EmbeddingInputs,
+    pub base64: bool,
+    pub dimensions: Option<usize>,
+    pub user: Option<String>,
+    /// The inputs joined, for the record's input hash.
+    pub input_for_hash: String,
+}
+
+#[derive(Debug, Clone)]
+pub enum EmbeddingInputs {
+    Texts(Vec<String>),
+    Tokens(Vec<Vec<u32>>),
+}
+
+impl EmbeddingRequest {
+    pub fn plan(self, limits: &Limits) -> Result<EmbeddingPlan, ApiError> {
+        let inputs = match self.input {
+            EmbeddingInput::Text(t) => EmbeddingInputs::Texts(vec![t]),
+            EmbeddingInput::Texts(t) => EmbeddingInputs::Texts(t),
+            EmbeddingInput::Tokens(t) => EmbeddingInputs::Tokens(vec![t]),
+            EmbeddingInput::TokenLists(t) => EmbeddingInputs::Tokens(t),
+        };
+        let count = match &inputs {
+            EmbeddingInputs::Texts(t) => t.len(),
+            EmbeddingInputs::Tokens(t) => t.len(),
+        };
+        if count == 0 {
+            return Err(ApiError::invalid_param("input", "input must not be empty"));
+        }
+        if count > limits.max_embedding_inputs {
+            return Err(ApiError::invalid_param(
+                "input",
+                format!(
+                    "input has {count} items; at most {} are allowed per request",
+                    limits.max_embedding_inputs
+                ),
+            ));
+        }
+        let empty = match &inputs {
+            EmbeddingInputs::Texts(t) => t.iter().position(|s| s.is_empty()),
+            EmbeddingInputs::Tokens(t) => t.iter().position(|s| s.is_empty()),
+        };
+        if let Some(i) = empty {
+            return Err(ApiError::invalid_param(
+                "input",
+                format!(
+                    "input[{i}] is empty; every input must have at least one character or token"
+                ),
+            ));
+        }
+        let base64 = match self.encoding_format.as_deref() {
+            None | Some("float") => false,
+            Some("base64") => true,
+            Some(other) => {
+                return Err(ApiError::invalid_param(
+                    "encoding_format",
+                    format!("encoding_format must be \"float\" or \"base64\", got {other:?}"),
+                ))
+            }
+        };
+        if self.dimensions == Some(0) {
+            return Err(ApiError::invalid_param(
+                "dimensions",
+                "dimensions must be at least 1",
+            ));
+        }
+        let input_for_hash = match &inputs {
+            EmbeddingInputs::Texts(t) => t.join("\n"),
+            EmbeddingInputs::Tokens(t) => format!("{t:?}"),
+        };
+        Ok(EmbeddingPlan {
+            inputs,
+            base64,
+            dimensions: self.dimensions,
+            user: self.user,
+            input_for_hash,
+        })
+    }
+}
+
+/// One embedding: a list of floats, or base64 of their little-endian bytes.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+#[serde(untagged)]
+pub enum EmbeddingVector {
+    Float(Vec<f32>),
+    Base64(String),
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct EmbeddingData {
+    pub object: &'static str,
+    pub index: usize,
+    pub embedding: EmbeddingVector,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct EmbeddingUsage {
+    pub prompt_tokens: usize,
+    pub total_tokens: usize,
+}
+
+/// The `/v1/embeddings` response.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct EmbeddingResponse {
+    pub object: &'static str,
+    pub data: Vec<EmbeddingData>,
+    pub model: String,
+    pub usage: EmbeddingUsage,
+}
+
+/// Standard base64 (with padding) of the little-endian bytes of `values`.
+pub fn base64_f32(values: &[f32]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let b = [
+            chunk[0],
+            *chunk.get(1).unwrap_or(&0),
+            *chunk.get(2).unwrap_or(&0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for (k, shift) in [18, 12, 6, 0].into_iter().enumerate() {
+            if k <= chunk.len() {
+                out.push(ALPHABET[(n >> shift) as usize & 63] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod embedding_tests {
+    use super::*;
+
+    #[test]
+    fn base64_matches_known_encodings() {
+        // 1.0f32 = 00 00 80 3f; 1.0, 2.0 = 00 00 80 3f 00 00 00 40.
+        assert_eq!(base64_f32(&[1.0]), "AACAPw==");
+        assert_eq!(base64_f32(&[1.0, 2.0]), "AACAPwAAAEA=");
+        assert_eq!(base64_f32(&[]), "");
+    }
+
+    fn plan(body: &str) -> Result<EmbeddingPlan, String> {
+        let request: EmbeddingRequest = serde_json::from_str(body).map_err(|e| e.to_string())?;
+        request.plan(&Limits::default()).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn input_shapes_and_errors() {
+        let p = plan(r#"{"model":"m","input":"hi"}"#).expect("one text");
+        assert!(matches!(p.inputs, EmbeddingInputs::Texts(ref t) if t == &["hi"]));
+        let p = plan(r#"{"model":"m","input":[[101,102],[101,7,102]],"encoding_format":"base64"}"#)
+            .expect("token lists");
+        assert!(p.base64 && matches!(p.inputs, EmbeddingInputs::Tokens(ref t) if t.len() == 2));
+        let p = plan(r#"{"model":"m","input":[101,102]}"#).expect("one token list");
+        assert!(matches!(p.inputs, EmbeddingInputs::Tokens(ref t) if t.len() == 1));
+        assert!(plan(r#"{"model":"m","input":[]}"#)
+            .unwrap_err()
+            .contains("input must not be empty"));
+        assert!(plan(r#"{"model":"m","input":["a",""]}"#)
+            .unwrap_err()
+            .contains("input[1] is empty"));
+        assert!(
+            plan(r#"{"model":"m","input":"a","encoding_format":"int8"}"#)
+                .unwrap_err()
+                .contains("\"float\" or \"base64\"")
+        );
+        let many = format!(r#"{{"model":"m","input":{:?}}}"#, vec!["x"; 2049]);
+        assert!(plan(&many).unwrap_err().contains("at most 2048"));
+    }
+}

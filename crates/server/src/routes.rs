@@ -36,6 +36,7 @@ pub mod paths {
     pub const MODEL: &str = "/v1/models/{id}";
     pub const CHAT: &str = "/v1/chat/completions";
     pub const COMPLETIONS: &str = "/v1/completions";
+    pub const EMBEDDINGS: &str = "/v1/embeddings";
 }
 
 /// The request's id (`X-Request-Id` from the client, or a fresh UUIDv4).
@@ -59,7 +60,8 @@ pub struct Principal(pub String);
         list_models,
         get_model,
         chat_completions,
-        completions
+        completions,
+        embeddings
     ),
     components(schemas(
         ChatCompletionRequest,
@@ -70,7 +72,9 @@ pub struct Principal(pub String);
         ModelList,
         ModelCard,
         ErrorBody,
-        Usage
+        Usage,
+        EmbeddingRequest,
+        EmbeddingResponse
     ))
 )]
 pub struct ApiDoc;
@@ -91,6 +95,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route(paths::MODEL, get(get_model))
         .route(paths::CHAT, post(chat_completions))
         .route(paths::COMPLETIONS, post(completions))
+        .route(paths::EMBEDDINGS, post(embeddings))
         .route(paths::OPENAPI, get(openapi))
         .layer(middleware::from_fn_with_state(
             Arc::clone(&state),
@@ -352,6 +357,145 @@ async fn completions(
     body: Body,
 ) -> Response {
     handle(state, id, principal, body, Endpoint::Completions).await
+}
+
+/// Embeddings of one or more inputs (texts or token lists).
+#[utoipa::path(post, path = "/v1/embeddings", request_body = EmbeddingRequest, responses(
+    (status = 200, body = EmbeddingResponse),
+    (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+    (status = 413, body = ErrorBody), (status = 429, body = ErrorBody), (status = 503, body = ErrorBody)))]
+async fn embeddings(
+    State(state): State<Arc<AppState>>,
+    Extension(id): Extension<RequestId>,
+    Extension(principal): Extension<Principal>,
+    body: Body,
+) -> Response {
+    let mut record = RecordBuilder::new(id.0, principal.0.clone(), "embeddings", observe::emit);
+    match embed(&state, &principal.0, body, &mut record).await {
+        Ok(response) => {
+            record.record.finish_reason = Some("stop".into());
+            record.finish();
+            Json(response).into_response()
+        }
+        Err(e) => {
+            record.fail(e.status().as_u16(), e.kind());
+            record.finish();
+            e.into_response()
+        }
+    }
+}
+
+async fn embed(
+    state: &Arc<AppState>,
+    principal: &str,
+    body: Body,
+    record: &mut RecordBuilder,
+) -> Result<EmbeddingResponse, ApiError> {
+    let limit = state.config.limits.max_body_bytes;
+    let bytes: Bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
+        observe::rejected("none", "body_too_large");
+        ApiError::BodyTooLarge(format!(
+            "the request body exceeds the limit of {limit} bytes"
+        ))
+    })?;
+    let request: EmbeddingRequest = parse_json(&bytes)?;
+    let model_id = request.model.clone();
+    let plan = request.plan(&state.config.limits)?;
+    record.record.user = plan.user.clone();
+    record.record.input_sha256 = sha256_hex(&plan.input_for_hash);
+    if state.is_draining() {
+        return Err(ApiError::Unavailable {
+            message: "the server is shutting down".into(),
+            retry_after_s: 5,
+        });
+    }
+    let model = match state.find_embedder(&model_id) {
+        Some(m) => m,
+        None if state.find(&model_id).is_some() => {
+            return Err(ApiError::invalid_param(
+                "model",
+                format!("{model_id:?} is not an embedding model"),
+            ))
+        }
+        None => return Err(unknown_model(state, &model_id)),
+    };
+    record.record.model = model.id.clone();
+    record.record.version = model.version.clone();
+    record.record.version_digest = model.digest.clone();
+    if let Some(d) = plan.dimensions {
+        let max = model.embedder.dimensions();
+        if d > max {
+            return Err(ApiError::invalid_param(
+                "dimensions",
+                format!("dimensions must be between 1 and {max} for {}", model.id),
+            ));
+        }
+    }
+    if let Err(wait) = state.rate_limiter.admit(principal) {
+        observe::rejected(&model.id, "rate_limited");
+        return Err(ApiError::Overloaded {
+            message: format!("rate limit of key {principal:?} reached; retry in {wait} s"),
+            retry_after_s: wait,
+            code: "rate_limited",
+        });
+    }
+    let slot = model.admission.acquire().await.inspect_err(|e| {
+        let reason = if e.status() == StatusCode::TOO_MANY_REQUESTS {
+            "queue_full"
+        } else {
+            "queue_timeout"
+        };
+        observe::rejected(&model.id, reason);
+    })?;
+    record.record.queue_ms = slot.queued.as_secs_f64() * 1e3;
+    let embedder = Arc::clone(&model.embedder);
+    let compute = Arc::clone(&model.compute);
+    let inputs = plan.inputs.clone();
+    let options = engine::EmbedOptions {
+        truncate: false,
+        dimensions: plan.dimensions,
+    };
+    // Tokenization and the forward passes run off the async workers, one request at a time per
+    // model; the admission slot is held until they end.
+    let (vectors, prompt_tokens) = tokio::task::spawn_blocking(move || {
+        let ids = match inputs {
+            EmbeddingInputs::Texts(texts) => texts
+                .iter()
+                .map(|t| embedder.tokenize(t))
+                .collect::<Result<Vec<_>, _>>()?,
+            EmbeddingInputs::Tokens(ids) => ids,
+        };
+        let prompt_tokens: usize = ids.iter().map(Vec::len).sum();
+        let _running = compute.lock().unwrap_or_else(|e| e.into_inner());
+        let vectors = embedder.embed_ids(&ids, options)?;
+        Ok::<_, ApiError>((vectors, prompt_tokens))
+    })
+    .await
+    .map_err(|e| ApiError::Internal(format!("embedding task failed: {e}")))??;
+    drop(slot);
+    record.record.prompt_tokens = prompt_tokens;
+    let data = vectors
+        .into_iter()
+        .enumerate()
+        .map(|(index, v)| EmbeddingData {
+            object: "embedding",
+            index,
+            embedding: if plan.base64 {
+                EmbeddingVector::Base64(base64_f32(&v))
+            } else {
+                EmbeddingVector::Float(v)
+            },
+        })
+        .collect();
+    Ok(EmbeddingResponse {
+        object: "list",
+        data,
+        model: model.id.clone(),
+        usage: EmbeddingUsage {
+            prompt_tokens,
+            total_tokens: prompt_tokens,
+        },
+    })
 }
 
 /// A request on its way through the engine.

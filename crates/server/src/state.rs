@@ -53,6 +53,27 @@ impl ModelHandle {
     }
 }
 
+/// One served embedding model version. Requests run on blocking threads, one batch at a time
+/// per model (`compute`): the embedder's thread pool serves one forward pass at a time.
+pub struct EmbedderHandle {
+    pub id: String,
+    pub version: String,
+    pub digest: String,
+    pub embedder: Arc<engine::Embedder>,
+    pub compute: Arc<Mutex<()>>,
+    pub admission: Arc<Admission>,
+    pub created: u64,
+}
+
+impl std::fmt::Debug for EmbedderHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EmbedderHandle")
+            .field("id", &self.id)
+            .field("version", &self.version)
+            .finish()
+    }
+}
+
 /// Readiness of the model set.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Loading {
@@ -64,6 +85,8 @@ pub enum Loading {
 pub struct AppState {
     pub config: ServerConfig,
     pub models: RwLock<Vec<Arc<ModelHandle>>>,
+    /// The embedding models, apart from the LLMs: they have their own handle and route.
+    pub embedders: RwLock<Vec<Arc<EmbedderHandle>>>,
     pub loading: Mutex<Loading>,
     /// Models that could not be loaded, and why.
     pub load_errors: Mutex<Vec<String>>,
@@ -90,6 +113,7 @@ impl AppState {
             rate_limiter: RateLimiter::new(config.rate_limit.clone()),
             config,
             models: RwLock::new(Vec::new()),
+            embedders: RwLock::new(Vec::new()),
             loading: Mutex::new(Loading::InProgress),
             load_errors: Mutex::new(Vec::new()),
             draining: AtomicBool::new(false),
@@ -127,12 +151,50 @@ impl AppState {
         }
     }
 
+    pub fn embedders(&self) -> Vec<Arc<EmbedderHandle>> {
+        self.embedders
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Finds the embedding model `name` (the newest loaded version) or `name@version`.
+    pub fn find_embedder(&self, id: &str) -> Option<Arc<EmbedderHandle>> {
+        let embedders = self.embedders.read().unwrap_or_else(|e| e.into_inner());
+        let parse = |v: &str| semver::Version::parse(v).ok();
+        match id.split_once('@') {
+            Some((name, version)) => embedders
+                .iter()
+                .find(|m| m.id == name && m.version == version)
+                .cloned(),
+            None => embedders
+                .iter()
+                .filter(|m| m.id == id)
+                .max_by(|a, b| {
+                    parse(&a.version)
+                        .cmp(&parse(&b.version))
+                        .then_with(|| a.version.cmp(&b.version))
+                })
+                .cloned(),
+        }
+    }
+
     /// The ids clients can use, for error messages.
     pub fn model_ids(&self) -> Vec<String> {
-        let mut ids: Vec<String> = self
+        let llms = self
             .models()
             .iter()
-            .flat_map(|m| [m.id.clone(), format!("{}@{}", m.id, m.version)])
+            .map(|m| (m.id.clone(), m.version.clone()))
+            .collect::<Vec<_>>();
+        let embedders = self
+            .embedders()
+            .iter()
+            .map(|m| (m.id.clone(), m.version.clone()))
+            .collect::<Vec<_>>();
+        let mut ids: Vec<String> = llms
+            .into_iter()
+            .chain(embedders)
+            .flat_map(|(id, version)| [id.clone(), format!("{id}@{version}")])
             .collect();
         ids.sort();
         ids.dedup();
@@ -156,8 +218,8 @@ impl AppState {
             return Some(format!("models failed to load: {}", errors.join("; ")));
         }
         let models = self.models();
-        if models.is_empty() {
-            return Some("no LLM is configured or found in the repository".into());
+        if models.is_empty() && self.embedders().is_empty() {
+            return Some("no model is configured or found in the repository".into());
         }
         let stall = Duration::from_secs(self.config.stall_timeout_s.max(1));
         for m in &models {
@@ -173,7 +235,8 @@ impl AppState {
     }
 }
 
-/// What to load: the configured models, or the latest version of every LLM in the repository.
+/// What to load: the configured models, or the latest version of every LLM and embedding model
+/// in the repository.
 pub fn models_to_load(
     config: &ServerConfig,
     repository: &Repository,
@@ -194,7 +257,10 @@ pub fn models_to_load(
         let Ok(manifest) = repository.manifest(&version) else {
             continue;
         };
-        if manifest.model.kind == repo::manifest::Kind::Llm {
+        if matches!(
+            manifest.model.kind,
+            repo::manifest::Kind::Llm | repo::manifest::Kind::Embedding
+        ) {
             out.push(ModelConfig {
                 name,
                 version: None,
@@ -210,6 +276,71 @@ pub fn models_to_load(
         }
     }
     Ok(out)
+}
+
+/// Whether a model to load is an embedding model (by its manifest).
+pub fn is_embedding_model(repository: &Repository, model: &ModelConfig) -> Result<bool, String> {
+    let version = match &model.version {
+        Some(v) => Some(
+            semver::Version::parse(v).map_err(|e| format!("{}: version {v:?}: {e}", model.name))?,
+        ),
+        None => None,
+    };
+    let reference = ModelRef {
+        name: model.name.clone(),
+        version,
+    };
+    let version = repository
+        .resolve(&reference)
+        .map_err(|e| format!("{}: {e}", model.name))?;
+    let manifest = repository
+        .manifest(&version)
+        .map_err(|e| format!("{}: {e}", model.name))?;
+    Ok(manifest.model.kind == repo::manifest::Kind::Embedding)
+}
+
+/// Loads one embedding model (digests verified by the repository first): the version folder is
+/// a sentence-transformers folder.
+pub fn load_embedder(
+    config: &ServerConfig,
+    repository: &Repository,
+    model: &ModelConfig,
+) -> Result<EmbedderHandle, String> {
+    let version = match &model.version {
+        Some(v) => Some(
+            semver::Version::parse(v).map_err(|e| format!("{}: version {v:?}: {e}", model.name))?,
+        ),
+        None => None,
+    };
+    let reference = ModelRef {
+        name: model.name.clone(),
+        version,
+    };
+    let loaded = repository
+        .load(&reference, &repo::NoProgress)
+        .map_err(|e| format!("{}: {e}", model.name))?;
+    let digest = repository
+        .digests(&loaded.version)
+        .map(|d| format!("sha256:{}", d.version_digest()))
+        .map_err(|e| format!("{}: {e}", model.name))?;
+    let mut options = engine::EmbedderOptions::default();
+    if let Some(threads) = config.threads {
+        options.threads = threads.max(1);
+    }
+    let embedder = engine::Embedder::load_with(&loaded.version.dir, &options)
+        .map_err(|e| format!("{}: {e}", model.name))?;
+    Ok(EmbedderHandle {
+        id: model.name.clone(),
+        version: loaded.version.version.to_string(),
+        digest,
+        embedder: Arc::new(embedder),
+        compute: Arc::new(Mutex::new(())),
+        admission: Admission::new(config.admission.clone()),
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+    })
 }
 
 /// Loads one model (digests verified by the repository first).

@@ -43,9 +43,27 @@ fn binary() -> PathBuf {
 
 /// Imports SmolLM2 into a fresh repository and starts the server with `extra` config lines.
 fn start(extra: &str) -> Option<Server> {
+    start_with(extra, &[])
+}
+
+/// As [`start`], with more models imported and served: `(name, source)` pairs.
+fn start_with(extra: &str, more: &[(&str, PathBuf)]) -> Option<Server> {
     let model = cached_model(SMOLLM2_GGUF)?;
     let dir = tempfile::tempdir().unwrap();
     let repo = dir.path().join("models");
+    let mut more_models = String::new();
+    for (name, source) in more {
+        let status = Command::new(binary())
+            .args(["model", "import"])
+            .arg(source)
+            .args(["--name", name, "--version", "1.0.0", "--repo"])
+            .arg(&repo)
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success());
+        more_models.push_str(&format!("[[models]]\nname = \"{name}\"\n"));
+    }
     let status = Command::new(binary())
         .args(["model", "import"])
         .arg(&model)
@@ -62,7 +80,7 @@ fn start(extra: &str) -> Option<Server> {
     std::fs::write(
         &config,
         format!(
-            "listen = \"127.0.0.1:{port}\"\nthreads = 2\nshutdown_timeout_s = 20\n{extra}\n[[models]]\nname = \"{MODEL}\"\ncontext = 2048\nkv_cache_memory = \"256MiB\"\n"
+            "listen = \"127.0.0.1:{port}\"\nthreads = 2\nshutdown_timeout_s = 20\n{extra}\n[[models]]\nname = \"{MODEL}\"\ncontext = 2048\nkv_cache_memory = \"256MiB\"\n{more_models}"
         ),
     )
     .unwrap();
@@ -568,4 +586,89 @@ fn sigterm_drains_an_in_flight_stream_to_completion() {
         .any(|e| e.contains("\"finish_reason\":\"length\"")));
     let status = server.child.wait().unwrap();
     assert!(status.success(), "exit 0 after the drain: {status:?}");
+}
+
+fn cosine(a: &[f64], b: &[f64]) -> f64 {
+    let dot: f64 = a.iter().zip(b).map(|(x, y)| x * y).sum();
+    let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
+    dot / (norm(a) * norm(b))
+}
+
+#[test]
+fn embeddings_match_sentence_transformers_over_http() {
+    let Some(minilm) = cached_model(testkit::models::MINILM_FOLDER) else {
+        return;
+    };
+    let Some(server) = start_with("", &[("minilm", minilm)]) else {
+        return;
+    };
+    wait_ready(server.port);
+    let body = r#"{"model":"minilm","input":["A man is eating food.","A man is eating a piece of bread.","The new movie is awesome.","The girl is carrying a baby."]}"#;
+    let (status, _, text) = http(server.port, "POST", "/v1/embeddings", Some(body), Some(KEY));
+    assert_eq!(status, 200, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["object"], "list");
+    let vectors: Vec<Vec<f64>> = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| {
+            d["embedding"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect()
+        })
+        .collect();
+    assert_eq!(vectors.len(), 4);
+    assert!(vectors.iter().all(|e| e.len() == 384));
+    // shared/MODELS.md: sentence-transformers' values.
+    let reference = [
+        0.03324, 0.00441, -0.00628, 0.04838, -0.1387, -0.03362, 0.10113, -0.05438,
+    ];
+    for (got, want) in vectors[0].iter().zip(reference) {
+        assert!((got - want).abs() < 1e-3, "{got} vs {want}");
+    }
+    for (i, want) in [(1, 0.7553), (2, -0.0461), (3, -0.1050)] {
+        let c = cosine(&vectors[0], &vectors[i]);
+        assert!((c - want).abs() < 1e-3, "cosine 0-{i}: {c} vs {want}");
+    }
+    assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 20);
+    // Refusals: an LLM is not an embedding model; unknown models are 404; empty input is 400.
+    for (body, want) in [
+        (format!(r#"{{"model":"{MODEL}","input":"x"}}"#), 400),
+        (r#"{"model":"nope","input":"x"}"#.to_string(), 404),
+        (r#"{"model":"minilm","input":[]}"#.to_string(), 400),
+        (
+            r#"{"model":"minilm","input":"x","encoding_format":"hex"}"#.to_string(),
+            400,
+        ),
+    ] {
+        let (status, _, text) = http(
+            server.port,
+            "POST",
+            "/v1/embeddings",
+            Some(&body),
+            Some(KEY),
+        );
+        assert_eq!(status, want, "{body}: {text}");
+        let e: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert!(e["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()));
+    }
+    let (status, _, _) = http(
+        server.port,
+        "POST",
+        "/v1/embeddings",
+        Some(r#"{"model":"minilm","input":"x"}"#),
+        None,
+    );
+    assert_eq!(status, 401, "keys guard embeddings too");
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    assert!(
+        log.contains("\"endpoint\":\"embeddings\""),
+        "a record per embeddings request"
+    );
 }

@@ -635,6 +635,8 @@ fn embeddings_match_sentence_transformers_over_http() {
         assert!((c - want).abs() < 1e-3, "cosine 0-{i}: {c} vs {want}");
     }
     assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 20);
+    let (_, _, models) = http(server.port, "GET", "/v1/models", None, Some(KEY));
+    assert!(models.contains("\"id\":\"minilm\""), "{models}");
     // Refusals: an LLM is not an embedding model; unknown models are 404; empty input is 400.
     for (body, want) in [
         (format!(r#"{{"model":"{MODEL}","input":"x"}}"#), 400),

@@ -288,9 +288,24 @@ fn card(m: &ModelHandle) -> ModelCard {
 /// The served models.
 #[utoipa::path(get, path = "/v1/models", responses((status = 200, body = ModelList)))]
 async fn list_models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
+    let embedders = state.embedders();
     Json(ModelList {
         object: "list",
-        data: state.models().iter().map(|m| card(m)).collect(),
+        data: state
+            .models()
+            .iter()
+            .map(|m| card(m))
+            .chain(embedders.iter().map(|e| ModelCard {
+                id: e.id.clone(),
+                object: "model",
+                created: e.created,
+                owned_by: "rampart".into(),
+                version: e.version.clone(),
+                digest: e.digest.clone(),
+                ready: true,
+                max_context: e.embedder.max_seq_len(),
+            }))
+            .collect(),
     })
 }
 

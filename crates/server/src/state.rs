@@ -257,10 +257,16 @@ pub fn models_to_load(
         let Ok(manifest) = repository.manifest(&version) else {
             continue;
         };
-        if matches!(
-            manifest.model.kind,
-            repo::manifest::Kind::Llm | repo::manifest::Kind::Embedding
-        ) {
+        // LLMs, and the embedding models the BERT embedder runs (safetensors folders; ONNX
+        // embedders are not served yet and would only keep readiness at 503).
+        let servable = match manifest.model.kind {
+            repo::manifest::Kind::Llm => true,
+            repo::manifest::Kind::Embedding => {
+                manifest.model.format == repo::manifest::Format::Safetensors
+            }
+            _ => false,
+        };
+        if servable {
             out.push(ModelConfig {
                 name,
                 version: None,

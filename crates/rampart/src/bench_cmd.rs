@@ -109,6 +109,33 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Sentences/s of a sentence-embedding model (a sentence-transformers folder or
+    /// NAME[@VERSION]) over generated sentences of 8–40 words, in requests of --batch sentences
+    /// (median of --rounds).
+    Embed {
+        /// A sentence-transformers folder or NAME[@VERSION] in the repository.
+        #[arg(long, short = 'm')]
+        model: String,
+        #[arg(
+            long,
+            env = "RAMPART_REPO",
+            default_value = "models",
+            value_name = "DIR"
+        )]
+        repo: PathBuf,
+        #[arg(long, short = 't')]
+        threads: Option<usize>,
+        /// Sentences per embed call.
+        #[arg(long, default_value_t = 32)]
+        batch: usize,
+        /// Sentences per round.
+        #[arg(long, default_value_t = 256)]
+        sentences: usize,
+        #[arg(long, short = 'r', default_value_t = 3)]
+        rounds: usize,
+        #[arg(long)]
+        json: bool,
+    },
     /// Load a running OpenAI-compatible server (Rampart, llama-server, vLLM) with concurrent
     /// streaming requests; report throughput and TTFT, TPOT, ITL and end-to-end latency per
     /// concurrency level (like vLLM's benchmark_serving.py).
@@ -340,6 +367,15 @@ pub fn run(command: BenchCommand) -> Result<ExitCode> {
             rounds,
             json,
         } => structured(model, schema, max_tokens, &parallel, rounds.max(1), json)?,
+        BenchCommand::Embed {
+            model,
+            repo,
+            threads,
+            batch,
+            sentences,
+            rounds,
+            json,
+        } => embed_bench(&model, &repo, threads, batch, sentences, rounds, json)?,
         BenchCommand::Perplexity {
             model,
             file,
@@ -604,6 +640,81 @@ fn structured(
                 "schema_compile_seconds": cost.compile_seconds,
                 "runs": rows,
             }))?
+        );
+    }
+    Ok(())
+}
+
+fn embed_bench(
+    model: &str,
+    repo_dir: &std::path::Path,
+    threads: Option<usize>,
+    batch: usize,
+    sentences: usize,
+    rounds: usize,
+    json_out: bool,
+) -> Result<()> {
+    let path = PathBuf::from(model);
+    let dir = if path.is_dir() {
+        path
+    } else {
+        let reference: repo::ModelRef = model.parse()?;
+        repo::Repository::open(repo_dir)
+            .load(&reference, &repo::NoProgress)
+            .with_context(|| format!("loading {reference}"))?
+            .version
+            .dir
+    };
+    let mut options = engine::bert::EmbedderOptions::default();
+    if let Some(t) = threads {
+        options.threads = t.max(1);
+    }
+    let embedder = engine::Embedder::load_with(&dir, &options)
+        .with_context(|| format!("loading {}", dir.display()))?;
+    // Deterministic sentences of 8–40 common words.
+    const WORDS: &[&str] = &[
+        "the", "model", "server", "runs", "on", "our", "own", "machines", "and", "data", "never",
+        "leaves", "a", "bank", "hospital", "factory", "keeps", "every", "request", "in", "its",
+        "audit", "log", "while", "the", "engine", "answers", "quickly", "with", "good", "quality",
+    ];
+    let mut rng = kernels::rng::SplitMix64::new(7);
+    let texts: Vec<String> = (0..sentences.max(1))
+        .map(|_| {
+            let n = 8 + (rng.unit_f64() * 33.0) as usize;
+            (0..n)
+                .map(|_| WORDS[(rng.unit_f64() * WORDS.len() as f64) as usize % WORDS.len()])
+                .collect::<Vec<_>>()
+                .join(" ")
+        })
+        .collect();
+    let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+    embedder.embed(&refs[..batch.min(refs.len()).max(1)])?; // warm-up
+    let mut rates = Vec::new();
+    for _ in 0..rounds.max(1) {
+        let started = std::time::Instant::now();
+        for chunk in refs.chunks(batch.max(1)) {
+            embedder.embed(chunk)?;
+        }
+        rates.push(refs.len() as f64 / started.elapsed().as_secs_f64());
+    }
+    let rate = median(&rates);
+    if json_out {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({
+                "model": model,
+                "batch": batch,
+                "sentences": refs.len(),
+                "sentences_per_second": rate,
+                "runs": rates,
+            }))?
+        );
+    } else {
+        println!("model    {model} ({} dimensions)", embedder.dimensions());
+        println!(
+            "embed    {rate:.1} sentences/s  (batch {batch}, {} sentences of 8-40 words, median of {})",
+            refs.len(),
+            rates.len()
         );
     }
     Ok(())

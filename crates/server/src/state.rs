@@ -284,18 +284,23 @@ pub fn models_to_load(
     Ok(out)
 }
 
-/// Whether a model to load is an embedding model (by its manifest).
-pub fn is_embedding_model(repository: &Repository, model: &ModelConfig) -> Result<bool, String> {
+/// The repository reference a configured model names.
+fn model_ref(model: &ModelConfig) -> Result<ModelRef, String> {
     let version = match &model.version {
         Some(v) => Some(
             semver::Version::parse(v).map_err(|e| format!("{}: version {v:?}: {e}", model.name))?,
         ),
         None => None,
     };
-    let reference = ModelRef {
+    Ok(ModelRef {
         name: model.name.clone(),
         version,
-    };
+    })
+}
+
+/// Whether a model to load is an embedding model (by its manifest).
+pub fn is_embedding_model(repository: &Repository, model: &ModelConfig) -> Result<bool, String> {
+    let reference = model_ref(model)?;
     let version = repository
         .resolve(&reference)
         .map_err(|e| format!("{}: {e}", model.name))?;
@@ -312,16 +317,7 @@ pub fn load_embedder(
     repository: &Repository,
     model: &ModelConfig,
 ) -> Result<EmbedderHandle, String> {
-    let version = match &model.version {
-        Some(v) => Some(
-            semver::Version::parse(v).map_err(|e| format!("{}: version {v:?}: {e}", model.name))?,
-        ),
-        None => None,
-    };
-    let reference = ModelRef {
-        name: model.name.clone(),
-        version,
-    };
+    let reference = model_ref(model)?;
     let loaded = repository
         .load(&reference, &repo::NoProgress)
         .map_err(|e| format!("{}: {e}", model.name))?;
@@ -355,16 +351,7 @@ pub fn load_model(
     repository: &Repository,
     model: &ModelConfig,
 ) -> Result<ModelHandle, String> {
-    let version = match &model.version {
-        Some(v) => Some(
-            semver::Version::parse(v).map_err(|e| format!("{}: version {v:?}: {e}", model.name))?,
-        ),
-        None => None,
-    };
-    let reference = ModelRef {
-        name: model.name.clone(),
-        version,
-    };
+    let reference = model_ref(model)?;
     let mut options = EngineOptions {
         context: model.context,
         ..EngineOptions::default()

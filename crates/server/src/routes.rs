@@ -446,23 +446,7 @@ async fn embed(
             ));
         }
     }
-    if let Err(wait) = state.rate_limiter.admit(principal) {
-        observe::rejected(&model.id, "rate_limited");
-        return Err(ApiError::Overloaded {
-            message: format!("rate limit of key {principal:?} reached; retry in {wait} s"),
-            retry_after_s: wait,
-            code: "rate_limited",
-        });
-    }
-    let slot = model.admission.acquire().await.inspect_err(|e| {
-        let reason = if e.status() == StatusCode::TOO_MANY_REQUESTS {
-            "queue_full"
-        } else {
-            "queue_timeout"
-        };
-        observe::rejected(&model.id, reason);
-    })?;
-    record.record.queue_ms = slot.queued.as_secs_f64() * 1e3;
+    let slot = admit(state, principal, &model.id, &model.admission, record).await?;
     let embedder = Arc::clone(&model.embedder);
     let compute = Arc::clone(&model.compute);
     let inputs = plan.inputs.clone();
@@ -563,6 +547,34 @@ fn now_s() -> u64 {
         .unwrap_or(0)
 }
 
+/// The key's rate limit, then a slot of the model's admission (counted as refusals by reason).
+async fn admit(
+    state: &AppState,
+    principal: &str,
+    model_id: &str,
+    admission: &Arc<crate::admission::Admission>,
+    record: &mut RecordBuilder,
+) -> Result<Slot, ApiError> {
+    if let Err(wait) = state.rate_limiter.admit(principal) {
+        observe::rejected(model_id, "rate_limited");
+        return Err(ApiError::Overloaded {
+            message: format!("rate limit of key {principal:?} reached; retry in {wait} s"),
+            retry_after_s: wait,
+            code: "rate_limited",
+        });
+    }
+    let slot = admission.acquire().await.inspect_err(|e| {
+        let reason = if e.status() == StatusCode::TOO_MANY_REQUESTS {
+            "queue_full"
+        } else {
+            "queue_timeout"
+        };
+        observe::rejected(model_id, reason);
+    })?;
+    record.record.queue_ms = slot.queued.as_secs_f64() * 1e3;
+    Ok(slot)
+}
+
 /// Everything before the first token: parse, validate, admit, tokenize, submit.
 async fn start(
     state: &Arc<AppState>,
@@ -604,23 +616,7 @@ async fn start(
     record.record.version = model.version.clone();
     record.record.version_digest = model.digest.clone();
     record.set_entropy_band(model.entropy_band);
-    if let Err(wait) = state.rate_limiter.admit(principal) {
-        observe::rejected(&model.id, "rate_limited");
-        return Err(ApiError::Overloaded {
-            message: format!("rate limit of key {principal:?} reached; retry in {wait} s"),
-            retry_after_s: wait,
-            code: "rate_limited",
-        });
-    }
-    let slot = model.admission.acquire().await.inspect_err(|e| {
-        let reason = if e.status() == StatusCode::TOO_MANY_REQUESTS {
-            "queue_full"
-        } else {
-            "queue_timeout"
-        };
-        observe::rejected(&model.id, reason);
-    })?;
-    record.record.queue_ms = slot.queued.as_secs_f64() * 1e3;
+    let slot = admit(state, principal, &model.id, &model.admission, record).await?;
 
     // Tokenization and template rendering run off the async workers.
     let engine = Arc::clone(&model.engine);

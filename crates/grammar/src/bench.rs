@@ -189,15 +189,20 @@ pub struct CompileReport {
     pub compile_seconds: f64,
 }
 
-pub fn compile_cost(engine: &Engine, spec: &GrammarSpec) -> Result<CompileReport, String> {
+/// Sets up the model's compiler and compiles `spec`, timing both; returns the compiled grammar.
+pub fn compile_cost(
+    engine: &Engine,
+    spec: &GrammarSpec,
+) -> Result<(CompileReport, Arc<Compiled>), String> {
     let t = Instant::now();
     let compiler = Compiler::new(engine.shared_tokenizer(), GrammarLimits::default())
         .map_err(|e| e.to_string())?;
     let setup_seconds = t.elapsed().as_secs_f64();
     let t = Instant::now();
-    compiler.compile(spec).map_err(|e| e.to_string())?;
-    Ok(CompileReport {
+    let (compiled, _) = compiler.compile(spec).map_err(|e| e.to_string())?;
+    let report = CompileReport {
         setup_seconds,
         compile_seconds: t.elapsed().as_secs_f64(),
-    })
+    };
+    Ok((report, compiled))
 }

@@ -551,9 +551,7 @@ fn structured(
     let most = parallel.iter().copied().max().unwrap_or(1).max(1);
     model.kv.max_num_seqs = model.kv.max_num_seqs.max(most);
     let engine = model.load(Some(1024))?;
-    let cost = compile_cost(&engine, &spec).map_err(anyhow::Error::msg)?;
-    let compiler = grammar::Compiler::new(engine.shared_tokenizer(), Default::default())?;
-    let (compiled, _) = compiler.compile(&spec)?;
+    let (cost, compiled) = compile_cost(&engine, &spec).map_err(anyhow::Error::msg)?;
     let prompts: Vec<String> = TICKETS.iter().map(|t| t.to_string()).collect();
     run_mode(&engine, Some(&compiled), &prompts[..2], 16, 1)?; // warm-up
     if !json_out {

@@ -201,14 +201,7 @@ fn spawn_loading(state: Arc<AppState>) {
                             .unwrap_or_else(|e| e.into_inner())
                             .push(Arc::new(handle));
                     }
-                    Err(e) => {
-                        tracing::error!(model = %model.name, error = %e, "model refused");
-                        state
-                            .load_errors
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .push(e);
-                    }
+                    Err(e) => refuse(&state, &model.name, e),
                 }
                 continue;
             }
@@ -229,14 +222,7 @@ fn spawn_loading(state: Arc<AppState>) {
                         .unwrap_or_else(|e| e.into_inner())
                         .push(Arc::new(handle));
                 }
-                Err(e) => {
-                    tracing::error!(model = %model.name, error = %e, "model refused");
-                    state
-                        .load_errors
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .push(e);
-                }
+                Err(e) => refuse(&state, &model.name, e),
             }
         }
         *state.loading.lock().unwrap_or_else(|e| e.into_inner()) = Loading::Done;
@@ -263,4 +249,14 @@ async fn shutdown_signal() {
         _ = ctrl_c => {},
         _ = term => {},
     }
+}
+
+/// A model that could not be loaded: logged, and kept as a reason readiness gives.
+fn refuse(state: &AppState, model: &str, error: String) {
+    tracing::error!(model = %model, error = %error, "model refused");
+    state
+        .load_errors
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(error);
 }

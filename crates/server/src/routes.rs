@@ -400,19 +400,24 @@ async fn embeddings(
     }
 }
 
+/// The request body, up to `limits.max_body_bytes`.
+async fn read_body(state: &AppState, body: Body) -> Result<Bytes, ApiError> {
+    let limit = state.config.limits.max_body_bytes;
+    axum::body::to_bytes(body, limit).await.map_err(|_| {
+        observe::rejected("none", "body_too_large");
+        ApiError::BodyTooLarge(format!(
+            "the request body exceeds the limit of {limit} bytes"
+        ))
+    })
+}
+
 async fn embed(
     state: &Arc<AppState>,
     principal: &str,
     body: Body,
     record: &mut RecordBuilder,
 ) -> Result<EmbeddingResponse, ApiError> {
-    let limit = state.config.limits.max_body_bytes;
-    let bytes: Bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
-        observe::rejected("none", "body_too_large");
-        ApiError::BodyTooLarge(format!(
-            "the request body exceeds the limit of {limit} bytes"
-        ))
-    })?;
+    let bytes = read_body(state, body).await?;
     let request: EmbeddingRequest = parse_json(&bytes)?;
     let model_id = request.model.clone();
     let plan = request.plan(&state.config.limits)?;
@@ -583,13 +588,7 @@ async fn start(
     endpoint: Endpoint,
     record: &mut RecordBuilder,
 ) -> Result<Generation, ApiError> {
-    let limit = state.config.limits.max_body_bytes;
-    let bytes: Bytes = axum::body::to_bytes(body, limit).await.map_err(|_| {
-        observe::rejected("none", "body_too_large");
-        ApiError::BodyTooLarge(format!(
-            "the request body exceeds the limit of {limit} bytes"
-        ))
-    })?;
+    let bytes = read_body(state, body).await?;
     let limits = &state.config.limits;
     let (model_id, plan) = match endpoint {
         Endpoint::Chat => {

@@ -390,6 +390,7 @@ fn repository_imports_and_serves_a_hugging_face_folder() {
                 git_commit: None,
                 dataset_version: None,
                 derived_from: None,
+                pipeline: None,
                 build: BuildInfo {
                     version: "0.0.0-test".into(),
                     git_commit: None,

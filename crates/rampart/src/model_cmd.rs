@@ -45,6 +45,11 @@ pub enum ModelCommand {
         /// Version of the data the model was trained or evaluated on, recorded in the lineage.
         #[arg(long, value_name = "VERSION")]
         dataset_version: Option<String>,
+        /// A TOML file declaring the serving pipeline (`[pipeline.preprocess]`,
+        /// `[pipeline.postprocess]`, `[pipeline.batching]`; see examples/). Without it, a
+        /// `rampart.toml` in a source folder is read.
+        #[arg(long, value_name = "FILE")]
+        manifest: Option<PathBuf>,
         /// Print the result as JSON.
         #[arg(long)]
         json: bool,
@@ -183,18 +188,34 @@ pub fn run(args: ModelArgs) -> Result<ExitCode> {
             link,
             git_commit,
             dataset_version,
+            manifest,
             json,
-        } => import(
-            &repo,
-            source,
-            name,
-            version,
-            kind,
-            link,
-            git_commit,
-            dataset_version,
-            json,
-        ),
+        } => {
+            let pipeline = match manifest {
+                Some(file) => {
+                    let text = std::fs::read_to_string(&file)
+                        .with_context(|| format!("reading {}", file.display()))?;
+                    let declaration = repo::Declaration::parse(&text)
+                        .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+                    Some(declaration.pipeline)
+                }
+                None => None,
+            };
+            import(
+                &repo,
+                source,
+                ImportArgs {
+                    name,
+                    version,
+                    kind,
+                    link,
+                    git_commit,
+                    dataset_version,
+                    pipeline,
+                },
+                json,
+            )
+        }
         ModelCommand::List { json } => list(&repo, json),
         ModelCommand::Inspect { model, json } => inspect(&repo, &model, json),
         ModelCommand::Verify { model, json } => verify(&repo, model.as_deref(), json),
@@ -249,18 +270,26 @@ pub fn run(args: ModelArgs) -> Result<ExitCode> {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn import(
-    repo: &Repository,
-    source: PathBuf,
+struct ImportArgs {
     name: String,
     version: String,
     kind: Option<Kind>,
     link: bool,
     git_commit: Option<String>,
     dataset_version: Option<String>,
-    json: bool,
-) -> Result<ExitCode> {
+    pipeline: Option<repo::Pipeline>,
+}
+
+fn import(repo: &Repository, source: PathBuf, args: ImportArgs, json: bool) -> Result<ExitCode> {
+    let ImportArgs {
+        name,
+        version,
+        kind,
+        link,
+        git_commit,
+        dataset_version,
+        pipeline,
+    } = args;
     let progress = progress_bar::for_stderr(json);
     let options = ImportOptions {
         name,
@@ -270,6 +299,7 @@ fn import(
         git_commit,
         dataset_version,
         derived_from: None,
+        pipeline,
         build: build_info(),
         progress: progress.as_ref(),
     };

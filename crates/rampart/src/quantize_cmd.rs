@@ -142,6 +142,7 @@ pub fn quantize(
             operation: "quantize".into(),
             parameters: plan.to_toml(),
         }),
+        pipeline: None,
         build: build_info(),
         progress: progress.as_ref(),
     };

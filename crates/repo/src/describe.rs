@@ -115,6 +115,11 @@ pub fn source_files(source: &Path) -> Result<Vec<SourceEntry>, RepoError> {
             if entry.relative.split('/').any(|part| part.starts_with('.')) {
                 continue;
             }
+            // A `rampart.toml` beside the model declares its pipeline; the import reads it and
+            // writes the version's own manifest instead.
+            if entry.relative == crate::manifest::MANIFEST_FILE {
+                continue;
+            }
             if !entry.regular {
                 return Err(unsupported(&entry.path, "not a regular file"));
             }

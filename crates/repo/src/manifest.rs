@@ -98,6 +98,9 @@ pub struct Manifest {
     pub embedding: Option<EmbeddingSection>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub onnx: Option<OnnxSection>,
+    /// The declared serving pipeline (pre/post-processing, batching).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pipeline: Option<crate::pipeline::Pipeline>,
     /// Every model file of the version (the manifest, lineage and digests excepted).
     pub files: Vec<FileEntry>,
 }

@@ -55,6 +55,9 @@ pub struct ImportOptions<'a> {
     pub dataset_version: Option<String>,
     /// The model this one was made from (quantization), for the lineage.
     pub derived_from: Option<Derivation>,
+    /// The declared serving pipeline (`--manifest FILE`); without it, a `rampart.toml` in a
+    /// source folder is read.
+    pub pipeline: Option<crate::pipeline::Pipeline>,
     pub build: BuildInfo,
     pub progress: &'a dyn Progress,
 }
@@ -297,6 +300,7 @@ impl Repository {
         }
         let source = std::path::absolute(source).map_err(RepoError::io(source))?;
         let description = describe(&source, options.kind)?;
+        let pipeline = declared_pipeline(&source, options.pipeline.as_ref(), &description)?;
 
         std::fs::create_dir_all(&model_dir).map_err(RepoError::io(&model_dir))?;
         let unique = std::time::SystemTime::now()
@@ -356,6 +360,7 @@ impl Repository {
             tokenizer: description.tokenizer.clone(),
             embedding: description.embedding.clone(),
             onnx: description.onnx.clone(),
+            pipeline,
             files: description
                 .files
                 .iter()
@@ -444,4 +449,50 @@ impl Repository {
         }
         Ok(())
     }
+}
+
+/// The pipeline given with the import, or declared by a `rampart.toml` in the source folder,
+/// checked against the model.
+fn declared_pipeline(
+    source: &Path,
+    given: Option<&crate::pipeline::Pipeline>,
+    description: &crate::describe::Description,
+) -> Result<Option<crate::pipeline::Pipeline>, RepoError> {
+    let beside = source.join(MANIFEST_FILE);
+    let (pipeline, from) = match given {
+        Some(p) => (p.clone(), source.to_path_buf()),
+        None if source.is_dir() && beside.is_file() => {
+            let text = std::fs::read_to_string(&beside).map_err(RepoError::io(&beside))?;
+            let declaration = crate::pipeline::Declaration::parse(&text).map_err(|reason| {
+                RepoError::BadManifest {
+                    path: beside.clone(),
+                    reason,
+                }
+            })?;
+            (declaration.pipeline, beside)
+        }
+        None => return Ok(None),
+    };
+    if pipeline == crate::pipeline::Pipeline::default() {
+        return Ok(None);
+    }
+    let invalid = |reason: String| RepoError::UnsupportedSource {
+        path: from.clone(),
+        reason,
+    };
+    match &description.onnx {
+        Some(onnx) => {
+            let has_file = |name: &str| description.files.iter().any(|f| f.relative == name);
+            pipeline.validate(onnx, &has_file).map_err(invalid)?;
+        }
+        None => {
+            if pipeline.preprocess.is_some() || pipeline.postprocess.is_some() {
+                return Err(invalid(format!(
+                    "pre- and post-processing are declared for ONNX models; this is a {} model",
+                    description.kind
+                )));
+            }
+        }
+    }
+    Ok(Some(pipeline))
 }

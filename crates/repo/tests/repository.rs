@@ -25,6 +25,7 @@ fn options(name: &str, version: &str) -> ImportOptions<'static> {
         git_commit: None,
         dataset_version: None,
         derived_from: None,
+        pipeline: None,
         build: build(),
         progress: &NoProgress,
     }

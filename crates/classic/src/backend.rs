@@ -73,6 +73,14 @@ impl TractBackend {
                     ))
                 })?;
             let Some(shape) = &spec.shape else { continue };
+            // A shape the graph declares fully (numbers and named dimensions) is tract's own
+            // fact already; only unnamed dimensions need symbols.
+            if shape.iter().all(|d| match d {
+                Dim::Fixed(v) => *v > 0,
+                Dim::Symbolic(name) => name != "?" && !name.is_empty(),
+            }) {
+                continue;
+            }
             let dims: Vec<tp::TDim> = shape
                 .iter()
                 .enumerate()

@@ -31,6 +31,8 @@ pub struct ServerConfig {
     pub admission: Admission,
     pub rate_limit: RateLimit,
     pub log: Log,
+    /// Tensor models: which backend runs ONNX graphs.
+    pub tensor: TensorConfig,
     /// Models to serve; empty: the latest version of every LLM in the repository.
     pub models: Vec<ModelConfig>,
 }
@@ -50,6 +52,7 @@ impl Default for ServerConfig {
             admission: Admission::default(),
             rate_limit: RateLimit::default(),
             log: Log::default(),
+            tensor: TensorConfig::default(),
             models: Vec::new(),
         }
     }
@@ -82,6 +85,10 @@ pub struct Limits {
     /// Most inputs in one `/v1/embeddings` request (each input is limited to the model's
     /// `max_seq_len` tokens).
     pub max_embedding_inputs: usize,
+    /// Largest body of a KServe v2 `infer` request (tensors and images are bigger than prompts).
+    pub max_tensor_body_bytes: usize,
+    /// Most elements one input tensor may hold (after image pre-processing).
+    pub max_tensor_elements: usize,
 }
 
 impl Default for Limits {
@@ -98,8 +105,23 @@ impl Default for Limits {
             grammar_compile_timeout_ms: 2000,
             grammar_cache_entries: 128,
             max_embedding_inputs: 2048,
+            max_tensor_body_bytes: 100 << 20,
+            max_tensor_elements: 64 << 20,
         }
     }
+}
+
+/// How tensor (ONNX) models run.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TensorConfig {
+    /// `auto` (ONNX Runtime when its library loads, else tract), `tract` or `onnxruntime`.
+    pub backend: classic::BackendChoice,
+    /// The ONNX Runtime shared library; `ORT_DYLIB_PATH` or a Python `onnxruntime` package
+    /// otherwise.
+    pub onnxruntime_library: Option<PathBuf>,
+    /// Intra-op threads of each ONNX Runtime session (0: one; instances run in parallel).
+    pub threads: usize,
 }
 
 /// Admission and load shedding, per model.

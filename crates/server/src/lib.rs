@@ -17,6 +17,7 @@ pub mod admission;
 pub mod auth;
 pub mod config;
 pub mod error;
+pub mod kserve;
 pub mod observe;
 pub mod openai;
 pub mod record;
@@ -118,11 +119,22 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         .draining
         .store(true, std::sync::atomic::Ordering::Relaxed);
     let busy = |state: &AppState| -> usize {
-        state
+        let llm: usize = state
             .models()
             .iter()
             .map(|m| m.admission.in_flight() + m.admission.waiting())
-            .sum()
+            .sum();
+        let embed: usize = state
+            .embedders()
+            .iter()
+            .map(|m| m.admission.in_flight() + m.admission.waiting())
+            .sum();
+        let tensor: usize = state
+            .tensors()
+            .iter()
+            .map(|m| m.admission.in_flight() + m.admission.waiting())
+            .sum();
+        llm + embed + tensor
     };
     tracing::info!(
         in_flight = busy(&state),
@@ -183,7 +195,30 @@ fn spawn_loading(state: Arc<AppState>) {
         };
         for model in wanted {
             let started = std::time::Instant::now();
-            if state::is_embedding_model(&repository, &model).unwrap_or(false) {
+            let kind = state::model_kind(&repository, &model).unwrap_or(repo::Kind::Llm);
+            if kind == repo::Kind::Onnx {
+                match state::load_tensor_model(&state.config, &repository, &model) {
+                    Ok(handle) => {
+                        tracing::info!(
+                            model = %handle.id,
+                            version = %handle.version,
+                            digest = %handle.digest,
+                            backend = handle.model.backend(),
+                            max_batch_size = handle.model.max_batch_size(),
+                            seconds = started.elapsed().as_secs_f64(),
+                            "tensor model loaded (digests verified)"
+                        );
+                        state
+                            .tensors
+                            .write()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .push(Arc::new(handle));
+                    }
+                    Err(e) => refuse(&state, &model.name, e),
+                }
+                continue;
+            }
+            if kind == repo::Kind::Embedding {
                 match state::load_embedder(&state.config, &repository, &model) {
                     Ok(handle) => {
                         tracing::info!(

@@ -43,6 +43,11 @@ pub struct InferenceRecord {
     pub stream: bool,
     /// Structured-output requests: the constraint and what the final check said.
     pub structured: Option<StructuredRecord>,
+    /// Tensor models with declared post-processing: the mean over the batch of each input's
+    /// confidence (top class probability, or best detection score).
+    pub confidence: Option<f32>,
+    /// The lowest of those confidences.
+    pub confidence_min: Option<f32>,
 }
 
 /// The structured-output part of a record.
@@ -125,6 +130,8 @@ impl RecordBuilder {
                 fallback_level: 0,
                 stream: false,
                 structured: None,
+                confidence: None,
+                confidence_min: None,
             },
             started: Instant::now(),
             first_token: None,

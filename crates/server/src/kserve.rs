@@ -221,7 +221,7 @@ pub fn metadata(state: &AppState, served: &Served) -> ModelMetadata {
     match served {
         Served::Tensor(t) => {
             let m = &t.model;
-            let mut inputs: Vec<TensorMetadata> = m
+            let inputs: Vec<TensorMetadata> = m
                 .inputs
                 .iter()
                 .map(|i| TensorMetadata {
@@ -230,12 +230,8 @@ pub fn metadata(state: &AppState, served: &Served) -> ModelMetadata {
                     shape: dims(i),
                 })
                 .collect();
-            // An image input also takes encoded images (BYTES, one per batch row).
-            if let Some(image) = m.image_input() {
-                if let Some(i) = inputs.iter_mut().find(|i| i.name == image) {
-                    i.datatype = format!("{}|BYTES", i.datatype);
-                }
-            }
+            // The image input (declared pre-processing) also takes encoded JPEG/PNG images as
+            // BYTES, one per batch row; the metadata keeps the graph's datatype.
             let mut outputs: Vec<TensorMetadata> = m
                 .outputs
                 .iter()
@@ -337,11 +333,11 @@ async fn infer_tensor(
     record: &mut RecordBuilder,
 ) -> Result<InferResponse, ApiError> {
     let model = &t.model;
-    let (inputs, transforms) = model.prepare(request.inputs)?;
-    record.record.prompt_tokens = inputs.first().map_or(0, Tensor::batch);
     let started = Instant::now();
+    let (inputs, transforms) = model.prepare(request.inputs)?;
+    record.record.items = inputs.first().map_or(0, Tensor::batch);
     let outputs = model.run(inputs).await?;
-    record.record.prefill_ms = started.elapsed().as_secs_f64() * 1e3;
+    record.record.compute_ms = started.elapsed().as_secs_f64() * 1e3;
     let judgements = model.postprocess(&outputs, &transforms)?;
     record_confidence(record, &judgements);
     let mut available = outputs;
@@ -543,6 +539,7 @@ async fn infer_embedding(
             })
         })
         .collect::<Result<_, _>>()?;
+    let n_texts = texts.len();
     let embedder = Arc::clone(&e.embedder);
     let compute = Arc::clone(&e.compute);
     let started = Instant::now();
@@ -565,7 +562,8 @@ async fn infer_embedding(
     .await
     .map_err(|e| ApiError::Internal(format!("embedding task failed: {e}")))??;
     record.record.prompt_tokens = tokens;
-    record.record.prefill_ms = started.elapsed().as_secs_f64() * 1e3;
+    record.record.items = n_texts;
+    record.record.compute_ms = started.elapsed().as_secs_f64() * 1e3;
     let dim = vectors.first().map_or(0, Vec::len);
     let n = vectors.len();
     let tensor = Tensor {

@@ -58,9 +58,45 @@ pub fn install_metrics() -> Result<PrometheusHandle, String> {
                 COMPILE_BUCKETS,
             )
         })
+        .and_then(|b| {
+            b.set_buckets_for_metric(
+                Matcher::Full("rampart_output_confidence".into()),
+                &[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0],
+            )
+        })
+        .and_then(|b| {
+            b.set_buckets_for_metric(
+                Matcher::Full("rampart_tensor_batch_size".into()),
+                &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0],
+            )
+        })
         .map_err(|e| e.to_string())?
         .install_recorder()
         .map_err(|e| e.to_string())?;
+    describe_histogram!(
+        "rampart_output_confidence",
+        "Tensor models: per request, the mean confidence of its inputs (top class probability or best detection score)."
+    );
+    describe_counter!(
+        "rampart_inputs_total",
+        "Tensor and embedding models: inputs served (batch rows, texts)."
+    );
+    describe_histogram!(
+        "rampart_tensor_batch_size",
+        "Tensor models: rows per backend call, as the dynamic batcher formed them."
+    );
+    describe_histogram!(
+        "rampart_tensor_queue_delay_seconds",
+        "Tensor models: time a request waited in the batcher's queue."
+    );
+    describe_histogram!(
+        "rampart_tensor_compute_seconds",
+        "Tensor models: time of one backend call (one batch)."
+    );
+    describe_gauge!(
+        "rampart_tensor_queue_depth",
+        "Tensor models: requests waiting in the batcher's queue."
+    );
     describe_counter!(
         "rampart_requests_total",
         "Requests finished, by model, endpoint and status code."
@@ -227,6 +263,10 @@ pub fn emit(r: &InferenceRecord, gaps: &[f64], entropies: &[f32]) {
         structured_problem = r.structured.as_ref().and_then(|s| s.problem.as_deref()),
         grammar_sha256 = r.structured.as_ref().map(|s| s.grammar_sha256.as_str()),
         grammar_compile_ms = r.structured.as_ref().map(|s| s.compile_ms),
+        items = r.items,
+        compute_ms = r.compute_ms,
+        confidence = r.confidence,
+        confidence_min = r.confidence_min,
         "inference record"
     );
     if r.model.is_empty() {
@@ -279,6 +319,12 @@ pub fn emit(r: &InferenceRecord, gaps: &[f64], entropies: &[f32]) {
     counter!("rampart_generated_tokens_total", &labels).increment(r.completion_tokens as u64);
     if r.abnormal {
         counter!("rampart_abnormal_requests_total", &labels).increment(1);
+    }
+    if let Some(c) = r.confidence {
+        histogram!("rampart_output_confidence", &labels).record(f64::from(c));
+    }
+    if r.items > 0 {
+        counter!("rampart_inputs_total", &labels).increment(r.items as u64);
     }
 }
 

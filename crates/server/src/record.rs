@@ -48,6 +48,10 @@ pub struct InferenceRecord {
     pub confidence: Option<f32>,
     /// The lowest of those confidences.
     pub confidence_min: Option<f32>,
+    /// Tensor and embedding models: inputs in the request (batch rows, texts).
+    pub items: usize,
+    /// Tensor and embedding models: time in pre-processing, the queue and the backend.
+    pub compute_ms: f64,
 }
 
 /// The structured-output part of a record.
@@ -132,6 +136,8 @@ impl RecordBuilder {
                 structured: None,
                 confidence: None,
                 confidence_min: None,
+                items: 0,
+                compute_ms: 0.0,
             },
             started: Instant::now(),
             first_token: None,

@@ -66,6 +66,7 @@ pub struct TensorModel {
     pub pipeline: Pipeline,
     pub labels: Option<Vec<String>>,
     backend: &'static str,
+    engine: Arc<dyn Backend>,
     batcher: Batcher,
     max_input_elements: usize,
 }
@@ -131,7 +132,7 @@ impl TensorModel {
             batching.max_batch_size = 1;
         }
         let name = manifest.model.name.clone();
-        let batcher = Batcher::start(&name, backend.clone(), BatchConfig::from(&batching))?;
+        let batcher = Batcher::start(&name, Arc::clone(&backend), BatchConfig::from(&batching))?;
         Ok(TensorModel {
             name,
             version: manifest.model.version.clone(),
@@ -140,6 +141,7 @@ impl TensorModel {
             pipeline,
             labels,
             backend: backend.name(),
+            engine: backend,
             batcher,
             max_input_elements: if options.max_input_elements == 0 {
                 64 << 20
@@ -152,6 +154,16 @@ impl TensorModel {
     /// `tract` or `onnxruntime`.
     pub fn backend(&self) -> &'static str {
         self.backend
+    }
+
+    /// A session of the backend outside the batcher (benchmarks measure the raw call with it).
+    pub fn open_session(&self) -> Result<Box<dyn crate::backend::Session>, ClassicError> {
+        self.engine.session()
+    }
+
+    /// Backend instances running batches in parallel.
+    pub fn instances(&self) -> usize {
+        self.batcher.config().instances
     }
 
     pub fn max_batch_size(&self) -> usize {

@@ -109,6 +109,44 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Latency and throughput of a tensor model (NAME[@VERSION] with declared pre-processing)
+    /// on one image: the raw backend call, the model behind its dynamic batcher, and, with
+    /// --url, a running server over HTTP (KServe v2 binary tensors); prints the server's
+    /// overhead over the raw call.
+    Tensor {
+        /// NAME[@VERSION] in the repository.
+        #[arg(long, short = 'm')]
+        model: String,
+        #[arg(
+            long,
+            env = "RAMPART_REPO",
+            default_value = "models",
+            value_name = "DIR"
+        )]
+        repo: PathBuf,
+        /// The image each request sends (JPEG or PNG).
+        #[arg(long)]
+        image: PathBuf,
+        /// `auto`, `tract` or `onnxruntime`.
+        #[arg(long, default_value = "tract")]
+        backend: String,
+        /// Seconds per level.
+        #[arg(long, default_value_t = 10.0)]
+        seconds: f64,
+        /// Concurrent callers of the batcher and the server.
+        #[arg(long, default_value_t = 16)]
+        concurrency: usize,
+        /// A running server's base URL (http://127.0.0.1:8080).
+        #[arg(long)]
+        url: Option<String>,
+        /// The model's name on that server (default: the model's name).
+        #[arg(long)]
+        served_name: Option<String>,
+        #[arg(long, env = "RAMPART_API_KEY")]
+        api_key: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
     /// Sentences/s of a sentence-embedding model (a sentence-transformers folder or
     /// NAME[@VERSION]) over generated sentences of 8–40 words, in requests of --batch sentences
     /// (median of --rounds).
@@ -367,6 +405,31 @@ pub fn run(command: BenchCommand) -> Result<ExitCode> {
             rounds,
             json,
         } => structured(model, schema, max_tokens, &parallel, rounds.max(1), json)?,
+        BenchCommand::Tensor {
+            model,
+            repo,
+            image,
+            backend,
+            seconds,
+            concurrency,
+            url,
+            served_name,
+            api_key,
+            json,
+        } => crate::tensor_bench::run(crate::tensor_bench::TensorBench {
+            model,
+            repo,
+            image,
+            backend: serde_json::from_value(serde_json::Value::String(backend.clone())).map_err(
+                |_| anyhow::anyhow!("--backend {backend:?}: expected auto, tract or onnxruntime"),
+            )?,
+            seconds,
+            concurrency,
+            url,
+            served_name,
+            api_key,
+            json,
+        })?,
         BenchCommand::Embed {
             model,
             repo,

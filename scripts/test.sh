@@ -9,9 +9,11 @@ cd "$(dirname "$0")/.."
 
 scripts/fetch-models.sh
 cache="${RAMPART_MODEL_CACHE:-$HOME/.cache/rampart/models}"
-if ! "$cache/venv/bin/python" -c "import openai, onnxruntime" >/dev/null 2>&1; then
-  echo "creating $cache/venv with the openai client and ONNX Runtime (pip install openai onnxruntime)"
+# The official clients the end-to-end tests drive the server with (openai, tritonclient), the
+# libraries their checks use (numpy, Pillow), and ONNX Runtime (the optional tensor backend).
+if ! "$cache/venv/bin/python" -c "import openai, onnxruntime, tritonclient.http, tritonclient.grpc, numpy, PIL" >/dev/null 2>&1; then
+  echo "creating $cache/venv with the openai and tritonclient clients, numpy, Pillow and ONNX Runtime"
   python3 -m venv "$cache/venv"
-  "$cache/venv/bin/pip" install --quiet --disable-pip-version-check openai onnxruntime
+  "$cache/venv/bin/pip" install --quiet --disable-pip-version-check openai onnxruntime "tritonclient[http,grpc]" numpy pillow
 fi
 RAMPART_REQUIRE_MODELS=1 cargo test --workspace --locked "$@"

@@ -21,8 +21,9 @@ use std::path::Path;
 
 use formats::safetensors::{SafetensorsFile, TensorInfo};
 use kernels::backend::physical_cores;
-use kernels::ops::{attention_within_sequences, gelu_erf, layer_norm};
-use kernels::{Backend, CpuBackend, DType, Matrix, Scratch};
+use kernels::gemm::{gemm, Activation, Epilogue, PackedMatrix};
+use kernels::ops::{attention_within_sequences, layer_norm};
+use kernels::{Backend, CpuBackend};
 use serde::Deserialize;
 
 use crate::error::EngineError;
@@ -103,14 +104,13 @@ pub struct EmbedOptions {
 #[derive(Debug, Clone)]
 struct Tensor {
     range: Range<usize>,
-    rows: usize,
-    cols: usize,
 }
 
-/// A dense layer: `y = W·x + b`, `W` stored `out × in` (PyTorch's `nn.Linear`).
+/// A dense layer: `y = W·x + b`, `W` stored `out × in` (PyTorch's `nn.Linear`), packed at load
+/// for [`kernels::gemm`].
 #[derive(Debug)]
 struct Linear {
-    weight: Tensor,
+    weight: PackedMatrix,
     bias: Vec<f32>,
 }
 
@@ -122,9 +122,9 @@ struct LayerNormWeights {
 
 #[derive(Debug)]
 struct EncoderLayer {
-    query: Linear,
-    key: Linear,
-    value: Linear,
+    /// The query, key and value projections as one `3h × h` matrix: each output row holds the
+    /// three vectors side by side, as [`attention_within_sequences`] reads them.
+    query_key_value: Linear,
     attention_output: Linear,
     attention_norm: LayerNormWeights,
     intermediate: Linear,
@@ -318,21 +318,25 @@ impl Embedder {
                     reason: "f32 data not 4-byte aligned in the file".into(),
                 });
             }
-            let (rows, cols) = match shape {
-                [n] => (1, *n),
-                [r, c] => (*r, *c),
-                _ => unreachable!("tensors of rank 1 or 2 only"),
-            };
-            Ok(Tensor { range, rows, cols })
+            Ok(Tensor { range })
         };
         let floats = |t: &Tensor| -> Vec<f32> { f32s(&file.bytes()[t.range.clone()]) };
         let vector = |name: &str, n: usize| -> Result<Vec<f32>, EngineError> {
             Ok(floats(&find(name, &[n])?))
         };
-        let linear = |name: &str, out: usize, inp: usize| -> Result<Linear, EngineError> {
+        // One or more `nn.Linear`s of the same input width, stacked into one packed matrix.
+        let linear = |names: &[&str], out: usize, inp: usize| -> Result<Linear, EngineError> {
+            let mut weights = Vec::with_capacity(names.len());
+            let mut bias = Vec::with_capacity(names.len() * out);
+            for name in names {
+                let w = find(&format!("{name}.weight"), &[out, inp])?;
+                weights.push(f32s(&file.bytes()[w.range]));
+                bias.extend(vector(&format!("{name}.bias"), out)?);
+            }
+            let parts: Vec<&[f32]> = weights.iter().map(Vec::as_slice).collect();
             Ok(Linear {
-                weight: find(&format!("{name}.weight"), &[out, inp])?,
-                bias: vector(&format!("{name}.bias"), out)?,
+                weight: PackedMatrix::pack_stacked(&parts, inp),
+                bias,
             })
         };
         let norm = |name: &str| -> Result<LayerNormWeights, EngineError> {
@@ -358,13 +362,19 @@ impl Embedder {
             .map(|i| {
                 let l = format!("encoder.layer.{i}");
                 Ok(EncoderLayer {
-                    query: linear(&format!("{l}.attention.self.query"), h, h)?,
-                    key: linear(&format!("{l}.attention.self.key"), h, h)?,
-                    value: linear(&format!("{l}.attention.self.value"), h, h)?,
-                    attention_output: linear(&format!("{l}.attention.output.dense"), h, h)?,
+                    query_key_value: linear(
+                        &[
+                            &format!("{l}.attention.self.query"),
+                            &format!("{l}.attention.self.key"),
+                            &format!("{l}.attention.self.value"),
+                        ],
+                        h,
+                        h,
+                    )?,
+                    attention_output: linear(&[&format!("{l}.attention.output.dense")], h, h)?,
                     attention_norm: norm(&format!("{l}.attention.output.LayerNorm"))?,
-                    intermediate: linear(&format!("{l}.intermediate.dense"), ffn, h)?,
-                    output: linear(&format!("{l}.output.dense"), h, ffn)?,
+                    intermediate: linear(&[&format!("{l}.intermediate.dense")], ffn, h)?,
+                    output: linear(&[&format!("{l}.output.dense")], h, ffn)?,
                     output_norm: norm(&format!("{l}.output.LayerNorm"))?,
                 })
             })
@@ -567,63 +577,46 @@ impl Embedder {
         layer_norm_rows(&sum, &self.embedding_norm, eps, &mut hidden);
 
         let ffn = self.config.intermediate_size;
-        let mut scratch = Scratch::default();
-        let (mut q, mut k, mut v) = (vec![0f32; n * h], vec![0f32; n * h], vec![0f32; n * h]);
+        let (pool, isa) = (self.backend.pool(), self.backend.isa());
+        let mut qkv = vec![0f32; n * 3 * h];
         let mut context = vec![0f32; n * h];
         let mut projected = vec![0f32; n * h];
         let mut intermediate = vec![0f32; n * ffn];
         for layer in &self.layers {
-            self.backend.matmul_many(
-                &[
-                    self.matrix(&layer.query),
-                    self.matrix(&layer.key),
-                    self.matrix(&layer.value),
-                ],
+            self.linear(
+                &layer.query_key_value,
                 &hidden,
                 n,
-                &mut [&mut q, &mut k, &mut v],
-                &mut scratch,
+                None,
+                Activation::None,
+                &mut qkv,
             );
-            add_bias(&mut q, &layer.query.bias);
-            add_bias(&mut k, &layer.key.bias);
-            add_bias(&mut v, &layer.value.bias);
-            attention_within_sequences(
-                self.backend.pool(),
-                self.backend.isa(),
-                heads,
-                h / heads,
-                &q,
-                &k,
-                &v,
-                &sequences,
-                &mut context,
-            );
+            attention_within_sequences(pool, isa, heads, h / heads, &qkv, &sequences, &mut context);
             self.linear(
                 &layer.attention_output,
                 &context,
                 n,
+                Some(&hidden),
+                Activation::None,
                 &mut projected,
-                &mut scratch,
             );
-            add_assign(&mut projected, &hidden);
             layer_norm_rows(&projected, &layer.attention_norm, eps, &mut hidden);
-
             self.linear(
                 &layer.intermediate,
                 &hidden,
                 n,
+                None,
+                Activation::GeluErf,
                 &mut intermediate,
-                &mut scratch,
             );
-            intermediate.iter_mut().for_each(|x| *x = gelu_erf(*x));
             self.linear(
                 &layer.output,
                 &intermediate,
                 n,
+                Some(&hidden),
+                Activation::None,
                 &mut projected,
-                &mut scratch,
             );
-            add_assign(&mut projected, &hidden);
             layer_norm_rows(&projected, &layer.output_norm, eps, &mut hidden);
         }
 
@@ -644,21 +637,30 @@ impl Embedder {
             .collect()
     }
 
-    fn matrix(&self, linear: &Linear) -> Matrix<'_> {
-        let w = &linear.weight;
-        Matrix::new(
-            DType::F32,
-            &self.file.bytes()[w.range.clone()],
-            w.rows,
-            w.cols,
-        )
-        .expect("shapes were checked against the tensor sizes at load")
-    }
-
-    fn linear(&self, linear: &Linear, x: &[f32], n: usize, out: &mut [f32], scratch: &mut Scratch) {
-        self.backend
-            .matmul(&self.matrix(linear), x, n, out, scratch);
-        add_bias(out, &linear.bias);
+    /// `out = act(x·Wᵀ + b + residual)` over `n` rows.
+    fn linear(
+        &self,
+        linear: &Linear,
+        x: &[f32],
+        n: usize,
+        residual: Option<&[f32]>,
+        activation: Activation,
+        out: &mut [f32],
+    ) {
+        let epilogue = Epilogue {
+            bias: Some(&linear.bias),
+            residual,
+            activation,
+        };
+        gemm(
+            self.backend.pool(),
+            self.backend.isa(),
+            x,
+            n,
+            &linear.weight,
+            epilogue,
+            out,
+        );
     }
 }
 
@@ -686,12 +688,6 @@ fn f32s(bytes: &[u8]) -> Vec<f32> {
         .chunks_exact(4)
         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect()
-}
-
-fn add_bias(rows: &mut [f32], bias: &[f32]) {
-    for row in rows.chunks_exact_mut(bias.len()) {
-        add_assign(row, bias);
-    }
 }
 
 fn add_assign(x: &mut [f32], y: &[f32]) {

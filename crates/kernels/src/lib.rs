@@ -7,6 +7,8 @@
 //! - [`quantize`]: f32 weights into the block formats, bit-compatible with ggml's reference
 //!   quantizers (for converting models).
 //! - [`dispatch`]: runtime CPU dispatch (AVX2+FMA, scalar) of the hot kernels.
+//! - [`gemm`]: dense f32 matrix multiply against weights packed once into column panels
+//!   (register-tiled micro-kernels, bias/residual/GELU applied on the way out), for encoders.
 //! - [`matmul`]: M activation rows × a quantized weight matrix, reading each weight row once.
 //! - [`packed`]: Q4_0/Q4_1/Q8_0 weights interleaved eight rows at a time for the batched kernel
 //!   (four quants of eight rows times four activations per instruction).
@@ -24,6 +26,7 @@
 pub mod backend;
 pub mod dispatch;
 pub mod dtype;
+pub mod gemm;
 pub mod matmul;
 pub mod ops;
 pub mod packed;

@@ -322,32 +322,31 @@ pub fn attention(
 /// every token attends to every token of its own sequence and to nothing else, so sequences of
 /// different lengths share one call with no padding and no mask.
 ///
-/// - `q`, `k`, `v`: `n × heads·head_dim`, the rows of all sequences one after another;
+/// - `qkv`: `n × 3·heads·head_dim`, the rows of all sequences one after another, each row its
+///   query, key and value vectors side by side (the output of one fused projection);
 /// - `sequences`: the row ranges of the sequences, disjoint, within `0..n`; rows outside every
 ///   range are left untouched in `out`;
 /// - `out`: `n × heads·head_dim`.
-#[allow(clippy::too_many_arguments)]
 pub fn attention_within_sequences(
     pool: &ThreadPool,
     isa: Isa,
     heads: usize,
     head_dim: usize,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    qkv: &[f32],
     sequences: &[std::ops::Range<usize>],
     out: &mut [f32],
 ) {
-    let stride = heads * head_dim;
+    let width = heads * head_dim;
+    let stride = 3 * width;
     assert!(
         head_dim > 0 && head_dim <= 256,
         "head_dim {head_dim} outside 1..=256"
     );
     assert!(
-        q.len() % stride == 0 && k.len() == q.len() && v.len() == q.len() && out.len() == q.len(),
-        "q, k, v and out must all be n × heads·head_dim"
+        qkv.len() % stride == 0 && out.len() == qkv.len() / 3,
+        "qkv must be n × 3·heads·head_dim and out n × heads·head_dim"
     );
-    let n = q.len() / stride;
+    let n = qkv.len() / stride;
     let mut covered = vec![false; n];
     for range in sequences {
         assert!(range.end <= n, "sequence {range:?} beyond {n} rows");
@@ -378,11 +377,11 @@ pub fn attention_within_sequences(
         let (row, start) = items[item / heads];
         let h = item % heads;
         let keys = ends[row] - start;
-        let qv = &q[row * stride + h * head_dim..row * stride + (h + 1) * head_dim];
+        let q = &qkv[row * stride + h * head_dim..row * stride + (h + 1) * head_dim];
         // SAFETY: this item alone writes out[row, h, ..] (rows are distinct across items, as
         // the ranges were checked to be disjoint); in bounds by the asserts above.
         let dst = unsafe {
-            std::slice::from_raw_parts_mut(out_ptr.get().add(row * stride + h * head_dim), head_dim)
+            std::slice::from_raw_parts_mut(out_ptr.get().add(row * width + h * head_dim), head_dim)
         };
         SCORES.with(|scores| {
             let mut scores = scores.borrow_mut();
@@ -391,9 +390,9 @@ pub fn attention_within_sequences(
             }
             attend(
                 isa,
-                qv,
-                &k[start * stride..],
-                &v[start * stride..],
+                q,
+                &qkv[start * stride + width..],
+                &qkv[start * stride + 2 * width..],
                 keys,
                 stride,
                 h * head_dim,
@@ -549,11 +548,15 @@ mod tests {
             for range in &ranges {
                 attention_reference(heads, head_dim, &q, &k, &v, range.clone(), &mut want);
             }
+            let qkv: Vec<f32> = (0..n)
+                .flat_map(|i| {
+                    let row = i * stride..(i + 1) * stride;
+                    [&q[row.clone()], &k[row.clone()], &v[row]].concat()
+                })
+                .collect();
             for isa in Isa::available() {
                 let mut got = vec![f32::NAN; n * stride];
-                attention_within_sequences(
-                    &pool, isa, heads, head_dim, &q, &k, &v, &ranges, &mut got,
-                );
+                attention_within_sequences(&pool, isa, heads, head_dim, &qkv, &ranges, &mut got);
                 for (i, (a, b)) in got.iter().zip(&want).enumerate() {
                     assert!(
                         (a - b).abs() < 1e-5,

@@ -1351,3 +1351,140 @@ unsafe fn dot_packed_group<const K: u8, const N: usize>(
     }
     acc
 }
+
+/// erf for 8 lanes: Eigen's rational approximation on [-4, 4] (±1 beyond, where f32 cannot
+/// tell erf from ±1). Absolute error below 5e-7.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn erf_ps(x: __m256) -> __m256 {
+    let x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(4.0)), _mm256_set1_ps(-4.0));
+    let x2 = _mm256_mul_ps(x, x);
+    let mut p = _mm256_set1_ps(-2.726_142_4e-10);
+    for c in [
+        2.770_681_5e-8,
+        -2.101_024e-6,
+        -5.692_506_2e-5,
+        -7.349_906_4e-4,
+        -2.954_6e-3,
+        -1.609_603_3e-2,
+    ] {
+        p = _mm256_fmadd_ps(x2, p, _mm256_set1_ps(c));
+    }
+    let p = _mm256_mul_ps(x, p);
+    let mut q = _mm256_set1_ps(-1.456_607_15e-5);
+    for c in [
+        -2.133_740_5e-4,
+        -1.682_827e-3,
+        -7.373_329_3e-3,
+        -1.426_473_9e-2,
+    ] {
+        q = _mm256_fmadd_ps(x2, q, _mm256_set1_ps(c));
+    }
+    _mm256_div_ps(p, q)
+}
+
+/// Exact GELU for 8 lanes, `0.5·x·(1 + erf(x/√2))`.
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn gelu_erf_ps(x: __m256) -> __m256 {
+    let e = erf_ps(_mm256_mul_ps(
+        x,
+        _mm256_set1_ps(std::f32::consts::FRAC_1_SQRT_2),
+    ));
+    let half_x = _mm256_mul_ps(x, _mm256_set1_ps(0.5));
+    _mm256_fmadd_ps(half_x, e, half_x)
+}
+
+/// [`crate::gemm`]'s micro-kernel: a tile of `t.mr ≤ 6` rows × 16 columns over one input block,
+/// twelve accumulators (two vectors per row), one broadcast of `x` per row and input.
+///
+/// # Safety
+/// AVX2 and FMA must be present and the pointers of `t` valid for the tile (see
+/// [`crate::gemm::Tile`]).
+#[target_feature(enable = "avx2,fma")]
+pub(crate) unsafe fn gemm_tile(t: &crate::gemm::Tile) {
+    match t.mr {
+        6 => gemm_tile_rows::<6>(t),
+        5 => gemm_tile_rows::<5>(t),
+        4 => gemm_tile_rows::<4>(t),
+        3 => gemm_tile_rows::<3>(t),
+        2 => gemm_tile_rows::<2>(t),
+        1 => gemm_tile_rows::<1>(t),
+        _ => unreachable!("tiles have 1..=6 rows"),
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gemm_tile_rows<const R: usize>(t: &crate::gemm::Tile) {
+    use crate::gemm::{Activation, NR};
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    let a: [*const f32; R] = std::array::from_fn(|i| t.a.add(i * t.lda));
+    let mut b = t.b;
+    // SAFETY (loads): row i of the tile has kc inputs from a[i]; the panel stretch kc × NR.
+    for k in 0..t.kc {
+        let b0 = _mm256_load_ps(b);
+        let b1 = _mm256_load_ps(b.add(8));
+        for (i, row) in acc.iter_mut().enumerate() {
+            let av = _mm256_broadcast_ss(&*a[i].add(k));
+            row[0] = _mm256_fmadd_ps(av, b0, row[0]);
+            row[1] = _mm256_fmadd_ps(av, b1, row[1]);
+        }
+        b = b.add(NR);
+    }
+    // The sums leave the registers here once, so that the epilogue's branches below do not
+    // keep the accumulators in memory during the loop above.
+    let mut sums = [[0f32; NR]; R];
+    for (row, s) in acc.iter().zip(sums.iter_mut()) {
+        _mm256_storeu_ps(s.as_mut_ptr(), row[0]);
+        _mm256_storeu_ps(s.as_mut_ptr().add(8), row[1]);
+    }
+    // A partial tile (fewer than 16 columns) goes through a full-width copy of its elements.
+    let mut c_copy = [[0f32; NR]; R];
+    let mut r_copy = [[0f32; NR]; R];
+    let full = t.nr == NR;
+    let (c, ldc) = if full {
+        (t.c, t.ldc)
+    } else {
+        for (i, row) in c_copy.iter_mut().enumerate() {
+            if !t.first {
+                std::ptr::copy_nonoverlapping(t.c.add(i * t.ldc), row.as_mut_ptr(), t.nr);
+            }
+        }
+        (c_copy.as_mut_ptr() as *mut f32, NR)
+    };
+    let residual = if full || t.residual.is_null() {
+        t.residual
+    } else {
+        for (i, row) in r_copy.iter_mut().enumerate() {
+            std::ptr::copy_nonoverlapping(t.residual.add(i * t.ldc), row.as_mut_ptr(), t.nr);
+        }
+        r_copy.as_ptr() as *const f32
+    };
+    let gelu = t.last && t.activation == Activation::GeluErf;
+    for (i, row) in sums.iter().enumerate() {
+        for h in 0..2 {
+            let dst = c.add(i * ldc + 8 * h);
+            let mut v = _mm256_loadu_ps(row.as_ptr().add(8 * h));
+            if t.first {
+                if !t.bias.is_null() {
+                    v = _mm256_add_ps(v, _mm256_loadu_ps(t.bias.add(8 * h)));
+                }
+                if !residual.is_null() {
+                    v = _mm256_add_ps(v, _mm256_loadu_ps(residual.add(i * ldc + 8 * h)));
+                }
+            } else {
+                v = _mm256_add_ps(v, _mm256_loadu_ps(dst));
+            }
+            if gelu {
+                v = gelu_erf_ps(v);
+            }
+            _mm256_storeu_ps(dst, v);
+        }
+    }
+    if !full {
+        for (i, row) in c_copy.iter().enumerate() {
+            std::ptr::copy_nonoverlapping(row.as_ptr(), t.c.add(i * t.ldc), t.nr);
+        }
+    }
+}

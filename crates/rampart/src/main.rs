@@ -53,7 +53,7 @@ enum Command {
     Model(ModelArgs),
     /// Generate text with an LLM (streams to the terminal).
     Generate(generate_cmd::GenerateArgs),
-    /// Serve the repository's LLMs over an OpenAI-compatible HTTP API.
+    /// Serve the repository's models: the OpenAI-compatible HTTP API, KServe v2 over HTTP and gRPC.
     Serve(serve_cmd::ServeArgs),
     /// Measure engine throughput and model perplexity.
     #[command(subcommand)]

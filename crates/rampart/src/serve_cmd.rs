@@ -7,7 +7,8 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use server::config::{LogFormat, ServerConfig};
 
-/// Serve the repository's LLMs over the OpenAI API (docs/api.md, docs/configuration.md).
+/// Serve the repository's models: LLMs over the OpenAI API, tensor and embedding models over
+/// KServe v2 (HTTP, and gRPC on its own port) (docs/api.md, docs/configuration.md).
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
     /// The model repository folder (over the config file's `repo`).
@@ -19,6 +20,12 @@ pub struct ServeArgs {
     /// Address to listen on (default 127.0.0.1:8080).
     #[arg(long, value_name = "ADDR")]
     pub listen: Option<SocketAddr>,
+    /// Address of the KServe v2 gRPC endpoint (default 127.0.0.1:8001).
+    #[arg(long, value_name = "ADDR", conflicts_with = "no_grpc")]
+    pub grpc_listen: Option<SocketAddr>,
+    /// Serve no gRPC endpoint.
+    #[arg(long)]
+    pub no_grpc: bool,
     /// File of API keys (one per line, optionally `id:key`).
     #[arg(long, value_name = "FILE")]
     pub api_keys: Option<PathBuf>,
@@ -40,6 +47,13 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
     }
     if let Some(listen) = args.listen {
         config.listen = listen;
+    }
+    if let Some(grpc_listen) = args.grpc_listen {
+        config.grpc.listen = grpc_listen;
+        config.grpc.enabled = true;
+    }
+    if args.no_grpc {
+        config.grpc.enabled = false;
     }
     if let Some(keys) = args.api_keys {
         config.api_keys_file = Some(keys);

@@ -18,6 +18,9 @@ const MODEL: &str = "smollm2-135m";
 struct Server {
     child: Child,
     port: u16,
+    /// The KServe v2 gRPC port (every server gets its own: tests run in parallel).
+    #[allow(dead_code)]
+    grpc_port: u16,
     _dir: tempfile::TempDir,
     log: PathBuf,
 }
@@ -76,11 +79,12 @@ fn start_with(extra: &str, more: &[(&str, PathBuf)]) -> Option<Server> {
     let keys = dir.path().join("keys.txt");
     std::fs::write(&keys, format!("# test keys\ntester:{KEY}\n")).unwrap();
     let port = free_port();
+    let grpc_port = free_port();
     let config = dir.path().join("rampart.toml");
     std::fs::write(
         &config,
         format!(
-            "listen = \"127.0.0.1:{port}\"\nthreads = 2\nshutdown_timeout_s = 20\n{extra}\n[[models]]\nname = \"{MODEL}\"\ncontext = 2048\nkv_cache_memory = \"256MiB\"\n{more_models}"
+            "listen = \"127.0.0.1:{port}\"\nthreads = 2\nshutdown_timeout_s = 20\n{extra}\n[grpc]\nlisten = \"127.0.0.1:{grpc_port}\"\n[[models]]\nname = \"{MODEL}\"\ncontext = 2048\nkv_cache_memory = \"256MiB\"\n{more_models}"
         ),
     )
     .unwrap();
@@ -99,6 +103,7 @@ fn start_with(extra: &str, more: &[(&str, PathBuf)]) -> Option<Server> {
     Some(Server {
         child,
         port,
+        grpc_port,
         _dir: dir,
         log,
     })

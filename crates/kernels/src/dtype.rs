@@ -75,7 +75,8 @@ impl DType {
 
     /// Bytes of a row of `n` elements; `None` when `n` is not a whole number of blocks.
     pub fn row_bytes(self, n: usize) -> Option<usize> {
-        (n % self.block_size() == 0).then(|| n / self.block_size() * self.block_bytes())
+        n.is_multiple_of(self.block_size())
+            .then(|| n / self.block_size() * self.block_bytes())
     }
 
     /// The activation format this weight type is multiplied with.

@@ -51,7 +51,7 @@ impl<'a> Matrix<'a> {
     pub fn with_packed(self, packed: &'a [u8]) -> Result<Self, String> {
         let need =
             self.rows / PACK_ROWS * (self.cols / crate::dtype::QK) * packed_block_bytes(self.dtype);
-        if !packable(self.dtype) || self.rows % PACK_ROWS != 0 || packed.len() != need {
+        if !packable(self.dtype) || !self.rows.is_multiple_of(PACK_ROWS) || packed.len() != need {
             return Err(format!(
                 "{} bytes are not a packed {}×{} {} matrix",
                 packed.len(),

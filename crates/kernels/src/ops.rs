@@ -343,7 +343,7 @@ pub fn attention_within_sequences(
         "head_dim {head_dim} outside 1..=256"
     );
     assert!(
-        qkv.len() % stride == 0 && out.len() == qkv.len() / 3,
+        qkv.len().is_multiple_of(stride) && out.len() == qkv.len() / 3,
         "qkv must be n × 3·heads·head_dim and out n × heads·head_dim"
     );
     let n = qkv.len() / stride;

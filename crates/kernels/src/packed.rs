@@ -55,7 +55,8 @@ fn source_layout(dtype: DType) -> (usize, usize) {
 /// Packs a `rows × cols` matrix of `dtype` stored row after row (GGUF layout). `None` when the
 /// type has no packed kernel or `rows` is not a multiple of [`PACK_ROWS`].
 pub fn pack(dtype: DType, data: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
-    if !packable(dtype) || rows % PACK_ROWS != 0 || cols % QK != 0 || rows == 0 {
+    if !packable(dtype) || !rows.is_multiple_of(PACK_ROWS) || !cols.is_multiple_of(QK) || rows == 0
+    {
         return None;
     }
     let bb = dtype.block_bytes();

@@ -70,7 +70,7 @@ impl KvDType {
         head_dim > 0
             && match self {
                 KvDType::F32 | KvDType::F16 => true,
-                KvDType::Q8_0 => head_dim % Q8_0_BLOCK == 0,
+                KvDType::Q8_0 => head_dim.is_multiple_of(Q8_0_BLOCK),
             }
     }
 
@@ -229,7 +229,7 @@ pub fn paged_attention(
         head_dim,
     } = *kv;
     assert!(
-        kv_heads > 0 && heads % kv_heads == 0 && heads > 0,
+        kv_heads > 0 && heads.is_multiple_of(kv_heads) && heads > 0,
         "{heads} heads are not a multiple of {kv_heads} KV heads"
     );
     assert!(
@@ -390,7 +390,7 @@ fn attend_group(
 /// Whether the SIMD kernels handle heads of `head_dim` values (whole 8-lane vectors).
 #[cfg(target_arch = "x86_64")]
 fn simd_head(isa: Isa, head_dim: usize) -> bool {
-    isa >= Isa::Avx2 && head_dim % 8 == 0
+    isa >= Isa::Avx2 && head_dim.is_multiple_of(8)
 }
 
 /// `scores[g·score_stride + s] = q_g · K_s · scale` for the query heads `q` (`group ×

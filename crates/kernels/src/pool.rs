@@ -71,7 +71,7 @@ fn worker(shared: Arc<Shared>) {
                 break g;
             }
             spins += 1;
-            if spins % 64 == 0 && start.elapsed() > SPIN {
+            if spins.is_multiple_of(64) && start.elapsed() > SPIN {
                 let guard = shared.sleep_lock.lock().unwrap_or_else(|e| e.into_inner());
                 // Announce the sleep before the last look at the generation (SeqCst on both
                 // sides): a loop started after this look sees `sleeping > 0` and notifies.

@@ -586,7 +586,7 @@ mod tests {
         let mut rng = SplitMix64::new(seed ^ 0xdead_beef);
         let mut x = normal(n, seed);
         for v in &mut x {
-            if rng.next_u64() % 64 == 0 {
+            if rng.next_u64().is_multiple_of(64) {
                 *v *= 8.0 + 8.0 * rng.unit_f64() as f32;
             }
         }
@@ -801,7 +801,7 @@ mod tests {
                 // The special value alone, and sprinkled into normal data.
                 let mut x = normal(QK_K, 10);
                 for v in &mut x {
-                    if rng.next_u64() % 8 == 0 {
+                    if rng.next_u64().is_multiple_of(8) {
                         *v = special;
                     }
                 }

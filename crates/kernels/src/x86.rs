@@ -949,7 +949,7 @@ pub unsafe fn kv_scores(
     score_stride: usize,
 ) {
     let group = q.len() / head_dim;
-    assert!(head_dim % 8 == 0 && dtype.supports(head_dim) && q.len() == group * head_dim);
+    assert!(head_dim.is_multiple_of(8) && dtype.supports(head_dim) && q.len() == group * head_dim);
     if slots == 0 || group == 0 {
         return;
     }
@@ -1114,7 +1114,9 @@ pub unsafe fn kv_values(
     head_dim: usize,
 ) {
     let group = acc.len() / head_dim;
-    assert!(head_dim % 8 == 0 && dtype.supports(head_dim) && acc.len() == group * head_dim);
+    assert!(
+        head_dim.is_multiple_of(8) && dtype.supports(head_dim) && acc.len() == group * head_dim
+    );
     if slots == 0 || group == 0 {
         return;
     }

@@ -18,11 +18,12 @@
 
 use std::ops::Range;
 use std::path::Path;
+use std::sync::Mutex;
 
 use formats::safetensors::{SafetensorsFile, TensorInfo};
 use kernels::backend::physical_cores;
 use kernels::gemm::{gemm, Activation, Epilogue, PackedMatrix};
-use kernels::ops::{attention_within_sequences, layer_norm};
+use kernels::ops::{attention_within_sequences, layer_norm_rows};
 use kernels::{Backend, CpuBackend};
 use serde::Deserialize;
 
@@ -132,6 +133,17 @@ struct EncoderLayer {
     output_norm: LayerNormWeights,
 }
 
+/// The activations of one forward pass (`n` token rows each), kept between calls.
+#[derive(Debug, Default)]
+struct Activations {
+    embedded: Vec<f32>,
+    hidden: Vec<f32>,
+    qkv: Vec<f32>,
+    context: Vec<f32>,
+    projected: Vec<f32>,
+    intermediate: Vec<f32>,
+}
+
 /// A loaded sentence-embedding model.
 pub struct Embedder {
     config: BertConfig,
@@ -148,6 +160,8 @@ pub struct Embedder {
     max_seq_len: usize,
     max_batch_tokens: usize,
     backend: CpuBackend,
+    /// Buffers for up to `max_batch_tokens` rows, reused by one call at a time.
+    activations: Mutex<Activations>,
 }
 
 impl std::fmt::Debug for Embedder {
@@ -414,6 +428,7 @@ impl Embedder {
             max_seq_len,
             max_batch_tokens: options.max_batch_tokens.max(1),
             backend: CpuBackend::new(options.threads.max(1)),
+            activations: Mutex::new(Activations::default()),
         })
     }
 
@@ -557,8 +572,31 @@ impl Embedder {
             n += ids.len();
         }
 
+        let ffn = self.config.intermediate_size;
+        // The previous call's buffers when no other call holds them (fresh pages of this size
+        // cost a page fault each on every call).
+        let mut kept = self.activations.try_lock().ok();
+        let mut fresh = Activations::default();
+        let Activations {
+            embedded: sum,
+            hidden,
+            qkv,
+            context,
+            projected,
+            intermediate,
+        } = kept.as_deref_mut().unwrap_or(&mut fresh);
+        for (buffer, width) in [
+            (&mut *sum, h),
+            (&mut *hidden, h),
+            (&mut *qkv, 3 * h),
+            (&mut *context, h),
+            (&mut *projected, h),
+            (&mut *intermediate, ffn),
+        ] {
+            buffer.resize(n * width, 0.0);
+        }
+
         // Embeddings: word + position + token type, then LayerNorm.
-        let mut sum = vec![0f32; n * h];
         let word = &bytes[self.word_embeddings.range.clone()];
         let mut row = 0;
         for ids in batch {
@@ -577,51 +615,45 @@ impl Embedder {
                 row += 1;
             }
         }
-        let mut hidden = vec![0f32; n * h];
-        layer_norm_rows(&sum, &self.embedding_norm, eps, &mut hidden);
+        self.layer_norm(sum, &self.embedding_norm, eps, hidden);
 
-        let ffn = self.config.intermediate_size;
         let (pool, isa) = (self.backend.pool(), self.backend.isa());
-        let mut qkv = vec![0f32; n * 3 * h];
-        let mut context = vec![0f32; n * h];
-        let mut projected = vec![0f32; n * h];
-        let mut intermediate = vec![0f32; n * ffn];
         for layer in &self.layers {
             self.linear(
                 &layer.query_key_value,
-                &hidden,
+                hidden,
                 n,
                 None,
                 Activation::None,
-                &mut qkv,
+                qkv,
             );
-            attention_within_sequences(pool, isa, heads, h / heads, &qkv, &sequences, &mut context);
+            attention_within_sequences(pool, isa, heads, h / heads, qkv, &sequences, context);
             self.linear(
                 &layer.attention_output,
-                &context,
+                context,
                 n,
-                Some(&hidden),
+                Some(hidden),
                 Activation::None,
-                &mut projected,
+                projected,
             );
-            layer_norm_rows(&projected, &layer.attention_norm, eps, &mut hidden);
+            self.layer_norm(projected, &layer.attention_norm, eps, hidden);
             self.linear(
                 &layer.intermediate,
-                &hidden,
+                hidden,
                 n,
                 None,
                 Activation::GeluErf,
-                &mut intermediate,
+                intermediate,
             );
             self.linear(
                 &layer.output,
-                &intermediate,
+                intermediate,
                 n,
-                Some(&hidden),
+                Some(hidden),
                 Activation::None,
-                &mut projected,
+                projected,
             );
-            layer_norm_rows(&projected, &layer.output_norm, eps, &mut hidden);
+            self.layer_norm(projected, &layer.output_norm, eps, hidden);
         }
 
         sequences
@@ -639,6 +671,18 @@ impl Embedder {
                 }
             })
             .collect()
+    }
+
+    fn layer_norm(&self, x: &[f32], norm: &LayerNormWeights, eps: f32, out: &mut [f32]) {
+        layer_norm_rows(
+            self.backend.pool(),
+            self.backend.isa(),
+            x,
+            &norm.weight,
+            &norm.bias,
+            eps,
+            out,
+        );
     }
 
     /// `out = act(x·Wᵀ + b + residual)` over `n` rows.
@@ -696,13 +740,6 @@ fn f32s(bytes: &[u8]) -> Vec<f32> {
 
 fn add_assign(x: &mut [f32], y: &[f32]) {
     kernels::ops::add_assign(x, y);
-}
-
-fn layer_norm_rows(x: &[f32], norm: &LayerNormWeights, eps: f32, out: &mut [f32]) {
-    let h = norm.weight.len();
-    for (row, dst) in x.chunks_exact(h).zip(out.chunks_exact_mut(h)) {
-        layer_norm(row, &norm.weight, Some(&norm.bias), eps, dst);
-    }
 }
 
 /// Cosine similarity of two vectors.

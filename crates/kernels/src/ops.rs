@@ -1,7 +1,7 @@
 //! Elementwise and normalization kernels, RoPE, softmax and attention, all on f32.
 
 use crate::dispatch::{dot_f32, Isa};
-
+use crate::matmul::SharedOut;
 use crate::pool::ThreadPool;
 
 /// `out = x / rms(x) · weight`, with `rms(x) = sqrt(mean(x²) + eps)`.
@@ -23,6 +23,42 @@ pub fn layer_norm(x: &[f32], weight: &[f32], bias: Option<&[f32]>, eps: f32, out
     for (i, o) in out.iter_mut().enumerate() {
         *o = (x[i] - mean) * scale * weight[i] + bias.map_or(0.0, |b| b[i]);
     }
+}
+
+/// [`layer_norm`] of each `weight.len()`-long row of `x` into `out`, rows spread over the pool.
+pub fn layer_norm_rows(
+    pool: &ThreadPool,
+    isa: Isa,
+    x: &[f32],
+    weight: &[f32],
+    bias: &[f32],
+    eps: f32,
+    out: &mut [f32],
+) {
+    let n = weight.len();
+    assert!(
+        n > 0 && bias.len() == n && x.len() % n == 0 && out.len() == x.len(),
+        "x and out must be whole rows of weight.len()"
+    );
+    let rows = x.len() / n;
+    // Rows per item: enough work to be worth a hand-off.
+    let chunk = 16;
+    let out_ptr = SharedOut::new(out.as_mut_ptr());
+    pool.for_each(rows.div_ceil(chunk), &|item| {
+        for r in item * chunk..((item + 1) * chunk).min(rows) {
+            let src = &x[r * n..(r + 1) * n];
+            // SAFETY: row r of out is written by this item only; in bounds as out is rows × n.
+            let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(r * n), n) };
+            #[cfg(target_arch = "x86_64")]
+            if isa >= Isa::Avx2 {
+                // SAFETY: AVX2 and FMA are present (see Isa::detect).
+                unsafe { crate::x86::layer_norm(src, weight, bias, eps, dst) };
+                continue;
+            }
+            let _ = isa;
+            layer_norm(src, weight, Some(bias), eps, dst);
+        }
+    });
 }
 
 /// Softmax in place (max-subtracted for stability).
@@ -248,8 +284,6 @@ pub struct AttentionShape {
     pub first_pos: usize,
 }
 
-use crate::matmul::SharedOut;
-
 /// Causal multi-head attention with grouped KV heads.
 ///
 /// - `q`: `m × heads·head_dim` query rows (RoPE applied);
@@ -355,51 +389,64 @@ pub fn attention_within_sequences(
             *c = true;
         }
     }
-    // Items are (row, head) pairs; each knows its sequence through this table.
-    let mut items: Vec<(usize, usize)> = Vec::with_capacity(n);
-    for range in sequences {
-        for row in range.clone() {
-            items.push((row, range.start));
-        }
-    }
-    let ends: Vec<usize> = {
-        let mut ends = vec![0; n];
-        for range in sequences {
-            for e in &mut ends[range.clone()] {
-                *e = range.end;
-            }
-        }
-        ends
-    };
     let scale = 1.0 / (head_dim as f32).sqrt();
     let out_ptr = SharedOut::new(out.as_mut_ptr());
-    pool.for_each(items.len() * heads, &|item| {
-        let (row, start) = items[item / heads];
+    // Items are (sequence, head) pairs: every query row of the head reads the same keys.
+    pool.for_each(sequences.len() * heads, &|item| {
+        let range = &sequences[item / heads];
         let h = item % heads;
-        let keys = ends[row] - start;
-        let q = &qkv[row * stride + h * head_dim..row * stride + (h + 1) * head_dim];
-        // SAFETY: this item alone writes out[row, h, ..] (rows are distinct across items, as
-        // the ranges were checked to be disjoint); in bounds by the asserts above.
-        let dst = unsafe {
-            std::slice::from_raw_parts_mut(out_ptr.get().add(row * width + h * head_dim), head_dim)
-        };
+        let keys = range.len();
+        let first = range.start * stride;
         SCORES.with(|scores| {
             let mut scores = scores.borrow_mut();
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: AVX2 and FMA are present; the sequence's rows lie inside qkv and out (the
+            // asserts above) and this item alone writes its head's slice of them.
+            if isa >= Isa::Avx2
+                && unsafe {
+                    crate::x86::attend_sequence(
+                        qkv.as_ptr().add(first + h * head_dim),
+                        qkv.as_ptr().add(first + width + h * head_dim),
+                        qkv.as_ptr().add(first + 2 * width + h * head_dim),
+                        stride,
+                        keys,
+                        head_dim,
+                        scale,
+                        out_ptr.get().add(range.start * width + h * head_dim),
+                        width,
+                        &mut scores,
+                    )
+                }
+            {
+                return;
+            }
             if scores.len() < keys {
                 scores.resize(keys.next_power_of_two(), 0.0);
             }
-            attend(
-                isa,
-                q,
-                &qkv[start * stride + width..],
-                &qkv[start * stride + 2 * width..],
-                keys,
-                stride,
-                h * head_dim,
-                scale,
-                &mut scores,
-                dst,
-            );
+            for row in range.clone() {
+                let q = &qkv[row * stride + h * head_dim..row * stride + (h + 1) * head_dim];
+                // SAFETY: this item alone writes out[row, h, ..] (rows are distinct across
+                // sequences, as the ranges were checked to be disjoint); in bounds by the asserts
+                // above.
+                let dst = unsafe {
+                    std::slice::from_raw_parts_mut(
+                        out_ptr.get().add(row * width + h * head_dim),
+                        head_dim,
+                    )
+                };
+                attend(
+                    isa,
+                    q,
+                    &qkv[first + width..],
+                    &qkv[first + 2 * width..],
+                    keys,
+                    stride,
+                    h * head_dim,
+                    scale,
+                    &mut scores,
+                    dst,
+                );
+            }
         });
     });
 }
@@ -525,6 +572,30 @@ mod tests {
     }
 
     #[test]
+    fn layer_norm_rows_match_the_reference() {
+        let pool = ThreadPool::new(2);
+        for (rows, n) in [(1usize, 1usize), (3, 7), (40, 384), (17, 37)] {
+            let x: Vec<f32> = random_f32(rows * n, n as u64)
+                .iter()
+                .map(|v| v * 3.0 + 0.5)
+                .collect();
+            let weight = random_f32(n, 2);
+            let bias = random_f32(n, 3);
+            let mut want = vec![0f32; rows * n];
+            for (src, dst) in x.chunks_exact(n).zip(want.chunks_exact_mut(n)) {
+                layer_norm(src, &weight, Some(&bias), 1e-12, dst);
+            }
+            for isa in Isa::available() {
+                let mut got = vec![f32::NAN; rows * n];
+                layer_norm_rows(&pool, isa, &x, &weight, &bias, 1e-12, &mut got);
+                for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                    assert!((a - b).abs() < 1e-5, "{isa:?} {rows}×{n} [{i}]: {a} vs {b}");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn attention_within_sequences_matches_each_sequence_alone() {
         let pool = ThreadPool::new(3);
         for (heads, head_dim, lengths) in [
@@ -532,6 +603,7 @@ mod tests {
             (3, 32, vec![5, 1, 17]),
             (2, 7, vec![3, 0, 9, 2]),
             (12, 64, vec![40, 13]),
+            (2, 16, vec![8, 33, 64, 1]),
         ] {
             let stride = heads * head_dim;
             let n: usize = lengths.iter().sum();

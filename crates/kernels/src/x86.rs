@@ -1490,3 +1490,207 @@ unsafe fn gemm_tile_rows<const R: usize>(t: &crate::gemm::Tile) {
         }
     }
 }
+
+/// [`crate::ops::layer_norm`] of one row: `out = (x − mean)/sqrt(var + eps)·weight + bias`, the
+/// mean and the variance in two passes as the reference does.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn layer_norm(x: &[f32], weight: &[f32], bias: &[f32], eps: f32, out: &mut [f32]) {
+    let n = x.len();
+    assert!(weight.len() == n && bias.len() == n && out.len() == n);
+    let px = x.as_ptr();
+    let vectors = n / 8 * 8;
+    // SAFETY (all loads and stores below): i + 8 <= vectors <= n.
+    let mut acc = _mm256_setzero_ps();
+    let mut i = 0;
+    while i < vectors {
+        acc = _mm256_add_ps(acc, _mm256_loadu_ps(px.add(i)));
+        i += 8;
+    }
+    let mut sum = hsum_ps(acc);
+    for &v in &x[vectors..] {
+        sum += v;
+    }
+    let mean = sum / n as f32;
+    let vmean = _mm256_set1_ps(mean);
+    let mut acc = _mm256_setzero_ps();
+    let mut i = 0;
+    while i < vectors {
+        let d = _mm256_sub_ps(_mm256_loadu_ps(px.add(i)), vmean);
+        acc = _mm256_fmadd_ps(d, d, acc);
+        i += 8;
+    }
+    let mut squares = hsum_ps(acc);
+    for &v in &x[vectors..] {
+        squares += (v - mean) * (v - mean);
+    }
+    let scale = 1.0 / (squares / n as f32 + eps).sqrt();
+    let vscale = _mm256_set1_ps(scale);
+    let mut i = 0;
+    while i < vectors {
+        let d = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(px.add(i)), vmean), vscale);
+        let v = _mm256_fmadd_ps(
+            d,
+            _mm256_loadu_ps(weight.as_ptr().add(i)),
+            _mm256_loadu_ps(bias.as_ptr().add(i)),
+        );
+        _mm256_storeu_ps(out.as_mut_ptr().add(i), v);
+        i += 8;
+    }
+    for i in vectors..n {
+        out[i] = (x[i] - mean) * scale * weight[i] + bias[i];
+    }
+}
+
+/// Bidirectional attention of one head over one sequence of `len` rows (see
+/// [`crate::ops::attention_within_sequences`]): every query row attends to all `len` key/value
+/// rows. `q`, `k`, `v` point at the head's slice of the sequence's first row, rows `stride`
+/// floats apart; `out` likewise with rows `out_stride` apart. `head_dim` is 16, 32 or 64 (other
+/// sizes return `false` and use [`attend`] per row).
+///
+/// The keys are transposed once into `scratch`, so the scores of two query rows against eight
+/// keys at a time are plain FMAs (no horizontal sums), and each value row is read once for two
+/// query rows.
+///
+/// # Safety
+/// AVX2 and FMA must be present; `q`, `k`, `v` valid for `len` rows of `head_dim` floats at
+/// `stride`, `out` for `len` rows at `out_stride`.
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn attend_sequence(
+    q: *const f32,
+    k: *const f32,
+    v: *const f32,
+    stride: usize,
+    len: usize,
+    head_dim: usize,
+    scale: f32,
+    out: *mut f32,
+    out_stride: usize,
+    scratch: &mut Vec<f32>,
+) -> bool {
+    match head_dim {
+        16 => attend_sequence_lanes::<2>(q, k, v, stride, len, scale, out, out_stride, scratch),
+        32 => attend_sequence_lanes::<4>(q, k, v, stride, len, scale, out, out_stride, scratch),
+        64 => attend_sequence_lanes::<8>(q, k, v, stride, len, scale, out, out_stride, scratch),
+        _ => return false,
+    }
+    true
+}
+
+#[target_feature(enable = "avx2,fma")]
+// Indexed loops over pairs of accumulator arrays read more plainly than zipped iterators.
+#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+unsafe fn attend_sequence_lanes<const LANES: usize>(
+    q: *const f32,
+    k: *const f32,
+    v: *const f32,
+    stride: usize,
+    len: usize,
+    scale: f32,
+    out: *mut f32,
+    out_stride: usize,
+    scratch: &mut Vec<f32>,
+) {
+    let head_dim = 8 * LANES;
+    // Keys rounded up to whole vectors; the padding keys get a score of -inf.
+    let padded = len.div_ceil(8) * 8;
+    let need = head_dim * padded + 2 * padded;
+    if scratch.len() < need {
+        scratch.resize(need, 0.0);
+    }
+    let (keys_t, scores) = scratch.split_at_mut(head_dim * padded);
+    // keys_t[d·padded + t] = k[t][d].
+    for t in 0..len {
+        let row = k.add(t * stride);
+        for d in 0..head_dim {
+            keys_t[d * padded + t] = *row.add(d);
+        }
+    }
+    for d in 0..head_dim {
+        keys_t[d * padded + len..(d + 1) * padded].fill(0.0);
+    }
+    let vscale = _mm256_set1_ps(scale);
+    let lane = _mm256_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0);
+    let mut i = 0;
+    while i < len {
+        // Two query rows at a time (the last one twice when len is odd).
+        let rows = [i, (i + 1).min(len - 1)];
+        let qp = rows.map(|r| q.add(r * stride));
+        // Scores, four key vectors (32 keys) at a time: eight independent accumulators.
+        let mut t = 0;
+        while t < padded {
+            let chunks = ((padded - t) / 8).min(4);
+            let mut acc = [[_mm256_setzero_ps(); 4]; 2];
+            for d in 0..head_dim {
+                let kt = keys_t.as_ptr().add(d * padded + t);
+                let b = [_mm256_set1_ps(*qp[0].add(d)), _mm256_set1_ps(*qp[1].add(d))];
+                for c in 0..4 {
+                    if c < chunks {
+                        let kv = _mm256_loadu_ps(kt.add(8 * c));
+                        acc[0][c] = _mm256_fmadd_ps(b[0], kv, acc[0][c]);
+                        acc[1][c] = _mm256_fmadd_ps(b[1], kv, acc[1][c]);
+                    }
+                }
+            }
+            for (r, row_acc) in acc.iter().enumerate() {
+                for (c, &a) in row_acc.iter().enumerate().take(chunks) {
+                    let first = t + 8 * c;
+                    // Keys at or beyond len are padding: -inf, so exp gives 0.
+                    let index = _mm256_add_ps(lane, _mm256_set1_ps(first as f32));
+                    let valid = _mm256_cmp_ps::<_CMP_LT_OQ>(index, _mm256_set1_ps(len as f32));
+                    let s = _mm256_blendv_ps(
+                        _mm256_set1_ps(f32::NEG_INFINITY),
+                        _mm256_mul_ps(a, vscale),
+                        valid,
+                    );
+                    _mm256_storeu_ps(scores.as_mut_ptr().add(r * padded + first), s);
+                }
+            }
+            t += 8 * chunks;
+        }
+        // Softmax numerators and their sums.
+        let mut inv = [0f32; 2];
+        for (r, inv) in inv.iter_mut().enumerate() {
+            let s = scores.as_mut_ptr().add(r * padded);
+            let mut vmax = _mm256_set1_ps(f32::NEG_INFINITY);
+            for c in (0..padded).step_by(8) {
+                vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s.add(c)));
+            }
+            let m = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let max = _mm256_set1_ps(_mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m))));
+            let mut vsum = _mm256_setzero_ps();
+            for c in (0..padded).step_by(8) {
+                let e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s.add(c)), max));
+                _mm256_storeu_ps(s.add(c), e);
+                vsum = _mm256_add_ps(vsum, e);
+            }
+            *inv = 1.0 / hsum_ps(vsum);
+        }
+        // Weighted values: each value row read once for both query rows.
+        let mut acc = [[_mm256_setzero_ps(); LANES]; 2];
+        for t in 0..len {
+            let vp = v.add(t * stride);
+            let p = [
+                _mm256_set1_ps(scores[t]),
+                _mm256_set1_ps(scores[padded + t]),
+            ];
+            for j in 0..LANES {
+                let vv = _mm256_loadu_ps(vp.add(8 * j));
+                acc[0][j] = _mm256_fmadd_ps(p[0], vv, acc[0][j]);
+                acc[1][j] = _mm256_fmadd_ps(p[1], vv, acc[1][j]);
+            }
+        }
+        for (r, row_acc) in acc.iter().enumerate() {
+            if r == 1 && rows[1] == rows[0] {
+                break;
+            }
+            let dst = out.add(rows[r] * out_stride);
+            let vinv = _mm256_set1_ps(inv[r]);
+            for (j, &a) in row_acc.iter().enumerate() {
+                _mm256_storeu_ps(dst.add(8 * j), _mm256_mul_ps(a, vinv));
+            }
+        }
+        i += 2;
+    }
+}

@@ -148,8 +148,8 @@ pub enum BenchCommand {
         json: bool,
     },
     /// Sentences/s of a sentence-embedding model (a sentence-transformers folder or
-    /// NAME[@VERSION]) over generated sentences of 8–40 words, in requests of --batch sentences
-    /// (median of --rounds).
+    /// NAME[@VERSION]) over generated sentences of 8–40 words (those of the sentence-transformers
+    /// peer benchmark), in requests of --batch sentences (median of --rounds).
     Embed {
         /// A sentence-transformers folder or NAME[@VERSION] in the repository.
         #[arg(long, short = 'm')]
@@ -706,6 +706,55 @@ fn structured(
     Ok(())
 }
 
+/// The words of [`generated_sentences`].
+const SENTENCE_WORDS: &str =
+    "the a an one this that some every small large quick slow bright dark \
+    old new red green blue happy tired busy quiet loud warm cold cat dog man woman child teacher \
+    doctor farmer city river mountain road house garden kitchen market school office train car \
+    bicycle boat letter book song movie picture window door table chair bread apple coffee water \
+    music story game question answer idea plan report model server request batch queue result \
+    error time day night morning evening week year walks runs reads writes sees finds takes gives \
+    makes builds opens closes carries eats drinks likes wants needs sends brings watches plays \
+    sings helps and but or because while after before near under over with without into from to \
+    in on at across behind through very often never always quickly slowly carefully again \
+    together alone today tomorrow";
+
+/// `count` deterministic sentences of 8–40 words, the same ones the sentence-transformers peer
+/// benchmark encodes (its `sentgen.py`, mirrored exactly): one xorshift64* stream seeded with
+/// 0x9E3779B97F4A7C15, `below(n) = (next >> 33) % n`; per sentence `8 + below(33)` words drawn
+/// with `below(words)`, the first capitalized, joined by spaces, then a full stop.
+fn generated_sentences(count: usize) -> Vec<String> {
+    let words: Vec<&str> = SENTENCE_WORDS.split_whitespace().collect();
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut below = |n: usize| -> usize {
+        state ^= state >> 12;
+        state ^= state << 25;
+        state ^= state >> 27;
+        ((state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 33) % n as u64) as usize
+    };
+    (0..count)
+        .map(|_| {
+            let n = 8 + below(33);
+            let mut sentence = String::new();
+            for k in 0..n {
+                let word = words[below(words.len())];
+                if k == 0 {
+                    let mut chars = word.chars();
+                    if let Some(first) = chars.next() {
+                        sentence.extend(first.to_uppercase());
+                        sentence.push_str(chars.as_str());
+                    }
+                } else {
+                    sentence.push(' ');
+                    sentence.push_str(word);
+                }
+            }
+            sentence.push('.');
+            sentence
+        })
+        .collect()
+}
+
 fn embed_bench(
     model: &str,
     repo_dir: &std::path::Path,
@@ -732,22 +781,7 @@ fn embed_bench(
     }
     let embedder = engine::Embedder::load_with(&dir, &options)
         .with_context(|| format!("loading {}", dir.display()))?;
-    // Deterministic sentences of 8–40 common words.
-    const WORDS: &[&str] = &[
-        "the", "model", "server", "runs", "on", "our", "own", "machines", "and", "data", "never",
-        "leaves", "a", "bank", "hospital", "factory", "keeps", "every", "request", "in", "its",
-        "audit", "log", "while", "the", "engine", "answers", "quickly", "with", "good", "quality",
-    ];
-    let mut rng = kernels::rng::SplitMix64::new(7);
-    let texts: Vec<String> = (0..sentences.max(1))
-        .map(|_| {
-            let n = 8 + (rng.unit_f64() * 33.0) as usize;
-            (0..n)
-                .map(|_| WORDS[(rng.unit_f64() * WORDS.len() as f64) as usize % WORDS.len()])
-                .collect::<Vec<_>>()
-                .join(" ")
-        })
-        .collect();
+    let texts = generated_sentences(sentences.max(1));
     let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
     embedder.embed(&refs[..batch.min(refs.len()).max(1)])?; // warm-up
     let mut rates = Vec::new();
@@ -773,10 +807,33 @@ fn embed_bench(
     } else {
         println!("model    {model} ({} dimensions)", embedder.dimensions());
         println!(
-            "embed    {rate:.1} sentences/s  (batch {batch}, {} sentences of 8-40 words, median of {})",
+            "embed    {rate:.1} sentences/s  (batch {batch}, {} sentences of 8-40 words as sentgen.py, median of {})",
             refs.len(),
             rates.len()
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generated_sentences_are_the_peer_benchmarks() {
+        // The first and the thousandth sentence of `sentgen.sentences(1000)`.
+        let texts = generated_sentences(1000);
+        assert_eq!(
+            texts[1],
+            "Carefully slow reads answer evening never evening letter doctor server day to always."
+        );
+        assert_eq!(
+            texts[999],
+            "Busy story alone sends server music sends takes report man bright game builds warm \
+             over table game movie result through every queue queue river together red never an \
+             report blue door loud with warm."
+        );
+        let words: usize = texts.iter().map(|t| t.split(' ').count()).sum();
+        assert_eq!(words, 24_281);
+    }
 }

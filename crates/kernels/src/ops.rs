@@ -37,7 +37,7 @@ pub fn layer_norm_rows(
 ) {
     let n = weight.len();
     assert!(
-        n > 0 && bias.len() == n && x.len() % n == 0 && out.len() == x.len(),
+        n > 0 && bias.len() == n && x.len().is_multiple_of(n) && out.len() == x.len(),
         "x and out must be whole rows of weight.len()"
     );
     let rows = x.len() / n;

@@ -366,12 +366,11 @@ pub fn model_kind(repository: &Repository, model: &ModelConfig) -> Result<repo::
     Ok(manifest.model.kind)
 }
 
-/// Loads one tensor model (digests verified by the repository first) and starts its batcher.
-pub fn load_tensor_model(
-    config: &ServerConfig,
+/// The version a configured model names, its digests verified, and its version digest.
+fn load_verified(
     repository: &Repository,
     model: &ModelConfig,
-) -> Result<TensorHandle, String> {
+) -> Result<(repo::LoadedVersion, String), String> {
     let reference = model_ref(model)?;
     let loaded = repository
         .load(&reference, &repo::NoProgress)
@@ -380,6 +379,23 @@ pub fn load_tensor_model(
         .digests(&loaded.version)
         .map(|d| format!("sha256:{}", d.version_digest()))
         .map_err(|e| format!("{}: {e}", model.name))?;
+    Ok((loaded, digest))
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Loads one tensor model (digests verified by the repository first) and starts its batcher.
+pub fn load_tensor_model(
+    config: &ServerConfig,
+    repository: &Repository,
+    model: &ModelConfig,
+) -> Result<TensorHandle, String> {
+    let (loaded, digest) = load_verified(repository, model)?;
     let options = classic::LoadOptions {
         backend: config.tensor.backend,
         onnxruntime_library: config.tensor.onnxruntime_library.clone(),
@@ -394,10 +410,7 @@ pub fn load_tensor_model(
         digest,
         model: Arc::new(tensor_model),
         admission: Admission::new(config.admission.clone()),
-        created: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0),
+        created: unix_now(),
     })
 }
 
@@ -408,14 +421,7 @@ pub fn load_embedder(
     repository: &Repository,
     model: &ModelConfig,
 ) -> Result<EmbedderHandle, String> {
-    let reference = model_ref(model)?;
-    let loaded = repository
-        .load(&reference, &repo::NoProgress)
-        .map_err(|e| format!("{}: {e}", model.name))?;
-    let digest = repository
-        .digests(&loaded.version)
-        .map(|d| format!("sha256:{}", d.version_digest()))
-        .map_err(|e| format!("{}: {e}", model.name))?;
+    let (loaded, digest) = load_verified(repository, model)?;
     let mut options = engine::EmbedderOptions::default();
     if let Some(threads) = config.threads {
         options.threads = threads.max(1);
@@ -429,10 +435,7 @@ pub fn load_embedder(
         embedder: Arc::new(embedder),
         compute: Arc::new(Mutex::new(())),
         admission: Admission::new(config.admission.clone()),
-        created: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0),
+        created: unix_now(),
     })
 }
 
@@ -504,10 +507,7 @@ pub fn load_model(
         engine: Arc::new(engine),
         admission: Admission::new(config.admission.clone()),
         entropy_band: model.entropy_band,
-        created: std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs())
-            .unwrap_or(0),
+        created: unix_now(),
         progress: Mutex::new((0, Instant::now())),
     })
 }

@@ -540,27 +540,16 @@ async fn infer_embedding(
         })
         .collect::<Result<_, _>>()?;
     let n_texts = texts.len();
-    let embedder = Arc::clone(&e.embedder);
-    let compute = Arc::clone(&e.compute);
     let started = Instant::now();
-    let (vectors, tokens) = tokio::task::spawn_blocking(move || {
-        let ids = texts
-            .iter()
-            .map(|t| embedder.tokenize(t))
-            .collect::<Result<Vec<_>, _>>()?;
-        let tokens: usize = ids.iter().map(Vec::len).sum();
-        let _running = compute.lock().unwrap_or_else(|e| e.into_inner());
-        let vectors = embedder.embed_ids(
-            &ids,
+    let (vectors, tokens) = e
+        .embed(
+            crate::openai::EmbeddingInputs::Texts(texts),
             engine::EmbedOptions {
                 truncate: false,
                 dimensions: None,
             },
-        )?;
-        Ok::<_, ApiError>((vectors, tokens))
-    })
-    .await
-    .map_err(|e| ApiError::Internal(format!("embedding task failed: {e}")))??;
+        )
+        .await?;
     record.record.prompt_tokens = tokens;
     record.record.items = n_texts;
     record.record.compute_ms = started.elapsed().as_secs_f64() * 1e3;

@@ -483,30 +483,11 @@ async fn embed(
         }
     }
     let slot = admit(state, principal, &model.id, &model.admission, record).await?;
-    let embedder = Arc::clone(&model.embedder);
-    let compute = Arc::clone(&model.compute);
-    let inputs = plan.inputs.clone();
     let options = engine::EmbedOptions {
         truncate: false,
         dimensions: plan.dimensions,
     };
-    // Tokenization and the forward passes run off the async workers, one request at a time per
-    // model; the admission slot is held until they end.
-    let (vectors, prompt_tokens) = tokio::task::spawn_blocking(move || {
-        let ids = match inputs {
-            EmbeddingInputs::Texts(texts) => texts
-                .iter()
-                .map(|t| embedder.tokenize(t))
-                .collect::<Result<Vec<_>, _>>()?,
-            EmbeddingInputs::Tokens(ids) => ids,
-        };
-        let prompt_tokens: usize = ids.iter().map(Vec::len).sum();
-        let _running = compute.lock().unwrap_or_else(|e| e.into_inner());
-        let vectors = embedder.embed_ids(&ids, options)?;
-        Ok::<_, ApiError>((vectors, prompt_tokens))
-    })
-    .await
-    .map_err(|e| ApiError::Internal(format!("embedding task failed: {e}")))??;
+    let (vectors, prompt_tokens) = model.embed(plan.inputs.clone(), options).await?;
     drop(slot);
     record.record.prompt_tokens = prompt_tokens;
     let data = vectors

@@ -65,6 +65,34 @@ pub struct EmbedderHandle {
     pub created: u64,
 }
 
+impl EmbedderHandle {
+    /// Tokenizes (texts) and embeds on a blocking thread, one batch at a time per model (the
+    /// caller holds its admission slot). Returns the vectors and the number of tokens.
+    pub async fn embed(
+        &self,
+        inputs: crate::openai::EmbeddingInputs,
+        options: engine::EmbedOptions,
+    ) -> Result<(Vec<Vec<f32>>, usize), crate::error::ApiError> {
+        let embedder = Arc::clone(&self.embedder);
+        let compute = Arc::clone(&self.compute);
+        tokio::task::spawn_blocking(move || {
+            let ids = match inputs {
+                crate::openai::EmbeddingInputs::Texts(texts) => texts
+                    .iter()
+                    .map(|t| embedder.tokenize(t))
+                    .collect::<Result<Vec<_>, _>>()?,
+                crate::openai::EmbeddingInputs::Tokens(ids) => ids,
+            };
+            let tokens: usize = ids.iter().map(Vec::len).sum();
+            let _running = compute.lock().unwrap_or_else(|e| e.into_inner());
+            let vectors = embedder.embed_ids(&ids, options)?;
+            Ok((vectors, tokens))
+        })
+        .await
+        .map_err(|e| crate::error::ApiError::Internal(format!("embedding task failed: {e}")))?
+    }
+}
+
 impl std::fmt::Debug for EmbedderHandle {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EmbedderHandle")

@@ -372,6 +372,14 @@ impl Scheduler {
             }
         }
         let tokens = self.batch.len();
+        // The batch boundary, for traces: what this step computes.
+        let _batch = tracing::debug_span!(
+            "engine.batch",
+            sequences = scheduled.len(),
+            tokens,
+            samples = samplers.len()
+        )
+        .entered();
         // The constraints' masks for this step's samples are computed while the forward pass runs.
         let constrained: Vec<usize> = samplers
             .iter()

@@ -14,6 +14,19 @@ use sha2::{Digest, Sha256};
 
 use crate::config::RateLimit;
 
+/// A key line that cannot be accepted (the message names the entry, never the key).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct KeyFileError(pub String);
+
+/// The key of an `Authorization: Bearer KEY` value (HTTP header or gRPC metadata).
+pub fn bearer(value: &str) -> Option<&str> {
+    value
+        .strip_prefix("Bearer ")
+        .or_else(|| value.strip_prefix("bearer "))
+        .map(str::trim)
+}
+
 /// Hashes of the accepted keys and their ids.
 #[derive(Debug, Default)]
 pub struct KeyStore {
@@ -26,7 +39,7 @@ fn hash(key: &str) -> [u8; 32] {
 
 impl KeyStore {
     /// Parses key lines; errors name the offending line (never the key).
-    pub fn parse(text: &str, separator: char) -> Result<Self, String> {
+    pub fn parse(text: &str, separator: char) -> Result<Self, KeyFileError> {
         let mut store = KeyStore::default();
         for (n, raw) in text.split(separator).enumerate() {
             let line = raw.trim();
@@ -38,25 +51,32 @@ impl KeyStore {
                 None => (format!("key-{}", store.by_hash.len() + 1), line),
             };
             if key.len() < 8 {
-                return Err(format!(
+                return Err(KeyFileError(format!(
                     "entry {} (id {id:?}): keys must be at least 8 characters",
                     n + 1
-                ));
+                )));
             }
             if id.is_empty() {
-                return Err(format!("entry {}: empty id before ':'", n + 1));
+                return Err(KeyFileError(format!(
+                    "entry {}: empty id before ':'",
+                    n + 1
+                )));
             }
             if store.by_hash.insert(hash(key), id.clone()).is_some() {
-                return Err(format!("entry {} (id {id:?}): duplicate key", n + 1));
+                return Err(KeyFileError(format!(
+                    "entry {} (id {id:?}): duplicate key",
+                    n + 1
+                )));
             }
         }
         Ok(store)
     }
 
     /// Reads a key file.
-    pub fn from_file(path: &Path) -> Result<Self, String> {
-        let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-        Self::parse(&text, '\n').map_err(|e| format!("{}: {e}", path.display()))
+    pub fn from_file(path: &Path) -> Result<Self, KeyFileError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| KeyFileError(format!("{}: {e}", path.display())))?;
+        Self::parse(&text, '\n').map_err(|e| KeyFileError(format!("{}: {e}", path.display())))
     }
 
     pub fn len(&self) -> usize {
@@ -180,7 +200,7 @@ mod tests {
         assert_eq!(store.principal("sk-alice-12345"), None);
         let err = KeyStore::parse("bob:short", '\n').unwrap_err();
         assert!(
-            err.contains("at least 8") && !err.contains("short"),
+            err.0.contains("at least 8") && !err.0.contains("short"),
             "{err}"
         );
         assert!(KeyStore::parse("a:sk-same-key-1,b:sk-same-key-1", ',').is_err());

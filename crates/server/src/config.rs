@@ -35,6 +35,8 @@ pub struct ServerConfig {
     pub tensor: TensorConfig,
     /// The KServe v2 gRPC endpoint.
     pub grpc: GrpcConfig,
+    /// The record bus: the lanes that carry each request's record to its sinks.
+    pub records: RecordsConfig,
     /// Models to serve; empty: the latest version of every LLM in the repository.
     pub models: Vec<ModelConfig>,
 }
@@ -56,6 +58,7 @@ impl Default for ServerConfig {
             log: Log::default(),
             tensor: TensorConfig::default(),
             grpc: GrpcConfig::default(),
+            records: RecordsConfig::default(),
             models: Vec::new(),
         }
     }
@@ -159,6 +162,23 @@ pub struct TensorConfig {
     pub onnxruntime_library: Option<PathBuf>,
     /// Intra-op threads of each ONNX Runtime session (0: one; instances run in parallel).
     pub threads: usize,
+}
+
+/// The record bus (docs/configuration.md, `[records]`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RecordsConfig {
+    /// Records each lossy lane (the log, the metrics) holds while its sink catches up; beyond
+    /// it the newest records are dropped and counted in `rampart_record_dropped_total`.
+    pub lane_capacity: usize,
+}
+
+impl Default for RecordsConfig {
+    fn default() -> Self {
+        Self {
+            lane_capacity: 8192,
+        }
+    }
 }
 
 /// Admission and load shedding, per model.
@@ -329,6 +349,11 @@ impl ServerConfig {
         if self.admission.max_in_flight == 0 {
             return Err(ConfigError(
                 "admission.max_in_flight must be at least 1".into(),
+            ));
+        }
+        if self.records.lane_capacity == 0 {
+            return Err(ConfigError(
+                "records.lane_capacity must be at least 1".into(),
             ));
         }
         if self.rate_limit.requests_per_second < 0.0 {

@@ -1,9 +1,14 @@
-//! The one error type of the HTTP API, mapped to status codes in one place. Bodies have the shape
-//! OpenAI clients expect: `{"error": {"message", "type", "param", "code"}}`.
+//! The one error type of the APIs, mapped in one place to HTTP status codes (bodies in the shape
+//! OpenAI clients expect: `{"error": {"message", "type", "param", "code"}}`) and to gRPC
+//! statuses; and the maps from the engine's, the tensor runtime's and the backends' errors.
 
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use classic::ClassicError;
 use engine::EngineError;
+use record::RecordBuilder;
+
+use crate::backend::BackendError;
 use serde::Serialize;
 
 /// Everything a request can fail with.
@@ -160,34 +165,141 @@ impl IntoResponse for ApiError {
     }
 }
 
-impl From<EngineError> for ApiError {
+impl From<EngineError> for BackendError {
     fn from(e: EngineError) -> Self {
         match e {
-            EngineError::InvalidRequest(message) => ApiError::invalid(message),
+            EngineError::InvalidRequest(message) => BackendError::invalid(message),
             EngineError::ChatTemplate(message) => {
-                ApiError::invalid(format!("chat template: {message}"))
+                BackendError::invalid(format!("chat template: {message}"))
             }
-            EngineError::Tokenizer(message) => ApiError::invalid(format!("tokenizer: {message}")),
+            EngineError::Tokenizer(message) => {
+                BackendError::invalid(format!("tokenizer: {message}"))
+            }
             EngineError::ContextExceeded {
                 prompt_tokens,
                 max_tokens,
                 context,
-            } => ApiError::ContextLengthExceeded(format!(
+            } => BackendError::ContextLength(format!(
                 "This model's maximum context length is {context} tokens. However, you requested {} tokens ({prompt_tokens} in the prompt, {max_tokens} for the completion). Please reduce the prompt or max_tokens.",
                 prompt_tokens + max_tokens
             )),
-            e @ EngineError::InputTooLong { .. } => ApiError::invalid_param("input", e.to_string()),
-            e @ EngineError::PoolTooSmall { .. } => ApiError::ContextLengthExceeded(e.to_string()),
-            EngineError::QueueFull { limit } => ApiError::Overloaded {
+            e @ EngineError::InputTooLong { .. } => {
+                BackendError::invalid_param("input", e.to_string())
+            }
+            e @ EngineError::PoolTooSmall { .. } => BackendError::ContextLength(e.to_string()),
+            EngineError::QueueFull { limit } => BackendError::Overloaded {
                 message: format!("the engine's queue is full ({limit} requests); retry later"),
                 retry_after_s: 1,
-                code: "queue_full",
             },
-            EngineError::Stopped => ApiError::Unavailable {
+            EngineError::Stopped => BackendError::Unavailable {
                 message: "the engine has stopped (the server is shutting down)".into(),
                 retry_after_s: 5,
             },
-            other => ApiError::Internal(other.to_string()),
+            other => BackendError::Failed(other.to_string()),
         }
+    }
+}
+
+impl From<ClassicError> for BackendError {
+    fn from(e: ClassicError) -> Self {
+        match e {
+            ClassicError::BadInput(m) => BackendError::invalid(m),
+            e @ ClassicError::QueueFull { .. } => BackendError::Overloaded {
+                message: e.to_string(),
+                retry_after_s: 1,
+            },
+            e @ ClassicError::QueueTimeout { .. } => BackendError::Timeout {
+                message: e.to_string(),
+                retry_after_s: 1,
+            },
+            e @ ClassicError::ShuttingDown(_) => BackendError::Unavailable {
+                message: e.to_string(),
+                retry_after_s: 1,
+            },
+            e @ (ClassicError::Load(_) | ClassicError::Backend(_)) => {
+                BackendError::Failed(e.to_string())
+            }
+        }
+    }
+}
+
+/// Bad tensors found while decoding a request (before any backend) are the client's error.
+impl From<ClassicError> for ApiError {
+    fn from(e: ClassicError) -> Self {
+        BackendError::from(e).into()
+    }
+}
+
+impl From<BackendError> for ApiError {
+    fn from(e: BackendError) -> Self {
+        match e {
+            BackendError::Invalid { message, param } => ApiError::InvalidRequest { message, param },
+            BackendError::ContextLength(m) => ApiError::ContextLengthExceeded(m),
+            BackendError::Overloaded {
+                message,
+                retry_after_s,
+            } => ApiError::Overloaded {
+                message,
+                retry_after_s,
+                code: "queue_full",
+            },
+            // A backend that timed out is unavailable to the client (503 with Retry-After).
+            BackendError::Unavailable {
+                message,
+                retry_after_s,
+            }
+            | BackendError::Timeout {
+                message,
+                retry_after_s,
+            } => ApiError::Unavailable {
+                message,
+                retry_after_s,
+            },
+            BackendError::Failed(m) => ApiError::Internal(m),
+        }
+    }
+}
+
+impl ApiError {
+    /// The server is draining: new requests are refused at once.
+    pub fn draining() -> Self {
+        ApiError::Unavailable {
+            message: "the server is shutting down".into(),
+            retry_after_s: 5,
+        }
+    }
+
+    /// Writes the failure into the request's record.
+    pub fn record(&self, record: &mut RecordBuilder) {
+        record.fail(self.status().as_u16(), self.kind(), self.code());
+    }
+
+    /// The gRPC status of the error, with its message (and `retry-after` when there is one).
+    pub fn grpc_status(&self) -> tonic::Status {
+        use tonic::Status;
+        let message = self.to_string();
+        let (mut status, retry_after) = match self {
+            ApiError::InvalidRequest { .. } | ApiError::ContextLengthExceeded(_) => {
+                (Status::invalid_argument(message), None)
+            }
+            ApiError::BodyTooLarge(_) => (Status::resource_exhausted(message), None),
+            ApiError::Unauthorized(_) => (Status::unauthenticated(message), None),
+            ApiError::ModelNotFound(_) | ApiError::RouteNotFound(_) => {
+                (Status::not_found(message), None)
+            }
+            ApiError::Overloaded { retry_after_s, .. } => {
+                (Status::resource_exhausted(message), Some(*retry_after_s))
+            }
+            ApiError::Unavailable { retry_after_s, .. } => {
+                (Status::unavailable(message), Some(*retry_after_s))
+            }
+            ApiError::Internal(_) | ApiError::InvalidOutput(_) => (Status::internal(message), None),
+        };
+        if let Some(seconds) = retry_after {
+            if let Ok(v) = tonic::metadata::MetadataValue::try_from(seconds.max(1).to_string()) {
+                status.metadata_mut().insert("retry-after", v);
+            }
+        }
+        status
     }
 }

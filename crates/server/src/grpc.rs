@@ -1,8 +1,8 @@
 //! KServe v2 / Open Inference Protocol over gRPC: `inference.GRPCInferenceService` from the
 //! Triton protocol files (proto/, as `tritonclient.grpc` speaks it), bound to the same core as
 //! the REST binding ([`crate::kserve`]: find, metadata, infer). This module only translates:
-//! protobuf tensors to [`Tensor`]s and back, API keys from the `authorization` metadata, and
-//! [`ApiError`] to [`Status`].
+//! protobuf tensors to [`Tensor`]s and back, API keys from the `authorization` metadata (checked
+//! by the same code as over HTTP), and [`ApiError`] to [`Status`] (its one map, in `error`).
 //!
 //! Requests take tensors either in `contents` (typed fields) or in `raw_input_contents`
 //! (little-endian, `BYTES` as a 4-byte length before each element); responses always use
@@ -21,11 +21,16 @@ use tokio::net::TcpListener;
 use tonic::metadata::{MetadataMap, MetadataValue};
 use tonic::{Request, Response, Status, Streaming};
 
+use record::RecordBuilder;
+
+use crate::backend::tensor::wire_shape;
+use crate::backend::{Answer, InferRequest, InferResponse, RequestedOutput, Work, WorkKind};
 use crate::config::GrpcConfig;
 use crate::error::ApiError;
-use crate::kserve::{self, InferRequest, InferResponse, RequestedOutput};
-use crate::observe;
-use crate::record::RecordBuilder;
+use crate::front;
+use crate::identity::{self, Transport};
+use crate::kserve;
+use crate::registry::ModelName;
 use crate::state::AppState;
 
 /// The generated protocol types and service trait (package `inference`).
@@ -56,77 +61,64 @@ impl Inference {
         Self { state }
     }
 
-    /// The principal of the `authorization: Bearer KEY` metadata, `anonymous` without keys.
-    /// A refusal leaves a record, as over HTTP.
+    /// The principal of the `authorization: Bearer KEY` metadata (as over HTTP).
     fn authenticate(
         &self,
         metadata: &MetadataMap,
         endpoint: &'static str,
         request_id: &str,
     ) -> Result<String, Status> {
-        let Some(keys) = &self.state.keys else {
-            return Ok("anonymous".into());
-        };
-        let presented = metadata
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| {
-                v.strip_prefix("Bearer ")
-                    .or_else(|| v.strip_prefix("bearer "))
-            })
-            .map(str::trim);
-        if let Some(id) = presented.and_then(|key| keys.principal(key)) {
-            return Ok(id.to_string());
-        }
-        let message = if presented.is_none() {
-            "missing API key: send it as metadata 'authorization: Bearer <key>'"
-        } else {
-            "invalid API key"
-        };
-        observe::rejected("none", "unauthorized");
-        let error = ApiError::Unauthorized(message.into());
-        let mut record = RecordBuilder::new(
-            request_id.to_string(),
-            "unauthenticated".into(),
+        let authorization = metadata.get("authorization").and_then(|v| v.to_str().ok());
+        identity::authenticate(
+            &self.state,
+            authorization,
+            Transport::Grpc,
+            request_id,
             endpoint,
-            observe::emit,
-        );
-        record.fail(error.status().as_u16(), error.kind());
-        record.finish();
-        Err(status_of(&error))
+        )
+        .map_err(|e| e.grpc_status())
     }
 
-    /// One inference, its record emitted when it ends.
+    /// One inference: decode → front → encode, its record settled when it ends.
+    #[tracing::instrument(name = "grpc", skip_all, fields(request_id = %request_id, model = %request.model_name))]
     async fn infer_one(
         &self,
         principal: &str,
         request_id: String,
         request: ModelInferRequest,
     ) -> Result<ModelInferResponse, ApiError> {
-        let mut record = RecordBuilder::new(
-            request_id,
-            principal.to_string(),
-            INFER_ENDPOINT,
-            observe::emit,
-        );
-        let result: Result<ModelInferResponse, ApiError> = async {
-            let served = kserve::find(
-                &self.state,
-                &request.model_name,
-                version_of(&request.model_version),
-            )?;
-            let decoded = decode(request, self.state.config.limits.max_tensor_elements)?;
-            let response =
-                kserve::infer(&self.state, principal, &served, decoded, &mut record).await?;
-            Ok(encode(response))
-        }
-        .await;
-        match &result {
-            Ok(_) => record.record.finish_reason = Some("stop".into()),
-            Err(e) => record.fail(e.status().as_u16(), e.kind()),
-        }
-        record.finish();
+        let mut record = self
+            .state
+            .record(request_id, principal.to_string(), INFER_ENDPOINT);
+        let result = self.infer(principal, request, &mut record).await;
+        front::settle(&mut record, result.as_ref());
         result
+    }
+
+    async fn infer(
+        &self,
+        principal: &str,
+        request: ModelInferRequest,
+        record: &mut RecordBuilder,
+    ) -> Result<ModelInferResponse, ApiError> {
+        let model = ModelName::versioned(&request.model_name, Some(&request.model_version));
+        let entry = front::route(&self.state, &model, WorkKind::Tensors, record)?;
+        let decoded = decode(request, self.state.config.limits.max_tensor_elements)?;
+        record.record.input_sha256 = decoded.input_sha256();
+        let admitted = front::serve_routed(
+            &self.state,
+            principal,
+            entry,
+            Work::Tensors(decoded),
+            record,
+        )
+        .await?;
+        match admitted.answer {
+            Answer::Tensors(response) => Ok(encode(response)),
+            _ => Err(ApiError::Internal(
+                "the backend answered tensors with something else".into(),
+            )),
+        }
     }
 }
 
@@ -137,11 +129,7 @@ fn version_of(version: &str) -> Option<&str> {
 
 /// The client's `x-request-id` when it is sane, else a fresh UUIDv4 (as over HTTP).
 fn request_id(metadata: &MetadataMap) -> String {
-    metadata
-        .get("x-request-id")
-        .and_then(|v| v.to_str().ok())
-        .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
-        .map_or_else(|| uuid::Uuid::new_v4().to_string(), str::to_string)
+    identity::request_id(metadata.get("x-request-id").and_then(|v| v.to_str().ok()))
 }
 
 fn with_request_id<T>(mut response: Response<T>, id: &str) -> Response<T> {
@@ -149,47 +137,6 @@ fn with_request_id<T>(mut response: Response<T>, id: &str) -> Response<T> {
         response.metadata_mut().insert("x-request-id", v);
     }
     response
-}
-
-/// The gRPC status of an API error, with its message (and `retry-after` when there is one).
-pub fn status_of(e: &ApiError) -> Status {
-    let message = e.to_string();
-    let (mut status, retry_after) = match e {
-        ApiError::InvalidRequest { .. } | ApiError::ContextLengthExceeded(_) => {
-            (Status::invalid_argument(message), None)
-        }
-        ApiError::BodyTooLarge(_) => (Status::resource_exhausted(message), None),
-        ApiError::Unauthorized(_) => (Status::unauthenticated(message), None),
-        ApiError::ModelNotFound(_) | ApiError::RouteNotFound(_) => {
-            (Status::not_found(message), None)
-        }
-        ApiError::Overloaded { retry_after_s, .. } => {
-            (Status::resource_exhausted(message), Some(*retry_after_s))
-        }
-        ApiError::Unavailable { retry_after_s, .. } => {
-            (Status::unavailable(message), Some(*retry_after_s))
-        }
-        ApiError::Internal(_) | ApiError::InvalidOutput(_) => (Status::internal(message), None),
-    };
-    if let Some(seconds) = retry_after {
-        if let Ok(v) = MetadataValue::try_from(seconds.max(1).to_string()) {
-            status.metadata_mut().insert("retry-after", v);
-        }
-    }
-    status
-}
-
-fn shape_of(name: &str, shape: &[i64]) -> Result<Vec<usize>, ApiError> {
-    shape
-        .iter()
-        .map(|d| {
-            usize::try_from(*d).map_err(|_| {
-                ApiError::invalid(format!(
-                    "input {name:?}: shape {shape:?} has a negative dimension"
-                ))
-            })
-        })
-        .collect()
 }
 
 /// The typed field of `InferTensorContents` each datatype travels in.
@@ -321,7 +268,7 @@ fn decode(request: ModelInferRequest, max_elements: usize) -> Result<InferReques
                 input.datatype
             ))
         })?;
-        let shape = shape_of(name, &input.shape)?;
+        let shape = wire_shape(name, &input.shape)?;
         classic::tensor::element_count(name, &shape, max_elements)?;
         let tensor = match raw.get(i) {
             Some(bytes) => {
@@ -431,7 +378,7 @@ impl GrpcInferenceService for Inference {
         let ready = match kserve::find(&self.state, &r.name, version_of(&r.version)) {
             Ok(_) => !self.state.is_draining(),
             Err(ApiError::ModelNotFound(_)) => false,
-            Err(e) => return Err(status_of(&e)),
+            Err(e) => return Err(e.grpc_status()),
         };
         Ok(with_request_id(
             Response::new(ModelReadyResponse { ready }),
@@ -463,9 +410,9 @@ impl GrpcInferenceService for Inference {
         self.authenticate(request.metadata(), ENDPOINT, &id)?;
         let r = request.get_ref();
         let served = kserve::find(&self.state, &r.name, version_of(&r.version))
-            .map_err(|e| status_of(&e))?;
+            .map_err(|e| e.grpc_status())?;
         let m = kserve::metadata(&self.state, &served);
-        let tensors = |list: Vec<kserve::TensorMetadata>| {
+        let tensors = |list: Vec<crate::backend::TensorSpec>| {
             list.into_iter()
                 .map(|t| TensorMetadata {
                     name: t.name,
@@ -498,7 +445,7 @@ impl GrpcInferenceService for Inference {
         {
             Ok(response) => Ok(with_request_id(Response::new(response), &id)),
             Err(e) => {
-                let mut status = status_of(&e);
+                let mut status = e.grpc_status();
                 if let Ok(v) = MetadataValue::try_from(id.as_str()) {
                     status.metadata_mut().insert("x-request-id", v);
                 }
@@ -697,8 +644,8 @@ mod tests {
 
     use super::*;
     use crate::auth::KeyStore;
+    use crate::backend::OutputTensor;
     use crate::config::ServerConfig;
-    use crate::kserve::OutputTensor;
 
     fn input(
         name: &str,
@@ -737,7 +684,7 @@ mod tests {
     /// Decoding fails with INVALID_ARGUMENT and a message holding `want`.
     fn refused(r: ModelInferRequest, want: &str) {
         let e = decode(r, 1 << 20).unwrap_err();
-        let status = status_of(&e);
+        let status = e.grpc_status();
         assert_eq!(status.code(), Code::InvalidArgument, "{e}");
         assert!(
             status.message().contains(want),
@@ -1055,21 +1002,27 @@ mod tests {
             (ApiError::Internal("backend failed".into()), Code::Internal),
         ];
         for (e, code) in cases {
-            let s = status_of(&e);
+            let s = e.grpc_status();
             assert_eq!(s.code(), code, "{e}");
             assert_eq!(s.message(), e.to_string());
         }
-        let s = status_of(&ApiError::Overloaded {
+        let s = ApiError::Overloaded {
             message: "x".into(),
             retry_after_s: 3,
             code: "rate_limited",
-        });
+        }
+        .grpc_status();
         assert_eq!(s.metadata().get("retry-after").unwrap(), "3");
     }
 
     fn service(keys: Option<&str>) -> Inference {
         let keys = keys.map(|k| KeyStore::parse(k, '\n').unwrap());
-        Inference::new(AppState::new(ServerConfig::default(), keys, None))
+        Inference::new(AppState::new(
+            ServerConfig::default(),
+            keys,
+            None,
+            record::Bus::disconnected(),
+        ))
     }
 
     fn with_key<T>(message: T, key: Option<&str>) -> Request<T> {

@@ -1,41 +1,51 @@
 //! Rampart's front door: `rampart serve`.
 //!
-//! - [`config`]: the typed configuration file, environment overrides, limits;
-//! - [`routes`]: the OpenAI-compatible API (`/v1/chat/completions`, `/v1/completions`,
-//!   `/v1/models`), health, metrics and the OpenAPI document, with request identity and auth;
-//! - [`kserve`]: KServe v2 (core and REST binding); [`grpc`]: its gRPC binding on its own port;
-//! - [`openai`]: the wire types and their validation into engine requests;
+//! The request path, top to bottom:
+//! - [`http`] (routes, identity and key middleware, health, metrics, OpenAPI) with
+//!   [`openai_http`] and [`kserve`] (REST); [`grpc`] (KServe v2 over gRPC on its own port):
+//!   each decodes its wire format ([`openai`] holds the OpenAI types and their validation), calls
+//!   the front, and encodes the answer;
+//! - [`identity`]: request ids, API keys and body limits, once for HTTP and gRPC;
+//! - [`front`]: the one pipeline (drain check → guard → route → admission → backend);
+//! - [`registry`]: every served model in one list with one lookup; [`backend`]: the seam that
+//!   language, embedding and tensor models implement, with its typed error;
 //! - [`admission`]: per-model in-flight and waiting bounds (429 / 503 with `Retry-After`);
-//! - [`auth`]: API keys (hashes only) and per-key rate limits;
-//! - [`record`]: the InferenceRecord of every request; [`observe`]: its sinks (JSON log,
-//!   Prometheus) and the engine gauges;
-//! - [`state`]: loaded models, readiness, drain.
+//!   [`auth`]: key hashes and per-key rate limits; [`error`]: the one error type and its maps
+//!   to HTTP and gRPC;
+//! - records: every request's `InferenceRecord` (crate `record`) goes to the bus, whose first
+//!   sinks are the structured log and the Prometheus metrics ([`observe`]);
+//! - [`state`]: what handlers share, and model loading; [`config`]: the typed configuration.
 //!
-//! Not here: model internals (the `engine` crate) and compute kernels. Engines run on their own
-//! threads; handlers await their streams.
+//! Not here: model internals (the `engine` and `classic` crates) and compute kernels. Engines
+//! run on their own threads; handlers await their streams.
 
 pub mod admission;
 pub mod auth;
+pub mod backend;
 pub mod config;
 pub mod error;
+pub mod front;
 pub mod grpc;
+pub mod http;
+pub mod identity;
 pub mod kserve;
 pub mod observe;
 pub mod openai;
-pub mod record;
-pub mod routes;
+pub mod openai_http;
+pub mod registry;
 pub mod state;
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use record::{Bus, Sink};
 use repo::Repository;
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
 
 use crate::auth::KeyStore;
 use crate::config::ServerConfig;
-use crate::state::{AppState, Loading};
+use crate::state::AppState;
 
 /// Why the server could not start or run.
 #[derive(Debug, thiserror::Error)]
@@ -127,7 +137,8 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         .as_ref()
         .map(TcpListener::local_addr)
         .transpose()?;
-    let state = AppState::new(config, keys, metrics);
+    let bus = Bus::start(sinks(&config)).map_err(|e| ServeError::Config(e.to_string()))?;
+    let state = AppState::new(config, keys, metrics, bus);
     tracing::info!(
         listen = %addr,
         grpc = %grpc_addr.map_or_else(|| "off".to_string(), |a| a.to_string()),
@@ -137,7 +148,7 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
     spawn_loading(Arc::clone(&state));
 
     let stop = Arc::new(Notify::new());
-    let app = routes::router(Arc::clone(&state));
+    let app = http::router(Arc::clone(&state));
     let graceful = {
         let stop = Arc::clone(&stop);
         async move { stop.notified().await }
@@ -161,24 +172,7 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
     state
         .draining
         .store(true, std::sync::atomic::Ordering::Relaxed);
-    let busy = |state: &AppState| -> usize {
-        let llm: usize = state
-            .models()
-            .iter()
-            .map(|m| m.admission.in_flight() + m.admission.waiting())
-            .sum();
-        let embed: usize = state
-            .embedders()
-            .iter()
-            .map(|m| m.admission.in_flight() + m.admission.waiting())
-            .sum();
-        let tensor: usize = state
-            .tensors()
-            .iter()
-            .map(|m| m.admission.in_flight() + m.admission.waiting())
-            .sum();
-        llm + embed + tensor
-    };
+    let busy = |state: &AppState| state.registry.busy();
     tracing::info!(
         in_flight = busy(&state),
         timeout_s = state.config.shutdown_timeout_s,
@@ -196,11 +190,7 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
             "shutdown timeout reached; cancelling the requests still running"
         );
         // Dropping the engines ends their streams.
-        state
-            .models
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
+        state.registry.clear();
     }
     // Stop accepting and close idle connections.
     stop.notify_one();
@@ -220,12 +210,35 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         Err(_) => tracing::warn!("connections still open after the drain; closing them"),
     }
     // Dropping the engines cancels whatever still runs.
-    state
-        .models
-        .write()
-        .unwrap_or_else(|e| e.into_inner())
-        .clear();
+    state.registry.clear();
+    // Every record of the drained requests reaches its sinks, within what is left of the time.
+    let left = deadline
+        .saturating_duration_since(tokio::time::Instant::now())
+        .max(Duration::from_secs(2));
+    let report = state.bus.shutdown(left).await;
+    for (sink, end, counters) in &report.sinks {
+        if *end == record::SinkEnd::Drained {
+            tracing::info!(
+                sink,
+                written = counters.written,
+                dropped = counters.dropped_total(),
+                "record sink drained"
+            );
+        } else {
+            tracing::warn!(sink, end = ?end, written = counters.written, dropped = counters.dropped_total(), "record sink did not drain in time");
+        }
+    }
     Ok(())
+}
+
+/// The record's sinks: the structured log and the metrics (the audit log, the monitors and the
+/// release statistics join them in their issues).
+fn sinks(config: &ServerConfig) -> Vec<Box<dyn Sink>> {
+    let capacity = config.records.lane_capacity;
+    vec![
+        Box::new(observe::LogSink::new(capacity)),
+        Box::new(observe::MetricsSink::new(capacity)),
+    ]
 }
 
 /// Loads the models on a blocking thread; readiness follows.
@@ -236,83 +249,20 @@ fn spawn_loading(state: Arc<AppState>) {
             Ok(w) => w,
             Err(e) => {
                 tracing::error!(error = %e, repo = %state.config.repo.display(), "cannot read the model repository");
-                state
-                    .load_errors
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(e);
-                *state.loading.lock().unwrap_or_else(|e| e.into_inner()) = Loading::Done;
+                state.refuse(e);
+                state.loaded();
                 return;
             }
         };
         for model in wanted {
-            let started = std::time::Instant::now();
-            let kind = state::model_kind(&repository, &model).unwrap_or(repo::Kind::Llm);
-            if kind == repo::Kind::Onnx {
-                match state::load_tensor_model(&state.config, &repository, &model) {
-                    Ok(handle) => {
-                        tracing::info!(
-                            model = %handle.id,
-                            version = %handle.version,
-                            digest = %handle.digest,
-                            backend = handle.model.backend(),
-                            max_batch_size = handle.model.max_batch_size(),
-                            seconds = started.elapsed().as_secs_f64(),
-                            "tensor model loaded (digests verified)"
-                        );
-                        state
-                            .tensors
-                            .write()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .push(Arc::new(handle));
-                    }
-                    Err(e) => refuse(&state, &model.name, e),
+            match state::load(&state.config, &repository, &model) {
+                Ok(entry) => {
+                    state.registry.add(entry);
                 }
-                continue;
-            }
-            if kind == repo::Kind::Embedding {
-                match state::load_embedder(&state.config, &repository, &model) {
-                    Ok(handle) => {
-                        tracing::info!(
-                            model = %handle.id,
-                            version = %handle.version,
-                            digest = %handle.digest,
-                            dimensions = handle.embedder.dimensions(),
-                            max_seq_len = handle.embedder.max_seq_len(),
-                            seconds = started.elapsed().as_secs_f64(),
-                            "embedding model loaded (digests verified)"
-                        );
-                        state
-                            .embedders
-                            .write()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .push(Arc::new(handle));
-                    }
-                    Err(e) => refuse(&state, &model.name, e),
-                }
-                continue;
-            }
-            match state::load_model(&state.config, &repository, &model) {
-                Ok(handle) => {
-                    tracing::info!(
-                        model = %handle.id,
-                        version = %handle.version,
-                        digest = %handle.digest,
-                        context = handle.engine.context(),
-                        kv_tokens = handle.engine.kv_capacity().tokens(),
-                        seconds = started.elapsed().as_secs_f64(),
-                        "model loaded (digests verified)"
-                    );
-                    state
-                        .models
-                        .write()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .push(Arc::new(handle));
-                }
-                Err(e) => refuse(&state, &model.name, e),
+                Err(e) => state.refuse(e),
             }
         }
-        *state.loading.lock().unwrap_or_else(|e| e.into_inner()) = Loading::Done;
+        state.loaded();
     });
 }
 
@@ -336,14 +286,4 @@ async fn shutdown_signal() {
         _ = ctrl_c => {},
         _ = term => {},
     }
-}
-
-/// A model that could not be loaded: logged, and kept as a reason readiness gives.
-fn refuse(state: &AppState, model: &str, error: String) {
-    tracing::error!(model = %model, error = %error, "model refused");
-    state
-        .load_errors
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .push(error);
 }

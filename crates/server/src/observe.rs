@@ -1,14 +1,15 @@
-//! The record's sinks (structured log, Prometheus metrics), the engine gauges refreshed at each
-//! scrape, and the logging setup. Metric names and labels are documented in docs/metrics.md.
-
-use std::sync::Arc;
+//! The record's first two sinks (the structured log and the Prometheus metrics), the gauges
+//! refreshed at each scrape (engines, the record bus's lanes), and the logging setup. Metric
+//! names and labels are documented in docs/metrics.md. Nothing outside this module records a
+//! request's metrics: handlers emit the record.
 
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
+use record::{Bus, Delivery, Envelope, InferenceRecord, Sink, SinkFuture};
+
 use crate::config::{Log, LogFormat};
-use crate::record::InferenceRecord;
-use crate::state::ModelHandle;
+use crate::registry::Registry;
 
 const LATENCY_BUCKETS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
@@ -24,8 +25,13 @@ const COMPILE_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0,
 ];
 
+/// Metrics or logging could not be set up.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct ObserveError(pub String);
+
 /// Installs the Prometheus recorder (once per process) and describes every metric.
-pub fn install_metrics() -> Result<PrometheusHandle, String> {
+pub fn install_metrics() -> Result<PrometheusHandle, ObserveError> {
     let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), LATENCY_BUCKETS)
         .and_then(|b| {
@@ -70,9 +76,9 @@ pub fn install_metrics() -> Result<PrometheusHandle, String> {
                 &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0],
             )
         })
-        .map_err(|e| e.to_string())?
+        .map_err(|e| ObserveError(e.to_string()))?
         .install_recorder()
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| ObserveError(e.to_string()))?;
     describe_histogram!(
         "rampart_output_confidence",
         "Tensor models: per request, the mean confidence of its inputs (top class probability or best detection score)."
@@ -191,6 +197,14 @@ pub fn install_metrics() -> Result<PrometheusHandle, String> {
         "rampart_preemptions_total",
         "Sequences preempted for lack of KV blocks."
     );
+    describe_counter!(
+        "rampart_record_dropped_total",
+        "Records a sink's lane lost, by sink and reason (lane_full, overflow, timeout, closed, write_failed)."
+    );
+    describe_counter!(
+        "rampart_record_written_total",
+        "Records a sink wrote, by sink."
+    );
     describe_gauge!(
         "rampart_model_ready",
         "1 when the model is loaded and serving."
@@ -198,13 +212,16 @@ pub fn install_metrics() -> Result<PrometheusHandle, String> {
     Ok(handle)
 }
 
-/// Refreshes the per-model gauges from the engines' snapshots (called before each scrape).
-pub fn refresh_engine_gauges(models: &[Arc<ModelHandle>]) {
-    for m in models {
-        let labels = [("model", m.id.clone())];
-        let s = m.engine.snapshot();
-        gauge!("rampart_queue_depth", &labels).set(m.admission.waiting() as f64);
-        gauge!("rampart_requests_in_flight", &labels).set(m.admission.in_flight() as f64);
+/// Refreshes the per-model gauges from the engines' snapshots, and the record bus's counters
+/// (called before each scrape).
+pub fn refresh_gauges(registry: &Registry, bus: &Bus) {
+    for e in registry.all() {
+        let Some(s) = e.backend.engine_snapshot() else {
+            continue;
+        };
+        let labels = [("model", e.name.clone())];
+        gauge!("rampart_queue_depth", &labels).set(e.admission.waiting() as f64);
+        gauge!("rampart_requests_in_flight", &labels).set(e.admission.in_flight() as f64);
         gauge!("rampart_engine_running_sequences", &labels).set(s.running as f64);
         gauge!("rampart_engine_waiting_sequences", &labels).set(s.waiting as f64);
         gauge!("rampart_kv_blocks_used", &labels).set(s.blocks_used as f64);
@@ -216,20 +233,50 @@ pub fn refresh_engine_gauges(models: &[Arc<ModelHandle>]) {
         counter!("rampart_preemptions_total", &labels).absolute(s.preemptions);
         gauge!("rampart_model_ready", &labels).set(1.0);
     }
+    for lane in bus.counters() {
+        for (reason, n) in &lane.dropped {
+            counter!(
+                "rampart_record_dropped_total",
+                "sink" => lane.sink,
+                "reason" => reason.as_str()
+            )
+            .absolute(*n);
+        }
+        counter!("rampart_record_written_total", "sink" => lane.sink).absolute(lane.written);
+    }
 }
 
-/// Counts a request refused before it reached a model's engine.
-pub fn rejected(model: &str, reason: &'static str) {
-    counter!(
-        "rampart_rejected_requests_total",
-        "model" => model.to_string(),
-        "reason" => reason
-    )
-    .increment(1);
+/// The structured log: one JSON line per record (`message: "inference record"`), fields at the
+/// top level. Lossy: a log that cannot keep up loses lines, counted, and never slows requests.
+#[derive(Debug)]
+pub struct LogSink {
+    capacity: usize,
 }
 
-/// The sink every record goes to: one structured log line and the metrics.
-pub fn emit(r: &InferenceRecord, gaps: &[f64], entropies: &[f32]) {
+impl LogSink {
+    pub fn new(capacity: usize) -> Self {
+        Self { capacity }
+    }
+}
+
+impl Sink for LogSink {
+    fn name(&self) -> &'static str {
+        "log"
+    }
+
+    fn delivery(&self) -> Delivery {
+        Delivery::Lossy {
+            capacity: self.capacity,
+        }
+    }
+
+    fn write<'a>(&'a mut self, envelope: &'a Envelope) -> SinkFuture<'a> {
+        log_record(&envelope.record);
+        Box::pin(std::future::ready(Ok(())))
+    }
+}
+
+fn log_record(r: &InferenceRecord) {
     tracing::info!(
         target: "rampart::record",
         request_id = %r.request_id,
@@ -256,6 +303,8 @@ pub fn emit(r: &InferenceRecord, gaps: &[f64], entropies: &[f32]) {
         finish_reason = r.finish_reason.as_deref(),
         status = r.status,
         error_type = r.error_type.as_deref(),
+        error_code = r.error_code.as_deref(),
+        refusal = r.refusal,
         fallback_level = r.fallback_level,
         stream = r.stream,
         structured = r.structured.as_ref().map(|s| s.kind),
@@ -269,6 +318,49 @@ pub fn emit(r: &InferenceRecord, gaps: &[f64], entropies: &[f32]) {
         confidence_min = r.confidence_min,
         "inference record"
     );
+}
+
+/// The Prometheus metrics of each request (docs/metrics.md): counts, latencies, tokens,
+/// entropies, confidences, refusals. Lossy, like the log.
+#[derive(Debug)]
+pub struct MetricsSink {
+    capacity: usize,
+}
+
+impl MetricsSink {
+    pub fn new(capacity: usize) -> Self {
+        Self { capacity }
+    }
+}
+
+impl Sink for MetricsSink {
+    fn name(&self) -> &'static str {
+        "metrics"
+    }
+
+    fn delivery(&self) -> Delivery {
+        Delivery::Lossy {
+            capacity: self.capacity,
+        }
+    }
+
+    fn write<'a>(&'a mut self, envelope: &'a Envelope) -> SinkFuture<'a> {
+        count_record(envelope);
+        Box::pin(std::future::ready(Ok(())))
+    }
+}
+
+fn count_record(envelope: &Envelope) {
+    let r = &envelope.record;
+    if let Some(reason) = r.refusal {
+        let model = if r.model.is_empty() {
+            "none".to_string()
+        } else {
+            r.model.clone()
+        };
+        counter!("rampart_rejected_requests_total", "model" => model, "reason" => reason)
+            .increment(1);
+    }
     if r.model.is_empty() {
         // Refused before a model was chosen: counted, not timed.
         counter!(
@@ -308,11 +400,11 @@ pub fn emit(r: &InferenceRecord, gaps: &[f64], entropies: &[f32]) {
             .record(r.decode_ms / 1e3 / (r.completion_tokens - 1) as f64);
     }
     let itl = histogram!("rampart_inter_token_latency_seconds", &labels);
-    for &gap in gaps {
+    for &gap in &envelope.token_gaps_s {
         itl.record(gap);
     }
     let entropy = histogram!("rampart_token_entropy_nats", &labels);
-    for &e in entropies {
+    for &e in &envelope.token_entropies {
         entropy.record(f64::from(e));
     }
     counter!("rampart_prompt_tokens_total", &labels).increment(r.prompt_tokens as u64);
@@ -329,18 +421,18 @@ pub fn emit(r: &InferenceRecord, gaps: &[f64], entropies: &[f32]) {
 }
 
 /// Sets up `tracing`: JSON lines (fields at the top level) or text, to stdout or a file.
-pub fn init_logging(log: &Log) -> Result<(), String> {
+pub fn init_logging(log: &Log) -> Result<(), ObserveError> {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_default_env()
         .or_else(|_| EnvFilter::try_new(&log.level))
-        .map_err(|e| format!("log.level {:?}: {e}", log.level))?;
+        .map_err(|e| ObserveError(format!("log.level {:?}: {e}", log.level)))?;
     let writer: tracing_subscriber::fmt::writer::BoxMakeWriter = match &log.file {
         Some(path) => {
             let file = std::fs::OpenOptions::new()
                 .create(true)
                 .append(true)
                 .open(path)
-                .map_err(|e| format!("log file {}: {e}", path.display()))?;
+                .map_err(|e| ObserveError(format!("log file {}: {e}", path.display())))?;
             tracing_subscriber::fmt::writer::BoxMakeWriter::new(std::sync::Mutex::new(file))
         }
         None => tracing_subscriber::fmt::writer::BoxMakeWriter::new(std::io::stdout),
@@ -356,5 +448,16 @@ pub fn init_logging(log: &Log) -> Result<(), String> {
             .try_init(),
         LogFormat::Text => builder.try_init(),
     };
-    result.map_err(|e| e.to_string())
+    result.map_err(|e| ObserveError(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_log_and_metrics_sinks_pass_the_sink_contract() {
+        record::testing::check_sink(|| LogSink::new(64)).await;
+        record::testing::check_sink(|| MetricsSink::new(64)).await;
+    }
 }

@@ -14,6 +14,7 @@ use utoipa::ToSchema;
 
 use grammar::GrammarSpec;
 
+use crate::backend::{EmbeddingInputs, GeneratePlan};
 use crate::config::Limits;
 use crate::error::ApiError;
 
@@ -265,25 +266,6 @@ pub struct ModelList {
     pub data: Vec<ModelCard>,
 }
 
-/// What both endpoints turn into: one engine request per choice.
-#[derive(Debug, Clone)]
-pub struct Plan {
-    /// Prompts (a chat has one); each runs `n` times.
-    pub prompts: Vec<Prompt>,
-    pub n: usize,
-    pub request: GenerateRequest,
-    pub stream: bool,
-    pub include_usage: bool,
-    pub logprobs: bool,
-    pub user: Option<String>,
-    /// What the record's input hash covers.
-    pub input_for_hash: String,
-    /// `max_tokens` was left to the server.
-    pub default_max_tokens: bool,
-    /// What the output must follow (structured output).
-    pub structured: Option<GrammarSpec>,
-}
-
 fn in_range(name: &str, value: f64, lo: f64, hi: f64) -> Result<f32, ApiError> {
     if value.is_finite() && (lo..=hi).contains(&value) {
         Ok(value as f32)
@@ -427,7 +409,7 @@ impl SamplingFields {
 }
 
 impl ChatCompletionRequest {
-    pub fn plan(&self, limits: &Limits) -> Result<Plan, ApiError> {
+    pub fn plan(&self, limits: &Limits) -> Result<GeneratePlan, ApiError> {
         if self.messages.is_empty() {
             return Err(ApiError::invalid_param(
                 "messages",
@@ -493,7 +475,7 @@ impl ChatCompletionRequest {
         )
         .unwrap_or_default();
         request.prompt = Prompt::Chat(messages.clone());
-        Ok(Plan {
+        Ok(GeneratePlan {
             prompts: vec![Prompt::Chat(messages)],
             n,
             default_max_tokens: max_tokens.is_none(),
@@ -513,7 +495,7 @@ impl ChatCompletionRequest {
 }
 
 impl CompletionRequest {
-    pub fn plan(&self, limits: &Limits) -> Result<Plan, ApiError> {
+    pub fn plan(&self, limits: &Limits) -> Result<GeneratePlan, ApiError> {
         if self.echo == Some(true) {
             return Err(ApiError::invalid_param("echo", "echo is not supported"));
         }
@@ -567,7 +549,7 @@ impl CompletionRequest {
             PromptField::Tokens(ids) => serde_json::to_string(ids).unwrap_or_default(),
             PromptField::TokenLists(lists) => serde_json::to_string(lists).unwrap_or_default(),
         };
-        Ok(Plan {
+        Ok(GeneratePlan {
             prompts,
             n,
             default_max_tokens: self.sampling.max_tokens.is_none(),
@@ -590,7 +572,7 @@ impl CompletionRequest {
 mod tests {
     use super::*;
 
-    fn chat(json: &str) -> Result<Plan, ApiError> {
+    fn chat(json: &str) -> Result<GeneratePlan, ApiError> {
         let r: ChatCompletionRequest = serde_json::from_str(json).unwrap();
         r.plan(&Limits::default())
     }
@@ -750,12 +732,6 @@ pub struct EmbeddingPlan {
     pub user: Option<String>,
     /// The inputs joined, for the record's input hash.
     pub input_for_hash: String,
-}
-
-#[derive(Debug, Clone)]
-pub enum EmbeddingInputs {
-    Texts(Vec<String>),
-    Tokens(Vec<Vec<u32>>),
 }
 
 impl EmbeddingRequest {

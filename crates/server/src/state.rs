@@ -1,125 +1,22 @@
-//! What the handlers share: the loaded models, the keys, the limits, readiness and drain.
+//! What the handlers share: the registry of served models, the keys, the limits, the record
+//! bus, readiness and drain; and the loading of models into the registry.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use engine::{Engine, EngineOptions, KvMemory};
 use metrics_exporter_prometheus::PrometheusHandle;
+use record::{Bus, RecordBuilder};
 use repo::{ModelRef, Repository};
 
 use crate::admission::Admission;
 use crate::auth::{KeyStore, RateLimiter};
+use crate::backend::embedding::EmbeddingBackend;
+use crate::backend::llm::LlmBackend;
+use crate::backend::tensor::TensorBackend;
 use crate::config::{ModelConfig, ServerConfig};
-
-/// One served model version.
-pub struct ModelHandle {
-    /// The model's name: its id in the API.
-    pub id: String,
-    pub version: String,
-    pub digest: String,
-    pub engine: Arc<Engine>,
-    pub admission: Arc<Admission>,
-    pub entropy_band: Option<[f32; 2]>,
-    /// Compiles structured-output requests against this model's vocabulary.
-    pub grammar: Arc<grammar::Compiler>,
-    /// Unix seconds of loading.
-    pub created: u64,
-    /// Generated-token counter and when it last moved (stall detection).
-    progress: Mutex<(u64, Instant)>,
-}
-
-impl std::fmt::Debug for ModelHandle {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ModelHandle")
-            .field("id", &self.id)
-            .field("version", &self.version)
-            .finish()
-    }
-}
-
-impl ModelHandle {
-    /// `Some(seconds)` when sequences are running and no token came for longer than `stall`.
-    pub fn stalled_for(&self, stall: Duration) -> Option<Duration> {
-        let s = self.engine.snapshot();
-        let mut progress = self.progress.lock().unwrap_or_else(|e| e.into_inner());
-        let now = Instant::now();
-        if s.generated_tokens != progress.0 || s.running == 0 {
-            *progress = (s.generated_tokens, now);
-            return None;
-        }
-        let idle = now.duration_since(progress.1);
-        (idle > stall).then_some(idle)
-    }
-}
-
-/// One served embedding model version. Requests run on blocking threads, one batch at a time
-/// per model (`compute`): the embedder's thread pool serves one forward pass at a time.
-pub struct EmbedderHandle {
-    pub id: String,
-    pub version: String,
-    pub digest: String,
-    pub embedder: Arc<engine::Embedder>,
-    pub compute: Arc<Mutex<()>>,
-    pub admission: Arc<Admission>,
-    pub created: u64,
-}
-
-impl EmbedderHandle {
-    /// Tokenizes (texts) and embeds on a blocking thread, one batch at a time per model (the
-    /// caller holds its admission slot). Returns the vectors and the number of tokens.
-    pub async fn embed(
-        &self,
-        inputs: crate::openai::EmbeddingInputs,
-        options: engine::EmbedOptions,
-    ) -> Result<(Vec<Vec<f32>>, usize), crate::error::ApiError> {
-        let embedder = Arc::clone(&self.embedder);
-        let compute = Arc::clone(&self.compute);
-        tokio::task::spawn_blocking(move || {
-            let ids = match inputs {
-                crate::openai::EmbeddingInputs::Texts(texts) => texts
-                    .iter()
-                    .map(|t| embedder.tokenize(t))
-                    .collect::<Result<Vec<_>, _>>()?,
-                crate::openai::EmbeddingInputs::Tokens(ids) => ids,
-            };
-            let tokens: usize = ids.iter().map(Vec::len).sum();
-            let _running = compute.lock().unwrap_or_else(|e| e.into_inner());
-            let vectors = embedder.embed_ids(&ids, options)?;
-            Ok((vectors, tokens))
-        })
-        .await
-        .map_err(|e| crate::error::ApiError::Internal(format!("embedding task failed: {e}")))?
-    }
-}
-
-impl std::fmt::Debug for EmbedderHandle {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EmbedderHandle")
-            .field("id", &self.id)
-            .field("version", &self.version)
-            .finish()
-    }
-}
-
-/// One served tensor model version (ONNX graph with its declared pipeline and batcher).
-pub struct TensorHandle {
-    pub id: String,
-    pub version: String,
-    pub digest: String,
-    pub model: Arc<classic::TensorModel>,
-    pub admission: Arc<Admission>,
-    pub created: u64,
-}
-
-impl std::fmt::Debug for TensorHandle {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TensorHandle")
-            .field("id", &self.id)
-            .field("version", &self.version)
-            .finish()
-    }
-}
+use crate::registry::{Entry, Registry};
 
 /// Readiness of the model set.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -128,21 +25,37 @@ pub enum Loading {
     Done,
 }
 
+/// Why a model could not be loaded (kept as a reason readiness gives).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{model}: {message}")]
+pub struct LoadError {
+    pub model: String,
+    pub message: String,
+}
+
+impl LoadError {
+    fn new(model: &str, message: impl std::fmt::Display) -> Self {
+        Self {
+            model: model.to_string(),
+            message: message.to_string(),
+        }
+    }
+}
+
 /// Shared by every handler.
 pub struct AppState {
     pub config: ServerConfig,
-    pub models: RwLock<Vec<Arc<ModelHandle>>>,
-    /// The embedding models, apart from the LLMs: they have their own handle and route.
-    pub embedders: RwLock<Vec<Arc<EmbedderHandle>>>,
-    /// The tensor models (KServe v2 only).
-    pub tensors: RwLock<Vec<Arc<TensorHandle>>>,
+    /// Every served model, whatever its kind.
+    pub registry: Registry,
     pub loading: Mutex<Loading>,
     /// Models that could not be loaded, and why.
-    pub load_errors: Mutex<Vec<String>>,
+    pub load_errors: Mutex<Vec<LoadError>>,
     pub draining: AtomicBool,
     pub keys: Option<KeyStore>,
     pub rate_limiter: RateLimiter,
     pub metrics: Option<PrometheusHandle>,
+    /// Where every request's record goes.
+    pub bus: Arc<Bus>,
     pub started: Instant,
 }
 
@@ -157,136 +70,48 @@ impl AppState {
         config: ServerConfig,
         keys: Option<KeyStore>,
         metrics: Option<PrometheusHandle>,
+        bus: Arc<Bus>,
     ) -> Arc<Self> {
         Arc::new(Self {
             rate_limiter: RateLimiter::new(config.rate_limit.clone()),
             config,
-            models: RwLock::new(Vec::new()),
-            embedders: RwLock::new(Vec::new()),
-            tensors: RwLock::new(Vec::new()),
+            registry: Registry::default(),
             loading: Mutex::new(Loading::InProgress),
             load_errors: Mutex::new(Vec::new()),
             draining: AtomicBool::new(false),
             keys,
             metrics,
+            bus,
             started: Instant::now(),
         })
     }
 
-    pub fn models(&self) -> Vec<Arc<ModelHandle>> {
-        self.models
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
-    /// Finds `name` (the newest loaded version) or `name@version`.
-    pub fn find(&self, id: &str) -> Option<Arc<ModelHandle>> {
-        let models = self.models.read().unwrap_or_else(|e| e.into_inner());
-        match id.split_once('@') {
-            Some((name, version)) => models
-                .iter()
-                .find(|m| m.id == name && m.version == version)
-                .cloned(),
-            None => models
-                .iter()
-                .filter(|m| m.id == id)
-                .max_by(|a, b| {
-                    let parse = |v: &str| semver::Version::parse(v).ok();
-                    parse(&a.version)
-                        .cmp(&parse(&b.version))
-                        .then_with(|| a.version.cmp(&b.version))
-                })
-                .cloned(),
-        }
-    }
-
-    pub fn embedders(&self) -> Vec<Arc<EmbedderHandle>> {
-        self.embedders
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
-    /// Finds the embedding model `name` (the newest loaded version) or `name@version`.
-    pub fn find_embedder(&self, id: &str) -> Option<Arc<EmbedderHandle>> {
-        let embedders = self.embedders.read().unwrap_or_else(|e| e.into_inner());
-        let parse = |v: &str| semver::Version::parse(v).ok();
-        match id.split_once('@') {
-            Some((name, version)) => embedders
-                .iter()
-                .find(|m| m.id == name && m.version == version)
-                .cloned(),
-            None => embedders
-                .iter()
-                .filter(|m| m.id == id)
-                .max_by(|a, b| {
-                    parse(&a.version)
-                        .cmp(&parse(&b.version))
-                        .then_with(|| a.version.cmp(&b.version))
-                })
-                .cloned(),
-        }
-    }
-
-    pub fn tensors(&self) -> Vec<Arc<TensorHandle>> {
-        self.tensors
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
-    /// Finds the tensor model `name`, the newest loaded version or `version`.
-    pub fn find_tensor(&self, name: &str, version: Option<&str>) -> Option<Arc<TensorHandle>> {
-        let tensors = self.tensors.read().unwrap_or_else(|e| e.into_inner());
-        let parse = |v: &str| semver::Version::parse(v).ok();
-        match version {
-            Some(version) => tensors
-                .iter()
-                .find(|m| m.id == name && m.version == version)
-                .cloned(),
-            None => tensors
-                .iter()
-                .filter(|m| m.id == name)
-                .max_by(|a, b| {
-                    parse(&a.version)
-                        .cmp(&parse(&b.version))
-                        .then_with(|| a.version.cmp(&b.version))
-                })
-                .cloned(),
-        }
-    }
-
-    /// The ids clients can use, for error messages.
-    pub fn model_ids(&self) -> Vec<String> {
-        let llms = self
-            .models()
-            .iter()
-            .map(|m| (m.id.clone(), m.version.clone()))
-            .collect::<Vec<_>>();
-        let embedders = self
-            .embedders()
-            .iter()
-            .map(|m| (m.id.clone(), m.version.clone()))
-            .collect::<Vec<_>>();
-        let tensors = self
-            .tensors()
-            .iter()
-            .map(|m| (m.id.clone(), m.version.clone()))
-            .collect::<Vec<_>>();
-        let mut ids: Vec<String> = llms
-            .into_iter()
-            .chain(embedders)
-            .chain(tensors)
-            .flat_map(|(id, version)| [id.clone(), format!("{id}@{version}")])
-            .collect();
-        ids.sort();
-        ids.dedup();
-        ids
+    /// A fresh record for a request that just arrived.
+    pub fn record(
+        &self,
+        request_id: String,
+        principal: String,
+        endpoint: &'static str,
+    ) -> RecordBuilder {
+        RecordBuilder::new(Arc::clone(&self.bus), request_id, principal, endpoint)
     }
 
     pub fn is_draining(&self) -> bool {
         self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Loading is over (whatever loaded): readiness can follow.
+    pub fn loaded(&self) {
+        *self.loading.lock().unwrap_or_else(|e| e.into_inner()) = Loading::Done;
+    }
+
+    /// A model that could not be loaded: logged, and kept as a reason readiness gives.
+    pub fn refuse(&self, error: LoadError) {
+        tracing::error!(model = %error.model, error = %error.message, "model refused");
+        self.load_errors
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(error);
     }
 
     /// Why the server is not ready, if it is not.
@@ -299,23 +124,13 @@ impl AppState {
         }
         let errors = self.load_errors.lock().unwrap_or_else(|e| e.into_inner());
         if !errors.is_empty() {
+            let errors: Vec<String> = errors.iter().map(ToString::to_string).collect();
             return Some(format!("models failed to load: {}", errors.join("; ")));
         }
-        let models = self.models();
-        if models.is_empty() && self.embedders().is_empty() && self.tensors().is_empty() {
+        if self.registry.is_empty() {
             return Some("no model is configured or found in the repository".into());
         }
-        let stall = Duration::from_secs(self.config.stall_timeout_s.max(1));
-        for m in &models {
-            if let Some(idle) = m.stalled_for(stall) {
-                return Some(format!(
-                    "{}: sequences are running but no token was produced for {} s",
-                    m.id,
-                    idle.as_secs()
-                ));
-            }
-        }
-        None
+        self.registry.problem()
     }
 }
 
@@ -324,11 +139,13 @@ impl AppState {
 pub fn models_to_load(
     config: &ServerConfig,
     repository: &Repository,
-) -> Result<Vec<ModelConfig>, String> {
+) -> Result<Vec<ModelConfig>, LoadError> {
     if !config.models.is_empty() {
         return Ok(config.models.clone());
     }
-    let models = repository.models().map_err(|e| e.to_string())?;
+    let models = repository
+        .models()
+        .map_err(|e| LoadError::new("repository", e))?;
     let mut out = Vec::new();
     for name in models {
         let reference = ModelRef {
@@ -369,10 +186,11 @@ pub fn models_to_load(
 }
 
 /// The repository reference a configured model names.
-fn model_ref(model: &ModelConfig) -> Result<ModelRef, String> {
+fn model_ref(model: &ModelConfig) -> Result<ModelRef, LoadError> {
     let version = match &model.version {
         Some(v) => Some(
-            semver::Version::parse(v).map_err(|e| format!("{}: version {v:?}: {e}", model.name))?,
+            semver::Version::parse(v)
+                .map_err(|e| LoadError::new(&model.name, format!("version {v:?}: {e}")))?,
         ),
         None => None,
     };
@@ -383,14 +201,14 @@ fn model_ref(model: &ModelConfig) -> Result<ModelRef, String> {
 }
 
 /// The kind of a model to load (by its manifest).
-pub fn model_kind(repository: &Repository, model: &ModelConfig) -> Result<repo::Kind, String> {
+pub fn model_kind(repository: &Repository, model: &ModelConfig) -> Result<repo::Kind, LoadError> {
     let reference = model_ref(model)?;
     let version = repository
         .resolve(&reference)
-        .map_err(|e| format!("{}: {e}", model.name))?;
+        .map_err(|e| LoadError::new(&model.name, e))?;
     let manifest = repository
         .manifest(&version)
-        .map_err(|e| format!("{}: {e}", model.name))?;
+        .map_err(|e| LoadError::new(&model.name, e))?;
     Ok(manifest.model.kind)
 }
 
@@ -398,15 +216,15 @@ pub fn model_kind(repository: &Repository, model: &ModelConfig) -> Result<repo::
 fn load_verified(
     repository: &Repository,
     model: &ModelConfig,
-) -> Result<(repo::LoadedVersion, String), String> {
+) -> Result<(repo::LoadedVersion, String), LoadError> {
     let reference = model_ref(model)?;
     let loaded = repository
         .load(&reference, &repo::NoProgress)
-        .map_err(|e| format!("{}: {e}", model.name))?;
+        .map_err(|e| LoadError::new(&model.name, e))?;
     let digest = repository
         .digests(&loaded.version)
         .map(|d| format!("sha256:{}", d.version_digest()))
-        .map_err(|e| format!("{}: {e}", model.name))?;
+        .map_err(|e| LoadError::new(&model.name, e))?;
     Ok((loaded, digest))
 }
 
@@ -417,12 +235,57 @@ fn unix_now() -> u64 {
         .unwrap_or(0)
 }
 
-/// Loads one tensor model (digests verified by the repository first) and starts its batcher.
-pub fn load_tensor_model(
+/// Loads one model of whatever kind its manifest says (digests verified by the repository
+/// first), ready to be served.
+pub fn load(
     config: &ServerConfig,
     repository: &Repository,
     model: &ModelConfig,
-) -> Result<TensorHandle, String> {
+) -> Result<Entry, LoadError> {
+    let started = Instant::now();
+    let kind = model_kind(repository, model).unwrap_or(repo::Kind::Llm);
+    let entry = match kind {
+        repo::Kind::Onnx => load_tensor_model(config, repository, model)?,
+        repo::Kind::Embedding => load_embedder(config, repository, model)?,
+        repo::Kind::Llm => load_llm(config, repository, model)?,
+    };
+    let d = entry.backend.describe();
+    tracing::info!(
+        model = %entry.name,
+        version = %entry.version,
+        digest = %entry.digest,
+        kind = ?entry.kind(),
+        platform = %d.platform,
+        context = d.max_context,
+        seconds = started.elapsed().as_secs_f64(),
+        "model loaded (digests verified)"
+    );
+    Ok(entry)
+}
+
+fn entry(
+    config: &ServerConfig,
+    model: &ModelConfig,
+    version: String,
+    digest: String,
+    backend: Arc<dyn crate::backend::InferenceBackend>,
+) -> Entry {
+    Entry {
+        name: model.name.clone(),
+        version,
+        digest,
+        created: unix_now(),
+        admission: Admission::new(config.admission.clone()),
+        backend,
+    }
+}
+
+/// Loads one tensor model and starts its batcher.
+fn load_tensor_model(
+    config: &ServerConfig,
+    repository: &Repository,
+    model: &ModelConfig,
+) -> Result<Entry, LoadError> {
     let (loaded, digest) = load_verified(repository, model)?;
     let options = classic::LoadOptions {
         backend: config.tensor.backend,
@@ -431,48 +294,59 @@ pub fn load_tensor_model(
         max_input_elements: config.limits.max_tensor_elements,
     };
     let tensor_model = classic::TensorModel::load(&loaded.version.dir, &loaded.manifest, &options)
-        .map_err(|e| format!("{}: {e}", model.name))?;
-    Ok(TensorHandle {
-        id: model.name.clone(),
-        version: loaded.version.version.to_string(),
+        .map_err(|e| LoadError::new(&model.name, e))?;
+    tracing::info!(
+        model = %model.name,
+        backend = tensor_model.backend(),
+        max_batch_size = tensor_model.max_batch_size(),
+        "tensor model ready"
+    );
+    let backend = TensorBackend::new(model.name.clone(), tensor_model);
+    Ok(entry(
+        config,
+        model,
+        loaded.version.version.to_string(),
         digest,
-        model: Arc::new(tensor_model),
-        admission: Admission::new(config.admission.clone()),
-        created: unix_now(),
-    })
+        Arc::new(backend),
+    ))
 }
 
-/// Loads one embedding model (digests verified by the repository first): the version folder is
-/// a sentence-transformers folder.
-pub fn load_embedder(
+/// Loads one embedding model: the version folder is a sentence-transformers folder.
+fn load_embedder(
     config: &ServerConfig,
     repository: &Repository,
     model: &ModelConfig,
-) -> Result<EmbedderHandle, String> {
+) -> Result<Entry, LoadError> {
     let (loaded, digest) = load_verified(repository, model)?;
     let mut options = engine::EmbedderOptions::default();
     if let Some(threads) = config.threads {
         options.threads = threads.max(1);
     }
     let embedder = engine::Embedder::load_with(&loaded.version.dir, &options)
-        .map_err(|e| format!("{}: {e}", model.name))?;
-    Ok(EmbedderHandle {
-        id: model.name.clone(),
-        version: loaded.version.version.to_string(),
+        .map_err(|e| LoadError::new(&model.name, e))?;
+    let backend = EmbeddingBackend::new(model.name.clone(), embedder);
+    tracing::info!(
+        model = %model.name,
+        dimensions = backend.dimensions(),
+        max_seq_len = backend.max_seq_len(),
+        "embedding model ready"
+    );
+    Ok(entry(
+        config,
+        model,
+        loaded.version.version.to_string(),
         digest,
-        embedder: Arc::new(embedder),
-        compute: Arc::new(Mutex::new(())),
-        admission: Admission::new(config.admission.clone()),
-        created: unix_now(),
-    })
+        Arc::new(backend),
+    ))
 }
 
-/// Loads one model (digests verified by the repository first).
-pub fn load_model(
+/// Loads one language model onto an engine.
+fn load_llm(
     config: &ServerConfig,
     repository: &Repository,
     model: &ModelConfig,
-) -> Result<ModelHandle, String> {
+) -> Result<Entry, LoadError> {
+    let fail = |e: &dyn std::fmt::Display| LoadError::new(&model.name, e);
     let reference = model_ref(model)?;
     let mut options = EngineOptions {
         context: model.context,
@@ -484,12 +358,12 @@ pub fn load_model(
     if let Some(memory) = &model.kv_cache_memory {
         options.kv.memory = memory
             .parse::<KvMemory>()
-            .map_err(|e| format!("{}: kv_cache_memory: {e}", model.name))?;
+            .map_err(|e| fail(&format!("kv_cache_memory: {e}")))?;
     }
     if let Some(dtype) = &model.kv_cache_dtype {
         options.kv.dtype = dtype
             .parse()
-            .map_err(|e| format!("{}: kv_cache_dtype: {e}", model.name))?;
+            .map_err(|e| fail(&format!("kv_cache_dtype: {e}")))?;
     }
     if let Some(n) = model.max_num_seqs {
         options.scheduler.max_num_seqs = n;
@@ -500,7 +374,7 @@ pub fn load_model(
     if let Some(spec) = &model.quantization {
         options.quantization = Some(
             engine::convert::InSitu::from_spec(spec, model.quantization_cache_dir.clone())
-                .map_err(|e| format!("{}: quantization: {e}", model.name))?,
+                .map_err(|e| fail(&format!("quantization: {e}")))?,
         );
     }
     // The server's admission bounds what reaches the engine; the engine's own queue must hold it.
@@ -508,15 +382,12 @@ pub fn load_model(
         .scheduler
         .max_waiting
         .max(config.admission.max_in_flight * config.limits.max_n * config.limits.max_prompts);
-    let version = repository
-        .resolve(&reference)
-        .map_err(|e| format!("{}: {e}", model.name))?;
+    let version = repository.resolve(&reference).map_err(|e| fail(&e))?;
     let digest = repository
         .digests(&version)
         .map(|d| format!("sha256:{}", d.version_digest()))
-        .map_err(|e| format!("{}: {e}", model.name))?;
-    let engine = Engine::from_repository(repository, &reference, &options)
-        .map_err(|e| format!("{}: {e}", model.name))?;
+        .map_err(|e| fail(&e))?;
+    let engine = Engine::from_repository(repository, &reference, &options).map_err(|e| fail(&e))?;
     let limits = &config.limits;
     let grammar = grammar::Compiler::new(
         engine.shared_tokenizer(),
@@ -526,16 +397,25 @@ pub fn load_model(
             cache_entries: limits.grammar_cache_entries,
         },
     )
-    .map_err(|e| format!("{}: {e}", model.name))?;
-    Ok(ModelHandle {
-        grammar: Arc::new(grammar),
-        id: model.name.clone(),
-        version: version.version.to_string(),
+    .map_err(|e| fail(&e))?;
+    tracing::info!(
+        model = %model.name,
+        context = engine.context(),
+        kv_tokens = engine.kv_capacity().tokens(),
+        "language model ready"
+    );
+    let backend = LlmBackend::new(
+        Arc::new(engine),
+        Arc::new(grammar),
+        model.entropy_band,
+        limits.default_max_tokens,
+        Duration::from_secs(config.stall_timeout_s.max(1)),
+    );
+    Ok(entry(
+        config,
+        model,
+        version.version.to_string(),
         digest,
-        engine: Arc::new(engine),
-        admission: Admission::new(config.admission.clone()),
-        entropy_band: model.entropy_band,
-        created: unix_now(),
-        progress: Mutex::new((0, Instant::now())),
-    })
+        Arc::new(backend),
+    ))
 }

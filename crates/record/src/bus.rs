@@ -1,0 +1,477 @@
+//! The fan-out of records to sinks: one task and one bounded lane per sink.
+//!
+//! Publishing never waits. A **lossy** lane takes the record if it has room and otherwise drops
+//! it, counted (`lane_full`). A **lossless** lane that is full hands the record to a waiter task
+//! that waits up to the lane's timeout for room; the waiters of a lane are bounded too (as many
+//! as the lane's capacity), so a storm of records cannot grow memory without limit: beyond that
+//! the record is dropped, counted (`overflow`). A lossless lane may **acknowledge**: the
+//! publisher's [`Receipt`] resolves only once the sink has written the record (fail-closed
+//! audit), and reports an error when the record was lost or the write failed.
+//!
+//! Shutdown closes every lane and waits, up to a deadline, for each sink to write what its lane
+//! holds and to flush.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use tokio::runtime::Handle;
+use tokio::sync::mpsc::error::TrySendError;
+use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::task::JoinHandle;
+
+use crate::inference::Envelope;
+
+/// How a sink's lane behaves when the sink falls behind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delivery {
+    /// Drop the newest record when the lane is full, counted as `lane_full`.
+    Lossy { capacity: usize },
+    /// Wait for room, up to `timeout`, off the request path. With `acknowledge`, each
+    /// record's receipt resolves only once the sink wrote it.
+    Lossless {
+        capacity: usize,
+        timeout: Duration,
+        acknowledge: bool,
+    },
+}
+
+impl Delivery {
+    pub fn capacity(&self) -> usize {
+        match *self {
+            Delivery::Lossy { capacity } | Delivery::Lossless { capacity, .. } => capacity.max(1),
+        }
+    }
+
+    pub fn is_lossless(&self) -> bool {
+        matches!(self, Delivery::Lossless { .. })
+    }
+
+    fn acknowledges(&self) -> bool {
+        matches!(
+            self,
+            Delivery::Lossless {
+                acknowledge: true,
+                ..
+            }
+        )
+    }
+}
+
+/// A sink could not write a record.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{0}")]
+pub struct SinkError(pub String);
+
+/// What a sink's `write` and `flush` return.
+pub type SinkFuture<'a> = Pin<Box<dyn Future<Output = Result<(), SinkError>> + Send + 'a>>;
+
+/// A consumer of records. The bus runs each sink on its own task and feeds it from its own lane;
+/// a sink only writes.
+pub trait Sink: Send + 'static {
+    /// The `sink` label of its counters.
+    fn name(&self) -> &'static str;
+    fn delivery(&self) -> Delivery;
+    /// Whether the sink receives the full input and output (the audit log does).
+    fn wants_payload(&self) -> bool {
+        false
+    }
+    fn write<'a>(&'a mut self, envelope: &'a Envelope) -> SinkFuture<'a>;
+    /// Called once when the bus shuts down, after the last record.
+    fn flush(&mut self) -> SinkFuture<'_> {
+        Box::pin(std::future::ready(Ok(())))
+    }
+}
+
+/// Why a lane lost a record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DropReason {
+    /// A lossy lane was full.
+    LaneFull,
+    /// A lossless lane was full and so many records already waited for room.
+    Overflow,
+    /// A lossless lane stayed full for its whole timeout.
+    Timeout,
+    /// The bus was shut down (or the sink's task ended).
+    Closed,
+    /// The sink's write failed.
+    WriteFailed,
+}
+
+impl DropReason {
+    pub const ALL: [DropReason; 5] = [
+        DropReason::LaneFull,
+        DropReason::Overflow,
+        DropReason::Timeout,
+        DropReason::Closed,
+        DropReason::WriteFailed,
+    ];
+
+    /// The `reason` label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DropReason::LaneFull => "lane_full",
+            DropReason::Overflow => "overflow",
+            DropReason::Timeout => "timeout",
+            DropReason::Closed => "closed",
+            DropReason::WriteFailed => "write_failed",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+/// An acknowledging sink did not make a record durable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AckError {
+    #[error("sink {sink}: the record was lost before it was written")]
+    Lost { sink: &'static str },
+    #[error("sink {sink}: {message}")]
+    Failed { sink: &'static str, message: String },
+}
+
+/// The bus could not start.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum BusError {
+    #[error("the record bus needs a tokio runtime to run its sinks")]
+    NoRuntime,
+    #[error("two sinks are named {0:?}")]
+    DuplicateSink(&'static str),
+}
+
+type AckSender = oneshot::Sender<Result<(), AckError>>;
+
+struct Item {
+    envelope: Arc<Envelope>,
+    ack: Option<AckSender>,
+}
+
+/// What one lane counted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LaneCounters {
+    pub sink: &'static str,
+    pub lossless: bool,
+    /// Records the sink wrote.
+    pub written: u64,
+    /// Records lost, by reason (every reason, zeros included).
+    pub dropped: Vec<(DropReason, u64)>,
+}
+
+impl LaneCounters {
+    pub fn dropped(&self, reason: DropReason) -> u64 {
+        self.dropped
+            .iter()
+            .find(|(r, _)| *r == reason)
+            .map_or(0, |(_, n)| *n)
+    }
+
+    pub fn dropped_total(&self) -> u64 {
+        self.dropped.iter().map(|(_, n)| n).sum()
+    }
+}
+
+struct Lane {
+    name: &'static str,
+    delivery: Delivery,
+    wants_payload: bool,
+    /// `None` once the bus shut down.
+    sender: RwLock<Option<mpsc::Sender<Item>>>,
+    /// Lossless lanes: the waiter tasks allowed at once.
+    waiters: Arc<Semaphore>,
+    written: AtomicU64,
+    dropped: [AtomicU64; 5],
+}
+
+impl Lane {
+    fn count(&self, reason: DropReason) {
+        self.dropped[reason.index()].fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn counters(&self) -> LaneCounters {
+        LaneCounters {
+            sink: self.name,
+            lossless: self.delivery.is_lossless(),
+            written: self.written.load(Ordering::Relaxed),
+            dropped: DropReason::ALL
+                .iter()
+                .map(|r| (*r, self.dropped[r.index()].load(Ordering::Relaxed)))
+                .collect(),
+        }
+    }
+}
+
+/// Resolves when every acknowledging sink has written the record (at once when none asks).
+#[derive(Debug, Default)]
+#[must_use = "a receipt says whether the record became durable; drop it when nobody waits"]
+pub struct Receipt {
+    acks: Vec<(&'static str, oneshot::Receiver<Result<(), AckError>>)>,
+}
+
+impl Receipt {
+    pub fn empty() -> Self {
+        Self::default()
+    }
+
+    /// Whether some sink will acknowledge.
+    pub fn is_pending(&self) -> bool {
+        !self.acks.is_empty()
+    }
+
+    /// Waits for every acknowledgement; the first failure wins.
+    pub async fn wait(self) -> Result<(), AckError> {
+        for (sink, ack) in self.acks {
+            match ack.await {
+                Ok(result) => result?,
+                Err(_) => return Err(AckError::Lost { sink }),
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How one sink ended at shutdown.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SinkEnd {
+    /// Wrote what its lane held and flushed.
+    Drained,
+    /// Still busy at the deadline; its task was stopped.
+    TimedOut,
+    /// Its task panicked.
+    Panicked,
+}
+
+/// The bus's account of a shutdown, one entry per sink.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShutdownReport {
+    pub sinks: Vec<(&'static str, SinkEnd, LaneCounters)>,
+}
+
+impl ShutdownReport {
+    pub fn all_drained(&self) -> bool {
+        self.sinks
+            .iter()
+            .all(|(_, end, _)| *end == SinkEnd::Drained)
+    }
+}
+
+/// The fan-out: records in, one bounded lane per sink out.
+pub struct Bus {
+    lanes: Vec<Arc<Lane>>,
+    tasks: Mutex<Vec<(&'static str, JoinHandle<()>)>>,
+    runtime: Option<Handle>,
+    wants_payload: bool,
+}
+
+impl std::fmt::Debug for Bus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Bus")
+            .field(
+                "sinks",
+                &self.lanes.iter().map(|l| l.name).collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
+impl Bus {
+    /// A bus with no sinks: records go nowhere (tools and tests that need no output).
+    pub fn disconnected() -> Arc<Self> {
+        Arc::new(Self {
+            lanes: Vec::new(),
+            tasks: Mutex::new(Vec::new()),
+            runtime: None,
+            wants_payload: false,
+        })
+    }
+
+    /// Starts one task per sink on the current tokio runtime.
+    pub fn start(sinks: Vec<Box<dyn Sink>>) -> Result<Arc<Self>, BusError> {
+        let runtime = Handle::try_current().map_err(|_| BusError::NoRuntime)?;
+        let mut lanes = Vec::with_capacity(sinks.len());
+        let mut tasks = Vec::with_capacity(sinks.len());
+        for sink in sinks {
+            let name = sink.name();
+            if lanes.iter().any(|l: &Arc<Lane>| l.name == name) {
+                return Err(BusError::DuplicateSink(name));
+            }
+            let delivery = sink.delivery();
+            let (sender, receiver) = mpsc::channel(delivery.capacity());
+            let lane = Arc::new(Lane {
+                name,
+                delivery,
+                wants_payload: sink.wants_payload(),
+                sender: RwLock::new(Some(sender)),
+                waiters: Arc::new(Semaphore::new(delivery.capacity())),
+                written: AtomicU64::new(0),
+                dropped: Default::default(),
+            });
+            let task = runtime.spawn(run_sink(sink, receiver, Arc::clone(&lane)));
+            tasks.push((name, task));
+            lanes.push(lane);
+        }
+        let wants_payload = lanes.iter().any(|l| l.wants_payload);
+        Ok(Arc::new(Self {
+            lanes,
+            tasks: Mutex::new(tasks),
+            runtime: Some(runtime),
+            wants_payload,
+        }))
+    }
+
+    /// Whether any sink takes the full input and output.
+    pub fn wants_payload(&self) -> bool {
+        self.wants_payload
+    }
+
+    /// The sinks' names, in order.
+    pub fn sinks(&self) -> Vec<&'static str> {
+        self.lanes.iter().map(|l| l.name).collect()
+    }
+
+    /// Hands the record to every lane without waiting (callable from `Drop` and from threads
+    /// outside the runtime). The payload goes only to the lanes that want it.
+    pub fn publish(&self, mut envelope: Envelope) -> Receipt {
+        let mut receipt = Receipt::empty();
+        if self.lanes.is_empty() {
+            return receipt;
+        }
+        let payload = envelope.payload.take().filter(|_| self.wants_payload);
+        let bare = Arc::new(envelope);
+        let full = payload.map(|p| {
+            let mut with = (*bare).clone();
+            with.payload = Some(p);
+            Arc::new(with)
+        });
+        for lane in &self.lanes {
+            let envelope = match (&full, lane.wants_payload) {
+                (Some(full), true) => Arc::clone(full),
+                _ => Arc::clone(&bare),
+            };
+            let ack = if lane.delivery.acknowledges() {
+                let (tx, rx) = oneshot::channel();
+                receipt.acks.push((lane.name, rx));
+                Some(tx)
+            } else {
+                None
+            };
+            self.offer(lane, Item { envelope, ack });
+        }
+        receipt
+    }
+
+    fn offer(&self, lane: &Arc<Lane>, item: Item) {
+        let guard = lane.sender.read().unwrap_or_else(|e| e.into_inner());
+        let Some(sender) = guard.as_ref() else {
+            lane.count(DropReason::Closed);
+            return;
+        };
+        match sender.try_send(item) {
+            Ok(()) => {}
+            Err(TrySendError::Closed(_)) => lane.count(DropReason::Closed),
+            Err(TrySendError::Full(item)) => {
+                let Delivery::Lossless { timeout, .. } = lane.delivery else {
+                    lane.count(DropReason::LaneFull);
+                    return;
+                };
+                let (Some(runtime), Ok(permit)) = (
+                    self.runtime.as_ref(),
+                    Arc::clone(&lane.waiters).try_acquire_owned(),
+                ) else {
+                    lane.count(DropReason::Overflow);
+                    return;
+                };
+                let sender = sender.clone();
+                let lane = Arc::clone(lane);
+                runtime.spawn(async move {
+                    match tokio::time::timeout(timeout, sender.send(item)).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(_)) => lane.count(DropReason::Closed),
+                        Err(_) => lane.count(DropReason::Timeout),
+                    }
+                    drop(permit);
+                });
+            }
+        }
+    }
+
+    /// What every lane counted so far.
+    pub fn counters(&self) -> Vec<LaneCounters> {
+        self.lanes.iter().map(|l| l.counters()).collect()
+    }
+
+    /// Closes every lane and waits until `deadline` for each sink to write what its lane holds
+    /// and flush; a sink still busy then is stopped. Records published afterwards are counted
+    /// as `closed`.
+    pub async fn shutdown(&self, timeout: Duration) -> ShutdownReport {
+        for lane in &self.lanes {
+            lane.sender
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .take();
+        }
+        let tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(|e| e.into_inner()));
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut ends = Vec::with_capacity(tasks.len());
+        for (name, mut task) in tasks {
+            let end = match tokio::time::timeout_at(deadline, &mut task).await {
+                Ok(Ok(())) => SinkEnd::Drained,
+                Ok(Err(_)) => SinkEnd::Panicked,
+                Err(_) => {
+                    task.abort();
+                    SinkEnd::TimedOut
+                }
+            };
+            ends.push((name, end));
+        }
+        ShutdownReport {
+            sinks: ends
+                .into_iter()
+                .map(|(name, end)| {
+                    let counters = self
+                        .lanes
+                        .iter()
+                        .find(|l| l.name == name)
+                        .map(|l| l.counters())
+                        .unwrap_or(LaneCounters {
+                            sink: name,
+                            lossless: false,
+                            written: 0,
+                            dropped: Vec::new(),
+                        });
+                    (name, end, counters)
+                })
+                .collect(),
+        }
+    }
+}
+
+/// A sink's task: write each record of its lane, acknowledge, flush when the lane closes.
+async fn run_sink(mut sink: Box<dyn Sink>, mut lane_rx: mpsc::Receiver<Item>, lane: Arc<Lane>) {
+    while let Some(item) = lane_rx.recv().await {
+        match sink.write(&item.envelope).await {
+            Ok(()) => {
+                lane.written.fetch_add(1, Ordering::Relaxed);
+                if let Some(ack) = item.ack {
+                    let _ = ack.send(Ok(()));
+                }
+            }
+            Err(e) => {
+                lane.count(DropReason::WriteFailed);
+                tracing::warn!(sink = lane.name, error = %e, request_id = %item.envelope.record.request_id, "record sink failed to write a record");
+                if let Some(ack) = item.ack {
+                    let _ = ack.send(Err(AckError::Failed {
+                        sink: lane.name,
+                        message: e.0,
+                    }));
+                }
+            }
+        }
+    }
+    if let Err(e) = sink.flush().await {
+        tracing::warn!(sink = lane.name, error = %e, "record sink failed to flush");
+    }
+}

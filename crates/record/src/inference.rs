@@ -1,0 +1,141 @@
+//! The record of one request and the envelope it travels in.
+
+use serde::Serialize;
+
+/// The fixed fields of one request's record.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct InferenceRecord {
+    pub request_id: String,
+    pub audit_id: String,
+    /// Milliseconds since the Unix epoch when the request arrived.
+    pub time_ms: u64,
+    pub principal: String,
+    pub user: Option<String>,
+    pub endpoint: &'static str,
+    pub model: String,
+    pub version: String,
+    pub version_digest: String,
+    /// sha256 of the input (prompt text, chat messages as JSON, or the tensors).
+    pub input_sha256: String,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub cached_prompt_tokens: usize,
+    pub queue_ms: f64,
+    pub prefill_ms: f64,
+    pub ttft_ms: f64,
+    pub decode_ms: f64,
+    pub total_ms: f64,
+    pub entropy_mean: Option<f32>,
+    pub entropy_min: Option<f32>,
+    /// Mean token entropy outside the model's configured band.
+    pub abnormal: bool,
+    /// `stop`, `length`, `cancelled` (client went away), or none when it failed.
+    pub finish_reason: Option<String>,
+    pub status: u16,
+    /// The stable error type (`invalid_request_error`, `rate_limit_error`, ...).
+    pub error_type: Option<String>,
+    /// The precise error code where the type is shared (`rate_limited` vs `queue_full`,
+    /// `context_length_exceeded`, `model_not_found`, ...).
+    pub error_code: Option<String>,
+    /// Why the front refused the request before a backend saw it (`unauthorized`,
+    /// `body_too_large`, `rate_limited`, `queue_full`, `queue_timeout`); none otherwise.
+    pub refusal: Option<&'static str>,
+    /// 0: the model asked for; higher: a fallback served.
+    pub fallback_level: u8,
+    pub stream: bool,
+    /// Structured-output requests: the constraint and what the final check said.
+    pub structured: Option<StructuredRecord>,
+    /// Tensor models with declared post-processing: the mean over the batch of each input's
+    /// confidence (top class probability, or best detection score).
+    pub confidence: Option<f32>,
+    /// The lowest of those confidences.
+    pub confidence_min: Option<f32>,
+    /// Tensor and embedding models: inputs in the request (batch rows, texts).
+    pub items: usize,
+    /// Tensor and embedding models: time in pre-processing, the queue and the backend.
+    pub compute_ms: f64,
+}
+
+/// The structured-output part of a record.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct StructuredRecord {
+    /// `json_schema`, `json_object`, `regex`, `choice` or `grammar`.
+    pub kind: &'static str,
+    /// sha256 of the canonical constraint (the compile cache's key).
+    pub grammar_sha256: String,
+    /// Compile time of this grammar (0 when it came from the cache).
+    pub compile_ms: f64,
+    pub cached: bool,
+    /// Worst outcome over the choices: `valid`, `incomplete` (ended at max_tokens inside the
+    /// structure) or `invalid` (ended but fails the check); none when the request did not finish.
+    pub outcome: Option<&'static str>,
+    /// Why the output is incomplete or invalid.
+    pub problem: Option<String>,
+}
+
+/// The full input and output of a request. Only sinks that ask for it (the audit log) receive
+/// it; the others see the record alone.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct Payload {
+    /// The input as the client sent it in meaning (messages, prompt, texts, tensor digests).
+    pub input: Option<serde_json::Value>,
+    /// The output as the client received it (texts, vectors' shapes, tensor digests).
+    pub output: Option<serde_json::Value>,
+}
+
+/// What travels to the sinks: the record plus the per-token series the metrics need, and the
+/// payload for the sinks that want it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Envelope {
+    pub record: InferenceRecord,
+    /// Gaps between consecutive tokens, in seconds.
+    pub token_gaps_s: Vec<f64>,
+    /// Entropy of each generated token's distribution, in nats.
+    pub token_entropies: Vec<f32>,
+    pub payload: Option<Payload>,
+}
+
+impl InferenceRecord {
+    /// An empty record of a request that just arrived.
+    pub fn new(request_id: String, principal: String, endpoint: &'static str) -> Self {
+        let time_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        Self {
+            request_id,
+            audit_id: uuid::Uuid::new_v4().to_string(),
+            time_ms,
+            principal,
+            user: None,
+            endpoint,
+            model: String::new(),
+            version: String::new(),
+            version_digest: String::new(),
+            input_sha256: String::new(),
+            prompt_tokens: 0,
+            completion_tokens: 0,
+            cached_prompt_tokens: 0,
+            queue_ms: 0.0,
+            prefill_ms: 0.0,
+            ttft_ms: 0.0,
+            decode_ms: 0.0,
+            total_ms: 0.0,
+            entropy_mean: None,
+            entropy_min: None,
+            abnormal: false,
+            finish_reason: None,
+            status: 200,
+            error_type: None,
+            error_code: None,
+            refusal: None,
+            fallback_level: 0,
+            stream: false,
+            structured: None,
+            confidence: None,
+            confidence_min: None,
+            items: 0,
+            compute_ms: 0.0,
+        }
+    }
+}

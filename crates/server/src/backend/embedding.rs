@@ -1,0 +1,209 @@
+//! Sentence-embedding models: texts (or token lists) in, one vector each out; over KServe a
+//! `text` BYTES input and an `embedding` FP32 output.
+
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use classic::{Data, Tensor};
+use record::RecordBuilder;
+use tracing::Instrument;
+
+use super::{
+    Answer, BackendError, Description, EmbedWork, EmbeddingInputs, Embeddings, InferRequest,
+    InferResponse, InferenceBackend, Kind, OutputTensor, StartFuture, TensorSpec, Work, WorkKind,
+};
+
+/// Embedding models: the text input and the vector output over KServe.
+pub const TEXT_INPUT: &str = "text";
+pub const EMBEDDING_OUTPUT: &str = "embedding";
+
+/// One served embedding model version. Requests run on blocking threads, one batch at a time
+/// per model: the embedder's thread pool serves one forward pass at a time.
+pub struct EmbeddingBackend {
+    name: String,
+    embedder: Arc<engine::Embedder>,
+    compute: Arc<Mutex<()>>,
+}
+
+impl EmbeddingBackend {
+    pub fn new(name: String, embedder: engine::Embedder) -> Self {
+        Self {
+            name,
+            embedder: Arc::new(embedder),
+            compute: Arc::new(Mutex::new(())),
+        }
+    }
+
+    pub fn dimensions(&self) -> usize {
+        self.embedder.dimensions()
+    }
+
+    pub fn max_seq_len(&self) -> usize {
+        self.embedder.max_seq_len()
+    }
+
+    /// Tokenizes (texts) and embeds on a blocking thread, one batch at a time per model.
+    async fn embed(
+        &self,
+        inputs: EmbeddingInputs,
+        dimensions: Option<usize>,
+    ) -> Result<Embeddings, BackendError> {
+        if let Some(d) = dimensions {
+            let max = self.embedder.dimensions();
+            if d > max {
+                return Err(BackendError::invalid_param(
+                    "dimensions",
+                    format!("dimensions must be between 1 and {max} for {}", self.name),
+                ));
+            }
+        }
+        let options = engine::EmbedOptions {
+            truncate: false,
+            dimensions,
+        };
+        let embedder = Arc::clone(&self.embedder);
+        let compute = Arc::clone(&self.compute);
+        tokio::task::spawn_blocking(move || {
+            let ids = match inputs {
+                EmbeddingInputs::Texts(texts) => texts
+                    .iter()
+                    .map(|t| embedder.tokenize(t))
+                    .collect::<Result<Vec<_>, _>>()?,
+                EmbeddingInputs::Tokens(ids) => ids,
+            };
+            let prompt_tokens: usize = ids.iter().map(Vec::len).sum();
+            let _running = compute.lock().unwrap_or_else(|e| e.into_inner());
+            let vectors = embedder.embed_ids(&ids, options)?;
+            Ok(Embeddings {
+                vectors,
+                prompt_tokens,
+            })
+        })
+        .instrument(tracing::debug_span!("embed"))
+        .await
+        .map_err(|e| BackendError::Failed(format!("embedding task failed: {e}")))?
+    }
+
+    /// The KServe form: a `text` BYTES tensor in, an `embedding` `[N, dim]` FP32 tensor out.
+    async fn embed_tensors(
+        &self,
+        request: InferRequest,
+        record: &mut RecordBuilder,
+    ) -> Result<InferResponse, BackendError> {
+        let [input] = request.inputs.as_slice() else {
+            return Err(BackendError::invalid(format!(
+                "embedding model {:?} takes one input, {TEXT_INPUT:?} (BYTES)",
+                self.name
+            )));
+        };
+        let Data::Bytes(items) = &input.data else {
+            return Err(BackendError::invalid(format!(
+                "input {:?} must be BYTES (UTF-8 text), got {}",
+                input.name,
+                input.dtype()
+            )));
+        };
+        if input.name != TEXT_INPUT {
+            return Err(BackendError::invalid(format!(
+                "embedding model {:?} has no input {:?} (inputs: {TEXT_INPUT})",
+                self.name, input.name
+            )));
+        }
+        if items.is_empty() {
+            return Err(BackendError::invalid(format!(
+                "input {TEXT_INPUT:?} is empty"
+            )));
+        }
+        let texts: Vec<String> = items
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                String::from_utf8(b.clone()).map_err(|_| {
+                    BackendError::invalid(format!(
+                        "input {TEXT_INPUT:?}, element {i}: not UTF-8 text"
+                    ))
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        let n_texts = texts.len();
+        let started = Instant::now();
+        let embeddings = self.embed(EmbeddingInputs::Texts(texts), None).await?;
+        record.record.prompt_tokens = embeddings.prompt_tokens;
+        record.record.items = n_texts;
+        record.record.compute_ms = started.elapsed().as_secs_f64() * 1e3;
+        let vectors = embeddings.vectors;
+        let dim = vectors.first().map_or(0, Vec::len);
+        let n = vectors.len();
+        let tensor = Tensor {
+            name: EMBEDDING_OUTPUT.into(),
+            shape: vec![n, dim],
+            data: Data::F32(vectors.into_iter().flatten().collect()),
+        };
+        if let Some(other) = request.outputs.iter().find(|o| o.name != EMBEDDING_OUTPUT) {
+            return Err(BackendError::invalid_param(
+                "outputs",
+                format!(
+                    "model {:?} has no output {:?} (outputs: {EMBEDDING_OUTPUT})",
+                    self.name, other.name
+                ),
+            ));
+        }
+        let binary = request
+            .outputs
+            .first()
+            .map_or(request.binary_output, |o| o.binary);
+        Ok(InferResponse {
+            model_name: String::new(),
+            model_version: String::new(),
+            id: request.id,
+            outputs: vec![OutputTensor { tensor, binary }],
+            judgements: Vec::new(),
+        })
+    }
+}
+
+impl InferenceBackend for EmbeddingBackend {
+    fn kind(&self) -> Kind {
+        Kind::Embedding
+    }
+
+    fn accepts(&self, work: WorkKind) -> bool {
+        matches!(work, WorkKind::Embed | WorkKind::Tensors)
+    }
+
+    fn start<'a>(&'a self, work: Work, record: &'a mut RecordBuilder) -> StartFuture<'a> {
+        Box::pin(async move {
+            match work {
+                Work::Embed(EmbedWork { inputs, dimensions }) => {
+                    let embeddings = self.embed(inputs, dimensions).await?;
+                    record.record.prompt_tokens = embeddings.prompt_tokens;
+                    Ok(Answer::Embeddings(embeddings))
+                }
+                Work::Tensors(request) => {
+                    Ok(Answer::Tensors(self.embed_tensors(request, record).await?))
+                }
+                Work::Generate(_) => Err(BackendError::invalid(
+                    "an embedding model does not generate text",
+                )),
+            }
+        })
+    }
+
+    fn describe(&self) -> Description {
+        Description {
+            max_context: self.embedder.max_seq_len(),
+            platform: "rampart_embedding".into(),
+            inputs: vec![TensorSpec {
+                name: TEXT_INPUT.into(),
+                datatype: "BYTES".into(),
+                shape: vec![-1],
+            }],
+            outputs: vec![TensorSpec {
+                name: EMBEDDING_OUTPUT.into(),
+                datatype: "FP32".into(),
+                shape: vec![-1, self.embedder.dimensions() as i64],
+            }],
+            image_input: None,
+        }
+    }
+}

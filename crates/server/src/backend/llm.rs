@@ -1,0 +1,240 @@
+//! Language models on the engine: tokenization and templates, the structured-output constraint,
+//! one engine sequence per choice, events resolved to text.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use engine::tokenizer::Tokenizer;
+use engine::{Engine, Event, TokenEvent};
+use futures_util::stream::{self, SelectAll, StreamExt};
+use record::{RecordBuilder, StructuredRecord};
+use tracing::Instrument;
+
+use super::{
+    Answer, BackendError, Description, GeneratePlan, Generated, Generation, Health,
+    InferenceBackend, Kind, StartFuture, Token, TokenLogprobs, TopToken, Work, WorkKind,
+};
+
+/// One served language model version.
+pub struct LlmBackend {
+    engine: Arc<Engine>,
+    /// Compiles structured-output requests against this model's vocabulary.
+    grammar: Arc<grammar::Compiler>,
+    entropy_band: Option<[f32; 2]>,
+    /// `max_tokens` when the request leaves it to the server (capped by the room left).
+    default_max_tokens: usize,
+    /// No token for this long while sequences run: the engine is stalled (readiness fails).
+    stall: Duration,
+    /// Generated-token counter and when it last moved.
+    progress: Mutex<(u64, Instant)>,
+}
+
+impl LlmBackend {
+    pub fn new(
+        engine: Arc<Engine>,
+        grammar: Arc<grammar::Compiler>,
+        entropy_band: Option<[f32; 2]>,
+        default_max_tokens: usize,
+        stall: Duration,
+    ) -> Self {
+        Self {
+            engine,
+            grammar,
+            entropy_band,
+            default_max_tokens,
+            stall,
+            progress: Mutex::new((0, Instant::now())),
+        }
+    }
+
+    pub fn engine(&self) -> &Arc<Engine> {
+        &self.engine
+    }
+
+    /// `Some(idle)` when sequences are running and no token came for longer than the stall
+    /// timeout.
+    fn stalled_for(&self) -> Option<Duration> {
+        let s = self.engine.snapshot();
+        let mut progress = self.progress.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        if s.generated_tokens != progress.0 || s.running == 0 {
+            *progress = (s.generated_tokens, now);
+            return None;
+        }
+        let idle = now.duration_since(progress.1);
+        (idle > self.stall).then_some(idle)
+    }
+
+    async fn generate(
+        &self,
+        plan: GeneratePlan,
+        record: &mut RecordBuilder,
+    ) -> Result<Generation, BackendError> {
+        // Tokenization and template rendering run off the async workers.
+        let engine = Arc::clone(&self.engine);
+        let compiler = Arc::clone(&self.grammar);
+        let default_cap = self.default_max_tokens;
+        let prepare_plan = plan.clone();
+        let (prepared, structured) = tokio::task::spawn_blocking(move || {
+            // The grammar first: a bad schema is refused before any tokenization work.
+            let structured = match &prepare_plan.structured {
+                Some(spec) => Some(compiler.compile(spec).map_err(|e| match e {
+                    grammar::GrammarError::Invalid(m) => {
+                        BackendError::invalid_param("response_format", m)
+                    }
+                    grammar::GrammarError::Internal(m) => BackendError::Failed(m),
+                })?),
+                None => None,
+            };
+            let mut out = Vec::with_capacity(prepare_plan.prompts.len());
+            for prompt in &prepare_plan.prompts {
+                let mut request = prepare_plan.request.clone();
+                request.prompt = prompt.clone();
+                if prepare_plan.default_max_tokens {
+                    request.max_tokens = 1;
+                }
+                let mut prepared = engine.prepare(request)?;
+                if prepare_plan.default_max_tokens {
+                    let room = engine.context().saturating_sub(prepared.tokens.len());
+                    prepared.request.max_tokens = room.min(default_cap).max(1);
+                }
+                if let Some((compiled, _)) = &structured {
+                    let factory: Arc<dyn engine::ConstraintFactory> = compiled.clone();
+                    prepared.request.constraint = Some(engine::Constraint(factory));
+                }
+                out.push(prepared);
+            }
+            Ok::<_, BackendError>((out, structured))
+        })
+        .instrument(tracing::debug_span!("tokenize"))
+        .await
+        .map_err(|e| BackendError::Failed(format!("tokenization task failed: {e}")))??;
+        if let Some((compiled, cached)) = &structured {
+            record.record.structured = Some(StructuredRecord {
+                kind: compiled.spec.kind(),
+                grammar_sha256: compiled.hash.clone(),
+                compile_ms: if *cached {
+                    0.0
+                } else {
+                    compiled.compile_seconds * 1e3
+                },
+                cached: *cached,
+                outcome: None,
+                problem: None,
+            });
+        }
+        let prompt_tokens: usize = prepared.iter().map(|p| p.tokens.len()).sum();
+        record.record.prompt_tokens = prompt_tokens;
+        let tokenizer = self.engine.shared_tokenizer();
+        let mut events = SelectAll::new();
+        let mut index = 0;
+        for p in &prepared {
+            for k in 0..plan.n {
+                let mut one = p.clone();
+                if let Some(seed) = one.request.sampling.seed {
+                    one.request.sampling.seed = Some(seed.wrapping_add(k as u64));
+                }
+                let engine_stream = self.engine.submit(one)?;
+                let choice = index;
+                let tokenizer = Arc::clone(&tokenizer);
+                let logprobs = plan.logprobs;
+                let s = stream::unfold(engine_stream, move |mut s| async move {
+                    s.recv().await.map(|e| ((choice, e), s))
+                })
+                .map(move |(choice, event)| (choice, resolve(event, &tokenizer, logprobs)))
+                .boxed();
+                events.push(s);
+                index += 1;
+            }
+        }
+        Ok(Generation {
+            events: events.boxed(),
+            choices: index,
+            prompt_tokens,
+            structured: structured.map(|(compiled, _)| compiled),
+        })
+    }
+}
+
+/// An engine event in the seam's terms: token texts resolved only when logprobs were asked for.
+fn resolve(event: Event, tokenizer: &Tokenizer, logprobs: bool) -> Generated {
+    match event {
+        Event::Token(t) => Generated::Token(token(t, tokenizer, logprobs)),
+        Event::Finished(f) => Generated::Finished(f),
+        Event::Failed(message) => Generated::Failed(BackendError::Failed(format!(
+            "generation failed: {message}"
+        ))),
+    }
+}
+
+fn token(t: TokenEvent, tokenizer: &Tokenizer, logprobs: bool) -> Token {
+    let logprobs = logprobs.then(|| TokenLogprobs {
+        token: tokenizer.token_text(t.id),
+        bytes: tokenizer.token_bytes(t.id).to_vec(),
+        logprob: t.logprob,
+        top: t
+            .top_logprobs
+            .iter()
+            .map(|(id, text, lp)| TopToken {
+                token: text.clone(),
+                bytes: tokenizer.token_bytes(*id).to_vec(),
+                logprob: *lp,
+            })
+            .collect(),
+    });
+    Token {
+        text: t.text,
+        entropy: t.entropy,
+        logprobs,
+    }
+}
+
+impl InferenceBackend for LlmBackend {
+    fn kind(&self) -> Kind {
+        Kind::Llm
+    }
+
+    fn accepts(&self, work: WorkKind) -> bool {
+        work == WorkKind::Generate
+    }
+
+    fn start<'a>(&'a self, work: Work, record: &'a mut RecordBuilder) -> StartFuture<'a> {
+        Box::pin(async move {
+            match work {
+                Work::Generate(plan) => Ok(Answer::Generation(self.generate(*plan, record).await?)),
+                other => Err(BackendError::invalid(format!(
+                    "a language model does not take {} work",
+                    other.kind().as_str()
+                ))),
+            }
+        })
+    }
+
+    fn describe(&self) -> Description {
+        Description {
+            max_context: self.engine.context(),
+            platform: "rampart_llm".into(),
+            ..Description::default()
+        }
+    }
+
+    fn health(&self) -> Health {
+        match self.stalled_for() {
+            None => Health::READY,
+            Some(idle) => Health {
+                problem: Some(format!(
+                    "sequences are running but no token was produced for {} s",
+                    idle.as_secs()
+                )),
+            },
+        }
+    }
+
+    fn entropy_band(&self) -> Option<[f32; 2]> {
+        self.entropy_band
+    }
+
+    fn engine_snapshot(&self) -> Option<engine::SchedulerSnapshot> {
+        Some(self.engine.snapshot())
+    }
+}

@@ -1,0 +1,347 @@
+//! The backend seam: one trait for everything that can answer a request (an engine model, an
+//! embedding model, a tensor model; the fallback issue adds the rules engine and canned
+//! answers), over one protocol-neutral work type, with a typed error that says what kind of
+//! failure it was.
+//!
+//! The front hands a backend its [`Work`] after admission; the backend prepares its own input
+//! (a model tokenizes with its own tokenizer, decodes images with its own pre-processing) and
+//! returns an [`Answer`]. Wire formats live above this line (`openai_http`, `kserve`, `grpc`);
+//! model internals below it (`engine`, `classic`).
+//!
+//! The trait is [`InferenceBackend`], named apart from `kernels::Backend` (compute devices) and
+//! `classic::Backend` (ONNX runtimes).
+
+pub mod embedding;
+pub mod llm;
+pub mod tensor;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use engine::{FinishReason, Finished, GenerateRequest, Prompt};
+use futures_util::stream::BoxStream;
+use grammar::GrammarSpec;
+use record::RecordBuilder;
+
+use crate::error::ApiError;
+
+pub use tensor::{InferRequest, InferResponse, OutputTensor, RequestedOutput};
+
+/// What kind of model a backend serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Llm,
+    Embedding,
+    Tensor,
+}
+
+/// Everything a request can ask a backend for.
+#[derive(Debug, Clone)]
+pub enum Work {
+    /// Text generation (chat or completion), `n` choices per prompt.
+    Generate(Box<GeneratePlan>),
+    /// Sentence embeddings of texts or token lists.
+    Embed(EmbedWork),
+    /// Named tensors in, named tensors out (KServe v2).
+    Tensors(InferRequest),
+}
+
+/// The shape of the work, for routing and errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkKind {
+    Generate,
+    Embed,
+    Tensors,
+}
+
+impl Work {
+    pub fn kind(&self) -> WorkKind {
+        match self {
+            Work::Generate(_) => WorkKind::Generate,
+            Work::Embed(_) => WorkKind::Embed,
+            Work::Tensors(_) => WorkKind::Tensors,
+        }
+    }
+}
+
+impl WorkKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkKind::Generate => "generate",
+            WorkKind::Embed => "embed",
+            WorkKind::Tensors => "tensors",
+        }
+    }
+}
+
+/// A validated generation request: what the chat and completion endpoints both turn into.
+#[derive(Debug, Clone)]
+pub struct GeneratePlan {
+    /// Prompts (a chat has one); each runs `n` times.
+    pub prompts: Vec<Prompt>,
+    pub n: usize,
+    pub request: GenerateRequest,
+    pub stream: bool,
+    pub include_usage: bool,
+    pub logprobs: bool,
+    pub user: Option<String>,
+    /// What the record's input hash covers.
+    pub input_for_hash: String,
+    /// `max_tokens` was left to the server.
+    pub default_max_tokens: bool,
+    /// What the output must follow (structured output).
+    pub structured: Option<GrammarSpec>,
+}
+
+/// Inputs of an embedding request.
+#[derive(Debug, Clone)]
+pub enum EmbeddingInputs {
+    Texts(Vec<String>),
+    Tokens(Vec<Vec<u32>>),
+}
+
+/// An embedding request.
+#[derive(Debug, Clone)]
+pub struct EmbedWork {
+    pub inputs: EmbeddingInputs,
+    /// Keep the first `dimensions` components (and L2-normalize again).
+    pub dimensions: Option<usize>,
+}
+
+/// What a backend answered.
+pub enum Answer {
+    Generation(Generation),
+    Embeddings(Embeddings),
+    Tensors(InferResponse),
+}
+
+impl std::fmt::Debug for Answer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Answer::Generation(g) => write!(f, "Generation({} choices)", g.choices),
+            Answer::Embeddings(e) => write!(f, "Embeddings({} vectors)", e.vectors.len()),
+            Answer::Tensors(t) => write!(f, "Tensors({} outputs)", t.outputs.len()),
+        }
+    }
+}
+
+/// Vectors, one per input, and the tokens they cost.
+#[derive(Debug, Clone)]
+pub struct Embeddings {
+    pub vectors: Vec<Vec<f32>>,
+    pub prompt_tokens: usize,
+}
+
+/// A generation in progress: every choice's events, interleaved as they come.
+pub struct Generation {
+    /// `(choice index, event)`; dropping the stream cancels every choice.
+    pub events: BoxStream<'static, (usize, Generated)>,
+    pub choices: usize,
+    pub prompt_tokens: usize,
+    /// The compiled constraint of a structured-output request (checks the final outputs).
+    pub structured: Option<Arc<grammar::Compiled>>,
+}
+
+/// One event of one choice.
+#[derive(Debug, Clone)]
+pub enum Generated {
+    Token(Token),
+    Finished(Finished),
+    /// The choice failed after it started.
+    Failed(BackendError),
+}
+
+/// A generated token, with its log-probabilities resolved to text when the request asked.
+#[derive(Debug, Clone)]
+pub struct Token {
+    /// Text this token completes (may be empty while a character is incomplete).
+    pub text: String,
+    /// Entropy of the distribution it was drawn from, in nats.
+    pub entropy: f32,
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+#[derive(Debug, Clone)]
+pub struct TokenLogprobs {
+    pub token: String,
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
+    /// The most likely alternatives.
+    pub top: Vec<TopToken>,
+}
+
+#[derive(Debug, Clone)]
+pub struct TopToken {
+    pub token: String,
+    pub bytes: Vec<u8>,
+    pub logprob: f32,
+}
+
+impl Generation {
+    /// Checks each finished output of a structured-output request against its constraint and
+    /// records the worst outcome. An output that ended by itself yet fails its schema or
+    /// grammar is an error: the API promises the shape. Applies to whatever backend answered.
+    pub fn check_outputs(
+        &self,
+        record: &mut RecordBuilder,
+        outputs: &[(&str, &Finished)],
+    ) -> Result<(), ApiError> {
+        let Some(compiled) = &self.structured else {
+            return Ok(());
+        };
+        let rank = |o: &grammar::Outcome| match o {
+            grammar::Outcome::Valid => 0,
+            grammar::Outcome::Incomplete(_) => 1,
+            grammar::Outcome::Invalid(_) => 2,
+        };
+        let mut worst = grammar::Outcome::Valid;
+        for (text, f) in outputs {
+            let outcome = compiled.check(text, f.reason == FinishReason::Length);
+            if rank(&outcome) > rank(&worst) {
+                worst = outcome;
+            }
+        }
+        if let Some(s) = record.record.structured.as_mut() {
+            s.outcome = Some(worst.as_str());
+            s.problem = match &worst {
+                grammar::Outcome::Valid => None,
+                grammar::Outcome::Incomplete(p) | grammar::Outcome::Invalid(p) => Some(p.clone()),
+            };
+        }
+        match worst {
+            grammar::Outcome::Invalid(problem) => Err(ApiError::InvalidOutput(format!(
+                "the output does not follow the requested {}: {problem}",
+                compiled.spec.kind()
+            ))),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// How a backend failed. The class says what a caller (and, later, a fallback chain) may do
+/// about it: a client error must never fall through to another backend.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum BackendError {
+    /// The request is wrong for this model (bad input, bad parameter).
+    #[error("{message}")]
+    Invalid {
+        message: String,
+        param: Option<String>,
+    },
+    /// The prompt plus the tokens asked for do not fit the model.
+    #[error("{0}")]
+    ContextLength(String),
+    /// The backend's own queue is full.
+    #[error("{message}")]
+    Overloaded { message: String, retry_after_s: u64 },
+    /// The backend is stopping or not ready.
+    #[error("{message}")]
+    Unavailable { message: String, retry_after_s: u64 },
+    /// The backend did not answer in time.
+    #[error("{message}")]
+    Timeout { message: String, retry_after_s: u64 },
+    /// The backend broke.
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// The classes of [`BackendError`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailureClass {
+    Client,
+    Overload,
+    Unavailable,
+    Timeout,
+    Failure,
+}
+
+impl BackendError {
+    pub fn invalid(message: impl Into<String>) -> Self {
+        BackendError::Invalid {
+            message: message.into(),
+            param: None,
+        }
+    }
+
+    pub fn invalid_param(param: &str, message: impl Into<String>) -> Self {
+        BackendError::Invalid {
+            message: message.into(),
+            param: Some(param.to_string()),
+        }
+    }
+
+    pub fn class(&self) -> FailureClass {
+        match self {
+            BackendError::Invalid { .. } | BackendError::ContextLength(_) => FailureClass::Client,
+            BackendError::Overloaded { .. } => FailureClass::Overload,
+            BackendError::Unavailable { .. } => FailureClass::Unavailable,
+            BackendError::Timeout { .. } => FailureClass::Timeout,
+            BackendError::Failed(_) => FailureClass::Failure,
+        }
+    }
+}
+
+/// Whether a backend can take work now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Health {
+    /// Why it cannot serve, if it cannot (stalled, stopped).
+    pub problem: Option<String>,
+}
+
+impl Health {
+    pub const READY: Health = Health { problem: None };
+}
+
+/// A tensor's name, datatype (KServe names: FP32, INT64, BYTES, ...) and shape (-1: dynamic).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct TensorSpec {
+    pub name: String,
+    pub datatype: String,
+    pub shape: Vec<i64>,
+}
+
+/// What a backend says about itself, for model cards and tensor metadata.
+#[derive(Debug, Clone, Default)]
+pub struct Description {
+    /// Tokens of context (LLMs) or of one input (embedders); 0 for tensor models.
+    pub max_context: usize,
+    /// The model's runtime (`onnx_tract`, `onnx_onnxruntime`, `rampart_embedding`, `rampart_llm`).
+    pub platform: String,
+    pub inputs: Vec<TensorSpec>,
+    pub outputs: Vec<TensorSpec>,
+    /// The input that takes encoded images (declared image pre-processing), if any.
+    pub image_input: Option<String>,
+}
+
+/// What [`InferenceBackend::start`] returns.
+pub type StartFuture<'a> = Pin<Box<dyn Future<Output = Result<Answer, BackendError>> + Send + 'a>>;
+
+/// Anything that answers work: the seam between the front and the models.
+pub trait InferenceBackend: Send + Sync + 'static {
+    fn kind(&self) -> Kind;
+
+    /// Whether it takes this kind of work (an embedder takes no generation).
+    fn accepts(&self, work: WorkKind) -> bool;
+
+    /// Starts the work (the caller holds an admission slot). Blocking work (tokenization,
+    /// image decoding, compute) runs off the async workers. Fills the record's model-side
+    /// fields (tokens, items, compute time, confidence, the structured-output constraint).
+    fn start<'a>(&'a self, work: Work, record: &'a mut RecordBuilder) -> StartFuture<'a>;
+
+    fn describe(&self) -> Description;
+
+    fn health(&self) -> Health {
+        Health::READY
+    }
+
+    /// The band of mean token entropy outside which a response is abnormal.
+    fn entropy_band(&self) -> Option<[f32; 2]> {
+        None
+    }
+
+    /// The engine's scheduler state, for the gauges (LLMs).
+    fn engine_snapshot(&self) -> Option<engine::SchedulerSnapshot> {
+        None
+    }
+}

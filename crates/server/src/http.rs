@@ -1,0 +1,263 @@
+//! The HTTP front door: the route table, declared once (it feeds the OpenAPI document too),
+//! request identity and API keys as middleware, health, metrics and the OpenAPI document. The
+//! inference routes are the OpenAI endpoints ([`crate::openai_http`]) and KServe v2
+//! ([`crate::kserve`]).
+
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Serialize;
+use utoipa::OpenApi;
+
+use crate::error::{ApiError, ErrorBody};
+use crate::identity::{self, Principal, RequestId, Transport};
+use crate::kserve;
+use crate::observe;
+use crate::openai::*;
+use crate::openai_http;
+use crate::state::AppState;
+
+/// Route paths.
+pub mod paths {
+    pub const LIVE: &str = "/health/live";
+    pub const READY: &str = "/health/ready";
+    pub const METRICS: &str = "/metrics";
+    pub const OPENAPI: &str = "/openapi.json";
+    pub const MODELS: &str = "/v1/models";
+    pub const MODEL: &str = "/v1/models/{id}";
+    pub const CHAT: &str = "/v1/chat/completions";
+    pub const COMPLETIONS: &str = "/v1/completions";
+    pub const EMBEDDINGS: &str = "/v1/embeddings";
+    // KServe v2 / Open Inference Protocol.
+    pub const V2: &str = "/v2";
+    pub const V2_LIVE: &str = "/v2/health/live";
+    pub const V2_READY: &str = "/v2/health/ready";
+    pub const V2_MODEL: &str = "/v2/models/{name}";
+    pub const V2_MODEL_READY: &str = "/v2/models/{name}/ready";
+    pub const V2_MODEL_INFER: &str = "/v2/models/{name}/infer";
+    pub const V2_VERSION: &str = "/v2/models/{name}/versions/{version}";
+    pub const V2_VERSION_READY: &str = "/v2/models/{name}/versions/{version}/ready";
+    pub const V2_VERSION_INFER: &str = "/v2/models/{name}/versions/{version}/infer";
+}
+
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "Rampart",
+        description = "OpenAI-compatible inference API with health and metrics."
+    ),
+    paths(
+        live,
+        ready,
+        metrics,
+        openai_http::list_models,
+        openai_http::get_model,
+        openai_http::chat_completions,
+        openai_http::completions,
+        openai_http::embeddings
+    ),
+    components(schemas(
+        ChatCompletionRequest,
+        CompletionRequest,
+        ChatCompletion,
+        ChatCompletionChunk,
+        Completion,
+        ModelList,
+        ModelCard,
+        ErrorBody,
+        Usage,
+        EmbeddingRequest,
+        EmbeddingResponse
+    ))
+)]
+pub struct ApiDoc;
+
+/// The whole application.
+pub fn router(state: Arc<AppState>) -> Router {
+    let metrics_route = Router::new().route(paths::METRICS, get(metrics));
+    let metrics_route = if state.config.metrics_require_auth {
+        metrics_route.layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            authenticate,
+        ))
+    } else {
+        metrics_route.layer(middleware::from_fn(anonymous))
+    };
+    let api = Router::new()
+        .route(paths::MODELS, get(openai_http::list_models))
+        .route(paths::MODEL, get(openai_http::get_model))
+        .route(paths::CHAT, post(openai_http::chat_completions))
+        .route(paths::COMPLETIONS, post(openai_http::completions))
+        .route(paths::EMBEDDINGS, post(openai_http::embeddings))
+        .route(paths::OPENAPI, get(openapi))
+        .route(paths::V2, get(kserve::server_metadata))
+        .route(paths::V2_MODEL, get(kserve::model_metadata))
+        .route(paths::V2_MODEL_READY, get(kserve::model_ready))
+        .route(paths::V2_MODEL_INFER, post(kserve::model_infer))
+        .route(paths::V2_VERSION, get(kserve::model_version_metadata))
+        .route(paths::V2_VERSION_READY, get(kserve::model_version_ready))
+        .route(paths::V2_VERSION_INFER, post(kserve::model_version_infer))
+        .layer(middleware::from_fn_with_state(
+            Arc::clone(&state),
+            authenticate,
+        ));
+    Router::new()
+        .route(paths::LIVE, get(live))
+        .route(paths::READY, get(ready))
+        .route(paths::V2_LIVE, get(kserve::health_live))
+        .route(paths::V2_READY, get(kserve::health_ready))
+        .merge(metrics_route)
+        .merge(api)
+        .fallback(not_found)
+        .layer(middleware::from_fn(identify))
+        .with_state(state)
+}
+
+/// Accepts a sane `X-Request-Id` or makes one; echoes it on the response.
+async fn identify(mut request: Request, next: Next) -> Response {
+    let id = identity::request_id(
+        request
+            .headers()
+            .get("x-request-id")
+            .and_then(|v| v.to_str().ok()),
+    );
+    request.extensions_mut().insert(RequestId(id.clone()));
+    let mut response = next.run(request).await;
+    if let Ok(value) = HeaderValue::from_str(&id) {
+        response.headers_mut().insert("x-request-id", value);
+    }
+    response
+}
+
+async fn anonymous(mut request: Request, next: Next) -> Response {
+    request
+        .extensions_mut()
+        .insert(Principal("anonymous".into()));
+    next.run(request).await
+}
+
+/// Bearer auth against the key hashes (when keys are configured).
+async fn authenticate(
+    State(state): State<Arc<AppState>>,
+    mut request: Request,
+    next: Next,
+) -> Response {
+    let request_id = request
+        .extensions()
+        .get::<RequestId>()
+        .map_or_else(String::new, |id| id.0.clone());
+    let authorization = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    match identity::authenticate(
+        &state,
+        authorization,
+        Transport::Http,
+        &request_id,
+        endpoint_of(request.uri().path()),
+    ) {
+        Ok(principal) => {
+            request.extensions_mut().insert(Principal(principal));
+            next.run(request).await
+        }
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The record's `endpoint` for a path.
+fn endpoint_of(path: &str) -> &'static str {
+    match path {
+        paths::CHAT => "chat.completions",
+        paths::COMPLETIONS => "completions",
+        paths::MODELS => "models",
+        paths::METRICS => "metrics",
+        paths::OPENAPI => "openapi",
+        p if p.starts_with("/v1/models/") => "models",
+        paths::EMBEDDINGS => "embeddings",
+        p if p.starts_with("/v2/models/") && p.ends_with("/infer") => "kserve_infer",
+        p if p.starts_with("/v2") => "kserve",
+        _ => "other",
+    }
+}
+
+async fn not_found(request: Request) -> Response {
+    ApiError::RouteNotFound(format!(
+        "no route for {} {}",
+        request.method(),
+        request.uri().path()
+    ))
+    .into_response()
+}
+
+#[derive(Serialize)]
+struct Health {
+    status: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reason: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    models: Vec<String>,
+}
+
+/// Liveness: the process answers.
+#[utoipa::path(get, path = "/health/live", responses((status = 200, description = "The process is up")))]
+async fn live() -> impl IntoResponse {
+    Json(Health {
+        status: "live",
+        reason: None,
+        models: Vec::new(),
+    })
+}
+
+/// Readiness: every configured model is loaded, the engines make progress, not draining.
+#[utoipa::path(get, path = "/health/ready", responses(
+    (status = 200, description = "Ready to serve"),
+    (status = 503, description = "Loading, draining, a model failed to load, or an engine stalled")
+))]
+async fn ready(State(state): State<Arc<AppState>>) -> Response {
+    let models = state
+        .registry
+        .all()
+        .iter()
+        .filter(|e| e.kind() == crate::backend::Kind::Llm)
+        .map(|e| format!("{}@{}", e.name, e.version))
+        .collect();
+    match state.not_ready_reason() {
+        None => Json(Health {
+            status: "ready",
+            reason: None,
+            models,
+        })
+        .into_response(),
+        Some(reason) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(Health {
+                status: "not_ready",
+                reason: Some(reason),
+                models,
+            }),
+        )
+            .into_response(),
+    }
+}
+
+/// Prometheus metrics (docs/metrics.md).
+#[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text format", content_type = "text/plain")))]
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    observe::refresh_gauges(&state.registry, &state.bus);
+    let body = state
+        .metrics
+        .as_ref()
+        .map(|h| h.render())
+        .unwrap_or_default();
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
+}
+
+async fn openapi() -> Response {
+    Json(ApiDoc::openapi()).into_response()
+}

@@ -1,0 +1,77 @@
+//! Who is asking and what they sent, written once for HTTP and gRPC: request ids, API keys
+//! (a refusal leaves a record), and the body-size limit.
+
+use axum::body::{Body, Bytes};
+use record::RecordBuilder;
+
+use crate::auth;
+use crate::error::ApiError;
+use crate::state::AppState;
+
+/// The request's id (`X-Request-Id` from the client, or a fresh UUIDv4).
+#[derive(Debug, Clone)]
+pub struct RequestId(pub String);
+
+/// Who is asking: the API key's id, or `anonymous` when the server runs without keys.
+#[derive(Debug, Clone)]
+pub struct Principal(pub String);
+
+/// The client's request id when it is sane (1-128 visible ASCII characters), else a fresh
+/// UUIDv4.
+pub fn request_id(given: Option<&str>) -> String {
+    given
+        .filter(|v| !v.is_empty() && v.len() <= 128 && v.bytes().all(|b| b.is_ascii_graphic()))
+        .map_or_else(|| uuid::Uuid::new_v4().to_string(), str::to_string)
+}
+
+/// Where the key travels, for the message that tells a client how to send it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    Http,
+    Grpc,
+}
+
+/// The principal of an `authorization` value (`anonymous` when the server has no keys). A
+/// refusal is recorded (who tried what) and returned as `Unauthorized`.
+pub fn authenticate(
+    state: &AppState,
+    authorization: Option<&str>,
+    transport: Transport,
+    request_id: &str,
+    endpoint: &'static str,
+) -> Result<String, ApiError> {
+    let Some(keys) = &state.keys else {
+        return Ok("anonymous".into());
+    };
+    let presented = authorization.and_then(auth::bearer);
+    if let Some(id) = presented.and_then(|key| keys.principal(key)) {
+        return Ok(id.to_string());
+    }
+    let message = match (presented, transport) {
+        (None, Transport::Http) => "missing API key: send it as 'Authorization: Bearer <key>'",
+        (None, Transport::Grpc) => {
+            "missing API key: send it as metadata 'authorization: Bearer <key>'"
+        }
+        (Some(_), _) => "invalid API key",
+    };
+    let error = ApiError::Unauthorized(message.into());
+    let mut record = state.record(request_id.to_string(), "unauthenticated".into(), endpoint);
+    record.refuse("unauthorized");
+    error.record(&mut record);
+    let _ = record.finish();
+    Err(error)
+}
+
+/// The request body, up to `limit` bytes; beyond it the request is refused (and recorded so).
+pub async fn read_body(
+    body: Body,
+    limit: usize,
+    record: &mut RecordBuilder,
+) -> Result<Bytes, ApiError> {
+    axum::body::to_bytes(body, limit).await.map_err(|_| {
+        record.refuse("body_too_large");
+        ApiError::BodyTooLarge(format!(
+            "the request body exceeds the limit of {limit} bytes"
+        ))
+    })
+}

@@ -1,0 +1,758 @@
+//! The OpenAI-compatible endpoints over HTTP: decode the wire format, call the front, encode the
+//! answer (one JSON body, or an SSE stream of chunks).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use engine::{FinishReason, Finished};
+use futures_util::stream::{self, StreamExt};
+use record::{sha256_hex, RecordBuilder};
+
+use crate::backend::{Answer, EmbedWork, Generated, Generation, Kind, Token, Work, WorkKind};
+use crate::error::{ApiError, ErrorBody};
+use crate::front::{self, Ticket};
+use crate::identity::{self, Principal, RequestId};
+use crate::openai::*;
+use crate::registry::{Entry, ModelName};
+use crate::state::AppState;
+
+/// The two generation endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Chat,
+    Completions,
+}
+
+impl Endpoint {
+    pub fn name(self) -> &'static str {
+        match self {
+            Endpoint::Chat => "chat.completions",
+            Endpoint::Completions => "completions",
+        }
+    }
+}
+
+/// Chat completions (streaming with `stream: true`).
+#[utoipa::path(post, path = "/v1/chat/completions", request_body = ChatCompletionRequest, responses(
+    (status = 200, body = ChatCompletion, description = "A completion, or an SSE stream of ChatCompletionChunk"),
+    (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+    (status = 413, body = ErrorBody), (status = 429, body = ErrorBody), (status = 503, body = ErrorBody)))]
+pub async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    Extension(id): Extension<RequestId>,
+    Extension(principal): Extension<Principal>,
+    body: Body,
+) -> Response {
+    generate(state, id, principal, body, Endpoint::Chat).await
+}
+
+/// Text completions (streaming with `stream: true`).
+#[utoipa::path(post, path = "/v1/completions", request_body = CompletionRequest, responses(
+    (status = 200, body = Completion, description = "A completion, or an SSE stream of Completion chunks"),
+    (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+    (status = 413, body = ErrorBody), (status = 429, body = ErrorBody), (status = 503, body = ErrorBody)))]
+pub async fn completions(
+    State(state): State<Arc<AppState>>,
+    Extension(id): Extension<RequestId>,
+    Extension(principal): Extension<Principal>,
+    body: Body,
+) -> Response {
+    generate(state, id, principal, body, Endpoint::Completions).await
+}
+
+/// Decode → front → encode, for both generation endpoints.
+#[tracing::instrument(name = "openai", skip_all, fields(endpoint = endpoint.name(), request_id = %id.0))]
+async fn generate(
+    state: Arc<AppState>,
+    id: RequestId,
+    principal: Principal,
+    body: Body,
+    endpoint: Endpoint,
+) -> Response {
+    let mut record = state.record(id.0, principal.0.clone(), endpoint.name());
+    match start(&state, &principal.0, body, endpoint, &mut record).await {
+        Ok(reply) => {
+            record.record.stream = reply.shape.stream;
+            if reply.shape.stream {
+                stream_response(reply, record)
+            } else {
+                collect_response(reply, record).await
+            }
+        }
+        Err(e) => {
+            front::settle::<()>(&mut record, Err(&e));
+            e.into_response()
+        }
+    }
+}
+
+/// Parses and validates the body, then hands the plan to the front.
+async fn start(
+    state: &Arc<AppState>,
+    principal: &str,
+    body: Body,
+    endpoint: Endpoint,
+    record: &mut RecordBuilder,
+) -> Result<Reply, ApiError> {
+    let bytes = identity::read_body(body, state.config.limits.max_body_bytes, record).await?;
+    let limits = &state.config.limits;
+    let (model, plan) = match endpoint {
+        Endpoint::Chat => {
+            let r: ChatCompletionRequest = parse_json(&bytes)?;
+            (r.model.clone(), r.plan(limits)?)
+        }
+        Endpoint::Completions => {
+            let r: CompletionRequest = parse_json(&bytes)?;
+            (r.model.clone(), r.plan(limits)?)
+        }
+    };
+    record.record.user = plan.user.clone();
+    record.record.input_sha256 = sha256_hex(&plan.input_for_hash);
+    record.payload_input(|| serde_json::json!({ "prompt": plan.input_for_hash }));
+    let shape = Shape {
+        stream: plan.stream,
+        include_usage: plan.include_usage,
+        logprobs: plan.logprobs,
+    };
+    let model = ModelName::parse(&model);
+    let admitted = front::serve(
+        state,
+        principal,
+        &model,
+        Work::Generate(Box::new(plan)),
+        record,
+    )
+    .await?;
+    let Answer::Generation(g) = admitted.answer else {
+        return Err(ApiError::Internal(
+            "the backend answered a generation with something else".into(),
+        ));
+    };
+    let prefix = match endpoint {
+        Endpoint::Chat => "chatcmpl",
+        Endpoint::Completions => "cmpl",
+    };
+    Ok(Reply {
+        g,
+        entry: admitted.entry,
+        ticket: admitted.ticket,
+        shape,
+        endpoint,
+        id: format!("{prefix}-{}", uuid::Uuid::new_v4().simple()),
+        created: now_s(),
+    })
+}
+
+/// Embeddings of one or more inputs (texts or token lists).
+#[utoipa::path(post, path = "/v1/embeddings", request_body = EmbeddingRequest, responses(
+    (status = 200, body = EmbeddingResponse),
+    (status = 400, body = ErrorBody), (status = 401, body = ErrorBody), (status = 404, body = ErrorBody),
+    (status = 413, body = ErrorBody), (status = 429, body = ErrorBody), (status = 503, body = ErrorBody)))]
+#[tracing::instrument(name = "openai", skip_all, fields(endpoint = "embeddings", request_id = %id.0))]
+pub async fn embeddings(
+    State(state): State<Arc<AppState>>,
+    Extension(id): Extension<RequestId>,
+    Extension(principal): Extension<Principal>,
+    body: Body,
+) -> Response {
+    let mut record = state.record(id.0, principal.0.clone(), "embeddings");
+    let result = embed(&state, &principal.0, body, &mut record).await;
+    front::settle(&mut record, result.as_ref());
+    match result {
+        Ok(response) => Json(response).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn embed(
+    state: &Arc<AppState>,
+    principal: &str,
+    body: Body,
+    record: &mut RecordBuilder,
+) -> Result<EmbeddingResponse, ApiError> {
+    let bytes = identity::read_body(body, state.config.limits.max_body_bytes, record).await?;
+    let request: EmbeddingRequest = parse_json(&bytes)?;
+    let model = ModelName::parse(&request.model);
+    let plan = request.plan(&state.config.limits)?;
+    record.record.user = plan.user.clone();
+    record.record.input_sha256 = sha256_hex(&plan.input_for_hash);
+    record.payload_input(|| serde_json::json!({ "input": plan.input_for_hash }));
+    let work = Work::Embed(EmbedWork {
+        inputs: plan.inputs,
+        dimensions: plan.dimensions,
+    });
+    let admitted = front::serve(state, principal, &model, work, record).await?;
+    let Answer::Embeddings(e) = admitted.answer else {
+        return Err(ApiError::Internal(
+            "the backend answered embeddings with something else".into(),
+        ));
+    };
+    record.payload_output(|| serde_json::json!({ "vectors": e.vectors.len() }));
+    let data = e
+        .vectors
+        .into_iter()
+        .enumerate()
+        .map(|(index, v)| EmbeddingData {
+            object: "embedding",
+            index,
+            embedding: if plan.base64 {
+                EmbeddingVector::Base64(base64_f32(&v))
+            } else {
+                EmbeddingVector::Float(v)
+            },
+        })
+        .collect();
+    Ok(EmbeddingResponse {
+        object: "list",
+        data,
+        model: admitted.entry.name.clone(),
+        usage: EmbeddingUsage {
+            prompt_tokens: e.prompt_tokens,
+            total_tokens: e.prompt_tokens,
+        },
+    })
+}
+
+fn card(e: &Entry) -> ModelCard {
+    ModelCard {
+        id: e.name.clone(),
+        object: "model",
+        created: e.created,
+        owned_by: "rampart".into(),
+        version: e.version.clone(),
+        digest: e.digest.clone(),
+        ready: true,
+        max_context: e.backend.describe().max_context,
+    }
+}
+
+/// The served language and embedding models.
+#[utoipa::path(get, path = "/v1/models", responses((status = 200, body = ModelList)))]
+pub async fn list_models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
+    let mut entries = state.registry.all();
+    // Language models first, then embedders (tensor models are KServe's).
+    entries.retain(|e| e.kind() != Kind::Tensor);
+    entries.sort_by_key(|e| e.kind() != Kind::Llm);
+    Json(ModelList {
+        object: "list",
+        data: entries.iter().map(|e| card(e)).collect(),
+    })
+}
+
+/// One model (`name` or `name@version`) and its status.
+#[utoipa::path(get, path = "/v1/models/{id}", params(("id" = String, Path, description = "name or name@version")),
+    responses((status = 200, body = ModelCard), (status = 404, body = ErrorBody)))]
+pub async fn get_model(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    match state
+        .registry
+        .resolve(&ModelName::parse(&id), WorkKind::Generate)
+    {
+        Ok(e) => Json(card(&e)).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+fn now_s() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn parse_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(bytes).map_err(|e| {
+        let what = if e.is_syntax() || e.is_eof() {
+            "malformed JSON"
+        } else {
+            "invalid request"
+        };
+        ApiError::invalid(format!("{what}: {e}"))
+    })
+}
+
+/// What of the plan the encoder needs.
+#[derive(Debug, Clone, Copy)]
+struct Shape {
+    stream: bool,
+    include_usage: bool,
+    logprobs: bool,
+}
+
+/// An admitted generation on its way to the client.
+struct Reply {
+    g: Generation,
+    entry: Arc<Entry>,
+    /// Held until the response ends.
+    ticket: Ticket,
+    shape: Shape,
+    endpoint: Endpoint,
+    id: String,
+    created: u64,
+}
+
+/// Per-choice state while events arrive.
+#[derive(Default)]
+struct ChoiceState {
+    text: String,
+    chat_logprobs: Vec<TokenLogprob>,
+    completion_logprobs: CompletionLogprobs,
+    finish: Option<Finished>,
+}
+
+/// Tokens a structured-output constraint ruled out have log-probability −∞, which JSON cannot
+/// carry; they are reported as −9999 (as OpenAI reports impossible tokens).
+fn finite_logprob(lp: f32) -> f32 {
+    lp.max(-9999.0)
+}
+
+fn finish_reason(f: &Finished) -> String {
+    match f.reason {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        FinishReason::Cancelled => "cancelled",
+    }
+    .to_string()
+}
+
+/// Fills the record's timings from the engine's account of each choice.
+fn record_finished(record: &mut RecordBuilder, finished: &[Finished]) {
+    let r = &mut record.record;
+    r.completion_tokens = finished.iter().map(|f| f.completion_tokens).sum();
+    r.cached_prompt_tokens = finished
+        .iter()
+        .map(|f| f.cached_prompt_tokens)
+        .max()
+        .unwrap_or(0);
+    r.prefill_ms = finished
+        .iter()
+        .map(|f| f.prefill_seconds * 1e3)
+        .fold(0.0, f64::max);
+    r.decode_ms = finished
+        .iter()
+        .map(|f| f.decode_seconds * 1e3)
+        .fold(0.0, f64::max);
+    let length = finished.iter().any(|f| f.reason == FinishReason::Length);
+    r.finish_reason = Some(if length { "length" } else { "stop" }.into());
+}
+
+impl Reply {
+    fn fingerprint(&self) -> String {
+        format!("{}@{}", self.entry.name, self.entry.version)
+    }
+
+    /// Charges the key's token budget for what the request used.
+    fn charge(&self, record: &RecordBuilder) {
+        self.ticket
+            .charge(record.record.prompt_tokens + record.record.completion_tokens);
+    }
+
+    fn usage(&self, completion_tokens: usize) -> Usage {
+        Usage {
+            prompt_tokens: self.g.prompt_tokens,
+            completion_tokens,
+            total_tokens: self.g.prompt_tokens + completion_tokens,
+        }
+    }
+
+    fn token_logprob(&self, t: &Token) -> TokenLogprob {
+        let lp = t.logprobs.as_ref();
+        TokenLogprob {
+            token: lp.map(|l| l.token.clone()).unwrap_or_default(),
+            logprob: lp.map_or(0.0, |l| l.logprob),
+            bytes: lp.map(|l| l.bytes.clone()).unwrap_or_default(),
+            entropy: t.entropy,
+            top_logprobs: lp
+                .map(|l| {
+                    l.top
+                        .iter()
+                        .map(|top| TopLogprob {
+                            token: top.token.clone(),
+                            logprob: finite_logprob(top.logprob),
+                            bytes: top.bytes.clone(),
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+        }
+    }
+
+    fn add_completion_logprob(&self, state: &mut ChoiceState, t: &Token) {
+        let lp = &mut state.completion_logprobs;
+        lp.text_offset.push(state.text.len());
+        let Some(l) = &t.logprobs else { return };
+        lp.tokens.push(l.token.clone());
+        lp.token_logprobs.push(l.logprob);
+        lp.entropies.push(t.entropy);
+        lp.top_logprobs.push(
+            l.top
+                .iter()
+                .map(|top| (top.token.clone(), finite_logprob(top.logprob)))
+                .collect::<HashMap<_, _>>(),
+        );
+    }
+}
+
+async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Response {
+    let mut states: Vec<ChoiceState> = (0..reply.g.choices)
+        .map(|_| ChoiceState::default())
+        .collect();
+    let mut done = 0;
+    while done < reply.g.choices {
+        let Some((i, event)) = reply.g.events.next().await else {
+            break;
+        };
+        match event {
+            Generated::Token(t) => {
+                record.token(t.entropy);
+                if reply.shape.logprobs {
+                    match reply.endpoint {
+                        Endpoint::Chat => {
+                            let lp = reply.token_logprob(&t);
+                            states[i].chat_logprobs.push(lp);
+                        }
+                        Endpoint::Completions => {
+                            let mut s = std::mem::take(&mut states[i]);
+                            reply.add_completion_logprob(&mut s, &t);
+                            states[i] = s;
+                        }
+                    }
+                }
+                states[i].text.push_str(&t.text);
+            }
+            Generated::Finished(f) => {
+                states[i].text.push_str(&f.trailing_text);
+                states[i].finish = Some(f);
+                done += 1;
+            }
+            Generated::Failed(e) => {
+                let e = ApiError::from(e);
+                front::settle::<()>(&mut record, Err(&e));
+                return e.into_response();
+            }
+        }
+    }
+    if done < reply.g.choices {
+        let e = ApiError::Unavailable {
+            message: "the engine stopped before the request finished".into(),
+            retry_after_s: 5,
+        };
+        front::settle::<()>(&mut record, Err(&e));
+        return e.into_response();
+    }
+    let finished: Vec<Finished> = states.iter().filter_map(|s| s.finish.clone()).collect();
+    record_finished(&mut record, &finished);
+    let outputs: Vec<(&str, &Finished)> = states
+        .iter()
+        .filter_map(|s| s.finish.as_ref().map(|f| (s.text.as_str(), f)))
+        .collect();
+    let checked = reply.g.check_outputs(&mut record, &outputs);
+    reply.charge(&record);
+    if let Err(e) = checked {
+        front::settle::<()>(&mut record, Err(&e));
+        return e.into_response();
+    }
+    record.payload_output(|| {
+        serde_json::json!({ "choices": states.iter().map(|s| s.text.as_str()).collect::<Vec<_>>() })
+    });
+    let usage = reply.usage(record.record.completion_tokens);
+    let response = match reply.endpoint {
+        Endpoint::Chat => Json(ChatCompletion {
+            id: reply.id.clone(),
+            object: "chat.completion",
+            created: reply.created,
+            model: reply.entry.name.clone(),
+            choices: states
+                .into_iter()
+                .enumerate()
+                .map(|(index, s)| ChatChoice {
+                    index,
+                    finish_reason: s.finish.as_ref().map(finish_reason),
+                    logprobs: reply.shape.logprobs.then_some(ChatLogprobs {
+                        content: s.chat_logprobs,
+                    }),
+                    message: AssistantMessage {
+                        role: "assistant",
+                        content: s.text,
+                    },
+                })
+                .collect(),
+            usage,
+            system_fingerprint: reply.fingerprint(),
+        })
+        .into_response(),
+        Endpoint::Completions => Json(Completion {
+            id: reply.id.clone(),
+            object: "text_completion",
+            created: reply.created,
+            model: reply.entry.name.clone(),
+            choices: states
+                .into_iter()
+                .enumerate()
+                .map(|(index, s)| CompletionChoice {
+                    index,
+                    finish_reason: s.finish.as_ref().map(finish_reason),
+                    logprobs: reply.shape.logprobs.then_some(s.completion_logprobs),
+                    text: s.text,
+                })
+                .collect(),
+            usage: Some(usage),
+            system_fingerprint: reply.fingerprint(),
+        })
+        .into_response(),
+    };
+    let _ = record.finish();
+    response
+}
+
+/// The SSE stream's state: the reply, the record, the events not yet sent.
+struct Streaming {
+    reply: Reply,
+    record: RecordBuilder,
+    pending: VecDeque<String>,
+    finished: Vec<Option<Finished>>,
+    text_len: Vec<usize>,
+    /// Each choice's text so far (checked at the end, and the payload of the record).
+    texts: Vec<String>,
+    done: bool,
+}
+
+impl Streaming {
+    fn chunk_chat(
+        &self,
+        index: usize,
+        delta: ChatDelta,
+        logprobs: Option<ChatLogprobs>,
+        finish: Option<String>,
+    ) -> String {
+        serde_json::to_string(&ChatCompletionChunk {
+            id: self.reply.id.clone(),
+            object: "chat.completion.chunk",
+            created: self.reply.created,
+            model: self.reply.entry.name.clone(),
+            choices: vec![ChatChunkChoice {
+                index,
+                delta,
+                logprobs,
+                finish_reason: finish,
+            }],
+            usage: None,
+            system_fingerprint: self.reply.fingerprint(),
+        })
+        .unwrap_or_default()
+    }
+
+    fn chunk_completion(
+        &self,
+        index: usize,
+        text: String,
+        logprobs: Option<CompletionLogprobs>,
+        finish: Option<String>,
+    ) -> String {
+        serde_json::to_string(&Completion {
+            id: self.reply.id.clone(),
+            object: "text_completion",
+            created: self.reply.created,
+            model: self.reply.entry.name.clone(),
+            choices: vec![CompletionChoice {
+                text,
+                index,
+                logprobs,
+                finish_reason: finish,
+            }],
+            usage: None,
+            system_fingerprint: self.reply.fingerprint(),
+        })
+        .unwrap_or_default()
+    }
+
+    fn usage_chunk(&self) -> String {
+        let usage = Some(self.reply.usage(self.record.record.completion_tokens));
+        let (id, created, model) = (
+            self.reply.id.clone(),
+            self.reply.created,
+            self.reply.entry.name.clone(),
+        );
+        let system_fingerprint = self.reply.fingerprint();
+        match self.reply.endpoint {
+            Endpoint::Chat => serde_json::to_string(&ChatCompletionChunk {
+                id,
+                object: "chat.completion.chunk",
+                created,
+                model,
+                choices: Vec::new(),
+                usage,
+                system_fingerprint,
+            }),
+            Endpoint::Completions => serde_json::to_string(&Completion {
+                id,
+                object: "text_completion",
+                created,
+                model,
+                choices: Vec::new(),
+                usage,
+                system_fingerprint,
+            }),
+        }
+        .unwrap_or_default()
+    }
+
+    fn on_token(&mut self, i: usize, t: Token) {
+        self.record.token(t.entropy);
+        let want_logprobs = self.reply.shape.logprobs;
+        if t.text.is_empty() && !want_logprobs {
+            return;
+        }
+        let chunk = match self.reply.endpoint {
+            Endpoint::Chat => {
+                let logprobs = want_logprobs.then(|| ChatLogprobs {
+                    content: vec![self.reply.token_logprob(&t)],
+                });
+                self.chunk_chat(
+                    i,
+                    ChatDelta {
+                        role: None,
+                        content: Some(t.text.clone()),
+                    },
+                    logprobs,
+                    None,
+                )
+            }
+            Endpoint::Completions => {
+                let logprobs = want_logprobs.then(|| {
+                    let mut s = ChoiceState::default();
+                    self.reply.add_completion_logprob(&mut s, &t);
+                    for o in s.completion_logprobs.text_offset.iter_mut() {
+                        *o += self.text_len[i];
+                    }
+                    s.completion_logprobs
+                });
+                self.chunk_completion(i, t.text.clone(), logprobs, None)
+            }
+        };
+        self.text_len[i] += t.text.len();
+        self.texts[i].push_str(&t.text);
+        self.pending.push_back(chunk);
+    }
+
+    fn on_finished(&mut self, i: usize, f: Finished) {
+        let reason = Some(finish_reason(&f));
+        let chunk = match self.reply.endpoint {
+            Endpoint::Chat => self.chunk_chat(
+                i,
+                ChatDelta {
+                    role: None,
+                    content: (!f.trailing_text.is_empty()).then(|| f.trailing_text.clone()),
+                },
+                None,
+                reason,
+            ),
+            Endpoint::Completions => {
+                self.chunk_completion(i, f.trailing_text.clone(), None, reason)
+            }
+        };
+        self.pending.push_back(chunk);
+        self.texts[i].push_str(&f.trailing_text);
+        self.finished[i] = Some(f);
+        if self.finished.iter().all(Option::is_some) {
+            self.on_all_finished();
+        }
+    }
+
+    fn on_all_finished(&mut self) {
+        let all: Vec<Finished> = self.finished.iter().flatten().cloned().collect();
+        record_finished(&mut self.record, &all);
+        self.reply.charge(&self.record);
+        let outputs: Vec<(&str, &Finished)> = self
+            .texts
+            .iter()
+            .map(String::as_str)
+            .zip(all.iter())
+            .collect();
+        if let Err(e) = self.reply.g.check_outputs(&mut self.record, &outputs) {
+            // The text already went out; the client learns it is not to be trusted.
+            e.record(&mut self.record);
+            self.pending
+                .push_back(serde_json::to_string(&e.body()).unwrap_or_default());
+        }
+        let texts = &self.texts;
+        self.record
+            .payload_output(|| serde_json::json!({ "choices": texts }));
+        if self.reply.shape.include_usage {
+            let chunk = self.usage_chunk();
+            self.pending.push_back(chunk);
+        }
+        self.end();
+    }
+
+    /// A failure mid-stream: the error event, then the end.
+    fn on_error(&mut self, e: ApiError) {
+        e.record(&mut self.record);
+        self.pending
+            .push_back(serde_json::to_string(&e.body()).unwrap_or_default());
+        self.end();
+    }
+
+    fn end(&mut self) {
+        self.pending.push_back("[DONE]".into());
+        self.done = true;
+        let _ = self.record.finish();
+    }
+}
+
+fn stream_response(reply: Reply, record: RecordBuilder) -> Response {
+    let choices = reply.g.choices;
+    let mut state = Streaming {
+        finished: vec![None; choices],
+        text_len: vec![0; choices],
+        texts: vec![String::new(); choices],
+        reply,
+        record,
+        pending: VecDeque::new(),
+        done: false,
+    };
+    if state.reply.endpoint == Endpoint::Chat {
+        for i in 0..choices {
+            let first = state.chunk_chat(
+                i,
+                ChatDelta {
+                    role: Some("assistant"),
+                    content: Some(String::new()),
+                },
+                None,
+                None,
+            );
+            state.pending.push_back(first);
+        }
+    }
+    let events = stream::unfold(state, |mut st| async move {
+        loop {
+            if let Some(data) = st.pending.pop_front() {
+                return Some((
+                    Ok::<_, std::convert::Infallible>(SseEvent::default().data(data)),
+                    st,
+                ));
+            }
+            if st.done {
+                return None;
+            }
+            match st.reply.g.events.next().await {
+                Some((i, Generated::Token(t))) => st.on_token(i, t),
+                Some((i, Generated::Finished(f))) => st.on_finished(i, f),
+                Some((_, Generated::Failed(e))) => st.on_error(ApiError::from(e)),
+                None => st.on_error(ApiError::Unavailable {
+                    message: "the engine stopped before the request finished".into(),
+                    retry_after_s: 5,
+                }),
+            }
+        }
+    });
+    Sse::new(events)
+        .keep_alive(KeepAlive::new().interval(Duration::from_secs(15)))
+        .into_response()
+}

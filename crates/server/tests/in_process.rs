@@ -1,0 +1,732 @@
+//! The HTTP and gRPC layers driven in-process over loopback, with fake backends behind the
+//! backend seam: typed errors to status codes, a slow first token, a failure mid-stream, overload,
+//! keys, drain, clients that go away, and a stuck sink that must not slow anyone. The real
+//! binary with real models is tested in `crates/rampart/tests/serve.rs`.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use engine::{FinishReason, Finished};
+use futures_util::stream::{self, StreamExt};
+use record::testing::{Collected, CollectingSink, Gate, GatedSink};
+use record::{Bus, Delivery, DropReason, InferenceRecord, RecordBuilder, Sink};
+use server::auth::KeyStore;
+use server::backend::{
+    Answer, BackendError, Description, Embeddings, Generated, Generation, InferResponse,
+    InferenceBackend, Kind, OutputTensor, StartFuture, Token, Work, WorkKind,
+};
+use server::config::ServerConfig;
+use server::registry::Entry;
+use server::state::AppState;
+
+const KEY: &str = "sk-in-process-0001";
+
+/// What a fake language model does with each request.
+#[derive(Debug, Clone)]
+enum Script {
+    /// Streams these tokens, `gap` apart after waiting `first` for the first one.
+    Tokens {
+        tokens: Vec<&'static str>,
+        first: Duration,
+        gap: Duration,
+    },
+    /// Refuses the work at once.
+    Refuse(BackendError),
+    /// Streams these tokens, then fails.
+    FailAfter(Vec<&'static str>),
+}
+
+struct FakeLlm {
+    script: Script,
+    started: AtomicUsize,
+}
+
+fn finished(completion_tokens: usize) -> Finished {
+    Finished {
+        reason: FinishReason::Stop,
+        prompt_tokens: 3,
+        completion_tokens,
+        cached_prompt_tokens: 0,
+        queue_seconds: 0.0,
+        prefill_seconds: 0.001,
+        decode_seconds: 0.002,
+        trailing_text: String::new(),
+    }
+}
+
+fn token(text: &'static str) -> Generated {
+    Generated::Token(Token {
+        text: text.into(),
+        entropy: 0.5,
+        logprobs: None,
+    })
+}
+
+impl InferenceBackend for FakeLlm {
+    fn kind(&self) -> Kind {
+        Kind::Llm
+    }
+    fn accepts(&self, work: WorkKind) -> bool {
+        work == WorkKind::Generate
+    }
+    fn start<'a>(&'a self, work: Work, record: &'a mut RecordBuilder) -> StartFuture<'a> {
+        self.started.fetch_add(1, Ordering::SeqCst);
+        let script = self.script.clone();
+        Box::pin(async move {
+            let Work::Generate(plan) = work else {
+                return Err(BackendError::invalid("not generation"));
+            };
+            record.record.prompt_tokens = 3 * plan.n;
+            let events = match script {
+                Script::Refuse(e) => return Err(e),
+                Script::Tokens { tokens, first, gap } => {
+                    let n = tokens.len();
+                    let mut items: Vec<(Duration, Generated)> = Vec::new();
+                    for (i, t) in tokens.into_iter().enumerate() {
+                        items.push((if i == 0 { first } else { gap }, token(t)));
+                    }
+                    items.push((Duration::ZERO, Generated::Finished(finished(n))));
+                    stream::iter(items)
+                        .then(|(wait, event)| async move {
+                            tokio::time::sleep(wait).await;
+                            (0, event)
+                        })
+                        .boxed()
+                }
+                Script::FailAfter(tokens) => {
+                    let mut items: Vec<Generated> = tokens.into_iter().map(token).collect();
+                    items.push(Generated::Failed(BackendError::Failed(
+                        "generation failed: the device fell off the bus".into(),
+                    )));
+                    stream::iter(items.into_iter().map(|e| (0, e))).boxed()
+                }
+            };
+            Ok(Answer::Generation(Generation {
+                events,
+                choices: 1,
+                prompt_tokens: 3,
+                structured: None,
+            }))
+        })
+    }
+    fn describe(&self) -> Description {
+        Description {
+            max_context: 2048,
+            platform: "fake_llm".into(),
+            ..Description::default()
+        }
+    }
+}
+
+/// Echoes its first input as `y`; embeds texts as their lengths.
+struct FakeTensor;
+
+impl InferenceBackend for FakeTensor {
+    fn kind(&self) -> Kind {
+        Kind::Tensor
+    }
+    fn accepts(&self, work: WorkKind) -> bool {
+        work == WorkKind::Tensors
+    }
+    fn start<'a>(&'a self, work: Work, record: &'a mut RecordBuilder) -> StartFuture<'a> {
+        Box::pin(async move {
+            let Work::Tensors(request) = work else {
+                return Err(BackendError::invalid("not tensors"));
+            };
+            let Some(input) = request.inputs.into_iter().next() else {
+                return Err(BackendError::invalid("no input"));
+            };
+            if input.name == "overload" {
+                return Err(BackendError::Overloaded {
+                    message: "the batcher's queue is full".into(),
+                    retry_after_s: 2,
+                });
+            }
+            record.record.items = input.batch();
+            let mut tensor = input;
+            tensor.name = "y".into();
+            Ok(Answer::Tensors(InferResponse {
+                model_name: String::new(),
+                model_version: String::new(),
+                id: request.id,
+                outputs: vec![OutputTensor {
+                    tensor,
+                    binary: false,
+                }],
+                judgements: Vec::new(),
+            }))
+        })
+    }
+    fn describe(&self) -> Description {
+        Description {
+            platform: "fake_tensor".into(),
+            ..Description::default()
+        }
+    }
+}
+
+struct FakeEmbedder;
+
+impl InferenceBackend for FakeEmbedder {
+    fn kind(&self) -> Kind {
+        Kind::Embedding
+    }
+    fn accepts(&self, work: WorkKind) -> bool {
+        work == WorkKind::Embed
+    }
+    fn start<'a>(&'a self, work: Work, _record: &'a mut RecordBuilder) -> StartFuture<'a> {
+        Box::pin(async move {
+            let Work::Embed(e) = work else {
+                return Err(BackendError::invalid("not embeddings"));
+            };
+            let server::backend::EmbeddingInputs::Texts(texts) = e.inputs else {
+                return Err(BackendError::invalid("texts only"));
+            };
+            Ok(Answer::Embeddings(Embeddings {
+                prompt_tokens: texts.len(),
+                vectors: texts.iter().map(|t| vec![t.len() as f32, 1.0]).collect(),
+            }))
+        })
+    }
+    fn describe(&self) -> Description {
+        Description {
+            max_context: 128,
+            platform: "fake_embedding".into(),
+            ..Description::default()
+        }
+    }
+}
+
+/// A server on loopback with the given backends, and what its lossless test sink saw.
+struct Harness {
+    url: String,
+    state: Arc<AppState>,
+    records: Collected,
+    client: reqwest::Client,
+}
+
+struct Options {
+    keys: bool,
+    max_in_flight: usize,
+    max_waiting: usize,
+    extra_sinks: Vec<Box<dyn Sink>>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self {
+            keys: true,
+            max_in_flight: 8,
+            max_waiting: 8,
+            extra_sinks: Vec::new(),
+        }
+    }
+}
+
+async fn harness(backends: Vec<(&str, Arc<dyn InferenceBackend>)>, options: Options) -> Harness {
+    let mut config = ServerConfig::default();
+    config.admission.max_in_flight = options.max_in_flight;
+    config.admission.max_waiting = options.max_waiting;
+    config.admission.queue_timeout_ms = 200;
+    let keys = options
+        .keys
+        .then(|| KeyStore::parse(&format!("tester:{KEY}"), '\n').unwrap());
+    let (sink, records) = CollectingSink::new(
+        "test",
+        Delivery::Lossless {
+            capacity: 1024,
+            timeout: Duration::from_secs(10),
+            acknowledge: false,
+        },
+    );
+    let mut sinks: Vec<Box<dyn Sink>> = vec![Box::new(sink)];
+    sinks.extend(options.extra_sinks);
+    let bus = Bus::start(sinks).unwrap();
+    let state = AppState::new(config.clone(), keys, None, bus);
+    for (name, backend) in backends {
+        state.registry.add(Entry {
+            name: name.into(),
+            version: "1.0.0".into(),
+            digest: "sha256:fake".into(),
+            created: 0,
+            admission: server::admission::Admission::new(config.admission.clone()),
+            backend,
+        });
+    }
+    state.loaded();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let app = server::http::router(Arc::clone(&state));
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    Harness {
+        url: format!("http://{addr}"),
+        state,
+        records,
+        client: reqwest::Client::new(),
+    }
+}
+
+impl Harness {
+    async fn post(&self, path: &str, body: serde_json::Value) -> reqwest::Response {
+        self.client
+            .post(format!("{}{path}", self.url))
+            .bearer_auth(KEY)
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    /// The records seen so far, once `n` have arrived (the sink runs on its own task).
+    async fn records(&self, n: usize) -> Vec<InferenceRecord> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.records.len() < n && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        self.records.records()
+    }
+}
+
+fn llm(script: Script) -> Arc<dyn InferenceBackend> {
+    Arc::new(FakeLlm {
+        script,
+        started: AtomicUsize::new(0),
+    })
+}
+
+fn hello() -> Script {
+    Script::Tokens {
+        tokens: vec!["Hello", " world"],
+        first: Duration::ZERO,
+        gap: Duration::ZERO,
+    }
+}
+
+fn chat(stream: bool) -> serde_json::Value {
+    serde_json::json!({
+        "model": "fake",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": stream,
+        "max_tokens": 8,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_goes_through_the_front_and_leaves_one_record() {
+    let h = harness(vec![("fake", llm(hello()))], Options::default()).await;
+    let r = h.post("/v1/chat/completions", chat(false)).await;
+    assert_eq!(r.status(), 200);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["choices"][0]["message"]["content"], "Hello world");
+    assert_eq!(body["model"], "fake");
+    assert_eq!(body["system_fingerprint"], "fake@1.0.0");
+    assert_eq!(body["usage"]["completion_tokens"], 2);
+    let records = h.records(1).await;
+    assert_eq!(records.len(), 1);
+    let r = &records[0];
+    assert_eq!(
+        (r.status, r.model.as_str(), r.version.as_str()),
+        (200, "fake", "1.0.0")
+    );
+    assert_eq!(r.finish_reason.as_deref(), Some("stop"));
+    assert_eq!((r.principal.as_str(), r.completion_tokens), ("tester", 2));
+    assert!(r.error_type.is_none() && r.refusal.is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn typed_backend_errors_become_their_status_codes() {
+    let cases = [
+        (
+            BackendError::Overloaded {
+                message: "queue full".into(),
+                retry_after_s: 3,
+            },
+            429,
+            "rate_limit_error",
+            Some("queue_full"),
+        ),
+        (
+            BackendError::invalid_param("response_format", "bad schema"),
+            400,
+            "invalid_request_error",
+            None,
+        ),
+        (
+            BackendError::ContextLength("too long".into()),
+            400,
+            "invalid_request_error",
+            Some("context_length_exceeded"),
+        ),
+        (
+            BackendError::Unavailable {
+                message: "stopping".into(),
+                retry_after_s: 5,
+            },
+            503,
+            "service_unavailable",
+            None,
+        ),
+        (
+            BackendError::Timeout {
+                message: "no slot in time".into(),
+                retry_after_s: 1,
+            },
+            503,
+            "service_unavailable",
+            None,
+        ),
+        (
+            BackendError::Failed("boom".into()),
+            500,
+            "server_error",
+            None,
+        ),
+    ];
+    for (i, (error, status, kind, code)) in cases.into_iter().enumerate() {
+        let h = harness(
+            vec![("fake", llm(Script::Refuse(error)))],
+            Options::default(),
+        )
+        .await;
+        let r = h.post("/v1/chat/completions", chat(false)).await;
+        assert_eq!(r.status().as_u16(), status, "case {i}");
+        if status == 429 || status == 503 {
+            assert!(r.headers().contains_key("retry-after"), "case {i}");
+        }
+        let body: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(body["error"]["type"], kind, "case {i}: {body}");
+        assert_eq!(body["error"]["code"].as_str(), code, "case {i}: {body}");
+        let records = h.records(1).await;
+        assert_eq!(records[0].status, status, "case {i}");
+        assert_eq!(records[0].error_type.as_deref(), Some(kind), "case {i}");
+        assert_eq!(records[0].error_code.as_deref(), code, "case {i}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_first_token_still_streams_and_is_timed() {
+    let script = Script::Tokens {
+        tokens: vec!["a", "b", "c"],
+        first: Duration::from_millis(150),
+        gap: Duration::from_millis(5),
+    };
+    let h = harness(vec![("fake", llm(script))], Options::default()).await;
+    let r = h.post("/v1/chat/completions", chat(true)).await;
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(data.last(), Some(&"[DONE]"));
+    let content: String = data
+        .iter()
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .filter_map(|v| {
+            v["choices"][0]["delta"]["content"]
+                .as_str()
+                .map(String::from)
+        })
+        .collect();
+    assert_eq!(content, "abc");
+    let r = &h.records(1).await[0];
+    assert!(r.stream && r.status == 200);
+    assert!(r.ttft_ms >= 140.0, "time to first token {} ms", r.ttft_ms);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_mid_stream_ends_with_a_typed_error_event() {
+    let h = harness(
+        vec![("fake", llm(Script::FailAfter(vec!["par", "tial"])))],
+        Options::default(),
+    )
+    .await;
+    let text = h
+        .post("/v1/chat/completions", chat(true))
+        .await
+        .text()
+        .await
+        .unwrap();
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    let error: serde_json::Value = serde_json::from_str(data[data.len() - 2]).unwrap();
+    assert_eq!(error["error"]["type"], "server_error", "{text}");
+    assert!(error["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("device fell off"));
+    assert!(!text.contains("\"finish_reason\":\"stop\""), "{text}");
+    let r = &h.records(1).await[0];
+    assert_eq!(
+        (r.status, r.error_type.as_deref()),
+        (500, Some("server_error"))
+    );
+    // Non-streaming: the same failure is a 500 body.
+    let r = h.post("/v1/chat/completions", chat(false)).await;
+    assert_eq!(r.status(), 500);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_goes_away_mid_stream_still_leaves_its_record() {
+    let script = Script::Tokens {
+        tokens: vec!["x"; 200],
+        first: Duration::ZERO,
+        gap: Duration::from_millis(10),
+    };
+    let h = harness(vec![("fake", llm(script))], Options::default()).await;
+    for _ in 0..4 {
+        let mut r = h.post("/v1/chat/completions", chat(true)).await;
+        // Read a little, then hang up.
+        let _ = r.chunk().await.unwrap();
+        drop(r);
+    }
+    let records = h.records(4).await;
+    assert_eq!(records.len(), 4, "every disconnect is recorded");
+    for r in &records {
+        assert_eq!(r.status, 499, "{r:?}");
+        assert_eq!(r.finish_reason.as_deref(), Some("cancelled"));
+    }
+    // The admission slots came back.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while h.state.registry.busy() > 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(h.state.registry.busy(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overload_keys_and_drain_are_refused_with_their_reason_recorded() {
+    let slow = Script::Tokens {
+        tokens: vec!["x"],
+        first: Duration::from_millis(400),
+        gap: Duration::ZERO,
+    };
+    let h = harness(
+        vec![("fake", llm(slow))],
+        Options {
+            max_in_flight: 1,
+            max_waiting: 0,
+            ..Options::default()
+        },
+    )
+    .await;
+    let busy = {
+        let h_url = h.url.clone();
+        let client = h.client.clone();
+        tokio::spawn(async move {
+            client
+                .post(format!("{h_url}/v1/chat/completions"))
+                .bearer_auth(KEY)
+                .json(&chat(false))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let r = h.post("/v1/chat/completions", chat(false)).await;
+    assert_eq!(r.status(), 429);
+    assert!(r.headers().contains_key("retry-after"));
+    assert_eq!(busy.await.unwrap(), 200);
+
+    let r = h
+        .client
+        .post(format!("{}/v1/chat/completions", h.url))
+        .json(&chat(false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    h.state.draining.store(true, Ordering::Relaxed);
+    let r = h.post("/v1/chat/completions", chat(false)).await;
+    assert_eq!(r.status(), 503);
+
+    let records = h.records(4).await;
+    let refusal = |status: u16| {
+        records
+            .iter()
+            .find(|r| r.status == status)
+            .unwrap_or_else(|| panic!("no {status} record in {records:?}"))
+    };
+    assert_eq!(refusal(429).refusal, Some("queue_full"));
+    assert_eq!(refusal(429).error_code.as_deref(), Some("queue_full"));
+    assert_eq!(refusal(401).refusal, Some("unauthorized"));
+    assert_eq!(refusal(401).principal, "unauthenticated");
+    assert_eq!(
+        refusal(503).error_type.as_deref(),
+        Some("service_unavailable")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_lossy_sink_never_slows_requests_and_its_drops_are_counted() {
+    let gate = Gate::closed();
+    let (stuck, _) = CollectingSink::new("stuck", Delivery::Lossy { capacity: 4 });
+    let h = harness(
+        vec![("fake", llm(hello()))],
+        Options {
+            extra_sinks: vec![Box::new(GatedSink::new(stuck, &gate))],
+            ..Options::default()
+        },
+    )
+    .await;
+    let started = Instant::now();
+    for _ in 0..40 {
+        let r = h.post("/v1/chat/completions", chat(false)).await;
+        assert_eq!(r.status(), 200);
+    }
+    let elapsed = started.elapsed();
+    let records = h.records(40).await;
+    assert_eq!(records.len(), 40, "the lossless test sink got every record");
+    let stuck = h
+        .state
+        .bus
+        .counters()
+        .into_iter()
+        .find(|c| c.sink == "stuck")
+        .unwrap();
+    assert!(
+        (35..=36).contains(&stuck.dropped(DropReason::LaneFull)),
+        "{stuck:?}"
+    );
+    eprintln!("40 requests with a stuck lossy sink: {elapsed:?}");
+    gate.open();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kserve_rest_embeddings_and_model_lists_share_the_one_registry() {
+    let h = harness(
+        vec![
+            ("fake", llm(hello())),
+            ("echo", Arc::new(FakeTensor)),
+            ("embed", Arc::new(FakeEmbedder)),
+        ],
+        Options::default(),
+    )
+    .await;
+    let tensors = serde_json::json!({
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1.5, 2.5]}]
+    });
+    let r = h.post("/v2/models/echo/infer", tensors.clone()).await;
+    assert_eq!(r.status(), 200);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["model_name"], "echo");
+    assert_eq!(body["model_version"], "1.0.0");
+    assert_eq!(body["outputs"][0]["data"], serde_json::json!([1.5, 2.5]));
+    let r = h.post("/v2/models/fake/infer", tensors.clone()).await;
+    assert_eq!(r.status(), 400);
+    assert!(r.text().await.unwrap().contains("is a language model"));
+    let r = h.post("/v2/models/nope/infer", tensors).await;
+    assert_eq!(r.status(), 404);
+    let overload = serde_json::json!({
+        "inputs": [{"name": "overload", "datatype": "FP32", "shape": [1], "data": [0]}]
+    });
+    let r = h.post("/v2/models/echo/infer", overload).await;
+    assert_eq!(r.status(), 429);
+
+    let r = h
+        .post(
+            "/v1/embeddings",
+            serde_json::json!({"model": "embed", "input": ["abc", "de"]}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["data"][1]["embedding"], serde_json::json!([2.0, 1.0]));
+    let r = h
+        .post(
+            "/v1/embeddings",
+            serde_json::json!({"model": "fake", "input": "abc"}),
+        )
+        .await;
+    assert_eq!(r.status(), 400, "a language model is not an embedder");
+    let r = h
+        .post(
+            "/v1/chat/completions",
+            serde_json::json!({"model": "embed", "messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .await;
+    assert_eq!(r.status(), 404);
+
+    let models: serde_json::Value = h
+        .client
+        .get(format!("{}/v1/models", h.url))
+        .bearer_auth(KEY)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["fake", "embed"], "language models, then embedders");
+    let records = h.records(7).await;
+    assert!(records
+        .iter()
+        .any(|r| r.endpoint == "kserve_infer" && r.model == "echo" && r.items == 1));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_calls_the_same_front() {
+    use server::grpc::proto::grpc_inference_service_server::GrpcInferenceService;
+    use server::grpc::proto::model_infer_request::InferInputTensor;
+    use server::grpc::proto::{InferTensorContents, ModelInferRequest};
+    use tonic::Code;
+
+    let h = harness(
+        vec![("fake", llm(hello())), ("echo", Arc::new(FakeTensor))],
+        Options::default(),
+    )
+    .await;
+    let service = server::grpc::Inference::new(Arc::clone(&h.state));
+    let request = |model: &str, input: &str| {
+        let mut r = tonic::Request::new(ModelInferRequest {
+            model_name: model.into(),
+            inputs: vec![InferInputTensor {
+                name: input.into(),
+                datatype: "FP32".into(),
+                shape: vec![2],
+                parameters: Default::default(),
+                contents: Some(InferTensorContents {
+                    fp32_contents: vec![1.0, 2.0],
+                    ..Default::default()
+                }),
+            }],
+            ..Default::default()
+        });
+        r.metadata_mut()
+            .insert("authorization", format!("Bearer {KEY}").parse().unwrap());
+        r
+    };
+    let ok = service.model_infer(request("echo", "x")).await.unwrap();
+    assert_eq!(ok.get_ref().model_name, "echo");
+    assert_eq!(ok.get_ref().outputs[0].name, "y");
+    let e = service
+        .model_infer(request("echo", "overload"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted);
+    assert_eq!(e.metadata().get("retry-after").unwrap(), "2");
+    let e = service.model_infer(request("fake", "x")).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    h.state.draining.store(true, Ordering::Relaxed);
+    let e = service.model_infer(request("echo", "x")).await.unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable);
+    let records = h.records(4).await;
+    assert_eq!(
+        records
+            .iter()
+            .filter(|r| r.endpoint == "kserve_grpc_infer")
+            .count(),
+        4
+    );
+}

@@ -123,7 +123,7 @@ impl RecordBuilder {
             return Receipt::empty();
         }
         self.emitted = true;
-        let mut record = self.record.clone();
+        let record = &mut self.record;
         record.total_ms = self.started.elapsed().as_secs_f64() * 1e3;
         if self.entropy_count > 0 {
             let mean = (self.entropy_sum / self.entropy_count as f64) as f32;
@@ -139,7 +139,7 @@ impl RecordBuilder {
             record.error_type = Some("client_closed_request".into());
             record.error_code = Some("client_closed_request".into());
         }
-        self.record = record.clone();
+        let record = record.clone();
         self.bus.publish(Envelope {
             record,
             token_gaps_s: std::mem::take(&mut self.gaps),

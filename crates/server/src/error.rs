@@ -256,6 +256,7 @@ impl From<BackendError> for ApiError {
                 retry_after_s,
             },
             BackendError::Failed(m) => ApiError::Internal(m),
+            BackendError::InvalidOutput(m) => ApiError::InvalidOutput(m),
         }
     }
 }

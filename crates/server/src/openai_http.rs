@@ -14,7 +14,9 @@ use engine::{FinishReason, Finished};
 use futures_util::stream::{self, StreamExt};
 use record::{sha256_hex, RecordBuilder};
 
-use crate::backend::{Answer, EmbedWork, Generated, Generation, Kind, Token, Work, WorkKind};
+use crate::backend::{
+    Answer, EmbedWork, Embeddings, Generated, Generation, Kind, Token, Work, WorkKind,
+};
 use crate::error::{ApiError, ErrorBody};
 use crate::front::{self, Ticket};
 use crate::identity::{self, Principal, RequestId};
@@ -101,17 +103,7 @@ async fn start(
     record: &mut RecordBuilder,
 ) -> Result<Reply, ApiError> {
     let bytes = identity::read_body(body, state.config.limits.max_body_bytes, record).await?;
-    let limits = &state.config.limits;
-    let (model, plan) = match endpoint {
-        Endpoint::Chat => {
-            let r: ChatCompletionRequest = parse_json(&bytes)?;
-            (r.model.clone(), r.plan(limits)?)
-        }
-        Endpoint::Completions => {
-            let r: CompletionRequest = parse_json(&bytes)?;
-            (r.model.clone(), r.plan(limits)?)
-        }
-    };
+    let (model, plan) = decode_generation(&bytes, endpoint, &state.config.limits)?;
     record.record.user = plan.user.clone();
     record.record.input_sha256 = sha256_hex(&plan.input_for_hash);
     record.payload_input(|| serde_json::json!({ "prompt": plan.input_for_hash }));
@@ -120,15 +112,8 @@ async fn start(
         include_usage: plan.include_usage,
         logprobs: plan.logprobs,
     };
-    let model = ModelName::parse(&model);
-    let admitted = front::serve(
-        state,
-        principal,
-        &model,
-        Work::Generate(Box::new(plan)),
-        record,
-    )
-    .await?;
+    let work = Work::Generate(Box::new(plan));
+    let admitted = front::serve(state, principal, &model, work, record).await?;
     let Answer::Generation(g) = admitted.answer else {
         return Err(ApiError::Internal(
             "the backend answered a generation with something else".into(),
@@ -147,6 +132,25 @@ async fn start(
         id: format!("{prefix}-{}", uuid::Uuid::new_v4().simple()),
         created: now_s(),
     })
+}
+
+/// The model named and the validated plan of a chat or completion body.
+fn decode_generation(
+    bytes: &[u8],
+    endpoint: Endpoint,
+    limits: &crate::config::Limits,
+) -> Result<(ModelName, crate::backend::GeneratePlan), ApiError> {
+    let (model, plan) = match endpoint {
+        Endpoint::Chat => {
+            let r: ChatCompletionRequest = parse_json(bytes)?;
+            (r.model.clone(), r.plan(limits)?)
+        }
+        Endpoint::Completions => {
+            let r: CompletionRequest = parse_json(bytes)?;
+            (r.model.clone(), r.plan(limits)?)
+        }
+    };
+    Ok((ModelName::parse(&model), plan))
 }
 
 /// Embeddings of one or more inputs (texts or token lists).
@@ -194,6 +198,10 @@ async fn embed(
         ));
     };
     record.payload_output(|| serde_json::json!({ "vectors": e.vectors.len() }));
+    Ok(encode_embeddings(e, plan.base64, &admitted.entry.name))
+}
+
+fn encode_embeddings(e: Embeddings, base64: bool, model: &str) -> EmbeddingResponse {
     let data = e
         .vectors
         .into_iter()
@@ -201,22 +209,22 @@ async fn embed(
         .map(|(index, v)| EmbeddingData {
             object: "embedding",
             index,
-            embedding: if plan.base64 {
+            embedding: if base64 {
                 EmbeddingVector::Base64(base64_f32(&v))
             } else {
                 EmbeddingVector::Float(v)
             },
         })
         .collect();
-    Ok(EmbeddingResponse {
+    EmbeddingResponse {
         object: "list",
         data,
-        model: admitted.entry.name.clone(),
+        model: model.to_string(),
         usage: EmbeddingUsage {
             prompt_tokens: e.prompt_tokens,
             total_tokens: e.prompt_tokens,
         },
-    })
+    }
 }
 
 fn card(e: &Entry) -> ModelCard {
@@ -451,7 +459,10 @@ async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Respon
         .iter()
         .filter_map(|s| s.finish.as_ref().map(|f| (s.text.as_str(), f)))
         .collect();
-    let checked = reply.g.check_outputs(&mut record, &outputs);
+    let checked = reply
+        .g
+        .check_outputs(&mut record, &outputs)
+        .map_err(ApiError::from);
     reply.charge(&record);
     if let Err(e) = checked {
         front::settle::<()>(&mut record, Err(&e));
@@ -460,8 +471,14 @@ async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Respon
     record.payload_output(|| {
         serde_json::json!({ "choices": states.iter().map(|s| s.text.as_str()).collect::<Vec<_>>() })
     });
-    let usage = reply.usage(record.record.completion_tokens);
-    let response = match reply.endpoint {
+    let response = encode_collected(&reply, states, reply.usage(record.record.completion_tokens));
+    let _ = record.finish();
+    response
+}
+
+/// The one JSON body of a non-streaming generation.
+fn encode_collected(reply: &Reply, states: Vec<ChoiceState>, usage: Usage) -> Response {
+    match reply.endpoint {
         Endpoint::Chat => Json(ChatCompletion {
             id: reply.id.clone(),
             object: "chat.completion",
@@ -505,9 +522,7 @@ async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Respon
             system_fingerprint: reply.fingerprint(),
         })
         .into_response(),
-    };
-    let _ = record.finish();
-    response
+    }
 }
 
 /// The SSE stream's state: the reply, the record, the events not yet sent.
@@ -674,7 +689,12 @@ impl Streaming {
             .map(String::as_str)
             .zip(all.iter())
             .collect();
-        if let Err(e) = self.reply.g.check_outputs(&mut self.record, &outputs) {
+        if let Err(e) = self
+            .reply
+            .g
+            .check_outputs(&mut self.record, &outputs)
+            .map_err(ApiError::from)
+        {
             // The text already went out; the client learns it is not to be trusted.
             e.record(&mut self.record);
             self.pending

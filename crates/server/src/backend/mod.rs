@@ -24,8 +24,6 @@ use futures_util::stream::BoxStream;
 use grammar::GrammarSpec;
 use record::RecordBuilder;
 
-use crate::error::ApiError;
-
 pub use tensor::{InferRequest, InferResponse, OutputTensor, RequestedOutput};
 
 /// What kind of model a backend serves.
@@ -186,7 +184,7 @@ impl Generation {
         &self,
         record: &mut RecordBuilder,
         outputs: &[(&str, &Finished)],
-    ) -> Result<(), ApiError> {
+    ) -> Result<(), BackendError> {
         let Some(compiled) = &self.structured else {
             return Ok(());
         };
@@ -210,7 +208,7 @@ impl Generation {
             };
         }
         match worst {
-            grammar::Outcome::Invalid(problem) => Err(ApiError::InvalidOutput(format!(
+            grammar::Outcome::Invalid(problem) => Err(BackendError::InvalidOutput(format!(
                 "the output does not follow the requested {}: {problem}",
                 compiled.spec.kind()
             ))),
@@ -244,6 +242,9 @@ pub enum BackendError {
     /// The backend broke.
     #[error("{0}")]
     Failed(String),
+    /// A structured-output request ended with an output that fails its schema or grammar.
+    #[error("{0}")]
+    InvalidOutput(String),
 }
 
 /// The classes of [`BackendError`].
@@ -277,7 +278,7 @@ impl BackendError {
             BackendError::Overloaded { .. } => FailureClass::Overload,
             BackendError::Unavailable { .. } => FailureClass::Unavailable,
             BackendError::Timeout { .. } => FailureClass::Timeout,
-            BackendError::Failed(_) => FailureClass::Failure,
+            BackendError::Failed(_) | BackendError::InvalidOutput(_) => FailureClass::Failure,
         }
     }
 }

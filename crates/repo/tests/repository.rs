@@ -523,3 +523,37 @@ fn refuses_ambiguous_and_inconsistent_sources() {
     );
     assert!(repo.models().unwrap().is_empty());
 }
+
+#[test]
+fn rules_files_import_as_rules_models_and_bad_ones_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let repo = Repository::open(tmp.path().join("models"));
+    let example =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/rules/support-tickets.toml");
+    let loaded = repo.import(&example, &options("tickets", "1.0.0")).unwrap();
+    let m = &loaded.manifest;
+    assert_eq!((m.model.kind, m.model.format), (Kind::Rules, Format::Toml));
+    assert_eq!(m.model.weights, ["support-tickets.toml"]);
+    assert_eq!(m.model.parameter_count, 66, "60 keywords and 6 patterns");
+    assert!(repo.verify(&loaded.version, &NoProgress).unwrap().ok());
+
+    let bad = tmp.path().join("bad.toml");
+    std::fs::write(
+        &bad,
+        "[labels.a]\npatterns = [{ regex = \"(\", weight = 1.0 }]\n",
+    )
+    .unwrap();
+    let err = repo.import(&bad, &options("bad", "1.0.0")).unwrap_err();
+    assert!(err.to_string().contains("pattern \"(\""), "{err}");
+    assert!(
+        !tmp.path().join("models/bad").exists(),
+        "nothing is written"
+    );
+    let mut as_llm = options("tickets", "2.0.0");
+    as_llm.kind = Some(Kind::Llm);
+    let err = repo.import(&example, &as_llm).unwrap_err();
+    assert!(
+        err.to_string().contains("cannot be imported as kind llm"),
+        "{err}"
+    );
+}

@@ -14,6 +14,7 @@ use crate::admission::Admission;
 use crate::auth::{KeyStore, RateLimiter};
 use crate::backend::embedding::EmbeddingBackend;
 use crate::backend::llm::LlmBackend;
+use crate::backend::rules::RulesBackend;
 use crate::backend::tensor::TensorBackend;
 use crate::config::{ModelConfig, ServerConfig};
 use crate::registry::{Entry, Registry};
@@ -162,7 +163,9 @@ pub fn models_to_load(
         // embedders without a declared tokenizer are not served and would only keep readiness
         // at 503), and ONNX tensor models.
         let servable = match manifest.model.kind {
-            repo::manifest::Kind::Llm | repo::manifest::Kind::Onnx => true,
+            repo::manifest::Kind::Llm
+            | repo::manifest::Kind::Onnx
+            | repo::manifest::Kind::Rules => true,
             repo::manifest::Kind::Embedding => {
                 manifest.model.format == repo::manifest::Format::Safetensors
             }
@@ -248,6 +251,7 @@ pub fn load(
         repo::Kind::Onnx => load_tensor_model(config, repository, model)?,
         repo::Kind::Embedding => load_embedder(config, repository, model)?,
         repo::Kind::Llm => load_llm(config, repository, model)?,
+        repo::Kind::Rules => load_rules(config, repository, model)?,
     };
     let d = entry.backend.describe();
     tracing::info!(
@@ -302,6 +306,39 @@ fn load_tensor_model(
         "tensor model ready"
     );
     let backend = TensorBackend::new(model.name.clone(), tensor_model);
+    Ok(entry(
+        config,
+        model,
+        loaded.version.version.to_string(),
+        digest,
+        Arc::new(backend),
+    ))
+}
+
+/// Loads one rules model: its rules file, compiled by the rules engine.
+fn load_rules(
+    config: &ServerConfig,
+    repository: &Repository,
+    model: &ModelConfig,
+) -> Result<Entry, LoadError> {
+    let (loaded, digest) = load_verified(repository, model)?;
+    let file = loaded
+        .manifest
+        .model
+        .weights
+        .first()
+        .ok_or_else(|| LoadError::new(&model.name, "the manifest names no rules file"))?;
+    let path = loaded.version.dir.join(file);
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| LoadError::new(&model.name, format!("{}: {e}", path.display())))?;
+    let engine =
+        guard::RulesEngine::from_toml(&text).map_err(|e| LoadError::new(&model.name, e))?;
+    tracing::info!(
+        model = %model.name,
+        labels = engine.labels().len(),
+        "rules model ready"
+    );
+    let backend = RulesBackend::new(model.name.clone(), engine);
     Ok(entry(
         config,
         model,

@@ -730,3 +730,49 @@ async fn grpc_calls_the_same_front() {
         4
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rules_model_answers_chat_and_kserve_with_reasons_from_the_input() {
+    let rules = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../examples/rules/support-tickets.toml"
+    ))
+    .unwrap();
+    let engine = guard::RulesEngine::from_toml(&rules).unwrap();
+    let backend = server::backend::rules::RulesBackend::new("tickets".into(), engine);
+    let h = harness(vec![("tickets", Arc::new(backend))], Options::default()).await;
+    let ticket = "我的快递一个星期了还没收到，物流也不更新";
+    let r = h
+        .post(
+            "/v1/chat/completions",
+            serde_json::json!({"model": "tickets", "messages": [{"role": "user", "content": ticket}]}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    let body: serde_json::Value = r.json().await.unwrap();
+    let answer: serde_json::Value =
+        serde_json::from_str(body["choices"][0]["message"]["content"].as_str().unwrap()).unwrap();
+    assert_eq!(answer["category"], "logistics", "{answer}");
+    assert!(answer["confidence"].as_f64().unwrap() > 0.5);
+    let reasons = answer["reasons"].as_array().unwrap();
+    assert!(!reasons.is_empty() && reasons.len() <= 3);
+    for reason in reasons {
+        assert!(
+            ticket.contains(reason["text"].as_str().unwrap()),
+            "{reason}"
+        );
+    }
+    let tensors = serde_json::json!({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [2],
+        "data": ["I was charged twice, I want my money back", "hello"]}]});
+    let r = h.post("/v2/models/tickets/infer", tensors).await;
+    assert_eq!(r.status(), 200);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["outputs"][0]["name"], "label");
+    assert_eq!(
+        body["outputs"][0]["data"],
+        serde_json::json!(["refund", "service"])
+    );
+    let records = h.records(2).await;
+    assert!(records[0].confidence.is_some_and(|c| c > 0.5));
+    assert_eq!(records[1].items, 2);
+}

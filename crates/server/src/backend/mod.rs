@@ -8,11 +8,14 @@
 //! returns an [`Answer`]. Wire formats live above this line (`openai_http`, `kserve`, `grpc`);
 //! model internals below it (`engine`, `classic`).
 //!
+//! The rules engine answers through the same seam ([`rules`]).
+//!
 //! The trait is [`InferenceBackend`], named apart from `kernels::Backend` (compute devices) and
 //! `classic::Backend` (ONNX runtimes).
 
 pub mod embedding;
 pub mod llm;
+pub mod rules;
 pub mod tensor;
 
 use std::future::Future;
@@ -32,6 +35,8 @@ pub enum Kind {
     Llm,
     Embedding,
     Tensor,
+    /// The rules engine over a rules file.
+    Rules,
 }
 
 /// Everything a request can ask a backend for.

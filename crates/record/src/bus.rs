@@ -146,7 +146,8 @@ pub enum BusError {
 type AckSender = oneshot::Sender<Result<(), AckError>>;
 
 struct Item {
-    envelope: Arc<Envelope>,
+    /// `None`: a marker that only asks to be acknowledged once everything before it is written.
+    envelope: Option<Arc<Envelope>>,
     ack: Option<AckSender>,
 }
 
@@ -358,7 +359,13 @@ impl Bus {
             } else {
                 None
             };
-            self.offer(lane, Item { envelope, ack });
+            self.offer(
+                lane,
+                Item {
+                    envelope: Some(envelope),
+                    ack,
+                },
+            );
         }
         receipt
     }
@@ -396,6 +403,28 @@ impl Bus {
                 });
             }
         }
+    }
+
+    /// Waits until `sink` has written every record published before this call, up to
+    /// `timeout` (read-your-writes for a scrape of the metrics). Returns whether it caught up; a
+    /// full lossy lane, a closed bus or an unknown sink return `false` at once.
+    pub async fn caught_up(&self, sink: &str, timeout: Duration) -> bool {
+        let Some(lane) = self.lanes.iter().find(|l| l.name == sink) else {
+            return false;
+        };
+        let (tx, rx) = oneshot::channel();
+        let sent = {
+            let guard = lane.sender.read().unwrap_or_else(|e| e.into_inner());
+            guard.as_ref().is_some_and(|sender| {
+                sender
+                    .try_send(Item {
+                        envelope: None,
+                        ack: Some(tx),
+                    })
+                    .is_ok()
+            })
+        };
+        sent && matches!(tokio::time::timeout(timeout, rx).await, Ok(Ok(Ok(()))))
     }
 
     /// What every lane counted so far.
@@ -452,7 +481,13 @@ impl Bus {
 /// A sink's task: write each record of its lane, acknowledge, flush when the lane closes.
 async fn run_sink(mut sink: Box<dyn Sink>, mut lane_rx: mpsc::Receiver<Item>, lane: Arc<Lane>) {
     while let Some(item) = lane_rx.recv().await {
-        match sink.write(&item.envelope).await {
+        let Some(envelope) = item.envelope else {
+            if let Some(ack) = item.ack {
+                let _ = ack.send(Ok(()));
+            }
+            continue;
+        };
+        match sink.write(&envelope).await {
             Ok(()) => {
                 lane.written.fetch_add(1, Ordering::Relaxed);
                 if let Some(ack) = item.ack {
@@ -461,7 +496,7 @@ async fn run_sink(mut sink: Box<dyn Sink>, mut lane_rx: mpsc::Receiver<Item>, la
             }
             Err(e) => {
                 lane.count(DropReason::WriteFailed);
-                tracing::warn!(sink = lane.name, error = %e, request_id = %item.envelope.record.request_id, "record sink failed to write a record");
+                tracing::warn!(sink = lane.name, error = %e, request_id = %envelope.record.request_id, "record sink failed to write a record");
                 if let Some(ack) = item.ack {
                     let _ = ack.send(Err(AckError::Failed {
                         sink: lane.name,

@@ -178,3 +178,23 @@ fn a_bus_needs_a_runtime() {
         Err(BusError::NoRuntime)
     ));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn caught_up_waits_for_everything_published_before_it() {
+    let gate = Gate::closed();
+    let (sink, got) = CollectingSink::new("metrics", Delivery::Lossy { capacity: 64 });
+    let bus = Bus::start(vec![Box::new(GatedSink::new(sink, &gate))]).unwrap();
+    for i in 0..10 {
+        let _ = bus.publish(sample_envelope(i));
+    }
+    assert!(
+        !bus.caught_up("metrics", Duration::from_millis(50)).await,
+        "the sink is stuck"
+    );
+    gate.open();
+    assert!(bus.caught_up("metrics", Duration::from_secs(5)).await);
+    assert_eq!(got.len(), 10, "every record before the call was written");
+    assert!(!bus.caught_up("nope", Duration::from_secs(1)).await);
+    bus.shutdown(Duration::from_secs(5)).await;
+    assert!(!bus.caught_up("metrics", Duration::from_secs(1)).await);
+}

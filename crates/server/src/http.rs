@@ -249,6 +249,11 @@ async fn ready(State(state): State<Arc<AppState>>) -> Response {
 /// Prometheus metrics (docs/metrics.md).
 #[utoipa::path(get, path = "/metrics", responses((status = 200, description = "Prometheus text format", content_type = "text/plain")))]
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    // Every request answered before the scrape is counted in it (the sink runs on its own task).
+    state
+        .bus
+        .caught_up(observe::METRICS_SINK, std::time::Duration::from_millis(250))
+        .await;
     observe::refresh_gauges(&state.registry, &state.bus);
     let body = state
         .metrics

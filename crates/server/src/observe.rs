@@ -333,9 +333,12 @@ impl MetricsSink {
     }
 }
 
+/// The metrics sink's name; a scrape waits for it to catch up ([`Bus::caught_up`]).
+pub const METRICS_SINK: &str = "metrics";
+
 impl Sink for MetricsSink {
     fn name(&self) -> &'static str {
-        "metrics"
+        METRICS_SINK
     }
 
     fn delivery(&self) -> Delivery {

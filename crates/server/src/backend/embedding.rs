@@ -5,6 +5,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use classic::{Data, Tensor};
+
+use super::tensor::text_input;
 use record::RecordBuilder;
 use tracing::Instrument;
 
@@ -90,41 +92,7 @@ impl EmbeddingBackend {
         request: InferRequest,
         record: &mut RecordBuilder,
     ) -> Result<InferResponse, BackendError> {
-        let [input] = request.inputs.as_slice() else {
-            return Err(BackendError::invalid(format!(
-                "embedding model {:?} takes one input, {TEXT_INPUT:?} (BYTES)",
-                self.name
-            )));
-        };
-        let Data::Bytes(items) = &input.data else {
-            return Err(BackendError::invalid(format!(
-                "input {:?} must be BYTES (UTF-8 text), got {}",
-                input.name,
-                input.dtype()
-            )));
-        };
-        if input.name != TEXT_INPUT {
-            return Err(BackendError::invalid(format!(
-                "embedding model {:?} has no input {:?} (inputs: {TEXT_INPUT})",
-                self.name, input.name
-            )));
-        }
-        if items.is_empty() {
-            return Err(BackendError::invalid(format!(
-                "input {TEXT_INPUT:?} is empty"
-            )));
-        }
-        let texts: Vec<String> = items
-            .iter()
-            .enumerate()
-            .map(|(i, b)| {
-                String::from_utf8(b.clone()).map_err(|_| {
-                    BackendError::invalid(format!(
-                        "input {TEXT_INPUT:?}, element {i}: not UTF-8 text"
-                    ))
-                })
-            })
-            .collect::<Result<_, _>>()?;
+        let texts = text_input(&format!("embedding model {:?}", self.name), &request)?;
         let n_texts = texts.len();
         let started = Instant::now();
         let embeddings = self.embed(EmbeddingInputs::Texts(texts), None).await?;

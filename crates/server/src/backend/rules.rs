@@ -4,6 +4,8 @@
 //! "token" per answer, entropy 0.
 
 use classic::{Data, Tensor};
+
+use super::tensor::text_input;
 use engine::{ChatMessage, FinishReason, Finished, Prompt};
 use futures_util::stream::{self, StreamExt};
 use guard::{Classification, RulesEngine};
@@ -71,36 +73,15 @@ impl RulesBackend {
         request: InferRequest,
         record: &mut RecordBuilder,
     ) -> Result<InferResponse, BackendError> {
-        let [input] = request.inputs.as_slice() else {
-            return Err(BackendError::invalid(format!(
-                "rules model {:?} takes one input, {TEXT_INPUT:?} (BYTES)",
-                self.name
-            )));
-        };
-        let Data::Bytes(items) = &input.data else {
-            return Err(BackendError::invalid(format!(
-                "input {:?} must be BYTES (UTF-8 text), got {}",
-                input.name,
-                input.dtype()
-            )));
-        };
-        if input.name != TEXT_INPUT {
-            return Err(BackendError::invalid(format!(
-                "rules model {:?} has no input {:?} (inputs: {TEXT_INPUT})",
-                self.name, input.name
-            )));
-        }
-        let mut labels = Vec::with_capacity(items.len());
-        let mut confidences = Vec::with_capacity(items.len());
-        for (i, item) in items.iter().enumerate() {
-            let text = std::str::from_utf8(item).map_err(|_| {
-                BackendError::invalid(format!("input {TEXT_INPUT:?}, element {i}: not UTF-8 text"))
-            })?;
+        let texts = text_input(&format!("rules model {:?}", self.name), &request)?;
+        let mut labels = Vec::with_capacity(texts.len());
+        let mut confidences = Vec::with_capacity(texts.len());
+        for text in &texts {
             let c = self.engine.classify(text);
             labels.push(c.label.unwrap_or_default().into_bytes());
             confidences.push(c.confidence as f32);
         }
-        record.record.items = items.len();
+        record.record.items = texts.len();
         record_confidence(record, &confidences);
         let n = labels.len();
         let all = [

@@ -361,6 +361,42 @@ impl InferenceBackend for TensorBackend {
     }
 }
 
+/// The texts of a request whose one input is a `text` BYTES tensor (embedding and rules models
+/// over KServe); `what` names the model in errors ("embedding model \"m\"").
+pub fn text_input(what: &str, request: &InferRequest) -> Result<Vec<String>, BackendError> {
+    const TEXT: &str = "text";
+    let [input] = request.inputs.as_slice() else {
+        return Err(BackendError::invalid(format!(
+            "{what} takes one input, {TEXT:?} (BYTES)"
+        )));
+    };
+    let Data::Bytes(items) = &input.data else {
+        return Err(BackendError::invalid(format!(
+            "input {:?} must be BYTES (UTF-8 text), got {}",
+            input.name,
+            input.dtype()
+        )));
+    };
+    if input.name != TEXT {
+        return Err(BackendError::invalid(format!(
+            "{what} has no input {:?} (inputs: {TEXT})",
+            input.name
+        )));
+    }
+    if items.is_empty() {
+        return Err(BackendError::invalid(format!("input {TEXT:?} is empty")));
+    }
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, b)| {
+            String::from_utf8(b.clone()).map_err(|_| {
+                BackendError::invalid(format!("input {TEXT:?}, element {i}: not UTF-8 text"))
+            })
+        })
+        .collect()
+}
+
 /// A shape as the wire gives it (signed dimensions), refused when a dimension is negative.
 pub fn wire_shape(name: &str, shape: &[i64]) -> Result<Vec<usize>, BackendError> {
     shape

@@ -11,6 +11,17 @@ use formats::tiny::TinyLlama;
 use testkit::cached_model;
 use testkit::models::SMOLLM2_GGUF;
 
+/// The tiny model with a 4,096-token context: sequences long enough to outlast a busy machine.
+fn long_tiny_model(dir: &Path) -> std::path::PathBuf {
+    let path = dir.join("long.gguf");
+    let long = TinyLlama {
+        context_length: 4096,
+        ..TinyLlama::default()
+    };
+    std::fs::write(&path, long.to_gguf().unwrap()).unwrap();
+    path
+}
+
 fn tiny_model(dir: &Path) -> std::path::PathBuf {
     let path = dir.join("tiny.gguf");
     std::fs::write(&path, TinyLlama::default().to_gguf().unwrap()).unwrap();
@@ -133,15 +144,9 @@ fn dropping_a_stream_frees_its_blocks() {
     let dir = tempfile::tempdir().unwrap();
     // A long context, so that `keep` cannot finish on a busy machine before the snapshots below
     // see it running alone.
-    let path = dir.path().join("long.gguf");
-    let long = TinyLlama {
-        context_length: 4096,
-        ..TinyLlama::default()
-    };
-    std::fs::write(&path, long.to_gguf().unwrap()).unwrap();
     let mut opts = options(KvDType::F32, 8);
     opts.context = Some(4096);
-    let engine = Engine::load(&path, &opts).unwrap();
+    let engine = Engine::load(&long_tiny_model(dir.path()), &opts).unwrap();
     let mut keep = engine.generate(request("Once upon a time", 4000)).unwrap();
     let mut cancel = engine
         .generate(request("The quick brown fox", 200))
@@ -183,11 +188,15 @@ fn requests_that_can_never_fit_are_refused_at_submit() {
     assert!(engine.kv_capacity().tokens() >= 256);
     let err = engine.generate(request("Hello", 300)).unwrap_err();
     assert!(matches!(err, EngineError::ContextExceeded { .. }), "{err}");
-    // One sequence runs (slowly), two wait: the other three are refused.
+    // One sequence runs (slowly), two wait: the other three are refused. Long sequences (a
+    // 4,096-token context), so that none can finish between two submissions on a busy machine.
+    let mut opts = opts.clone();
+    opts.context = Some(4096);
+    let engine = Engine::load(&long_tiny_model(dir.path()), &opts).unwrap();
     engine.limits().set_max_num_seqs(1);
     engine.limits().set_max_num_batched_tokens(1);
     let streams: Vec<_> = (0..6)
-        .map(|_| engine.generate(request("Hello there", 100)))
+        .map(|_| engine.generate(request("Hello there", 4000)))
         .collect();
     let refused = streams
         .iter()

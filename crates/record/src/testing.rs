@@ -110,15 +110,26 @@ impl Sink for CollectingSink {
 
 /// Holds a [`GatedSink`]'s writes until opened.
 #[derive(Debug, Clone)]
-pub struct Gate(Arc<watch::Sender<bool>>);
+pub struct Gate(
+    Arc<watch::Sender<bool>>,
+    Arc<std::sync::atomic::AtomicUsize>,
+);
 
 impl Gate {
     pub fn closed() -> Self {
-        Self(Arc::new(watch::channel(false).0))
+        Self(
+            Arc::new(watch::channel(false).0),
+            Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+        )
     }
 
     pub fn open(&self) {
         self.0.send_replace(true);
+    }
+
+    /// Writes that reached the gate so far (a test waits for the sink to hold a record).
+    pub fn reached(&self) -> usize {
+        self.1.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 
@@ -126,6 +137,7 @@ impl Gate {
 pub struct GatedSink<S> {
     inner: S,
     gate: watch::Receiver<bool>,
+    reached: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl<S: Sink> GatedSink<S> {
@@ -133,6 +145,7 @@ impl<S: Sink> GatedSink<S> {
         Self {
             inner,
             gate: gate.0.subscribe(),
+            reached: Arc::clone(&gate.1),
         }
     }
 }
@@ -148,6 +161,8 @@ impl<S: Sink> Sink for GatedSink<S> {
         self.inner.wants_payload()
     }
     fn write<'a>(&'a mut self, envelope: &'a Envelope) -> SinkFuture<'a> {
+        self.reached
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Box::pin(async move {
             if self.gate.wait_for(|open| *open).await.is_err() {
                 return Err(SinkError("the gate was dropped".into()));

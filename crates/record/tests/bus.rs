@@ -55,10 +55,13 @@ async fn a_full_lossless_lane_bounds_its_waiters_and_counts_overflow_and_timeout
     };
     let (sink, got) = CollectingSink::new("audit", delivery);
     let bus = Bus::start(vec![Box::new(GatedSink::new(sink, &gate))]).unwrap();
-    let mut receipts = Vec::new();
-    for i in 0..10 {
+    let mut receipts = vec![bus.publish(sample_envelope(0))];
+    // The sink holds the first record at its gate before the rest arrive.
+    while gate.reached() == 0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    for i in 1..10 {
         receipts.push(bus.publish(sample_envelope(i)));
-        tokio::time::sleep(Duration::from_millis(2)).await;
     }
     // One in the stuck write, two in the lane, two waiting for room: five overflowed at once.
     let c = bus.counters().remove(0);

@@ -527,7 +527,11 @@ async fn overload_keys_and_drain_are_refused_with_their_reason_recorded() {
                 .status()
         })
     };
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The slow request holds the one slot before the next arrives.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while h.state.registry.busy() == 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let r = h.post("/v1/chat/completions", chat(false)).await;
     assert_eq!(r.status(), 429);
     assert!(r.headers().contains_key("retry-after"));

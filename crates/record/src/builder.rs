@@ -57,11 +57,6 @@ impl RecordBuilder {
         }
     }
 
-    /// When the request arrived.
-    pub fn started(&self) -> Instant {
-        self.started
-    }
-
     pub fn set_entropy_band(&mut self, band: Option<[f32; 2]>) {
         self.entropy_band = band;
     }

@@ -328,11 +328,6 @@ impl Bus {
         self.wants_payload
     }
 
-    /// The sinks' names, in order.
-    pub fn sinks(&self) -> Vec<&'static str> {
-        self.lanes.iter().map(|l| l.name).collect()
-    }
-
     /// Hands the record to every lane without waiting (callable from `Drop` and from threads
     /// outside the runtime). The payload goes only to the lanes that want it.
     pub fn publish(&self, mut envelope: Envelope) -> Receipt {

@@ -64,7 +64,7 @@ pub async fn serve(
         return Err(ApiError::draining());
     }
     let entry = route(state, model, work.kind(), record)?;
-    serve_routed(state, principal, entry, work, record).await
+    admit_and_start(state, principal, entry, work, record).await
 }
 
 /// The route: the entry that answers `work` for `model` (the release plan will choose among
@@ -83,8 +83,22 @@ pub fn route(
     Ok(entry)
 }
 
-/// The pipeline after the route: drain check, admission, then the backend.
+/// The pipeline after the route (for protocols that route first): drain check, admission,
+/// then the backend.
 pub async fn serve_routed(
+    state: &Arc<AppState>,
+    principal: &str,
+    entry: Arc<Entry>,
+    work: Work,
+    record: &mut RecordBuilder,
+) -> Result<Admitted, ApiError> {
+    if state.is_draining() {
+        return Err(ApiError::draining());
+    }
+    admit_and_start(state, principal, entry, work, record).await
+}
+
+async fn admit_and_start(
     state: &Arc<AppState>,
     principal: &str,
     entry: Arc<Entry>,
@@ -98,9 +112,6 @@ pub async fn serve_routed(
         work = work.kind().as_str()
     );
     async move {
-        if state.is_draining() {
-            return Err(ApiError::draining());
-        }
         let slot = admit(state, principal, &entry, record)
             .instrument(tracing::debug_span!("admission"))
             .await?;

@@ -122,11 +122,6 @@ impl Inference {
     }
 }
 
-/// `""` asks for the newest version.
-fn version_of(version: &str) -> Option<&str> {
-    (!version.is_empty()).then_some(version)
-}
-
 /// The client's `x-request-id` when it is sane, else a fresh UUIDv4 (as over HTTP).
 fn request_id(metadata: &MetadataMap) -> String {
     identity::request_id(metadata.get("x-request-id").and_then(|v| v.to_str().ok()))
@@ -375,7 +370,7 @@ impl GrpcInferenceService for Inference {
         let id = request_id(request.metadata());
         self.authenticate(request.metadata(), ENDPOINT, &id)?;
         let r = request.get_ref();
-        let ready = match kserve::find(&self.state, &r.name, version_of(&r.version)) {
+        let ready = match kserve::find(&self.state, &r.name, Some(&r.version)) {
             Ok(_) => !self.state.is_draining(),
             Err(ApiError::ModelNotFound(_)) => false,
             Err(e) => return Err(e.grpc_status()),
@@ -409,8 +404,8 @@ impl GrpcInferenceService for Inference {
         let id = request_id(request.metadata());
         self.authenticate(request.metadata(), ENDPOINT, &id)?;
         let r = request.get_ref();
-        let served = kserve::find(&self.state, &r.name, version_of(&r.version))
-            .map_err(|e| e.grpc_status())?;
+        let served =
+            kserve::find(&self.state, &r.name, Some(&r.version)).map_err(|e| e.grpc_status())?;
         let m = kserve::metadata(&self.state, &served);
         let tensors = |list: Vec<crate::backend::TensorSpec>| {
             list.into_iter()

@@ -532,8 +532,9 @@ struct Streaming {
     pending: VecDeque<String>,
     finished: Vec<Option<Finished>>,
     text_len: Vec<usize>,
-    /// Each choice's text so far (checked at the end, and the payload of the record).
-    texts: Vec<String>,
+    /// Each choice's text so far, kept only when something reads it at the end (the
+    /// structured-output check, a sink that takes the payload).
+    texts: Option<Vec<String>>,
     done: bool,
 }
 
@@ -651,7 +652,9 @@ impl Streaming {
             }
         };
         self.text_len[i] += t.text.len();
-        self.texts[i].push_str(&t.text);
+        if let Some(texts) = &mut self.texts {
+            texts[i].push_str(&t.text);
+        }
         self.pending.push_back(chunk);
     }
 
@@ -672,7 +675,9 @@ impl Streaming {
             }
         };
         self.pending.push_back(chunk);
-        self.texts[i].push_str(&f.trailing_text);
+        if let Some(texts) = &mut self.texts {
+            texts[i].push_str(&f.trailing_text);
+        }
         self.finished[i] = Some(f);
         if self.finished.iter().all(Option::is_some) {
             self.on_all_finished();
@@ -686,6 +691,7 @@ impl Streaming {
         let outputs: Vec<(&str, &Finished)> = self
             .texts
             .iter()
+            .flatten()
             .map(String::as_str)
             .zip(all.iter())
             .collect();
@@ -730,7 +736,8 @@ fn stream_response(reply: Reply, record: RecordBuilder) -> Response {
     let mut state = Streaming {
         finished: vec![None; choices],
         text_len: vec![0; choices],
-        texts: vec![String::new(); choices],
+        texts: (reply.g.structured.is_some() || record.wants_payload())
+            .then(|| vec![String::new(); choices]),
         reply,
         record,
         pending: VecDeque::new(),

@@ -88,13 +88,11 @@ fn newer(a: &Entry, b: &Entry) -> std::cmp::Ordering {
 }
 
 impl Registry {
-    pub fn add(&self, entry: Entry) -> Arc<Entry> {
-        let entry = Arc::new(entry);
+    pub fn add(&self, entry: Entry) {
         self.entries
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .push(Arc::clone(&entry));
-        entry
+            .push(Arc::new(entry));
     }
 
     pub fn all(&self) -> Vec<Arc<Entry>> {

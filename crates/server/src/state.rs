@@ -270,17 +270,17 @@ pub fn load(
 fn entry(
     config: &ServerConfig,
     model: &ModelConfig,
-    version: String,
+    version: &repo::ModelVersion,
     digest: String,
-    backend: Arc<dyn crate::backend::InferenceBackend>,
+    backend: impl crate::backend::InferenceBackend,
 ) -> Entry {
     Entry {
         name: model.name.clone(),
-        version,
+        version: version.version.to_string(),
         digest,
         created: unix_now(),
         admission: Admission::new(config.admission.clone()),
-        backend,
+        backend: Arc::new(backend),
     }
 }
 
@@ -306,13 +306,7 @@ fn load_tensor_model(
         "tensor model ready"
     );
     let backend = TensorBackend::new(model.name.clone(), tensor_model);
-    Ok(entry(
-        config,
-        model,
-        loaded.version.version.to_string(),
-        digest,
-        Arc::new(backend),
-    ))
+    Ok(entry(config, model, &loaded.version, digest, backend))
 }
 
 /// Loads one rules model: its rules file, compiled by the rules engine.
@@ -339,13 +333,7 @@ fn load_rules(
         "rules model ready"
     );
     let backend = RulesBackend::new(model.name.clone(), engine);
-    Ok(entry(
-        config,
-        model,
-        loaded.version.version.to_string(),
-        digest,
-        Arc::new(backend),
-    ))
+    Ok(entry(config, model, &loaded.version, digest, backend))
 }
 
 /// Loads one embedding model: the version folder is a sentence-transformers folder.
@@ -368,13 +356,7 @@ fn load_embedder(
         max_seq_len = backend.max_seq_len(),
         "embedding model ready"
     );
-    Ok(entry(
-        config,
-        model,
-        loaded.version.version.to_string(),
-        digest,
-        Arc::new(backend),
-    ))
+    Ok(entry(config, model, &loaded.version, digest, backend))
 }
 
 /// Loads one language model onto an engine.
@@ -448,11 +430,5 @@ fn load_llm(
         limits.default_max_tokens,
         Duration::from_secs(config.stall_timeout_s.max(1)),
     );
-    Ok(entry(
-        config,
-        model,
-        version.version.to_string(),
-        digest,
-        Arc::new(backend),
-    ))
+    Ok(entry(config, model, &version, digest, backend))
 }

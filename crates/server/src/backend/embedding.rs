@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use classic::{Data, Tensor};
 
-use super::tensor::text_input;
+use super::tensor::{text_input, TEXT_INPUT};
 use record::RecordBuilder;
 use tracing::Instrument;
 
@@ -15,8 +15,7 @@ use super::{
     InferResponse, InferenceBackend, Kind, OutputTensor, StartFuture, TensorSpec, Work, WorkKind,
 };
 
-/// Embedding models: the text input and the vector output over KServe.
-pub const TEXT_INPUT: &str = "text";
+/// Embedding models: the vector output over KServe (the input is [`TEXT_INPUT`]).
 pub const EMBEDDING_OUTPUT: &str = "embedding";
 
 /// One served embedding model version. Requests run on blocking threads, one batch at a time

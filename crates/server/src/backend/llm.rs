@@ -47,10 +47,6 @@ impl LlmBackend {
         }
     }
 
-    pub fn engine(&self) -> &Arc<Engine> {
-        &self.engine
-    }
-
     /// `Some(idle)` when sequences are running and no token came for longer than the stall
     /// timeout.
     fn stalled_for(&self) -> Option<Duration> {

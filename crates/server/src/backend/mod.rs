@@ -351,3 +351,48 @@ pub trait InferenceBackend: Send + Sync + 'static {
         None
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn client_errors_are_told_apart_from_the_backends_failures() {
+        let cases = [
+            (BackendError::invalid("bad"), FailureClass::Client),
+            (
+                BackendError::ContextLength("long".into()),
+                FailureClass::Client,
+            ),
+            (
+                BackendError::Overloaded {
+                    message: "full".into(),
+                    retry_after_s: 1,
+                },
+                FailureClass::Overload,
+            ),
+            (
+                BackendError::Unavailable {
+                    message: "stopping".into(),
+                    retry_after_s: 1,
+                },
+                FailureClass::Unavailable,
+            ),
+            (
+                BackendError::Timeout {
+                    message: "late".into(),
+                    retry_after_s: 1,
+                },
+                FailureClass::Timeout,
+            ),
+            (BackendError::Failed("boom".into()), FailureClass::Failure),
+            (
+                BackendError::InvalidOutput("bad json".into()),
+                FailureClass::Failure,
+            ),
+        ];
+        for (error, class) in cases {
+            assert_eq!(error.class(), class, "{error}");
+        }
+    }
+}

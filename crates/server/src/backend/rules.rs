@@ -5,8 +5,8 @@
 
 use classic::{Data, Tensor};
 
-use super::tensor::text_input;
-use engine::{ChatMessage, FinishReason, Finished, Prompt};
+use super::tensor::{record_confidences, text_input, TEXT_INPUT};
+use engine::{FinishReason, Finished, Prompt};
 use futures_util::stream::{self, StreamExt};
 use guard::{Classification, RulesEngine};
 use record::RecordBuilder;
@@ -17,8 +17,7 @@ use super::{
     WorkKind,
 };
 
-/// KServe names of a rules model's tensors.
-pub const TEXT_INPUT: &str = "text";
+/// KServe names of a rules model's outputs (the input is [`TEXT_INPUT`]).
 pub const LABEL_OUTPUT: &str = "label";
 pub const CONFIDENCE_OUTPUT: &str = "confidence";
 
@@ -59,7 +58,7 @@ impl RulesBackend {
                 index += 1;
             }
         }
-        record_confidence(record, &confidences);
+        record_confidences(record, &confidences);
         Ok(Generation {
             events: stream::iter(events).boxed(),
             choices: index,
@@ -82,7 +81,7 @@ impl RulesBackend {
             confidences.push(c.confidence as f32);
         }
         record.record.items = texts.len();
-        record_confidence(record, &confidences);
+        record_confidences(record, &confidences);
         let n = labels.len();
         let all = [
             Tensor {
@@ -139,7 +138,7 @@ fn prompt_text(prompt: &Prompt) -> Result<String, BackendError> {
         Prompt::Chat(messages) => messages
             .iter()
             .rev()
-            .find(|m: &&ChatMessage| m.role == "user")
+            .find(|m| m.role == "user")
             .map(|m| m.content.clone())
             .ok_or_else(|| {
                 BackendError::invalid_param("messages", "a rules model needs a user message")
@@ -185,13 +184,6 @@ fn finished() -> Finished {
         prefill_seconds: 0.0,
         decode_seconds: 0.0,
         trailing_text: String::new(),
-    }
-}
-
-fn record_confidence(record: &mut RecordBuilder, confidences: &[f32]) {
-    if !confidences.is_empty() {
-        record.record.confidence = Some(confidences.iter().sum::<f32>() / confidences.len() as f32);
-        record.record.confidence_min = confidences.iter().copied().reduce(f32::min);
     }
 }
 

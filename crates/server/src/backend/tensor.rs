@@ -95,6 +95,11 @@ fn record_confidence(record: &mut RecordBuilder, judgements: &[Judgement]) {
         .iter()
         .filter_map(Judgement::confidence)
         .collect();
+    record_confidences(record, &scores);
+}
+
+/// The record's confidence: the mean and the lowest of the inputs' confidences.
+pub fn record_confidences(record: &mut RecordBuilder, scores: &[f32]) {
     if !scores.is_empty() {
         record.record.confidence = Some(scores.iter().sum::<f32>() / scores.len() as f32);
         record.record.confidence_min = scores.iter().copied().reduce(f32::min);
@@ -254,10 +259,6 @@ impl TensorBackend {
         }
     }
 
-    pub fn model(&self) -> &classic::TensorModel {
-        &self.model
-    }
-
     /// Pre-processing, the batcher, post-processing, output selection.
     async fn infer(
         &self,
@@ -361,10 +362,13 @@ impl InferenceBackend for TensorBackend {
     }
 }
 
+/// The KServe input of models that take text (embedding and rules models).
+pub const TEXT_INPUT: &str = "text";
+
 /// The texts of a request whose one input is a `text` BYTES tensor (embedding and rules models
 /// over KServe); `what` names the model in errors ("embedding model \"m\"").
 pub fn text_input(what: &str, request: &InferRequest) -> Result<Vec<String>, BackendError> {
-    const TEXT: &str = "text";
+    const TEXT: &str = TEXT_INPUT;
     let [input] = request.inputs.as_slice() else {
         return Err(BackendError::invalid(format!(
             "{what} takes one input, {TEXT:?} (BYTES)"

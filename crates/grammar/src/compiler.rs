@@ -160,20 +160,7 @@ impl Compiler {
 /// Compiles the grammar and its output check, and computes the first mask: that proves the
 /// grammar can start and warms the lexer states every sequence's copy starts with.
 fn build(factory: &ParserFactory, spec: &GrammarSpec) -> Result<(Matcher, Check), GrammarError> {
-    let check = match spec.effective_schema() {
-        Some(schema) => Check::Schema(Box::new(
-            jsonschema::validator_for(&schema)
-                .map_err(|e| GrammarError::Invalid(format!("the JSON schema is not valid: {e}")))?,
-        )),
-        None => match spec {
-            GrammarSpec::Choice(c) => Check::Choice(c.clone()),
-            GrammarSpec::Regex(r) => match regex::Regex::new(&format!("^(?:{r})$")) {
-                Ok(re) => Check::Regex(Box::new(re)),
-                Err(_) => Check::Grammar,
-            },
-            _ => Check::Grammar,
-        },
-    };
+    let check = plain_check(spec)?.unwrap_or(Check::Grammar);
     let parser = factory
         .create_parser(spec.to_llguidance())
         .map_err(|e| GrammarError::Invalid(format!("the {} cannot be used: {e}", spec.kind())))?;
@@ -196,6 +183,24 @@ fn build(factory: &ParserFactory, spec: &GrammarSpec) -> Result<(Matcher, Check)
             spec.kind()
         ))),
     }
+}
+
+/// The check of `spec` that needs no grammar engine (a JSON-schema validator, a regex, the
+/// choices); none for a Lark grammar (or a regex the `regex` crate does not take).
+fn plain_check(spec: &GrammarSpec) -> Result<Option<Check>, GrammarError> {
+    Ok(match spec.effective_schema() {
+        Some(schema) => Some(Check::Schema(Box::new(
+            jsonschema::validator_for(&schema)
+                .map_err(|e| GrammarError::Invalid(format!("the JSON schema is not valid: {e}")))?,
+        ))),
+        None => match spec {
+            GrammarSpec::Choice(c) => Some(Check::Choice(c.clone())),
+            GrammarSpec::Regex(r) => regex::Regex::new(&format!("^(?:{r})$"))
+                .ok()
+                .map(|re| Check::Regex(Box::new(re))),
+            _ => None,
+        },
+    })
 }
 
 /// How the final text is checked.
@@ -228,6 +233,83 @@ impl Outcome {
     }
 }
 
+/// What is wrong with `text` under a check that needs no grammar engine.
+fn plain_problem(check: &Check, text: &str) -> Option<String> {
+    match check {
+        Check::Schema(validator) => match serde_json::from_str::<Value>(text) {
+            Err(e) => Some(format!("the output is not JSON: {e}")),
+            Ok(value) => validator
+                .iter_errors(&value)
+                .next()
+                .map(|e| format!("{e} (at {})", pointer(e.instance_path().as_str()))),
+        },
+        Check::Regex(re) => {
+            (!re.is_match(text)).then(|| "the output does not match the regex".to_string())
+        }
+        Check::Choice(choices) => (!choices.iter().any(|c| c == text))
+            .then(|| "the output is none of the choices".to_string()),
+        Check::Grammar => Some("a grammar is checked by replaying it".into()),
+    }
+}
+
+fn outcome(problem: Option<String>, by_length: bool) -> Outcome {
+    match problem {
+        None => Outcome::Valid,
+        Some(p) if by_length => Outcome::Incomplete(p),
+        Some(p) => Outcome::Invalid(p),
+    }
+}
+
+/// The final check of a finished output, whoever wrote it: a model under its compiled grammar
+/// ([`Compiled`]) or a backend that writes its answer itself ([`OutputCheck`]).
+pub trait FinalCheck: Send + Sync {
+    /// Checks a finished output. `by_length`: it ended at the token limit.
+    fn check(&self, text: &str, by_length: bool) -> Outcome;
+    /// The constraint's kind (`json_schema`, `regex`, ...).
+    fn kind(&self) -> &'static str;
+}
+
+impl FinalCheck for Compiled {
+    fn check(&self, text: &str, by_length: bool) -> Outcome {
+        Compiled::check(self, text, by_length)
+    }
+    fn kind(&self) -> &'static str {
+        self.spec.kind()
+    }
+}
+
+/// The final check of a structured-output request without a model's vocabulary: what the rules
+/// engine's answers are held to. A Lark grammar needs a vocabulary to replay, so it has none.
+pub struct OutputCheck {
+    kind: &'static str,
+    check: Check,
+}
+
+impl OutputCheck {
+    pub fn new(spec: &GrammarSpec, max_bytes: usize) -> Result<Self, GrammarError> {
+        spec.validate(max_bytes)?;
+        match plain_check(spec)? {
+            Some(check) => Ok(Self {
+                kind: spec.kind(),
+                check,
+            }),
+            None => Err(GrammarError::Invalid(format!(
+                "a {} can only be checked against a model's vocabulary",
+                spec.kind()
+            ))),
+        }
+    }
+}
+
+impl FinalCheck for OutputCheck {
+    fn check(&self, text: &str, by_length: bool) -> Outcome {
+        outcome(plain_problem(&self.check, text), by_length)
+    }
+    fn kind(&self) -> &'static str {
+        self.kind
+    }
+}
+
 /// A compiled grammar: starts a constraint per sequence and checks final outputs.
 pub struct Compiled {
     pub spec: GrammarSpec,
@@ -242,25 +324,10 @@ impl Compiled {
     /// Checks a finished output. `by_length`: generation ended at the token limit.
     pub fn check(&self, text: &str, by_length: bool) -> Outcome {
         let problem = match &self.check {
-            Check::Schema(validator) => match serde_json::from_str::<Value>(text) {
-                Err(e) => Some(format!("the output is not JSON: {e}")),
-                Ok(value) => validator
-                    .iter_errors(&value)
-                    .next()
-                    .map(|e| format!("{e} (at {})", pointer(e.instance_path().as_str()))),
-            },
-            Check::Regex(re) => {
-                (!re.is_match(text)).then(|| "the output does not match the regex".to_string())
-            }
-            Check::Choice(choices) => (!choices.iter().any(|c| c == text))
-                .then(|| "the output is none of the choices".to_string()),
             Check::Grammar => self.replay(text),
+            plain => plain_problem(plain, text),
         };
-        match problem {
-            None => Outcome::Valid,
-            Some(p) if by_length => Outcome::Incomplete(p),
-            Some(p) => Outcome::Invalid(p),
-        }
+        outcome(problem, by_length)
     }
 
     /// Feeds `text` through a fresh copy of the grammar; `None` when it is a complete sentence.

@@ -123,7 +123,7 @@ impl GrammarSpec {
     }
 
     /// The schema the output is checked against (JSON kinds only), after `strict` closed it.
-    pub(crate) fn effective_schema(&self) -> Option<Value> {
+    pub fn effective_schema(&self) -> Option<Value> {
         match self {
             GrammarSpec::JsonSchema { schema, strict } => {
                 let mut schema = schema.clone();

@@ -40,8 +40,18 @@ pub struct InferenceRecord {
     /// Why the front refused the request before a backend saw it (`unauthorized`,
     /// `body_too_large`, `rate_limited`, `queue_full`, `queue_timeout`); none otherwise.
     pub refusal: Option<&'static str>,
-    /// 0: the model asked for; higher: a fallback served.
+    /// 0: the model asked for; 1: another backend of its chain (a model, the same tensor model
+    /// on the other runtime, the rules engine); 2: a canned answer; 3: handed off to people.
     pub fallback_level: u8,
+    /// The backend that answered when it was not the model asked for (`name@version`,
+    /// `name@version:tract`, `canned:name`).
+    pub fallback_backend: Option<String>,
+    /// The trigger that moved the request off the model asked for (`error`,
+    /// `first_token_timeout`, `stall_timeout`, `overloaded`, `circuit_open`, `context_length`,
+    /// `not_ready`; `human_handoff` at level 3).
+    pub fallback_reason: Option<&'static str>,
+    /// Each backend the request tried, in order, with how it went.
+    pub attempts: Vec<Attempt>,
     pub stream: bool,
     /// Structured-output requests: the constraint and what the final check said.
     pub structured: Option<StructuredRecord>,
@@ -54,6 +64,20 @@ pub struct InferenceRecord {
     pub items: usize,
     /// Tensor and embedding models: time in pre-processing, the queue and the backend.
     pub compute_ms: f64,
+}
+
+/// One backend a request tried.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Attempt {
+    /// `name@version`, `name@version:tract` or `canned:name`.
+    pub backend: String,
+    /// `answered`, or the trigger it failed with (`error`, `first_token_timeout`, ...), or
+    /// `skipped` (the step does not take the trigger or the work).
+    pub outcome: &'static str,
+    /// What happened, in words (the error's message, the injected fault).
+    pub detail: Option<String>,
+    /// Time spent on this attempt.
+    pub ms: f64,
 }
 
 /// The structured-output part of a record.
@@ -130,6 +154,9 @@ impl InferenceRecord {
             error_code: None,
             refusal: None,
             fallback_level: 0,
+            fallback_backend: None,
+            fallback_reason: None,
+            attempts: Vec::new(),
             stream: false,
             structured: None,
             confidence: None,

@@ -23,4 +23,4 @@ pub use bus::{
     AckError, Bus, BusError, Delivery, DropReason, LaneCounters, Receipt, ShutdownReport, Sink,
     SinkEnd, SinkError, SinkFuture,
 };
-pub use inference::{Envelope, InferenceRecord, Payload, StructuredRecord};
+pub use inference::{Attempt, Envelope, InferenceRecord, Payload, StructuredRecord};

@@ -1,9 +1,14 @@
 //! API keys and per-key rate limits.
 //!
-//! Keys come from a file (one per line, `id:key` or just `key`; `#` comments) or from the
-//! `RAMPART_API_KEYS` variable (the same lines separated by commas). Only their sha256 hashes are
-//! kept; a presented key is hashed and looked up, so no comparison leaks a key's prefix through
-//! timing. The key's id is the request's principal (`key-N` for keys given without one).
+//! Keys come from a file (one per line, `id:key` or just `key`, then optionally the key's
+//! scopes separated by spaces; `#` comments) or from the `RAMPART_API_KEYS` variable (the same
+//! lines separated by commas). Only their sha256 hashes are kept; a presented key is hashed and
+//! looked up, so no comparison leaks a key's prefix through timing. The key's id is the
+//! request's principal (`key-N` for keys given without one).
+//!
+//! Scopes: `infer` (the inference APIs; what a key without scopes has), `admin` (`/admin/…`),
+//! `audit` (audit reads), `feedback` (the feedback API). `ops:sk-ops-0001 admin infer` is a key
+//! for both.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -27,10 +32,63 @@ pub fn bearer(value: &str) -> Option<&str> {
         .map(str::trim)
 }
 
-/// Hashes of the accepted keys and their ids.
+/// What a key may do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    Infer,
+    Admin,
+    Audit,
+    Feedback,
+}
+
+impl Scope {
+    pub const ALL: [Scope; 4] = [Scope::Infer, Scope::Admin, Scope::Audit, Scope::Feedback];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Scope::Infer => "infer",
+            Scope::Admin => "admin",
+            Scope::Audit => "audit",
+            Scope::Feedback => "feedback",
+        }
+    }
+
+    fn bit(self) -> u8 {
+        1 << self as u8
+    }
+
+    fn parse(name: &str) -> Option<Scope> {
+        Scope::ALL.into_iter().find(|s| s.as_str() == name)
+    }
+}
+
+/// A key's scopes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Scopes(u8);
+
+impl Scopes {
+    /// A key given without scopes.
+    pub const DEFAULT: Scopes = Scopes(1);
+    /// The server without keys (loopback or `insecure_no_auth`): everything.
+    pub const ALL: Scopes = Scopes(0b1111);
+
+    pub fn has(self, scope: Scope) -> bool {
+        self.0 & scope.bit() != 0
+    }
+
+    pub fn names(self) -> Vec<&'static str> {
+        Scope::ALL
+            .into_iter()
+            .filter(|s| self.has(*s))
+            .map(Scope::as_str)
+            .collect()
+    }
+}
+
+/// Hashes of the accepted keys, their ids and scopes.
 #[derive(Debug, Default)]
 pub struct KeyStore {
-    by_hash: HashMap<[u8; 32], String>,
+    by_hash: HashMap<[u8; 32], (String, Scopes)>,
 }
 
 fn hash(key: &str) -> [u8; 32] {
@@ -46,9 +104,26 @@ impl KeyStore {
             if line.is_empty() || line.starts_with('#') {
                 continue;
             }
-            let (id, key) = match line.split_once(':') {
-                Some((id, key)) => (id.trim().to_string(), key.trim()),
+            let (id, rest) = match line.split_once(':') {
+                Some((id, rest)) => (id.trim().to_string(), rest.trim()),
                 None => (format!("key-{}", store.by_hash.len() + 1), line),
+            };
+            let mut words = rest.split_whitespace();
+            let key = words.next().unwrap_or_default();
+            let mut scopes = 0u8;
+            for word in words {
+                let scope = Scope::parse(word).ok_or_else(|| {
+                    KeyFileError(format!(
+                        "entry {} (id {id:?}): unknown scope {word:?} (scopes: infer, admin, audit, feedback)",
+                        n + 1
+                    ))
+                })?;
+                scopes |= scope.bit();
+            }
+            let scopes = if scopes == 0 {
+                Scopes::DEFAULT
+            } else {
+                Scopes(scopes)
             };
             if key.len() < 8 {
                 return Err(KeyFileError(format!(
@@ -62,7 +137,11 @@ impl KeyStore {
                     n + 1
                 )));
             }
-            if store.by_hash.insert(hash(key), id.clone()).is_some() {
+            if store
+                .by_hash
+                .insert(hash(key), (id.clone(), scopes))
+                .is_some()
+            {
                 return Err(KeyFileError(format!(
                     "entry {} (id {id:?}): duplicate key",
                     n + 1
@@ -89,7 +168,14 @@ impl KeyStore {
 
     /// The id of a presented key.
     pub fn principal(&self, key: &str) -> Option<&str> {
-        self.by_hash.get(&hash(key)).map(String::as_str)
+        self.by_hash.get(&hash(key)).map(|(id, _)| id.as_str())
+    }
+
+    /// The id and scopes of a presented key.
+    pub fn lookup(&self, key: &str) -> Option<(&str, Scopes)> {
+        self.by_hash
+            .get(&hash(key))
+            .map(|(id, scopes)| (id.as_str(), *scopes))
     }
 }
 
@@ -204,6 +290,29 @@ mod tests {
             "{err}"
         );
         assert!(KeyStore::parse("a:sk-same-key-1,b:sk-same-key-1", ',').is_err());
+    }
+
+    #[test]
+    fn keys_carry_scopes_and_old_lines_keep_infer() {
+        let store = KeyStore::parse(
+            "alice: sk-alice-123456\nops:sk-ops-0000001 admin infer\nsk-auditor-0001 audit\n",
+            '\n',
+        )
+        .unwrap();
+        let (id, scopes) = store.lookup("sk-alice-123456").unwrap();
+        assert_eq!(id, "alice");
+        assert_eq!(scopes, Scopes::DEFAULT);
+        assert!(scopes.has(Scope::Infer) && !scopes.has(Scope::Admin));
+        let (_, ops) = store.lookup("sk-ops-0000001").unwrap();
+        assert_eq!(ops.names(), ["infer", "admin"]);
+        let (id, auditor) = store.lookup("sk-auditor-0001").unwrap();
+        assert_eq!(id, "key-3");
+        assert!(auditor.has(Scope::Audit) && !auditor.has(Scope::Infer));
+        let err = KeyStore::parse("ops:sk-ops-0000001 root", '\n').unwrap_err();
+        assert!(
+            err.0.contains("unknown scope") && !err.0.contains("sk-ops"),
+            "{err}"
+        );
     }
 
     #[test]

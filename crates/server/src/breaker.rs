@@ -357,6 +357,160 @@ impl Breaker {
     }
 }
 
+/// The breaker of one served backend, shared by its requests: the state machine behind a lock,
+/// every transition logged (with its cause) and counted, and the counters `GET /admin/backends`
+/// shows.
+#[derive(Debug)]
+pub struct BackendBreaker {
+    /// The backend's id (`name@version`, `name@version:tract`, `canned:name`).
+    backend: String,
+    inner: std::sync::Mutex<Breaker>,
+    calls: std::sync::atomic::AtomicU64,
+    failures: std::sync::atomic::AtomicU64,
+    refused: std::sync::atomic::AtomicU64,
+}
+
+/// What `GET /admin/backends` shows of a breaker.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct BreakerView {
+    pub state: &'static str,
+    /// Milliseconds until the next probe may pass (open breakers).
+    pub open_for_ms: Option<u64>,
+    pub calls: u64,
+    pub failures: u64,
+    /// Calls refused while open (or beyond the probe budget).
+    pub refused: u64,
+}
+
+impl BackendBreaker {
+    pub fn new(backend: String, config: BreakerConfig) -> Self {
+        // Seeded by the name, so replicas of the same backend jitter apart only by time.
+        let seed = backend.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+        });
+        Self {
+            inner: std::sync::Mutex::new(Breaker::new(config, Instant::now(), seed)),
+            backend,
+            calls: Default::default(),
+            failures: Default::default(),
+            refused: Default::default(),
+        }
+    }
+
+    pub fn backend(&self) -> &str {
+        &self.backend
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Breaker> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Lets a call through or refuses it at once.
+    pub fn try_pass(&self) -> Result<Pass, Refused> {
+        let (result, transition) = self.lock().try_pass(Instant::now());
+        if let Some(t) = transition {
+            self.note(&t);
+        }
+        match result {
+            Ok(pass) => {
+                self.calls
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Ok(pass)
+            }
+            Err(refused) => {
+                self.refused
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Err(refused)
+            }
+        }
+    }
+
+    /// Reports how a call that passed ended.
+    pub fn finish(&self, pass: Pass, outcome: Outcome) {
+        if outcome == Outcome::Failure {
+            self.failures
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+        let transition = self.lock().finish(pass, outcome, Instant::now());
+        if let Some(t) = transition {
+            self.note(&t);
+        }
+    }
+
+    /// Reports a readiness check.
+    pub fn readiness(&self, ready: bool) {
+        let transition = self.lock().readiness(ready, Instant::now());
+        if let Some(t) = transition {
+            self.note(&t);
+        }
+    }
+
+    pub fn state(&self) -> State {
+        self.lock().state(Instant::now())
+    }
+
+    pub fn view(&self) -> BreakerView {
+        let now = Instant::now();
+        let b = self.lock();
+        let state = b.state(now);
+        BreakerView {
+            state: state.as_str(),
+            open_for_ms: (state == State::Open)
+                .then(|| b.open_until.saturating_duration_since(now).as_millis() as u64),
+            calls: self.calls.load(std::sync::atomic::Ordering::Relaxed),
+            failures: self.failures.load(std::sync::atomic::Ordering::Relaxed),
+            refused: self.refused.load(std::sync::atomic::Ordering::Relaxed),
+        }
+    }
+
+    fn note(&self, t: &Transition) {
+        let open_for_ms = t.open_for.map(|d| d.as_millis() as u64);
+        if t.to == State::Open {
+            tracing::warn!(
+                backend = %self.backend,
+                from = t.from.as_str(),
+                to = t.to.as_str(),
+                cause = %t.cause,
+                open_for_ms,
+                "circuit breaker opened"
+            );
+        } else {
+            tracing::info!(
+                backend = %self.backend,
+                from = t.from.as_str(),
+                to = t.to.as_str(),
+                cause = %t.cause,
+                "circuit breaker changed state"
+            );
+        }
+        metrics::counter!(
+            "rampart_breaker_transitions_total",
+            "backend" => self.backend.clone(),
+            "to" => t.to.as_str()
+        )
+        .increment(1);
+        metrics::gauge!("rampart_breaker_state", "backend" => self.backend.clone())
+            .set(f64::from(t.to.gauge()));
+    }
+}
+
+impl From<&crate::config::BreakerSettings> for BreakerConfig {
+    fn from(s: &crate::config::BreakerSettings) -> Self {
+        Self {
+            consecutive_failures: s.consecutive_failures,
+            failure_rate: s.failure_rate,
+            min_calls: s.min_calls,
+            window: Duration::from_secs(s.window_s),
+            slow_call: None,
+            readiness_failures: s.readiness_failures,
+            probes: s.probes,
+            open_base: Duration::from_millis(s.open_base_ms),
+            open_max: Duration::from_secs(s.open_max_s),
+            jitter: s.jitter,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

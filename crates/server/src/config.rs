@@ -37,6 +37,13 @@ pub struct ServerConfig {
     pub grpc: GrpcConfig,
     /// The record bus: the lanes that carry each request's record to its sinks.
     pub records: RecordsConfig,
+    /// The circuit breaker every backend has (docs/resilience.md).
+    pub breaker: BreakerSettings,
+    /// Hand-off to people (level 3), for every model unless its own `[models.handoff]` says
+    /// otherwise.
+    pub handoff: HandoffConfig,
+    /// Fault injection for drills and tests (`POST /admin/faults`); off unless enabled.
+    pub faults: FaultsConfig,
     /// Models to serve; empty: the latest version of every LLM in the repository.
     pub models: Vec<ModelConfig>,
 }
@@ -59,6 +66,9 @@ impl Default for ServerConfig {
             tensor: TensorConfig::default(),
             grpc: GrpcConfig::default(),
             records: RecordsConfig::default(),
+            breaker: BreakerSettings::default(),
+            handoff: HandoffConfig::default(),
+            faults: FaultsConfig::default(),
             models: Vec::new(),
         }
     }
@@ -181,6 +191,182 @@ impl Default for RecordsConfig {
     }
 }
 
+/// What moves a request to the next step of its model's fallback chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Trigger {
+    /// The backend failed (an error before or instead of the answer; a failed stream before
+    /// its first content token).
+    Error,
+    /// No first content token (or, for tensors and embeddings, no answer) within
+    /// `first_token_timeout_ms`.
+    FirstTokenTimeout,
+    /// No event for `stall_timeout_ms` while generating (falls back only while nothing has
+    /// reached the client: a non-streaming request, or a stream before its first token).
+    StallTimeout,
+    /// The backend's admission refused (its queue is full or the wait ran out), or its own
+    /// queue did.
+    Overloaded,
+    /// The backend's circuit breaker is open.
+    CircuitOpen,
+    /// The prompt does not fit the backend's context (only steps that list it take it).
+    ContextLength,
+    /// The backend is not loaded or fails its readiness check.
+    NotReady,
+}
+
+impl Trigger {
+    pub const ALL: [Trigger; 7] = [
+        Trigger::Error,
+        Trigger::FirstTokenTimeout,
+        Trigger::StallTimeout,
+        Trigger::Overloaded,
+        Trigger::CircuitOpen,
+        Trigger::ContextLength,
+        Trigger::NotReady,
+    ];
+
+    /// What a step takes when it lists nothing: every trigger but `context_length` (a prompt
+    /// too long for one model is the client's to shorten unless a step says it can take it).
+    pub const DEFAULT: [Trigger; 6] = [
+        Trigger::Error,
+        Trigger::FirstTokenTimeout,
+        Trigger::StallTimeout,
+        Trigger::Overloaded,
+        Trigger::CircuitOpen,
+        Trigger::NotReady,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Trigger::Error => "error",
+            Trigger::FirstTokenTimeout => "first_token_timeout",
+            Trigger::StallTimeout => "stall_timeout",
+            Trigger::Overloaded => "overloaded",
+            Trigger::CircuitOpen => "circuit_open",
+            Trigger::ContextLength => "context_length",
+            Trigger::NotReady => "not_ready",
+        }
+    }
+}
+
+/// One step of a model's fallback chain: exactly one of `model`, `canned`, `tensor_backend`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FallbackStep {
+    /// Another served model (`name` or `name@version`): a language model, a rules model, a
+    /// tensor model.
+    pub model: Option<String>,
+    /// A canned answer: this text (a generation that says so).
+    pub canned: Option<String>,
+    /// Canned answers per language (`zh = "..."`), chosen by the request's `Accept-Language`.
+    #[serde(default)]
+    pub languages: std::collections::BTreeMap<String, String>,
+    /// The same tensor model on this runtime (`tract` or `onnxruntime`).
+    pub tensor_backend: Option<classic::BackendChoice>,
+    /// The triggers this step takes (default: all but `context_length`).
+    pub on: Option<Vec<Trigger>>,
+}
+
+impl FallbackStep {
+    pub fn triggers(&self) -> Vec<Trigger> {
+        self.on.clone().unwrap_or_else(|| Trigger::DEFAULT.to_vec())
+    }
+}
+
+/// The circuit breaker of every backend (docs/resilience.md).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BreakerSettings {
+    /// Opens after this many failures in a row.
+    pub consecutive_failures: u32,
+    /// ... or when this fraction of the calls in the window failed ...
+    pub failure_rate: f64,
+    /// ... and the window holds at least this many calls.
+    pub min_calls: u32,
+    pub window_s: u64,
+    /// Opens after this many failed readiness checks in a row.
+    pub readiness_failures: u32,
+    /// Seconds between readiness checks of every backend.
+    pub readiness_interval_ms: u64,
+    /// Calls let through at once while half-open; this many successes close it.
+    pub probes: u32,
+    /// The first open time; it doubles each time it opens again without closing ...
+    pub open_base_ms: u64,
+    /// ... up to this.
+    pub open_max_s: u64,
+    /// Fraction of the open time added or taken at random.
+    pub jitter: f64,
+}
+
+impl Default for BreakerSettings {
+    fn default() -> Self {
+        Self {
+            consecutive_failures: 5,
+            failure_rate: 0.5,
+            min_calls: 20,
+            window_s: 30,
+            readiness_failures: 3,
+            readiness_interval_ms: 1000,
+            probes: 3,
+            open_base_ms: 5000,
+            open_max_s: 300,
+            jitter: 0.2,
+        }
+    }
+}
+
+/// Hand-off to people: when a model's requests keep falling back, new ones get a 503 with
+/// `human_handoff`, this message and link, until the cool-down is over.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HandoffConfig {
+    pub enabled: bool,
+    /// More than this many fallbacks ...
+    pub threshold: u64,
+    /// ... within this many seconds hand the model off.
+    pub window_s: u64,
+    /// Seconds until it resumes by itself.
+    pub cooldown_s: u64,
+    /// What clients are told.
+    pub message: String,
+    /// Where people can be reached (sent as `handoff_url`).
+    pub url: Option<String>,
+}
+
+impl Default for HandoffConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            threshold: 1000,
+            window_s: 300,
+            cooldown_s: 600,
+            message:
+                "This service is handed over to our staff for now; please contact us directly."
+                    .into(),
+            url: None,
+        }
+    }
+}
+
+/// Fault injection (`POST /admin/faults`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FaultsConfig {
+    pub enabled: bool,
+    /// Longest a fault may last.
+    pub max_duration_s: u64,
+}
+
+impl Default for FaultsConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            max_duration_s: 3600,
+        }
+    }
+}
+
 /// Admission and load shedding, per model.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -264,6 +450,52 @@ pub struct ModelConfig {
     pub quantization: Option<String>,
     /// Where in-situ quantized weights are kept (default: ~/.cache/rampart/quantized).
     pub quantization_cache_dir: Option<PathBuf>,
+    /// The fallback chain, tried in order when this model fails (docs/resilience.md).
+    #[serde(default)]
+    pub fallback: Vec<FallbackStep>,
+    /// Longest wait for the first content token (tensors and embeddings: for the answer)
+    /// after admission; beyond it the request falls back (or gets a 503).
+    #[serde(default = "default_first_token_timeout_ms")]
+    pub first_token_timeout_ms: u64,
+    /// Longest gap between two events of a generation.
+    #[serde(default = "default_stall_timeout_ms")]
+    pub stall_timeout_ms: u64,
+    /// A call slower than this (generations: to the first token) counts as failed for the
+    /// breaker; none: latency is not judged.
+    pub latency_objective_ms: Option<u64>,
+    /// This model's hand-off, instead of the server's `[handoff]`.
+    pub handoff: Option<HandoffConfig>,
+}
+
+fn default_first_token_timeout_ms() -> u64 {
+    60_000
+}
+
+fn default_stall_timeout_ms() -> u64 {
+    30_000
+}
+
+impl ModelConfig {
+    /// A model served with every default.
+    pub fn named(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            version: None,
+            entropy_band: None,
+            context: None,
+            kv_cache_memory: None,
+            kv_cache_dtype: None,
+            max_num_seqs: None,
+            max_num_batched_tokens: None,
+            quantization: None,
+            quantization_cache_dir: None,
+            fallback: Vec::new(),
+            first_token_timeout_ms: default_first_token_timeout_ms(),
+            stall_timeout_ms: default_stall_timeout_ms(),
+            latency_objective_ms: None,
+            handoff: None,
+        }
+    }
 }
 
 /// A configuration problem, said plainly.
@@ -375,7 +607,73 @@ impl ServerConfig {
                 self.listen
             )));
         }
+        let b = &self.breaker;
+        if b.consecutive_failures == 0
+            || b.probes == 0
+            || b.min_calls == 0
+            || b.window_s == 0
+            || b.readiness_failures == 0
+            || b.readiness_interval_ms == 0
+            || !(0.0..=1.0).contains(&b.failure_rate)
+            || !(0.0..1.0).contains(&b.jitter)
+        {
+            return Err(ConfigError(
+                "breaker: consecutive_failures, probes, min_calls, window_s, readiness_failures and readiness_interval_ms must be at least 1, failure_rate in [0, 1], jitter in [0, 1)"
+                    .into(),
+            ));
+        }
         for m in &self.models {
+            for (i, step) in m.fallback.iter().enumerate() {
+                let targets = [
+                    step.model.is_some(),
+                    step.canned.is_some(),
+                    step.tensor_backend.is_some(),
+                ];
+                if targets.iter().filter(|t| **t).count() != 1 {
+                    return Err(ConfigError(format!(
+                        "models.{}: fallback step {} needs exactly one of model, canned, tensor_backend",
+                        m.name,
+                        i + 1
+                    )));
+                }
+                if !step.languages.is_empty() && step.canned.is_none() {
+                    return Err(ConfigError(format!(
+                        "models.{}: fallback step {}: languages belong to a canned answer",
+                        m.name,
+                        i + 1
+                    )));
+                }
+                if step.on.as_ref().is_some_and(Vec::is_empty) {
+                    return Err(ConfigError(format!(
+                        "models.{}: fallback step {}: `on` lists no trigger",
+                        m.name,
+                        i + 1
+                    )));
+                }
+                if step.model.as_deref().is_some_and(|target| {
+                    let t = crate::registry::ModelName::parse(target);
+                    t.name == m.name && (t.version.is_none() || t.version == m.version)
+                }) {
+                    return Err(ConfigError(format!(
+                        "models.{}: fallback step {} names the model itself",
+                        m.name,
+                        i + 1
+                    )));
+                }
+            }
+            if m.first_token_timeout_ms == 0 || m.stall_timeout_ms == 0 {
+                return Err(ConfigError(format!(
+                    "models.{}: first_token_timeout_ms and stall_timeout_ms must be at least 1",
+                    m.name
+                )));
+            }
+            let handoff = m.handoff.as_ref().unwrap_or(&self.handoff);
+            if handoff.enabled && (handoff.window_s == 0 || handoff.cooldown_s == 0) {
+                return Err(ConfigError(format!(
+                    "models.{}: handoff window_s and cooldown_s must be at least 1",
+                    m.name
+                )));
+            }
             if let Some([lo, hi]) = m.entropy_band {
                 if lo.is_nan() || hi.is_nan() || lo > hi {
                     return Err(ConfigError(format!(

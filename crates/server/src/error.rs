@@ -27,6 +27,16 @@ pub enum ApiError {
     BodyTooLarge(String),
     #[error("{0}")]
     Unauthorized(String),
+    /// The key lacks the scope the route needs.
+    #[error("{0}")]
+    Forbidden(String),
+    /// The model is handed off to people (level 3): the configured message and link.
+    #[error("{message}")]
+    HumanHandoff {
+        message: String,
+        url: Option<String>,
+        retry_after_s: u64,
+    },
     #[error("{0}")]
     ModelNotFound(String),
     #[error("{0}")]
@@ -63,6 +73,9 @@ pub struct ErrorDetail {
     pub kind: String,
     pub param: Option<String>,
     pub code: Option<String>,
+    /// `human_handoff`: where people can be reached.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub handoff_url: Option<String>,
 }
 
 impl ApiError {
@@ -87,6 +100,8 @@ impl ApiError {
             }
             ApiError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ApiError::HumanHandoff { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::ModelNotFound(_) | ApiError::RouteNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
@@ -101,6 +116,8 @@ impl ApiError {
             | ApiError::ContextLengthExceeded(_)
             | ApiError::BodyTooLarge(_) => "invalid_request_error",
             ApiError::Unauthorized(_) => "authentication_error",
+            ApiError::Forbidden(_) => "permission_error",
+            ApiError::HumanHandoff { .. } => "service_unavailable",
             ApiError::ModelNotFound(_) | ApiError::RouteNotFound(_) => "not_found_error",
             ApiError::Overloaded { .. } => "rate_limit_error",
             ApiError::Unavailable { .. } => "service_unavailable",
@@ -113,6 +130,8 @@ impl ApiError {
             ApiError::ContextLengthExceeded(_) => Some("context_length_exceeded"),
             ApiError::BodyTooLarge(_) => Some("request_too_large"),
             ApiError::Unauthorized(_) => Some("invalid_api_key"),
+            ApiError::Forbidden(_) => Some("insufficient_scope"),
+            ApiError::HumanHandoff { .. } => Some("human_handoff"),
             ApiError::ModelNotFound(_) => Some("model_not_found"),
             ApiError::Overloaded { code, .. } => Some(code),
             ApiError::InvalidOutput(_) => Some("structured_output_invalid"),
@@ -136,6 +155,10 @@ impl ApiError {
                 kind: self.kind().to_string(),
                 param: self.param(),
                 code: self.code().map(str::to_string),
+                handoff_url: match self {
+                    ApiError::HumanHandoff { url, .. } => url.clone(),
+                    _ => None,
+                },
             },
         }
     }
@@ -145,7 +168,8 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let retry_after = match &self {
             ApiError::Overloaded { retry_after_s, .. }
-            | ApiError::Unavailable { retry_after_s, .. } => Some(*retry_after_s),
+            | ApiError::Unavailable { retry_after_s, .. }
+            | ApiError::HumanHandoff { retry_after_s, .. } => Some(*retry_after_s),
             _ => None,
         };
         let mut response = (self.status(), axum::Json(self.body())).into_response();
@@ -257,6 +281,10 @@ impl From<BackendError> for ApiError {
             },
             BackendError::Failed(m) => ApiError::Internal(m),
             BackendError::InvalidOutput(m) => ApiError::InvalidOutput(m),
+            BackendError::NoMatch(message) => ApiError::Unavailable {
+                message,
+                retry_after_s: 1,
+            },
         }
     }
 }
@@ -285,6 +313,16 @@ impl ApiError {
             }
             ApiError::BodyTooLarge(_) => (Status::resource_exhausted(message), None),
             ApiError::Unauthorized(_) => (Status::unauthenticated(message), None),
+            ApiError::Forbidden(_) => (Status::permission_denied(message), None),
+            ApiError::HumanHandoff {
+                retry_after_s, url, ..
+            } => {
+                let message = match url {
+                    Some(url) => format!("{message} ({url}) [human_handoff]"),
+                    None => format!("{message} [human_handoff]"),
+                };
+                (Status::unavailable(message), Some(*retry_after_s))
+            }
             ApiError::ModelNotFound(_) | ApiError::RouteNotFound(_) => {
                 (Status::not_found(message), None)
             }

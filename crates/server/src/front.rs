@@ -1,9 +1,10 @@
 //! The front: the one pipeline every protocol calls once it has decoded its wire format.
 //!
-//! drain check → guard → route → admission → backend. Each protocol's handler is decode →
-//! [`serve`] → encode; nothing below this line knows the protocol, nothing above it knows the
-//! model. The record of the request is filled on the way (model, version, digest, queue time,
-//! the refusal and its reason) and settled once by [`settle`].
+//! drain check → guard → route → hand-off → rate limit → backend chain (each step: breaker,
+//! admission, backend; see [`crate::chain`]). Each protocol's handler is decode → [`serve`] →
+//! encode; nothing below this line knows the protocol, nothing above it knows the model. The
+//! record of the request is filled on the way (model, version, digest, queue time, the refusal
+//! and its reason, the attempts and the fallback that answered) and settled once by [`settle`].
 //!
 //! The guard (injection rules and classifier) and the release plan's routing (canary, A/B) plug
 //! in here: today the route is the model asked for (newest version unless one is named) and the
@@ -11,22 +12,24 @@
 
 use std::sync::Arc;
 
-use axum::http::StatusCode;
 use record::RecordBuilder;
 use tracing::Instrument;
 
 use crate::admission::Slot;
 use crate::backend::{Answer, Work, WorkKind};
+use crate::chain::{self, Fallback};
 use crate::error::ApiError;
 use crate::registry::{Entry, ModelName};
 use crate::state::AppState;
 
-/// A request that passed the front: the model that answers, its answer, and its place in flight.
+/// A request that passed the front: the backend that answers, its answer, its place in flight,
+/// and the fallback that answered when it was not the model asked for.
 #[derive(Debug)]
 pub struct Admitted {
     pub entry: Arc<Entry>,
     pub answer: Answer,
     pub ticket: Ticket,
+    pub fallback: Option<Fallback>,
 }
 
 /// Held until the response ends: the admission slot, and the principal whose token budget the
@@ -64,7 +67,7 @@ pub async fn serve(
         return Err(ApiError::draining());
     }
     let entry = route(state, model, work.kind(), record)?;
-    admit_and_start(state, principal, entry, work, record).await
+    serve_routed(state, principal, entry, work, record).await
 }
 
 /// The route: the entry that answers `work` for `model` (the release plan will choose among
@@ -83,8 +86,8 @@ pub fn route(
     Ok(entry)
 }
 
-/// The pipeline after the route (for protocols that route first): drain check, admission,
-/// then the backend.
+/// The pipeline after the route (for protocols that route first): drain check, hand-off,
+/// rate limit, then the backend chain.
 pub async fn serve_routed(
     state: &Arc<AppState>,
     principal: &str,
@@ -95,16 +98,6 @@ pub async fn serve_routed(
     if state.is_draining() {
         return Err(ApiError::draining());
     }
-    admit_and_start(state, principal, entry, work, record).await
-}
-
-async fn admit_and_start(
-    state: &Arc<AppState>,
-    principal: &str,
-    entry: Arc<Entry>,
-    work: Work,
-    record: &mut RecordBuilder,
-) -> Result<Admitted, ApiError> {
     let span = tracing::info_span!(
         "front",
         model = %entry.name,
@@ -112,60 +105,48 @@ async fn admit_and_start(
         work = work.kind().as_str()
     );
     async move {
-        let slot = admit(state, principal, &entry, record)
-            .instrument(tracing::debug_span!("admission"))
+        if let Some(refusal) = state.handoffs.get(&entry.name).refusal() {
+            record.refuse("human_handoff");
+            record.record.fallback_level = 3;
+            record.record.fallback_reason = Some("human_handoff");
+            return Err(ApiError::HumanHandoff {
+                message: refusal.message,
+                url: refusal.url,
+                retry_after_s: refusal.retry_after_s,
+            });
+        }
+        if let Err(wait) = state.rate_limiter.admit(principal) {
+            record.refuse("rate_limited");
+            return Err(ApiError::Overloaded {
+                message: format!("rate limit of key {principal:?} reached; retry in {wait} s"),
+                retry_after_s: wait,
+                code: "rate_limited",
+            });
+        }
+        let answered = chain::run(state, entry, work, record)
+            .instrument(tracing::debug_span!("chain"))
             .await?;
-        let answer = entry
-            .backend
-            .start(work, record)
-            .instrument(tracing::debug_span!("backend"))
-            .await?;
-        let answer = match answer {
+        let answer = match answered.answer {
             Answer::Tensors(mut response) => {
-                response.model_name = entry.name.clone();
-                response.model_version = entry.version.clone();
+                response.model_name = answered.entry.name.clone();
+                response.model_version = answered.entry.version.clone();
                 Answer::Tensors(response)
             }
             other => other,
         };
         Ok(Admitted {
-            entry,
+            entry: answered.entry,
             answer,
             ticket: Ticket {
-                _slot: slot,
+                _slot: answered.slot,
                 state: Arc::clone(state),
                 principal: principal.to_string(),
             },
+            fallback: answered.fallback,
         })
     }
     .instrument(span)
     .await
-}
-
-/// The key's rate limit, then a slot of the model's admission; a refusal says why in the record.
-async fn admit(
-    state: &AppState,
-    principal: &str,
-    entry: &Entry,
-    record: &mut RecordBuilder,
-) -> Result<Slot, ApiError> {
-    if let Err(wait) = state.rate_limiter.admit(principal) {
-        record.refuse("rate_limited");
-        return Err(ApiError::Overloaded {
-            message: format!("rate limit of key {principal:?} reached; retry in {wait} s"),
-            retry_after_s: wait,
-            code: "rate_limited",
-        });
-    }
-    let slot = entry.admission.acquire().await.inspect_err(|e| {
-        record.refuse(if e.status() == StatusCode::TOO_MANY_REQUESTS {
-            "queue_full"
-        } else {
-            "queue_timeout"
-        });
-    })?;
-    record.record.queue_ms = slot.queued.as_secs_f64() * 1e3;
-    Ok(slot)
 }
 
 /// Ends a request's record with its outcome: a success finished by itself (`stop` unless the

@@ -75,7 +75,9 @@ impl Inference {
             Transport::Grpc,
             request_id,
             endpoint,
+            Some(crate::auth::Scope::Infer),
         )
+        .map(|(principal, _)| principal)
         .map_err(|e| e.grpc_status())
     }
 
@@ -114,13 +116,28 @@ impl Inference {
         )
         .await?;
         match admitted.answer {
-            Answer::Tensors(response) => Ok(encode(response)),
+            Answer::Tensors(response) => {
+                let mut encoded = encode(response);
+                // A degraded answer says so in its parameters (and, unary, in the metadata).
+                if let Some(f) = &admitted.fallback {
+                    encoded.parameters.insert(
+                        FALLBACK_PARAMETER.to_string(),
+                        InferParameter {
+                            parameter_choice: Some(ParameterChoice::StringParam(f.header())),
+                        },
+                    );
+                }
+                Ok(encoded)
+            }
             _ => Err(ApiError::Internal(
                 "the backend answered tensors with something else".into(),
             )),
         }
     }
 }
+
+/// The response parameter that marks a degraded answer (the value of `x-rampart-fallback`).
+pub const FALLBACK_PARAMETER: &str = "rampart_fallback";
 
 /// The client's `x-request-id` when it is sane, else a fresh UUIDv4 (as over HTTP).
 fn request_id(metadata: &MetadataMap) -> String {
@@ -438,7 +455,23 @@ impl GrpcInferenceService for Inference {
             .infer_one(&principal, id.clone(), request.into_inner())
             .await
         {
-            Ok(response) => Ok(with_request_id(Response::new(response), &id)),
+            Ok(response) => {
+                let fallback = response.parameters.get(FALLBACK_PARAMETER).and_then(|p| {
+                    match &p.parameter_choice {
+                        Some(ParameterChoice::StringParam(s)) => {
+                            MetadataValue::try_from(s.as_str()).ok()
+                        }
+                        _ => None,
+                    }
+                });
+                let mut response = with_request_id(Response::new(response), &id);
+                if let Some(v) = fallback {
+                    response
+                        .metadata_mut()
+                        .insert(crate::chain::FALLBACK_HEADER, v);
+                }
+                Ok(response)
+            }
             Err(e) => {
                 let mut status = e.grpc_status();
                 if let Ok(v) = MetadataValue::try_from(id.as_str()) {

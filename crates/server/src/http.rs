@@ -14,8 +14,10 @@ use axum::{Json, Router};
 use serde::Serialize;
 use utoipa::OpenApi;
 
+use crate::admin;
+use crate::auth::Scope;
 use crate::error::{ApiError, ErrorBody};
-use crate::identity::{self, Principal, RequestId, Transport};
+use crate::identity::{self, Granted, Principal, RequestId, Transport};
 use crate::kserve;
 use crate::observe;
 use crate::openai::*;
@@ -43,6 +45,11 @@ pub mod paths {
     pub const V2_VERSION: &str = "/v2/models/{name}/versions/{version}";
     pub const V2_VERSION_READY: &str = "/v2/models/{name}/versions/{version}/ready";
     pub const V2_VERSION_INFER: &str = "/v2/models/{name}/versions/{version}/infer";
+    // The admin API (scope `admin`).
+    pub const ADMIN_BACKENDS: &str = "/admin/backends";
+    pub const ADMIN_HANDOFF: &str = "/admin/models/{name}/handoff";
+    pub const ADMIN_FAULTS: &str = "/admin/faults";
+    pub const ADMIN_FAULT: &str = "/admin/faults/{id}";
 }
 
 #[derive(OpenApi)]
@@ -82,7 +89,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     let metrics_route = Router::new().route(paths::METRICS, get(metrics));
     let metrics_route = if state.config.metrics_require_auth {
         metrics_route.layer(middleware::from_fn_with_state(
-            Arc::clone(&state),
+            (Arc::clone(&state), None),
             authenticate,
         ))
     } else {
@@ -103,9 +110,13 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route(paths::V2_VERSION_READY, get(kserve::model_version_ready))
         .route(paths::V2_VERSION_INFER, post(kserve::model_version_infer))
         .layer(middleware::from_fn_with_state(
-            Arc::clone(&state),
+            (Arc::clone(&state), Some(Scope::Infer)),
             authenticate,
         ));
+    let admin_routes = admin::routes().layer(middleware::from_fn_with_state(
+        (Arc::clone(&state), Some(Scope::Admin)),
+        authenticate,
+    ));
     Router::new()
         .route(paths::LIVE, get(live))
         .route(paths::READY, get(ready))
@@ -113,6 +124,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route(paths::V2_READY, get(kserve::health_ready))
         .merge(metrics_route)
         .merge(api)
+        .merge(admin_routes)
         .fallback(not_found)
         .layer(middleware::from_fn(identify))
         .with_state(state)
@@ -141,9 +153,10 @@ async fn anonymous(mut request: Request, next: Next) -> Response {
     next.run(request).await
 }
 
-/// Bearer auth against the key hashes (when keys are configured).
+/// Bearer auth against the key hashes (when keys are configured); the route group needs
+/// `scope` (none: any valid key).
 async fn authenticate(
-    State(state): State<Arc<AppState>>,
+    State((state, scope)): State<(Arc<AppState>, Option<Scope>)>,
     mut request: Request,
     next: Next,
 ) -> Response {
@@ -161,9 +174,11 @@ async fn authenticate(
         Transport::Http,
         &request_id,
         endpoint_of(request.uri().path()),
+        scope,
     ) {
-        Ok(principal) => {
+        Ok((principal, scopes)) => {
             request.extensions_mut().insert(Principal(principal));
+            request.extensions_mut().insert(Granted(scopes));
             next.run(request).await
         }
         Err(e) => e.into_response(),
@@ -182,6 +197,7 @@ fn endpoint_of(path: &str) -> &'static str {
         paths::EMBEDDINGS => "embeddings",
         p if p.starts_with("/v2/models/") && p.ends_with("/infer") => "kserve_infer",
         p if p.starts_with("/v2") => "kserve",
+        p if p.starts_with("/admin/") => "admin",
         _ => "other",
     }
 }
@@ -254,7 +270,7 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         .bus
         .caught_up(observe::METRICS_SINK, std::time::Duration::from_millis(250))
         .await;
-    observe::refresh_gauges(&state.registry, &state.bus);
+    observe::refresh_gauges(&state.registry, &state.handoffs, &state.bus);
     let body = state
         .metrics
         .as_ref()

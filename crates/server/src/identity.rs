@@ -16,6 +16,10 @@ pub struct RequestId(pub String);
 #[derive(Debug, Clone)]
 pub struct Principal(pub String);
 
+/// What the asking key may do (every scope when the server runs without keys).
+#[derive(Debug, Clone, Copy)]
+pub struct Granted(pub auth::Scopes);
+
 /// The client's request id when it is sane (1-128 visible ASCII characters), else a fresh
 /// UUIDv4.
 pub fn request_id(given: Option<&str>) -> String {
@@ -31,21 +35,35 @@ pub enum Transport {
     Grpc,
 }
 
-/// The principal of an `authorization` value (`anonymous` when the server has no keys). A
-/// refusal is recorded (who tried what) and returned as `Unauthorized`.
+/// The principal and scopes of an `authorization` value (`anonymous` with every scope when the
+/// server has no keys), which must hold `needed` (none: any valid key). A refusal is recorded
+/// (who tried what) and returned as `Unauthorized` or `Forbidden`.
 pub fn authenticate(
     state: &AppState,
     authorization: Option<&str>,
     transport: Transport,
     request_id: &str,
     endpoint: &'static str,
-) -> Result<String, ApiError> {
+    needed: Option<auth::Scope>,
+) -> Result<(String, auth::Scopes), ApiError> {
     let Some(keys) = &state.keys else {
-        return Ok("anonymous".into());
+        return Ok(("anonymous".into(), auth::Scopes::ALL));
     };
     let presented = authorization.and_then(auth::bearer);
-    if let Some(id) = presented.and_then(|key| keys.principal(key)) {
-        return Ok(id.to_string());
+    if let Some((id, scopes)) = presented.and_then(|key| keys.lookup(key)) {
+        if let Some(scope) = needed.filter(|s| !scopes.has(*s)) {
+            let error = ApiError::Forbidden(format!(
+                "the key {id:?} lacks the {:?} scope this route needs (it has: {})",
+                scope.as_str(),
+                scopes.names().join(", ")
+            ));
+            let mut record = state.record(request_id.to_string(), id.to_string(), endpoint);
+            record.refuse("insufficient_scope");
+            error.record(&mut record);
+            let _ = record.finish();
+            return Err(error);
+        }
+        return Ok((id.to_string(), scopes));
     }
     let message = match (presented, transport) {
         (None, Transport::Http) => "missing API key: send it as 'Authorization: Bearer <key>'",

@@ -426,7 +426,9 @@ async fn infer(
             "the backend answered tensors with something else".into(),
         ));
     };
-    Ok(encode_rest(&response, raw_image))
+    let mut encoded = encode_rest(&response, raw_image);
+    crate::openai_http::mark(&mut encoded, admitted.fallback.as_ref());
+    Ok(encoded)
 }
 
 /// A raw image body: one encoded image into the model's image input.

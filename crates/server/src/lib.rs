@@ -19,14 +19,18 @@
 //! Not here: model internals (the `engine` and `classic` crates) and compute kernels. Engines
 //! run on their own threads; handlers await their streams.
 
+pub mod admin;
 pub mod admission;
 pub mod auth;
 pub mod backend;
 pub mod breaker;
+pub mod chain;
 pub mod config;
 pub mod error;
+pub mod faults;
 pub mod front;
 pub mod grpc;
+pub mod handoff;
 pub mod http;
 pub mod identity;
 pub mod kserve;
@@ -147,6 +151,7 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         "rampart serving (models loading)"
     );
     spawn_loading(Arc::clone(&state));
+    spawn_readiness(Arc::clone(&state));
 
     let stop = Arc::new(Notify::new());
     let app = http::router(Arc::clone(&state));
@@ -263,8 +268,44 @@ fn spawn_loading(state: Arc<AppState>) {
                 Err(e) => state.refuse(e),
             }
         }
+        check_chains(&state);
         state.loaded();
     });
+}
+
+/// Checks every backend's readiness each `breaker.readiness_interval_ms`: the chain reads the
+/// result (a backend that is not ready is skipped with `not_ready`) and its breaker counts
+/// the failed checks (3 in a row open it).
+pub fn spawn_readiness(state: Arc<AppState>) {
+    let every = Duration::from_millis(state.config.breaker.readiness_interval_ms.max(1));
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            for e in state.registry.all() {
+                for b in e.backends() {
+                    if let Some(problem) = b.check_readiness() {
+                        tracing::debug!(backend = %b.id, problem, "readiness check failed");
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// Warns of fallback steps that name a model that is not served (the step is skipped as
+/// `not_ready` until it is).
+fn check_chains(state: &AppState) {
+    for e in state.registry.all() {
+        for step in &e.policy.steps {
+            if let crate::chain::Target::Model(m) = &step.target {
+                if state.registry.find(m).is_none() {
+                    tracing::warn!(model = %e.id, fallback = %m, "a fallback step names a model that is not served");
+                }
+            }
+        }
+    }
 }
 
 /// SIGTERM or SIGINT (Ctrl-C).

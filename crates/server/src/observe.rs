@@ -107,6 +107,42 @@ pub fn install_metrics() -> Result<PrometheusHandle, ObserveError> {
         "rampart_requests_total",
         "Requests finished, by model, endpoint and status code."
     );
+    describe_counter!(
+        "rampart_fallback_total",
+        "Requests answered by a step of the model's fallback chain, by model, the backend that answered and the trigger."
+    );
+    describe_counter!(
+        "rampart_canned_responses_total",
+        "Requests answered by the model's canned answer (fallback level 2)."
+    );
+    describe_gauge!(
+        "rampart_breaker_state",
+        "Circuit breaker of each backend: 0 closed, 1 half-open, 2 open."
+    );
+    describe_counter!(
+        "rampart_breaker_transitions_total",
+        "Circuit breaker changes of state, by backend and the state it went to."
+    );
+    describe_gauge!(
+        "rampart_handoff_active",
+        "1 while the model is handed off to people (new requests get 503 human_handoff)."
+    );
+    describe_counter!(
+        "rampart_handoff_transitions_total",
+        "Hand-offs and resumptions, by model (to: handed_off, resumed)."
+    );
+    describe_counter!(
+        "rampart_faults_injected_total",
+        "Faults injected through the admin API, by backend and mode."
+    );
+    describe_counter!(
+        "rampart_faults_struck_total",
+        "Calls an injected fault struck, by backend and mode."
+    );
+    describe_counter!(
+        "rampart_admin_actions_total",
+        "Admin API calls that changed something, by action."
+    );
     describe_histogram!(
         "rampart_request_duration_seconds",
         "Time from arrival to the last byte of the response."
@@ -214,7 +250,18 @@ pub fn install_metrics() -> Result<PrometheusHandle, ObserveError> {
 
 /// Refreshes the per-model gauges from the engines' snapshots, and the record bus's counters
 /// (called before each scrape).
-pub fn refresh_gauges(registry: &Registry, bus: &Bus) {
+pub fn refresh_gauges(registry: &Registry, handoffs: &crate::handoff::Handoffs, bus: &Bus) {
+    for e in registry.all() {
+        for b in e.backends() {
+            gauge!("rampart_breaker_state", "backend" => b.id.clone())
+                .set(f64::from(b.breaker.state().gauge()));
+        }
+    }
+    for h in handoffs.all() {
+        let view = h.view();
+        gauge!("rampart_handoff_active", "model" => view.model)
+            .set(f64::from(u8::from(view.active)));
+    }
     for e in registry.all() {
         let Some(s) = e.backend.engine_snapshot() else {
             continue;
@@ -276,6 +323,15 @@ impl Sink for LogSink {
     }
 }
 
+/// A record's attempts as one JSON array in its log line.
+struct Attempts<'a>(&'a [record::Attempt]);
+
+impl std::fmt::Display for Attempts<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&serde_json::to_string(self.0).unwrap_or_default())
+    }
+}
+
 fn log_record(r: &InferenceRecord) {
     tracing::info!(
         target: "rampart::record",
@@ -306,6 +362,9 @@ fn log_record(r: &InferenceRecord) {
         error_code = r.error_code.as_deref(),
         refusal = r.refusal,
         fallback_level = r.fallback_level,
+        fallback_backend = r.fallback_backend.as_deref(),
+        fallback_reason = r.fallback_reason,
+        attempts = %Attempts(&r.attempts),
         stream = r.stream,
         structured = r.structured.as_ref().map(|s| s.kind),
         structured_outcome = r.structured.as_ref().and_then(|s| s.outcome),
@@ -383,6 +442,18 @@ fn count_record(envelope: &Envelope) {
         "status" => r.status.to_string()
     )
     .increment(1);
+    if let (Some(to), Some(reason)) = (&r.fallback_backend, r.fallback_reason) {
+        counter!(
+            "rampart_fallback_total",
+            "model" => model.clone(),
+            "to" => to.clone(),
+            "reason" => reason
+        )
+        .increment(1);
+        if r.fallback_level == 2 {
+            counter!("rampart_canned_responses_total", "model" => model.clone()).increment(1);
+        }
+    }
     if let Some(s) = &r.structured {
         counter!(
             "rampart_structured_requests_total",

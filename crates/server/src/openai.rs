@@ -479,6 +479,8 @@ impl ChatCompletionRequest {
             prompts: vec![Prompt::Chat(messages)],
             n,
             default_max_tokens: max_tokens.is_none(),
+            language: None,
+            fallback_level: 0,
             request,
             stream: self.sampling.stream.unwrap_or(false),
             include_usage: self
@@ -553,6 +555,8 @@ impl CompletionRequest {
             prompts,
             n,
             default_max_tokens: self.sampling.max_tokens.is_none(),
+            language: None,
+            fallback_level: 0,
             request,
             stream: self.sampling.stream.unwrap_or(false),
             include_usage: self

@@ -7,6 +7,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Body;
 use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
@@ -17,6 +18,7 @@ use record::{sha256_hex, RecordBuilder};
 use crate::backend::{
     Answer, EmbedWork, Embeddings, Generated, Generation, Kind, Token, Work, WorkKind,
 };
+use crate::chain::{Fallback, FALLBACK_HEADER};
 use crate::error::{ApiError, ErrorBody};
 use crate::front::{self, Ticket};
 use crate::identity::{self, Principal, RequestId};
@@ -49,9 +51,10 @@ pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
     Extension(id): Extension<RequestId>,
     Extension(principal): Extension<Principal>,
+    headers: HeaderMap,
     body: Body,
 ) -> Response {
-    generate(state, id, principal, body, Endpoint::Chat).await
+    generate(state, id, principal, &headers, body, Endpoint::Chat).await
 }
 
 /// Text completions (streaming with `stream: true`).
@@ -63,9 +66,10 @@ pub async fn completions(
     State(state): State<Arc<AppState>>,
     Extension(id): Extension<RequestId>,
     Extension(principal): Extension<Principal>,
+    headers: HeaderMap,
     body: Body,
 ) -> Response {
-    generate(state, id, principal, body, Endpoint::Completions).await
+    generate(state, id, principal, &headers, body, Endpoint::Completions).await
 }
 
 /// Decode → front → encode, for both generation endpoints.
@@ -74,18 +78,26 @@ async fn generate(
     state: Arc<AppState>,
     id: RequestId,
     principal: Principal,
+    headers: &HeaderMap,
     body: Body,
     endpoint: Endpoint,
 ) -> Response {
     let mut record = state.record(id.0, principal.0.clone(), endpoint.name());
-    match start(&state, &principal.0, body, endpoint, &mut record).await {
+    let language = headers
+        .get(header::ACCEPT_LANGUAGE)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    match start(&state, &principal.0, body, endpoint, language, &mut record).await {
         Ok(reply) => {
             record.record.stream = reply.shape.stream;
-            if reply.shape.stream {
+            let fallback = reply.fallback.clone();
+            let mut response = if reply.shape.stream {
                 stream_response(reply, record)
             } else {
                 collect_response(reply, record).await
-            }
+            };
+            mark(&mut response, fallback.as_ref());
+            response
         }
         Err(e) => {
             front::settle::<()>(&mut record, Err(&e));
@@ -100,10 +112,12 @@ async fn start(
     principal: &str,
     body: Body,
     endpoint: Endpoint,
+    language: Option<String>,
     record: &mut RecordBuilder,
 ) -> Result<Reply, ApiError> {
     let bytes = identity::read_body(body, state.config.limits.max_body_bytes, record).await?;
-    let (model, plan) = decode_generation(&bytes, endpoint, &state.config.limits)?;
+    let (model, mut plan) = decode_generation(&bytes, endpoint, &state.config.limits)?;
+    plan.language = language;
     record.record.user = plan.user.clone();
     record.record.input_sha256 = sha256_hex(&plan.input_for_hash);
     record.payload_input(|| serde_json::json!({ "prompt": plan.input_for_hash }));
@@ -127,6 +141,7 @@ async fn start(
         g,
         entry: admitted.entry,
         ticket: admitted.ticket,
+        fallback: admitted.fallback,
         shape,
         endpoint,
         id: format!("{prefix}-{}", uuid::Uuid::new_v4().simple()),
@@ -166,12 +181,15 @@ pub async fn embeddings(
     body: Body,
 ) -> Response {
     let mut record = state.record(id.0, principal.0.clone(), "embeddings");
-    let result = embed(&state, &principal.0, body, &mut record).await;
+    let mut fallback = None;
+    let result = embed(&state, &principal.0, body, &mut record, &mut fallback).await;
     front::settle(&mut record, result.as_ref());
-    match result {
+    let mut response = match result {
         Ok(response) => Json(response).into_response(),
         Err(e) => e.into_response(),
-    }
+    };
+    mark(&mut response, fallback.as_ref());
+    response
 }
 
 async fn embed(
@@ -179,6 +197,7 @@ async fn embed(
     principal: &str,
     body: Body,
     record: &mut RecordBuilder,
+    fallback: &mut Option<Fallback>,
 ) -> Result<EmbeddingResponse, ApiError> {
     let bytes = identity::read_body(body, state.config.limits.max_body_bytes, record).await?;
     let request: EmbeddingRequest = parse_json(&bytes)?;
@@ -192,6 +211,9 @@ async fn embed(
         dimensions: plan.dimensions,
     });
     let admitted = front::serve(state, principal, &model, work, record).await?;
+    if let Some(f) = &admitted.fallback {
+        *fallback = Some(f.clone());
+    }
     let Answer::Embeddings(e) = admitted.answer else {
         return Err(ApiError::Internal(
             "the backend answered embeddings with something else".into(),
@@ -266,6 +288,13 @@ pub async fn get_model(State(state): State<Arc<AppState>>, Path(id): Path<String
     }
 }
 
+/// Marks a degraded response: `x-rampart-fallback: level=N; backend=…; reason=…`.
+pub fn mark(response: &mut Response, fallback: Option<&Fallback>) {
+    if let Some(value) = fallback.and_then(|f| HeaderValue::from_str(&f.header()).ok()) {
+        response.headers_mut().insert(FALLBACK_HEADER, value);
+    }
+}
+
 fn now_s() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -298,6 +327,8 @@ struct Reply {
     entry: Arc<Entry>,
     /// Held until the response ends.
     ticket: Ticket,
+    /// The fallback that answered, if the model asked for did not.
+    fallback: Option<Fallback>,
     shape: Shape,
     endpoint: Endpoint,
     id: String,

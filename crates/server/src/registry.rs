@@ -1,13 +1,20 @@
 //! Every served model version, whatever its kind, in one list with one lookup.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 
 use crate::admission::Admission;
 use crate::backend::{InferenceBackend, Kind, WorkKind};
+use crate::breaker::{BackendBreaker, BreakerConfig};
+use crate::chain::Policy;
 use crate::error::ApiError;
 
-/// One served model version: who it is, its admission, and the backend that answers.
+/// One served backend: a model version (or a chain's own canned answer or tensor twin), its
+/// admission, its breaker, its fallback policy, and the backend that answers.
 pub struct Entry {
+    /// The backend's id in breakers, faults, headers and records: `name@version`, or
+    /// `name@version:tract` (a tensor model's twin on the other runtime), or `canned:name`.
+    pub id: String,
     /// The model's name: its id in the APIs.
     pub name: String,
     pub version: String,
@@ -17,6 +24,11 @@ pub struct Entry {
     pub created: u64,
     pub admission: Arc<Admission>,
     pub backend: Arc<dyn InferenceBackend>,
+    pub breaker: BackendBreaker,
+    /// Its fallback chain and timeouts.
+    pub policy: Policy,
+    /// The last readiness check passed (the readiness task keeps it).
+    ready: AtomicBool,
 }
 
 impl std::fmt::Debug for Entry {
@@ -29,8 +41,71 @@ impl std::fmt::Debug for Entry {
 }
 
 impl Entry {
+    /// A model version served with the default policy and breaker.
+    pub fn new(
+        name: impl Into<String>,
+        version: impl Into<String>,
+        digest: impl Into<String>,
+        admission: Arc<Admission>,
+        backend: Arc<dyn InferenceBackend>,
+    ) -> Self {
+        let (name, version) = (name.into(), version.into());
+        let id = format!("{name}@{version}");
+        Self {
+            breaker: BackendBreaker::new(id.clone(), BreakerConfig::default()),
+            id,
+            name,
+            version,
+            digest: digest.into(),
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            admission,
+            backend,
+            policy: Policy::default(),
+            ready: AtomicBool::new(true),
+        }
+    }
+
+    /// The same entry under another backend id (a chain's own steps).
+    pub fn with_id(mut self, id: impl Into<String>) -> Self {
+        self.id = id.into();
+        self
+    }
+
+    pub fn with_policy(mut self, policy: Policy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    pub fn with_breaker(mut self, config: BreakerConfig) -> Self {
+        self.breaker = BackendBreaker::new(self.id.clone(), config);
+        self
+    }
+
     pub fn kind(&self) -> Kind {
         self.backend.kind()
+    }
+
+    /// Whether the last readiness check passed.
+    pub fn is_ready(&self) -> bool {
+        self.ready.load(Ordering::Relaxed)
+    }
+
+    /// Runs a readiness check: remembers it and tells the breaker.
+    pub fn check_readiness(&self) -> Option<String> {
+        let problem = self.backend.health().problem;
+        self.ready.store(problem.is_none(), Ordering::Relaxed);
+        self.breaker.readiness(problem.is_none());
+        problem
+    }
+
+    /// Every backend this entry answers with: itself, then its chain's own steps.
+    pub fn backends(self: &Arc<Self>) -> Vec<Arc<Entry>> {
+        let mut out = vec![Arc::clone(self)];
+        out.extend(self.policy.own_entries());
+        out
     }
 }
 

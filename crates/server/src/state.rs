@@ -12,12 +12,17 @@ use repo::{ModelRef, Repository};
 
 use crate::admission::Admission;
 use crate::auth::{KeyStore, RateLimiter};
+use crate::backend::canned::CannedBackend;
 use crate::backend::embedding::EmbeddingBackend;
 use crate::backend::llm::LlmBackend;
 use crate::backend::rules::RulesBackend;
 use crate::backend::tensor::TensorBackend;
+use crate::breaker::BreakerConfig;
+use crate::chain::{Policy, Step, Target};
 use crate::config::{ModelConfig, ServerConfig};
-use crate::registry::{Entry, Registry};
+use crate::faults::Faults;
+use crate::handoff::Handoffs;
+use crate::registry::{Entry, ModelName, Registry};
 
 /// Readiness of the model set.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,6 +62,10 @@ pub struct AppState {
     pub metrics: Option<PrometheusHandle>,
     /// Where every request's record goes.
     pub bus: Arc<Bus>,
+    /// Each model's hand-off to people (level 3).
+    pub handoffs: Handoffs,
+    /// Faults injected for drills (`POST /admin/faults`).
+    pub faults: Faults,
     pub started: Instant,
 }
 
@@ -75,6 +84,8 @@ impl AppState {
     ) -> Arc<Self> {
         Arc::new(Self {
             rate_limiter: RateLimiter::new(config.rate_limit.clone()),
+            handoffs: Handoffs::new(&config),
+            faults: Faults::new(config.faults.clone()),
             config,
             registry: Registry::default(),
             loading: Mutex::new(Loading::InProgress),
@@ -171,18 +182,7 @@ pub fn models_to_load(
             }
         };
         if servable {
-            out.push(ModelConfig {
-                name,
-                version: None,
-                entropy_band: None,
-                context: None,
-                kv_cache_memory: None,
-                kv_cache_dtype: None,
-                max_num_seqs: None,
-                max_num_batched_tokens: None,
-                quantization: None,
-                quantization_cache_dir: None,
-            });
+            out.push(ModelConfig::named(name));
         }
     }
     Ok(out)
@@ -231,13 +231,6 @@ fn load_verified(
     Ok((loaded, digest))
 }
 
-fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
-
 /// Loads one model of whatever kind its manifest says (digests verified by the repository
 /// first), ready to be served.
 pub fn load(
@@ -248,11 +241,13 @@ pub fn load(
     let started = Instant::now();
     let kind = model_kind(repository, model).unwrap_or(repo::Kind::Llm);
     let entry = match kind {
-        repo::Kind::Onnx => load_tensor_model(config, repository, model)?,
+        repo::Kind::Onnx => load_tensor_model(config, repository, model, None)?,
         repo::Kind::Embedding => load_embedder(config, repository, model)?,
         repo::Kind::Llm => load_llm(config, repository, model)?,
         repo::Kind::Rules => load_rules(config, repository, model)?,
     };
+    let policy = policy(config, repository, model, &entry)?;
+    let entry = entry.with_policy(policy);
     let d = entry.backend.describe();
     tracing::info!(
         model = %entry.name,
@@ -274,25 +269,92 @@ fn entry(
     digest: String,
     backend: impl crate::backend::InferenceBackend,
 ) -> Entry {
-    Entry {
-        name: model.name.clone(),
-        version: version.version.to_string(),
+    Entry::new(
+        model.name.clone(),
+        version.version.to_string(),
         digest,
-        created: unix_now(),
-        admission: Admission::new(config.admission.clone()),
-        backend: Arc::new(backend),
+        Admission::new(config.admission.clone()),
+        Arc::new(backend),
+    )
+    .with_breaker(breaker_config(config, model))
+}
+
+/// The server's breaker settings, with the model's latency objective as its slow-call limit.
+fn breaker_config(config: &ServerConfig, model: &ModelConfig) -> BreakerConfig {
+    BreakerConfig {
+        slow_call: model.latency_objective_ms.map(Duration::from_millis),
+        ..BreakerConfig::from(&config.breaker)
     }
 }
 
-/// Loads one tensor model and starts its batcher.
+/// A model's fallback chain and timeouts; its canned answers and tensor twins are loaded here.
+fn policy(
+    config: &ServerConfig,
+    repository: &Repository,
+    model: &ModelConfig,
+    entry: &Entry,
+) -> Result<Policy, LoadError> {
+    let mut steps = Vec::with_capacity(model.fallback.len());
+    for step in &model.fallback {
+        let target = if let Some(name) = &step.model {
+            Target::Model(ModelName::parse(name))
+        } else if let Some(text) = &step.canned {
+            let backend = CannedBackend::new(text.clone(), step.languages.clone());
+            let own = Entry::new(
+                model.name.clone(),
+                "canned",
+                format!("sha256:{}", record::sha256_hex(text)),
+                Admission::new(config.admission.clone()),
+                Arc::new(backend),
+            )
+            .with_id(format!("canned:{}", model.name))
+            .with_breaker(BreakerConfig::from(&config.breaker));
+            Target::Own(Arc::new(own))
+        } else if let Some(choice) = step.tensor_backend {
+            if entry.kind() != crate::backend::Kind::Tensor {
+                return Err(LoadError::new(
+                    &model.name,
+                    "a tensor_backend fallback needs a tensor (ONNX) model",
+                ));
+            }
+            let twin = load_tensor_model(config, repository, model, Some(choice))?;
+            let id = format!(
+                "{}:{}",
+                entry.id,
+                twin.backend.describe().platform.trim_start_matches("onnx_")
+            );
+            Target::Own(Arc::new(
+                twin.with_id(id.clone())
+                    .with_breaker(breaker_config(config, model)),
+            ))
+        } else {
+            return Err(LoadError::new(
+                &model.name,
+                "a fallback step names no target",
+            ));
+        };
+        steps.push(Step {
+            target,
+            on: step.triggers(),
+        });
+    }
+    Ok(Policy {
+        steps,
+        first_token_timeout: Duration::from_millis(model.first_token_timeout_ms),
+        stall_timeout: Duration::from_millis(model.stall_timeout_ms),
+    })
+}
+
+/// Loads one tensor model (on the configured runtime, or on `runtime`) and starts its batcher.
 fn load_tensor_model(
     config: &ServerConfig,
     repository: &Repository,
     model: &ModelConfig,
+    runtime: Option<classic::BackendChoice>,
 ) -> Result<Entry, LoadError> {
     let (loaded, digest) = load_verified(repository, model)?;
     let options = classic::LoadOptions {
-        backend: config.tensor.backend,
+        backend: runtime.unwrap_or(config.tensor.backend),
         onnxruntime_library: config.tensor.onnxruntime_library.clone(),
         threads: config.tensor.threads,
         max_input_elements: config.limits.max_tensor_elements,
@@ -332,7 +394,7 @@ fn load_rules(
         labels = engine.labels().len(),
         "rules model ready"
     );
-    let backend = RulesBackend::new(model.name.clone(), engine);
+    let backend = RulesBackend::new(model.name.clone(), engine, config.limits.max_grammar_bytes);
     Ok(entry(config, model, &loaded.version, digest, backend))
 }
 

@@ -16,6 +16,7 @@ use server::backend::{
     Answer, BackendError, Description, Embeddings, Generated, Generation, InferResponse,
     InferenceBackend, Kind, OutputTensor, StartFuture, Token, Work, WorkKind,
 };
+use server::chain::Policy;
 use server::config::ServerConfig;
 use server::registry::Entry;
 use server::state::AppState;
@@ -211,6 +212,12 @@ struct Options {
     max_in_flight: usize,
     max_waiting: usize,
     extra_sinks: Vec<Box<dyn Sink>>,
+    /// Fallback policies by backend id (`name@version`).
+    policies: Vec<(&'static str, Policy)>,
+    /// Edits the server's configuration (breaker, hand-off, faults, keys file lines).
+    configure: fn(&mut ServerConfig),
+    /// Extra key lines (`id:key scopes`).
+    extra_keys: &'static str,
 }
 
 impl Default for Options {
@@ -220,6 +227,9 @@ impl Default for Options {
             max_in_flight: 8,
             max_waiting: 8,
             extra_sinks: Vec::new(),
+            policies: Vec::new(),
+            configure: |_| {},
+            extra_keys: "",
         }
     }
 }
@@ -229,9 +239,10 @@ async fn harness(backends: Vec<(&str, Arc<dyn InferenceBackend>)>, options: Opti
     config.admission.max_in_flight = options.max_in_flight;
     config.admission.max_waiting = options.max_waiting;
     config.admission.queue_timeout_ms = 200;
+    (options.configure)(&mut config);
     let keys = options
         .keys
-        .then(|| KeyStore::parse(&format!("tester:{KEY}"), '\n').unwrap());
+        .then(|| KeyStore::parse(&format!("tester:{KEY}\n{}", options.extra_keys), '\n').unwrap());
     let (sink, records) = CollectingSink::new(
         "test",
         Delivery::Lossless {
@@ -244,16 +255,25 @@ async fn harness(backends: Vec<(&str, Arc<dyn InferenceBackend>)>, options: Opti
     sinks.extend(options.extra_sinks);
     let bus = Bus::start(sinks).unwrap();
     let state = AppState::new(config.clone(), keys, None, bus);
-    for (name, backend) in backends {
-        state.registry.add(Entry {
-            name: name.into(),
-            version: "1.0.0".into(),
-            digest: "sha256:fake".into(),
-            created: 0,
-            admission: server::admission::Admission::new(config.admission.clone()),
+    let mut policies = options.policies;
+    for (id, backend) in backends {
+        let (name, version) = id.split_once('@').unwrap_or((id, "1.0.0"));
+        let mut entry = Entry::new(
+            name,
+            version,
+            "sha256:fake",
+            server::admission::Admission::new(config.admission.clone()),
             backend,
-        });
+        )
+        .with_breaker((&config.breaker).into());
+        let full = format!("{name}@{version}");
+        if let Some(i) = policies.iter().position(|(p, _)| *p == full) {
+            entry = entry.with_policy(policies.remove(i).1);
+        }
+        state.registry.add(entry);
     }
+    assert!(policies.is_empty(), "policies for unknown backends");
+    server::spawn_readiness(Arc::clone(&state));
     state.loaded();
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -743,7 +763,7 @@ async fn a_rules_model_answers_chat_and_kserve_with_reasons_from_the_input() {
     ))
     .unwrap();
     let engine = guard::RulesEngine::from_toml(&rules).unwrap();
-    let backend = server::backend::rules::RulesBackend::new("tickets".into(), engine);
+    let backend = server::backend::rules::RulesBackend::new("tickets".into(), engine, 65536);
     let h = harness(vec![("tickets", Arc::new(backend))], Options::default()).await;
     let ticket = "我的快递一个星期了还没收到，物流也不更新";
     let r = h

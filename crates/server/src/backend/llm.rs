@@ -147,7 +147,7 @@ impl LlmBackend {
             events: events.boxed(),
             choices: index,
             prompt_tokens,
-            structured: structured.map(|(compiled, _)| compiled),
+            structured: structured.map(|(compiled, _)| compiled as Arc<dyn grammar::FinalCheck>),
         })
     }
 }

@@ -13,6 +13,7 @@
 //! The trait is [`InferenceBackend`], named apart from `kernels::Backend` (compute devices) and
 //! `classic::Backend` (ONNX runtimes).
 
+pub mod canned;
 pub mod embedding;
 pub mod llm;
 pub mod rules;
@@ -37,6 +38,8 @@ pub enum Kind {
     Tensor,
     /// The rules engine over a rules file.
     Rules,
+    /// A canned answer of a fallback chain.
+    Canned,
 }
 
 /// Everything a request can ask a backend for.
@@ -95,6 +98,11 @@ pub struct GeneratePlan {
     pub default_max_tokens: bool,
     /// What the output must follow (structured output).
     pub structured: Option<GrammarSpec>,
+    /// The request's `Accept-Language` (canned answers pick their text by it).
+    pub language: Option<String>,
+    /// 0: asked of the model itself; 1 or 2: a step of its fallback chain (a rules model then
+    /// answers only when a rule matched, so the chain can go on to a canned answer).
+    pub fallback_level: u8,
 }
 
 /// Inputs of an embedding request.
@@ -142,8 +150,9 @@ pub struct Generation {
     pub events: BoxStream<'static, (usize, Generated)>,
     pub choices: usize,
     pub prompt_tokens: usize,
-    /// The compiled constraint of a structured-output request (checks the final outputs).
-    pub structured: Option<Arc<grammar::Compiled>>,
+    /// The final check of a structured-output request (the compiled grammar's, or the plain
+    /// check of an answer the backend wrote itself).
+    pub structured: Option<Arc<dyn grammar::FinalCheck>>,
 }
 
 /// One event of one choice.
@@ -190,7 +199,7 @@ impl Generation {
         record: &mut RecordBuilder,
         outputs: &[(&str, &Finished)],
     ) -> Result<(), BackendError> {
-        let Some(compiled) = &self.structured else {
+        let Some(check) = &self.structured else {
             return Ok(());
         };
         let rank = |o: &grammar::Outcome| match o {
@@ -200,7 +209,7 @@ impl Generation {
         };
         let mut worst = grammar::Outcome::Valid;
         for (text, f) in outputs {
-            let outcome = compiled.check(text, f.reason == FinishReason::Length);
+            let outcome = check.check(text, f.reason == FinishReason::Length);
             if rank(&outcome) > rank(&worst) {
                 worst = outcome;
             }
@@ -215,7 +224,7 @@ impl Generation {
         match worst {
             grammar::Outcome::Invalid(problem) => Err(BackendError::InvalidOutput(format!(
                 "the output does not follow the requested {}: {problem}",
-                compiled.spec.kind()
+                check.kind()
             ))),
             _ => Ok(()),
         }
@@ -250,6 +259,10 @@ pub enum BackendError {
     /// A structured-output request ended with an output that fails its schema or grammar.
     #[error("{0}")]
     InvalidOutput(String),
+    /// The backend has no answer for this input (no rule of a rules model matched): not a
+    /// fault of the backend, but the chain goes on.
+    #[error("{0}")]
+    NoMatch(String),
 }
 
 /// The classes of [`BackendError`].
@@ -260,6 +273,8 @@ pub enum FailureClass {
     Unavailable,
     Timeout,
     Failure,
+    /// No answer for this input ([`BackendError::NoMatch`]).
+    NoMatch,
 }
 
 impl BackendError {
@@ -284,6 +299,7 @@ impl BackendError {
             BackendError::Unavailable { .. } => FailureClass::Unavailable,
             BackendError::Timeout { .. } => FailureClass::Timeout,
             BackendError::Failed(_) | BackendError::InvalidOutput(_) => FailureClass::Failure,
+            BackendError::NoMatch(_) => FailureClass::NoMatch,
         }
     }
 }

@@ -2,6 +2,14 @@
 //! one JSON answer, `{"category", "confidence", "reasons"}`, each reason a span of the input;
 //! over KServe, a `text` BYTES tensor in, `label` and `confidence` out. Deterministic: one
 //! "token" per answer, entropy 0.
+//!
+//! A structured-output request gets the answer rendered into what it asked for (its JSON
+//! schema's label, confidence and reasons fields, one of its choices) and held to the same
+//! final check as a model's output; what cannot be rendered is a failure, so a chain moves on
+//! to its canned answer. As a step of a fallback chain, a rules model answers only when a rule
+//! matched (the file's `default` answers direct requests only).
+
+use std::sync::Arc;
 
 use classic::{Data, Tensor};
 
@@ -9,7 +17,8 @@ use super::tensor::{record_confidences, text_input, TEXT_INPUT};
 use engine::{FinishReason, Finished, Prompt};
 use futures_util::stream::{self, StreamExt};
 use guard::{Classification, RulesEngine};
-use record::RecordBuilder;
+use record::{RecordBuilder, StructuredRecord};
+use serde_json::{json, Map, Value};
 
 use super::{
     Answer, BackendError, Description, GeneratePlan, Generated, Generation, InferRequest,
@@ -25,11 +34,17 @@ pub const CONFIDENCE_OUTPUT: &str = "confidence";
 pub struct RulesBackend {
     name: String,
     engine: RulesEngine,
+    /// Largest schema, regex or choice list a request may ask for.
+    max_grammar_bytes: usize,
 }
 
 impl RulesBackend {
-    pub fn new(name: String, engine: RulesEngine) -> Self {
-        Self { name, engine }
+    pub fn new(name: String, engine: RulesEngine, max_grammar_bytes: usize) -> Self {
+        Self {
+            name,
+            engine,
+            max_grammar_bytes,
+        }
     }
 
     fn generate(
@@ -37,14 +52,57 @@ impl RulesBackend {
         plan: GeneratePlan,
         record: &mut RecordBuilder,
     ) -> Result<Generation, BackendError> {
+        let check = match &plan.structured {
+            Some(spec) => {
+                let check =
+                    grammar::OutputCheck::new(spec, self.max_grammar_bytes).map_err(|e| {
+                        BackendError::Failed(format!("the rules engine cannot answer this: {e}"))
+                    })?;
+                record.record.structured = Some(StructuredRecord {
+                    kind: spec.kind(),
+                    grammar_sha256: spec.hash(),
+                    compile_ms: 0.0,
+                    cached: false,
+                    outcome: None,
+                    problem: None,
+                });
+                Some((spec, check))
+            }
+            None => None,
+        };
         let mut events = Vec::new();
         let mut confidences = Vec::new();
         let mut index = 0;
         for prompt in &plan.prompts {
             let text = prompt_text(prompt)?;
             let c = self.engine.classify(&text);
+            if plan.fallback_level > 0 && !c.matched {
+                return Err(BackendError::NoMatch(format!(
+                    "no rule of {} matched (score {:.2} below its threshold)",
+                    self.name, c.score
+                )));
+            }
             confidences.push(c.confidence as f32);
-            let answer = answer_json(&c);
+            let answer = match &check {
+                None => answer_json(&c),
+                Some((spec, check)) => {
+                    let answer = render(&c, spec).map_err(|problem| {
+                        BackendError::Failed(format!(
+                            "the rules answer cannot take the requested {}: {problem}",
+                            spec.kind()
+                        ))
+                    })?;
+                    if let grammar::Outcome::Invalid(problem) =
+                        grammar::FinalCheck::check(check, &answer, false)
+                    {
+                        return Err(BackendError::Failed(format!(
+                            "the rules answer fails the requested {}: {problem}",
+                            spec.kind()
+                        )));
+                    }
+                    answer
+                }
+            };
             for _ in 0..plan.n {
                 events.push((
                     index,
@@ -63,7 +121,7 @@ impl RulesBackend {
             events: stream::iter(events).boxed(),
             choices: index,
             prompt_tokens: 0,
-            structured: None,
+            structured: check.map(|(_, c)| Arc::new(c) as Arc<dyn grammar::FinalCheck>),
         })
     }
 
@@ -172,6 +230,135 @@ fn answer_json(c: &Classification) -> String {
         "reasons": reasons,
     })
     .to_string()
+}
+
+/// What a field of the requested schema holds, judged by its name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Label,
+    Confidence,
+    Reasons,
+}
+
+fn role(field: &str) -> Option<Role> {
+    let f = field.to_ascii_lowercase();
+    let has = |words: &[&str]| words.iter().any(|w| f.contains(w));
+    if has(&["confiden", "score", "probab", "certain"]) {
+        Some(Role::Confidence)
+    } else if has(&["reason", "evidence", "explan", "match", "span", "why"]) {
+        Some(Role::Reasons)
+    } else if has(&[
+        "categor", "label", "class", "intent", "topic", "type", "kind",
+    ]) {
+        Some(Role::Label)
+    } else {
+        None
+    }
+}
+
+/// The label as the schema spells it (an `enum` value, compared without case).
+fn label_for(label: &str, schema: &Value) -> Result<Value, String> {
+    match schema.get("enum").and_then(Value::as_array) {
+        Some(values) => values
+            .iter()
+            .find(|v| v.as_str().is_some_and(|s| s.eq_ignore_ascii_case(label)))
+            .cloned()
+            .ok_or_else(|| format!("the label {label:?} is none of the schema's values")),
+        None => Ok(Value::String(label.to_string())),
+    }
+}
+
+fn reason_object(r: &guard::Reason, fields: Option<&Map<String, Value>>) -> Value {
+    let all = json!({
+        "text": r.matched,
+        "label": r.label,
+        "rule": r.rule,
+        "weight": r.weight,
+        "start": r.start,
+        "end": r.end,
+    });
+    match (all, fields) {
+        (Value::Object(all), Some(fields)) => Value::Object(
+            all.into_iter()
+                .filter(|(k, _)| fields.contains_key(k))
+                .collect(),
+        ),
+        (all, _) => all,
+    }
+}
+
+/// The classification rendered into what the request asked for.
+fn render(c: &Classification, spec: &grammar::GrammarSpec) -> Result<String, String> {
+    let label = c.label.as_deref().unwrap_or_default();
+    match spec {
+        grammar::GrammarSpec::Choice(choices) => choices
+            .iter()
+            .find(|choice| choice.eq_ignore_ascii_case(label))
+            .cloned()
+            .ok_or_else(|| format!("the label {label:?} is none of the choices")),
+        grammar::GrammarSpec::Regex(_) => Ok(label.to_string()),
+        grammar::GrammarSpec::Lark(_) => Err("a grammar cannot be rendered".into()),
+        grammar::GrammarSpec::JsonObject | grammar::GrammarSpec::JsonSchema { .. } => {
+            let schema = spec.effective_schema().unwrap_or(Value::Bool(true));
+            let Some(properties) = schema.get("properties").and_then(Value::as_object) else {
+                return Ok(answer_json(c));
+            };
+            let required: Vec<&str> = schema
+                .get("required")
+                .and_then(Value::as_array)
+                .map(|r| r.iter().filter_map(Value::as_str).collect())
+                .unwrap_or_default();
+            let mut out = Map::new();
+            for (field, field_schema) in properties {
+                let value = match role(field) {
+                    Some(Role::Label) => label_for(label, field_schema)?,
+                    Some(Role::Confidence) => {
+                        let rounded = (c.confidence * 1000.0).round() / 1000.0;
+                        if field_schema.get("type").and_then(Value::as_str) == Some("integer") {
+                            json!((c.confidence * 100.0).round() as i64)
+                        } else {
+                            json!(rounded)
+                        }
+                    }
+                    Some(Role::Reasons) => match field_schema.get("type").and_then(Value::as_str) {
+                        Some("string") => Value::String(
+                            c.reasons
+                                .iter()
+                                .map(|r| r.matched.as_str())
+                                .collect::<Vec<_>>()
+                                .join("; "),
+                        ),
+                        _ => {
+                            let items = field_schema.get("items");
+                            let as_text = items.and_then(|i| i.get("type")).and_then(Value::as_str)
+                                == Some("string");
+                            let fields = items
+                                .and_then(|i| i.get("properties"))
+                                .and_then(Value::as_object);
+                            Value::Array(
+                                c.reasons
+                                    .iter()
+                                    .map(|r| {
+                                        if as_text {
+                                            Value::String(r.matched.clone())
+                                        } else {
+                                            reason_object(r, fields)
+                                        }
+                                    })
+                                    .collect(),
+                            )
+                        }
+                    },
+                    None if required.contains(&field.as_str()) => {
+                        return Err(format!("nothing of a rules answer fills {field:?}"))
+                    }
+                    None => continue,
+                };
+                out.insert(field.clone(), value);
+            }
+            Ok(Value::Object(out).to_string())
+        }
+    }
 }
 
 fn finished() -> Finished {

@@ -1,0 +1,250 @@
+//! The admin API under `/admin/…` (keys with the `admin` scope): the backends with their chains,
+//! breakers and hand-offs; pausing and resuming a model's hand-off; fault injection for drills.
+//! Every call that changes something is logged with who made it and counted in
+//! `rampart_admin_actions_total{action}` (the audit log records them too once it exists).
+
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::{Extension, Json, Router};
+use serde::{Deserialize, Serialize};
+
+use crate::breaker::BreakerView;
+use crate::error::ApiError;
+use crate::faults::{Fault, FaultRequest};
+use crate::handoff::HandoffView;
+use crate::http::paths;
+use crate::identity::Principal;
+use crate::registry::Entry;
+use crate::state::AppState;
+
+/// The admin routes (the caller adds the `admin` scope check).
+pub fn routes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route(paths::ADMIN_BACKENDS, get(backends))
+        .route(paths::ADMIN_HANDOFF, post(handoff))
+        .route(
+            paths::ADMIN_FAULTS,
+            get(list_faults).post(inject_fault).delete(clear_faults),
+        )
+        .route(paths::ADMIN_FAULT, delete(clear_fault))
+}
+
+/// One admin action, for the log and the metrics.
+fn note(action: &'static str, by: &str, target: &str, detail: &str) {
+    tracing::warn!(target: "rampart::admin", action, by, on = target, detail, "admin action");
+    metrics::counter!("rampart_admin_actions_total", "action" => action).increment(1);
+}
+
+#[derive(Serialize)]
+struct BackendView {
+    id: String,
+    model: String,
+    version: String,
+    kind: String,
+    platform: String,
+    ready: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    problem: Option<String>,
+    breaker: BreakerView,
+}
+
+fn backend_view(e: &Entry) -> BackendView {
+    BackendView {
+        id: e.id.clone(),
+        model: e.name.clone(),
+        version: e.version.clone(),
+        kind: format!("{:?}", e.kind()).to_ascii_lowercase(),
+        platform: e.backend.describe().platform,
+        ready: e.is_ready(),
+        problem: e.backend.health().problem,
+        breaker: e.breaker.view(),
+    }
+}
+
+#[derive(Serialize)]
+struct StepView {
+    /// 1 for the first fallback.
+    step: usize,
+    target: String,
+    on: Vec<&'static str>,
+    /// The step's own backend (canned answers, tensor twins); served models are listed in
+    /// `backends` themselves.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    backend: Option<BackendView>,
+}
+
+#[derive(Serialize)]
+struct ModelView {
+    #[serde(flatten)]
+    backend: BackendView,
+    first_token_timeout_ms: u64,
+    stall_timeout_ms: u64,
+    chain: Vec<StepView>,
+    handoff: HandoffView,
+}
+
+#[derive(Serialize)]
+struct BackendsView {
+    backends: Vec<ModelView>,
+    faults: Vec<Fault>,
+}
+
+/// `GET /admin/backends`: every served backend, its chain, breaker and hand-off.
+async fn backends(State(state): State<Arc<AppState>>) -> Json<BackendsView> {
+    let mut entries = state.registry.all();
+    entries.sort_by(|a, b| a.id.cmp(&b.id));
+    let backends = entries
+        .iter()
+        .map(|e| ModelView {
+            backend: backend_view(e),
+            first_token_timeout_ms: e.policy.first_token_timeout.as_millis() as u64,
+            stall_timeout_ms: e.policy.stall_timeout.as_millis() as u64,
+            chain: e
+                .policy
+                .steps
+                .iter()
+                .enumerate()
+                .map(|(i, s)| StepView {
+                    step: i + 1,
+                    target: s.target.describe(),
+                    on: s.on.iter().map(|t| t.as_str()).collect(),
+                    backend: match &s.target {
+                        crate::chain::Target::Own(own) => Some(backend_view(own)),
+                        crate::chain::Target::Model(_) => None,
+                    },
+                })
+                .collect(),
+            handoff: state.handoffs.get(&e.name).view(),
+        })
+        .collect();
+    Json(BackendsView {
+        backends,
+        faults: state.faults.list(),
+    })
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HandoffAction {
+    /// `pause` (hand off now, until resumed) or `resume`.
+    action: String,
+}
+
+/// `POST /admin/models/{name}/handoff` with `{"action": "pause" | "resume"}`.
+async fn handoff(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    Path(name): Path<String>,
+    body: axum::body::Bytes,
+) -> Response {
+    let action: HandoffAction = match serde_json::from_slice(&body) {
+        Ok(a) => a,
+        Err(e) => {
+            return ApiError::invalid(format!(
+                "the body must be {{\"action\": \"pause\" | \"resume\"}}: {e}"
+            ))
+            .into_response()
+        }
+    };
+    if !state.registry.all().iter().any(|e| e.name == name) {
+        return ApiError::ModelNotFound(format!("no served model {name:?}")).into_response();
+    }
+    let h = state.handoffs.get(&name);
+    let view = match action.action.as_str() {
+        "pause" => {
+            note(
+                "handoff_pause",
+                &principal.0,
+                &name,
+                "new requests get 503 human_handoff",
+            );
+            h.pause(&principal.0)
+        }
+        "resume" => {
+            note(
+                "handoff_resume",
+                &principal.0,
+                &name,
+                "requests are served again",
+            );
+            h.resume(&principal.0)
+        }
+        other => {
+            return ApiError::invalid_param(
+                "action",
+                format!("unknown action {other:?}: pause or resume"),
+            )
+            .into_response()
+        }
+    };
+    Json(view).into_response()
+}
+
+async fn list_faults(State(state): State<Arc<AppState>>) -> Json<Vec<Fault>> {
+    Json(state.faults.list())
+}
+
+/// `POST /admin/faults`: inject a fault (see [`FaultRequest`]).
+async fn inject_fault(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    body: axum::body::Bytes,
+) -> Response {
+    let request: FaultRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return ApiError::invalid(format!("invalid fault: {e}")).into_response(),
+    };
+    let known = |backend: &str| {
+        state.registry.all().iter().any(|e| {
+            e.backends()
+                .iter()
+                .any(|b| b.id == backend || (b.id == e.id && e.name == backend))
+        })
+    };
+    let detail = format!("{:?} for {} s", request.mode, request.duration_s);
+    let target = request.backend.clone();
+    match state.faults.inject(request, &principal.0, known) {
+        Ok(fault) => {
+            note("fault_inject", &principal.0, &target, &detail);
+            (StatusCode::CREATED, Json(fault)).into_response()
+        }
+        Err(e) if !state.faults.enabled() => ApiError::Forbidden(e.0).into_response(),
+        Err(e) => ApiError::invalid(e.0).into_response(),
+    }
+}
+
+#[derive(Serialize)]
+struct Cleared {
+    cleared: usize,
+}
+
+async fn clear_faults(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+) -> Json<Cleared> {
+    let cleared = state.faults.clear(None, &principal.0);
+    note(
+        "fault_clear",
+        &principal.0,
+        "*",
+        &format!("{cleared} cleared"),
+    );
+    Json(Cleared { cleared })
+}
+
+async fn clear_fault(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    Path(id): Path<u64>,
+) -> Response {
+    let cleared = state.faults.clear(Some(id), &principal.0);
+    if cleared == 0 {
+        return ApiError::RouteNotFound(format!("no active fault {id}")).into_response();
+    }
+    note("fault_clear", &principal.0, &id.to_string(), "cleared");
+    Json(Cleared { cleared }).into_response()
+}

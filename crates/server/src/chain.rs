@@ -1,0 +1,742 @@
+//! The backend chain: the model asked for, then its declared fallbacks (another model or
+//! version, the same tensor model on the other runtime, a rules model, a canned answer), each
+//! behind its circuit breaker, each step taking only the triggers it lists.
+//!
+//! One attempt is: readiness → breaker (refuses at once when open) → injected faults → the
+//! backend's admission → `start` under the first-token deadline → for a generation, the events
+//! up to the **commit point**: the first content token of a stream, the whole answer of a
+//! non-streaming request. Until that point a failure moves to the next step and the client
+//! sees nothing of it; after it (a stream that already sent text) a failure or a stall ends
+//! the stream with a typed error event. Every attempt reports its outcome to its own breaker
+//! (a failure inside the chain counts, a client error or a cancelled request does not), and is
+//! written into the record's `attempts`.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use futures_util::stream::{self, BoxStream, Stream, StreamExt};
+use record::{Attempt, RecordBuilder};
+use tokio::time::Sleep;
+
+use crate::admission::Slot;
+use crate::backend::{Answer, BackendError, FailureClass, Generated, Generation, Work};
+use crate::breaker::{Outcome, Pass};
+use crate::config::Trigger;
+use crate::error::ApiError;
+use crate::faults::Strike;
+use crate::registry::{Entry, ModelName};
+use crate::state::AppState;
+
+/// A model's fallback chain and its timeouts.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    pub steps: Vec<Step>,
+    /// After admission: longest wait for the first content token (or the whole answer of a
+    /// tensor or embedding request).
+    pub first_token_timeout: Duration,
+    /// Longest gap between two events of a generation.
+    pub stall_timeout: Duration,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Self {
+            steps: Vec::new(),
+            first_token_timeout: Duration::from_secs(60),
+            stall_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl Policy {
+    /// The backends the chain holds itself (canned answers, tensor twins).
+    pub fn own_entries(&self) -> Vec<Arc<Entry>> {
+        self.steps
+            .iter()
+            .filter_map(|s| match &s.target {
+                Target::Own(e) => Some(Arc::clone(e)),
+                Target::Model(_) => None,
+            })
+            .collect()
+    }
+}
+
+/// One step of a chain.
+#[derive(Debug, Clone)]
+pub struct Step {
+    pub target: Target,
+    pub on: Vec<Trigger>,
+}
+
+/// What a step falls back to.
+#[derive(Clone)]
+pub enum Target {
+    /// A served model, looked up when the step is reached.
+    Model(ModelName),
+    /// A backend of the chain's own: a canned answer, or the model on the other tensor
+    /// runtime.
+    Own(Arc<Entry>),
+}
+
+impl std::fmt::Debug for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Model(m) => write!(f, "Model({m})"),
+            Target::Own(e) => write!(f, "Own({})", e.id),
+        }
+    }
+}
+
+impl Target {
+    /// The step as `GET /admin/backends` names it.
+    pub fn describe(&self) -> String {
+        match self {
+            Target::Model(m) => m.to_string(),
+            Target::Own(e) => e.id.clone(),
+        }
+    }
+}
+
+/// How a degraded answer was reached: what the `x-rampart-fallback` header and the record say.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Fallback {
+    /// 1: another backend; 2: a canned answer.
+    pub level: u8,
+    pub backend: String,
+    pub reason: Trigger,
+}
+
+impl Fallback {
+    /// The header's value: `level=N; backend=…; reason=…`.
+    pub fn header(&self) -> String {
+        format!(
+            "level={}; backend={}; reason={}",
+            self.level,
+            self.backend,
+            self.reason.as_str()
+        )
+    }
+}
+
+/// The header that marks a degraded response.
+pub const FALLBACK_HEADER: &str = "x-rampart-fallback";
+
+/// What the chain answered with.
+pub struct Answered {
+    pub entry: Arc<Entry>,
+    pub answer: Answer,
+    pub slot: Slot,
+    pub fallback: Option<Fallback>,
+}
+
+/// Why an attempt did not answer.
+enum Miss {
+    /// The request is wrong: no other backend would do better.
+    Client(ApiError),
+    /// A trigger: the next step that takes it is tried.
+    Trigger {
+        trigger: Trigger,
+        error: ApiError,
+        detail: String,
+    },
+}
+
+fn miss(trigger: Trigger, error: ApiError) -> Miss {
+    Miss::Trigger {
+        detail: error.to_string(),
+        trigger,
+        error,
+    }
+}
+
+/// The outcome word an attempt leaves in the record.
+fn outcome_word(trigger: Trigger) -> &'static str {
+    trigger.as_str()
+}
+
+/// The fallback level of an answering backend.
+fn level_of(entry: &Entry) -> u8 {
+    if entry.kind() == crate::backend::Kind::Canned {
+        2
+    } else {
+        1
+    }
+}
+
+/// Runs `work` through `primary` and, when it fails, its chain.
+pub async fn run(
+    state: &Arc<AppState>,
+    primary: Arc<Entry>,
+    work: Work,
+    record: &mut RecordBuilder,
+) -> Result<Answered, ApiError> {
+    let streaming = matches!(&work, Work::Generate(plan) if plan.stream);
+    let steps = primary.policy.steps.clone();
+    if steps.is_empty() {
+        // No chain: one attempt, its error is the answer.
+        return match attempt(state, &primary, work, streaming, record).await {
+            Ok((answer, slot)) => Ok(Answered {
+                entry: primary,
+                answer,
+                slot,
+                fallback: None,
+            }),
+            Err(Miss::Client(e)) | Err(Miss::Trigger { error: e, .. }) => Err(e),
+        };
+    }
+    let mut cause = match attempt(state, &primary, work.clone(), streaming, record).await {
+        Ok((answer, slot)) => {
+            return Ok(Answered {
+                entry: primary,
+                answer,
+                slot,
+                fallback: None,
+            })
+        }
+        Err(Miss::Client(e)) => return Err(e),
+        Err(Miss::Trigger { trigger, error, .. }) => (trigger, error),
+    };
+    let handoff = state.handoffs.get(&primary.name);
+    handoff.note_fallback();
+    for step in &steps {
+        let (trigger, _) = &cause;
+        let trigger = *trigger;
+        let began = Instant::now();
+        if !step.on.contains(&trigger) {
+            note_attempt(
+                record,
+                step.target.describe(),
+                "skipped",
+                Some(format!("the step does not take {}", trigger.as_str())),
+                began,
+            );
+            continue;
+        }
+        let entry = match &step.target {
+            Target::Own(e) => Some(Arc::clone(e)),
+            Target::Model(m) => state.registry.find(m),
+        };
+        let Some(entry) = entry else {
+            note_attempt(
+                record,
+                step.target.describe(),
+                "not_ready",
+                Some("not loaded".into()),
+                began,
+            );
+            cause = (
+                Trigger::NotReady,
+                ApiError::Unavailable {
+                    message: format!("the fallback {} is not loaded", step.target.describe()),
+                    retry_after_s: 5,
+                },
+            );
+            continue;
+        };
+        if !entry.backend.accepts(work.kind()) {
+            note_attempt(
+                record,
+                entry.id.clone(),
+                "skipped",
+                Some(format!("it does not take {} work", work.kind().as_str())),
+                began,
+            );
+            continue;
+        }
+        let step_work = set_fallback_level(work.clone(), level_of(&entry));
+        match attempt(state, &entry, step_work, streaming, record).await {
+            Ok((answer, slot)) => {
+                let fallback = Fallback {
+                    level: level_of(&entry),
+                    backend: entry.id.clone(),
+                    reason: trigger,
+                };
+                let r = &mut record.record;
+                r.fallback_level = fallback.level;
+                r.fallback_backend = Some(fallback.backend.clone());
+                r.fallback_reason = Some(trigger.as_str());
+                record.set_entropy_band(entry.backend.entropy_band());
+                tracing::warn!(
+                    model = %primary.id,
+                    to = %entry.id,
+                    level = fallback.level,
+                    reason = trigger.as_str(),
+                    "request fell back"
+                );
+                return Ok(Answered {
+                    entry,
+                    answer,
+                    slot,
+                    fallback: Some(fallback),
+                });
+            }
+            Err(Miss::Client(e)) => return Err(e),
+            Err(Miss::Trigger { trigger, error, .. }) => cause = (trigger, error),
+        }
+    }
+    tracing::error!(
+        model = %primary.id,
+        reason = cause.0.as_str(),
+        error = %cause.1,
+        "every step of the fallback chain failed"
+    );
+    Err(cause.1)
+}
+
+/// Tells the work it runs as a fallback (a rules model then answers only when a rule matched).
+fn set_fallback_level(mut work: Work, level: u8) -> Work {
+    if let Work::Generate(plan) = &mut work {
+        plan.fallback_level = level;
+    }
+    work
+}
+
+fn note_attempt(
+    record: &mut RecordBuilder,
+    backend: String,
+    outcome: &'static str,
+    detail: Option<String>,
+    began: Instant,
+) {
+    record.record.attempts.push(Attempt {
+        backend,
+        outcome,
+        detail,
+        ms: began.elapsed().as_secs_f64() * 1e3,
+    });
+}
+
+/// A call that passed the breaker: reports its outcome exactly once (a call dropped without an
+/// outcome — the client went away — says nothing about the backend).
+struct Call {
+    entry: Arc<Entry>,
+    pass: Option<Pass>,
+    started: Instant,
+}
+
+impl Call {
+    fn report(&mut self, outcome: Outcome) {
+        if let Some(pass) = self.pass.take() {
+            self.entry.breaker.finish(pass, outcome);
+        }
+    }
+
+    fn failed(&mut self) {
+        self.report(Outcome::Failure);
+    }
+
+    fn succeeded(&mut self, took: Duration) {
+        self.report(Outcome::Success { took });
+    }
+
+    fn neutral(&mut self) {
+        self.report(Outcome::Cancelled);
+    }
+}
+
+impl Drop for Call {
+    fn drop(&mut self) {
+        self.report(Outcome::Cancelled);
+    }
+}
+
+/// One backend's try at the work.
+async fn attempt(
+    state: &Arc<AppState>,
+    entry: &Arc<Entry>,
+    work: Work,
+    streaming: bool,
+    record: &mut RecordBuilder,
+) -> Result<(Answer, Slot), Miss> {
+    let began = Instant::now();
+    let result = try_backend(state, entry, work, streaming, record).await;
+    let (outcome, detail) = match &result {
+        Ok(_) => ("answered", None),
+        Err(Miss::Client(e)) => ("client_error", Some(e.to_string())),
+        Err(Miss::Trigger {
+            trigger, detail, ..
+        }) => (outcome_word(*trigger), Some(detail.clone())),
+    };
+    note_attempt(record, entry.id.clone(), outcome, detail, began);
+    result
+}
+
+async fn try_backend(
+    state: &Arc<AppState>,
+    entry: &Arc<Entry>,
+    work: Work,
+    streaming: bool,
+    record: &mut RecordBuilder,
+) -> Result<(Answer, Slot), Miss> {
+    if !entry.is_ready() {
+        return Err(miss(
+            Trigger::NotReady,
+            ApiError::Unavailable {
+                message: format!("{} is not ready", entry.id),
+                retry_after_s: 5,
+            },
+        ));
+    }
+    let pass = entry.breaker.try_pass().map_err(|refused| {
+        miss(
+            Trigger::CircuitOpen,
+            ApiError::Unavailable {
+                message: format!(
+                    "the circuit of {} is open after repeated failures",
+                    entry.id
+                ),
+                retry_after_s: refused.retry_in.as_secs().max(1),
+            },
+        )
+    })?;
+    let mut call = Call {
+        entry: Arc::clone(entry),
+        pass: Some(pass),
+        started: Instant::now(),
+    };
+    let strike = state.faults.strike(&entry.id);
+    if let Some(s @ Strike::Fail) = strike {
+        call.failed();
+        return Err(Miss::Trigger {
+            trigger: Trigger::Error,
+            error: ApiError::Internal(format!("{} failed ({})", entry.id, s.describe())),
+            detail: s.describe(),
+        });
+    }
+    let slot = match entry.admission.acquire().await {
+        Ok(slot) => slot,
+        Err(e) => {
+            // A full queue says nothing about the backend's health.
+            call.neutral();
+            record.refuse(if e.status() == axum::http::StatusCode::TOO_MANY_REQUESTS {
+                "queue_full"
+            } else {
+                "queue_timeout"
+            });
+            return Err(miss(Trigger::Overloaded, e));
+        }
+    };
+    record.record.refusal = None;
+    record.record.queue_ms = slot.queued.as_secs_f64() * 1e3;
+    let policy = &entry.policy;
+    let deadline = tokio::time::Instant::now() + policy.first_token_timeout;
+    let timeout_miss = |what: &str| {
+        miss(
+            Trigger::FirstTokenTimeout,
+            ApiError::Unavailable {
+                message: format!(
+                    "{} gave no {what} within {} ms",
+                    entry.id,
+                    policy.first_token_timeout.as_millis()
+                ),
+                retry_after_s: 1,
+            },
+        )
+    };
+    let start = async {
+        if let Some(Strike::Hang { until }) = strike {
+            tokio::time::sleep_until(until.into()).await;
+        }
+        let began = Instant::now();
+        let answer = entry.backend.start(work, record).await;
+        if let Some(Strike::Slow { factor }) = strike {
+            tokio::time::sleep(began.elapsed().mul_f64(factor - 1.0)).await;
+        }
+        answer
+    };
+    let answer = match tokio::time::timeout_at(deadline, start).await {
+        Err(_) => {
+            call.failed();
+            return Err(timeout_miss("answer"));
+        }
+        Ok(Err(e)) => return Err(backend_miss(&mut call, e)),
+        Ok(Ok(answer)) => answer,
+    };
+    let Answer::Generation(g) = answer else {
+        call.succeeded(call.started.elapsed());
+        return Ok((answer, slot));
+    };
+    let g = with_fault(g, strike);
+    match commit(g, deadline, policy.stall_timeout, streaming, &entry.id).await {
+        Ok((g, first_token, complete)) => {
+            let g = if complete {
+                call.succeeded(first_token);
+                g
+            } else {
+                Generation {
+                    events: Watched::new(
+                        g.events,
+                        g.choices,
+                        policy.stall_timeout,
+                        call,
+                        first_token,
+                    )
+                    .boxed(),
+                    ..g
+                }
+            };
+            Ok((Answer::Generation(g), slot))
+        }
+        Err(m) => {
+            call.failed();
+            if let Miss::Trigger {
+                trigger: Trigger::FirstTokenTimeout,
+                ..
+            } = m
+            {
+                return Err(timeout_miss("first token"));
+            }
+            Err(m)
+        }
+    }
+}
+
+/// A backend's refusal or failure, as a miss (reported to its breaker by its class).
+fn backend_miss(call: &mut Call, e: BackendError) -> Miss {
+    match e.class() {
+        FailureClass::Client => {
+            call.neutral();
+            match e {
+                BackendError::ContextLength(_) => miss(Trigger::ContextLength, e.into()),
+                e => Miss::Client(e.into()),
+            }
+        }
+        FailureClass::Overload | FailureClass::Timeout => {
+            call.neutral();
+            miss(Trigger::Overloaded, e.into())
+        }
+        FailureClass::Unavailable => {
+            call.failed();
+            miss(Trigger::NotReady, e.into())
+        }
+        FailureClass::Failure => {
+            call.failed();
+            miss(Trigger::Error, e.into())
+        }
+        FailureClass::NoMatch => {
+            call.succeeded(call.started.elapsed());
+            miss(Trigger::Error, e.into())
+        }
+    }
+}
+
+/// Holds a generation's events until its commit point. Returns the generation with the held
+/// events first, the time to the first content token, and whether it already finished.
+async fn commit(
+    mut g: Generation,
+    deadline: tokio::time::Instant,
+    stall: Duration,
+    streaming: bool,
+    backend: &str,
+) -> Result<(Generation, Duration, bool), Miss> {
+    let began = Instant::now();
+    let mut held: Vec<(usize, Generated)> = Vec::new();
+    let mut finished = 0;
+    let mut first_token: Option<Duration> = None;
+    loop {
+        let until = match first_token {
+            None => deadline,
+            Some(_) => tokio::time::Instant::now() + stall,
+        };
+        let event = match tokio::time::timeout_at(until, g.events.next()).await {
+            Err(_) if first_token.is_none() => {
+                return Err(miss(
+                    Trigger::FirstTokenTimeout,
+                    ApiError::Unavailable {
+                        message: String::new(),
+                        retry_after_s: 1,
+                    },
+                ))
+            }
+            Err(_) => {
+                return Err(miss(
+                    Trigger::StallTimeout,
+                    ApiError::Unavailable {
+                        message: format!(
+                            "{backend} stalled: no token for {} ms",
+                            stall.as_millis()
+                        ),
+                        retry_after_s: 1,
+                    },
+                ))
+            }
+            Ok(None) => {
+                return Err(miss(
+                    Trigger::Error,
+                    ApiError::Unavailable {
+                        message: format!("{backend} stopped before the answer was complete"),
+                        retry_after_s: 5,
+                    },
+                ))
+            }
+            Ok(Some(event)) => event,
+        };
+        match &event.1 {
+            Generated::Failed(e) => {
+                let error: ApiError = e.clone().into();
+                let trigger = match e.class() {
+                    FailureClass::Timeout => Trigger::StallTimeout,
+                    _ => Trigger::Error,
+                };
+                return Err(miss(trigger, error));
+            }
+            Generated::Token(t) if !t.text.is_empty() => {
+                first_token.get_or_insert_with(|| began.elapsed());
+            }
+            Generated::Finished(_) => {
+                first_token.get_or_insert_with(|| began.elapsed());
+                finished += 1;
+            }
+            Generated::Token(_) => {}
+        }
+        held.push(event);
+        let complete = finished >= g.choices;
+        if complete || (streaming && first_token.is_some()) {
+            let first_token = first_token.unwrap_or_default();
+            let rest = if complete {
+                stream::empty().boxed()
+            } else {
+                std::mem::replace(&mut g.events, stream::empty().boxed())
+            };
+            g.events = stream::iter(held).chain(rest).boxed();
+            return Ok((g, first_token, complete));
+        }
+    }
+}
+
+/// An injected stall or slow-down applied to a generation's events.
+fn with_fault(g: Generation, strike: Option<Strike>) -> Generation {
+    match strike {
+        Some(Strike::Stall {
+            after_tokens,
+            until,
+        }) => {
+            let mut tokens = 0;
+            let events = g
+                .events
+                .then(move |event| {
+                    if matches!(event.1, Generated::Token(_)) {
+                        tokens += 1;
+                    }
+                    let stall = tokens > after_tokens;
+                    async move {
+                        if stall {
+                            tokio::time::sleep_until(until.into()).await;
+                        }
+                        event
+                    }
+                })
+                .boxed();
+            Generation { events, ..g }
+        }
+        Some(Strike::Slow { factor }) => {
+            let mut last = Instant::now();
+            let events = g
+                .events
+                .then(move |event| {
+                    let gap = last.elapsed();
+                    let wait = gap.mul_f64(factor - 1.0);
+                    last = Instant::now() + wait;
+                    async move {
+                        tokio::time::sleep(wait).await;
+                        event
+                    }
+                })
+                .boxed();
+            Generation { events, ..g }
+        }
+        _ => g,
+    }
+}
+
+/// A committed generation's events, watched: a gap longer than the stall timeout ends it with
+/// a typed error, and its end reports the call's outcome to the breaker.
+struct Watched {
+    inner: BoxStream<'static, (usize, Generated)>,
+    stall: Duration,
+    timer: Pin<Box<Sleep>>,
+    call: Call,
+    choices: usize,
+    finished: usize,
+    first_token: Duration,
+    done: bool,
+}
+
+impl Watched {
+    fn new(
+        inner: BoxStream<'static, (usize, Generated)>,
+        choices: usize,
+        stall: Duration,
+        call: Call,
+        first_token: Duration,
+    ) -> Self {
+        Self {
+            inner,
+            stall,
+            timer: Box::pin(tokio::time::sleep(stall)),
+            call,
+            choices,
+            finished: 0,
+            first_token,
+            done: false,
+        }
+    }
+}
+
+impl Stream for Watched {
+    type Item = (usize, Generated);
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        if this.done {
+            return Poll::Ready(None);
+        }
+        match this.inner.poll_next_unpin(cx) {
+            Poll::Ready(Some((i, event))) => {
+                let deadline = tokio::time::Instant::now() + this.stall;
+                this.timer.as_mut().reset(deadline);
+                match &event {
+                    Generated::Finished(_) => {
+                        this.finished += 1;
+                        if this.finished >= this.choices {
+                            this.call.succeeded(this.first_token);
+                        }
+                    }
+                    Generated::Failed(_) => {
+                        this.call.failed();
+                        this.done = true;
+                    }
+                    Generated::Token(_) => {}
+                }
+                Poll::Ready(Some((i, event)))
+            }
+            Poll::Ready(None) => {
+                if this.finished < this.choices {
+                    this.call.failed();
+                }
+                this.done = true;
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                if std::future::Future::poll(this.timer.as_mut(), cx).is_ready() {
+                    this.call.failed();
+                    this.done = true;
+                    let backend = this.call.entry.id.clone();
+                    return Poll::Ready(Some((
+                        0,
+                        Generated::Failed(BackendError::Timeout {
+                            message: format!(
+                                "{backend} stalled: no token for {} ms; the answer is incomplete",
+                                this.stall.as_millis()
+                            ),
+                            retry_after_s: 1,
+                        }),
+                    )));
+                }
+                Poll::Pending
+            }
+        }
+    }
+}

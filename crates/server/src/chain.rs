@@ -200,6 +200,9 @@ pub async fn run(
     };
     let handoff = state.handoffs.get(&primary.name);
     handoff.note_fallback();
+    // Why the request left the model asked for: what the header, the record and the metric say
+    // (the attempts tell the rest).
+    let left_because = cause.0;
     for step in &steps {
         let (trigger, _) = &cause;
         let trigger = *trigger;
@@ -251,18 +254,19 @@ pub async fn run(
                 let fallback = Fallback {
                     level: level_of(&entry),
                     backend: entry.id.clone(),
-                    reason: trigger,
+                    reason: left_because,
                 };
                 let r = &mut record.record;
                 r.fallback_level = fallback.level;
                 r.fallback_backend = Some(fallback.backend.clone());
-                r.fallback_reason = Some(trigger.as_str());
+                r.fallback_reason = Some(left_because.as_str());
                 record.set_entropy_band(entry.backend.entropy_band());
                 tracing::warn!(
                     model = %primary.id,
                     to = %entry.id,
                     level = fallback.level,
-                    reason = trigger.as_str(),
+                    reason = left_because.as_str(),
+                    step_trigger = trigger.as_str(),
                     "request fell back"
                 );
                 return Ok(Answered {

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use futures_util::stream::{self, BoxStream, Stream, StreamExt};
 use record::{Attempt, RecordBuilder};
 use tokio::time::Sleep;
+use tracing::Instrument;
 
 use crate::admission::Slot;
 use crate::backend::{Answer, BackendError, FailureClass, Generated, Generation, Work};
@@ -173,7 +174,8 @@ pub async fn run(
     record: &mut RecordBuilder,
 ) -> Result<Answered, ApiError> {
     let streaming = matches!(&work, Work::Generate(plan) if plan.stream);
-    let steps = primary.policy.steps.clone();
+    let chain_of = Arc::clone(&primary);
+    let steps = &chain_of.policy.steps;
     if steps.is_empty() {
         // No chain: one attempt, its error is the answer.
         return match attempt(state, &primary, work, streaming, record).await {
@@ -203,7 +205,7 @@ pub async fn run(
     // Why the request left the model asked for: what the header, the record and the metric say
     // (the attempts tell the rest).
     let left_because = cause.0;
-    for step in &steps {
+    for step in steps {
         let (trigger, _) = &cause;
         let trigger = *trigger;
         let began = Instant::now();
@@ -355,7 +357,9 @@ async fn attempt(
     record: &mut RecordBuilder,
 ) -> Result<(Answer, Slot), Miss> {
     let began = Instant::now();
-    let result = try_backend(state, entry, work, streaming, record).await;
+    let result = try_backend(state, entry, work, streaming, record)
+        .instrument(tracing::debug_span!("attempt", backend = %entry.id))
+        .await;
     let (outcome, detail) = match &result {
         Ok(_) => ("answered", None),
         Err(Miss::Client(e)) => ("client_error", Some(e.to_string())),

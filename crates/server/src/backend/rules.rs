@@ -418,3 +418,87 @@ impl InferenceBackend for RulesBackend {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use grammar::GrammarSpec;
+
+    fn classification() -> Classification {
+        let engine = RulesEngine::from_toml(include_str!(
+            "../../../../examples/rules/support-tickets.toml"
+        ))
+        .unwrap();
+        engine.classify("I was charged twice, I want a refund of my money")
+    }
+
+    fn schema(properties: Value, required: &[&str]) -> GrammarSpec {
+        GrammarSpec::JsonSchema {
+            schema: json!({"type": "object", "properties": properties, "required": required}),
+            strict: true,
+        }
+    }
+
+    fn checked(spec: &GrammarSpec) -> Result<Value, String> {
+        let text = render(&classification(), spec)?;
+        let check = grammar::OutputCheck::new(spec, 65536).unwrap();
+        match grammar::FinalCheck::check(&check, &text, false) {
+            grammar::Outcome::Valid => Ok(serde_json::from_str(&text).unwrap()),
+            other => Err(format!("{other:?}")),
+        }
+    }
+
+    #[test]
+    fn the_answer_takes_the_shape_of_the_schema() {
+        let v = checked(&schema(
+            json!({
+                "ticket_type": {"type": "string", "enum": ["Refund", "Logistics"]},
+                "score": {"type": "integer"},
+                "evidence": {"type": "array", "items": {"type": "object",
+                    "properties": {"text": {"type": "string"}, "start": {"type": "integer"}},
+                    "required": ["text", "start"]}},
+            }),
+            &["ticket_type", "score", "evidence"],
+        ))
+        .unwrap();
+        assert_eq!(v["ticket_type"], "Refund", "the enum's spelling: {v}");
+        assert!(v["score"].as_i64().unwrap() > 50, "{v}");
+        let evidence = v["evidence"].as_array().unwrap();
+        assert!(!evidence.is_empty());
+        assert_eq!(
+            evidence[0].as_object().unwrap().len(),
+            2,
+            "only the named fields"
+        );
+    }
+
+    #[test]
+    fn what_cannot_be_rendered_or_checked_fails() {
+        let no_such_label = schema(
+            json!({"category": {"type": "string", "enum": ["billing", "other"]}}),
+            &["category"],
+        );
+        assert!(render(&classification(), &no_such_label)
+            .unwrap_err()
+            .contains("none of the schema's values"));
+        let unfillable = schema(
+            json!({"category": {"type": "string"}, "customer_id": {"type": "string"}}),
+            &["category", "customer_id"],
+        );
+        assert!(render(&classification(), &unfillable)
+            .unwrap_err()
+            .contains("customer_id"));
+        // Renders, but the check refuses it (a confidence that must be a string).
+        let wrong_type = schema(json!({"confidence": {"type": "string"}}), &["confidence"]);
+        assert!(checked(&wrong_type).is_err());
+        assert_eq!(
+            render(
+                &classification(),
+                &GrammarSpec::Choice(vec!["REFUND".into(), "OTHER".into()])
+            )
+            .unwrap(),
+            "REFUND"
+        );
+        assert!(render(&classification(), &GrammarSpec::Lark("start: \"x\"".into())).is_err());
+    }
+}

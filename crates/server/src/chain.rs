@@ -426,8 +426,19 @@ async fn try_backend(
             return Err(miss(Trigger::Overloaded, e));
         }
     };
-    record.record.refusal = None;
-    record.record.queue_ms = slot.queued.as_secs_f64() * 1e3;
+    // What an earlier attempt's backend wrote of its own (tokens, its constraint, confidences)
+    // is not this backend's.
+    let r = &mut record.record;
+    r.refusal = None;
+    r.queue_ms = slot.queued.as_secs_f64() * 1e3;
+    if !r.attempts.is_empty() {
+        r.prompt_tokens = 0;
+        r.structured = None;
+        r.confidence = None;
+        r.confidence_min = None;
+        r.items = 0;
+        r.compute_ms = 0.0;
+    }
     let policy = &entry.policy;
     let deadline = tokio::time::Instant::now() + policy.first_token_timeout;
     let timeout_miss = |what: &str| {

@@ -272,7 +272,10 @@ fn encode_rest(response: &InferResponse, with_results: bool) -> Response {
 /// KServe error bodies: `{"error": "message"}`, with the stable type beside it.
 pub fn rest_error(e: &ApiError) -> Response {
     let mut r = e.clone().into_response();
-    let body = json!({"error": e.to_string(), "type": e.kind(), "code": e.code()});
+    let mut body = json!({"error": e.to_string(), "type": e.kind(), "code": e.code()});
+    if let ApiError::HumanHandoff { url: Some(url), .. } = e {
+        body["handoff_url"] = json!(url);
+    }
     *r.body_mut() = Body::from(serde_json::to_vec(&body).unwrap_or_default());
     r
 }

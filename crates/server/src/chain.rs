@@ -205,6 +205,9 @@ pub async fn run(
     // Why the request left the model asked for: what the header, the record and the metric say
     // (the attempts tell the rest).
     let left_because = cause.0;
+    // When every step fails, the client hears why the model it asked for did not answer (each
+    // later step's failure is in the record's attempts).
+    let primary_error = cause.1.clone();
     for step in steps {
         let (trigger, _) = &cause;
         let trigger = *trigger;
@@ -284,17 +287,20 @@ pub async fn run(
     }
     tracing::error!(
         model = %primary.id,
-        reason = cause.0.as_str(),
-        error = %cause.1,
+        reason = left_because.as_str(),
+        error = %primary_error,
+        last_step_error = %cause.1,
         "every step of the fallback chain failed"
     );
-    Err(cause.1)
+    Err(primary_error)
 }
 
 /// Tells the work it runs as a fallback (a rules model then answers only when a rule matched).
 fn set_fallback_level(mut work: Work, level: u8) -> Work {
-    if let Work::Generate(plan) = &mut work {
-        plan.fallback_level = level;
+    match &mut work {
+        Work::Generate(plan) => plan.fallback_level = level,
+        Work::Tensors(request) => request.fallback_level = level,
+        Work::Embed(_) => {}
     }
     work
 }

@@ -316,6 +316,7 @@ fn decode(request: ModelInferRequest, max_elements: usize) -> Result<InferReques
         inputs,
         outputs,
         binary_output: true,
+        fallback_level: 0,
     })
 }
 

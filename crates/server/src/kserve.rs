@@ -207,6 +207,7 @@ fn decode_rest(
         inputs,
         outputs,
         binary_output,
+        fallback_level: 0,
     })
 }
 
@@ -455,6 +456,7 @@ fn image_request(entry: &Entry, name: &str, bytes: Bytes) -> Result<InferRequest
         }],
         outputs: Vec::new(),
         binary_output: false,
+        fallback_level: 0,
     })
 }
 

@@ -1559,3 +1559,49 @@ async fn a_stalled_model_with_a_working_chain_stays_ready_and_is_skipped() {
         "level=1; backend=fake@1.0.0; reason=not_ready"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_text_classifier_falls_back_to_rules_over_kserve_only_when_a_rule_matches() {
+    let h = harness(
+        vec![
+            ("classifier", Arc::new(NamedTensor("onnxruntime"))),
+            ("tickets", tickets()),
+        ],
+        Options {
+            policies: vec![(
+                "classifier@1.0.0",
+                policy(vec![step("tickets")], 1000, 1000),
+            )],
+            ..drill_options()
+        },
+    )
+    .await;
+    h.fault("classifier", "fail", serde_json::json!({})).await;
+    let texts = |text: &str| serde_json::json!({"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": [text]}]});
+    let r = h
+        .post(
+            "/v2/models/classifier/infer",
+            texts("I was charged twice, refund my money"),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        r.headers()["x-rampart-fallback"],
+        "level=1; backend=tickets@1.0.0; reason=error"
+    );
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["outputs"][0]["data"], serde_json::json!(["refund"]));
+    // Nothing matches: the rules' default is no answer for a fallback; the client gets the
+    // model's own failure.
+    let r = h
+        .post("/v2/models/classifier/infer", texts("hello there"))
+        .await;
+    assert_eq!(r.status(), 500);
+    let records = h.records(2).await;
+    assert_eq!(records[1].attempts[1].outcome, "error");
+    assert!(records[1].attempts[1]
+        .detail
+        .as_deref()
+        .unwrap()
+        .contains("no rule"));
+}

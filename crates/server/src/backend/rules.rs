@@ -135,6 +135,12 @@ impl RulesBackend {
         let mut confidences = Vec::with_capacity(texts.len());
         for text in &texts {
             let c = self.engine.classify(text);
+            if request.fallback_level > 0 && !c.matched {
+                return Err(BackendError::NoMatch(format!(
+                    "no rule of {} matched an input (score {:.2} below its threshold)",
+                    self.name, c.score
+                )));
+            }
             labels.push(c.label.unwrap_or_default().into_bytes());
             confidences.push(c.confidence as f32);
         }

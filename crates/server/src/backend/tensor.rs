@@ -35,6 +35,9 @@ pub struct InferRequest {
     pub outputs: Vec<RequestedOutput>,
     /// Default for outputs not named (`binary_data_output`).
     pub binary_output: bool,
+    /// 0: asked of the model itself; 1: a step of its fallback chain (a rules model then
+    /// answers only when a rule matched every input).
+    pub fallback_level: u8,
 }
 
 /// One output of a response.

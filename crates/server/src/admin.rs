@@ -14,7 +14,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::breaker::BreakerView;
 use crate::error::ApiError;
-use crate::faults::{Fault, FaultRequest};
+use crate::faults::{self, Fault, FaultRequest};
 use crate::handoff::HandoffView;
 use crate::http::paths;
 use crate::identity::Principal;
@@ -199,11 +199,11 @@ async fn inject_fault(
         Err(e) => return ApiError::invalid(format!("invalid fault: {e}")).into_response(),
     };
     let known = |backend: &str| {
-        state.registry.all().iter().any(|e| {
-            e.backends()
-                .iter()
-                .any(|b| b.id == backend || (b.id == e.id && e.name == backend))
-        })
+        state
+            .registry
+            .all()
+            .iter()
+            .any(|e| e.backends().iter().any(|b| faults::covers(backend, &b.id)))
     };
     let detail = format!("{:?} for {} s", request.mode, request.duration_s);
     let target = request.backend.clone();

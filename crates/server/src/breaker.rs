@@ -350,11 +350,17 @@ impl Breaker {
 
     /// A uniform number in [0, 1).
     fn next_unit(&mut self) -> f64 {
-        self.rng ^= self.rng << 13;
-        self.rng ^= self.rng >> 7;
-        self.rng ^= self.rng << 17;
-        (self.rng >> 11) as f64 / (1u64 << 53) as f64
+        unit_random(&mut self.rng)
     }
+}
+
+/// A uniform number in [0, 1) from a xorshift state (non-zero): jitter and fault draws, where
+/// speed matters and quality hardly does.
+pub(crate) fn unit_random(state: &mut u64) -> f64 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    (*state >> 11) as f64 / (1u64 << 53) as f64
 }
 
 /// The breaker of one served backend, shared by its requests: the state machine behind a lock,
@@ -399,6 +405,11 @@ impl BackendBreaker {
 
     pub fn backend(&self) -> &str {
         &self.backend
+    }
+
+    /// A fresh breaker with these settings for another backend id.
+    pub fn renamed(&self, backend: String) -> Self {
+        Self::new(backend, self.lock().config.clone())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Breaker> {

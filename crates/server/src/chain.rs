@@ -152,11 +152,6 @@ fn miss(trigger: Trigger, error: ApiError) -> Miss {
     }
 }
 
-/// The outcome word an attempt leaves in the record.
-fn outcome_word(trigger: Trigger) -> &'static str {
-    trigger.as_str()
-}
-
 /// The fallback level of an answering backend.
 fn level_of(entry: &Entry) -> u8 {
     if entry.kind() == crate::backend::Kind::Canned {
@@ -176,41 +171,35 @@ pub async fn run(
     let streaming = matches!(&work, Work::Generate(plan) if plan.stream);
     let chain_of = Arc::clone(&primary);
     let steps = &chain_of.policy.steps;
-    if steps.is_empty() {
-        // No chain: one attempt, its error is the answer.
-        return match attempt(state, &primary, work, streaming, record).await {
-            Ok((answer, slot)) => Ok(Answered {
-                entry: primary,
-                answer,
-                slot,
-                fallback: None,
-            }),
-            Err(Miss::Client(e)) | Err(Miss::Trigger { error: e, .. }) => Err(e),
-        };
-    }
-    let mut cause = match attempt(state, &primary, work.clone(), streaming, record).await {
-        Ok((answer, slot)) => {
-            return Ok(Answered {
-                entry: primary,
-                answer,
-                slot,
-                fallback: None,
-            })
-        }
-        Err(Miss::Client(e)) => return Err(e),
-        Err(Miss::Trigger { trigger, error, .. }) => (trigger, error),
+    // The work is cloned for the primary only when a step may need it after.
+    let (first, rest) = if steps.is_empty() {
+        (work, None)
+    } else {
+        (work.clone(), Some(work))
     };
-    let handoff = state.handoffs.get(&primary.name);
-    handoff.note_fallback();
-    // Why the request left the model asked for: what the header, the record and the metric say
-    // (the attempts tell the rest).
-    let left_because = cause.0;
-    // When every step fails, the client hears why the model it asked for did not answer (each
-    // later step's failure is in the record's attempts).
-    let primary_error = cause.1.clone();
+    let (left_because, primary_error) =
+        match attempt(state, &primary, first, streaming, record).await {
+            Ok((answer, slot)) => {
+                return Ok(Answered {
+                    entry: primary,
+                    answer,
+                    slot,
+                    fallback: None,
+                })
+            }
+            Err(Miss::Client(e)) => return Err(e),
+            Err(Miss::Trigger { trigger, error, .. }) => (trigger, error),
+        };
+    // No chain: the primary's error is the answer.
+    let Some(work) = rest else {
+        return Err(primary_error);
+    };
+    state.handoffs.get(&primary.name).note_fallback();
+    // `left_because` (why the request left the model asked for) is what the header, the record
+    // and the metric say; `trigger` is what the next step must take. When every step fails, the
+    // client hears the primary's error (each later step's failure is in the record's attempts).
+    let mut trigger = left_because;
     for step in steps {
-        let (trigger, _) = &cause;
-        let trigger = *trigger;
         let began = Instant::now();
         if !step.on.contains(&trigger) {
             note_attempt(
@@ -234,13 +223,7 @@ pub async fn run(
                 Some("not loaded".into()),
                 began,
             );
-            cause = (
-                Trigger::NotReady,
-                ApiError::Unavailable {
-                    message: format!("the fallback {} is not loaded", step.target.describe()),
-                    retry_after_s: 5,
-                },
-            );
+            trigger = Trigger::NotReady;
             continue;
         };
         if !entry.backend.accepts(work.kind()) {
@@ -253,11 +236,12 @@ pub async fn run(
             );
             continue;
         }
-        let step_work = set_fallback_level(work.clone(), level_of(&entry));
+        let level = level_of(&entry);
+        let step_work = set_fallback_level(work.clone(), level);
         match attempt(state, &entry, step_work, streaming, record).await {
             Ok((answer, slot)) => {
                 let fallback = Fallback {
-                    level: level_of(&entry),
+                    level,
                     backend: entry.id.clone(),
                     reason: left_because,
                 };
@@ -282,14 +266,13 @@ pub async fn run(
                 });
             }
             Err(Miss::Client(e)) => return Err(e),
-            Err(Miss::Trigger { trigger, error, .. }) => cause = (trigger, error),
+            Err(Miss::Trigger { trigger: next, .. }) => trigger = next,
         }
     }
     tracing::error!(
         model = %primary.id,
         reason = left_because.as_str(),
         error = %primary_error,
-        last_step_error = %cause.1,
         "every step of the fallback chain failed"
     );
     Err(primary_error)
@@ -371,7 +354,7 @@ async fn attempt(
         Err(Miss::Client(e)) => ("client_error", Some(e.to_string())),
         Err(Miss::Trigger {
             trigger, detail, ..
-        }) => (outcome_word(*trigger), Some(detail.clone())),
+        }) => (trigger.as_str(), Some(detail.clone())),
     };
     note_attempt(record, entry.id.clone(), outcome, detail, began);
     result
@@ -447,19 +430,6 @@ async fn try_backend(
     }
     let policy = &entry.policy;
     let deadline = tokio::time::Instant::now() + policy.first_token_timeout;
-    let timeout_miss = |what: &str| {
-        miss(
-            Trigger::FirstTokenTimeout,
-            ApiError::Unavailable {
-                message: format!(
-                    "{} gave no {what} within {} ms",
-                    entry.id,
-                    policy.first_token_timeout.as_millis()
-                ),
-                retry_after_s: 1,
-            },
-        )
-    };
     let start = async {
         if let Some(Strike::Hang { until }) = strike {
             tokio::time::sleep_until(until.into()).await;
@@ -474,7 +444,7 @@ async fn try_backend(
     let answer = match tokio::time::timeout_at(deadline, start).await {
         Err(_) => {
             call.failed();
-            return Err(timeout_miss("answer"));
+            return Err(first_token_miss(entry, "answer"));
         }
         Ok(Err(e)) => return Err(backend_miss(&mut call, e)),
         Ok(Ok(answer)) => answer,
@@ -484,7 +454,7 @@ async fn try_backend(
         return Ok((answer, slot));
     };
     let g = with_fault(g, strike);
-    match commit(g, deadline, policy.stall_timeout, streaming, &entry.id).await {
+    match commit(g, deadline, streaming, entry).await {
         Ok((g, first_token, complete)) => {
             let g = if complete {
                 call.succeeded(first_token);
@@ -506,16 +476,24 @@ async fn try_backend(
         }
         Err(m) => {
             call.failed();
-            if let Miss::Trigger {
-                trigger: Trigger::FirstTokenTimeout,
-                ..
-            } = m
-            {
-                return Err(timeout_miss("first token"));
-            }
             Err(m)
         }
     }
+}
+
+/// The miss of a backend that gave no first token (or answer) by its deadline.
+fn first_token_miss(entry: &Entry, what: &str) -> Miss {
+    miss(
+        Trigger::FirstTokenTimeout,
+        ApiError::Unavailable {
+            message: format!(
+                "{} gave no {what} within {} ms",
+                entry.id,
+                entry.policy.first_token_timeout.as_millis()
+            ),
+            retry_after_s: 1,
+        },
+    )
 }
 
 /// A backend's refusal or failure, as a miss (reported to its breaker by its class).
@@ -552,10 +530,10 @@ fn backend_miss(call: &mut Call, e: BackendError) -> Miss {
 async fn commit(
     mut g: Generation,
     deadline: tokio::time::Instant,
-    stall: Duration,
     streaming: bool,
-    backend: &str,
+    entry: &Entry,
 ) -> Result<(Generation, Duration, bool), Miss> {
+    let (stall, backend) = (entry.policy.stall_timeout, &entry.id);
     let began = Instant::now();
     let mut held: Vec<(usize, Generated)> = Vec::new();
     let mut finished = 0;
@@ -566,15 +544,7 @@ async fn commit(
             Some(_) => tokio::time::Instant::now() + stall,
         };
         let event = match tokio::time::timeout_at(until, g.events.next()).await {
-            Err(_) if first_token.is_none() => {
-                return Err(miss(
-                    Trigger::FirstTokenTimeout,
-                    ApiError::Unavailable {
-                        message: String::new(),
-                        retry_after_s: 1,
-                    },
-                ))
-            }
+            Err(_) if first_token.is_none() => return Err(first_token_miss(entry, "first token")),
             Err(_) => {
                 return Err(miss(
                     Trigger::StallTimeout,

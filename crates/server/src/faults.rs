@@ -126,7 +126,7 @@ pub struct Faults {
 
 /// Whether a fault named `target` covers the backend `id`: its exact id, or a model name for
 /// the model's versions (not a tensor twin or a canned answer, which are named exactly).
-fn covers(target: &str, id: &str) -> bool {
+pub fn covers(target: &str, id: &str) -> bool {
     target == id || (!id.contains(':') && id.split('@').next() == Some(target))
 }
 
@@ -280,13 +280,9 @@ impl Faults {
                 factor: fault.factor.unwrap_or(2.0),
             },
             FaultMode::FailFraction => {
-                let draw = {
-                    let mut rng = self.rng.lock().unwrap_or_else(|e| e.into_inner());
-                    *rng ^= *rng << 13;
-                    *rng ^= *rng >> 7;
-                    *rng ^= *rng << 17;
-                    (*rng >> 11) as f64 / (1u64 << 53) as f64
-                };
+                let draw = crate::breaker::unit_random(
+                    &mut self.rng.lock().unwrap_or_else(|e| e.into_inner()),
+                );
                 if draw >= fault.fraction.unwrap_or(0.0) {
                     return None;
                 }

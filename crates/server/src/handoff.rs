@@ -123,7 +123,7 @@ impl HandoffState {
     pub fn check(&mut self, now: Instant) -> (bool, Option<Change>) {
         match &self.active {
             Some(a) if a.until.is_some_and(|u| now >= u) => {
-                self.resume(now);
+                self.resume();
                 (false, Some(Change::Resumed { by: None }))
             }
             Some(_) => (true, None),
@@ -142,15 +142,15 @@ impl HandoffState {
         changed.then_some(Change::HandedOff(why))
     }
 
-    pub fn resume_by(&mut self, by: &str, now: Instant) -> Option<Change> {
+    pub fn resume_by(&mut self, by: &str) -> Option<Change> {
         let was = self.active.is_some();
-        self.resume(now);
+        self.resume();
         was.then(|| Change::Resumed {
             by: Some(by.to_string()),
         })
     }
 
-    fn resume(&mut self, _now: Instant) {
+    fn resume(&mut self) {
         self.active = None;
         for b in &mut self.buckets {
             *b = (u64::MAX, 0);
@@ -248,7 +248,7 @@ impl Handoff {
     }
 
     pub fn resume(&self, by: &str) -> HandoffView {
-        let change = self.lock().resume_by(by, Instant::now());
+        let change = self.lock().resume_by(by);
         if let Some(c) = change {
             self.note(&c);
         }
@@ -425,14 +425,14 @@ mod tests {
         assert_eq!(s.check(t0 + Duration::from_secs(3600)), (true, None));
         assert_eq!(s.retry_after_s(t0), None);
         assert_eq!(
-            s.resume_by("ops", t0 + Duration::from_secs(3601)),
+            s.resume_by("ops"),
             Some(Change::Resumed {
                 by: Some("ops".into())
             })
         );
         assert_eq!(s.check(t0 + Duration::from_secs(3602)), (false, None));
         assert_eq!(
-            s.resume_by("ops", t0),
+            s.resume_by("ops"),
             None,
             "resuming a running model changes nothing"
         );

@@ -251,18 +251,16 @@ pub fn install_metrics() -> Result<PrometheusHandle, ObserveError> {
 /// Refreshes the per-model gauges from the engines' snapshots, and the record bus's counters
 /// (called before each scrape).
 pub fn refresh_gauges(registry: &Registry, handoffs: &crate::handoff::Handoffs, bus: &Bus) {
-    for e in registry.all() {
-        for b in e.backends() {
-            gauge!("rampart_breaker_state", "backend" => b.id.clone())
-                .set(f64::from(b.breaker.state().gauge()));
-        }
-    }
     for h in handoffs.all() {
         let view = h.view();
         gauge!("rampart_handoff_active", "model" => view.model)
             .set(f64::from(u8::from(view.active)));
     }
     for e in registry.all() {
+        for b in e.backends() {
+            gauge!("rampart_breaker_state", "backend" => b.id.clone())
+                .set(f64::from(b.breaker.state().gauge()));
+        }
         let Some(s) = e.backend.engine_snapshot() else {
             continue;
         };

@@ -181,15 +181,16 @@ pub async fn embeddings(
     body: Body,
 ) -> Response {
     let mut record = state.record(id.0, principal.0.clone(), "embeddings");
-    let mut fallback = None;
-    let result = embed(&state, &principal.0, body, &mut record, &mut fallback).await;
+    let result = embed(&state, &principal.0, body, &mut record).await;
     front::settle(&mut record, result.as_ref());
-    let mut response = match result {
-        Ok(response) => Json(response).into_response(),
+    match result {
+        Ok((body, fallback)) => {
+            let mut response = Json(body).into_response();
+            mark(&mut response, fallback.as_ref());
+            response
+        }
         Err(e) => e.into_response(),
-    };
-    mark(&mut response, fallback.as_ref());
-    response
+    }
 }
 
 async fn embed(
@@ -197,8 +198,7 @@ async fn embed(
     principal: &str,
     body: Body,
     record: &mut RecordBuilder,
-    fallback: &mut Option<Fallback>,
-) -> Result<EmbeddingResponse, ApiError> {
+) -> Result<(EmbeddingResponse, Option<Fallback>), ApiError> {
     let bytes = identity::read_body(body, state.config.limits.max_body_bytes, record).await?;
     let request: EmbeddingRequest = parse_json(&bytes)?;
     let model = ModelName::parse(&request.model);
@@ -211,16 +211,16 @@ async fn embed(
         dimensions: plan.dimensions,
     });
     let admitted = front::serve(state, principal, &model, work, record).await?;
-    if let Some(f) = &admitted.fallback {
-        *fallback = Some(f.clone());
-    }
     let Answer::Embeddings(e) = admitted.answer else {
         return Err(ApiError::Internal(
             "the backend answered embeddings with something else".into(),
         ));
     };
     record.payload_output(|| serde_json::json!({ "vectors": e.vectors.len() }));
-    Ok(encode_embeddings(e, plan.base64, &admitted.entry.name))
+    Ok((
+        encode_embeddings(e, plan.base64, &admitted.entry.name),
+        admitted.fallback,
+    ))
 }
 
 fn encode_embeddings(e: Embeddings, base64: bool, model: &str) -> EmbeddingResponse {

@@ -68,9 +68,11 @@ impl Entry {
         }
     }
 
-    /// The same entry under another backend id (a chain's own steps).
+    /// The same entry under another backend id (a chain's own steps); its breaker keeps its
+    /// settings and takes the new id.
     pub fn with_id(mut self, id: impl Into<String>) -> Self {
         self.id = id.into();
+        self.breaker = self.breaker.renamed(self.id.clone());
         self
     }
 

@@ -241,7 +241,7 @@ pub fn load(
     let started = Instant::now();
     let kind = model_kind(repository, model).unwrap_or(repo::Kind::Llm);
     let entry = match kind {
-        repo::Kind::Onnx => load_tensor_model(config, repository, model, None)?,
+        repo::Kind::Onnx => load_tensor_model(config, repository, model)?,
         repo::Kind::Embedding => load_embedder(config, repository, model)?,
         repo::Kind::Llm => load_llm(config, repository, model)?,
         repo::Kind::Rules => load_rules(config, repository, model)?,
@@ -317,16 +317,24 @@ fn policy(
                     "a tensor_backend fallback needs a tensor (ONNX) model",
                 ));
             }
-            let twin = load_tensor_model(config, repository, model, Some(choice))?;
-            let id = format!(
-                "{}:{}",
-                entry.id,
-                twin.backend.describe().platform.trim_start_matches("onnx_")
-            );
-            Target::Own(Arc::new(
-                twin.with_id(id.clone())
-                    .with_breaker(breaker_config(config, model)),
-            ))
+            // The primary's load verified these files a moment ago: read, don't re-hash.
+            let version = repository
+                .resolve(&model_ref(model)?)
+                .map_err(|e| LoadError::new(&model.name, e))?;
+            let manifest = repository
+                .manifest(&version)
+                .map_err(|e| LoadError::new(&model.name, e))?;
+            let twin = tensor_entry(
+                config,
+                model,
+                &version,
+                &manifest,
+                entry.digest.clone(),
+                choice,
+            )?;
+            let runtime = twin.backend.describe().platform;
+            let id = format!("{}:{}", entry.id, runtime.trim_start_matches("onnx_"));
+            Target::Own(Arc::new(twin.with_id(id)))
         } else {
             return Err(LoadError::new(
                 &model.name,
@@ -345,21 +353,39 @@ fn policy(
     })
 }
 
-/// Loads one tensor model (on the configured runtime, or on `runtime`) and starts its batcher.
+/// Loads one tensor model (digests verified) and starts its batcher.
 fn load_tensor_model(
     config: &ServerConfig,
     repository: &Repository,
     model: &ModelConfig,
-    runtime: Option<classic::BackendChoice>,
 ) -> Result<Entry, LoadError> {
     let (loaded, digest) = load_verified(repository, model)?;
+    tensor_entry(
+        config,
+        model,
+        &loaded.version,
+        &loaded.manifest,
+        digest,
+        config.tensor.backend,
+    )
+}
+
+/// A tensor model of a verified version on `runtime`, its batcher started.
+fn tensor_entry(
+    config: &ServerConfig,
+    model: &ModelConfig,
+    version: &repo::ModelVersion,
+    manifest: &repo::Manifest,
+    digest: String,
+    runtime: classic::BackendChoice,
+) -> Result<Entry, LoadError> {
     let options = classic::LoadOptions {
-        backend: runtime.unwrap_or(config.tensor.backend),
+        backend: runtime,
         onnxruntime_library: config.tensor.onnxruntime_library.clone(),
         threads: config.tensor.threads,
         max_input_elements: config.limits.max_tensor_elements,
     };
-    let tensor_model = classic::TensorModel::load(&loaded.version.dir, &loaded.manifest, &options)
+    let tensor_model = classic::TensorModel::load(&version.dir, manifest, &options)
         .map_err(|e| LoadError::new(&model.name, e))?;
     tracing::info!(
         model = %model.name,
@@ -368,7 +394,7 @@ fn load_tensor_model(
         "tensor model ready"
     );
     let backend = TensorBackend::new(model.name.clone(), tensor_model);
-    Ok(entry(config, model, &loaded.version, digest, backend))
+    Ok(entry(config, model, version, digest, backend))
 }
 
 /// Loads one rules model: its rules file, compiled by the rules engine.

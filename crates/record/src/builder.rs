@@ -73,10 +73,12 @@ impl RecordBuilder {
         }
     }
 
-    /// The full output (kept only when a sink wants it).
+    /// The full output (kept only when a sink wants it; its sha256 goes into the record).
     pub fn payload_output(&mut self, output: impl FnOnce() -> serde_json::Value) {
         if self.wants_payload() {
-            self.payload.get_or_insert_with(Payload::default).output = Some(output());
+            let output = output();
+            self.record.output_sha256 = sha256_hex(&output.to_string());
+            self.payload.get_or_insert_with(Payload::default).output = Some(output);
         }
     }
 

@@ -79,6 +79,20 @@ pub trait Sink: Send + 'static {
         false
     }
     fn write<'a>(&'a mut self, envelope: &'a Envelope) -> SinkFuture<'a>;
+    /// The most records the bus hands to [`Sink::write_batch`] at once (1: one at a time).
+    fn max_batch(&self) -> usize {
+        1
+    }
+    /// Writes several records as one (a group commit: one fsync for all). It succeeds or fails
+    /// as a whole. Called only when [`Sink::max_batch`] is above 1.
+    fn write_batch<'a>(&'a mut self, envelopes: &'a [Arc<Envelope>]) -> SinkFuture<'a> {
+        Box::pin(async move {
+            for e in envelopes {
+                self.write(e).await?;
+            }
+            Ok(())
+        })
+    }
     /// Called once when the bus shuts down, after the last record.
     fn flush(&mut self) -> SinkFuture<'_> {
         Box::pin(std::future::ready(Ok(())))
@@ -422,6 +436,17 @@ impl Bus {
         sent && matches!(tokio::time::timeout(timeout, rx).await, Ok(Ok(Ok(()))))
     }
 
+    /// Records waiting in `sink`'s lane now (0 for an unknown or closed sink).
+    pub fn depth(&self, sink: &str) -> usize {
+        let Some(lane) = self.lanes.iter().find(|l| l.name == sink) else {
+            return 0;
+        };
+        let guard = lane.sender.read().unwrap_or_else(|e| e.into_inner());
+        guard
+            .as_ref()
+            .map_or(0, |s| s.max_capacity().saturating_sub(s.capacity()))
+    }
+
     /// What every lane counted so far.
     pub fn counters(&self) -> Vec<LaneCounters> {
         self.lanes.iter().map(|l| l.counters()).collect()
@@ -473,35 +498,93 @@ impl Bus {
     }
 }
 
-/// A sink's task: write each record of its lane, acknowledge, flush when the lane closes.
+/// A sink's task: write each record of its lane (in batches when the sink takes them),
+/// acknowledge, flush when the lane closes.
 async fn run_sink(mut sink: Box<dyn Sink>, mut lane_rx: mpsc::Receiver<Item>, lane: Arc<Lane>) {
-    while let Some(item) = lane_rx.recv().await {
-        let Some(envelope) = item.envelope else {
-            if let Some(ack) = item.ack {
-                let _ = ack.send(Ok(()));
+    let max_batch = sink.max_batch().max(1);
+    let mut items: Vec<Item> = Vec::new();
+    while let Some(first) = lane_rx.recv().await {
+        items.push(first);
+        while items.len() < max_batch {
+            match lane_rx.try_recv() {
+                Ok(item) => items.push(item),
+                Err(_) => break,
             }
-            continue;
-        };
-        match sink.write(&envelope).await {
-            Ok(()) => {
-                lane.written.fetch_add(1, Ordering::Relaxed);
-                if let Some(ack) = item.ack {
-                    let _ = ack.send(Ok(()));
-                }
+        }
+        if max_batch == 1 {
+            for item in items.drain(..) {
+                write_one(sink.as_mut(), item, &lane).await;
             }
-            Err(e) => {
-                lane.count(DropReason::WriteFailed);
-                tracing::warn!(sink = lane.name, error = %e, request_id = %envelope.record.request_id, "record sink failed to write a record");
-                if let Some(ack) = item.ack {
-                    let _ = ack.send(Err(AckError::Failed {
-                        sink: lane.name,
-                        message: e.0,
-                    }));
-                }
-            }
+        } else {
+            write_many(sink.as_mut(), &mut items, &lane).await;
         }
     }
     if let Err(e) = sink.flush().await {
         tracing::warn!(sink = lane.name, error = %e, "record sink failed to flush");
+    }
+}
+
+async fn write_one(sink: &mut dyn Sink, item: Item, lane: &Lane) {
+    let Some(envelope) = item.envelope else {
+        if let Some(ack) = item.ack {
+            let _ = ack.send(Ok(()));
+        }
+        return;
+    };
+    let result = sink.write(&envelope).await;
+    settle_item(lane, item.ack, &envelope, result.as_ref().err(), true);
+}
+
+/// Writes the records of `items` as one batch, then answers every item in order.
+async fn write_many(sink: &mut dyn Sink, items: &mut Vec<Item>, lane: &Lane) {
+    let envelopes: Vec<Arc<Envelope>> = items.iter().filter_map(|i| i.envelope.clone()).collect();
+    let result = if envelopes.is_empty() {
+        Ok(())
+    } else {
+        sink.write_batch(&envelopes).await
+    };
+    if let Err(e) = &result {
+        tracing::warn!(sink = lane.name, error = %e, records = envelopes.len(), "record sink failed to write a batch");
+    }
+    for item in items.drain(..) {
+        match item.envelope {
+            Some(envelope) => settle_item(lane, item.ack, &envelope, result.as_ref().err(), false),
+            None => {
+                if let Some(ack) = item.ack {
+                    let _ = ack.send(Ok(()));
+                }
+            }
+        }
+    }
+}
+
+/// Counts one record's outcome and answers its acknowledgement; `log_each` logs a failure per
+/// record (batches log once).
+fn settle_item(
+    lane: &Lane,
+    ack: Option<AckSender>,
+    envelope: &Envelope,
+    error: Option<&SinkError>,
+    log_each: bool,
+) {
+    match error {
+        None => {
+            lane.written.fetch_add(1, Ordering::Relaxed);
+            if let Some(ack) = ack {
+                let _ = ack.send(Ok(()));
+            }
+        }
+        Some(e) => {
+            lane.count(DropReason::WriteFailed);
+            if log_each {
+                tracing::warn!(sink = lane.name, error = %e, request_id = %envelope.record.request_id, "record sink failed to write a record");
+            }
+            if let Some(ack) = ack {
+                let _ = ack.send(Err(AckError::Failed {
+                    sink: lane.name,
+                    message: e.0.clone(),
+                }));
+            }
+        }
     }
 }

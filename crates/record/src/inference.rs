@@ -11,12 +11,25 @@ pub struct InferenceRecord {
     pub time_ms: u64,
     pub principal: String,
     pub user: Option<String>,
+    /// The person acting (`X-Operator-Id`), when the client names one.
+    pub operator: Option<String>,
+    /// The W3C trace id the request came with (`traceparent`), when it had one.
+    pub trace_id: Option<String>,
     pub endpoint: &'static str,
     pub model: String,
     pub version: String,
     pub version_digest: String,
+    /// The version's lineage (`LINEAGE.json`): the source's git commit and dataset version.
+    pub lineage_commit: Option<String>,
+    pub dataset_version: Option<String>,
+    /// The request's sampling parameters (temperature, top_p, max_tokens, seed, ...).
+    pub params: Option<serde_json::Value>,
     /// sha256 of the input (prompt text, chat messages as JSON, or the tensors).
     pub input_sha256: String,
+    /// sha256 of the output as the client received it (empty when none).
+    pub output_sha256: String,
+    /// What the input guard said (`pass`, `flag`, `block`), when a guard ran.
+    pub guard_verdict: Option<String>,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub cached_prompt_tokens: usize,
@@ -132,11 +145,18 @@ impl InferenceRecord {
             time_ms,
             principal,
             user: None,
+            operator: None,
+            trace_id: None,
             endpoint,
             model: String::new(),
             version: String::new(),
             version_digest: String::new(),
+            lineage_commit: None,
+            dataset_version: None,
+            params: None,
             input_sha256: String::new(),
+            output_sha256: String::new(),
+            guard_verdict: None,
             prompt_tokens: 0,
             completion_tokens: 0,
             cached_prompt_tokens: 0,

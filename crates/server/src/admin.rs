@@ -1,7 +1,8 @@
 //! The admin API under `/admin/…` (keys with the `admin` scope): the backends with their chains,
 //! breakers and hand-offs; pausing and resuming a model's hand-off; fault injection for drills.
-//! Every call that changes something is logged with who made it and counted in
-//! `rampart_admin_actions_total{action}` (the audit log records them too once it exists).
+//! Every call that changes something is logged with who made it (the key and `X-Operator-Id`),
+//! counted in `rampart_admin_actions_total{action}` and kept in the audit log; in `fail_closed`
+//! a change the audit log cannot keep is refused before it is made.
 
 use std::sync::Arc;
 
@@ -33,10 +34,33 @@ pub fn routes() -> Router<Arc<AppState>> {
         .route(paths::ADMIN_FAULT, delete(clear_fault))
 }
 
-/// One admin action, for the log and the metrics.
-fn note(action: &'static str, by: &str, target: &str, detail: &str) {
-    tracing::warn!(target: "rampart::admin", action, by, on = target, detail, "admin action");
-    metrics::counter!("rampart_admin_actions_total", "action" => action).increment(1);
+/// One admin action: logged, counted and audited (see [`AppState::act`]).
+async fn note(
+    state: &AppState,
+    by: &str,
+    action: &str,
+    target: &str,
+    model: Option<&str>,
+    detail: serde_json::Value,
+) -> Result<(), ApiError> {
+    state
+        .act(
+            by,
+            model,
+            audit::Action {
+                name: action.to_string(),
+                target: Some(target.to_string()),
+                cause: None,
+                outcome: "ok".into(),
+                detail,
+            },
+        )
+        .await
+}
+
+/// `fail_closed`: no change is made while the audit log cannot keep it.
+fn refused(state: &AppState) -> Option<Response> {
+    state.audit_refusal().map(IntoResponse::into_response)
 }
 
 #[derive(Serialize)]
@@ -153,26 +177,21 @@ async fn handoff(
     if !state.registry.all().iter().any(|e| e.name == name) {
         return ApiError::ModelNotFound(format!("no served model {name:?}")).into_response();
     }
+    if let Some(r) = refused(&state) {
+        return r;
+    }
     let h = state.handoffs.get(&name);
-    let view = match action.action.as_str() {
-        "pause" => {
-            note(
-                "handoff_pause",
-                &principal.0,
-                &name,
-                "new requests get 503 human_handoff",
-            );
-            h.pause(&principal.0)
-        }
-        "resume" => {
-            note(
-                "handoff_resume",
-                &principal.0,
-                &name,
-                "requests are served again",
-            );
-            h.resume(&principal.0)
-        }
+    let (view, what, effect) = match action.action.as_str() {
+        "pause" => (
+            h.pause(&principal.0),
+            "handoff_pause",
+            "new requests get 503 human_handoff",
+        ),
+        "resume" => (
+            h.resume(&principal.0),
+            "handoff_resume",
+            "requests are served again",
+        ),
         other => {
             return ApiError::invalid_param(
                 "action",
@@ -181,6 +200,10 @@ async fn handoff(
             .into_response()
         }
     };
+    let detail = serde_json::json!({ "effect": effect });
+    if let Err(e) = note(&state, &principal.0, what, &name, Some(&name), detail).await {
+        return e.into_response();
+    }
     Json(view).into_response()
 }
 
@@ -205,11 +228,20 @@ async fn inject_fault(
             .iter()
             .any(|e| e.backends().iter().any(|b| faults::covers(backend, &b.id)))
     };
-    let detail = format!("{:?} for {} s", request.mode, request.duration_s);
+    if let Some(r) = refused(&state) {
+        return r;
+    }
+    let detail = serde_json::json!({
+        "mode": format!("{:?}", request.mode),
+        "duration_s": request.duration_s,
+    });
     let target = request.backend.clone();
     match state.faults.inject(request, &principal.0, known) {
         Ok(fault) => {
-            note("fault_inject", &principal.0, &target, &detail);
+            if let Err(e) = note(&state, &principal.0, "fault_inject", &target, None, detail).await
+            {
+                return e.into_response();
+            }
             (StatusCode::CREATED, Json(fault)).into_response()
         }
         Err(e) if !state.faults.enabled() => ApiError::Forbidden(e.0).into_response(),
@@ -225,15 +257,16 @@ struct Cleared {
 async fn clear_faults(
     State(state): State<Arc<AppState>>,
     Extension(principal): Extension<Principal>,
-) -> Json<Cleared> {
+) -> Response {
+    if let Some(r) = refused(&state) {
+        return r;
+    }
     let cleared = state.faults.clear(None, &principal.0);
-    note(
-        "fault_clear",
-        &principal.0,
-        "*",
-        &format!("{cleared} cleared"),
-    );
-    Json(Cleared { cleared })
+    let detail = serde_json::json!({ "cleared": cleared });
+    if let Err(e) = note(&state, &principal.0, "fault_clear", "*", None, detail).await {
+        return e.into_response();
+    }
+    Json(Cleared { cleared }).into_response()
 }
 
 async fn clear_fault(
@@ -241,10 +274,25 @@ async fn clear_fault(
     Extension(principal): Extension<Principal>,
     Path(id): Path<u64>,
 ) -> Response {
+    if let Some(r) = refused(&state) {
+        return r;
+    }
     let cleared = state.faults.clear(Some(id), &principal.0);
     if cleared == 0 {
         return ApiError::RouteNotFound(format!("no active fault {id}")).into_response();
     }
-    note("fault_clear", &principal.0, &id.to_string(), "cleared");
+    let detail = serde_json::json!({ "cleared": cleared });
+    if let Err(e) = note(
+        &state,
+        &principal.0,
+        "fault_clear",
+        &id.to_string(),
+        None,
+        detail,
+    )
+    .await
+    {
+        return e.into_response();
+    }
     Json(Cleared { cleared }).into_response()
 }

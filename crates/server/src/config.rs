@@ -44,6 +44,8 @@ pub struct ServerConfig {
     pub handoff: HandoffConfig,
     /// Fault injection for drills and tests (`POST /admin/faults`); off unless enabled.
     pub faults: FaultsConfig,
+    /// The WORM audit log (docs/audit.md).
+    pub audit: audit::AuditConfig,
     /// Models to serve; empty: the latest version of every LLM in the repository.
     pub models: Vec<ModelConfig>,
 }
@@ -69,6 +71,7 @@ impl Default for ServerConfig {
             breaker: BreakerSettings::default(),
             handoff: HandoffConfig::default(),
             faults: FaultsConfig::default(),
+            audit: audit::AuditConfig::default(),
             models: Vec::new(),
         }
     }
@@ -571,6 +574,9 @@ impl ServerConfig {
 
     /// Checks values that parse but make no sense.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.audit
+            .validate()
+            .map_err(|e| ConfigError(e.to_string()))?;
         let l = &self.limits;
         if l.max_body_bytes < 1024 || l.max_tokens == 0 || l.max_n == 0 || l.max_prompts == 0 {
             return Err(ConfigError(

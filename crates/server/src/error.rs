@@ -52,6 +52,12 @@ pub enum ApiError {
     /// Waited too long for a slot, the server is draining, or the model is not ready.
     #[error("{message}")]
     Unavailable { message: String, retry_after_s: u64 },
+    /// The audit log cannot persist (`fail_closed`): nothing is served unaudited.
+    #[error("{0}")]
+    AuditUnavailable(String),
+    /// An exact-key audit lookup found nothing.
+    #[error("{0}")]
+    AuditEntryNotFound(String),
     #[error("{0}")]
     Internal(String),
     /// A structured-output request ended with an output that fails its schema or grammar.
@@ -104,7 +110,10 @@ impl ApiError {
             ApiError::HumanHandoff { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::ModelNotFound(_) | ApiError::RouteNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::Unavailable { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Unavailable { .. } | ApiError::AuditUnavailable(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
+            ApiError::AuditEntryNotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Internal(_) | ApiError::InvalidOutput(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -120,7 +129,8 @@ impl ApiError {
             ApiError::HumanHandoff { .. } => "service_unavailable",
             ApiError::ModelNotFound(_) | ApiError::RouteNotFound(_) => "not_found_error",
             ApiError::Overloaded { .. } => "rate_limit_error",
-            ApiError::Unavailable { .. } => "service_unavailable",
+            ApiError::Unavailable { .. } | ApiError::AuditUnavailable(_) => "service_unavailable",
+            ApiError::AuditEntryNotFound(_) => "not_found_error",
             ApiError::Internal(_) | ApiError::InvalidOutput(_) => "server_error",
         }
     }
@@ -135,6 +145,8 @@ impl ApiError {
             ApiError::ModelNotFound(_) => Some("model_not_found"),
             ApiError::Overloaded { code, .. } => Some(code),
             ApiError::InvalidOutput(_) => Some("structured_output_invalid"),
+            ApiError::AuditUnavailable(_) => Some("audit_unavailable"),
+            ApiError::AuditEntryNotFound(_) => Some("audit_entry_not_found"),
             _ => None,
         }
     }
@@ -170,6 +182,7 @@ impl IntoResponse for ApiError {
             ApiError::Overloaded { retry_after_s, .. }
             | ApiError::Unavailable { retry_after_s, .. }
             | ApiError::HumanHandoff { retry_after_s, .. } => Some(*retry_after_s),
+            ApiError::AuditUnavailable(_) => Some(5),
             _ => None,
         };
         let mut response = (self.status(), axum::Json(self.body())).into_response();
@@ -323,9 +336,13 @@ impl ApiError {
                 };
                 (Status::unavailable(message), Some(*retry_after_s))
             }
-            ApiError::ModelNotFound(_) | ApiError::RouteNotFound(_) => {
-                (Status::not_found(message), None)
-            }
+            ApiError::ModelNotFound(_)
+            | ApiError::RouteNotFound(_)
+            | ApiError::AuditEntryNotFound(_) => (Status::not_found(message), None),
+            ApiError::AuditUnavailable(_) => (
+                Status::unavailable(format!("{message} [audit_unavailable]")),
+                Some(5),
+            ),
             ApiError::Overloaded { retry_after_s, .. } => {
                 (Status::resource_exhausted(message), Some(*retry_after_s))
             }

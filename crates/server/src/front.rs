@@ -12,7 +12,9 @@
 
 use std::sync::Arc;
 
-use record::RecordBuilder;
+use std::time::Duration;
+
+use record::{Receipt, RecordBuilder};
 use tracing::Instrument;
 
 use crate::admission::Slot;
@@ -82,6 +84,8 @@ pub fn route(
     record.record.model = entry.name.clone();
     record.record.version = entry.version.clone();
     record.record.version_digest = entry.digest.clone();
+    record.record.lineage_commit = entry.lineage_commit.clone();
+    record.record.dataset_version = entry.dataset_version.clone();
     record.set_entropy_band(entry.backend.entropy_band());
     Ok(entry)
 }
@@ -97,6 +101,10 @@ pub async fn serve_routed(
 ) -> Result<Admitted, ApiError> {
     if state.is_draining() {
         return Err(ApiError::draining());
+    }
+    if let Some(refusal) = state.audit_refusal() {
+        record.refuse("audit_unavailable");
+        return Err(refusal);
     }
     let span = tracing::info_span!(
         "front",
@@ -149,9 +157,16 @@ pub async fn serve_routed(
     .await
 }
 
+/// The response header that names the request's audit entry.
+pub const AUDIT_ID_HEADER: &str = "x-rampart-audit-id";
+
 /// Ends a request's record with its outcome: a success finished by itself (`stop` unless the
-/// encoder said otherwise), or the error the client got.
-pub fn settle<T>(record: &mut RecordBuilder, result: Result<&T, &ApiError>) {
+/// encoder said otherwise), or the error the client got. Returns once every acknowledging sink
+/// (the audit log in `fail_closed`) made the record durable, or why it could not.
+pub fn settle<T>(
+    record: &mut RecordBuilder,
+    result: Result<&T, &ApiError>,
+) -> impl std::future::Future<Output = Result<(), ApiError>> + Send + 'static {
     match result {
         Ok(_) => {
             if record.record.finish_reason.is_none() {
@@ -160,5 +175,45 @@ pub fn settle<T>(record: &mut RecordBuilder, result: Result<&T, &ApiError>) {
         }
         Err(e) => e.record(record),
     }
-    let _ = record.finish();
+    durable(record.finish())
+}
+
+/// [`settle`]s the record and returns the result, a success turned into `audit_unavailable`
+/// when its entry could not be made durable (nothing is served unaudited).
+pub async fn conclude<T>(
+    record: &mut RecordBuilder,
+    result: Result<T, ApiError>,
+) -> Result<T, ApiError> {
+    let durable = settle(record, result.as_ref()).await;
+    match (result, durable) {
+        (Ok(_), Err(e)) => Err(e),
+        (result, _) => result,
+    }
+}
+
+/// How long a response waits for its audit entry before it is refused.
+const DURABLE_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// Waits for a published record's acknowledgements.
+pub async fn durable(receipt: Receipt) -> Result<(), ApiError> {
+    if !receipt.is_pending() {
+        return Ok(());
+    }
+    match tokio::time::timeout(DURABLE_TIMEOUT, receipt.wait()).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(e)) => Err(ApiError::AuditUnavailable(format!(
+            "the request's audit entry could not be made durable ({e}); the answer is withheld"
+        ))),
+        Err(_) => Err(ApiError::AuditUnavailable(format!(
+            "the request's audit entry was not durable within {} s; the answer is withheld",
+            DURABLE_TIMEOUT.as_secs()
+        ))),
+    }
+}
+
+/// Names the request's audit entry on the response.
+pub fn mark_audit(response: &mut axum::response::Response, audit_id: &str) {
+    if let Ok(v) = axum::http::HeaderValue::from_str(audit_id) {
+        response.headers_mut().insert(AUDIT_ID_HEADER, v);
+    }
 }

@@ -86,15 +86,18 @@ impl Inference {
     async fn infer_one(
         &self,
         principal: &str,
+        origin: identity::Origin,
         request_id: String,
         request: ModelInferRequest,
     ) -> Result<ModelInferResponse, ApiError> {
-        let mut record = self
-            .state
-            .record(request_id, principal.to_string(), INFER_ENDPOINT);
-        let result = self.infer(principal, request, &mut record).await;
-        front::settle(&mut record, result.as_ref());
-        result
+        identity::with_origin(origin, async {
+            let mut record = self
+                .state
+                .record(request_id, principal.to_string(), INFER_ENDPOINT);
+            let result = self.infer(principal, request, &mut record).await;
+            front::conclude(&mut record, result).await
+        })
+        .await
     }
 
     async fn infer(
@@ -140,6 +143,12 @@ impl Inference {
 pub const FALLBACK_PARAMETER: &str = "rampart_fallback";
 
 /// The client's `x-request-id` when it is sane, else a fresh UUIDv4 (as over HTTP).
+/// The operator and trace of a call (`x-operator-id`, `traceparent` metadata).
+fn origin(metadata: &MetadataMap) -> identity::Origin {
+    let get = |k: &str| metadata.get(k).and_then(|v| v.to_str().ok());
+    identity::Origin::from_headers(get("x-operator-id"), get("traceparent"))
+}
+
 fn request_id(metadata: &MetadataMap) -> String {
     identity::request_id(metadata.get("x-request-id").and_then(|v| v.to_str().ok()))
 }
@@ -452,8 +461,9 @@ impl GrpcInferenceService for Inference {
     ) -> Result<Response<ModelInferResponse>, Status> {
         let id = request_id(request.metadata());
         let principal = self.authenticate(request.metadata(), INFER_ENDPOINT, &id)?;
+        let origin = origin(request.metadata());
         match self
-            .infer_one(&principal, id.clone(), request.into_inner())
+            .infer_one(&principal, origin, id.clone(), request.into_inner())
             .await
         {
             Ok(response) => {
@@ -494,6 +504,7 @@ impl GrpcInferenceService for Inference {
     ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
         let stream_id = request_id(request.metadata());
         let principal = self.authenticate(request.metadata(), INFER_ENDPOINT, &stream_id)?;
+        let stream_origin = origin(request.metadata());
         let service = self.clone();
         let concurrency = self.state.config.admission.max_in_flight.max(1);
         let responses = request
@@ -502,6 +513,7 @@ impl GrpcInferenceService for Inference {
             .map(move |(n, item)| {
                 let service = service.clone();
                 let principal = principal.clone();
+                let origin = stream_origin.clone();
                 let id = format!("{stream_id}/{n}");
                 async move {
                     let request = item?;
@@ -510,22 +522,24 @@ impl GrpcInferenceService for Inference {
                         request.model_version.clone(),
                         request.id.clone(),
                     );
-                    Ok(match service.infer_one(&principal, id, request).await {
-                        Ok(response) => ModelStreamInferResponse {
-                            error_message: String::new(),
-                            infer_response: Some(response),
+                    Ok(
+                        match service.infer_one(&principal, origin, id, request).await {
+                            Ok(response) => ModelStreamInferResponse {
+                                error_message: String::new(),
+                                infer_response: Some(response),
+                            },
+                            // The id and model say which request failed; the stream goes on.
+                            Err(e) => ModelStreamInferResponse {
+                                error_message: e.to_string(),
+                                infer_response: Some(ModelInferResponse {
+                                    model_name,
+                                    model_version,
+                                    id: request_id,
+                                    ..Default::default()
+                                }),
+                            },
                         },
-                        // The id and model say which request failed; the stream goes on.
-                        Err(e) => ModelStreamInferResponse {
-                            error_message: e.to_string(),
-                            infer_response: Some(ModelInferResponse {
-                                model_name,
-                                model_version,
-                                id: request_id,
-                                ..Default::default()
-                            }),
-                        },
-                    })
+                    )
                 }
             })
             .buffer_unordered(concurrency);

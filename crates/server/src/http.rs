@@ -15,6 +15,7 @@ use serde::Serialize;
 use utoipa::OpenApi;
 
 use crate::admin;
+use crate::audit_api;
 use crate::auth::Scope;
 use crate::error::{ApiError, ErrorBody};
 use crate::identity::{self, Granted, Principal, RequestId, Transport};
@@ -50,6 +51,13 @@ pub mod paths {
     pub const ADMIN_HANDOFF: &str = "/admin/models/{name}/handoff";
     pub const ADMIN_FAULTS: &str = "/admin/faults";
     pub const ADMIN_FAULT: &str = "/admin/faults/{id}";
+    // The audit log's routes (scope `audit`).
+    pub const ADMIN_AUDIT: &str = "/admin/audit";
+    pub const ADMIN_AUDIT_ENTRY: &str = "/admin/audit/{audit_id}";
+    pub const ADMIN_AUDIT_PROOF: &str = "/admin/audit/{audit_id}/proof";
+    pub const ADMIN_AUDIT_CONSISTENCY: &str = "/admin/audit/consistency";
+    pub const ADMIN_AUDIT_CHECKPOINT: &str = "/admin/audit/checkpoint";
+    pub const ADMIN_AUDIT_STATUS: &str = "/admin/audit/status";
 }
 
 #[derive(OpenApi)]
@@ -117,6 +125,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         (Arc::clone(&state), Some(Scope::Admin)),
         authenticate,
     ));
+    let audit_routes = audit_api::routes().layer(middleware::from_fn_with_state(
+        (Arc::clone(&state), Some(Scope::Audit)),
+        authenticate,
+    ));
     Router::new()
         .route(paths::LIVE, get(live))
         .route(paths::READY, get(ready))
@@ -125,6 +137,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .merge(metrics_route)
         .merge(api)
         .merge(admin_routes)
+        .merge(audit_routes)
         .fallback(not_found)
         .layer(middleware::from_fn(identify))
         .with_state(state)
@@ -139,7 +152,11 @@ async fn identify(mut request: Request, next: Next) -> Response {
             .and_then(|v| v.to_str().ok()),
     );
     request.extensions_mut().insert(RequestId(id.clone()));
-    let mut response = next.run(request).await;
+    let origin = {
+        let header = |name: &str| request.headers().get(name).and_then(|v| v.to_str().ok());
+        identity::Origin::from_headers(header("x-operator-id"), header("traceparent"))
+    };
+    let mut response = identity::with_origin(origin, next.run(request)).await;
     if let Ok(value) = HeaderValue::from_str(&id) {
         response.headers_mut().insert("x-request-id", value);
     }

@@ -20,6 +20,62 @@ pub struct Principal(pub String);
 #[derive(Debug, Clone, Copy)]
 pub struct Granted(pub auth::Scopes);
 
+/// Who acts and in which trace, from the request's headers: `X-Operator-Id` (the person
+/// behind an admin call or a request) and the W3C `traceparent`'s trace id. Set for the whole
+/// request by the front door and read where records and actions are made.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Origin {
+    pub operator: Option<String>,
+    pub trace_id: Option<String>,
+}
+
+tokio::task_local! {
+    static ORIGIN: Origin;
+}
+
+impl Origin {
+    /// From the header values (insane ones are ignored).
+    pub fn from_headers(operator: Option<&str>, traceparent: Option<&str>) -> Self {
+        Self {
+            operator: operator
+                .map(str::trim)
+                .filter(|v| {
+                    !v.is_empty()
+                        && v.len() <= 128
+                        && v.bytes().all(|b| b.is_ascii_graphic() || b == b' ')
+                })
+                .map(str::to_string),
+            trace_id: traceparent.and_then(trace_id),
+        }
+    }
+}
+
+/// The trace id of a `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`), unless it is invalid or
+/// all zeros.
+fn trace_id(traceparent: &str) -> Option<String> {
+    let mut parts = traceparent.trim().split('-');
+    let (version, trace, parent, flags) =
+        (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+    (hex(version, 2)
+        && version != "ff"
+        && hex(trace, 32)
+        && hex(parent, 16)
+        && hex(flags, 2)
+        && trace.bytes().any(|b| b != b'0'))
+    .then(|| trace.to_ascii_lowercase())
+}
+
+/// The current request's origin (empty outside a request).
+pub fn origin() -> Origin {
+    ORIGIN.try_with(Clone::clone).unwrap_or_default()
+}
+
+/// Runs `f` with `origin` as the request's origin.
+pub async fn with_origin<F: std::future::Future>(origin: Origin, f: F) -> F::Output {
+    ORIGIN.scope(origin, f).await
+}
+
 /// The client's request id when it is sane (1-128 visible ASCII characters), else a fresh
 /// UUIDv4.
 pub fn request_id(given: Option<&str>) -> String {
@@ -92,4 +148,34 @@ pub async fn read_body(
             "the request body exceeds the limit of {limit} bytes"
         ))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn origins_take_sane_headers_only() {
+        let o = Origin::from_headers(
+            Some("dr. ada"),
+            Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+        );
+        assert_eq!(o.operator.as_deref(), Some("dr. ada"));
+        assert_eq!(
+            o.trace_id.as_deref(),
+            Some("4bf92f3577b34da6a3ce929d0e0e4736")
+        );
+        let bad = Origin::from_headers(
+            Some("a\nb"),
+            Some("00-00000000000000000000000000000000-00f067aa0ba902b7-01"),
+        );
+        assert_eq!(
+            bad,
+            Origin {
+                operator: None,
+                trace_id: None
+            }
+        );
+        assert_eq!(Origin::from_headers(None, Some("garbage")).trace_id, None);
+    }
 }

@@ -401,8 +401,11 @@ async fn rest_infer(
     let mut record = state.record(id.0, principal.0.clone(), "kserve_infer");
     let model = ModelName::versioned(&name, version.as_deref());
     let result = infer(&state, &principal.0, &model, &headers, body, &mut record).await;
-    front::settle(&mut record, result.as_ref());
-    result.unwrap_or_else(|e| rest_error(&e))
+    let mut response = front::conclude(&mut record, result)
+        .await
+        .unwrap_or_else(|e| rest_error(&e));
+    front::mark_audit(&mut response, &record.record.audit_id);
+    response
 }
 
 async fn infer(

@@ -21,6 +21,7 @@
 
 pub mod admin;
 pub mod admission;
+pub mod audit_api;
 pub mod auth;
 pub mod backend;
 pub mod breaker;
@@ -142,8 +143,13 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         .as_ref()
         .map(TcpListener::local_addr)
         .transpose()?;
-    let bus = Bus::start(sinks(&config)).map_err(|e| ServeError::Config(e.to_string()))?;
-    let state = AppState::new(config, keys, metrics, bus);
+    let audit = open_audit(&config)?;
+    let bus = Bus::start(sinks(&config, audit.as_ref()))
+        .map_err(|e| ServeError::Config(e.to_string()))?;
+    if let Some(log) = &audit {
+        spawn_audit(&config, log, &bus)?;
+    }
+    let state = AppState::with_audit(config, keys, metrics, bus, audit);
     tracing::info!(
         listen = %addr,
         grpc = %grpc_addr.map_or_else(|| "off".to_string(), |a| a.to_string()),
@@ -237,14 +243,79 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
     Ok(())
 }
 
-/// The record's sinks: the structured log and the metrics (the audit log, the monitors and the
-/// release statistics join them in their issues).
-fn sinks(config: &ServerConfig) -> Vec<Box<dyn Sink>> {
+/// The record's sinks: the structured log, the metrics and the audit log (the monitors and
+/// the release statistics join them in their issues).
+fn sinks(config: &ServerConfig, audit: Option<&Arc<audit::AuditLog>>) -> Vec<Box<dyn Sink>> {
     let capacity = config.records.lane_capacity;
-    vec![
+    let mut sinks: Vec<Box<dyn Sink>> = vec![
         Box::new(observe::LogSink::new(capacity)),
         Box::new(observe::MetricsSink::new(capacity)),
-    ]
+    ];
+    if let Some(log) = audit {
+        sinks.push(Box::new(audit::AuditSink::new(
+            Arc::clone(log),
+            &config.audit,
+        )));
+    }
+    sinks
+}
+
+/// Opens (and, after a crash, recovers) the audit log when `[audit] enabled`.
+fn open_audit(config: &ServerConfig) -> Result<Option<Arc<audit::AuditLog>>, ServeError> {
+    let a = &config.audit;
+    if !a.enabled {
+        tracing::warn!(
+            "the audit log is off ([audit] enabled = false): requests leave no audit entry"
+        );
+        return Ok(None);
+    }
+    let log = audit::AuditLog::open(a.log_options()).map_err(|e| {
+        ServeError::Config(format!(
+            "audit log {}: {e} (run `rampart audit verify --dir {}` to see what is wrong)",
+            a.dir.display(),
+            a.dir.display()
+        ))
+    })?;
+    let status = log.status();
+    tracing::info!(
+        dir = %a.dir.display(),
+        mode = a.mode().as_str(),
+        entries = status.size,
+        key_id = %status.key_id,
+        s3 = a.s3.as_ref().map_or("off", |s| s.url.as_str()),
+        "audit log open"
+    );
+    Ok(Some(log))
+}
+
+/// The audit log's upkeep task: checkpoints, sealing, shipping, gauges.
+fn spawn_audit(
+    config: &ServerConfig,
+    log: &Arc<audit::AuditLog>,
+    bus: &Arc<Bus>,
+) -> Result<(), ServeError> {
+    let shipper = config
+        .audit
+        .s3
+        .as_ref()
+        .map(|s3| audit::ship::Shipper::new(&config.audit.dir, s3).map(Arc::new))
+        .transpose()
+        .map_err(|e| ServeError::Config(e.to_string()))?;
+    let service = audit::Service {
+        log: Arc::clone(log),
+        shipper,
+        interval: Duration::from_millis(config.audit.checkpoint_interval_ms),
+    };
+    let bus = Arc::clone(bus);
+    tokio::spawn(service.run(move || {
+        let dropped = bus
+            .counters()
+            .iter()
+            .find(|c| c.sink == audit::sink::SINK_NAME)
+            .map_or(0, |c| c.dropped_total());
+        (bus.depth(audit::sink::SINK_NAME), dropped)
+    }));
+    Ok(())
 }
 
 /// Loads the models on a blocking thread; readiness follows.

@@ -83,27 +83,31 @@ async fn generate(
     endpoint: Endpoint,
 ) -> Response {
     let mut record = state.record(id.0, principal.0.clone(), endpoint.name());
+    let audit_id = record.record.audit_id.clone();
     let language = headers
         .get(header::ACCEPT_LANGUAGE)
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
-    match start(&state, &principal.0, body, endpoint, language, &mut record).await {
-        Ok(reply) => {
-            record.record.stream = reply.shape.stream;
-            let fallback = reply.fallback.clone();
-            let mut response = if reply.shape.stream {
-                stream_response(reply, record)
-            } else {
-                collect_response(reply, record).await
-            };
-            mark(&mut response, fallback.as_ref());
-            response
-        }
-        Err(e) => {
-            front::settle::<()>(&mut record, Err(&e));
-            e.into_response()
-        }
-    }
+    let mut response =
+        match start(&state, &principal.0, body, endpoint, language, &mut record).await {
+            Ok(reply) => {
+                record.record.stream = reply.shape.stream;
+                let fallback = reply.fallback.clone();
+                let mut response = if reply.shape.stream {
+                    stream_response(reply, record)
+                } else {
+                    collect_response(reply, record).await
+                };
+                mark(&mut response, fallback.as_ref());
+                response
+            }
+            Err(e) => {
+                let _ = front::settle::<()>(&mut record, Err(&e)).await;
+                e.into_response()
+            }
+        };
+    front::mark_audit(&mut response, &audit_id);
+    response
 }
 
 /// Parses and validates the body, then hands the plan to the front.
@@ -121,6 +125,22 @@ async fn start(
     record.record.user = plan.user.clone();
     record.record.input_sha256 = sha256_hex(&plan.input_for_hash);
     record.payload_input(|| serde_json::json!({ "prompt": plan.input_for_hash }));
+    let sampling = &plan.request.sampling;
+    record.record.params = Some(serde_json::json!({
+        "temperature": sampling.temperature,
+        "top_p": sampling.top_p,
+        "top_k": sampling.top_k,
+        "min_p": sampling.min_p,
+        "max_tokens": plan.request.max_tokens,
+        "n": plan.n,
+        "seed": sampling.seed,
+        "stop": plan.request.stop,
+        "frequency_penalty": sampling.frequency_penalty,
+        "presence_penalty": sampling.presence_penalty,
+        "repetition_penalty": sampling.repetition_penalty,
+        "logprobs": plan.logprobs,
+        "structured": plan.structured.is_some(),
+    }));
     let shape = Shape {
         stream: plan.stream,
         include_usage: plan.include_usage,
@@ -182,15 +202,16 @@ pub async fn embeddings(
 ) -> Response {
     let mut record = state.record(id.0, principal.0.clone(), "embeddings");
     let result = embed(&state, &principal.0, body, &mut record).await;
-    front::settle(&mut record, result.as_ref());
-    match result {
+    let mut response = match front::conclude(&mut record, result).await {
         Ok((body, fallback)) => {
             let mut response = Json(body).into_response();
             mark(&mut response, fallback.as_ref());
             response
         }
         Err(e) => e.into_response(),
-    }
+    };
+    front::mark_audit(&mut response, &record.record.audit_id);
+    response
 }
 
 async fn embed(
@@ -471,7 +492,7 @@ async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Respon
             }
             Generated::Failed(e) => {
                 let e = ApiError::from(e);
-                front::settle::<()>(&mut record, Err(&e));
+                let _ = front::settle::<()>(&mut record, Err(&e)).await;
                 return e.into_response();
             }
         }
@@ -481,7 +502,7 @@ async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Respon
             message: "the engine stopped before the request finished".into(),
             retry_after_s: 5,
         };
-        front::settle::<()>(&mut record, Err(&e));
+        let _ = front::settle::<()>(&mut record, Err(&e)).await;
         return e.into_response();
     }
     let finished: Vec<Finished> = states.iter().filter_map(|s| s.finish.clone()).collect();
@@ -496,14 +517,17 @@ async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Respon
         .map_err(ApiError::from);
     reply.charge(&record);
     if let Err(e) = checked {
-        front::settle::<()>(&mut record, Err(&e));
+        let _ = front::settle::<()>(&mut record, Err(&e)).await;
         return e.into_response();
     }
     record.payload_output(|| {
         serde_json::json!({ "choices": states.iter().map(|s| s.text.as_str()).collect::<Vec<_>>() })
     });
     let response = encode_collected(&reply, states, reply.usage(record.record.completion_tokens));
-    let _ = record.finish();
+    // The answer leaves only once its audit entry is durable (fail_closed).
+    if let Err(e) = front::durable(record.finish()).await {
+        return e.into_response();
+    }
     response
 }
 
@@ -567,6 +591,8 @@ struct Streaming {
     /// structured-output check, a sink that takes the payload).
     texts: Option<Vec<String>>,
     done: bool,
+    /// Set at the end: the final events wait until the record is durable (fail_closed audit).
+    receipt: Option<record::Receipt>,
 }
 
 impl Streaming {
@@ -758,7 +784,7 @@ impl Streaming {
     fn end(&mut self) {
         self.pending.push_back("[DONE]".into());
         self.done = true;
-        let _ = self.record.finish();
+        self.receipt = Some(self.record.finish());
     }
 }
 
@@ -773,6 +799,7 @@ fn stream_response(reply: Reply, record: RecordBuilder) -> Response {
         record,
         pending: VecDeque::new(),
         done: false,
+        receipt: None,
     };
     if state.reply.endpoint == Endpoint::Chat {
         for i in 0..choices {
@@ -790,6 +817,15 @@ fn stream_response(reply: Reply, record: RecordBuilder) -> Response {
     }
     let events = stream::unfold(state, |mut st| async move {
         loop {
+            if let Some(receipt) = st.receipt.take() {
+                if let Err(e) = front::durable(receipt).await {
+                    // The final events are withheld: the client learns the answer was not kept.
+                    st.pending.clear();
+                    st.pending
+                        .push_back(serde_json::to_string(&e.body()).unwrap_or_default());
+                    st.pending.push_back("[DONE]".into());
+                }
+            }
             if let Some(data) = st.pending.pop_front() {
                 return Some((
                     Ok::<_, std::convert::Infallible>(SseEvent::default().data(data)),

@@ -27,6 +27,9 @@ pub struct Entry {
     pub breaker: BackendBreaker,
     /// Its fallback chain and timeouts.
     pub policy: Policy,
+    /// From the version's `LINEAGE.json`: the source's git commit and dataset version.
+    pub lineage_commit: Option<String>,
+    pub dataset_version: Option<String>,
     /// The last readiness check passed (the readiness task keeps it).
     ready: AtomicBool,
 }
@@ -64,6 +67,8 @@ impl Entry {
             admission,
             backend,
             policy: Policy::default(),
+            lineage_commit: None,
+            dataset_version: None,
             ready: AtomicBool::new(true),
         }
     }

@@ -66,6 +66,8 @@ pub struct AppState {
     pub handoffs: Handoffs,
     /// Faults injected for drills (`POST /admin/faults`).
     pub faults: Faults,
+    /// The WORM audit log, when `[audit] enabled`.
+    pub audit: Option<Arc<audit::AuditLog>>,
     pub started: Instant,
 }
 
@@ -82,7 +84,19 @@ impl AppState {
         metrics: Option<PrometheusHandle>,
         bus: Arc<Bus>,
     ) -> Arc<Self> {
+        Self::with_audit(config, keys, metrics, bus, None)
+    }
+
+    /// The state with the audit log (whose sink is on `bus`).
+    pub fn with_audit(
+        config: ServerConfig,
+        keys: Option<KeyStore>,
+        metrics: Option<PrometheusHandle>,
+        bus: Arc<Bus>,
+        audit: Option<Arc<audit::AuditLog>>,
+    ) -> Arc<Self> {
         Arc::new(Self {
+            audit,
             rate_limiter: RateLimiter::new(config.rate_limit.clone()),
             handoffs: Handoffs::new(&config),
             faults: Faults::new(config.faults.clone()),
@@ -105,7 +119,68 @@ impl AppState {
         principal: String,
         endpoint: &'static str,
     ) -> RecordBuilder {
-        RecordBuilder::new(Arc::clone(&self.bus), request_id, principal, endpoint)
+        let mut record = RecordBuilder::new(Arc::clone(&self.bus), request_id, principal, endpoint);
+        let origin = crate::identity::origin();
+        record.record.operator = origin.operator;
+        record.record.trace_id = origin.trace_id;
+        record
+    }
+
+    /// `fail_closed`: the refusal while the audit log cannot persist (nothing is served
+    /// unaudited).
+    pub fn audit_refusal(&self) -> Option<crate::error::ApiError> {
+        let log = self.audit.as_ref()?;
+        if self.config.audit.mode() != audit::Mode::FailClosed || log.is_healthy() {
+            return None;
+        }
+        let why = log.status().problem.unwrap_or_default();
+        Some(crate::error::ApiError::AuditUnavailable(format!(
+            "the audit log cannot persist ({why}); requests are refused until it can"
+        )))
+    }
+
+    /// An admin or controller action: logged with who and why, counted, and kept in the audit
+    /// log. In `fail_closed` an action the log could not keep is an error.
+    pub async fn act(
+        &self,
+        principal: &str,
+        model: Option<&str>,
+        action: audit::Action,
+    ) -> Result<(), crate::error::ApiError> {
+        let operator = crate::identity::origin().operator;
+        tracing::warn!(
+            target: "rampart::admin",
+            action = %action.name,
+            by = principal,
+            operator = operator.as_deref().unwrap_or(""),
+            on = action.target.as_deref().unwrap_or(""),
+            cause = action.cause.as_deref().unwrap_or(""),
+            outcome = %action.outcome,
+            "admin action"
+        );
+        metrics::counter!("rampart_admin_actions_total", "action" => action.name.clone())
+            .increment(1);
+        let Some(log) = &self.audit else {
+            return Ok(());
+        };
+        let kept = audit::sink::append_action(
+            log,
+            Some(principal.to_string()),
+            operator,
+            model.map(str::to_string),
+            action,
+        )
+        .await;
+        match kept {
+            Ok(_) => Ok(()),
+            Err(e) if self.config.audit.mode() == audit::Mode::FailClosed => {
+                Err(crate::error::ApiError::AuditUnavailable(e.to_string()))
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "an admin action could not be kept in the audit log");
+                Ok(())
+            }
+        }
     }
 
     pub fn is_draining(&self) -> bool {
@@ -269,14 +344,19 @@ fn entry(
     digest: String,
     backend: impl crate::backend::InferenceBackend,
 ) -> Entry {
-    Entry::new(
+    let mut entry = Entry::new(
         model.name.clone(),
         version.version.to_string(),
         digest,
         Admission::new(config.admission.clone()),
         Arc::new(backend),
     )
-    .with_breaker(breaker_config(config, model))
+    .with_breaker(breaker_config(config, model));
+    if let Ok(lineage) = repo::Lineage::read(&version.dir) {
+        entry.lineage_commit = lineage.git_commit;
+        entry.dataset_version = lineage.dataset_version;
+    }
+    entry
 }
 
 /// The server's breaker settings, with the model's latency objective as its slow-call limit.

@@ -218,6 +218,8 @@ struct Options {
     configure: fn(&mut ServerConfig),
     /// Extra key lines (`id:key scopes`).
     extra_keys: &'static str,
+    /// Keep an audit log with these settings (its sink on the bus, its upkeep task running).
+    audit: Option<audit::AuditConfig>,
 }
 
 impl Default for Options {
@@ -230,6 +232,7 @@ impl Default for Options {
             policies: Vec::new(),
             configure: |_| {},
             extra_keys: "",
+            audit: None,
         }
     }
 }
@@ -253,8 +256,24 @@ async fn harness(backends: Vec<(&str, Arc<dyn InferenceBackend>)>, options: Opti
     );
     let mut sinks: Vec<Box<dyn Sink>> = vec![Box::new(sink)];
     sinks.extend(options.extra_sinks);
+    let log = options.audit.map(|a| {
+        config.audit = a;
+        audit::AuditLog::open(config.audit.log_options()).unwrap()
+    });
+    if let Some(log) = &log {
+        sinks.push(Box::new(audit::AuditSink::new(
+            Arc::clone(log),
+            &config.audit,
+        )));
+        let service = audit::Service {
+            log: Arc::clone(log),
+            shipper: None,
+            interval: Duration::from_millis(config.audit.checkpoint_interval_ms),
+        };
+        tokio::spawn(service.run(|| (0, 0)));
+    }
     let bus = Bus::start(sinks).unwrap();
-    let state = AppState::new(config.clone(), keys, None, bus);
+    let state = AppState::with_audit(config.clone(), keys, None, bus, log);
     let mut policies = options.policies;
     for (id, backend) in backends {
         let (name, version) = id.split_once('@').unwrap_or((id, "1.0.0"));
@@ -1604,4 +1623,194 @@ async fn a_text_classifier_falls_back_to_rules_over_kserve_only_when_a_rule_matc
         .as_deref()
         .unwrap()
         .contains("no rule"));
+}
+
+const AUDITOR_KEY: &str = "sk-auditor-0001";
+const OPS_AUDIT_TEST_KEY: &str = "sk-ops-0002";
+
+impl Harness {
+    async fn get_as(&self, path: &str, key: &str) -> (u16, serde_json::Value) {
+        let r = self
+            .client
+            .get(format!("{}{path}", self.url))
+            .bearer_auth(key)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        (status, r.json().await.unwrap_or_default())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_audit_log_keeps_each_request_is_read_by_exact_key_only_and_fails_closed() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = harness(
+        vec![("fake", llm(hello()))],
+        Options {
+            audit: Some(audit::AuditConfig {
+                required: true,
+                dir: dir.path().to_path_buf(),
+                checkpoint_interval_ms: 50,
+                ..Default::default()
+            }),
+            extra_keys: "auditor:sk-auditor-0001 audit\nops:sk-ops-0002 admin",
+            ..Options::default()
+        },
+    )
+    .await;
+    // A request: its entry holds the input, the output, the user and the operator.
+    let mut body = chat(false);
+    body["user"] = "patient-7".into();
+    let r = h
+        .client
+        .post(format!("{}/v1/chat/completions", h.url))
+        .bearer_auth(KEY)
+        .header("x-operator-id", "dr-who")
+        .header(
+            "traceparent",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+        )
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let id = r.headers()["x-rampart-audit-id"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let (status, entry) = h.get_as(&format!("/admin/audit/{id}"), AUDITOR_KEY).await;
+    assert_eq!(status, 200, "{entry}");
+    assert_eq!(entry["user"], "patient-7");
+    assert_eq!(entry["operator"], "dr-who");
+    assert_eq!(
+        entry["record"]["trace_id"],
+        "4bf92f3577b34da6a3ce929d0e0e4736"
+    );
+    assert_eq!(entry["record"]["status"], 200);
+    assert_eq!(entry["record"]["params"]["max_tokens"], 8);
+    assert!(entry["input"].to_string().contains("hi"), "{entry}");
+    assert_eq!(entry["output"]["choices"][0], "Hello world");
+    // A stream: its entry has the streamed text.
+    let r = h.post("/v1/chat/completions", chat(true)).await;
+    let stream_id = r.headers()["x-rampart-audit-id"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert!(r.text().await.unwrap().contains("[DONE]"));
+    let (_, entry) = h
+        .get_as(&format!("/admin/audit/{stream_id}"), AUDITOR_KEY)
+        .await;
+    assert_eq!(entry["output"]["choices"][0], "Hello world", "{entry}");
+    // Only the audit scope reads; only exact keys are asked.
+    for key in [KEY, OPS_AUDIT_TEST_KEY] {
+        let (status, body) = h.get_as(&format!("/admin/audit/{id}"), key).await;
+        assert_eq!(status, 403, "{body}");
+    }
+    let (status, page) = h
+        .get_as("/admin/audit?user_id=patient-7", AUDITOR_KEY)
+        .await;
+    assert_eq!(status, 200);
+    let ids: Vec<&str> = page["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["audit_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [id.as_str()]);
+    for bad in [
+        "/admin/audit",
+        "/admin/audit?q=hi",
+        "/admin/audit?user_id=patient-7&prefix=p",
+    ] {
+        let (status, body) = h.get_as(bad, AUDITOR_KEY).await;
+        assert_eq!(status, 400, "{bad}: {body}");
+    }
+    let (status, body) = h.get_as("/admin/audit/no-such-id", AUDITOR_KEY).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (404, Some("audit_entry_not_found"))
+    );
+    // The proof verifies against the signed checkpoint.
+    let (status, proof) = h
+        .get_as(&format!("/admin/audit/{id}/proof"), AUDITOR_KEY)
+        .await;
+    assert_eq!(status, 200, "{proof}");
+    let hash = |v: &serde_json::Value| audit::checkpoint::parse_hash(v.as_str().unwrap()).unwrap();
+    let path: Vec<_> = proof["path"].as_array().unwrap().iter().map(hash).collect();
+    assert!(audit::merkle::verify_inclusion(
+        proof["index"].as_u64().unwrap(),
+        proof["checkpoint"]["size"].as_u64().unwrap(),
+        &hash(&proof["leaf_hash"]),
+        &path,
+        &hash(&proof["checkpoint"]["root"]),
+    ));
+    // The reads are entries themselves: who read which entry.
+    let log = h.state.audit.as_ref().unwrap();
+    let read = audit::read::load(dir.path(), None);
+    assert!(read.problem.is_none(), "{:?}", read.problem);
+    let reads: Vec<_> = read
+        .entries
+        .iter()
+        .filter_map(|l| l.entry.action.as_ref().map(|a| (a, &l.entry)))
+        .filter(|(a, _)| a.name == "audit.read")
+        .collect();
+    assert!(reads
+        .iter()
+        .any(|(a, e)| a.target.as_deref() == Some(id.as_str())
+            && e.principal.as_deref() == Some("auditor")));
+    // The disk fails: the answer is withheld (503 audit_unavailable), then requests are refused
+    // before any backend runs, streams included.
+    log.set_write_fault(Some("injected: no space left on device".into()));
+    let r = h.post("/v1/chat/completions", chat(false)).await;
+    assert_eq!(r.status(), 503);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "audit_unavailable", "{body}");
+    let r = h.post("/v1/chat/completions", chat(true)).await;
+    assert_eq!(r.status(), 503);
+    let (status, body) = h.get_as(&format!("/admin/audit/{id}"), AUDITOR_KEY).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (503, Some("audit_unavailable")),
+        "an unrecorded read is refused"
+    );
+    // The disk comes back: the upkeep task's probe clears the refusal.
+    log.set_write_fault(None);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !log.is_healthy() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = h.post("/v1/chat/completions", chat(false)).await;
+    assert_eq!(r.status(), 200);
+    assert!(audit::read::load(dir.path(), None).problem.is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_whose_entry_cannot_be_kept_ends_with_audit_unavailable_not_its_finish() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = harness(
+        vec![("fake", llm(hello()))],
+        Options {
+            audit: Some(audit::AuditConfig {
+                required: true,
+                dir: dir.path().to_path_buf(),
+                ..Default::default()
+            }),
+            ..Options::default()
+        },
+    )
+    .await;
+    // The log is healthy when the stream starts and fails when its entry is written.
+    h.state
+        .audit
+        .as_ref()
+        .unwrap()
+        .set_write_fault(Some("injected".into()));
+    let r = h.post("/v1/chat/completions", chat(true)).await;
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    assert!(text.contains("audit_unavailable"), "{text}");
+    assert!(!text.contains("\"finish_reason\":\"stop\""), "{text}");
+    assert!(text.trim_end().ends_with("[DONE]"), "{text}");
 }

@@ -1,0 +1,189 @@
+//! The audit log on the record bus, and the task that keeps it signed, sealed and shipped.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use record::{Delivery, Envelope, Sink, SinkError, SinkFuture};
+
+use crate::config::{AuditConfig, Mode};
+use crate::entry::{Action, AuditEntry};
+use crate::log::AuditLog;
+use crate::ship::Shipper;
+use crate::AuditError;
+
+/// The bus's name for the audit sink.
+pub const SINK_NAME: &str = "audit";
+
+/// Writes each record as an entry. In `fail_closed` the lane is lossless and acknowledged: a
+/// response waits for its entry's fsync. Batches are one group commit.
+pub struct AuditSink {
+    log: Arc<AuditLog>,
+    mode: Mode,
+    queue: usize,
+    max_batch: usize,
+    store_tensor_inputs: bool,
+}
+
+impl AuditSink {
+    pub fn new(log: Arc<AuditLog>, config: &AuditConfig) -> Self {
+        Self {
+            log,
+            mode: config.mode(),
+            queue: config.queue,
+            max_batch: config.max_batch,
+            store_tensor_inputs: config.store_tensor_inputs,
+        }
+    }
+
+    fn entry(&self, envelope: &Envelope) -> AuditEntry {
+        let mut e = AuditEntry::request(envelope);
+        if !self.store_tensor_inputs {
+            // Tensor inputs arrive as digests and, when asked for, bytes: keep the digests.
+            if let Some(serde_json::Value::Object(input)) = &mut e.input {
+                input.remove("bytes_base64");
+            }
+        }
+        e
+    }
+
+    async fn append(&self, entries: Vec<AuditEntry>) -> Result<(), SinkError> {
+        let log = Arc::clone(&self.log);
+        tokio::task::spawn_blocking(move || log.append(entries))
+            .await
+            .map_err(|e| SinkError(format!("the audit writer stopped: {e}")))?
+            .map(|_| ())
+            .map_err(|e| SinkError(e.to_string()))
+    }
+}
+
+impl Sink for AuditSink {
+    fn name(&self) -> &'static str {
+        SINK_NAME
+    }
+
+    fn delivery(&self) -> Delivery {
+        match self.mode {
+            Mode::FailClosed => Delivery::Lossless {
+                capacity: self.queue,
+                timeout: Duration::from_secs(10),
+                acknowledge: true,
+            },
+            Mode::BestEffort => Delivery::Lossy {
+                capacity: self.queue,
+            },
+        }
+    }
+
+    fn wants_payload(&self) -> bool {
+        true
+    }
+
+    fn max_batch(&self) -> usize {
+        self.max_batch
+    }
+
+    fn write<'a>(&'a mut self, envelope: &'a Envelope) -> SinkFuture<'a> {
+        let entry = self.entry(envelope);
+        Box::pin(async move { self.append(vec![entry]).await })
+    }
+
+    fn write_batch<'a>(&'a mut self, envelopes: &'a [Arc<Envelope>]) -> SinkFuture<'a> {
+        let entries = envelopes.iter().map(|e| self.entry(e)).collect();
+        Box::pin(async move { self.append(entries).await })
+    }
+
+    fn flush(&mut self) -> SinkFuture<'_> {
+        let log = Arc::clone(&self.log);
+        Box::pin(async move {
+            tokio::task::spawn_blocking(move || log.checkpoint(false))
+                .await
+                .map_err(|e| SinkError(e.to_string()))?
+                .map(|_| ())
+                .map_err(|e| SinkError(e.to_string()))
+        })
+    }
+}
+
+/// The log's background work: a checkpoint at every interval while entries arrive, sealing
+/// by size and age, shipping, the disk probe after a failure, and the gauges.
+pub struct Service {
+    pub log: Arc<AuditLog>,
+    pub shipper: Option<Arc<Shipper>>,
+    pub interval: Duration,
+}
+
+impl Service {
+    /// Runs until the runtime stops. `lane` reads the audit lane's queue depth and the records
+    /// it lost so far.
+    pub async fn run(self, lane: impl Fn() -> (usize, u64) + Send + 'static) {
+        let mut tick = tokio::time::interval(self.interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut ship_backoff = 0u32;
+        let mut next_ship = tokio::time::Instant::now();
+        loop {
+            tick.tick().await;
+            let log = Arc::clone(&self.log);
+            let sealed = tokio::task::spawn_blocking(move || -> Result<usize, AuditError> {
+                log.probe();
+                log.checkpoint(false)?;
+                log.rotate_if_old()?;
+                let mut n = 0;
+                while log.seal_next()?.is_some() {
+                    n += 1;
+                }
+                Ok(n)
+            })
+            .await;
+            match sealed {
+                Ok(Err(e)) => tracing::error!(error = %e, "audit log upkeep failed"),
+                Err(e) => tracing::error!(error = %e, "audit log upkeep stopped"),
+                Ok(Ok(_)) => {}
+            }
+            metrics::gauge!("rampart_audit_checkpoint_age_seconds")
+                .set(self.log.checkpoint_age_s());
+            let (depth, dropped) = lane();
+            metrics::gauge!("rampart_audit_queue_depth").set(depth as f64);
+            metrics::counter!("rampart_audit_dropped_total").absolute(dropped);
+            metrics::gauge!("rampart_audit_healthy").set(if self.log.is_healthy() {
+                1.0
+            } else {
+                0.0
+            });
+            if let Some(shipper) = &self.shipper {
+                if tokio::time::Instant::now() >= next_ship {
+                    let round = shipper.round().await;
+                    if let Some(why) = &round.failure {
+                        metrics::counter!("rampart_audit_ship_failures_total").increment(1);
+                        ship_backoff = (ship_backoff + 1).min(6);
+                        let wait = Duration::from_secs(1 << ship_backoff);
+                        tracing::warn!(error = %why, retry_in_s = wait.as_secs(), to = %shipper.describe(), "audit shipping failed; the local copy stays");
+                        next_ship = tokio::time::Instant::now() + wait;
+                    } else {
+                        ship_backoff = 0;
+                    }
+                }
+                let s = Arc::clone(shipper);
+                let lag = tokio::task::spawn_blocking(move || s.lag_s())
+                    .await
+                    .unwrap_or(0.0);
+                metrics::gauge!("rampart_audit_ship_lag_seconds").set(lag);
+            }
+        }
+    }
+}
+
+/// Appends one action entry (off the async threads); the error says why it was not kept.
+pub async fn append_action(
+    log: &Arc<AuditLog>,
+    principal: Option<String>,
+    operator: Option<String>,
+    model: Option<String>,
+    action: Action,
+) -> Result<u64, AuditError> {
+    let log = Arc::clone(log);
+    let entry = AuditEntry::action(principal, operator, model, action);
+    tokio::task::spawn_blocking(move || log.append(vec![entry]))
+        .await
+        .map_err(|e| AuditError::Unavailable(format!("the audit writer stopped: {e}")))?
+        .map(|v| v.first().copied().unwrap_or(0))
+}

@@ -1,0 +1,250 @@
+//! `rampart audit …`: read, verify and prove the audit log, on a local log directory or on what
+//! was shipped to S3 alone. Read-only: it never changes the log (a running server may be
+//! writing it).
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{bail, Context};
+use audit::merkle;
+use audit::read::{self, Log};
+
+#[derive(Debug, clap::Args)]
+pub struct AuditArgs {
+    /// The local audit log directory.
+    #[arg(
+        long,
+        global = true,
+        env = "RAMPART_AUDIT_DIR",
+        default_value = "audit",
+        value_name = "DIR"
+    )]
+    pub dir: PathBuf,
+    /// Read what was shipped to S3 instead (`s3://bucket/prefix`), from S3 alone.
+    #[arg(long, global = true, value_name = "URL")]
+    pub s3: Option<String>,
+    /// The S3 service root (with --s3).
+    #[arg(
+        long,
+        global = true,
+        env = "RAMPART_AUDIT_S3_ENDPOINT",
+        value_name = "URL"
+    )]
+    pub s3_endpoint: Option<String>,
+    #[arg(long, global = true, default_value = "us-east-1")]
+    pub s3_region: String,
+    /// Virtual-hosted-style addressing instead of path style.
+    #[arg(long, global = true)]
+    pub s3_virtual_hosted: bool,
+    /// Pin the log's public key (hex) instead of trusting the one stored beside it.
+    #[arg(long, global = true, value_name = "HEX")]
+    pub public_key: Option<String>,
+    /// Print JSON.
+    #[arg(long, global = true)]
+    pub json: bool,
+    #[command(subcommand)]
+    pub command: AuditCommand,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum AuditCommand {
+    /// Print the entry with this audit id.
+    Get { audit_id: String },
+    /// List a user's entries (exact user id), optionally between two times (ms or RFC 3339).
+    List {
+        #[arg(long)]
+        user: String,
+        #[arg(long)]
+        from: Option<String>,
+        #[arg(long)]
+        to: Option<String>,
+    },
+    /// Verify the whole log: every entry's hash and place, every sealed file, every signed
+    /// checkpoint. Exit 1 naming the first bad entry.
+    Verify,
+    /// Print and check the inclusion proof of an entry against a signed checkpoint.
+    Prove { audit_id: String },
+    /// Write every entry, in order, as JSON lines (to stdout or --out).
+    Export {
+        #[arg(long, value_name = "FILE")]
+        out: Option<PathBuf>,
+    },
+}
+
+/// The log read from the directory or from S3 (the temporary copy is kept while in use).
+fn open(args: &AuditArgs) -> anyhow::Result<(Log, Option<tempfile::TempDir>)> {
+    let key = args
+        .public_key
+        .as_deref()
+        .map(audit::checkpoint::parse_public_key)
+        .transpose()?;
+    let Some(url) = &args.s3 else {
+        if !args.dir.exists() {
+            bail!(
+                "no audit log at {} (give --dir or --s3)",
+                args.dir.display()
+            );
+        }
+        return Ok((read::load(&args.dir, key), None));
+    };
+    let endpoint = args
+        .s3_endpoint
+        .clone()
+        .context("--s3 needs --s3-endpoint (or RAMPART_AUDIT_S3_ENDPOINT)")?;
+    let ship = audit::config::ShipConfig {
+        url: url.clone(),
+        endpoint,
+        region: args.s3_region.clone(),
+        path_style: !args.s3_virtual_hosted,
+        ..Default::default()
+    };
+    let (client, prefix) = audit::ship::client_for(&ship)?;
+    let copy = tempfile::tempdir()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let n = runtime.block_on(audit::ship::download(&client, &prefix, copy.path()))?;
+    if n == 0 {
+        bail!("nothing under {url}");
+    }
+    Ok((read::load(copy.path(), key), Some(copy)))
+}
+
+fn time(text: &Option<String>) -> anyhow::Result<Option<u64>> {
+    text.as_deref()
+        .map(|t| {
+            t.parse::<u64>().or_else(|_| {
+                audit::s3::parse_rfc3339(t)
+                    .ok()
+                    .and_then(|s| s.duration_since(std::time::UNIX_EPOCH).ok())
+                    .map(|d| d.as_millis() as u64)
+                    .with_context(|| {
+                        format!("{t:?} is neither ms since the epoch nor an RFC 3339 time")
+                    })
+            })
+        })
+        .transpose()
+}
+
+pub fn run(args: AuditArgs) -> anyhow::Result<ExitCode> {
+    let (log, _copy) = open(&args)?;
+    match &args.command {
+        AuditCommand::Verify => {
+            let report = log.report();
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else if let Some(p) = &report.problem {
+                println!("FAILED: {p}");
+                println!(
+                    "(read {} entries and {} checkpoints before it)",
+                    report.entries, report.checkpoints
+                );
+            } else {
+                println!(
+                    "ok: {} entries, {} sealed files, {} signed checkpoints; root {}",
+                    report.entries, report.sealed_files, report.checkpoints, report.root
+                );
+                if let Some(c) = &report.newest_checkpoint {
+                    println!(
+                        "newest checkpoint: size {} signed at {} ms by key {}",
+                        c.size, c.time_ms, c.key_id
+                    );
+                }
+                if let Some(t) = &report.torn_tail {
+                    println!("note: a torn tail after the last checkpoint (a crash mid-write; the server cuts it on start): {t}");
+                }
+            }
+            return Ok(if report.ok {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(1)
+            });
+        }
+        _ if log.problem.is_some() => {
+            let p = log
+                .problem
+                .as_ref()
+                .map(ToString::to_string)
+                .unwrap_or_default();
+            eprintln!("warning: the log does not verify ({p}); showing what was read before it");
+        }
+        _ => {}
+    }
+    match args.command {
+        AuditCommand::Verify => unreachable!("answered above"),
+        AuditCommand::Get { audit_id } => {
+            let Some(l) = log.get(&audit_id) else {
+                bail!("no audit entry {audit_id:?}");
+            };
+            println!("{}", serde_json::to_string_pretty(&l.entry)?);
+        }
+        AuditCommand::List { user, from, to } => {
+            let (from, to) = (time(&from)?, time(&to)?);
+            let found: Vec<_> = log.by_user(&user, from, to).map(|l| &l.entry).collect();
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&found)?);
+            } else {
+                for e in &found {
+                    let r = e.record.as_ref();
+                    let field = |k: &str| {
+                        r.and_then(|r| r.get(k))
+                            .map(|v| v.to_string())
+                            .unwrap_or_default()
+                    };
+                    println!(
+                        "{:>8}  {}  {}  {}  {} status={}",
+                        e.index,
+                        e.time_ms,
+                        e.audit_id,
+                        e.model,
+                        field("endpoint"),
+                        field("status")
+                    );
+                }
+                println!("{} entries for user {user:?}", found.len());
+            }
+        }
+        AuditCommand::Prove { audit_id } => {
+            let Some((index, path, checkpoint)) = log.prove(&audit_id) else {
+                bail!("no audit entry {audit_id:?} covered by a signed checkpoint");
+            };
+            let leaf = log.entries[index as usize].leaf;
+            let root = checkpoint.root_hash()?;
+            let ok = merkle::verify_inclusion(index, checkpoint.size, &leaf, &path, &root);
+            let out = serde_json::json!({
+                "audit_id": audit_id,
+                "index": index,
+                "leaf_hash": hex(&leaf),
+                "path": path.iter().map(hex).collect::<Vec<_>>(),
+                "checkpoint": checkpoint,
+                "verified": ok,
+            });
+            println!("{}", serde_json::to_string_pretty(&out)?);
+            if !ok {
+                return Ok(ExitCode::from(1));
+            }
+        }
+        AuditCommand::Export { out } => {
+            let mut sink: Box<dyn Write> = match &out {
+                Some(p) => Box::new(std::io::BufWriter::new(
+                    std::fs::File::create(p).with_context(|| p.display().to_string())?,
+                )),
+                None => Box::new(std::io::stdout().lock()),
+            };
+            for l in &log.entries {
+                serde_json::to_writer(&mut sink, &l.entry)?;
+                sink.write_all(b"\n")?;
+            }
+            sink.flush()?;
+            if let Some(p) = out {
+                eprintln!("{} entries written to {}", log.entries.len(), p.display());
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn hex(h: &merkle::Hash) -> String {
+    h.iter().map(|b| format!("{b:02x}")).collect()
+}

@@ -1,0 +1,268 @@
+//! The audit log's routes under `/admin/audit` (keys with the `audit` scope). Lookups are by
+//! exact key only — an audit id, or a user id with a time range — never free text, prefixes
+//! or fuzzy matches; and every read is itself an entry of the log (who read which entries).
+//!
+//! - `GET /admin/audit/{audit_id}`: one entry;
+//! - `GET /admin/audit?user_id=U[&from=T][&to=T][&limit=N][&after=I]`: a user's entries,
+//!   oldest first, paginated (`next` is the `after` of the next page);
+//! - `GET /admin/audit/{audit_id}/proof`: its inclusion proof against a signed checkpoint;
+//! - `GET /admin/audit/consistency?first=N[&second=M]`: the consistency proof between two
+//!   checkpoints (sizes);
+//! - `GET /admin/audit/checkpoint`: the newest signed checkpoint and the public key;
+//! - `GET /admin/audit/status`: the log's state (size, root, health, sealing).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use axum::extract::{Path, Query, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Extension, Json, Router};
+use serde_json::json;
+
+use crate::error::ApiError;
+use crate::http::paths;
+use crate::identity::Principal;
+use crate::state::AppState;
+
+/// Most entries one page returns.
+pub const MAX_PAGE: usize = 1000;
+
+pub fn routes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route(paths::ADMIN_AUDIT, get(list))
+        .route(paths::ADMIN_AUDIT_CHECKPOINT, get(checkpoint))
+        .route(paths::ADMIN_AUDIT_CONSISTENCY, get(consistency))
+        .route(paths::ADMIN_AUDIT_STATUS, get(status))
+        .route(paths::ADMIN_AUDIT_ENTRY, get(entry))
+        .route(paths::ADMIN_AUDIT_PROOF, get(proof))
+}
+
+fn log(state: &AppState) -> Result<&Arc<audit::AuditLog>, ApiError> {
+    state.audit.as_ref().ok_or_else(|| {
+        ApiError::AuditUnavailable(
+            "the audit log is off on this server ([audit] enabled = false)".into(),
+        )
+    })
+}
+
+/// Who read what: an entry of its own (in `fail_closed`, a read that cannot be kept is refused).
+async fn read_noted(
+    state: &AppState,
+    by: &str,
+    what: &str,
+    ids: &[&str],
+    query: serde_json::Value,
+) -> Result<(), ApiError> {
+    const SHOWN: usize = 100;
+    let target = ids
+        .iter()
+        .take(SHOWN)
+        .copied()
+        .collect::<Vec<_>>()
+        .join(",");
+    state
+        .act(
+            by,
+            None,
+            audit::Action {
+                name: format!("audit.{what}"),
+                target: Some(target),
+                cause: None,
+                outcome: "ok".into(),
+                detail: json!({ "query": query, "entries": ids.len() }),
+            },
+        )
+        .await
+}
+
+fn internal(e: audit::AuditError) -> ApiError {
+    ApiError::AuditUnavailable(e.to_string())
+}
+
+async fn entry(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    Path(audit_id): Path<String>,
+) -> Response {
+    let result = async {
+        let log = log(&state)?;
+        let found = log.get(&audit_id).map_err(internal)?;
+        let ids: Vec<&str> = found.iter().map(|e| e.audit_id.as_str()).collect();
+        read_noted(
+            &state,
+            &principal.0,
+            "read",
+            &ids,
+            json!({ "audit_id": audit_id }),
+        )
+        .await?;
+        found.ok_or_else(|| ApiError::AuditEntryNotFound(format!("no audit entry {audit_id:?}")))
+    }
+    .await;
+    match result {
+        Ok(e) => Json(e).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// A time given as ms since the epoch or RFC 3339.
+fn parse_time(name: &str, value: &str) -> Result<u64, ApiError> {
+    if let Ok(ms) = value.parse::<u64>() {
+        return Ok(ms);
+    }
+    audit::s3::parse_rfc3339(value)
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| d.as_millis() as u64)
+        .ok_or_else(|| {
+            ApiError::invalid_param(
+                name,
+                format!("{name}={value:?} is neither ms since the epoch nor an RFC 3339 time"),
+            )
+        })
+}
+
+async fn list(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Response {
+    let result = async {
+        let log = log(&state)?;
+        if let Some(other) = query
+            .keys()
+            .find(|k| !matches!(k.as_str(), "user_id" | "from" | "to" | "limit" | "after"))
+        {
+            return Err(ApiError::invalid_param(
+                other,
+                format!(
+                    "unknown parameter {other:?}: the audit log is queried by exact audit id \
+                     (/admin/audit/{{audit_id}}) or by exact user_id with from, to, limit, after"
+                ),
+            ));
+        }
+        let Some(user) = query.get("user_id").filter(|u| !u.is_empty()) else {
+            return Err(ApiError::invalid_param(
+                "user_id",
+                "the audit log is queried by exact audit id (/admin/audit/{audit_id}) or by exact user_id; no listing, prefix or text search",
+            ));
+        };
+        let time = |k: &str| query.get(k).map(|v| parse_time(k, v)).transpose();
+        let (from, to) = (time("from")?, time("to")?);
+        let limit = match query.get("limit") {
+            Some(v) => v
+                .parse::<usize>()
+                .ok()
+                .filter(|n| (1..=MAX_PAGE).contains(n))
+                .ok_or_else(|| ApiError::invalid_param("limit", format!("limit must be 1..={MAX_PAGE}")))?,
+            None => 100,
+        };
+        let after = match query.get("after") {
+            Some(v) => Some(
+                v.parse::<u64>()
+                    .map_err(|_| ApiError::invalid_param("after", "after must be an entry index (the page's `next`)"))?,
+            ),
+            None => None,
+        };
+        let page = log.by_user(user, from, to, after, limit).map_err(internal)?;
+        let ids: Vec<&str> = page.entries.iter().map(|e| e.audit_id.as_str()).collect();
+        read_noted(
+            &state,
+            &principal.0,
+            "list",
+            &ids,
+            json!({ "user_id": user, "from": from, "to": to, "limit": limit, "after": after }),
+        )
+        .await?;
+        Ok(page)
+    }
+    .await;
+    match result {
+        Ok(page) => Json(page).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn proof(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    Path(audit_id): Path<String>,
+) -> Response {
+    let result = async {
+        let log = log(&state)?;
+        let log2 = Arc::clone(log);
+        let id = audit_id.clone();
+        let found = tokio::task::spawn_blocking(move || log2.prove(&id))
+            .await
+            .map_err(|e| ApiError::Internal(e.to_string()))?
+            .map_err(internal)?;
+        let ids: Vec<&str> = found.iter().map(|p| p.audit_id.as_str()).collect();
+        read_noted(
+            &state,
+            &principal.0,
+            "prove",
+            &ids,
+            json!({ "audit_id": audit_id }),
+        )
+        .await?;
+        found.ok_or_else(|| ApiError::AuditEntryNotFound(format!("no audit entry {audit_id:?}")))
+    }
+    .await;
+    match result {
+        Ok(p) => Json(p).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn consistency(
+    State(state): State<Arc<AppState>>,
+    Query(query): Query<HashMap<String, String>>,
+) -> Response {
+    let result = (|| {
+        let log = log(&state)?;
+        let size = |k: &str| {
+            query
+                .get(k)
+                .map(|v| {
+                    v.parse::<u64>()
+                        .map_err(|_| ApiError::invalid_param(k, format!("{k} must be a tree size")))
+                })
+                .transpose()
+        };
+        let first = size("first")?.ok_or_else(|| {
+            ApiError::invalid_param("first", "first (a checkpoint's size) is required")
+        })?;
+        log.consistency(first, size("second")?)
+            .map_err(|e| match e {
+                audit::AuditError::NotFound(m) => ApiError::AuditEntryNotFound(m),
+                other => internal(other),
+            })
+    })();
+    match result {
+        Ok(p) => Json(p).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn checkpoint(State(state): State<Arc<AppState>>) -> Response {
+    match log(&state) {
+        Ok(log) => Json(json!({
+            "checkpoint": log.checkpoints().last(),
+            "public_key": log.public_key_hex(),
+        }))
+        .into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn status(State(state): State<Arc<AppState>>) -> Response {
+    match log(&state) {
+        Ok(log) => Json(json!({
+            "mode": state.config.audit.mode().as_str(),
+            "log": log.status(),
+        }))
+        .into_response(),
+        Err(e) => e.into_response(),
+    }
+}

@@ -66,8 +66,48 @@ impl LogOptions {
 /// Where an entry's bytes are.
 #[derive(Debug, Clone)]
 enum Location {
-    Segment { first: u64, offset: u64, len: u32 },
-    Sealed { file: Arc<PathBuf>, row: u32 },
+    Segment {
+        first: u64,
+        offset: u64,
+        len: u32,
+    },
+    Sealed {
+        file: Arc<PathBuf>,
+        row: u32,
+    },
+    /// Shipped, and the local copy removed (`delete_local_after_verify`): on S3 only.
+    Shipped {
+        file: Arc<String>,
+    },
+}
+
+/// One line of a sealed segment's local index (`sealed/_index/<first>.jsonl`): what the log
+/// needs of an entry whose sealed file may be gone locally once shipped.
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub(crate) struct IndexLine {
+    pub i: u64,
+    pub h: String,
+    pub id: String,
+    pub u: String,
+    pub t: u64,
+    /// The sealed file (relative to `sealed/`) and the row in it.
+    pub f: String,
+    pub r: u32,
+}
+
+pub(crate) fn index_path(sealed: &Path, first: u64) -> PathBuf {
+    sealed.join("_index").join(format!("{first:020}.jsonl"))
+}
+
+pub(crate) fn read_index(sealed: &Path, first: u64) -> Result<Vec<IndexLine>, AuditError> {
+    let path = index_path(sealed, first);
+    let text = fs::read_to_string(&path).map_err(|e| AuditError::io(&path, e))?;
+    text.lines()
+        .map(|l| {
+            serde_json::from_str(l)
+                .map_err(|e| AuditError::Corrupt(format!("{}: {e}", path.display())))
+        })
+        .collect()
 }
 
 #[derive(Debug)]
@@ -173,6 +213,8 @@ pub struct AuditLog {
     last_checkpoint_at: Mutex<Instant>,
     /// Drills and tests: every write fails with this, as a failing disk would.
     write_fault: Mutex<Option<String>>,
+    /// Group commits done (one write and one fsync each).
+    batches: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for AuditLog {
@@ -327,10 +369,32 @@ impl AuditLog {
                     m.first
                 )));
             }
-            let mut rows: Vec<(Row, Arc<PathBuf>, u32)> = Vec::new();
+            // (index, leaf, audit id, user, time, location)
+            let mut rows: Vec<(u64, Hash, String, String, u64, Location)> = Vec::new();
+            let mut local_index: Option<Vec<IndexLine>> = None;
             for f in &m.files {
                 let path = Arc::new(sealed_root.join(&f.path));
-                let data = fs::read(&*path).map_err(|e| AuditError::io(&path, e))?;
+                let data = match fs::read(&*path) {
+                    Ok(d) => d,
+                    // Shipped and removed: the segment's local index stands in for the file.
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                        if local_index.is_none() {
+                            local_index = Some(read_index(&sealed_root, m.first)?);
+                        }
+                        let file = Arc::new(f.path.clone());
+                        for l in local_index.iter().flatten().filter(|l| l.f == f.path) {
+                            let leaf = crate::checkpoint::parse_hash(&l.h).ok_or_else(|| {
+                                AuditError::Corrupt(format!("bad hash in the index of {}", f.path))
+                            })?;
+                            let location = Location::Shipped {
+                                file: Arc::clone(&file),
+                            };
+                            rows.push((l.i, leaf, l.id.clone(), l.u.clone(), l.t, location));
+                        }
+                        continue;
+                    }
+                    Err(e) => return Err(AuditError::io(&path, e)),
+                };
                 if crate::sha256_hex(&data) != f.sha256 {
                     return Err(AuditError::Tampered(format!(
                         "sealed file {} does not match its manifest's sha256",
@@ -338,25 +402,29 @@ impl AuditLog {
                     )));
                 }
                 for (i, row) in seal::read(data)?.into_iter().enumerate() {
-                    rows.push((row, Arc::clone(&path), i as u32));
+                    let location = Location::Sealed {
+                        file: Arc::clone(&path),
+                        row: i as u32,
+                    };
+                    rows.push((
+                        row.index,
+                        row.leaf_hash,
+                        row.audit_id,
+                        row.user,
+                        row.time_ms,
+                        location,
+                    ));
                 }
             }
-            rows.sort_by_key(|(r, _, _)| r.index);
-            for (row, file, i) in rows {
-                if row.index != index.size() {
+            rows.sort_by_key(|r| r.0);
+            for (i, leaf, audit_id, user, time_ms, location) in rows {
+                if i != index.size() {
                     return Err(AuditError::Tampered(format!(
-                        "sealed entry {} is missing or out of place (found {})",
+                        "sealed entry {} is missing or out of place (found {i})",
                         index.size(),
-                        row.index
                     )));
                 }
-                index.add(
-                    row.leaf_hash,
-                    Location::Sealed { file, row: i },
-                    &row.audit_id,
-                    &row.user,
-                    row.time_ms,
-                );
+                index.add(leaf, location, &audit_id, &user, time_ms);
             }
             sealed_until = m.end;
         }
@@ -490,6 +558,7 @@ impl AuditLog {
             sealed_count: std::sync::atomic::AtomicUsize::new(manifests.len()),
             last_checkpoint_at: Mutex::new(Instant::now()),
             write_fault: Mutex::new(None),
+            batches: std::sync::atomic::AtomicU64::new(0),
             options,
         });
         for note in recovered {
@@ -507,6 +576,11 @@ impl AuditLog {
             )])?;
         }
         Ok(log)
+    }
+
+    /// Group commits done since the log opened (one write and one fsync each).
+    pub fn batches(&self) -> u64 {
+        self.batches.load(Ordering::Relaxed)
     }
 
     pub fn options(&self) -> &LogOptions {
@@ -579,6 +653,7 @@ impl AuditLog {
             tracing::info!(dir = %self.options.dir.display(), "audit log writes again");
         }
         inner.active.bytes += buf.len() as u64;
+        self.batches.fetch_add(1, Ordering::Relaxed);
         let first = inner.active.first;
         let mut out = Vec::with_capacity(entries.len());
         for (e, (hash, offset, len)) in entries.iter().zip(staged) {
@@ -798,6 +873,26 @@ impl AuditLog {
             files,
             checkpoint,
         };
+        let mut lines = String::new();
+        // Groups and files were made in the same order.
+        for ((_, group), file) in groups.iter().zip(&manifest.files) {
+            let rel = &file.path;
+            for (r, row) in group.iter().enumerate() {
+                let line = IndexLine {
+                    i: row.index,
+                    h: hex::encode(row.leaf_hash),
+                    id: row.audit_id.clone(),
+                    u: row.user.clone(),
+                    t: row.time_ms,
+                    f: rel.clone(),
+                    r: r as u32,
+                };
+                lines.push_str(&serde_json::to_string(&line).unwrap_or_default());
+                lines.push('\n');
+            }
+        }
+        write_durable(&index_path(&sealed, first), lines.as_bytes())?;
+        // The manifest last: a segment counts as sealed once its manifest is there.
         let text = serde_json::to_vec_pretty(&manifest).unwrap_or_default();
         write_durable(&sealed.join(Manifest::path(first)), &text)?;
         {
@@ -842,8 +937,21 @@ impl AuditLog {
                     .map_err(|e| AuditError::io(&path, e))?;
                 buf
             }
+            Location::Shipped { file } => {
+                return Err(AuditError::NotFound(format!(
+                    "the entry is in {file} on S3 only (its local copy was removed once shipped): \
+                     read it with `rampart audit get ID --s3 URL`"
+                )))
+            }
             Location::Sealed { file, row } => {
-                let data = fs::read(&**file).map_err(|e| AuditError::io(file, e))?;
+                let data = fs::read(&**file).map_err(|e| match e.kind() {
+                    std::io::ErrorKind::NotFound => AuditError::NotFound(format!(
+                        "the entry is in {} on S3 only (its local copy was removed once shipped): \
+                         read it with `rampart audit get ID --s3 URL`",
+                        file.display()
+                    )),
+                    _ => AuditError::io(file, e),
+                })?;
                 let rows = seal::read(data)?;
                 rows.into_iter()
                     .nth(*row as usize)

@@ -21,7 +21,6 @@ pub struct AuditSink {
     mode: Mode,
     queue: usize,
     max_batch: usize,
-    store_tensor_inputs: bool,
 }
 
 impl AuditSink {
@@ -31,19 +30,11 @@ impl AuditSink {
             mode: config.mode(),
             queue: config.queue,
             max_batch: config.max_batch,
-            store_tensor_inputs: config.store_tensor_inputs,
         }
     }
 
     fn entry(&self, envelope: &Envelope) -> AuditEntry {
-        let mut e = AuditEntry::request(envelope);
-        if !self.store_tensor_inputs {
-            // Tensor inputs arrive as digests and, when asked for, bytes: keep the digests.
-            if let Some(serde_json::Value::Object(input)) = &mut e.input {
-                input.remove("bytes_base64");
-            }
-        }
-        e
+        AuditEntry::request(envelope)
     }
 
     async fn append(&self, entries: Vec<AuditEntry>) -> Result<(), SinkError> {
@@ -116,6 +107,7 @@ impl Service {
     /// Runs until the runtime stops. `lane` reads the audit lane's queue depth and the records
     /// it lost so far.
     pub async fn run(self, lane: impl Fn() -> (usize, u64) + Send + 'static) {
+        spawn_checkpointer(&self.log, self.interval);
         let mut tick = tokio::time::interval(self.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut ship_backoff = 0u32;
@@ -125,7 +117,6 @@ impl Service {
             let log = Arc::clone(&self.log);
             let sealed = tokio::task::spawn_blocking(move || -> Result<usize, AuditError> {
                 log.probe();
-                log.checkpoint(false)?;
                 log.rotate_if_old()?;
                 let mut n = 0;
                 while log.seal_next()?.is_some() {
@@ -169,6 +160,26 @@ impl Service {
                 metrics::gauge!("rampart_audit_ship_lag_seconds").set(lag);
             }
         }
+    }
+}
+
+/// Signs a checkpoint every `interval` while entries arrive, on a thread of its own (never
+/// queued behind the writers on the runtime's blocking pool); ends when the log is dropped.
+fn spawn_checkpointer(log: &Arc<AuditLog>, interval: Duration) {
+    let log = Arc::downgrade(log);
+    let spawned = std::thread::Builder::new()
+        .name("audit-checkpoint".into())
+        .spawn(move || loop {
+            std::thread::sleep(interval);
+            let Some(log) = log.upgrade() else {
+                return;
+            };
+            if let Err(e) = log.checkpoint(false) {
+                tracing::error!(error = %e, "audit checkpoint failed");
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::error!(error = %e, "the audit checkpoint thread did not start");
     }
 }
 

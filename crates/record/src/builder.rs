@@ -30,7 +30,12 @@ pub struct RecordBuilder {
 
 /// sha256 of a text, as lowercase hex.
 pub fn sha256_hex(text: &str) -> String {
-    hex::encode(Sha256::digest(text.as_bytes()))
+    sha256_bytes_hex(text.as_bytes())
+}
+
+/// sha256 of bytes, as lowercase hex.
+pub fn sha256_bytes_hex(bytes: &[u8]) -> String {
+    hex::encode(Sha256::digest(bytes))
 }
 
 impl RecordBuilder {

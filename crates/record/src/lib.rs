@@ -18,7 +18,7 @@ mod bus;
 mod inference;
 pub mod testing;
 
-pub use builder::{sha256_hex, RecordBuilder};
+pub use builder::{sha256_bytes_hex, sha256_hex, RecordBuilder};
 pub use bus::{
     AckError, Bus, BusError, Delivery, DropReason, LaneCounters, Receipt, ShutdownReport, Sink,
     SinkEnd, SinkError, SinkFuture,

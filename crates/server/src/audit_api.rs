@@ -77,7 +77,10 @@ async fn read_noted(
 }
 
 fn internal(e: audit::AuditError) -> ApiError {
-    ApiError::AuditUnavailable(e.to_string())
+    match e {
+        audit::AuditError::NotFound(m) => ApiError::AuditEntryNotFound(m),
+        other => ApiError::AuditUnavailable(other.to_string()),
+    }
 }
 
 async fn entry(
@@ -233,11 +236,7 @@ async fn consistency(
         let first = size("first")?.ok_or_else(|| {
             ApiError::invalid_param("first", "first (a checkpoint's size) is required")
         })?;
-        log.consistency(first, size("second")?)
-            .map_err(|e| match e {
-                audit::AuditError::NotFound(m) => ApiError::AuditEntryNotFound(m),
-                other => internal(other),
-            })
+        log.consistency(first, size("second")?).map_err(internal)
     })();
     match result {
         Ok(p) => Json(p).into_response(),

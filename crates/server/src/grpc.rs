@@ -110,6 +110,8 @@ impl Inference {
         let entry = front::route(&self.state, &model, WorkKind::Tensors, record)?;
         let decoded = decode(request, self.state.config.limits.max_tensor_elements)?;
         record.record.input_sha256 = decoded.input_sha256();
+        let with_bytes = self.state.config.audit.store_tensor_inputs;
+        record.payload_input(|| decoded.audit_input(with_bytes));
         let admitted = front::serve_routed(
             &self.state,
             principal,
@@ -120,6 +122,7 @@ impl Inference {
         .await?;
         match admitted.answer {
             Answer::Tensors(response) => {
+                record.payload_output(|| response.audit_output());
                 let mut encoded = encode(response);
                 // A degraded answer says so in its parameters (and, unary, in the metadata).
                 if let Some(f) = &admitted.fallback {

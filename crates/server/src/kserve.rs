@@ -426,6 +426,8 @@ async fn infer(
         decode_rest(headers, &bytes, limits.max_tensor_elements)?
     };
     record.record.input_sha256 = request.input_sha256();
+    let with_bytes = state.config.audit.store_tensor_inputs;
+    record.payload_input(|| request.audit_input(with_bytes));
     let admitted =
         front::serve_routed(state, principal, entry, Work::Tensors(request), record).await?;
     let Answer::Tensors(response) = admitted.answer else {
@@ -433,6 +435,7 @@ async fn infer(
             "the backend answered tensors with something else".into(),
         ));
     };
+    record.payload_output(|| response.audit_output());
     let mut encoded = encode_rest(&response, raw_image);
     crate::openai_http::mark(&mut encoded, admitted.fallback.as_ref());
     Ok(encoded)

@@ -237,7 +237,22 @@ async fn embed(
             "the backend answered embeddings with something else".into(),
         ));
     };
-    record.payload_output(|| serde_json::json!({ "vectors": e.vectors.len() }));
+    // The vectors' digests (the little-endian f32 bytes of each), not the vectors themselves.
+    record.payload_output(|| {
+        let digests: Vec<String> = e
+            .vectors
+            .iter()
+            .map(|v| {
+                let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                record::sha256_bytes_hex(&bytes)
+            })
+            .collect();
+        serde_json::json!({
+            "vectors": e.vectors.len(),
+            "dimensions": e.vectors.first().map_or(0, Vec::len),
+            "sha256": digests,
+        })
+    });
     Ok((
         encode_embeddings(e, plan.base64, &admitted.entry.name),
         admitted.fallback,

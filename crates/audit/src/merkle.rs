@@ -230,6 +230,26 @@ impl Frontier {
     }
 }
 
+/// The roots of the first `size` leaves for each of `sizes` (any order, each at most
+/// `leaves.len()`), in one pass: O(n + k log n), not O(n) per size.
+pub fn roots_at(leaves: &[Hash], sizes: &[u64]) -> Vec<Hash> {
+    let mut order: Vec<usize> = (0..sizes.len()).collect();
+    order.sort_by_key(|&i| sizes[i]);
+    let mut out = vec![empty_root(); sizes.len()];
+    let mut frontier = Frontier::new();
+    let mut next = leaves.iter();
+    for i in order {
+        while frontier.size() < sizes[i] {
+            match next.next() {
+                Some(l) => frontier.push(*l),
+                None => break,
+            }
+        }
+        out[i] = frontier.root();
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -261,6 +281,16 @@ mod tests {
         for (i, l) in all.iter().enumerate() {
             f.push(*l);
             assert_eq!(f.root(), root(&all[..=i]), "size {}", i + 1);
+        }
+    }
+
+    #[test]
+    fn roots_at_many_sizes_match_one_by_one() {
+        let all = leaves(40);
+        let sizes = [17, 0, 40, 1, 17, 32];
+        let roots = roots_at(&all, &sizes);
+        for (s, r) in sizes.iter().zip(roots) {
+            assert_eq!(r, root(&all[..*s as usize]), "size {s}");
         }
     }
 

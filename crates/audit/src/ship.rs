@@ -59,6 +59,8 @@ pub struct Shipper {
     retention: Duration,
     legal_hold: bool,
     delete_local: bool,
+    /// When the oldest segment still waiting was sealed (ms), as of the last round.
+    oldest_pending_ms: std::sync::Mutex<Option<u64>>,
 }
 
 impl std::fmt::Debug for Shipper {
@@ -116,6 +118,7 @@ impl Shipper {
             retention: Duration::from_secs(config.retention_days.saturating_mul(86_400)),
             legal_hold: config.legal_hold,
             delete_local: config.delete_local_after_verify,
+            oldest_pending_ms: std::sync::Mutex::new(None),
         }
     }
 
@@ -152,6 +155,19 @@ impl Shipper {
 
     /// Ships every pending segment; stops at the first failure (retried next round).
     pub async fn round(&self) -> Round {
+        let round = self.ship_pending().await;
+        let oldest = self
+            .pending()
+            .ok()
+            .and_then(|p| p.first().map(|m| m.checkpoint.time_ms));
+        *self
+            .oldest_pending_ms
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = oldest;
+        round
+    }
+
+    async fn ship_pending(&self) -> Round {
         let mut round = Round::default();
         let pending = match self.pending() {
             Ok(p) => p,
@@ -284,18 +300,16 @@ impl Shipper {
         Ok(lines.len())
     }
 
-    /// Seconds since the oldest unshipped segment was sealed (0 when none waits).
+    /// Seconds since the oldest segment still waiting (as of the last round) was sealed; 0
+    /// when none waits.
     pub fn lag_s(&self) -> f64 {
-        let Ok(pending) = self.pending() else {
-            return 0.0;
-        };
-        pending
-            .first()
-            .map(|m| {
-                let now = crate::entry::now_ms();
-                now.saturating_sub(m.checkpoint.time_ms) as f64 / 1e3
-            })
-            .unwrap_or(0.0)
+        let oldest = *self
+            .oldest_pending_ms
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        oldest.map_or(0.0, |t| {
+            crate::entry::now_ms().saturating_sub(t) as f64 / 1e3
+        })
     }
 }
 

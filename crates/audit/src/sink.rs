@@ -112,6 +112,9 @@ impl Service {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut ship_backoff = 0u32;
         let mut next_ship = tokio::time::Instant::now();
+        // Ship at start (what an earlier run sealed), after each seal, and after a failure once
+        // its backoff has passed — not on every tick (a round reads every manifest).
+        let mut ship_due = true;
         loop {
             tick.tick().await;
             let log = Arc::clone(&self.log);
@@ -128,7 +131,7 @@ impl Service {
             match sealed {
                 Ok(Err(e)) => tracing::error!(error = %e, "audit log upkeep failed"),
                 Err(e) => tracing::error!(error = %e, "audit log upkeep stopped"),
-                Ok(Ok(_)) => {}
+                Ok(Ok(n)) => ship_due |= n > 0,
             }
             metrics::gauge!("rampart_audit_checkpoint_age_seconds")
                 .set(self.log.checkpoint_age_s());
@@ -140,25 +143,23 @@ impl Service {
             } else {
                 0.0
             });
-            if let Some(shipper) = &self.shipper {
-                if tokio::time::Instant::now() >= next_ship {
-                    let round = shipper.round().await;
-                    if let Some(why) = &round.failure {
-                        metrics::counter!("rampart_audit_ship_failures_total").increment(1);
-                        ship_backoff = (ship_backoff + 1).min(6);
-                        let wait = Duration::from_secs(1 << ship_backoff);
-                        tracing::warn!(error = %why, retry_in_s = wait.as_secs(), to = %shipper.describe(), "audit shipping failed; the local copy stays");
-                        next_ship = tokio::time::Instant::now() + wait;
-                    } else {
-                        ship_backoff = 0;
-                    }
+            let Some(shipper) = &self.shipper else {
+                continue;
+            };
+            if ship_due && tokio::time::Instant::now() >= next_ship {
+                let round = shipper.round().await;
+                if let Some(why) = &round.failure {
+                    metrics::counter!("rampart_audit_ship_failures_total").increment(1);
+                    ship_backoff = (ship_backoff + 1).min(6);
+                    let wait = Duration::from_secs(1 << ship_backoff);
+                    tracing::warn!(error = %why, retry_in_s = wait.as_secs(), to = %shipper.describe(), "audit shipping failed; the local copy stays");
+                    next_ship = tokio::time::Instant::now() + wait;
+                } else {
+                    ship_backoff = 0;
+                    ship_due = false;
                 }
-                let s = Arc::clone(shipper);
-                let lag = tokio::task::spawn_blocking(move || s.lag_s())
-                    .await
-                    .unwrap_or(0.0);
-                metrics::gauge!("rampart_audit_ship_lag_seconds").set(lag);
             }
+            metrics::gauge!("rampart_audit_ship_lag_seconds").set(shipper.lag_s());
         }
     }
 }
@@ -197,4 +198,27 @@ pub async fn append_action(
         .await
         .map_err(|e| AuditError::Unavailable(format!("the audit writer stopped: {e}")))?
         .map(|v| v.first().copied().unwrap_or(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_audit_sink_passes_the_sink_contract_in_both_modes() {
+        for mode in [Mode::FailClosed, Mode::BestEffort] {
+            let dir = tempfile::tempdir().unwrap();
+            let config = AuditConfig {
+                mode: Some(mode),
+                dir: dir.path().to_path_buf(),
+                queue: 64,
+                ..Default::default()
+            };
+            let log = AuditLog::open(config.log_options()).unwrap();
+            record::testing::check_sink(|| AuditSink::new(Arc::clone(&log), &config)).await;
+            let read = crate::read::load(dir.path(), None);
+            assert!(read.problem.is_none(), "{:?}", read.problem);
+            assert!(!read.entries.is_empty());
+        }
+    }
 }

@@ -202,6 +202,22 @@ impl<S: Sink> Sink for Watched<S> {
         }
         self.inner.write(envelope)
     }
+    fn max_batch(&self) -> usize {
+        self.inner.max_batch()
+    }
+    fn write_batch<'a>(&'a mut self, envelopes: &'a [Arc<Envelope>]) -> SinkFuture<'a> {
+        {
+            let mut seen = self.saw_payload.lock().unwrap_or_else(|e| e.into_inner());
+            for envelope in envelopes {
+                if envelope.payload.is_some() {
+                    seen.0 += 1;
+                } else {
+                    seen.1 += 1;
+                }
+            }
+        }
+        self.inner.write_batch(envelopes)
+    }
     fn flush(&mut self) -> SinkFuture<'_> {
         self.inner.flush()
     }

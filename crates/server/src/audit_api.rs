@@ -89,8 +89,12 @@ async fn entry(
     Path(audit_id): Path<String>,
 ) -> Response {
     let result = async {
-        let log = log(&state)?;
-        let found = log.get(&audit_id).map_err(internal)?;
+        let log = Arc::clone(log(&state)?);
+        let id = audit_id.clone();
+        let found = tokio::task::spawn_blocking(move || log.get(&id))
+            .await
+            .map_err(|e| ApiError::Internal(e.to_string()))?
+            .map_err(internal)?;
         let ids: Vec<&str> = found.iter().map(|e| e.audit_id.as_str()).collect();
         read_noted(
             &state,
@@ -168,7 +172,11 @@ async fn list(
             ),
             None => None,
         };
-        let page = log.by_user(user, from, to, after, limit).map_err(internal)?;
+        let (log, who) = (Arc::clone(log), user.clone());
+        let page = tokio::task::spawn_blocking(move || log.by_user(&who, from, to, after, limit))
+            .await
+            .map_err(|e| ApiError::Internal(e.to_string()))?
+            .map_err(internal)?;
         let ids: Vec<&str> = page.entries.iter().map(|e| e.audit_id.as_str()).collect();
         read_noted(
             &state,

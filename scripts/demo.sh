@@ -62,6 +62,10 @@ Serving on http://127.0.0.1:8080 (Ctrl-C to stop). From another terminal:
     "model": "support-tickets", "messages": [{"role": "user", "content": "我的快递还没收到"}]}'
   curl -s http://127.0.0.1:8080/health/ready
   curl -s http://127.0.0.1:8080/metrics | grep rampart_
+  # The audit log (./audit): every request above is an entry, signed into a Merkle tree.
+  # Each response's x-rampart-audit-id header names its entry (curl -i shows it):
+  target/release/rampart audit verify
+  target/release/rampart audit get <x-rampart-audit-id>
 
 EOT
 exec "$rampart" serve --log-format text

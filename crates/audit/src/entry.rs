@@ -261,9 +261,10 @@ fn redact_value(value: Option<Value>, action: RedactAction) -> Option<Value> {
             }
             Value::Object(map) => Value::Object(
                 map.into_iter()
-                    // Keys that name structure (role, type) stay readable.
+                    // Keys that name structure (role, type) stay readable; a message's `name`
+                    // (a person) does not.
                     .map(|(k, v)| {
-                        if matches!(k.as_str(), "role" | "type" | "name") {
+                        if matches!(k.as_str(), "role" | "type") {
                             (k, v)
                         } else {
                             (k, walk(v, action))

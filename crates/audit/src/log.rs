@@ -218,6 +218,8 @@ pub struct AuditLog {
     write_fault: Mutex<Option<String>>,
     /// Group commits done (one write and one fsync each).
     batches: std::sync::atomic::AtomicU64,
+    /// A failed write that could not be undone: appends stop until a restart recovers.
+    stuck: Mutex<Option<String>>,
 }
 
 impl std::fmt::Debug for AuditLog {
@@ -242,11 +244,26 @@ pub(crate) struct Frame {
 /// How a segment's bytes ended.
 pub(crate) enum Tail {
     Clean,
-    /// The frame at `offset` is incomplete or its hash does not match: `why`.
+    /// The frame at `offset` is incomplete or its hash does not match: `why`. `followed`: a
+    /// valid frame comes after it — damage in the middle, never a torn write.
     Bad {
         offset: u64,
         why: String,
+        followed: bool,
     },
+}
+
+/// Whether a whole frame with a matching hash starts at `at`.
+fn valid_frame_at(data: &[u8], at: usize) -> bool {
+    if data.len() < at + FRAME_HEAD {
+        return false;
+    }
+    let len = u32::from_le_bytes(data[at..at + 4].try_into().unwrap_or_default()) as usize;
+    if len > MAX_ENTRY_BYTES || data.len() - at - FRAME_HEAD < len {
+        return false;
+    }
+    let hash: Hash = data[at + 4..at + FRAME_HEAD].try_into().unwrap_or_default();
+    merkle::leaf_hash(&data[at + FRAME_HEAD..at + FRAME_HEAD + len]) == hash
 }
 
 /// Reads every frame of a segment up to the first bad one.
@@ -262,6 +279,7 @@ pub(crate) fn read_frames(path: &Path) -> Result<(Vec<Frame>, Tail, u64), AuditE
         let bad = |why: &str| Tail::Bad {
             offset: at as u64,
             why: why.to_string(),
+            followed: false,
         };
         if data.len() - at < FRAME_HEAD {
             return Ok((frames, bad("an incomplete frame header"), total));
@@ -273,11 +291,12 @@ pub(crate) fn read_frames(path: &Path) -> Result<(Vec<Frame>, Tail, u64), AuditE
         let hash: Hash = data[at + 4..at + FRAME_HEAD].try_into().unwrap_or_default();
         let bytes = &data[at + FRAME_HEAD..at + FRAME_HEAD + len];
         if merkle::leaf_hash(bytes) != hash {
-            return Ok((
-                frames,
-                bad("an entry whose bytes do not match its hash"),
-                total,
-            ));
+            let tail = Tail::Bad {
+                offset: at as u64,
+                why: "an entry whose bytes do not match its hash".into(),
+                followed: valid_frame_at(&data, at + FRAME_HEAD + len),
+            };
+            return Ok((frames, tail, total));
         }
         frames.push(Frame {
             offset: at as u64,
@@ -365,7 +384,14 @@ impl AuditLog {
         let sealed_root = dir.join("sealed");
         let manifests = read_manifests(&sealed_root)?;
         let mut sealed_until = 0u64;
+        let shipped = crate::ship::shipped_files(&dir);
         for m in &manifests {
+            if !m.checkpoint.verify(&signer.verifying_key()) || m.checkpoint.size != m.end {
+                return Err(AuditError::Tampered(format!(
+                    "the checkpoint of sealed segment {}..{} is not signed by this log's key",
+                    m.first, m.end
+                )));
+            }
             if m.first != sealed_until {
                 return Err(AuditError::Tampered(format!(
                     "sealed segments do not follow each other: expected one starting at entry {sealed_until}, found {}",
@@ -381,6 +407,12 @@ impl AuditLog {
                     Ok(d) => d,
                     // Shipped and removed: the segment's local index stands in for the file.
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                        if !shipped.contains(&f.path) {
+                            return Err(AuditError::Tampered(format!(
+                                "sealed file {} is missing and was never shipped",
+                                f.path
+                            )));
+                        }
                         if local_index.is_none() {
                             local_index = Some(read_index(&sealed_root, m.first)?);
                         }
@@ -405,6 +437,12 @@ impl AuditLog {
                     )));
                 }
                 for (i, row) in seal::read(data)?.into_iter().enumerate() {
+                    if merkle::leaf_hash(&row.entry) != row.leaf_hash {
+                        return Err(AuditError::Tampered(format!(
+                            "sealed entry {} in {} does not match its hash",
+                            row.index, f.path
+                        )));
+                    }
                     let location = Location::Sealed {
                         file: Arc::clone(&path),
                         row: i as u32,
@@ -485,10 +523,15 @@ impl AuditLog {
                     e.time_ms,
                 );
             }
-            if let Tail::Bad { offset, why } = tail {
-                if index.size() < covered {
+            if let Tail::Bad {
+                offset,
+                why,
+                followed,
+            } = tail
+            {
+                if index.size() < covered || followed {
                     return Err(AuditError::Tampered(format!(
-                        "entry {} in {} is damaged ({why}) although checkpoint {covered} covers it",
+                        "entry {} in {} is damaged ({why}); a signed checkpoint or the entries after it show it was written whole",
                         index.size(),
                         path.display()
                     )));
@@ -579,6 +622,7 @@ impl AuditLog {
             last_checkpoint_at: Mutex::new(Instant::now()),
             write_fault: Mutex::new(None),
             batches: std::sync::atomic::AtomicU64::new(0),
+            stuck: Mutex::new(None),
             options,
         });
         for note in recovered {
@@ -628,16 +672,40 @@ impl AuditLog {
             return Ok(Vec::new());
         }
         let mut inner = self.lock();
-        self.rotate_if_due(&mut inner)?;
+        if let Some(stuck) = self.stuck.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            return Err(AuditError::Unavailable(stuck));
+        }
+        if let Err(e) = self.rotate_if_due(&mut inner) {
+            self.set_problem(Some(e.to_string()));
+            return Err(AuditError::Unavailable(e.to_string()));
+        }
         let start = inner.index.size();
         let mut buf = Vec::new();
         let mut staged = Vec::with_capacity(entries.len());
         for (i, e) in entries.iter_mut().enumerate() {
             e.index = start + i as u64;
             e.redact(&self.options.redact);
-            let bytes = e.encode();
+            let mut bytes = e.encode();
             if bytes.len() > MAX_ENTRY_BYTES {
-                return Err(AuditError::TooLarge(bytes.len()));
+                // Keep the entry without its payload (noted) rather than lose the batch.
+                let size = bytes.len();
+                for (field, value) in [("input", &mut e.input), ("output", &mut e.output)] {
+                    if value.take().is_some() {
+                        e.redactions.push(entry::Redaction {
+                            field: field.to_string(),
+                            action: entry::RedactAction::Drop,
+                        });
+                    }
+                }
+                e.redactions.push(entry::Redaction {
+                    field: format!("too_large:{size}"),
+                    action: entry::RedactAction::Drop,
+                });
+                bytes = e.encode();
+                if bytes.len() > MAX_ENTRY_BYTES {
+                    return Err(AuditError::TooLarge(bytes.len()));
+                }
+                tracing::warn!(audit_id = %e.audit_id, bytes = size, "an audit entry over 64 MiB is kept without its input and output");
             }
             let hash = merkle::leaf_hash(&bytes);
             let offset = inner.active.bytes + buf.len() as u64;
@@ -663,8 +731,15 @@ impl AuditLog {
         metrics::histogram!("rampart_audit_fsync_seconds").record(began.elapsed().as_secs_f64());
         if let Err(e) = written {
             let at = inner.active.bytes;
-            let _ = inner.active.file.set_len(at);
             let message = format!("cannot write {}: {e}", inner.active.path.display());
+            if let Err(cut) = inner.active.file.set_len(at) {
+                // Part of the batch may stay in the segment: no more appends to this log until
+                // a restart recovers it (a torn tail after the last checkpoint is cut then).
+                let stuck = format!("{message}; and the partial write could not be removed ({cut}): restart to recover");
+                *self.stuck.lock().unwrap_or_else(|e| e.into_inner()) = Some(stuck.clone());
+                self.set_problem(Some(stuck.clone()));
+                return Err(AuditError::Unavailable(stuck));
+            }
             self.set_problem(Some(message.clone()));
             return Err(AuditError::Unavailable(message));
         }
@@ -769,11 +844,16 @@ impl AuditLog {
             .sign(&self.options.origin, size, &root, entry::now_ms());
         let mut line = serde_json::to_vec(&c).unwrap_or_default();
         line.push(b'\n');
+        let before = inner.checkpoints_file.metadata().map(|m| m.len()).ok();
         let written = inner
             .checkpoints_file
             .write_all(&line)
             .and_then(|()| inner.checkpoints_file.sync_data());
         if let Err(e) = written {
+            // A partial line would sit in the middle of the file once the next one follows.
+            if let Some(len) = before {
+                let _ = inner.checkpoints_file.set_len(len);
+            }
             let message = format!("cannot write the checkpoint: {e}");
             self.set_problem(Some(message.clone()));
             return Err(AuditError::Unavailable(message));
@@ -817,7 +897,7 @@ impl AuditLog {
         };
         let path = segment_path(&self.options.dir, first);
         let (frames, tail, _) = read_frames(&path)?;
-        if let Tail::Bad { offset, why } = tail {
+        if let Tail::Bad { offset, why, .. } = tail {
             return Err(AuditError::Tampered(format!(
                 "closed segment {} is damaged at offset {offset}: {why}",
                 path.display()
@@ -1008,6 +1088,14 @@ impl AuditLog {
         after: Option<u64>,
         limit: usize,
     ) -> Result<Page, AuditError> {
+        if matches!(
+            self.options.redact.user,
+            entry::RedactAction::Mask | entry::RedactAction::Drop
+        ) {
+            return Err(AuditError::Config(
+                "user ids are masked or dropped ([audit.redact] user): entries cannot be found by user; use hash to keep them findable".into(),
+            ));
+        }
         let stored = entry::redact_string(user, self.options.redact.user).unwrap_or_default();
         let locations: Vec<(u64, Location)> = {
             let inner = self.lock();
@@ -1060,12 +1148,16 @@ impl AuditLog {
         let Some(checkpoint) = inner.checkpoints.last().cloned() else {
             return Err(AuditError::Unavailable("no checkpoint yet".into()));
         };
-        let leaves = &inner.index.leaves[..checkpoint.size as usize];
-        let path = merkle::inclusion_proof(leaves, index as usize).unwrap_or_default();
+        // A copy of the leaves (a memcpy), so the O(n) hashing runs without the lock that
+        // appends need.
+        let leaves = inner.index.leaves[..checkpoint.size as usize].to_vec();
+        let leaf = inner.index.leaves[index as usize];
+        drop(inner);
+        let path = merkle::inclusion_proof(&leaves, index as usize).unwrap_or_default();
         Ok(Some(InclusionProof {
             audit_id: audit_id.to_string(),
             index,
-            leaf_hash: hex::encode(inner.index.leaves[index as usize]),
+            leaf_hash: hex::encode(leaf),
             path: path.iter().map(hex::encode).collect(),
             checkpoint,
         }))
@@ -1099,11 +1191,9 @@ impl AuditLog {
                 "the first checkpoint is larger than the second".into(),
             ));
         }
-        let path = merkle::consistency_proof(
-            &inner.index.leaves[..second.size as usize],
-            first.size as usize,
-        )
-        .unwrap_or_default();
+        let leaves = inner.index.leaves[..second.size as usize].to_vec();
+        drop(inner);
+        let path = merkle::consistency_proof(&leaves, first.size as usize).unwrap_or_default();
         Ok(ConsistencyProof {
             first,
             second,
@@ -1159,12 +1249,34 @@ impl AuditLog {
         {
             return;
         }
-        let inner = self.lock();
-        if inner.active.file.sync_data().is_ok() && fs::metadata(&inner.active.path).is_ok() {
-            drop(inner);
+        if self
+            .stuck
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+        {
+            return;
+        }
+        // A real write and fsync: a full disk or a failing device fails it (fsync of a file
+        // with nothing dirty would succeed and say nothing).
+        let path = self.options.dir.join(".probe");
+        let works = File::create(&path)
+            .and_then(|mut f| f.write_all(&[0u8; 4096]).and_then(|()| f.sync_all()))
+            .is_ok();
+        let _ = fs::remove_file(&path);
+        if works {
             self.set_problem(None);
             tracing::info!(dir = %self.options.dir.display(), "audit log writes again");
         }
+    }
+
+    /// The reason the log cannot persist, if it cannot (no lock on the log itself: callable
+    /// on every request while a write is stuck).
+    pub fn problem(&self) -> Option<String> {
+        self.problem
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 }
 

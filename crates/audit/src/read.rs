@@ -65,6 +65,9 @@ pub struct Report {
     pub sealed_files: usize,
     pub root: String,
     pub newest_checkpoint: Option<Checkpoint>,
+    /// Entries after the newest checkpoint: no signature covers them yet (removing them would go
+    /// unnoticed; a clean shutdown signs a checkpoint over everything).
+    pub uncovered: u64,
     pub torn_tail: Option<String>,
     pub problem: Option<Problem>,
 }
@@ -79,6 +82,8 @@ impl Log {
             sealed_files: self.sealed_files,
             root: hex::encode(merkle::root(&leaves)),
             newest_checkpoint: self.checkpoints.iter().max_by_key(|c| c.size).cloned(),
+            uncovered: (self.entries.len() as u64)
+                .saturating_sub(self.checkpoints.iter().map(|c| c.size).max().unwrap_or(0)),
             torn_tail: self.torn_tail.clone(),
             problem: self.problem.clone(),
         }
@@ -219,6 +224,29 @@ fn load_into(dir: &Path, key: &VerifyingKey, log: &mut Log) -> Result<(), Proble
         for row in rows {
             let at = log.entries.len() as u64;
             let entry = check_entry(at, &row.entry, &row.leaf_hash, row.index)?;
+            // The query columns say what the entry says (a forged user column would mislead
+            // lookups while the entry itself verifies).
+            let columns = (
+                row.audit_id.as_str(),
+                row.time_ms,
+                row.user.as_str(),
+                row.model.as_str(),
+                row.kind.as_str(),
+            );
+            let said = (
+                entry.audit_id.as_str(),
+                entry.time_ms,
+                entry.user.as_deref().unwrap_or(""),
+                entry.model.as_str(),
+                entry.kind.as_str(),
+            );
+            if columns != said {
+                return Err(problem(
+                    Some(at),
+                    Some(&entry.audit_id),
+                    "altered: its columns in the sealed file do not match the entry",
+                ));
+            }
             log.entries.push(Loaded {
                 leaf: row.leaf_hash,
                 entry,
@@ -281,9 +309,14 @@ fn load_into(dir: &Path, key: &VerifyingKey, log: &mut Log) -> Result<(), Proble
                 entry,
             });
         }
-        if let Tail::Bad { offset, why } = tail {
+        if let Tail::Bad {
+            offset,
+            why,
+            followed,
+        } = tail
+        {
             let at = log.entries.len() as u64;
-            if at < covered {
+            if at < covered || followed {
                 return Err(problem(
                     Some(at),
                     None,
@@ -506,6 +539,51 @@ mod tests {
         fs::write(&path, format!("{}\n", serde_json::to_string(&c).unwrap())).unwrap();
         let p = load(dir.path(), None).problem.unwrap();
         assert!(p.message.contains("not signed"), "{p}");
+    }
+
+    #[test]
+    fn damage_after_the_last_checkpoint_is_not_taken_for_a_torn_tail_when_entries_follow() {
+        let dir = filled(6, None);
+        let log = AuditLog::open(LogOptions::new(dir.path())).unwrap();
+        for i in 0..3 {
+            log.append(vec![action(100 + i)]).unwrap();
+        }
+        drop(log);
+        // Entry 7 (no checkpoint covers it) is damaged; entry 8 after it is whole.
+        let seg = segment(dir.path());
+        let (frames, _, _) = read_frames(&seg).unwrap();
+        let mut data = fs::read(&seg).unwrap();
+        data[frames[7].offset as usize + 36 + 3] ^= 0x40;
+        fs::write(&seg, &data).unwrap();
+        let p = load(dir.path(), None).problem.unwrap();
+        assert_eq!(p.index, Some(7), "{p}");
+        let refused = AuditLog::open(LogOptions::new(dir.path()));
+        assert!(
+            matches!(refused, Err(crate::AuditError::Tampered(_))),
+            "{refused:?}"
+        );
+    }
+
+    #[test]
+    fn an_entry_over_the_size_limit_is_kept_without_its_payload() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = AuditLog::open(LogOptions::new(dir.path())).unwrap();
+        let mut big = action(1);
+        big.input = Some(serde_json::Value::String(
+            "x".repeat(crate::log::MAX_ENTRY_BYTES + 10),
+        ));
+        let small = action(2);
+        let indices = log.append(vec![big.clone(), small]).unwrap();
+        assert_eq!(indices, [0, 1], "the batch is kept");
+        let kept = log.get(&big.audit_id).unwrap().unwrap();
+        assert!(kept.input.is_none());
+        assert!(kept
+            .redactions
+            .iter()
+            .any(|r| r.field.starts_with("too_large:")));
+        log.checkpoint(false).unwrap();
+        let report = load(dir.path(), None).report();
+        assert!(report.ok && report.uncovered == 0, "{report:?}");
     }
 
     #[test]

@@ -39,6 +39,18 @@ struct ShippedLine {
     key: String,
     sha256: String,
     version_id: Option<String>,
+    /// The local file it came from (relative to `sealed/`).
+    #[serde(default)]
+    file: Option<String>,
+}
+
+/// The sealed files (relative to `sealed/`) that `dir`'s shipper shipped and verified.
+pub fn shipped_files(dir: &Path) -> HashSet<String> {
+    let text = fs::read_to_string(dir.join("shipped.jsonl")).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<ShippedLine>(l).ok())
+        .filter_map(|l| l.file)
+        .collect()
 }
 
 /// What a round of shipping did.
@@ -264,6 +276,7 @@ impl Shipper {
                 key,
                 sha256: f.sha256.clone(),
                 version_id,
+                file: Some(f.path.clone()),
             });
         }
         let name = Manifest::path(m.first);
@@ -277,6 +290,7 @@ impl Shipper {
             key,
             sha256: sha,
             version_id,
+            file: Some(name.clone()),
         });
         let mut out = fs::OpenOptions::new()
             .create(true)
@@ -326,6 +340,16 @@ pub async fn download(client: &S3Client, prefix: &str, into: &Path) -> Result<us
     let mut n = 0;
     for key in keys {
         let rel = key.strip_prefix(&list_prefix).unwrap_or(&key);
+        // Only plain relative paths: a key with `..`, an empty or absolute part would land
+        // outside the copy.
+        if rel
+            .split('/')
+            .any(|part| part.is_empty() || part == "." || part == "..")
+        {
+            return Err(AuditError::Tampered(format!(
+                "{key} is not a path the log writes"
+            )));
+        }
         let data = client.get_object(&key).await?;
         let meta = client.head_object(&key).await?;
         if meta.as_ref().is_none_or(|m| m.lock_mode.is_none()) {

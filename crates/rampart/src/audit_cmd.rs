@@ -151,6 +151,12 @@ pub fn run(args: AuditArgs) -> anyhow::Result<ExitCode> {
                         c.size, c.time_ms, c.key_id
                     );
                 }
+                if report.uncovered > 0 {
+                    println!(
+                        "note: the newest {} entries are not yet covered by a signed checkpoint (a running server signs one within a second; a clean stop signs everything)",
+                        report.uncovered
+                    );
+                }
                 if let Some(t) = &report.torn_tail {
                     println!("note: a torn tail after the last checkpoint (a crash mid-write; the server cuts it on start): {t}");
                 }

@@ -180,18 +180,9 @@ async fn handoff(
     if let Some(r) = refused(&state) {
         return r;
     }
-    let h = state.handoffs.get(&name);
-    let (view, what, effect) = match action.action.as_str() {
-        "pause" => (
-            h.pause(&principal.0),
-            "handoff_pause",
-            "new requests get 503 human_handoff",
-        ),
-        "resume" => (
-            h.resume(&principal.0),
-            "handoff_resume",
-            "requests are served again",
-        ),
+    let (what, effect) = match action.action.as_str() {
+        "pause" => ("handoff_pause", "new requests get 503 human_handoff"),
+        "resume" => ("handoff_resume", "requests are served again"),
         other => {
             return ApiError::invalid_param(
                 "action",
@@ -200,10 +191,17 @@ async fn handoff(
             .into_response()
         }
     };
+    // Kept first, then done: a change the audit log could not keep is not made.
     let detail = serde_json::json!({ "effect": effect });
     if let Err(e) = note(&state, &principal.0, what, &name, Some(&name), detail).await {
         return e.into_response();
     }
+    let h = state.handoffs.get(&name);
+    let view = if what == "handoff_pause" {
+        h.pause(&principal.0)
+    } else {
+        h.resume(&principal.0)
+    };
     Json(view).into_response()
 }
 
@@ -240,6 +238,8 @@ async fn inject_fault(
         Ok(fault) => {
             if let Err(e) = note(&state, &principal.0, "fault_inject", &target, None, detail).await
             {
+                // Not kept, so not made: the fault is taken back.
+                state.faults.clear(Some(fault.id), &principal.0);
                 return e.into_response();
             }
             (StatusCode::CREATED, Json(fault)).into_response()
@@ -261,11 +261,13 @@ async fn clear_faults(
     if let Some(r) = refused(&state) {
         return r;
     }
-    let cleared = state.faults.clear(None, &principal.0);
-    let detail = serde_json::json!({ "cleared": cleared });
+    // Kept first, then done.
+    let active: Vec<u64> = state.faults.list().iter().map(|f| f.id).collect();
+    let detail = serde_json::json!({ "faults": active });
     if let Err(e) = note(&state, &principal.0, "fault_clear", "*", None, detail).await {
         return e.into_response();
     }
+    let cleared = state.faults.clear(None, &principal.0);
     Json(Cleared { cleared }).into_response()
 }
 
@@ -277,11 +279,10 @@ async fn clear_fault(
     if let Some(r) = refused(&state) {
         return r;
     }
-    let cleared = state.faults.clear(Some(id), &principal.0);
-    if cleared == 0 {
+    if !state.faults.list().iter().any(|f| f.id == id) {
         return ApiError::RouteNotFound(format!("no active fault {id}")).into_response();
     }
-    let detail = serde_json::json!({ "cleared": cleared });
+    let detail = serde_json::json!({ "faults": [id] });
     if let Err(e) = note(
         &state,
         &principal.0,
@@ -294,5 +295,6 @@ async fn clear_fault(
     {
         return e.into_response();
     }
+    let cleared = state.faults.clear(Some(id), &principal.0);
     Json(Cleared { cleared }).into_response()
 }

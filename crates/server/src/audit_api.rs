@@ -79,6 +79,7 @@ async fn read_noted(
 fn internal(e: audit::AuditError) -> ApiError {
     match e {
         audit::AuditError::NotFound(m) => ApiError::AuditEntryNotFound(m),
+        audit::AuditError::Config(m) => ApiError::invalid_param("user_id", m),
         other => ApiError::AuditUnavailable(other.to_string()),
     }
 }
@@ -183,7 +184,11 @@ async fn list(
             &principal.0,
             "list",
             &ids,
-            json!({ "user_id": user, "from": from, "to": to, "limit": limit, "after": after }),
+            // The user id as the log stores it (the redaction policy applies to reads too).
+            json!({
+                "user_id": audit::entry::redact_string(user, state.config.audit.redact.user),
+                "from": from, "to": to, "limit": limit, "after": after,
+            }),
         )
         .await?;
         Ok(page)
@@ -230,8 +235,8 @@ async fn consistency(
     State(state): State<Arc<AppState>>,
     Query(query): Query<HashMap<String, String>>,
 ) -> Response {
-    let result = (|| {
-        let log = log(&state)?;
+    let result = async {
+        let log = Arc::clone(log(&state)?);
         let size = |k: &str| {
             query
                 .get(k)
@@ -244,8 +249,13 @@ async fn consistency(
         let first = size("first")?.ok_or_else(|| {
             ApiError::invalid_param("first", "first (a checkpoint's size) is required")
         })?;
-        log.consistency(first, size("second")?).map_err(internal)
-    })();
+        let second = size("second")?;
+        tokio::task::spawn_blocking(move || log.consistency(first, second))
+            .await
+            .map_err(|e| ApiError::Internal(e.to_string()))?
+            .map_err(internal)
+    }
+    .await;
     match result {
         Ok(p) => Json(p).into_response(),
         Err(e) => e.into_response(),

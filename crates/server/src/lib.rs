@@ -248,7 +248,10 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
 fn sinks(config: &ServerConfig, audit: Option<&Arc<audit::AuditLog>>) -> Vec<Box<dyn Sink>> {
     let capacity = config.records.lane_capacity;
     let mut sinks: Vec<Box<dyn Sink>> = vec![
-        Box::new(observe::LogSink::new(capacity)),
+        Box::new(observe::LogSink::redacting(
+            capacity,
+            config.audit.redact.clone(),
+        )),
         Box::new(observe::MetricsSink::new(capacity)),
     ];
     if let Some(log) = audit {

@@ -296,11 +296,19 @@ pub fn refresh_gauges(registry: &Registry, handoffs: &crate::handoff::Handoffs, 
 #[derive(Debug)]
 pub struct LogSink {
     capacity: usize,
+    /// The audit log's redaction of identities applies to the log lines too (else the lines
+    /// would join a hashed entry to the person by its `audit_id`).
+    redact: audit::RedactionPolicy,
 }
 
 impl LogSink {
     pub fn new(capacity: usize) -> Self {
-        Self { capacity }
+        Self::redacting(capacity, audit::RedactionPolicy::default())
+    }
+
+    /// A log sink that writes `user`, `operator` and `principal` as `redact` says.
+    pub fn redacting(capacity: usize, redact: audit::RedactionPolicy) -> Self {
+        Self { capacity, redact }
     }
 }
 
@@ -316,7 +324,18 @@ impl Sink for LogSink {
     }
 
     fn write<'a>(&'a mut self, envelope: &'a Envelope) -> SinkFuture<'a> {
-        log_record(&envelope.record);
+        let p = &self.redact;
+        let identities = [p.user, p.operator, p.principal];
+        if identities.iter().all(|a| *a == audit::RedactAction::Keep) {
+            log_record(&envelope.record);
+        } else {
+            let mut r = envelope.record.clone();
+            let redact = |v: &str, a| audit::entry::redact_string(v, a);
+            r.user = r.user.as_deref().and_then(|u| redact(u, p.user));
+            r.operator = r.operator.as_deref().and_then(|o| redact(o, p.operator));
+            r.principal = redact(&r.principal, p.principal).unwrap_or_default();
+            log_record(&r);
+        }
         Box::pin(std::future::ready(Ok(())))
     }
 }

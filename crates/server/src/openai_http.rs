@@ -608,6 +608,8 @@ struct Streaming {
     done: bool,
     /// Set at the end: the final events wait until the record is durable (fail_closed audit).
     receipt: Option<record::Receipt>,
+    /// The choices' finish chunks, held until every choice finished.
+    finishes: Vec<String>,
 }
 
 impl Streaming {
@@ -746,12 +748,16 @@ impl Streaming {
                 self.chunk_completion(i, f.trailing_text.clone(), None, reason)
             }
         };
-        self.pending.push_back(chunk);
+        // Every choice's finish goes out only with the last one, after the record is durable:
+        // no choice is complete at the client before its audit entry is (fail_closed).
+        self.finishes.push(chunk);
         if let Some(texts) = &mut self.texts {
             texts[i].push_str(&f.trailing_text);
         }
         self.finished[i] = Some(f);
         if self.finished.iter().all(Option::is_some) {
+            let finishes = std::mem::take(&mut self.finishes);
+            self.pending.extend(finishes);
             self.on_all_finished();
         }
     }
@@ -815,6 +821,7 @@ fn stream_response(reply: Reply, record: RecordBuilder) -> Response {
         pending: VecDeque::new(),
         done: false,
         receipt: None,
+        finishes: Vec::new(),
     };
     if state.reply.endpoint == Endpoint::Chat {
         for i in 0..choices {

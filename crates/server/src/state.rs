@@ -133,7 +133,7 @@ impl AppState {
         if self.config.audit.mode() != audit::Mode::FailClosed || log.is_healthy() {
             return None;
         }
-        let why = log.status().problem.unwrap_or_default();
+        let why = log.problem().unwrap_or_default();
         Some(crate::error::ApiError::AuditUnavailable(format!(
             "the audit log cannot persist ({why}); requests are refused until it can"
         )))
@@ -148,11 +148,13 @@ impl AppState {
         action: audit::Action,
     ) -> Result<(), crate::error::ApiError> {
         let operator = crate::identity::origin().operator;
+        let redact = &self.config.audit.redact;
+        let shown = |v: &str, a| audit::entry::redact_string(v, a).unwrap_or_default();
         tracing::warn!(
             target: "rampart::admin",
             action = %action.name,
-            by = principal,
-            operator = operator.as_deref().unwrap_or(""),
+            by = %shown(principal, redact.principal),
+            operator = %operator.as_deref().map(|o| shown(o, redact.operator)).unwrap_or_default(),
             on = action.target.as_deref().unwrap_or(""),
             cause = action.cause.as_deref().unwrap_or(""),
             outcome = %action.outcome,

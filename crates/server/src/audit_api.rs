@@ -84,23 +84,41 @@ fn internal(e: audit::AuditError) -> ApiError {
     }
 }
 
-async fn entry(
-    State(state): State<Arc<AppState>>,
-    Extension(principal): Extension<Principal>,
-    Path(audit_id): Path<String>,
+/// Runs `f` on the log off the async threads (it reads files).
+async fn on_log<T: Send + 'static>(
+    state: &AppState,
+    f: impl FnOnce(&audit::AuditLog) -> Result<T, audit::AuditError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let log = Arc::clone(log(state)?);
+    tokio::task::spawn_blocking(move || f(&log))
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))?
+        .map_err(internal)
+}
+
+fn respond<T: serde::Serialize>(result: Result<T, ApiError>) -> Response {
+    match result {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// One entry looked up by its audit id (`what`: `read` or `prove`), the read noted.
+async fn by_id<T: serde::Serialize + Send + 'static>(
+    state: &AppState,
+    principal: &str,
+    audit_id: String,
+    what: &str,
+    lookup: fn(&audit::AuditLog, &str) -> Result<Option<T>, audit::AuditError>,
 ) -> Response {
     let result = async {
-        let log = Arc::clone(log(&state)?);
         let id = audit_id.clone();
-        let found = tokio::task::spawn_blocking(move || log.get(&id))
-            .await
-            .map_err(|e| ApiError::Internal(e.to_string()))?
-            .map_err(internal)?;
-        let ids: Vec<&str> = found.iter().map(|e| e.audit_id.as_str()).collect();
+        let found = on_log(state, move |log| lookup(log, &id)).await?;
+        let ids: Vec<&str> = found.iter().map(|_| audit_id.as_str()).collect();
         read_noted(
-            &state,
-            &principal.0,
-            "read",
+            state,
+            principal,
+            what,
             &ids,
             json!({ "audit_id": audit_id }),
         )
@@ -108,10 +126,29 @@ async fn entry(
         found.ok_or_else(|| ApiError::AuditEntryNotFound(format!("no audit entry {audit_id:?}")))
     }
     .await;
-    match result {
-        Ok(e) => Json(e).into_response(),
-        Err(e) => e.into_response(),
-    }
+    respond(result)
+}
+
+async fn entry(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    Path(audit_id): Path<String>,
+) -> Response {
+    by_id(&state, &principal.0, audit_id, "read", |log, id| {
+        log.get(id)
+    })
+    .await
+}
+
+async fn proof(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    Path(audit_id): Path<String>,
+) -> Response {
+    by_id(&state, &principal.0, audit_id, "prove", |log, id| {
+        log.prove(id)
+    })
+    .await
 }
 
 /// A time given as ms since the epoch or RFC 3339.
@@ -137,7 +174,7 @@ async fn list(
     Query(query): Query<HashMap<String, String>>,
 ) -> Response {
     let result = async {
-        let log = log(&state)?;
+        log(&state)?;
         if let Some(other) = query
             .keys()
             .find(|k| !matches!(k.as_str(), "user_id" | "from" | "to" | "limit" | "after"))
@@ -173,11 +210,8 @@ async fn list(
             ),
             None => None,
         };
-        let (log, who) = (Arc::clone(log), user.clone());
-        let page = tokio::task::spawn_blocking(move || log.by_user(&who, from, to, after, limit))
-            .await
-            .map_err(|e| ApiError::Internal(e.to_string()))?
-            .map_err(internal)?;
+        let who = user.clone();
+        let page = on_log(&state, move |log| log.by_user(&who, from, to, after, limit)).await?;
         let ids: Vec<&str> = page.entries.iter().map(|e| e.audit_id.as_str()).collect();
         read_noted(
             &state,
@@ -194,41 +228,7 @@ async fn list(
         Ok(page)
     }
     .await;
-    match result {
-        Ok(page) => Json(page).into_response(),
-        Err(e) => e.into_response(),
-    }
-}
-
-async fn proof(
-    State(state): State<Arc<AppState>>,
-    Extension(principal): Extension<Principal>,
-    Path(audit_id): Path<String>,
-) -> Response {
-    let result = async {
-        let log = log(&state)?;
-        let log2 = Arc::clone(log);
-        let id = audit_id.clone();
-        let found = tokio::task::spawn_blocking(move || log2.prove(&id))
-            .await
-            .map_err(|e| ApiError::Internal(e.to_string()))?
-            .map_err(internal)?;
-        let ids: Vec<&str> = found.iter().map(|p| p.audit_id.as_str()).collect();
-        read_noted(
-            &state,
-            &principal.0,
-            "prove",
-            &ids,
-            json!({ "audit_id": audit_id }),
-        )
-        .await?;
-        found.ok_or_else(|| ApiError::AuditEntryNotFound(format!("no audit entry {audit_id:?}")))
-    }
-    .await;
-    match result {
-        Ok(p) => Json(p).into_response(),
-        Err(e) => e.into_response(),
-    }
+    respond(result)
 }
 
 async fn consistency(
@@ -236,7 +236,6 @@ async fn consistency(
     Query(query): Query<HashMap<String, String>>,
 ) -> Response {
     let result = async {
-        let log = Arc::clone(log(&state)?);
         let size = |k: &str| {
             query
                 .get(k)
@@ -250,16 +249,10 @@ async fn consistency(
             ApiError::invalid_param("first", "first (a checkpoint's size) is required")
         })?;
         let second = size("second")?;
-        tokio::task::spawn_blocking(move || log.consistency(first, second))
-            .await
-            .map_err(|e| ApiError::Internal(e.to_string()))?
-            .map_err(internal)
+        on_log(&state, move |log| log.consistency(first, second)).await
     }
     .await;
-    match result {
-        Ok(p) => Json(p).into_response(),
-        Err(e) => e.into_response(),
-    }
+    respond(result)
 }
 
 async fn checkpoint(State(state): State<Arc<AppState>>) -> Response {

@@ -1006,6 +1006,32 @@ name = "support-tickets"
         log.contains("\"action\":\"fault_inject\""),
         "admin actions are logged"
     );
+    // The admin actions and the controllers' decisions are entries of the audit log too.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let wanted = ["fault_inject", "breaker.open", "handoff.handed_off"];
+    loop {
+        let read = audit_of(server._dir.path());
+        assert!(read.problem.is_none(), "{:?}", read.problem);
+        let actions: Vec<(String, Option<String>)> = read
+            .entries
+            .iter()
+            .filter_map(|l| {
+                Some((
+                    l.entry.action.as_ref()?.name.clone(),
+                    l.entry.principal.clone(),
+                ))
+            })
+            .collect();
+        let found = |name: &str| actions.iter().any(|(n, _)| n == name);
+        if wanted.iter().all(|w| found(w)) {
+            assert!(actions
+                .iter()
+                .any(|(n, p)| n == "fault_inject" && p.as_deref() == Some("ops")));
+            break;
+        }
+        assert!(Instant::now() < deadline, "audit actions: {actions:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 #[test]

@@ -494,6 +494,13 @@ impl BackendBreaker {
                 "circuit breaker changed state"
             );
         }
+        crate::decisions::note(
+            &format!("breaker.{}", t.to.as_str()),
+            self.backend.split(['@', ':']).next(),
+            &self.backend,
+            &t.cause.to_string(),
+            serde_json::json!({ "from": t.from.as_str(), "open_for_ms": open_for_ms }),
+        );
         metrics::counter!(
             "rampart_breaker_transitions_total",
             "backend" => self.backend.clone(),

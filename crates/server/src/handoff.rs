@@ -282,16 +282,28 @@ impl Handoff {
     }
 
     fn note(&self, change: &Change) {
-        let (active, to) = match change {
+        let (active, to, cause) = match change {
             Change::HandedOff(why) => {
                 tracing::error!(model = %self.model, cause = %why, "model handed off to people: new requests get 503 human_handoff");
-                (1.0, "handed_off")
+                (1.0, "handed_off", why.to_string())
             }
             Change::Resumed { by } => {
-                tracing::warn!(model = %self.model, by = by.as_deref(), cause = if by.is_some() { "an admin resumed it" } else { "the cool-down is over" }, "model resumed after hand-off");
-                (0.0, "resumed")
+                let cause = if by.is_some() {
+                    "an admin resumed it"
+                } else {
+                    "the cool-down is over"
+                };
+                tracing::warn!(model = %self.model, by = by.as_deref(), cause, "model resumed after hand-off");
+                (0.0, "resumed", cause.to_string())
             }
         };
+        crate::decisions::note(
+            &format!("handoff.{to}"),
+            Some(&self.model),
+            &self.model,
+            &cause,
+            serde_json::Value::Null,
+        );
         metrics::gauge!("rampart_handoff_active", "model" => self.model.clone()).set(active);
         metrics::counter!(
             "rampart_handoff_transitions_total",

@@ -27,6 +27,7 @@ pub mod backend;
 pub mod breaker;
 pub mod chain;
 pub mod config;
+pub mod decisions;
 pub mod error;
 pub mod faults;
 pub mod front;
@@ -148,6 +149,7 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         .map_err(|e| ServeError::Config(e.to_string()))?;
     if let Some(log) = &audit {
         spawn_audit(&config, log, &bus)?;
+        decisions::install(Arc::clone(log));
     }
     let state = AppState::with_audit(config, keys, metrics, bus, audit);
     tracing::info!(

@@ -93,15 +93,18 @@ impl Log {
         self.entries.iter().find(|l| l.entry.audit_id == audit_id)
     }
 
-    /// The entries whose stored user id is `user` between two times (ms, inclusive).
+    /// The entries of user `user` between two times (ms, inclusive): its id as stored, or as
+    /// `hash` redaction stores it (the reader need not know the server's policy).
     pub fn by_user<'a>(
         &'a self,
         user: &'a str,
         from_ms: Option<u64>,
         to_ms: Option<u64>,
     ) -> impl Iterator<Item = &'a Loaded> + 'a {
+        let hashed = crate::entry::redact_string(user, crate::entry::RedactAction::Hash);
         self.entries.iter().filter(move |l| {
-            l.entry.user.as_deref() == Some(user)
+            let stored = l.entry.user.as_deref();
+            (stored == Some(user) || stored == hashed.as_deref())
                 && from_ms.is_none_or(|f| l.entry.time_ms >= f)
                 && to_ms.is_none_or(|t| l.entry.time_ms <= t)
         })

@@ -40,7 +40,12 @@ fn log(n: usize) -> (tempfile::TempDir, Vec<String>) {
                 detail: serde_json::Value::Null,
             },
         );
-        e.user = Some(if i % 3 == 0 { "alice" } else { "bob" }.into());
+        e.user = match i % 3 {
+            0 => Some("alice".into()),
+            // As `[audit.redact] user = "hash"` stores it.
+            1 => audit::entry::redact_string("carol", audit::RedactAction::Hash),
+            _ => Some("bob".into()),
+        };
         ids.push(e.audit_id.clone());
         log.append(vec![e]).unwrap();
         if i + 1 == n / 2 {
@@ -104,6 +109,10 @@ fn get_list_prove_and_export_read_exactly_the_right_entries() {
         .map(|e| e["index"].as_u64().unwrap())
         .collect();
     assert_eq!(indices, [0, 3, 6]);
+    // A hashed user id is found by the id itself.
+    let carol = rampart(dir.path(), &["list", "--user", "carol", "--json"]);
+    let carol: Vec<serde_json::Value> = serde_json::from_slice(&carol.stdout).unwrap();
+    assert_eq!(carol.len(), 3);
     // Exact user ids only: a prefix finds nothing.
     let prefix = rampart(dir.path(), &["list", "--user", "ali", "--json"]);
     assert_eq!(stdout(&prefix).trim(), "[]");

@@ -124,7 +124,7 @@ async fn start(
     plan.language = language;
     record.record.user = plan.user.clone();
     record.record.input_sha256 = sha256_hex(&plan.input_for_hash);
-    record.payload_input(|| serde_json::json!({ "prompt": plan.input_for_hash }));
+    record.payload_input(|| audit_input(endpoint, &plan.input_for_hash));
     let sampling = &plan.request.sampling;
     record.record.params = Some(serde_json::json!({
         "temperature": sampling.temperature,
@@ -167,6 +167,21 @@ async fn start(
         id: format!("{prefix}-{}", uuid::Uuid::new_v4().simple()),
         created: now_s(),
     })
+}
+
+/// What the audit log keeps of a generation's input: a chat's messages as `{role, content}`
+/// objects, a completion's prompt as sent.
+fn audit_input(endpoint: Endpoint, input_for_hash: &str) -> serde_json::Value {
+    if endpoint == Endpoint::Chat {
+        if let Ok(pairs) = serde_json::from_str::<Vec<(String, String)>>(input_for_hash) {
+            let messages: Vec<serde_json::Value> = pairs
+                .into_iter()
+                .map(|(role, content)| serde_json::json!({ "role": role, "content": content }))
+                .collect();
+            return serde_json::json!({ "messages": messages });
+        }
+    }
+    serde_json::json!({ "prompt": input_for_hash })
 }
 
 /// The model named and the validated plan of a chat or completion body.

@@ -1642,20 +1642,27 @@ impl Harness {
     }
 }
 
+/// Options with a fail_closed audit log in `dir` (checkpoints every 50 ms).
+fn audited(dir: &std::path::Path) -> Options {
+    Options {
+        audit: Some(audit::AuditConfig {
+            required: true,
+            dir: dir.to_path_buf(),
+            checkpoint_interval_ms: 50,
+            ..Default::default()
+        }),
+        ..Options::default()
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_audit_log_keeps_each_request_is_read_by_exact_key_only_and_fails_closed() {
     let dir = tempfile::tempdir().unwrap();
     let h = harness(
         vec![("fake", llm(hello()))],
         Options {
-            audit: Some(audit::AuditConfig {
-                required: true,
-                dir: dir.path().to_path_buf(),
-                checkpoint_interval_ms: 50,
-                ..Default::default()
-            }),
             extra_keys: "auditor:sk-auditor-0001 audit\nops:sk-ops-0002 admin",
-            ..Options::default()
+            ..audited(dir.path())
         },
     )
     .await;
@@ -1790,18 +1797,7 @@ async fn the_audit_log_keeps_each_request_is_read_by_exact_key_only_and_fails_cl
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_whose_entry_cannot_be_kept_ends_with_audit_unavailable_not_its_finish() {
     let dir = tempfile::tempdir().unwrap();
-    let h = harness(
-        vec![("fake", llm(hello()))],
-        Options {
-            audit: Some(audit::AuditConfig {
-                required: true,
-                dir: dir.path().to_path_buf(),
-                ..Default::default()
-            }),
-            ..Options::default()
-        },
-    )
-    .await;
+    let h = harness(vec![("fake", llm(hello()))], audited(dir.path())).await;
     // The log is healthy when the stream starts and fails when its entry is written.
     h.state
         .audit

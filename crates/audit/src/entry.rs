@@ -4,12 +4,9 @@
 //! The entry is stored as the exact bytes of its JSON encoding; the leaf hash is taken over
 //! those bytes, so a verifier never re-encodes anything.
 
-use std::collections::BTreeMap;
-
 use record::Envelope;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use sha2::{Digest, Sha256};
 
 /// What an entry is about.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -63,9 +60,6 @@ pub enum RedactAction {
     /// The field removed.
     Drop,
 }
-
-/// The fields a policy can name.
-pub const REDACTABLE: [&str; 5] = ["input", "output", "user", "operator", "principal"];
 
 /// Per field, what to do before writing (fields not named are kept).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -247,7 +241,7 @@ pub fn redact_string(value: &str, action: RedactAction) -> Option<String> {
     match action {
         RedactAction::Keep => Some(value.to_string()),
         RedactAction::Mask => Some("[masked]".to_string()),
-        RedactAction::Hash => Some(format!("sha256:{}", hex::encode(Sha256::digest(value)))),
+        RedactAction::Hash => Some(format!("sha256:{}", record::sha256_hex(value))),
         RedactAction::Drop => None,
     }
 }
@@ -307,18 +301,6 @@ pub fn civil_from_days(z: i64) -> (i64, u32, u32) {
     let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
     let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
     (if m <= 2 { y + 1 } else { y }, m, d)
-}
-
-/// Free-form details of an action, from pairs.
-pub fn detail<const N: usize>(pairs: [(&str, Value); N]) -> Value {
-    Value::Object(
-        pairs
-            .into_iter()
-            .map(|(k, v)| (k.to_string(), v))
-            .collect::<BTreeMap<_, _>>()
-            .into_iter()
-            .collect(),
-    )
 }
 
 #[cfg(test)]

@@ -30,8 +30,6 @@ pub mod testing_s3;
 
 use std::path::Path;
 
-use sha2::{Digest, Sha256};
-
 pub use config::{AuditConfig, Mode};
 pub use entry::{Action, AuditEntry, EntryKind, RedactAction, RedactionPolicy};
 pub use log::{AuditLog, LogOptions};
@@ -74,9 +72,4 @@ impl AuditError {
             source,
         }
     }
-}
-
-/// sha256 of bytes, lowercase hex.
-pub fn sha256_hex(data: &[u8]) -> String {
-    hex::encode(Sha256::digest(data))
 }

@@ -90,9 +90,8 @@ pub(crate) struct IndexLine {
     pub id: String,
     pub u: String,
     pub t: u64,
-    /// The sealed file (relative to `sealed/`) and the row in it.
+    /// The sealed file (relative to `sealed/`).
     pub f: String,
-    pub r: u32,
 }
 
 pub(crate) fn index_path(sealed: &Path, first: u64) -> PathBuf {
@@ -171,7 +170,7 @@ pub struct LogStatus {
     pub healthy: bool,
     pub problem: Option<String>,
     pub last_checkpoint: Option<Checkpoint>,
-    pub checkpoint_age_s: Option<f64>,
+    pub checkpoint_age_s: f64,
     pub segments_open: usize,
     pub sealed_segments: usize,
     pub key_id: String,
@@ -187,6 +186,43 @@ pub struct InclusionProof {
     /// The audit path, hex, leaf to root.
     pub path: Vec<String>,
     pub checkpoint: Checkpoint,
+}
+
+impl InclusionProof {
+    pub fn new(
+        audit_id: &str,
+        index: u64,
+        leaf: &Hash,
+        path: &[Hash],
+        checkpoint: Checkpoint,
+    ) -> Self {
+        Self {
+            audit_id: audit_id.to_string(),
+            index,
+            leaf_hash: hex::encode(leaf),
+            path: path.iter().map(hex::encode).collect(),
+            checkpoint,
+        }
+    }
+
+    /// Whether the path leads from the leaf to the checkpoint's root (RFC 9162 §2.1.3.2); the
+    /// checkpoint's signature is the caller's to check.
+    pub fn verify(&self) -> bool {
+        let parse = crate::checkpoint::parse_hash;
+        let (Some(leaf), Some(root)) = (parse(&self.leaf_hash), parse(&self.checkpoint.root))
+        else {
+            return false;
+        };
+        let Some(path) = self
+            .path
+            .iter()
+            .map(|h| parse(h))
+            .collect::<Option<Vec<Hash>>>()
+        else {
+            return false;
+        };
+        merkle::verify_inclusion(self.index, self.checkpoint.size, &leaf, &path, &root)
+    }
 }
 
 /// A consistency proof between two checkpoints.
@@ -430,7 +466,7 @@ impl AuditLog {
                     }
                     Err(e) => return Err(AuditError::io(&path, e)),
                 };
-                if crate::sha256_hex(&data) != f.sha256 {
+                if record::sha256_bytes_hex(&data) != f.sha256 {
                     return Err(AuditError::Tampered(format!(
                         "sealed file {} does not match its manifest's sha256",
                         f.path
@@ -635,7 +671,7 @@ impl AuditLog {
                     target: None,
                     cause: Some("the process stopped in the middle of a write".into()),
                     outcome: "ok".into(),
-                    detail: entry::detail([("note", serde_json::Value::String(note))]),
+                    detail: serde_json::json!({ "note": note }),
                 },
             )])?;
         }
@@ -645,10 +681,6 @@ impl AuditLog {
     /// Group commits done since the log opened (one write and one fsync each).
     pub fn batches(&self) -> u64 {
         self.batches.load(Ordering::Relaxed)
-    }
-
-    pub fn options(&self) -> &LogOptions {
-        &self.options
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -817,25 +849,15 @@ impl AuditLog {
         self.rotate_if_due(&mut inner)
     }
 
-    /// The current tree size and root.
-    pub fn head(&self) -> (u64, Hash) {
-        let inner = self.lock();
-        (inner.index.size(), inner.index.frontier.root())
-    }
-
-    /// Signs and appends a checkpoint when the tree grew since the last one (or `force`).
-    pub fn checkpoint(&self, force: bool) -> Result<Option<Checkpoint>, AuditError> {
+    /// Signs and appends a checkpoint when the tree grew since the last one.
+    pub fn checkpoint(&self) -> Result<Option<Checkpoint>, AuditError> {
         let mut inner = self.lock();
         let size = inner.index.size();
-        let last = inner.checkpoints.last().map(|c| c.size);
-        if !force && last == Some(size) {
+        if inner.checkpoints.last().map(|c| c.size) == Some(size) {
             *self
                 .last_checkpoint_at
                 .lock()
                 .unwrap_or_else(|e| e.into_inner()) = Instant::now();
-            return Ok(None);
-        }
-        if last == Some(size) && size == 0 {
             return Ok(None);
         }
         let root = inner.index.frontier.root();
@@ -961,7 +983,7 @@ impl AuditLog {
             }
             files.push(SealedFile {
                 path: rel,
-                sha256: crate::sha256_hex(&data),
+                sha256: record::sha256_bytes_hex(&data),
                 rows: group.len() as u64,
                 model: head.model.clone(),
             });
@@ -979,7 +1001,7 @@ impl AuditLog {
         // Groups and files were made in the same order.
         for ((_, group), file) in groups.iter().zip(&manifest.files) {
             let rel = &file.path;
-            for (r, row) in group.iter().enumerate() {
+            for row in group {
                 let line = IndexLine {
                     i: row.index,
                     h: hex::encode(row.leaf_hash),
@@ -987,7 +1009,6 @@ impl AuditLog {
                     u: row.user.clone(),
                     t: row.time_ms,
                     f: rel.clone(),
-                    r: r as u32,
                 };
                 lines.push_str(&serde_json::to_string(&line).unwrap_or_default());
                 lines.push('\n');
@@ -1050,20 +1071,11 @@ impl AuditLog {
                     .map_err(|e| AuditError::io(&path, e))?;
                 buf
             }
-            Location::Shipped { file } => {
-                return Err(AuditError::NotFound(format!(
-                    "the entry is in {file} on S3 only (its local copy was removed once shipped): \
-                     read it with `rampart audit get ID --s3 URL`"
-                )))
-            }
+            Location::Shipped { file } => return Err(on_s3_only(file)),
             Location::Sealed { file, row } => {
                 if !files.contains_key(&**file) {
                     let data = fs::read(&**file).map_err(|e| match e.kind() {
-                        std::io::ErrorKind::NotFound => AuditError::NotFound(format!(
-                            "the entry is in {} on S3 only (its local copy was removed once shipped): \
-                             read it with `rampart audit get ID --s3 URL`",
-                            file.display()
-                        )),
+                        std::io::ErrorKind::NotFound => on_s3_only(&file.display().to_string()),
                         _ => AuditError::io(file, e),
                     })?;
                     files.insert((**file).clone(), seal::read(data)?);
@@ -1142,7 +1154,7 @@ impl AuditLog {
         };
         let covered = self.lock().checkpoints.last().map_or(0, |c| c.size);
         if index >= covered {
-            self.checkpoint(false)?;
+            self.checkpoint()?;
         }
         let inner = self.lock();
         let Some(checkpoint) = inner.checkpoints.last().cloned() else {
@@ -1154,13 +1166,9 @@ impl AuditLog {
         let leaf = inner.index.leaves[index as usize];
         drop(inner);
         let path = merkle::inclusion_proof(&leaves, index as usize).unwrap_or_default();
-        Ok(Some(InclusionProof {
-            audit_id: audit_id.to_string(),
-            index,
-            leaf_hash: hex::encode(leaf),
-            path: path.iter().map(hex::encode).collect(),
-            checkpoint,
-        }))
+        Ok(Some(InclusionProof::new(
+            audit_id, index, &leaf, &path, checkpoint,
+        )))
     }
 
     /// The consistency proof between the checkpoints of sizes `first` and `second` (the newest
@@ -1223,7 +1231,7 @@ impl AuditLog {
                 .unwrap_or_else(|e| e.into_inner())
                 .clone(),
             last_checkpoint: inner.checkpoints.last().cloned(),
-            checkpoint_age_s: Some(age),
+            checkpoint_age_s: age,
             segments_open: inner.closed.len() + 1,
             sealed_segments: self.sealed_count.load(Ordering::Relaxed),
             key_id: self.signer.key_id().to_string(),
@@ -1278,6 +1286,14 @@ impl AuditLog {
             .unwrap_or_else(|e| e.into_inner())
             .clone()
     }
+}
+
+/// A lookup of an entry whose sealed file was removed once shipped.
+fn on_s3_only(file: &str) -> AuditError {
+    AuditError::NotFound(format!(
+        "the entry is in {file} on S3 only (its local copy was removed once shipped): \
+         read it with `rampart audit get ID --s3 URL`"
+    ))
 }
 
 fn write_durable(path: &Path, data: &[u8]) -> Result<(), AuditError> {

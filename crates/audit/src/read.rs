@@ -111,7 +111,7 @@ impl Log {
     }
 
     /// The inclusion proof of an entry against the newest checkpoint that covers it.
-    pub fn prove(&self, audit_id: &str) -> Option<(u64, Vec<Hash>, Checkpoint)> {
+    pub fn prove(&self, audit_id: &str) -> Option<crate::log::InclusionProof> {
         let index = self
             .entries
             .iter()
@@ -127,7 +127,10 @@ impl Log {
             .map(|l| l.leaf)
             .collect();
         let path = merkle::inclusion_proof(&leaves, index as usize)?;
-        Some((index, path, checkpoint))
+        let leaf = leaves[index as usize];
+        Some(crate::log::InclusionProof::new(
+            audit_id, index, &leaf, &path, checkpoint,
+        ))
     }
 }
 
@@ -204,7 +207,7 @@ fn load_into(dir: &Path, key: &VerifyingKey, log: &mut Log) -> Result<(), Proble
                     format!("sealed file {} is missing: {e}", f.path),
                 )
             })?;
-            if crate::sha256_hex(&data) != f.sha256 {
+            if record::sha256_bytes_hex(&data) != f.sha256 {
                 // Name the first entry the replaced file changed, when it still reads.
                 let first_bad = seal::read(data)
                     .ok()
@@ -442,12 +445,12 @@ mod tests {
         for i in 0..n {
             log.append(vec![action(i)]).unwrap();
             if Some(i + 1) == seal_at {
-                log.checkpoint(false).unwrap();
+                log.checkpoint().unwrap();
                 log.rotate().unwrap();
                 log.seal_next().unwrap().unwrap();
             }
         }
-        log.checkpoint(false).unwrap();
+        log.checkpoint().unwrap();
         dir
     }
 
@@ -584,7 +587,7 @@ mod tests {
             .redactions
             .iter()
             .any(|r| r.field.starts_with("too_large:")));
-        log.checkpoint(false).unwrap();
+        log.checkpoint().unwrap();
         let report = load(dir.path(), None).report();
         assert!(report.ok && report.uncovered == 0, "{report:?}");
     }
@@ -608,7 +611,7 @@ mod tests {
         assert!(before.problem.is_none(), "{:?}", before.problem);
         assert!(before.torn_tail.is_some());
         let log = AuditLog::open(LogOptions::new(dir.path())).unwrap();
-        log.checkpoint(false).unwrap();
+        log.checkpoint().unwrap();
         drop(log);
         let after = load(dir.path(), None);
         assert!(after.problem.is_none(), "{:?}", after.problem);

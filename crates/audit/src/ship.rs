@@ -46,12 +46,21 @@ struct ShippedLine {
 
 /// The sealed files (relative to `sealed/`) that `dir`'s shipper shipped and verified.
 pub fn shipped_files(dir: &Path) -> HashSet<String> {
-    let text = fs::read_to_string(dir.join("shipped.jsonl")).unwrap_or_default();
-    text.lines()
-        .filter_map(|l| serde_json::from_str::<ShippedLine>(l).ok())
+    shipped_lines(dir)
+        .into_iter()
         .filter_map(|l| l.file)
         .collect()
 }
+
+/// `dir/shipped.jsonl`, what the shipper shipped and verified (none when it never shipped).
+fn shipped_lines(dir: &Path) -> Vec<ShippedLine> {
+    let text = fs::read_to_string(dir.join(SHIPPED_FILE)).unwrap_or_default();
+    text.lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect()
+}
+
+const SHIPPED_FILE: &str = "shipped.jsonl";
 
 /// What a round of shipping did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -139,17 +148,12 @@ impl Shipper {
     }
 
     fn shipped_path(&self) -> PathBuf {
-        self.dir.join("shipped.jsonl")
+        self.dir.join(SHIPPED_FILE)
     }
 
     fn shipped(&self) -> HashSet<u64> {
-        let text = fs::read_to_string(self.shipped_path()).unwrap_or_default();
-        let lines: Vec<ShippedLine> = text
-            .lines()
-            .filter_map(|l| serde_json::from_str(l).ok())
-            .collect();
         // A segment counts once its manifest (shipped last) is there.
-        lines
+        shipped_lines(&self.dir)
             .iter()
             .filter(|l| l.key.ends_with(&Manifest::path(l.first)))
             .map(|l| l.first)
@@ -282,7 +286,7 @@ impl Shipper {
         let name = Manifest::path(m.first);
         let path = sealed.join(&name);
         let data = fs::read(&path).map_err(|e| AuditError::io(&path, e))?;
-        let sha = crate::sha256_hex(&data);
+        let sha = record::sha256_bytes_hex(&data);
         let key = remote_key(&self.prefix, &name);
         let version_id = self.put_verified(&key, data).await?;
         lines.push(ShippedLine {

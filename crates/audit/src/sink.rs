@@ -33,15 +33,9 @@ impl AuditSink {
         }
     }
 
-    fn entry(&self, envelope: &Envelope) -> AuditEntry {
-        AuditEntry::request(envelope)
-    }
-
     async fn append(&self, entries: Vec<AuditEntry>) -> Result<(), SinkError> {
-        let log = Arc::clone(&self.log);
-        tokio::task::spawn_blocking(move || log.append(entries))
+        append_blocking(&self.log, entries)
             .await
-            .map_err(|e| SinkError(format!("the audit writer stopped: {e}")))?
             .map(|_| ())
             .map_err(|e| SinkError(e.to_string()))
     }
@@ -74,19 +68,19 @@ impl Sink for AuditSink {
     }
 
     fn write<'a>(&'a mut self, envelope: &'a Envelope) -> SinkFuture<'a> {
-        let entry = self.entry(envelope);
+        let entry = AuditEntry::request(envelope);
         Box::pin(async move { self.append(vec![entry]).await })
     }
 
     fn write_batch<'a>(&'a mut self, envelopes: &'a [Arc<Envelope>]) -> SinkFuture<'a> {
-        let entries = envelopes.iter().map(|e| self.entry(e)).collect();
+        let entries = envelopes.iter().map(|e| AuditEntry::request(e)).collect();
         Box::pin(async move { self.append(entries).await })
     }
 
     fn flush(&mut self) -> SinkFuture<'_> {
         let log = Arc::clone(&self.log);
         Box::pin(async move {
-            tokio::task::spawn_blocking(move || log.checkpoint(false))
+            tokio::task::spawn_blocking(move || log.checkpoint())
                 .await
                 .map_err(|e| SinkError(e.to_string()))?
                 .map(|_| ())
@@ -175,7 +169,7 @@ fn spawn_checkpointer(log: &Arc<AuditLog>, interval: Duration) {
             let Some(log) = log.upgrade() else {
                 return;
             };
-            if let Err(e) = log.checkpoint(false) {
+            if let Err(e) = log.checkpoint() {
                 tracing::error!(error = %e, "audit checkpoint failed");
             }
         });
@@ -192,12 +186,21 @@ pub async fn append_action(
     model: Option<String>,
     action: Action,
 ) -> Result<u64, AuditError> {
-    let log = Arc::clone(log);
     let entry = AuditEntry::action(principal, operator, model, action);
-    tokio::task::spawn_blocking(move || log.append(vec![entry]))
+    append_blocking(log, vec![entry])
+        .await
+        .map(|v| v.first().copied().unwrap_or(0))
+}
+
+/// [`AuditLog::append`] off the async threads (it writes and fsyncs).
+async fn append_blocking(
+    log: &Arc<AuditLog>,
+    entries: Vec<AuditEntry>,
+) -> Result<Vec<u64>, AuditError> {
+    let log = Arc::clone(log);
+    tokio::task::spawn_blocking(move || log.append(entries))
         .await
         .map_err(|e| AuditError::Unavailable(format!("the audit writer stopped: {e}")))?
-        .map(|v| v.first().copied().unwrap_or(0))
 }
 
 #[cfg(test)]

@@ -86,7 +86,7 @@ fn append_batch(log: &AuditLog, models: &[Option<&str>], n: usize, tag: &str) ->
 
 /// Closes the active segment and seals it; the manifest must cover exactly `entries`.
 fn rotate_and_seal(log: &AuditLog, entries: &[Appended]) -> Manifest {
-    log.checkpoint(false).expect("checkpoint");
+    log.checkpoint().expect("checkpoint");
     log.rotate().expect("rotate");
     let manifest = log
         .seal_next()
@@ -279,7 +279,7 @@ async fn sealed_segments_ship_with_compliance_retention_and_verify_from_s3_alone
     let mut first = Vec::new();
     for batch in 0..4 {
         first.extend(append_batch(&log, &models, 8, &format!("s1b{batch}")));
-        log.checkpoint(false).expect("checkpoint");
+        log.checkpoint().expect("checkpoint");
     }
     let first_manifest = rotate_and_seal(&log, &first);
     // Segment two: only the two models, in different proportions.
@@ -292,13 +292,13 @@ async fn sealed_segments_ship_with_compliance_retention_and_verify_from_s3_alone
             &format!("s2b{batch}"),
         ));
         if batch != 1 {
-            log.checkpoint(false).expect("checkpoint");
+            log.checkpoint().expect("checkpoint");
         }
     }
     let second_manifest = rotate_and_seal(&log, &second);
     // Entries still in the active segment are not sealed, so never shipped.
     let unsealed = append_batch(&log, &models, 4, "active");
-    log.checkpoint(false).expect("checkpoint");
+    log.checkpoint().expect("checkpoint");
     let sealed: Vec<Appended> = first.iter().chain(&second).cloned().collect();
     assert_eq!(sealed.len(), 62);
     assert_eq!(first_manifest.files.len(), 3, "one file per model");

@@ -7,7 +7,6 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{bail, Context};
-use audit::merkle;
 use audit::read::{self, Log};
 
 #[derive(Debug, clap::Args)]
@@ -212,22 +211,14 @@ pub fn run(args: AuditArgs) -> anyhow::Result<ExitCode> {
             }
         }
         AuditCommand::Prove { audit_id } => {
-            let Some((index, path, checkpoint)) = log.prove(&audit_id) else {
+            let Some(proof) = log.prove(&audit_id) else {
                 bail!("no audit entry {audit_id:?} covered by a signed checkpoint");
             };
-            let leaf = log.entries[index as usize].leaf;
-            let root = checkpoint.root_hash()?;
-            let ok = merkle::verify_inclusion(index, checkpoint.size, &leaf, &path, &root);
-            let out = serde_json::json!({
-                "audit_id": audit_id,
-                "index": index,
-                "leaf_hash": hex(&leaf),
-                "path": path.iter().map(hex).collect::<Vec<_>>(),
-                "checkpoint": checkpoint,
-                "verified": ok,
-            });
+            let verified = proof.verify();
+            let mut out = serde_json::to_value(&proof)?;
+            out["verified"] = verified.into();
             println!("{}", serde_json::to_string_pretty(&out)?);
-            if !ok {
+            if !verified {
                 return Ok(ExitCode::from(1));
             }
         }
@@ -249,8 +240,4 @@ pub fn run(args: AuditArgs) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
-}
-
-fn hex(h: &merkle::Hash) -> String {
-    h.iter().map(|b| format!("{b:02x}")).collect()
 }

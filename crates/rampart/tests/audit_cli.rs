@@ -49,12 +49,12 @@ fn log(n: usize) -> (tempfile::TempDir, Vec<String>) {
         ids.push(e.audit_id.clone());
         log.append(vec![e]).unwrap();
         if i + 1 == n / 2 {
-            log.checkpoint(false).unwrap();
+            log.checkpoint().unwrap();
             log.rotate().unwrap();
             log.seal_next().unwrap().unwrap();
         }
     }
-    log.checkpoint(false).unwrap();
+    log.checkpoint().unwrap();
     (dir, ids)
 }
 

@@ -158,8 +158,11 @@ impl Default for EngineOptions {
 /// What to continue.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Prompt {
-    /// Raw text (BOS added when the model wants it).
+    /// Raw text (BOS added when the model wants it); special-token texts in it become their
+    /// tokens, as clients of raw completion APIs expect.
     Text(String),
+    /// Raw text whose special-token texts stay plain text (BOS added when the model wants it).
+    PlainText(String),
     /// A conversation, rendered with the model's chat template.
     Chat(Vec<ChatMessage>),
     /// Token ids as they are.
@@ -607,6 +610,17 @@ impl Engine {
         template.render(messages, true)
     }
 
+    /// Token ids of a chat: the template's control tokens, and every message's content as plain
+    /// text (a special-token text a client wrote never becomes a control token, so no one can
+    /// forge a turn).
+    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, EngineError> {
+        let template =
+            self.core.template.as_ref().ok_or_else(|| {
+                EngineError::ChatTemplate("the model has no chat template".into())
+            })?;
+        self.core.tokenizer.encode_chat(template, messages)
+    }
+
     /// Validates and tokenizes a request. Every request error surfaces here, before streaming.
     pub fn prepare(&self, request: GenerateRequest) -> Result<Prepared, EngineError> {
         let vocab = self.core.model.config.vocab_size;
@@ -624,7 +638,8 @@ impl Engine {
         let tokenizer = &self.core.tokenizer;
         let tokens = match &request.prompt {
             Prompt::Text(text) => tokenizer.encode(text, true)?,
-            Prompt::Chat(messages) => tokenizer.encode(&self.render_chat(messages)?, false)?,
+            Prompt::PlainText(text) => tokenizer.encode_plain(text, true)?,
+            Prompt::Chat(messages) => self.encode_chat(messages)?,
             Prompt::Tokens(ids) => {
                 if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
                     return Err(EngineError::InvalidRequest(format!(

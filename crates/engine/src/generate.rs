@@ -247,6 +247,8 @@ pub struct Finished {
     pub decode_seconds: f64,
     /// Text still held back when generation ended (flushed here).
     pub trailing_text: String,
+    /// The stop string that ended the text (reason `stop`), when one did.
+    pub stop: Option<String>,
 }
 
 /// What the stream carries.
@@ -755,6 +757,7 @@ impl Engine {
                             prefill_seconds: 0.0,
                             decode_seconds: started.elapsed().as_secs_f64(),
                             trailing_text: String::new(),
+                            stop: None,
                         });
                     }
                 }
@@ -878,6 +881,8 @@ fn engine_loop(
 pub(crate) struct StopMatcher {
     stops: Vec<String>,
     held: String,
+    /// The stop string that ended the text.
+    pub(crate) matched: Option<String>,
 }
 
 impl StopMatcher {
@@ -885,6 +890,7 @@ impl StopMatcher {
         Self {
             stops: stops.to_vec(),
             held: String::new(),
+            matched: None,
         }
     }
 
@@ -895,12 +901,13 @@ impl StopMatcher {
             return (piece.to_string(), false);
         }
         self.held.push_str(piece);
-        if let Some(at) = self
+        if let Some((at, stop)) = self
             .stops
             .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
-            .min()
+            .filter_map(|s| self.held.find(s.as_str()).map(|at| (at, s)))
+            .min_by_key(|(at, _)| *at)
         {
+            self.matched = Some(stop.clone());
             let out = self.held[..at].to_string();
             self.held.clear();
             return (out, true);

@@ -129,6 +129,9 @@ pub struct CompletionRequest {
     pub echo: Option<bool>,
     pub suffix: Option<String>,
     pub best_of: Option<i64>,
+    /// Special-token texts in the prompt become control tokens (`true`) or stay plain text
+    /// (`false`); unset: the model's `parse_special_tokens` (default `true`).
+    pub parse_special_tokens: Option<bool>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
 }
@@ -480,6 +483,7 @@ impl ChatCompletionRequest {
             n,
             default_max_tokens: max_tokens.is_none(),
             language: None,
+            parse_special_tokens: None,
             fallback_level: 0,
             request,
             stream: self.sampling.stream.unwrap_or(false),
@@ -556,6 +560,7 @@ impl CompletionRequest {
             n,
             default_max_tokens: self.sampling.max_tokens.is_none(),
             language: None,
+            parse_special_tokens: self.parse_special_tokens,
             fallback_level: 0,
             request,
             stream: self.sampling.stream.unwrap_or(false),

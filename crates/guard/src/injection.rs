@@ -448,7 +448,7 @@ impl Guard {
                 match classifier.score(&texts) {
                     Ok(scored) => {
                         for ((i, kind, _), s) in to_classify.iter().zip(scored) {
-                            if s.score >= REPORT_FLOOR {
+                            {
                                 let channel = judged[*i].channel;
                                 judged[*i].findings.push(Finding {
                                     code: "classifier.injection".into(),
@@ -492,19 +492,19 @@ impl Guard {
         } else {
             Verdict::Allow
         };
+        let score = judged.iter().map(|j| j.score).fold(0.0f32, f32::max);
         let mut reasons: Vec<Finding> = judged
             .into_iter()
             .flat_map(|j| {
                 let t = policy.thresholds.of(j.channel);
-                j.findings
-                    .into_iter()
-                    .filter(move |f| f.score >= REPORT_FLOOR.min(t) || f.tier != "rules")
+                j.findings.into_iter().filter(move |f| match f.tier {
+                    "special_tokens" | "normalise" => true,
+                    _ => f.score >= REPORT_FLOOR.min(t),
+                })
             })
-            .filter(|f| f.score > 0.0 || f.tier == "special_tokens" || f.tier == "normalise")
             .collect();
         reasons.sort_by(|a, b| b.score.total_cmp(&a.score));
         reasons.truncate(8);
-        let score = reasons.iter().map(|r| r.score).fold(0.0f32, f32::max);
         let tier = match (&error, reasons.first()) {
             (Some(_), _) if verdict == Verdict::Error => "classifier",
             (_, Some(r)) => r.tier,

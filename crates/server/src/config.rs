@@ -579,7 +579,7 @@ impl Default for GuardConfig {
         Self {
             rules: None,
             classifier: None,
-            head_file: "injection_head.safetensors".into(),
+            head_file: "guard/injection_head.safetensors".into(),
             segment_tokens: 128,
             max_segments: 32,
             threads: None,

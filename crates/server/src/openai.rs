@@ -50,7 +50,7 @@ pub struct ContentPart {
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct ChatMessageIn {
-    /// `system`, `developer` (treated as system), `user` or `assistant`.
+    /// `system`, `developer` (treated as system), `user`, `assistant` or `tool` (`function`).
     pub role: String,
     pub content: Option<MessageContent>,
     pub name: Option<String>,
@@ -425,11 +425,14 @@ impl ChatCompletionRequest {
                 "system" | "developer" => "system",
                 "user" => "user",
                 "assistant" => "assistant",
+                // Tool and function results (retrieved documents): the guard's strictest
+                // channel; the model's template decides how they read.
+                "tool" | "function" => "tool",
                 other => {
                     return Err(ApiError::invalid_param(
                         "messages",
                         format!(
-                            "messages[{i}].role {other:?} is not supported (system, developer, user, assistant)"
+                            "messages[{i}].role {other:?} is not supported (system, developer, user, assistant, tool)"
                         ),
                     ))
                 }
@@ -608,7 +611,7 @@ mod tests {
         for (body, param) in [
             (r#"{"model":"m","messages":[]}"#, "messages"),
             (
-                r#"{"model":"m","messages":[{"role":"tool","content":"x"}]}"#,
+                r#"{"model":"m","messages":[{"role":"robot","content":"x"}]}"#,
                 "messages",
             ),
             (

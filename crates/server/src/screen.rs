@@ -108,7 +108,19 @@ pub fn load_classifier(
     let loaded = repository
         .load(&reference, &repo::NoProgress)
         .map_err(|e| e.to_string())?;
-    let dir = &loaded.version.dir;
+    let classifier = classifier_from_dir(&loaded.version.dir, config, threads)?;
+    Ok((
+        classifier,
+        format!("{}@{}", loaded.version.name, loaded.version.version),
+    ))
+}
+
+/// The classifier of a sentence-transformers folder that also holds the head (`head_file`).
+pub fn classifier_from_dir(
+    dir: &std::path::Path,
+    config: &GuardConfig,
+    threads: Option<usize>,
+) -> Result<guard::Classifier, String> {
     let head = guard::Head::load(&dir.join(&config.head_file)).map_err(|e| e.to_string())?;
     let mut options = engine::EmbedderOptions::default();
     if let Some(t) = threads {
@@ -119,17 +131,14 @@ pub fn load_classifier(
         return Err(format!(
             "the head takes {} dimensions, {} gives {}",
             head.inputs(),
-            name,
+            dir.display(),
             embedder.dimensions()
         ));
     }
     let mut classifier = guard::Classifier::new(head, Box::new(EngineEmbed(embedder)));
     classifier.segment_tokens = config.segment_tokens;
     classifier.max_segments = config.max_segments;
-    Ok((
-        classifier,
-        format!("{}@{}", loaded.version.name, loaded.version.version),
-    ))
+    Ok(classifier)
 }
 
 /// Loads a rules model's file (digests verified).
@@ -173,6 +182,21 @@ impl GuardService {
             rules_source: "seed".into(),
             classifier_source: None,
             load_error: None,
+        }
+    }
+
+    /// A guard assembled by the caller (the CLI's files and folders).
+    pub fn from_parts(
+        config: &ServerConfig,
+        guard: Guard,
+        rules_source: String,
+        classifier_source: Option<String>,
+    ) -> Self {
+        Self {
+            guard,
+            rules_source,
+            classifier_source,
+            ..Self::seed(config)
         }
     }
 

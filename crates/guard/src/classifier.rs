@@ -284,7 +284,7 @@ impl Classifier {
             head,
             embedder,
             segment_tokens: 128,
-            max_segments: 32,
+            max_segments: 8,
         }
     }
 

@@ -154,6 +154,9 @@ pub struct Policy {
     pub special_tokens: SpecialTokens,
     /// Run the classifier tier (when the guard has one).
     pub classifier: bool,
+    /// The classifier's score decides alone only from here up (the head is not calibrated for
+    /// every channel and language: below it, its score counts at a tenth, as evidence).
+    pub classifier_threshold: f32,
 }
 
 impl Default for Policy {
@@ -164,6 +167,7 @@ impl Default for Policy {
             on_error: OnError::FailClosed,
             special_tokens: SpecialTokens::Flag,
             classifier: true,
+            classifier_threshold: DEFAULT_CLASSIFIER_THRESHOLD,
         }
     }
 }
@@ -254,6 +258,11 @@ impl Decision {
     }
 }
 
+/// The classifier's default stand-alone threshold: on the dev set (examples/guard/dev.jsonl)
+/// rules plus the classifier at 0.95 gave the lowest false-alarm rate with the rules' recall
+/// kept (docs/guard.md).
+pub const DEFAULT_CLASSIFIER_THRESHOLD: f32 = 0.95;
+
 /// Scores below this are not reported as reasons.
 const REPORT_FLOOR: f32 = 0.2;
 /// A rule hit in a decoded view counts this much more (hiding an instruction is itself a sign).
@@ -330,7 +339,7 @@ impl Guard {
             .filter(|s| s.label.starts_with("benign"))
             .map(|s| s.score)
             .sum();
-        let boost = if view.kind == "text" || view.kind == "folded" || view.kind == "squeezed" {
+        let boost = if matches!(view.kind, "text" | "folded" | "squeezed" | "leet") {
             1.0
         } else {
             DECODED_BOOST
@@ -450,12 +459,17 @@ impl Guard {
                         for ((i, kind, _), s) in to_classify.iter().zip(scored) {
                             {
                                 let channel = judged[*i].channel;
+                                let score = if s.score >= policy.classifier_threshold {
+                                    s.score
+                                } else {
+                                    s.score * 0.1
+                                };
                                 judged[*i].findings.push(Finding {
                                     code: "classifier.injection".into(),
                                     tier: "classifier",
                                     channel,
                                     view: kind,
-                                    score: s.score,
+                                    score,
                                     evidence: clip(&s.segment, 120),
                                 });
                             }

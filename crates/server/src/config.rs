@@ -570,6 +570,7 @@ pub struct GuardConfig {
     pub refusal: Option<Refusal>,
     pub canary: Option<Canary>,
     pub use_classifier: Option<bool>,
+    pub classifier_threshold: Option<f32>,
     /// Per API key id (the principal).
     pub keys: std::collections::BTreeMap<String, GuardOverride>,
 }
@@ -581,7 +582,7 @@ impl Default for GuardConfig {
             classifier: None,
             head_file: "guard/injection_head.safetensors".into(),
             segment_tokens: 128,
-            max_segments: 32,
+            max_segments: 8,
             threads: None,
             enabled: None,
             mode: None,
@@ -591,6 +592,7 @@ impl Default for GuardConfig {
             refusal: None,
             canary: None,
             use_classifier: None,
+            classifier_threshold: None,
             keys: Default::default(),
         }
     }
@@ -608,6 +610,7 @@ impl GuardConfig {
             refusal: self.refusal,
             canary: self.canary,
             use_classifier: self.use_classifier,
+            classifier_threshold: self.classifier_threshold,
         }
     }
 }
@@ -629,6 +632,8 @@ pub struct GuardOverride {
     pub canary: Option<Canary>,
     /// Run the classifier tier (when `[guard] classifier` names one).
     pub use_classifier: Option<bool>,
+    /// The classifier's score decides alone from here up (default 0.95).
+    pub classifier_threshold: Option<f32>,
 }
 
 impl GuardOverride {
@@ -645,10 +650,18 @@ impl GuardOverride {
             refusal: self.refusal.or(base.refusal),
             canary: self.canary.or(base.canary),
             use_classifier: self.use_classifier.or(base.use_classifier),
+            classifier_threshold: self.classifier_threshold.or(base.classifier_threshold),
         }
     }
 
     fn validate(&self, at: &str) -> Result<(), ConfigError> {
+        if let Some(t) = self.classifier_threshold {
+            if !(0.0..=1.0).contains(&t) {
+                return Err(ConfigError(format!(
+                    "{at}.classifier_threshold = {t}: a score from 0 to 1"
+                )));
+            }
+        }
         for (channel, t) in &self.thresholds {
             if guard::Channel::parse(channel).is_none() {
                 return Err(ConfigError(format!(

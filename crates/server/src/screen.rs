@@ -268,6 +268,9 @@ impl GuardService {
                 on_error: o.on_guard_error.unwrap_or_default(),
                 special_tokens: o.special_tokens.unwrap_or_default(),
                 classifier: o.use_classifier.unwrap_or(true),
+                classifier_threshold: o
+                    .classifier_threshold
+                    .unwrap_or(guard::injection::DEFAULT_CLASSIFIER_THRESHOLD),
             },
             refusal: o.refusal.unwrap_or_default(),
             canary: o.canary.unwrap_or_default(),

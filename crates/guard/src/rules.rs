@@ -21,7 +21,7 @@
 use std::collections::BTreeMap;
 
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
-use regex::{Regex, RegexSet};
+use regex::Regex;
 use serde::{Deserialize, Serialize};
 
 /// Why a rules file cannot be used.
@@ -138,7 +138,6 @@ pub struct RulesEngine {
     keywords: Vec<Keyword>,
     keyword_matcher: Option<AhoCorasick>,
     patterns: Vec<Pattern>,
-    pattern_set: RegexSet,
 }
 
 impl std::fmt::Debug for RulesEngine {
@@ -234,8 +233,6 @@ impl RulesEngine {
                     .map_err(|e| RulesError::Invalid(format!("keywords: {e}")))?,
             )
         };
-        let pattern_set = RegexSet::new(patterns.iter().map(|p| p.regex.as_str()))
-            .map_err(|e| RulesError::Invalid(format!("patterns: {e}")))?;
         Ok(Self {
             labels,
             threshold: file.threshold,
@@ -243,7 +240,6 @@ impl RulesEngine {
             keywords,
             keyword_matcher,
             patterns,
-            pattern_set,
         })
     }
 
@@ -302,9 +298,8 @@ impl RulesEngine {
                 );
             }
         }
-        if !self.patterns.is_empty() {
-            for i in self.pattern_set.matches(text).iter() {
-                let p = &self.patterns[i];
+        {
+            for p in &self.patterns {
                 if let Some(m) = p.regex.find(text) {
                     consider(
                         p.label,
@@ -339,13 +334,13 @@ impl RulesEngine {
                 ));
             }
         }
-        if !self.patterns.is_empty() {
-            for i in self.pattern_set.matches(text).iter() {
-                let p = &self.patterns[i];
-                if let Some(m) = p.regex.find(text) {
-                    scores[p.label] += p.weight;
-                    evidence.push((p.label, p.weight, "pattern", i, m.start(), m.end()));
-                }
+        // Each pattern on its own: its literal prefilter skips most texts, and its own small
+        // lazy DFA stays in cache (one set of every pattern falls back to slower engines on
+        // non-ASCII text: ten times slower on the guard's rules).
+        for (i, p) in self.patterns.iter().enumerate() {
+            if let Some(m) = p.regex.find(text) {
+                scores[p.label] += p.weight;
+                evidence.push((p.label, p.weight, "pattern", i, m.start(), m.end()));
             }
         }
         let total: f64 = scores.iter().sum();

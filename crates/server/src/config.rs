@@ -701,7 +701,8 @@ impl ServerConfig {
 
     /// Environment overrides (`RAMPART_LISTEN`, `RAMPART_REPO`, `RAMPART_API_KEYS_FILE`,
     /// `RAMPART_SHUTDOWN_TIMEOUT_S`, `RAMPART_LOG_FORMAT`, `RAMPART_MAX_IN_FLIGHT`,
-    /// `RAMPART_MAX_WAITING`, `RAMPART_GRPC_LISTEN`, `RAMPART_GRPC_ENABLED`).
+    /// `RAMPART_MAX_WAITING`, `RAMPART_GRPC_LISTEN`, `RAMPART_GRPC_ENABLED`,
+    /// `RAMPART_GUARD_CLASSIFIER`).
     pub fn apply_env(&mut self, get: impl Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
         fn parse<T: std::str::FromStr>(key: &str, value: &str) -> Result<T, ConfigError>
         where
@@ -734,6 +735,9 @@ impl ServerConfig {
         }
         if let Some(v) = get("RAMPART_GRPC_ENABLED") {
             self.grpc.enabled = parse("RAMPART_GRPC_ENABLED", &v)?;
+        }
+        if let Some(v) = get("RAMPART_GUARD_CLASSIFIER") {
+            self.guard.classifier = (!v.is_empty()).then_some(v);
         }
         if let Some(v) = get("RAMPART_LOG_FORMAT") {
             self.log.format = match v.as_str() {

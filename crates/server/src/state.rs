@@ -245,7 +245,16 @@ pub fn models_to_load(
         .models()
         .map_err(|e| LoadError::new("repository", e))?;
     let mut out = Vec::new();
+    // The guard's classifier is the guard's, not a served model.
+    let guard_classifier = config
+        .guard
+        .classifier
+        .as_deref()
+        .map(|c| c.split('@').next().unwrap_or(c));
     for name in models {
+        if Some(name.as_str()) == guard_classifier {
+            continue;
+        }
         let reference = ModelRef {
             name: name.clone(),
             version: None,

@@ -249,10 +249,46 @@ fn windows<'a>(s: &'a str, max_tokens: usize, count: &dyn Fn(&str) -> usize) -> 
     out
 }
 
+/// Segment scores already computed, by the segment's hash: a conversation's earlier turns come
+/// back with every request, and each is embedded once.
+#[derive(Debug, Default)]
+struct ScoreCache {
+    scores: std::collections::HashMap<u64, f32>,
+    order: std::collections::VecDeque<u64>,
+}
+
+/// Segments whose scores are kept.
+const CACHED_SEGMENTS: usize = 4096;
+
+fn segment_key(segment: &str) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    segment.hash(&mut h);
+    h.finish()
+}
+
+impl ScoreCache {
+    fn get(&self, key: u64) -> Option<f32> {
+        self.scores.get(&key).copied()
+    }
+
+    fn put(&mut self, key: u64, score: f32) {
+        if self.scores.insert(key, score).is_none() {
+            self.order.push_back(key);
+            if self.order.len() > CACHED_SEGMENTS {
+                if let Some(old) = self.order.pop_front() {
+                    self.scores.remove(&old);
+                }
+            }
+        }
+    }
+}
+
 /// The head on an embedder: scores texts by their most suspicious segment.
 pub struct Classifier {
     head: Head,
     embedder: Box<dyn Embed>,
+    cache: std::sync::Mutex<ScoreCache>,
     /// Tokens per segment (the head was trained on the first 128 tokens of its inputs).
     pub segment_tokens: usize,
     /// Most segments scored per text; a longer text is scored on its first and last ones and
@@ -283,6 +319,7 @@ impl Classifier {
         Self {
             head,
             embedder,
+            cache: std::sync::Mutex::new(ScoreCache::default()),
             segment_tokens: 128,
             max_segments: 8,
         }
@@ -303,17 +340,29 @@ impl Classifier {
             owners.extend(std::iter::repeat_n(i, segs.len()));
             all.extend(segs);
         }
-        let embeddings = if all.is_empty() {
-            Vec::new()
-        } else {
-            self.embedder.embed(&all)?
+        // Only the segments not scored before are embedded.
+        let keys: Vec<u64> = all.iter().map(|s| segment_key(s)).collect();
+        let mut scores: Vec<Option<f32>> = {
+            let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            keys.iter().map(|k| cache.get(*k)).collect()
         };
-        if embeddings.len() != all.len() {
-            return Err(format!(
-                "the embedder returned {} embeddings for {} segments",
-                embeddings.len(),
-                all.len()
-            ));
+        let missing: Vec<usize> = (0..all.len()).filter(|&i| scores[i].is_none()).collect();
+        if !missing.is_empty() {
+            let texts: Vec<&str> = missing.iter().map(|&i| all[i]).collect();
+            let embeddings = self.embedder.embed(&texts)?;
+            if embeddings.len() != texts.len() {
+                return Err(format!(
+                    "the embedder returned {} embeddings for {} segments",
+                    embeddings.len(),
+                    texts.len()
+                ));
+            }
+            let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+            for (&i, embedding) in missing.iter().zip(&embeddings) {
+                let score = self.head.score(embedding)?;
+                cache.put(keys[i], score);
+                scores[i] = Some(score);
+            }
         }
         let mut out: Vec<Scored> = texts
             .iter()
@@ -323,8 +372,8 @@ impl Classifier {
                 segments: 0,
             })
             .collect();
-        for ((segment, embedding), &owner) in all.iter().zip(&embeddings).zip(&owners) {
-            let score = self.head.score(embedding)?;
+        for ((segment, score), &owner) in all.iter().zip(&scores).zip(&owners) {
+            let score = score.unwrap_or(0.0);
             let best = &mut out[owner];
             best.segments += 1;
             if score > best.score || best.segment.is_empty() {
@@ -423,6 +472,33 @@ mod tests {
         assert!(scored[0].segment.contains("xxxx"), "{scored:?}");
         assert!(scored[0].score > 0.8);
         assert!(scored[1].score < 0.2);
+    }
+
+    struct Counting(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+    impl Embed for Counting {
+        fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, String> {
+            self.0
+                .fetch_add(texts.len(), std::sync::atomic::Ordering::Relaxed);
+            Letters.embed(texts)
+        }
+
+        fn count_tokens(&self, text: &str) -> usize {
+            Letters.count_tokens(text)
+        }
+    }
+
+    #[test]
+    fn earlier_turns_are_embedded_once() {
+        let embedded = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let c = Classifier::new(
+            Head::from_safetensors(&tiny_head()).unwrap(),
+            Box::new(Counting(embedded.clone())),
+        );
+        let first = c.score(&["turn one", "turn two"]).unwrap();
+        let again = c.score(&["turn one", "turn two", "turn three xx"]).unwrap();
+        assert_eq!(first[0], again[0]);
+        assert_eq!(embedded.load(std::sync::atomic::Ordering::Relaxed), 3);
     }
 
     #[test]

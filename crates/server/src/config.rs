@@ -561,7 +561,9 @@ pub struct GuardConfig {
     pub max_segments: usize,
     /// Compute threads of the classifier's embedder.
     pub threads: Option<usize>,
-    /// The policy for every model and key (unset fields: the defaults).
+    /// The policy for every model and key (unset fields: the defaults): the fields of
+    /// [`GuardOverride`], spelled out because serde cannot flatten a struct into one that denies
+    /// unknown fields ([`GuardConfig::policy`] gathers them).
     pub enabled: Option<bool>,
     pub mode: Option<guard::Mode>,
     pub thresholds: std::collections::BTreeMap<String, f32>,

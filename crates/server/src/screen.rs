@@ -321,6 +321,17 @@ pub fn texts(plan: &GeneratePlan) -> Vec<(Channel, String)> {
     out
 }
 
+/// The guard's view of [`texts`].
+fn as_inputs(texts: &[(Channel, String)]) -> Vec<Input<'_>> {
+    texts
+        .iter()
+        .map(|(channel, text)| Input {
+            channel: *channel,
+            text,
+        })
+        .collect()
+}
+
 /// What the front does with a request after the guard.
 #[derive(Debug)]
 pub enum Screened {
@@ -453,14 +464,9 @@ pub async fn screen(
         let backend = Arc::clone(backend);
         let policy = effective.policy.clone();
         tokio::task::spawn_blocking(move || {
-            let inputs: Vec<Input<'_>> = texts
-                .iter()
-                .map(|(channel, text)| Input {
-                    channel: *channel,
-                    text,
-                })
-                .collect();
-            service.check(&inputs, &policy, &|t| backend.special_token_spans(t))
+            service.check(&as_inputs(&texts), &policy, &|t| {
+                backend.special_token_spans(t)
+            })
         })
         .await
         .unwrap_or_else(|e| Decision {
@@ -477,14 +483,7 @@ pub async fn screen(
             error: Some(format!("the guard task failed: {e}")),
         })
     } else {
-        let inputs: Vec<Input<'_>> = texts
-            .iter()
-            .map(|(channel, text)| Input {
-                channel: *channel,
-                text,
-            })
-            .collect();
-        service.check(&inputs, &effective.policy, &|t| {
+        service.check(&as_inputs(&texts), &effective.policy, &|t| {
             backend.special_token_spans(t)
         })
     };

@@ -16,6 +16,8 @@ pub(crate) struct CpuInfo {
     pub sockets: Option<usize>,
     /// CPUs online (`/sys/devices/system/cpu/online`), else the `processor` entries.
     pub online: Vec<u32>,
+    /// (physical id, core id) of each CPU, when the file lists them.
+    pub core_of: BTreeMap<u32, (String, String)>,
 }
 
 impl CpuInfo {
@@ -37,6 +39,17 @@ impl CpuInfo {
     pub fn has(&self, flag: &str) -> bool {
         let wanted = normalise_flag(flag);
         self.flags.iter().any(|f| normalise_flag(f) == wanted)
+    }
+
+    /// Physical cores among these CPUs (each core counted once whatever its threads); `None`
+    /// when the topology is unknown.
+    pub fn cores_among(&self, cpus: &[u32]) -> Option<usize> {
+        if self.core_of.is_empty() {
+            return None;
+        }
+        let cores: BTreeSet<&(String, String)> =
+            cpus.iter().filter_map(|c| self.core_of.get(c)).collect();
+        Some(cores.len())
     }
 
     pub fn logical_cpus(&self) -> Option<usize> {
@@ -69,6 +82,9 @@ pub(crate) fn parse(text: &str) -> CpuInfo {
         if let (Some(p), Some(c)) = (entry.get("physical id"), entry.get("core id")) {
             cores.insert((p.to_string(), c.to_string()));
             sockets.insert(p.to_string());
+            if let Some(Ok(n)) = entry.get("processor").map(|n| n.parse::<u32>()) {
+                info.core_of.insert(n, (p.to_string(), c.to_string()));
+            }
         }
     };
     for line in text.lines() {
@@ -117,6 +133,8 @@ mod tests {
         assert_eq!(info.logical, 3);
         assert_eq!(info.physical_cores, Some(2));
         assert_eq!(info.sockets, Some(1));
+        assert_eq!(info.cores_among(&[0, 1]), Some(1));
+        assert_eq!(info.cores_among(&[0, 1, 2]), Some(2));
         assert_eq!(info.model.as_deref(), Some("Xeon"));
         assert!(info.has("avx512vnni"));
         assert!(!info.has("amx-tile"));

@@ -163,9 +163,9 @@ pub(crate) fn newest_cuda_for(driver: &str) -> Option<&'static str> {
     let driver = parse_version(driver);
     CUDA_DRIVERS
         .iter()
-        .filter(|r| version_cmp(&driver, &parse_version(r.min_driver)) != Ordering::Less)
+        .rev()
+        .find(|r| version_cmp(&driver, &parse_version(r.min_driver)) != Ordering::Less)
         .map(|r| r.cuda)
-        .last()
 }
 
 /// Versions from `min` (inclusive) to `below` (exclusive); either end open.

@@ -377,7 +377,7 @@ fn cgroup_quota(env: &Env) -> Check {
 fn pressure(env: &Env) -> Check {
     match pressure_some_avg10(env, "cpu") {
         Err(e) => PRESSURE.unknown(e),
-        Ok(v) if v >= 20.0 => PRESSURE.warn(format!("some avg10 {v:.1} %"), ""),
+        Ok(v) if v >= 20.0 => PRESSURE.warn(format!("some avg10 {v:.1} %"), "# see what competes for the CPUs: top -H; lower threads or move other work off the host"),
         Ok(v) => PRESSURE.ok(format!("some avg10 {v:.1} %")),
     }
 }

@@ -22,7 +22,7 @@ const NVML: CheckSpec = CheckSpec {
 const DRIVER_CUDA: CheckSpec = CheckSpec {
     id: "gpu.driver_cuda",
     area: Area::Gpu,
-    reads: "nvmlSystemGetDriverVersion, nvmlSystemGetCudaDriverVersion_v2 (or /proc/driver/nvidia/version); host::CUDA_DRIVERS",
+    reads: "nvmlSystemGetDriverVersion, nvmlSystemGetCudaDriverVersion_v2 (or /proc/driver/nvidia/version); host::known_issues::CUDA_DRIVERS",
     expected: "the driver meets the GA driver of the CUDA version the binary needs (CUDA 12.0: ≥ 525.60.13)",
     why: "A CUDA program needs a driver at least as new as its toolkit's; within a major \
           release, minor version compatibility runs it on the major's first driver without \

@@ -19,7 +19,7 @@ const VERSION: CheckSpec = CheckSpec {
 const KNOWN_ISSUES: CheckSpec = CheckSpec {
     id: "kernel.known_issues",
     area: Area::Kernel,
-    reads: "/proc/sys/kernel/osrelease; the NVIDIA driver version; the shipped table (host::KNOWN_ISSUES)",
+    reads: "/proc/sys/kernel/osrelease; the NVIDIA driver version; the shipped table (host::known_issues::KNOWN_ISSUES)",
     expected: "no known-bad kernel/driver combination",
     why: "Some kernel and NVIDIA driver combinations are known to break CUDA or the PCIe link; \
           each table row names its source (some rows are unverified examples and say so).",

@@ -307,7 +307,7 @@ fn oom_kills(env: &Env) -> Check {
 fn pressure(env: &Env) -> Check {
     match pressure_some_avg10(env, "memory") {
         Err(e) => PRESSURE.unknown(e),
-        Ok(v) if v >= 5.0 => PRESSURE.warn(format!("some avg10 {v:.1} %"), ""),
+        Ok(v) if v >= 5.0 => PRESSURE.warn(format!("some avg10 {v:.1} %"), "# see what reclaims or swaps: vmstat 1, and the largest processes: ps aux --sort=-rss | head; lower the KV cache or move other services off the host"),
         Ok(v) => PRESSURE.ok(format!("some avg10 {v:.1} %")),
     }
 }

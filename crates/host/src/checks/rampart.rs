@@ -150,11 +150,13 @@ fn threads(env: &Env) -> Check {
             "not readable: the online CPUs (/sys/devices/system/cpu/online, /proc/cpuinfo)",
         );
     }
-    let physical = env
-        .cpu
-        .physical_cores
-        .unwrap_or(usable_count)
-        .min(usable_count);
+    let physical = if usable.is_empty() {
+        env.cpu.physical_cores
+    } else {
+        env.cpu.cores_among(&usable)
+    }
+    .unwrap_or(usable_count)
+    .min(usable_count);
     let quota = env.cgroup.cpu_quota.as_ref().ok().copied().flatten();
     let quota_text = quota
         .map(|q| format!(", quota {q:.2} CPUs"))
@@ -169,7 +171,7 @@ fn threads(env: &Env) -> Check {
             "not set: the default is {physical} (physical cores); {cpus}{quota_text}"
         ));
     };
-    let observed = format!("{threads} threads; {cpus}, {physical} physical cores{quota_text}");
+    let observed = format!("{threads} threads; {cpus} on {physical} physical cores{quota_text}");
     let limit = quota.map_or(usable_count, |q| {
         (q.floor() as usize).clamp(1, usable_count)
     });

@@ -106,7 +106,10 @@ pub(crate) fn checks(env: &Env) -> Vec<Check> {
     out.extend(mount_options(env));
     out.push(match pressure_some_avg10(env, "io") {
         Err(e) => PRESSURE.unknown(e),
-        Ok(v) if v >= 20.0 => PRESSURE.warn(format!("some avg10 {v:.1} %"), ""),
+        Ok(v) if v >= 20.0 => PRESSURE.warn(
+            format!("some avg10 {v:.1} %"),
+            "# see what waits for I/O: iostat -x 1 (sysstat) or iotop",
+        ),
         Ok(v) => PRESSURE.ok(format!("some avg10 {v:.1} %")),
     });
     out
@@ -257,7 +260,7 @@ fn judge_mount(role: &str, view: &str, mount: &Mount) -> Check {
     if role == "audit" && (mount.has_option("sync") || mount.has_option("dirsync")) {
         return MOUNT_OPTIONS.warn(format!("{observed}: synchronous writes"), remount("async"));
     }
-    if is_network_fs(&mount.fs_type) && role != "cache" {
+    if is_network_fs(&mount.fs_type) {
         return MOUNT_OPTIONS.warn(
             format!("{observed}: network file system"),
             format!("# keep the {role} directory on a local disk (copy models in; ship the audit log with [audit.s3])"),

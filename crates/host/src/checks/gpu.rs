@@ -574,28 +574,26 @@ pub(crate) fn judge_pcie(max: PcieLink, sampling: &PcieSampling, load_sampled: b
         sampling.load,
         LoadApplied::Copies { .. } | LoadApplied::Fixture
     ) || readings.iter().any(|r| r.busy == Some(true));
+    let count = match readings.len() {
+        1 => "1 reading".to_string(),
+        n => format!("{n} readings"),
+    };
     let how = match &sampling.load {
         LoadApplied::Copies { bytes, elapsed_ms } => format!(
-            "{} readings under {:.1} GiB of host-to-GPU copies in {elapsed_ms} ms",
-            readings.len(),
+            "{count} during {:.1} GiB of host-to-GPU copies in {elapsed_ms} ms",
             *bytes as f64 / (1u64 << 30) as f64
         ),
-        LoadApplied::Fixture => format!("{} readings (fixture, under load)", readings.len()),
-        LoadApplied::None(why) if load_sampled => {
-            format!("{} readings without load ({why})", readings.len())
-        }
-        LoadApplied::None(_) => match readings.len() {
-            1 => "1 reading".to_string(),
-            n => format!("{n} readings"),
-        },
+        LoadApplied::Fixture => format!("{count} from a fixture, under load"),
+        LoadApplied::None(why) if load_sampled => format!("{count} without load: {why}"),
+        LoadApplied::None(_) => count,
     };
-    let changed = if changes > 0 {
-        format!(", the link changed {changes} times")
-    } else {
-        String::new()
+    let changed = match changes {
+        0 => String::new(),
+        1 => "; the link changed once".to_string(),
+        n => format!("; the link changed {n} times"),
     };
     let observed = format!(
-        "best Gen{best_gen} x{best_width} of Gen{} x{} ({how}{changed})",
+        "best Gen{best_gen} x{best_width} of Gen{} x{} over {how}{changed}",
         max.gen, max.width
     );
     if best_gen >= max.gen && best_width >= max.width {
@@ -603,7 +601,7 @@ pub(crate) fn judge_pcie(max: PcieLink, sampling: &PcieSampling, load_sampled: b
     }
     if !loaded {
         return PCIE_LINK.unknown(format!(
-            "{observed} while idle: links downshift at idle, so this is not judged; run with the GPU load sample (Context.gpu_load_sample)"
+            "{observed}, while idle: links downshift at idle, so this is not judged; run with the GPU load sample (Context.gpu_load_sample)"
         ));
     }
     let several = readings.len() > 1;

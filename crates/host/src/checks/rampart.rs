@@ -27,7 +27,7 @@ const THREADS: CheckSpec = CheckSpec {
     expected: "threads ≤ the CPUs this process may use (≤ physical cores for best speed)",
     why: "The kernels' pool splits each step across its threads and waits for the slowest: more \
           threads than usable CPUs time-slice and stall every step. The default is one thread \
-          per physical core (rampart-kernels::physical_cores).",
+          per physical core (kernels::backend::physical_cores).",
 };
 
 const REPOSITORY: CheckSpec = CheckSpec {

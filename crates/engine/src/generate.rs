@@ -158,8 +158,11 @@ impl Default for EngineOptions {
 /// What to continue.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Prompt {
-    /// Raw text (BOS added when the model wants it).
+    /// Raw text (BOS added when the model wants it); special-token texts in it become their
+    /// tokens, as clients of raw completion APIs expect.
     Text(String),
+    /// Raw text whose special-token texts stay plain text (BOS added when the model wants it).
+    PlainText(String),
     /// A conversation, rendered with the model's chat template.
     Chat(Vec<ChatMessage>),
     /// Token ids as they are.
@@ -244,6 +247,8 @@ pub struct Finished {
     pub decode_seconds: f64,
     /// Text still held back when generation ended (flushed here).
     pub trailing_text: String,
+    /// The stop string that ended the text (reason `stop`), when one did.
+    pub stop: Option<String>,
 }
 
 /// What the stream carries.
@@ -607,6 +612,17 @@ impl Engine {
         template.render(messages, true)
     }
 
+    /// Token ids of a chat: the template's control tokens, and every message's content as plain
+    /// text (a special-token text a client wrote never becomes a control token, so no one can
+    /// forge a turn).
+    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, EngineError> {
+        let template =
+            self.core.template.as_ref().ok_or_else(|| {
+                EngineError::ChatTemplate("the model has no chat template".into())
+            })?;
+        self.core.tokenizer.encode_chat(template, messages)
+    }
+
     /// Validates and tokenizes a request. Every request error surfaces here, before streaming.
     pub fn prepare(&self, request: GenerateRequest) -> Result<Prepared, EngineError> {
         let vocab = self.core.model.config.vocab_size;
@@ -624,7 +640,8 @@ impl Engine {
         let tokenizer = &self.core.tokenizer;
         let tokens = match &request.prompt {
             Prompt::Text(text) => tokenizer.encode(text, true)?,
-            Prompt::Chat(messages) => tokenizer.encode(&self.render_chat(messages)?, false)?,
+            Prompt::PlainText(text) => tokenizer.encode_plain(text, true)?,
+            Prompt::Chat(messages) => self.encode_chat(messages)?,
             Prompt::Tokens(ids) => {
                 if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
                     return Err(EngineError::InvalidRequest(format!(
@@ -740,6 +757,7 @@ impl Engine {
                             prefill_seconds: 0.0,
                             decode_seconds: started.elapsed().as_secs_f64(),
                             trailing_text: String::new(),
+                            stop: None,
                         });
                     }
                 }
@@ -863,6 +881,8 @@ fn engine_loop(
 pub(crate) struct StopMatcher {
     stops: Vec<String>,
     held: String,
+    /// The stop string that ended the text.
+    pub(crate) matched: Option<String>,
 }
 
 impl StopMatcher {
@@ -870,6 +890,7 @@ impl StopMatcher {
         Self {
             stops: stops.to_vec(),
             held: String::new(),
+            matched: None,
         }
     }
 
@@ -880,12 +901,13 @@ impl StopMatcher {
             return (piece.to_string(), false);
         }
         self.held.push_str(piece);
-        if let Some(at) = self
+        if let Some((at, stop)) = self
             .stops
             .iter()
-            .filter_map(|s| self.held.find(s.as_str()))
-            .min()
+            .filter_map(|s| self.held.find(s.as_str()).map(|at| (at, s)))
+            .min_by_key(|(at, _)| *at)
         {
+            self.matched = Some(stop.clone());
             let out = self.held[..at].to_string();
             self.held.clear();
             return (out, true);

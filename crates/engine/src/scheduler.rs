@@ -943,6 +943,7 @@ fn finish(seq: &mut Sequence, reason: FinishReason) {
             .as_secs_f64(),
         decode_seconds: now.saturating_duration_since(first_token).as_secs_f64(),
         trailing_text,
+        stop: seq.stops.matched.clone(),
     };
     let _ = seq.events.send(Event::Finished(done));
 }

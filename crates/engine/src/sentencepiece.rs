@@ -120,7 +120,7 @@ impl SentencePiece {
                 None => (rest, None),
             };
             if !plain.is_empty() {
-                self.encode_plain(plain, &mut out);
+                self.encode_plain(plain, self.add_space_prefix, &mut out);
             }
             match special {
                 Some((len, id)) => {
@@ -133,9 +133,15 @@ impl SentencePiece {
         out
     }
 
-    fn encode_plain(&self, text: &str, out: &mut Vec<u32>) {
+    /// Token ids of `text` with no special-token matching (special-token texts become ordinary
+    /// pieces); the space prefix only when `space_prefix` and the vocabulary wants one.
+    pub fn encode_plain_text(&self, text: &str, space_prefix: bool, out: &mut Vec<u32>) {
+        self.encode_plain(text, space_prefix && self.add_space_prefix, out);
+    }
+
+    fn encode_plain(&self, text: &str, space_prefix: bool, out: &mut Vec<u32>) {
         let mut normalized = String::with_capacity(text.len() + 3);
-        if self.add_space_prefix {
+        if space_prefix {
             normalized.push(SPACE);
         }
         normalized.extend(text.chars().map(|c| if c == ' ' { SPACE } else { c }));

@@ -22,6 +22,7 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
+use crate::chat::{ChatMessage, ChatTemplate};
 use crate::error::EngineError;
 use crate::sentencepiece::SentencePiece;
 
@@ -46,9 +47,54 @@ const END_OF_TURN_TEXTS: &[&str] = &[
 /// The encoding algorithm of a vocabulary.
 enum Encoder {
     /// A `tokenizers` pipeline: byte-level BPE built from GGUF metadata, or a whole
-    /// `tokenizer.json`.
-    Tokenizers(Box<tokenizers::Tokenizer>),
+    /// `tokenizer.json`; `plain` is the same pipeline with special-token matching off.
+    Tokenizers {
+        normal: Box<tokenizers::Tokenizer>,
+        plain: Box<tokenizers::Tokenizer>,
+    },
     SentencePiece(Box<SentencePiece>),
+}
+
+impl Encoder {
+    fn tokenizers(normal: tokenizers::Tokenizer) -> Self {
+        let mut plain = normal.clone();
+        plain.set_encode_special_tokens(true);
+        Self::Tokenizers {
+            normal: Box::new(normal),
+            plain: Box::new(plain),
+        }
+    }
+}
+
+/// The first of the Supplementary Private Use Area-A code points that stand in for protected
+/// strings while a chat template renders ([`Tokenizer::protect`]).
+const PLACEHOLDER_BASE: u32 = 0xF0000;
+/// How many placeholders one conversation may use (U+F0000 to U+FFFFD).
+const PLACEHOLDERS: usize = 0xFFFFE - 0xF0000;
+
+fn placeholder_index(c: char) -> Option<usize> {
+    let v = c as u32;
+    (PLACEHOLDER_BASE..PLACEHOLDER_BASE + PLACEHOLDERS as u32)
+        .contains(&v)
+        .then(|| (v - PLACEHOLDER_BASE) as usize)
+}
+
+/// Strings of messages' content that must reach the model as plain text, each replaced by one
+/// placeholder character while the chat template renders ([`Tokenizer::protect`]).
+#[derive(Debug, Default, Clone)]
+pub struct Protected {
+    strings: Vec<String>,
+}
+
+impl Protected {
+    /// How many strings were protected.
+    pub fn len(&self) -> usize {
+        self.strings.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.strings.is_empty()
+    }
 }
 
 /// A model's tokenizer.
@@ -65,6 +111,13 @@ pub struct Tokenizer {
     pub add_bos: bool,
     /// The chat template, if the model ships one.
     pub chat_template: Option<String>,
+    /// Per byte value, a non-special token of exactly that byte (the last resort for text that
+    /// must not become a special token).
+    byte_token: Vec<Option<u32>>,
+    /// Finds special-token texts in input (leftmost, longest).
+    special_matcher: Option<aho_corasick::AhoCorasick>,
+    /// The texts `special_matcher` finds, in its pattern order.
+    special_texts: Vec<String>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -215,7 +268,11 @@ impl Tokenizer {
                 stop_tokens,
                 add_bos,
                 chat_template,
-            });
+                byte_token: Vec::new(),
+                special_matcher: None,
+                special_texts: Vec::new(),
+            }
+            .finish());
         }
         Self::byte_level_bpe(
             tokens,
@@ -283,7 +340,7 @@ impl Tokenizer {
             out
         });
         Ok(Self {
-            inner: Encoder::Tokenizers(Box::new(inner)),
+            inner: Encoder::tokenizers(inner),
             token_bytes,
             special,
             bos,
@@ -291,7 +348,11 @@ impl Tokenizer {
             stop_tokens,
             add_bos,
             chat_template,
-        })
+            byte_token: Vec::new(),
+            special_matcher: None,
+            special_texts: Vec::new(),
+        }
+        .finish())
     }
 
     /// Builds the tokenizer of a Hugging Face model folder: `tokenizer.json` (run by the
@@ -459,7 +520,7 @@ impl Tokenizer {
                 .map(str::to_string),
         };
         Ok(Self {
-            inner: Encoder::Tokenizers(Box::new(inner)),
+            inner: Encoder::tokenizers(inner),
             token_bytes,
             special,
             bos,
@@ -467,7 +528,11 @@ impl Tokenizer {
             stop_tokens,
             add_bos,
             chat_template,
-        })
+            byte_token: Vec::new(),
+            special_matcher: None,
+            special_texts: Vec::new(),
+        }
+        .finish())
     }
 
     /// Extends the vocabulary with empty special tokens up to `size` ids: Hugging Face models
@@ -494,8 +559,8 @@ impl Tokenizer {
             }
         }
         match &self.inner {
-            Encoder::Tokenizers(inner) => {
-                let encoding = inner
+            Encoder::Tokenizers { normal, .. } => {
+                let encoding = normal
                     .encode_fast(text, false)
                     .map_err(|e| bad(format!("encoding: {e}")))?;
                 ids.extend_from_slice(encoding.get_ids());
@@ -503,6 +568,218 @@ impl Tokenizer {
             Encoder::SentencePiece(spm) => ids.extend(spm.encode(text)),
         }
         Ok(ids)
+    }
+
+    /// Token ids of `text` as plain text: special-token texts in it are split into ordinary
+    /// tokens, so no special token can come out (the path for anything a client wrote).
+    pub fn encode_plain(&self, text: &str, add_bos: bool) -> Result<Vec<u32>, EngineError> {
+        let mut ids = Vec::new();
+        if add_bos && self.add_bos {
+            if let Some(bos) = self.bos {
+                ids.push(bos);
+            }
+        }
+        self.encode_plain_into(text, true, &mut ids)?;
+        Ok(ids)
+    }
+
+    /// `at_start`: the text starts a segment (SentencePiece's space prefix applies).
+    fn encode_plain_into(
+        &self,
+        text: &str,
+        at_start: bool,
+        ids: &mut Vec<u32>,
+    ) -> Result<(), EngineError> {
+        if text.is_empty() {
+            return Ok(());
+        }
+        let start = ids.len();
+        match &self.inner {
+            Encoder::Tokenizers { plain, .. } => {
+                let encoding = plain
+                    .encode_fast(text, false)
+                    .map_err(|e| bad(format!("encoding: {e}")))?;
+                ids.extend_from_slice(encoding.get_ids());
+            }
+            Encoder::SentencePiece(spm) => spm.encode_plain_text(text, at_start, ids),
+        }
+        // A vocabulary may still hold a special token's text as a plain word (a BPE that looks
+        // whole words up): spell such a token with byte tokens instead.
+        if ids[start..].iter().any(|&id| self.is_special(id)) {
+            let produced: Vec<u32> = ids.drain(start..).collect();
+            for id in produced {
+                if !self.is_special(id) {
+                    ids.push(id);
+                    continue;
+                }
+                for &b in self.token_bytes(id) {
+                    match self.byte_token.get(b as usize).copied().flatten() {
+                        Some(t) => ids.push(t),
+                        None => {
+                            return Err(EngineError::InvalidRequest(format!(
+                                "the text {:?} can only be spelled with a special token",
+                                self.token_text(id)
+                            )))
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The texts of the special tokens (those that input text could name).
+    pub fn special_texts(&self) -> &[String] {
+        &self.special_texts
+    }
+
+    /// Where special-token texts occur in `text`: (start, end) byte ranges, leftmost-longest.
+    pub fn find_special(&self, text: &str) -> Vec<(usize, usize)> {
+        match &self.special_matcher {
+            Some(m) => m.find_iter(text).map(|m| (m.start(), m.end())).collect(),
+            None => Vec::new(),
+        }
+    }
+
+    /// Replaces every special-token text in `content` (and every placeholder character it
+    /// already holds) by a placeholder, so that a chat template renders the content without its
+    /// special-token texts being taken for the template's own. [`Self::encode_protected`] turns
+    /// the placeholders back into plain text.
+    pub fn protect(&self, content: &str, table: &mut Protected) -> Result<String, EngineError> {
+        let mut marks: Vec<(usize, usize)> = self.find_special(content);
+        marks.extend(
+            content
+                .char_indices()
+                .filter(|(_, c)| placeholder_index(*c).is_some())
+                .map(|(i, c)| (i, i + c.len_utf8())),
+        );
+        if marks.is_empty() {
+            return Ok(content.to_string());
+        }
+        marks.sort_unstable();
+        let mut out = String::with_capacity(content.len());
+        let mut at = 0;
+        for (start, end) in marks {
+            if start < at {
+                continue;
+            }
+            if table.strings.len() >= PLACEHOLDERS {
+                return Err(EngineError::InvalidRequest(format!(
+                    "the conversation holds more than {PLACEHOLDERS} special-token strings"
+                )));
+            }
+            out.push_str(&content[at..start]);
+            let index = table.strings.len() as u32;
+            out.extend(char::from_u32(PLACEHOLDER_BASE + index));
+            table.strings.push(content[start..end].to_string());
+            at = end;
+        }
+        out.push_str(&content[at..]);
+        Ok(out)
+    }
+
+    /// Token ids of a rendered chat whose content went through [`Self::protect`]: the
+    /// template's text as [`Self::encode`] does it (its special tokens are the conversation's
+    /// control tokens), each run of protected strings as plain text.
+    pub fn encode_protected(
+        &self,
+        rendered: &str,
+        table: &Protected,
+        add_bos: bool,
+    ) -> Result<Vec<u32>, EngineError> {
+        if table.is_empty() {
+            return self.encode(rendered, add_bos);
+        }
+        let mut ids = Vec::new();
+        if add_bos && self.add_bos {
+            if let Some(bos) = self.bos {
+                ids.push(bos);
+            }
+        }
+        let known = |c: char| placeholder_index(c).filter(|&k| k < table.strings.len());
+        let mut template_from = 0;
+        let mut chars = rendered.char_indices().peekable();
+        while let Some((i, c)) = chars.next() {
+            let Some(first) = known(c) else {
+                continue;
+            };
+            ids.extend(self.encode(&rendered[template_from..i], false)?);
+            let mut plain = table.strings[first].clone();
+            let mut end = i + c.len_utf8();
+            while let Some(&(j, d)) = chars.peek() {
+                let Some(k) = known(d) else {
+                    break;
+                };
+                plain.push_str(&table.strings[k]);
+                end = j + d.len_utf8();
+                chars.next();
+            }
+            // After template text, a SentencePiece vocabulary adds no space prefix; after a
+            // control token (or at the start) it does, as for any segment.
+            let after_control = i == template_from
+                && (i == 0
+                    || self
+                        .find_special(&rendered[..i])
+                        .last()
+                        .is_some_and(|m| m.1 == i));
+            self.encode_plain_into(&plain, after_control, &mut ids)?;
+            template_from = end;
+        }
+        ids.extend(self.encode(&rendered[template_from..], false)?);
+        Ok(ids)
+    }
+
+    /// Token ids of a chat rendered with `template`: the template's control tokens, and every
+    /// message's content as plain text.
+    pub fn encode_chat(
+        &self,
+        template: &ChatTemplate,
+        messages: &[ChatMessage],
+    ) -> Result<Vec<u32>, EngineError> {
+        let mut table = Protected::default();
+        let protected = messages
+            .iter()
+            .map(|m| {
+                Ok(ChatMessage {
+                    role: m.role.clone(),
+                    content: self.protect(&m.content, &mut table)?,
+                })
+            })
+            .collect::<Result<Vec<_>, EngineError>>()?;
+        let rendered = template.render(&protected, true)?;
+        self.encode_protected(&rendered, &table, false)
+    }
+
+    /// What the constructors leave out: byte tokens and the special-token matcher.
+    fn finish(mut self) -> Self {
+        let mut byte_token = vec![None; 256];
+        for (id, bytes) in self.token_bytes.iter().enumerate() {
+            if let [b] = bytes.as_slice() {
+                if !self.special[id] && byte_token[*b as usize].is_none() {
+                    byte_token[*b as usize] = Some(id as u32);
+                }
+            }
+        }
+        self.byte_token = byte_token;
+        let mut texts: Vec<String> = self
+            .token_bytes
+            .iter()
+            .zip(&self.special)
+            .filter(|(b, &s)| s && !b.is_empty())
+            .filter_map(|(b, _)| std::str::from_utf8(b).ok().map(str::to_string))
+            .collect();
+        texts.sort();
+        texts.dedup();
+        self.special_matcher = if texts.is_empty() {
+            None
+        } else {
+            aho_corasick::AhoCorasick::builder()
+                .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+                .build(&texts)
+                .ok()
+        };
+        self.special_texts = texts;
+        self
     }
 
     /// The bytes of a token (empty for an unknown id).
@@ -723,6 +1000,135 @@ mod tests {
         Tokenizer::from_gguf(&Gguf::parse(&bytes).unwrap()).unwrap()
     }
 
+    const QWEN2_TEMPLATE: &str = "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}{%- else %}{{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}{%- endif %}{%- for message in messages %}{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or (message.role == 'assistant') %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}{%- elif message.role == 'tool' %}{{- '<|im_start|>user\n<tool_response>\n' }}{{- message.content }}{{- '\n</tool_response><|im_end|>\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}";
+
+    /// Qwen2's special tokens, as its `tokenizer.json` lists them.
+    const QWEN2_SPECIAL: &[&str] = &[
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|object_ref_start|>",
+        "<|object_ref_end|>",
+        "<|box_start|>",
+        "<|box_end|>",
+        "<|quad_start|>",
+        "<|quad_end|>",
+        "<|vision_start|>",
+        "<|vision_end|>",
+        "<|vision_pad|>",
+        "<|image_pad|>",
+        "<|video_pad|>",
+        "<tool_call>",
+        "</tool_call>",
+        "<|fim_prefix|>",
+        "<|fim_middle|>",
+        "<|fim_suffix|>",
+        "<|fim_pad|>",
+        "<|repo_name|>",
+        "<|file_sep|>",
+    ];
+
+    /// A Qwen2-style Hugging Face folder: byte-level BPE with Qwen2's special tokens and
+    /// chat template.
+    fn qwen2_folder(dir: &Path) -> Tokenizer {
+        let mut tokens: Vec<String> = formats::byte_level::gpt2_byte_tokens();
+        let merges: Vec<String> = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a"]
+            .map(String::from)
+            .to_vec();
+        tokens.extend(merges.iter().map(|m| m.replace(' ', "")));
+        let plain = tokens.len();
+        tokens.extend(QWEN2_SPECIAL.iter().map(|t| t.to_string()));
+        let special: Vec<bool> = (0..tokens.len()).map(|i| i >= plain).collect();
+        let json = formats::tiny::byte_level_tokenizer_json(&tokens, &merges, &special, false);
+        std::fs::write(dir.join("tokenizer.json"), json.to_string()).unwrap();
+        let config = serde_json::json!({
+            "eos_token": "<|im_end|>", "bos_token": null, "chat_template": QWEN2_TEMPLATE,
+        });
+        std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+        Tokenizer::from_hf_folder(dir).unwrap()
+    }
+
+    fn specials_in(t: &Tokenizer, ids: &[u32]) -> Vec<u32> {
+        ids.iter().copied().filter(|&id| t.is_special(id)).collect()
+    }
+
+    /// Every special-token text placed in every role's content stays plain text: the chat's
+    /// control tokens are exactly the template's, and the text round-trips.
+    fn assert_content_is_plain(t: &Tokenizer, template: &str) {
+        let template = ChatTemplate::new(template, "", "").unwrap();
+        let chat = |content: &str| {
+            vec![
+                ChatMessage::new("system", &format!("Be brief. {content}")),
+                ChatMessage::new("user", &format!("hi {content} there")),
+                ChatMessage::new("assistant", content),
+                ChatMessage::new("tool", &format!("{content}{content}")),
+                ChatMessage::new("user", content),
+            ]
+        };
+        let clean = t.encode_chat(&template, &chat("x")).unwrap();
+        let control = specials_in(t, &clean);
+        assert!(!control.is_empty(), "the template has control tokens");
+        assert_eq!(
+            clean,
+            t.encode(&template.render(&chat("x"), true).unwrap(), false)
+                .unwrap(),
+            "content without special-token texts tokenizes as before"
+        );
+        assert!(!t.special_texts().is_empty());
+        for text in t.special_texts() {
+            let ids = t.encode_chat(&template, &chat(text)).unwrap();
+            assert_eq!(
+                specials_in(t, &ids),
+                control,
+                "{text:?} in content forged a token"
+            );
+            assert_eq!(
+                t.decode(&ids),
+                template.render(&chat(text), true).unwrap(),
+                "{text:?}: the text is kept"
+            );
+            let plain = t.encode_plain(text, false).unwrap();
+            assert!(
+                specials_in(t, &plain).is_empty(),
+                "{text:?} plain: {plain:?}"
+            );
+            assert_eq!(t.decode(&plain), *text);
+        }
+    }
+
+    #[test]
+    fn chatml_content_never_becomes_control_tokens() {
+        let t = tiny();
+        let template = TinyLlama::default().chat_template.unwrap();
+        assert_content_is_plain(&t, &template);
+        // The raw path still parses them (completions keep that by default).
+        assert_eq!(t.encode("<|im_start|>", false).unwrap(), [1]);
+    }
+
+    #[test]
+    fn qwen2_content_never_becomes_control_tokens() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = qwen2_folder(dir.path());
+        assert_eq!(t.special_texts().len(), QWEN2_SPECIAL.len());
+        assert_content_is_plain(&t, QWEN2_TEMPLATE);
+    }
+
+    #[test]
+    fn placeholder_characters_in_content_survive() {
+        let t = tiny();
+        let template =
+            ChatTemplate::new(&TinyLlama::default().chat_template.unwrap(), "", "").unwrap();
+        let odd = "a \u{F0000}\u{F0001} b <|im_end|>\u{FFFFD}";
+        let chat = [ChatMessage::new("user", odd)];
+        let ids = t.encode_chat(&template, &chat).unwrap();
+        assert_eq!(t.decode(&ids), template.render(&chat, true).unwrap());
+        assert_eq!(
+            specials_in(&t, &ids).len(),
+            3,
+            "<|im_start|> <|im_end|> <|im_start|>"
+        );
+    }
+
     #[test]
     fn encodes_with_merges_and_special_tokens() {
         let t = tiny();
@@ -796,6 +1202,10 @@ mod tests {
             ]
         );
         assert_eq!(t.decode(&ids[1..]), " the cat ü");
+        let plain = t.encode_plain("</s>the", false).unwrap();
+        assert!(specials_in(&t, &plain).is_empty(), "{plain:?}");
+        assert_eq!(t.decode(&plain), " </s>the");
+        assert_eq!(t.encode("</s>the", false).unwrap()[0], 2);
         let mut d = Detokenizer::default();
         let streamed: String = ids[1..].iter().map(|&i| d.push(&t, i, false)).collect();
         assert_eq!(

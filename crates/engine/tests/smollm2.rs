@@ -188,3 +188,40 @@ fn quantized_logits_stay_close_to_the_exact_f32_forward() {
     eprintln!("max |logit(Q8 activations) - logit(exact f32)| = {worst}");
     assert!(worst < 1.5, "max logit difference {worst}");
 }
+
+#[test]
+fn special_token_texts_in_chat_content_stay_plain_text() {
+    let Some(engine) = engine() else { return };
+    let t = engine.tokenizer();
+    let specials =
+        |ids: &[u32]| -> Vec<u32> { ids.iter().copied().filter(|&id| t.is_special(id)).collect() };
+    let chat = |content: &str| {
+        vec![
+            ChatMessage::new("user", &format!("Say hi. {content}")),
+            ChatMessage::new("assistant", content),
+            ChatMessage::new("user", content),
+        ]
+    };
+    let control = specials(&engine.encode_chat(&chat("x")).unwrap());
+    assert!(t.special_texts().len() >= 17, "{:?}", t.special_texts());
+    for text in t.special_texts() {
+        let ids = engine.encode_chat(&chat(text)).unwrap();
+        assert_eq!(specials(&ids), control, "{text:?} forged a control token");
+        assert_eq!(
+            t.decode(&ids),
+            engine.render_chat(&chat(text)).unwrap(),
+            "{text:?}: the text is kept"
+        );
+    }
+    // The forged-turn attack costs many tokens, not one.
+    let one = engine
+        .encode_chat(&[ChatMessage::new("user", "<|im_start|>")])
+        .unwrap();
+    let hello = engine
+        .encode_chat(&[ChatMessage::new("user", "hello")])
+        .unwrap();
+    assert!(one.len() > hello.len(), "{one:?} vs {hello:?}");
+    // Raw completions still parse them, unless asked not to.
+    assert_eq!(t.encode("<|im_start|>", false).unwrap(), [1]);
+    assert!(specials(&t.encode_plain("<|im_start|>", false).unwrap()).is_empty());
+}

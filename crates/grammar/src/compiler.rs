@@ -161,15 +161,20 @@ impl Compiler {
 /// grammar can start and warms the lexer states every sequence's copy starts with.
 fn build(factory: &ParserFactory, spec: &GrammarSpec) -> Result<(Matcher, Check), GrammarError> {
     let check = plain_check(spec)?.unwrap_or(Check::Grammar);
-    let parser = factory
-        .create_parser(spec.to_llguidance())
-        .map_err(|e| GrammarError::Invalid(format!("the {} cannot be used: {e}", spec.kind())))?;
+    let parser = factory.create_parser(spec.to_llguidance()).map_err(|e| {
+        GrammarError::Invalid(format!(
+            "the {} cannot be used: {}",
+            spec.kind(),
+            first_line(&e.to_string())
+        ))
+    })?;
     let mut matcher = Matcher::new(Ok(parser));
     let first = matcher.compute_mask();
     if let Some(e) = matcher.get_error() {
         return Err(GrammarError::Invalid(format!(
-            "the {} cannot be used: {e}",
-            spec.kind()
+            "the {} cannot be used: {}",
+            spec.kind(),
+            first_line(&e)
         )));
     }
     match first {
@@ -179,8 +184,9 @@ fn build(factory: &ParserFactory, spec: &GrammarSpec) -> Result<(Matcher, Check)
         ))),
         Ok(_) => Ok((matcher, check)),
         Err(e) => Err(GrammarError::Invalid(format!(
-            "the {} cannot be used: {e}",
-            spec.kind()
+            "the {} cannot be used: {}",
+            spec.kind(),
+            first_line(&e.to_string())
         ))),
     }
 }
@@ -343,7 +349,10 @@ impl Compiled {
                 "the grammar rejects the output after {} bytes",
                 self.env.tok_trie().decode(&tokens[..n]).len()
             )),
-            Err(e) => Some(format!("the grammar rejects the output: {e}")),
+            Err(e) => Some(format!(
+                "the grammar rejects the output: {}",
+                first_line(&e.to_string())
+            )),
         }
     }
 
@@ -359,7 +368,7 @@ impl ConstraintFactory for Compiled {
     fn start(&self) -> Result<Box<dyn TokenConstraint>, String> {
         let matcher = self.fresh();
         if let Some(e) = matcher.get_error() {
-            return Err(e);
+            return Err(public_error(self.spec.kind(), &e));
         }
         Ok(Box::new(Guided {
             matcher,
@@ -372,6 +381,32 @@ impl ConstraintFactory for Compiled {
     }
 }
 
+/// The part of a grammar engine error a client may see: its first line, without the parser
+/// state that follows it (token dumps, internal counters), at most 200 characters. The whole
+/// error goes to the log.
+fn public_error(kind: &str, error: &str) -> String {
+    tracing::warn!(kind, error, "the grammar engine stopped a sequence");
+    format!("the grammar engine stopped: {}", first_line(error))
+}
+
+/// An engine message's first line, without the parser state that may follow it, at most 200
+/// characters.
+fn first_line(error: &str) -> String {
+    let first = error
+        .split("<state>")
+        .next()
+        .unwrap_or_default()
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .trim();
+    let mut line: String = first.chars().take(200).collect();
+    if line.len() < first.len() {
+        line.push('…');
+    }
+    line
+}
+
 /// One sequence's grammar state.
 struct Guided {
     matcher: Matcher,
@@ -381,7 +416,10 @@ struct Guided {
 impl TokenConstraint for Guided {
     fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), String> {
         let started = Instant::now();
-        let allowed = self.matcher.compute_mask().map_err(|e| e.to_string())?;
+        let allowed = self
+            .matcher
+            .compute_mask()
+            .map_err(|e| public_error(self.kind, &e.to_string()))?;
         let words = mask.words_mut();
         let src = allowed.as_slice();
         let n = words.len().min(src.len());
@@ -393,7 +431,9 @@ impl TokenConstraint for Guided {
     }
 
     fn commit(&mut self, token: u32) -> Result<(), String> {
-        self.matcher.consume_token(token).map_err(|e| e.to_string())
+        self.matcher
+            .consume_token(token)
+            .map_err(|e| public_error(self.kind, &e.to_string()))
     }
 
     fn is_complete(&self) -> bool {

@@ -57,9 +57,11 @@ impl TokenizerEnv for Vocab {
 
     fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
         match std::str::from_utf8(s) {
+            // Grammar text is plain text: a special-token text in a schema (a property name, an
+            // enum value) is spelled with ordinary tokens, never forced as a control token.
             Ok(text) => self
                 .tokenizer
-                .encode(text, false)
+                .encode_plain(text, false)
                 .unwrap_or_else(|_| self.trie.greedy_tokenize(s)),
             Err(_) => self.trie.greedy_tokenize(s),
         }

@@ -387,3 +387,58 @@ fn ticket_schema_compiles_fast_and_bad_schemas_are_refused() {
     assert_eq!(small.cached(), 2, "the cache is bounded");
     let _ = Arc::clone(&compiled);
 }
+
+/// Special-token texts inside a schema (property names, enum values, patterns) are spelled with
+/// ordinary tokens: the output is valid JSON holding the text, never a forced control token and
+/// never an engine error (the fuzzed schema used to fail with the parser's state).
+#[test]
+fn special_token_texts_in_schemas_are_plain_text() {
+    let Some(engine) = engine() else { return };
+    let tokenizer = engine.shared_tokenizer();
+    let compiler = Compiler::new(Arc::clone(&tokenizer), GrammarLimits::default()).unwrap();
+    let cases = [
+        json!({"type":"object","properties":{"a":{"enum":["x","y"]}},"required":["<|im_start|>system"]}),
+        json!({"type":"object","properties":{"<|endoftext|>":{"type":"integer"}},"required":["<|endoftext|>"]}),
+        json!({"type":"object","properties":{"a":{"enum":["<|im_end|>","<|im_start|>user"]}},"required":["a"]}),
+        json!({"type":"object","properties":{"a":{"const":"<|im_end|>"}},"required":["a"]}),
+        json!({"type":"object","properties":{"a":{"type":"string","pattern":"^<\\|im_start\\|>[a-z]{2,5}$"}},"required":["a"]}),
+    ];
+    let mut requests = Vec::new();
+    for schema in &cases {
+        let spec = GrammarSpec::JsonSchema {
+            schema: schema.clone(),
+            strict: false,
+        };
+        requests.push(request(&engine, &compiler, &spec, "Answer with JSON."));
+    }
+    let regex = GrammarSpec::Regex("<\\|im_end\\|> (yes|no)".into());
+    requests.push(request(&engine, &compiler, &regex, "Yes or no?"));
+    let runs = run_all(&engine, requests);
+    for (i, run) in runs.iter().enumerate() {
+        assert!(run.failed.is_none(), "case {i}: {:?}", run.failed);
+        let forced: Vec<u32> = run
+            .tokens
+            .iter()
+            .copied()
+            .filter(|&id| tokenizer.is_special(id) && !tokenizer.stop_tokens.contains(&id))
+            .collect();
+        assert!(
+            forced.is_empty(),
+            "case {i}: control tokens {forced:?} in {:?}",
+            run.text
+        );
+        if let Some(schema) = cases.get(i) {
+            if run.reason == Some(FinishReason::Stop) {
+                let value: Value = serde_json::from_str(&run.text)
+                    .unwrap_or_else(|e| panic!("case {i}: {e}: {}", run.text));
+                assert!(
+                    jsonschema::is_valid(schema, &value),
+                    "case {i}: {}",
+                    run.text
+                );
+            }
+        } else {
+            assert!(run.text.starts_with("<|im_end|> "), "{:?}", run.text);
+        }
+    }
+}

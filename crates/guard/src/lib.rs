@@ -3,10 +3,20 @@
 //! - [`rules`]: the rules engine, a declarative classifier (labels, regular expressions and
 //!   weighted keywords, a threshold, a default) that answers when a model cannot, and says why:
 //!   every answer carries the spans of the input that decided it.
+//! - [`normalize`], [`injection`], [`classifier`]: the prompt-injection guard, tiers cheapest
+//!   first (normalise and decode, control-token texts, injection rules, the classifier head on
+//!   sentence embeddings), each verdict with its reason codes.
 //!
-//! The prompt-injection guard (normalisation, injection rules, the classifier's scoring) joins
-//! this crate in its own issue. Not here: serving, records, anything async.
+//! Not here: serving, records, anything async; the classifier's embedder is the caller's.
 
+pub mod classifier;
+pub mod injection;
+pub mod normalize;
 pub mod rules;
 
-pub use rules::{Classification, Reason, RulesEngine, RulesError, RulesFile};
+pub use classifier::{Classifier, Embed, Head, HeadError};
+pub use injection::{
+    Channel, Decision, Finding, Guard, Input, Mode, OnError, Policy, SpecialTokens, Thresholds,
+    Verdict, SEED_RULES,
+};
+pub use rules::{Classification, LabelScore, Reason, RulesEngine, RulesError, RulesFile};

@@ -77,6 +77,15 @@ pub struct PatternRule {
     pub weight: f64,
 }
 
+/// One label's score on a text.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LabelScore {
+    pub label: String,
+    pub score: f64,
+    /// The heaviest keyword or pattern that matched.
+    pub strongest: Option<Reason>,
+}
+
 /// One piece of evidence behind an answer.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Reason {
@@ -241,6 +250,74 @@ impl RulesEngine {
     /// The labels, in order.
     pub fn labels(&self) -> &[String] {
         &self.labels
+    }
+
+    /// The threshold a label's score must reach.
+    pub fn threshold(&self) -> f64 {
+        self.threshold
+    }
+
+    /// Every label's score on `text` with its strongest evidence (labels in order; a label
+    /// with no evidence scores 0).
+    pub fn scores(&self, text: &str) -> Vec<LabelScore> {
+        let mut out: Vec<LabelScore> = self
+            .labels
+            .iter()
+            .map(|l| LabelScore {
+                label: l.clone(),
+                score: 0.0,
+                strongest: None,
+            })
+            .collect();
+        let mut consider = |label: usize,
+                            weight: f64,
+                            kind: &'static str,
+                            rule: String,
+                            start: usize,
+                            end: usize| {
+            let entry = &mut out[label];
+            entry.score += weight;
+            if entry.strongest.as_ref().is_none_or(|r| r.weight < weight) {
+                entry.strongest = Some(Reason {
+                    label: self.labels[label].clone(),
+                    kind,
+                    rule,
+                    weight,
+                    matched: text[start..end].to_string(),
+                    start,
+                    end,
+                });
+            }
+        };
+        if let Some(matcher) = &self.keyword_matcher {
+            for m in matcher.find_iter(text) {
+                let k = &self.keywords[m.pattern().as_usize()];
+                consider(
+                    k.label,
+                    k.weight,
+                    "keyword",
+                    k.text.clone(),
+                    m.start(),
+                    m.end(),
+                );
+            }
+        }
+        if !self.patterns.is_empty() {
+            for i in self.pattern_set.matches(text).iter() {
+                let p = &self.patterns[i];
+                if let Some(m) = p.regex.find(text) {
+                    consider(
+                        p.label,
+                        p.weight,
+                        "pattern",
+                        p.regex.as_str().to_string(),
+                        m.start(),
+                        m.end(),
+                    );
+                }
+            }
+        }
+        out
     }
 
     /// Classifies one text.

@@ -5,6 +5,7 @@ mod audit_cmd;
 mod bench_cmd;
 mod engine_args;
 mod generate_cmd;
+mod guard_cmd;
 mod model_cmd;
 mod progress_bar;
 mod quantize_cmd;
@@ -61,6 +62,8 @@ enum Command {
     Bench(bench_cmd::BenchCommand),
     /// Read, verify and prove the WORM audit log (local directory or S3).
     Audit(audit_cmd::AuditArgs),
+    /// Judge texts with the input guard, and measure it on a labelled set.
+    Guard(guard_cmd::GuardArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -86,6 +89,7 @@ fn main() -> ExitCode {
         Command::Serve(args) => serve_cmd::run(args),
         Command::Bench(command) => bench_cmd::run(command),
         Command::Audit(args) => audit_cmd::run(args),
+        Command::Guard(args) => guard_cmd::run(args),
     };
     match result {
         Ok(code) => code,

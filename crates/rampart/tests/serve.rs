@@ -830,7 +830,7 @@ fn spawn_server_with_env(
     std::fs::write(
         &keys,
         format!(
-            "# test keys\ntester:{KEY}\nops:{ADMIN_KEY} admin infer\nauditor:{AUDIT_KEY} audit\n"
+            "# test keys\ntester:{KEY}\nops:{ADMIN_KEY} admin infer\nauditor:{AUDIT_KEY} audit\n{GUARD_KEYS}"
         ),
     )
     .unwrap();
@@ -857,6 +857,8 @@ fn spawn_server_with_env(
 }
 
 const AUDIT_KEY: &str = "sk-test-audit-0001";
+/// Keys whose ids the guard test gives their own `[guard.keys.<id>]` policies.
+const GUARD_KEYS: &str = "flagger:sk-test-flag-0001\nshadower:sk-test-shadow-0001\ncompleter:sk-test-completion-0001\ncutter:sk-test-cut-0001\n";
 const ADMIN_KEY: &str = "sk-test-admin-0001";
 const CANNED: &str = "We are improving the service, please try again shortly.";
 
@@ -1392,4 +1394,107 @@ fn the_audit_log_ships_to_s3_with_object_lock_and_verifies_from_s3_alone() {
     let out = cli(&["prove", &ids[4]]);
     let proof: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(proof["verified"], true, "{proof}");
+}
+
+/// The guard end to end with the official client: block, flag and shadow per key, the refusal
+/// contract in both forms, the tool channel, control-token texts, the canary (flag and cut);
+/// every decision a record with its reasons, and counted.
+#[test]
+fn the_input_guard_through_the_openai_client() {
+    let Some(python) = python_with_openai() else {
+        assert!(!require_python(), "no Python with the openai package");
+        return;
+    };
+    let (Some(model), Some(head)) = (
+        cached_model(SMOLLM2_GGUF),
+        cached_model("injection-minilm/guard/injection_head.safetensors"),
+    ) else {
+        assert!(
+            !require_python(),
+            "the guard's classifier is not fetched (scripts/fetch-models.sh guard)"
+        );
+        return;
+    };
+    let classifier = head.parent().and_then(Path::parent).unwrap().to_path_buf();
+    let config = format!(
+        "shutdown_timeout_s = 20\n\
+         [guard]\nclassifier = \"injection-minilm\"\n\
+         [guard.keys.flagger]\nmode = \"flag\"\n\
+         [guard.keys.shadower]\nmode = \"shadow\"\ncanary = \"flag\"\n\
+         [guard.keys.completer]\nrefusal = \"completion\"\n\
+         [guard.keys.cutter]\nmode = \"shadow\"\ncanary = \"cut\"\n\
+         [[models]]\nname = \"{MODEL}\"\ncontext = 2048\nkv_cache_memory = \"256MiB\"\n"
+    );
+    let server = start_repository(
+        &[
+            (MODEL, "1.0.0", model),
+            ("injection-minilm", "1.0.0", classifier),
+        ],
+        &config,
+    );
+    wait_ready(server.port);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2e/guard.py");
+    let out = Command::new(python)
+        .arg(script)
+        .env("RAMPART_URL", format!("http://127.0.0.1:{}", server.port))
+        .env("RAMPART_MODEL", MODEL)
+        .env("RAMPART_KEY", KEY)
+        .env("RAMPART_KEY_FLAG", "sk-test-flag-0001")
+        .env("RAMPART_KEY_SHADOW", "sk-test-shadow-0001")
+        .env("RAMPART_KEY_COMPLETION", "sk-test-completion-0001")
+        .env("RAMPART_KEY_CUT", "sk-test-cut-0001")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "the guard checks failed");
+    assert!(stdout.contains("all guard checks passed"));
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    assert!(log.contains("input guard ready"), "{log}");
+    assert!(
+        log.contains("injection-minilm@1.0.0"),
+        "the classifier tier is on"
+    );
+    let records: Vec<serde_json::Value> = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["message"] == "inference record")
+        .collect();
+    let with = |verdict: &str| {
+        records
+            .iter()
+            .filter(|r| r["guard_verdict"] == verdict)
+            .count()
+    };
+    assert!(with("block") >= 6, "blocked records");
+    assert!(with("flag") >= 2 && with("shadow") >= 1 && with("allow") >= 4);
+    let blocked = records
+        .iter()
+        .find(|r| r["guard_verdict"] == "block" && r["status"] == 400)
+        .expect("a 400 refusal's record");
+    assert_eq!(blocked["refusal"], "unsafe_input");
+    assert_eq!(blocked["error_type"], "unsafe_input");
+    assert!(blocked["guard_reasons"]
+        .as_str()
+        .is_some_and(|r| r.contains("rules.")));
+    assert!(blocked["guard_ms"].as_f64().is_some());
+    assert!(
+        records
+            .iter()
+            .any(|r| r["guard_verdict"] == "block" && r["status"] == 200),
+        "the refusal completion is a 200 with a block verdict"
+    );
+    assert!(records.iter().any(|r| r["guard_reasons"]
+        .as_str()
+        .is_some_and(|s| s.contains("special_tokens.control_token"))));
+    assert!(records.iter().any(|r| r["guard_output"] == "flag"));
+    assert!(records.iter().any(|r| r["guard_output"] == "cut"));
+    // No refused request reached the model: its attempts are empty.
+    assert!(records
+        .iter()
+        .filter(|r| r["refusal"] == "unsafe_input")
+        .all(|r| r["attempts"] == "[]"));
+    assert!(metric(server.port, "rampart_guard_decisions_total") >= 20.0);
+    assert!(metric(server.port, "rampart_guard_seconds_count") >= 20.0);
+    assert!(log.contains("input guard decision"));
 }

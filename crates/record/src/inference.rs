@@ -28,8 +28,17 @@ pub struct InferenceRecord {
     pub input_sha256: String,
     /// sha256 of the output as the client received it (empty when none).
     pub output_sha256: String,
-    /// What the input guard said (`pass`, `flag`, `block`), when a guard ran.
+    /// What the input guard said (`allow`, `flag`, `block`, `shadow`, `error`), when it ran.
     pub guard_verdict: Option<String>,
+    /// The guard's reason codes, strongest first (`rules.ignore_instructions`, ...).
+    pub guard_reasons: Vec<String>,
+    /// The guard's highest score (0 to 1).
+    pub guard_score: Option<f32>,
+    /// How long the guard took.
+    pub guard_ms: Option<f64>,
+    /// The output side: `flag` (the system prompt's canary or the prompt itself came back) or
+    /// `cut` (the output was cut before it).
+    pub guard_output: Option<&'static str>,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub cached_prompt_tokens: usize,
@@ -157,6 +166,10 @@ impl InferenceRecord {
             input_sha256: String::new(),
             output_sha256: String::new(),
             guard_verdict: None,
+            guard_reasons: Vec::new(),
+            guard_score: None,
+            guard_ms: None,
+            guard_output: None,
             prompt_tokens: 0,
             completion_tokens: 0,
             cached_prompt_tokens: 0,

@@ -84,6 +84,7 @@ impl InferenceBackend for Talker {
                 prefill_seconds: 0.0,
                 decode_seconds: 0.0,
                 trailing_text: String::new(),
+                stop: None,
             }),
         ));
         Box::pin(std::future::ready(Ok(Answer::Generation(Generation {
@@ -91,6 +92,7 @@ impl InferenceBackend for Talker {
             choices: 1,
             prompt_tokens: 1,
             structured: None,
+            watch: None,
         }))))
     }
     fn describe(&self) -> Description {
@@ -111,6 +113,7 @@ fn generate_work(stream: bool) -> Work {
         default_max_tokens: false,
         structured: None,
         language: None,
+        parse_special_tokens: None,
         fallback_level: 0,
     }))
 }

@@ -46,6 +46,9 @@ pub struct ServerConfig {
     pub faults: FaultsConfig,
     /// The WORM audit log (docs/audit.md).
     pub audit: audit::AuditConfig,
+    /// The input guard: prompt-injection rules and classifier, per model and per key
+    /// (docs/guard.md).
+    pub guard: GuardConfig,
     /// Models to serve; empty: the latest version of every LLM in the repository.
     pub models: Vec<ModelConfig>,
 }
@@ -72,6 +75,7 @@ impl Default for ServerConfig {
             handoff: HandoffConfig::default(),
             faults: FaultsConfig::default(),
             audit: audit::AuditConfig::default(),
+            guard: GuardConfig::default(),
             models: Vec::new(),
         }
     }
@@ -468,6 +472,18 @@ pub struct ModelConfig {
     pub latency_objective_ms: Option<u64>,
     /// This model's hand-off, instead of the server's `[handoff]`.
     pub handoff: Option<HandoffConfig>,
+    /// `/v1/completions` prompts: special-token texts become control tokens (what raw-prompt
+    /// clients expect); a request's `parse_special_tokens` overrides it. Chat content is always
+    /// plain text.
+    #[serde(default = "default_true")]
+    pub parse_special_tokens: bool,
+    /// This model's guard settings over the server's `[guard]`.
+    #[serde(default)]
+    pub guard: GuardOverride,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 fn default_first_token_timeout_ms() -> u64 {
@@ -497,7 +513,155 @@ impl ModelConfig {
             stall_timeout_ms: default_stall_timeout_ms(),
             latency_objective_ms: None,
             handoff: None,
+            parse_special_tokens: true,
+            guard: GuardOverride::default(),
         }
+    }
+}
+
+/// How a refused input is answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Refusal {
+    /// HTTP 400, error type `unsafe_input`, with the reason codes.
+    #[default]
+    Error,
+    /// HTTP 200, a completion whose content is exactly `{"error":"unsafe_input"}` (for clients
+    /// that only read completions).
+    Completion,
+}
+
+/// The output side: a canary planted in the system message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Canary {
+    #[default]
+    Off,
+    /// An output that holds the canary (or the system message's opening) is marked.
+    Flag,
+    /// The output ends before the canary (or the system message's opening).
+    Cut,
+}
+
+/// `[guard]`: the server's guard. Every policy field can be overridden per model
+/// (`[models.guard]`) and per API key id (`[guard.keys.<id>]`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GuardConfig {
+    /// A rules model (`NAME[@VERSION]`) in the repository; none: the seed rules built in
+    /// (`examples/rules/injection-guard.toml`).
+    pub rules: Option<String>,
+    /// An embedding model (`NAME[@VERSION]`) whose folder also holds the classifier head
+    /// (`head_file`); none: no classifier tier.
+    pub classifier: Option<String>,
+    pub head_file: String,
+    /// Tokens per scored segment (the head was trained on 128-token inputs).
+    pub segment_tokens: usize,
+    /// Most segments scored per input text.
+    pub max_segments: usize,
+    /// Compute threads of the classifier's embedder.
+    pub threads: Option<usize>,
+    /// The policy for every model and key (unset fields: the defaults).
+    pub enabled: Option<bool>,
+    pub mode: Option<guard::Mode>,
+    pub thresholds: std::collections::BTreeMap<String, f32>,
+    pub on_guard_error: Option<guard::OnError>,
+    pub special_tokens: Option<guard::SpecialTokens>,
+    pub refusal: Option<Refusal>,
+    pub canary: Option<Canary>,
+    pub use_classifier: Option<bool>,
+    /// Per API key id (the principal).
+    pub keys: std::collections::BTreeMap<String, GuardOverride>,
+}
+
+impl Default for GuardConfig {
+    fn default() -> Self {
+        Self {
+            rules: None,
+            classifier: None,
+            head_file: "guard/injection_head.safetensors".into(),
+            segment_tokens: 128,
+            max_segments: 32,
+            threads: None,
+            enabled: None,
+            mode: None,
+            thresholds: Default::default(),
+            on_guard_error: None,
+            special_tokens: None,
+            refusal: None,
+            canary: None,
+            use_classifier: None,
+            keys: Default::default(),
+        }
+    }
+}
+
+impl GuardConfig {
+    /// The server-wide policy fields.
+    pub fn policy(&self) -> GuardOverride {
+        GuardOverride {
+            enabled: self.enabled,
+            mode: self.mode,
+            thresholds: self.thresholds.clone(),
+            on_guard_error: self.on_guard_error,
+            special_tokens: self.special_tokens,
+            refusal: self.refusal,
+            canary: self.canary,
+            use_classifier: self.use_classifier,
+        }
+    }
+}
+
+/// Guard policy fields; unset ones come from the level above (key over model over server over
+/// the defaults: enabled, block, fail_closed, special tokens flagged, error refusal, no canary).
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct GuardOverride {
+    pub enabled: Option<bool>,
+    pub mode: Option<guard::Mode>,
+    /// Per channel (`user`, `assistant`, `system`, `tool`, `prompt`): a score at or above is a
+    /// hit.
+    #[serde(default)]
+    pub thresholds: std::collections::BTreeMap<String, f32>,
+    pub on_guard_error: Option<guard::OnError>,
+    pub special_tokens: Option<guard::SpecialTokens>,
+    pub refusal: Option<Refusal>,
+    pub canary: Option<Canary>,
+    /// Run the classifier tier (when `[guard] classifier` names one).
+    pub use_classifier: Option<bool>,
+}
+
+impl GuardOverride {
+    /// `self` over `base`.
+    pub fn over(&self, base: &GuardOverride) -> GuardOverride {
+        let mut thresholds = base.thresholds.clone();
+        thresholds.extend(self.thresholds.clone());
+        GuardOverride {
+            enabled: self.enabled.or(base.enabled),
+            mode: self.mode.or(base.mode),
+            thresholds,
+            on_guard_error: self.on_guard_error.or(base.on_guard_error),
+            special_tokens: self.special_tokens.or(base.special_tokens),
+            refusal: self.refusal.or(base.refusal),
+            canary: self.canary.or(base.canary),
+            use_classifier: self.use_classifier.or(base.use_classifier),
+        }
+    }
+
+    fn validate(&self, at: &str) -> Result<(), ConfigError> {
+        for (channel, t) in &self.thresholds {
+            if guard::Channel::parse(channel).is_none() {
+                return Err(ConfigError(format!(
+                    "{at}.thresholds: unknown channel {channel:?} (user, assistant, system, tool, prompt)"
+                )));
+            }
+            if !(0.0..=1.0).contains(t) {
+                return Err(ConfigError(format!(
+                    "{at}.thresholds.{channel} = {t}: thresholds are scores from 0 to 1"
+                )));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -577,6 +741,18 @@ impl ServerConfig {
         self.audit
             .validate()
             .map_err(|e| ConfigError(e.to_string()))?;
+        self.guard.policy().validate("guard")?;
+        for (id, o) in &self.guard.keys {
+            o.validate(&format!("guard.keys.{id}"))?;
+        }
+        for m in &self.models {
+            m.guard.validate(&format!("models.{}.guard", m.name))?;
+        }
+        if self.guard.segment_tokens < 8 || self.guard.max_segments == 0 {
+            return Err(ConfigError(
+                "guard.segment_tokens must be at least 8 and guard.max_segments at least 1".into(),
+            ));
+        }
         let l = &self.limits;
         if l.max_body_bytes < 1024 || l.max_tokens == 0 || l.max_n == 0 || l.max_prompts == 0 {
             return Err(ConfigError(

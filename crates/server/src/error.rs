@@ -63,6 +63,12 @@ pub enum ApiError {
     /// A structured-output request ended with an output that fails its schema or grammar.
     #[error("{0}")]
     InvalidOutput(String),
+    /// The guard refused the input (prompt injection and kin): its reason codes.
+    #[error("{message}")]
+    UnsafeInput {
+        message: String,
+        reasons: Vec<String>,
+    },
 }
 
 #[derive(Serialize, utoipa::ToSchema)]
@@ -74,7 +80,7 @@ pub struct ErrorBody {
 pub struct ErrorDetail {
     pub message: String,
     /// Stable error type: `invalid_request_error`, `authentication_error`, `not_found_error`,
-    /// `rate_limit_error`, `service_unavailable`, `server_error`.
+    /// `rate_limit_error`, `service_unavailable`, `server_error`, `unsafe_input`.
     #[serde(rename = "type")]
     pub kind: String,
     pub param: Option<String>,
@@ -82,6 +88,9 @@ pub struct ErrorDetail {
     /// `human_handoff`: where people can be reached.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub handoff_url: Option<String>,
+    /// `unsafe_input`: the guard's reason codes, strongest first.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasons: Option<Vec<String>>,
 }
 
 impl ApiError {
@@ -101,9 +110,9 @@ impl ApiError {
 
     pub fn status(&self) -> StatusCode {
         match self {
-            ApiError::InvalidRequest { .. } | ApiError::ContextLengthExceeded(_) => {
-                StatusCode::BAD_REQUEST
-            }
+            ApiError::InvalidRequest { .. }
+            | ApiError::ContextLengthExceeded(_)
+            | ApiError::UnsafeInput { .. } => StatusCode::BAD_REQUEST,
             ApiError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
@@ -131,6 +140,7 @@ impl ApiError {
             ApiError::Overloaded { .. } => "rate_limit_error",
             ApiError::Unavailable { .. } | ApiError::AuditUnavailable(_) => "service_unavailable",
             ApiError::AuditEntryNotFound(_) => "not_found_error",
+            ApiError::UnsafeInput { .. } => "unsafe_input",
             ApiError::Internal(_) | ApiError::InvalidOutput(_) => "server_error",
         }
     }
@@ -147,6 +157,7 @@ impl ApiError {
             ApiError::InvalidOutput(_) => Some("structured_output_invalid"),
             ApiError::AuditUnavailable(_) => Some("audit_unavailable"),
             ApiError::AuditEntryNotFound(_) => Some("audit_entry_not_found"),
+            ApiError::UnsafeInput { .. } => Some("unsafe_input"),
             _ => None,
         }
     }
@@ -169,6 +180,10 @@ impl ApiError {
                 code: self.code().map(str::to_string),
                 handoff_url: match self {
                     ApiError::HumanHandoff { url, .. } => url.clone(),
+                    _ => None,
+                },
+                reasons: match self {
+                    ApiError::UnsafeInput { reasons, .. } => Some(reasons.clone()),
                     _ => None,
                 },
             },
@@ -324,6 +339,13 @@ impl ApiError {
             ApiError::InvalidRequest { .. } | ApiError::ContextLengthExceeded(_) => {
                 (Status::invalid_argument(message), None)
             }
+            ApiError::UnsafeInput { reasons, .. } => (
+                Status::invalid_argument(format!(
+                    "{message} [unsafe_input: {}]",
+                    reasons.join(", ")
+                )),
+                None,
+            ),
             ApiError::BodyTooLarge(_) => (Status::resource_exhausted(message), None),
             ApiError::Unauthorized(_) => (Status::unauthenticated(message), None),
             ApiError::Forbidden(_) => (Status::permission_denied(message), None),

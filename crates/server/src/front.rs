@@ -1,14 +1,15 @@
 //! The front: the one pipeline every protocol calls once it has decoded its wire format.
 //!
-//! drain check → guard → route → hand-off → rate limit → backend chain (each step: breaker,
+//! drain check → route → guard → hand-off → rate limit → backend chain (each step: breaker,
 //! admission, backend; see [`crate::chain`]). Each protocol's handler is decode → [`serve`] →
 //! encode; nothing below this line knows the protocol, nothing above it knows the model. The
 //! record of the request is filled on the way (model, version, digest, queue time, the refusal
 //! and its reason, the attempts and the fallback that answered) and settled once by [`settle`].
 //!
-//! The guard (injection rules and classifier) and the release plan's routing (canary, A/B) plug
-//! in here: today the route is the model asked for (newest version unless one is named) and the
-//! guard passes everything.
+//! The guard ([`crate::screen`]: injection rules and classifier) judges every generation after
+//! the route (its policy and the model's control tokens are the model's) and before anything
+//! else; the release plan's routing (canary, A/B) plugs in at the route: today it is the model
+//! asked for (newest version unless one is named).
 
 use std::sync::Arc;
 
@@ -22,6 +23,7 @@ use crate::backend::{Answer, Work, WorkKind};
 use crate::chain::{self, Fallback};
 use crate::error::ApiError;
 use crate::registry::{Entry, ModelName};
+use crate::screen::{self, Screened};
 use crate::state::AppState;
 
 /// A request that passed the front: the backend that answers, its answer, its place in flight,
@@ -37,7 +39,8 @@ pub struct Admitted {
 /// Held until the response ends: the admission slot, and the principal whose token budget the
 /// response is charged to.
 pub struct Ticket {
-    _slot: Slot,
+    /// None for answers the front gives itself (the guard's refusal completion).
+    _slot: Option<Slot>,
     state: Arc<AppState>,
     principal: String,
 }
@@ -113,6 +116,26 @@ pub async fn serve_routed(
         work = work.kind().as_str()
     );
     async move {
+        // The guard: before hand-off, rate limit and the chain, so no fallback bypasses it.
+        let mut work = work;
+        let mut watch = None;
+        if let Work::Generate(plan) = &mut work {
+            let service = Arc::clone(state.guard());
+            let (screened, w) = screen::screen(
+                &service,
+                &entry.name,
+                &entry.backend,
+                principal,
+                plan,
+                record,
+            )
+            .instrument(tracing::debug_span!("guard"))
+            .await?;
+            if let Screened::RefuseWithCompletion = screened {
+                return refusal_completion(state, principal, entry, work, record).await;
+            }
+            watch = w.map(Arc::new);
+        }
         if let Some(refusal) = state.handoffs.get(&entry.name).refusal() {
             record.refuse("human_handoff");
             record.record.fallback_level = 3;
@@ -140,13 +163,17 @@ pub async fn serve_routed(
                 response.model_version = answered.entry.version.clone();
                 Answer::Tensors(response)
             }
+            Answer::Generation(mut g) => {
+                g.watch = watch;
+                Answer::Generation(g)
+            }
             other => other,
         };
         Ok(Admitted {
             entry: answered.entry,
             answer,
             ticket: Ticket {
-                _slot: answered.slot,
+                _slot: Some(answered.slot),
                 state: Arc::clone(state),
                 principal: principal.to_string(),
             },
@@ -155,6 +182,34 @@ pub async fn serve_routed(
     }
     .instrument(span)
     .await
+}
+
+/// The guard's refusal as a completion (`refusal = "completion"`): every choice's content is
+/// exactly `{"error":"unsafe_input"}`; no backend runs.
+async fn refusal_completion(
+    state: &Arc<AppState>,
+    principal: &str,
+    entry: Arc<Entry>,
+    work: Work,
+    record: &mut RecordBuilder,
+) -> Result<Admitted, ApiError> {
+    let canned = crate::backend::canned::CannedBackend::new(
+        screen::REFUSAL_COMPLETION.to_string(),
+        Default::default(),
+    );
+    let answer = crate::backend::InferenceBackend::start(&canned, work, record)
+        .await
+        .map_err(ApiError::from)?;
+    Ok(Admitted {
+        entry,
+        answer,
+        ticket: Ticket {
+            _slot: None,
+            state: Arc::clone(state),
+            principal: principal.to_string(),
+        },
+        fallback: None,
+    })
 }
 
 /// The response header that names the request's audit entry.

@@ -40,6 +40,7 @@ pub mod observe;
 pub mod openai;
 pub mod openai_http;
 pub mod registry;
+pub mod screen;
 pub mod state;
 
 use std::sync::Arc;
@@ -327,6 +328,14 @@ fn spawn_audit(
 fn spawn_loading(state: Arc<AppState>) {
     tokio::task::spawn_blocking(move || {
         let repository = Repository::open(&state.config.repo);
+        // The guard first: no request is served before its guard is.
+        let (guard, problem) = screen::GuardService::load(&state.config, &repository);
+        if state.guard.set(Arc::new(guard)).is_err() {
+            tracing::warn!("the input guard was already in use before it loaded");
+        }
+        if let Some(e) = problem {
+            state.refuse(e);
+        }
         let wanted = match state::models_to_load(&state.config, &repository) {
             Ok(w) => w,
             Err(e) => {

@@ -349,6 +349,15 @@ impl std::fmt::Display for Attempts<'_> {
     }
 }
 
+/// A record's guard reasons as one comma-separated field.
+struct GuardReasons<'a>(&'a [String]);
+
+impl std::fmt::Display for GuardReasons<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0.join(","))
+    }
+}
+
 fn log_record(r: &InferenceRecord) {
     tracing::info!(
         target: "rampart::record",
@@ -366,6 +375,11 @@ fn log_record(r: &InferenceRecord) {
         lineage_commit = r.lineage_commit.as_deref(),
         input_sha256 = %r.input_sha256,
         output_sha256 = %r.output_sha256,
+        guard_verdict = r.guard_verdict.as_deref(),
+        guard_reasons = %GuardReasons(&r.guard_reasons),
+        guard_score = r.guard_score,
+        guard_ms = r.guard_ms,
+        guard_output = r.guard_output,
         prompt_tokens = r.prompt_tokens,
         completion_tokens = r.completion_tokens,
         cached_prompt_tokens = r.cached_prompt_tokens,

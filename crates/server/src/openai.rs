@@ -50,7 +50,7 @@ pub struct ContentPart {
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct ChatMessageIn {
-    /// `system`, `developer` (treated as system), `user` or `assistant`.
+    /// `system`, `developer` (treated as system), `user`, `assistant` or `tool` (`function`).
     pub role: String,
     pub content: Option<MessageContent>,
     pub name: Option<String>,
@@ -129,6 +129,9 @@ pub struct CompletionRequest {
     pub echo: Option<bool>,
     pub suffix: Option<String>,
     pub best_of: Option<i64>,
+    /// Special-token texts in the prompt become control tokens (`true`) or stay plain text
+    /// (`false`); unset: the model's `parse_special_tokens` (default `true`).
+    pub parse_special_tokens: Option<bool>,
     #[serde(flatten)]
     pub sampling: SamplingFields,
 }
@@ -422,11 +425,14 @@ impl ChatCompletionRequest {
                 "system" | "developer" => "system",
                 "user" => "user",
                 "assistant" => "assistant",
+                // Tool and function results (retrieved documents): the guard's strictest
+                // channel; the model's template decides how they read.
+                "tool" | "function" => "tool",
                 other => {
                     return Err(ApiError::invalid_param(
                         "messages",
                         format!(
-                            "messages[{i}].role {other:?} is not supported (system, developer, user, assistant)"
+                            "messages[{i}].role {other:?} is not supported (system, developer, user, assistant, tool)"
                         ),
                     ))
                 }
@@ -480,6 +486,7 @@ impl ChatCompletionRequest {
             n,
             default_max_tokens: max_tokens.is_none(),
             language: None,
+            parse_special_tokens: None,
             fallback_level: 0,
             request,
             stream: self.sampling.stream.unwrap_or(false),
@@ -556,6 +563,7 @@ impl CompletionRequest {
             n,
             default_max_tokens: self.sampling.max_tokens.is_none(),
             language: None,
+            parse_special_tokens: self.parse_special_tokens,
             fallback_level: 0,
             request,
             stream: self.sampling.stream.unwrap_or(false),
@@ -603,7 +611,7 @@ mod tests {
         for (body, param) in [
             (r#"{"model":"m","messages":[]}"#, "messages"),
             (
-                r#"{"model":"m","messages":[{"role":"tool","content":"x"}]}"#,
+                r#"{"model":"m","messages":[{"role":"robot","content":"x"}]}"#,
                 "messages",
             ),
             (

@@ -24,6 +24,7 @@ use crate::front::{self, Ticket};
 use crate::identity::{self, Principal, RequestId};
 use crate::openai::*;
 use crate::registry::{Entry, ModelName};
+use crate::screen;
 use crate::state::AppState;
 
 /// The two generation endpoints.
@@ -541,6 +542,16 @@ async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Respon
         .iter()
         .filter_map(|s| s.finish.as_ref().map(|f| (s.text.as_str(), f)))
         .collect();
+    if let Some(watch) = &reply.g.watch {
+        let stops: Vec<Option<&str>> = outputs.iter().map(|(_, f)| f.stop.as_deref()).collect();
+        screen::watch_outputs(
+            watch,
+            &mut record,
+            &reply.entry.name,
+            outputs.iter().map(|(t, _)| *t),
+            &stops,
+        );
+    }
     let checked = reply
         .g
         .check_outputs(&mut record, &outputs)
@@ -788,6 +799,16 @@ impl Streaming {
             .map(String::as_str)
             .zip(all.iter())
             .collect();
+        if let Some(watch) = &self.reply.g.watch {
+            let stops: Vec<Option<&str>> = all.iter().map(|f| f.stop.as_deref()).collect();
+            screen::watch_outputs(
+                watch,
+                &mut self.record,
+                &self.reply.entry.name,
+                outputs.iter().map(|(t, _)| *t),
+                &stops,
+            );
+        }
         if let Err(e) = self
             .reply
             .g
@@ -829,7 +850,7 @@ fn stream_response(reply: Reply, record: RecordBuilder) -> Response {
     let mut state = Streaming {
         finished: vec![None; choices],
         text_len: vec![0; choices],
-        texts: (reply.g.structured.is_some() || record.wants_payload())
+        texts: (reply.g.structured.is_some() || reply.g.watch.is_some() || record.wants_payload())
             .then(|| vec![String::new(); choices]),
         reply,
         record,

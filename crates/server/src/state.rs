@@ -40,7 +40,7 @@ pub struct LoadError {
 }
 
 impl LoadError {
-    fn new(model: &str, message: impl std::fmt::Display) -> Self {
+    pub fn new(model: &str, message: impl std::fmt::Display) -> Self {
         Self {
             model: model.to_string(),
             message: message.to_string(),
@@ -68,6 +68,8 @@ pub struct AppState {
     pub faults: Faults,
     /// The WORM audit log, when `[audit] enabled`.
     pub audit: Option<Arc<audit::AuditLog>>,
+    /// The input guard, once loaded (the seed rules until then).
+    pub guard: std::sync::OnceLock<Arc<crate::screen::GuardService>>,
     pub started: Instant,
 }
 
@@ -108,8 +110,15 @@ impl AppState {
             keys,
             metrics,
             bus,
+            guard: std::sync::OnceLock::new(),
             started: Instant::now(),
         })
+    }
+
+    /// The input guard (the seed rules when none was loaded).
+    pub fn guard(&self) -> &Arc<crate::screen::GuardService> {
+        self.guard
+            .get_or_init(|| Arc::new(crate::screen::GuardService::seed(&self.config)))
     }
 
     /// A fresh record for a request that just arrived.
@@ -599,6 +608,7 @@ fn load_llm(
         model.entropy_band,
         limits.default_max_tokens,
         Duration::from_secs(config.stall_timeout_s.max(1)),
-    );
+    )
+    .with_parse_special_tokens(model.parse_special_tokens);
     Ok(entry(config, model, &version, digest, backend))
 }

@@ -53,6 +53,7 @@ fn finished(completion_tokens: usize) -> Finished {
         prefill_seconds: 0.001,
         decode_seconds: 0.002,
         trailing_text: String::new(),
+        stop: None,
     }
 }
 
@@ -108,6 +109,7 @@ impl InferenceBackend for FakeLlm {
                 choices: 1,
                 prompt_tokens: 3,
                 structured: None,
+                watch: None,
             }))
         })
     }

@@ -100,6 +100,7 @@ impl InferenceBackend for CannedBackend {
                     choices,
                     prompt_tokens: 0,
                     structured: None,
+                    watch: None,
                 }))
             }
             other => Err(BackendError::invalid(format!(

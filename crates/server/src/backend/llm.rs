@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use engine::tokenizer::Tokenizer;
-use engine::{Engine, Event, TokenEvent};
+use engine::{Engine, Event, Prompt, TokenEvent};
 use futures_util::stream::{self, SelectAll, StreamExt};
 use record::{RecordBuilder, StructuredRecord};
 use tracing::Instrument;
@@ -27,6 +27,9 @@ pub struct LlmBackend {
     stall: Duration,
     /// Generated-token counter and when it last moved.
     progress: Mutex<(u64, Instant)>,
+    /// Completion prompts' special-token texts become control tokens unless the request says
+    /// otherwise (`[models] parse_special_tokens`).
+    parse_special_tokens: bool,
 }
 
 impl LlmBackend {
@@ -44,7 +47,14 @@ impl LlmBackend {
             default_max_tokens,
             stall,
             progress: Mutex::new((0, Instant::now())),
+            parse_special_tokens: true,
         }
+    }
+
+    /// Whether completion prompts' special-token texts become control tokens by default.
+    pub fn with_parse_special_tokens(mut self, parse: bool) -> Self {
+        self.parse_special_tokens = parse;
+        self
     }
 
     /// `Some(idle)` when sequences are running and no token came for longer than the stall
@@ -70,7 +80,17 @@ impl LlmBackend {
         let engine = Arc::clone(&self.engine);
         let compiler = Arc::clone(&self.grammar);
         let default_cap = self.default_max_tokens;
-        let prepare_plan = plan.clone();
+        let mut prepare_plan = plan.clone();
+        if !plan
+            .parse_special_tokens
+            .unwrap_or(self.parse_special_tokens)
+        {
+            for p in &mut prepare_plan.prompts {
+                if let Prompt::Text(t) = p {
+                    *p = Prompt::PlainText(std::mem::take(t));
+                }
+            }
+        }
         let (prepared, structured) = tokio::task::spawn_blocking(move || {
             // The grammar first: a bad schema is refused before any tokenization work.
             let structured = match &prepare_plan.structured {
@@ -148,6 +168,7 @@ impl LlmBackend {
             choices: index,
             prompt_tokens,
             structured: structured.map(|(compiled, _)| compiled as Arc<dyn grammar::FinalCheck>),
+            watch: None,
         })
     }
 }
@@ -224,6 +245,10 @@ impl InferenceBackend for LlmBackend {
                 )),
             },
         }
+    }
+
+    fn special_token_spans(&self, text: &str) -> Vec<(usize, usize)> {
+        self.engine.tokenizer().find_special(text)
     }
 
     fn entropy_band(&self) -> Option<[f32; 2]> {

@@ -100,6 +100,8 @@ pub struct GeneratePlan {
     pub structured: Option<GrammarSpec>,
     /// The request's `Accept-Language` (canned answers pick their text by it).
     pub language: Option<String>,
+    /// The request's `parse_special_tokens` (completions); none: the model's default.
+    pub parse_special_tokens: Option<bool>,
     /// 0: asked of the model itself; 1 or 2: a step of its fallback chain (a rules model then
     /// answers only when a rule matched, so the chain can go on to a canned answer).
     pub fallback_level: u8,
@@ -153,6 +155,8 @@ pub struct Generation {
     /// The final check of a structured-output request (the compiled grammar's, or the plain
     /// check of an answer the backend wrote itself).
     pub structured: Option<Arc<dyn grammar::FinalCheck>>,
+    /// The guard's output watch (the system message's canary), set by the front.
+    pub watch: Option<Arc<crate::screen::OutputWatch>>,
 }
 
 /// The end of a choice a backend wrote at once (rules, canned answers): no prompt, no time.
@@ -166,6 +170,7 @@ pub(crate) fn finished_at_once(completion_tokens: usize) -> Finished {
         prefill_seconds: 0.0,
         decode_seconds: 0.0,
         trailing_text: String::new(),
+        stop: None,
     }
 }
 
@@ -372,6 +377,12 @@ pub trait InferenceBackend: Send + Sync + 'static {
     }
 
     /// The band of mean token entropy outside which a response is abnormal.
+    /// Where the model's control-token texts occur in `text` (byte ranges); none for models
+    /// without a vocabulary of them.
+    fn special_token_spans(&self, _text: &str) -> Vec<(usize, usize)> {
+        Vec::new()
+    }
+
     fn entropy_band(&self) -> Option<[f32; 2]> {
         None
     }

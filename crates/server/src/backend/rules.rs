@@ -122,6 +122,7 @@ impl RulesBackend {
             choices: index,
             prompt_tokens: 0,
             structured: check.map(|(_, c)| Arc::new(c) as Arc<dyn grammar::FinalCheck>),
+            watch: None,
         })
     }
 
@@ -198,7 +199,7 @@ impl RulesBackend {
 /// The text a rules model classifies: the prompt, or the last user message of a chat.
 fn prompt_text(prompt: &Prompt) -> Result<String, BackendError> {
     match prompt {
-        Prompt::Text(text) => Ok(text.clone()),
+        Prompt::Text(text) | Prompt::PlainText(text) => Ok(text.clone()),
         Prompt::Chat(messages) => messages
             .iter()
             .rev()

@@ -1,0 +1,439 @@
+//! The guard's classifier tier: a small MLP head over a sentence embedding (the all-MiniLM-L6-v2
+//! embedding Rampart already serves), scored on segments of the input, the score the maximum.
+//!
+//! The head is a safetensors file of six f32 tensors, `w_h1 [256, 384]`, `b_h1 [256]`,
+//! `w_h2 [128, 256]`, `b_h2 [128]`, `w_out [1, 128]`, `b_out [1]`: ReLU, ReLU, sigmoid, on the
+//! mean-pooled, L2-normalised embedding. `scripts/fetch-models.sh` ports the jailguard head
+//! (MIT or Apache-2.0) to that file; any head of those shapes (or other widths) works.
+//!
+//! The embedder is the caller's ([`Embed`]): this crate holds no model runtime.
+
+use std::path::Path;
+
+/// What the classifier needs of an embedding model.
+pub trait Embed: Send + Sync {
+    /// One embedding per text, in order (mean-pooled and L2-normalised, as the head expects).
+    fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, String>;
+    /// Tokens of `text` in the embedder's vocabulary (with its special tokens).
+    fn count_tokens(&self, text: &str) -> usize;
+}
+
+/// Why a head cannot be used.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("classifier head {path}: {message}")]
+pub struct HeadError {
+    pub path: String,
+    pub message: String,
+}
+
+#[derive(Debug, Clone)]
+struct Dense {
+    /// `out × in`, row-major.
+    weight: Vec<f32>,
+    bias: Vec<f32>,
+    inputs: usize,
+}
+
+impl Dense {
+    fn apply(&self, x: &[f32], relu: bool) -> Vec<f32> {
+        self.bias
+            .iter()
+            .enumerate()
+            .map(|(o, b)| {
+                let row = &self.weight[o * self.inputs..(o + 1) * self.inputs];
+                let v = b + dot(row, x);
+                if relu {
+                    v.max(0.0)
+                } else {
+                    v
+                }
+            })
+            .collect()
+    }
+}
+
+/// Four-lane dot product (the compiler vectorises it; the head is 131k multiply-adds, so this
+/// is never the cost: the embedding is).
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let chunks = a.len() / 8;
+    for i in 0..chunks {
+        for k in 0..8 {
+            acc[k] += a[i * 8 + k] * b[i * 8 + k];
+        }
+    }
+    let mut sum: f32 = acc.iter().sum();
+    for i in chunks * 8..a.len() {
+        sum += a[i] * b[i];
+    }
+    sum
+}
+
+/// The MLP head.
+#[derive(Debug, Clone)]
+pub struct Head {
+    layers: Vec<Dense>,
+}
+
+impl Head {
+    /// Reads a head from its safetensors file.
+    pub fn load(path: &Path) -> Result<Self, HeadError> {
+        let bad = |message: String| HeadError {
+            path: path.display().to_string(),
+            message,
+        };
+        let bytes = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+        Self::from_safetensors(&bytes).map_err(bad)
+    }
+
+    /// Parses a head from safetensors bytes.
+    pub fn from_safetensors(bytes: &[u8]) -> Result<Self, String> {
+        let tensors = safetensors::SafeTensors::deserialize(bytes)
+            .map_err(|e| format!("not safetensors: {e}"))?;
+        let read = |name: &str| -> Result<(Vec<usize>, Vec<f32>), String> {
+            let t = tensors
+                .tensor(name)
+                .map_err(|_| format!("tensor {name} is missing"))?;
+            if t.dtype() != safetensors::Dtype::F32 {
+                return Err(format!("tensor {name} is {:?}, not F32", t.dtype()));
+            }
+            let values = t
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            Ok((t.shape().to_vec(), values))
+        };
+        let mut layers = Vec::new();
+        let mut width = None;
+        for (w, b) in [("w_h1", "b_h1"), ("w_h2", "b_h2"), ("w_out", "b_out")] {
+            let (shape, weight) = read(w)?;
+            let (bias_shape, bias) = read(b)?;
+            let [outputs, inputs] = shape[..] else {
+                return Err(format!("tensor {w} has shape {shape:?}, not [out, in]"));
+            };
+            if bias_shape != [outputs] {
+                return Err(format!(
+                    "tensor {b} has shape {bias_shape:?}, not [{outputs}]"
+                ));
+            }
+            if width.is_some_and(|w| w != inputs) {
+                return Err(format!(
+                    "tensor {w} takes {inputs} inputs, the layer before gives {width:?}"
+                ));
+            }
+            if weight.iter().chain(&bias).any(|v| !v.is_finite()) {
+                return Err(format!("tensor {w} or {b} holds a non-finite value"));
+            }
+            width = Some(outputs);
+            layers.push(Dense {
+                weight,
+                bias,
+                inputs,
+            });
+        }
+        if width != Some(1) {
+            return Err(format!("the last layer gives {width:?} outputs, not 1"));
+        }
+        Ok(Self { layers })
+    }
+
+    /// The embedding width the head takes.
+    pub fn inputs(&self) -> usize {
+        self.layers[0].inputs
+    }
+
+    /// The injection probability of one embedding.
+    pub fn score(&self, embedding: &[f32]) -> Result<f32, String> {
+        if embedding.len() != self.inputs() {
+            return Err(format!(
+                "the embedding has {} dimensions, the head takes {}",
+                embedding.len(),
+                self.inputs()
+            ));
+        }
+        let mut x = embedding.to_vec();
+        let last = self.layers.len() - 1;
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.apply(&x, i < last);
+        }
+        let logit = x[0];
+        Ok(1.0 / (1.0 + (-logit).exp()))
+    }
+}
+
+/// Splits `text` into segments of at most `max_tokens` tokens: sentences packed together, a
+/// sentence longer than that cut into overlapping word windows. A text that fits is one segment.
+pub fn segments<'a>(
+    text: &'a str,
+    max_tokens: usize,
+    count: &dyn Fn(&str) -> usize,
+) -> Vec<&'a str> {
+    let text = text.trim();
+    if text.is_empty() {
+        return Vec::new();
+    }
+    if count(text) <= max_tokens {
+        return vec![text];
+    }
+    let mut sentences: Vec<&str> = Vec::new();
+    let mut start = 0;
+    for (i, c) in text.char_indices() {
+        if matches!(c, '.' | '!' | '?' | '\n' | '。' | '！' | '？' | ';' | '；') {
+            let end = i + c.len_utf8();
+            if text[start..end].trim().len() > 1 {
+                sentences.push(&text[start..end]);
+                start = end;
+            }
+        }
+    }
+    if start < text.len() && !text[start..].trim().is_empty() {
+        sentences.push(&text[start..]);
+    }
+    let mut out: Vec<&str> = Vec::new();
+    let mut current: Option<(usize, usize, usize)> = None; // (start, end, tokens)
+    let offset = |s: &str| s.as_ptr() as usize - text.as_ptr() as usize;
+    for s in sentences {
+        let n = count(s);
+        let (s_start, s_end) = (offset(s), offset(s) + s.len());
+        if n > max_tokens {
+            if let Some((a, b, _)) = current.take() {
+                out.push(text[a..b].trim());
+            }
+            out.extend(windows(s, max_tokens, count));
+            continue;
+        }
+        current = match current {
+            Some((a, _, t)) if t + n <= max_tokens => Some((a, s_end, t + n)),
+            Some((a, b, _)) => {
+                out.push(text[a..b].trim());
+                Some((s_start, s_end, n))
+            }
+            None => Some((s_start, s_end, n)),
+        };
+    }
+    if let Some((a, b, _)) = current {
+        out.push(text[a..b].trim());
+    }
+    out.retain(|s| !s.is_empty());
+    out
+}
+
+/// Word windows of about `max_tokens` tokens with a quarter of overlap (a sentence with no
+/// sentence breaks: code, a list, a run-on instruction).
+fn windows<'a>(s: &'a str, max_tokens: usize, count: &dyn Fn(&str) -> usize) -> Vec<&'a str> {
+    let words: Vec<(usize, usize)> = s
+        .split_whitespace()
+        .map(|w| {
+            let start = w.as_ptr() as usize - s.as_ptr() as usize;
+            (start, start + w.len())
+        })
+        .collect();
+    if words.is_empty() {
+        return Vec::new();
+    }
+    // Tokens per word on this sentence, so windows need one count each.
+    let per_word = (count(s) as f64 / words.len() as f64).max(1.0);
+    let size = ((max_tokens as f64 / per_word) as usize).max(1);
+    let step = (size * 3 / 4).max(1);
+    let mut out = Vec::new();
+    let mut i = 0;
+    loop {
+        let end = (i + size).min(words.len());
+        out.push(&s[words[i].0..words[end - 1].1]);
+        if end == words.len() {
+            break;
+        }
+        i += step;
+    }
+    out
+}
+
+/// The head on an embedder: scores texts by their most suspicious segment.
+pub struct Classifier {
+    head: Head,
+    embedder: Box<dyn Embed>,
+    /// Tokens per segment (the head was trained on the first 128 tokens of its inputs).
+    pub segment_tokens: usize,
+    /// Most segments scored per text; a longer text is scored on its first and last ones and
+    /// an even spread between (the rules tier still reads all of it).
+    pub max_segments: usize,
+}
+
+impl std::fmt::Debug for Classifier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Classifier")
+            .field("segment_tokens", &self.segment_tokens)
+            .field("max_segments", &self.max_segments)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A classifier score with the segment that gave it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Scored {
+    pub score: f32,
+    /// The most suspicious segment (at most 160 characters of it).
+    pub segment: String,
+    pub segments: usize,
+}
+
+impl Classifier {
+    pub fn new(head: Head, embedder: Box<dyn Embed>) -> Self {
+        Self {
+            head,
+            embedder,
+            segment_tokens: 128,
+            max_segments: 32,
+        }
+    }
+
+    /// Scores several texts in one embedding call: per text, its most suspicious segment.
+    pub fn score(&self, texts: &[&str]) -> Result<Vec<Scored>, String> {
+        let count = |t: &str| self.embedder.count_tokens(t);
+        let mut all: Vec<&str> = Vec::new();
+        let mut owners: Vec<usize> = Vec::new();
+        for (i, text) in texts.iter().enumerate() {
+            let mut segs = segments(text, self.segment_tokens, &count);
+            if segs.len() > self.max_segments {
+                let n = segs.len();
+                let keep = self.max_segments.max(2);
+                segs = (0..keep).map(|k| segs[k * (n - 1) / (keep - 1)]).collect();
+            }
+            owners.extend(std::iter::repeat_n(i, segs.len()));
+            all.extend(segs);
+        }
+        let embeddings = if all.is_empty() {
+            Vec::new()
+        } else {
+            self.embedder.embed(&all)?
+        };
+        if embeddings.len() != all.len() {
+            return Err(format!(
+                "the embedder returned {} embeddings for {} segments",
+                embeddings.len(),
+                all.len()
+            ));
+        }
+        let mut out: Vec<Scored> = texts
+            .iter()
+            .map(|_| Scored {
+                score: 0.0,
+                segment: String::new(),
+                segments: 0,
+            })
+            .collect();
+        for ((segment, embedding), &owner) in all.iter().zip(&embeddings).zip(&owners) {
+            let score = self.head.score(embedding)?;
+            let best = &mut out[owner];
+            best.segments += 1;
+            if score > best.score || best.segment.is_empty() {
+                best.score = score;
+                best.segment = segment.chars().take(160).collect();
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A head whose output is `sigmoid(4·x[0] − 2)` on a 4-wide embedding.
+    fn tiny_head() -> Vec<u8> {
+        let tensors: Vec<(&str, Vec<usize>, Vec<f32>)> = vec![
+            (
+                "w_h1",
+                vec![2, 4],
+                vec![1.0, 0.0, 0.0, 0.0, -1.0, 0.0, 0.0, 0.0],
+            ),
+            ("b_h1", vec![2], vec![0.0, 0.0]),
+            ("w_h2", vec![1, 2], vec![1.0, -1.0]),
+            ("b_h2", vec![1], vec![0.0]),
+            ("w_out", vec![1, 1], vec![4.0]),
+            ("b_out", vec![1], vec![-2.0]),
+        ];
+        let data: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+            .into_iter()
+            .map(|(n, s, v)| {
+                (
+                    n.to_string(),
+                    s,
+                    v.iter().flat_map(|f| f.to_le_bytes()).collect(),
+                )
+            })
+            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = data
+            .iter()
+            .map(|(n, s, b)| {
+                (
+                    n.clone(),
+                    safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b)
+                        .unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize(views, None).unwrap()
+    }
+
+    struct Letters;
+
+    impl Embed for Letters {
+        /// x[0] = share of the letter 'x' among letters.
+        fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, String> {
+            Ok(texts
+                .iter()
+                .map(|t| {
+                    let letters = t.chars().filter(|c| c.is_alphabetic()).count().max(1);
+                    let x = t.chars().filter(|&c| c == 'x').count();
+                    vec![x as f32 / letters as f32, 0.0, 0.0, 0.0]
+                })
+                .collect())
+        }
+
+        fn count_tokens(&self, text: &str) -> usize {
+            text.split_whitespace().count() + 2
+        }
+    }
+
+    #[test]
+    fn head_scores_like_its_formula() {
+        let head = Head::from_safetensors(&tiny_head()).unwrap();
+        assert_eq!(head.inputs(), 4);
+        let s = head.score(&[1.0, 0.0, 0.0, 0.0]).unwrap();
+        assert!((s - 1.0 / (1.0 + (-2.0f32).exp())).abs() < 1e-6);
+        assert!(head.score(&[1.0]).is_err());
+        assert!(Head::from_safetensors(b"junk").is_err());
+    }
+
+    #[test]
+    fn the_most_suspicious_segment_decides() {
+        let c = Classifier {
+            segment_tokens: 8,
+            ..Classifier::new(
+                Head::from_safetensors(&tiny_head()).unwrap(),
+                Box::new(Letters),
+            )
+        };
+        let long =
+            "A calm sentence about the weather. Another calm one here. xxxx xxxx xx. Calm again.";
+        let scored = c.score(&[long, "calm"]).unwrap();
+        assert!(scored[0].segments >= 3, "{scored:?}");
+        assert!(scored[0].segment.contains("xxxx"), "{scored:?}");
+        assert!(scored[0].score > 0.8);
+        assert!(scored[1].score < 0.2);
+    }
+
+    #[test]
+    fn segments_cover_the_text() {
+        let count = |t: &str| t.split_whitespace().count();
+        let text = "one two three. four five six seven eight nine ten eleven twelve. thirteen.";
+        let s = segments(text, 4, &count);
+        assert!(s.len() >= 3, "{s:?}");
+        assert!(s.iter().any(|x| x.contains("twelve")));
+        assert!(s.iter().any(|x| x.contains("thirteen")));
+        assert_eq!(segments("short text", 4, &count), ["short text"]);
+        assert!(segments("   ", 4, &count).is_empty());
+    }
+}

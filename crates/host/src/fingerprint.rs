@@ -2,7 +2,7 @@
 //! (LINEAGE.json's environment, the serve-start log, `GET /admin/doctor`).
 
 use crate::checks::Env;
-use crate::tree::HostTree;
+use crate::tree::{human_bytes, HostTree};
 use serde::{Deserialize, Serialize};
 
 /// Bumped when a field changes meaning.
@@ -72,6 +72,173 @@ pub struct PcieDevice {
     /// Root complex, then each bridge down to the device's parent (empty when sysfs does not
     /// show the hierarchy, as in fixture trees).
     pub upstream: Vec<String>,
+}
+
+impl Fingerprint {
+    /// The fingerprint in one line, for a log: host, OS, kernel, CPU, memory, NUMA, driver,
+    /// each GPU by name and UUID.
+    pub fn summary(&self) -> String {
+        let mut parts: Vec<String> = Vec::new();
+        parts.extend(self.hostname.clone());
+        parts.extend(self.os.clone());
+        if let Some(k) = &self.kernel_release {
+            parts.push(format!("kernel {k}"));
+        }
+        parts.push(self.arch.clone());
+        parts.push(self.cpu.summary());
+        if let Some(m) = self.memory_total_bytes {
+            parts.push(format!("{} memory", human_bytes(m)));
+        }
+        match self.numa_nodes {
+            Some(1) => parts.push("1 NUMA node".into()),
+            Some(n) => parts.push(format!("{n} NUMA nodes")),
+            None => {}
+        }
+        if self.gpus.is_empty() {
+            parts.push("no NVIDIA GPU".into());
+        } else {
+            parts.push(self.driver_text());
+            for gpu in &self.gpus {
+                parts.push(gpu.summary());
+            }
+        }
+        parts.join(" · ")
+    }
+
+    /// The fingerprint for a terminal (`rampart doctor --fingerprint`): one fact a line,
+    /// each GPU and PCIe device on its own.
+    pub fn render_text(&self) -> String {
+        let unknown = || "unknown".to_string();
+        let mut out = String::from("hardware fingerprint\n");
+        let mut row = |name: &str, value: String| {
+            out.push_str(&format!("  {name:<10} {value}\n"));
+        };
+        row("host", self.hostname.clone().unwrap_or_else(unknown));
+        row("os", self.os.clone().unwrap_or_else(unknown));
+        row(
+            "kernel",
+            format!(
+                "{} ({})",
+                self.kernel_release.clone().unwrap_or_else(unknown),
+                self.arch
+            ),
+        );
+        row("cpu", self.cpu.summary());
+        row(
+            "memory",
+            self.memory_total_bytes
+                .map(human_bytes)
+                .unwrap_or_else(unknown),
+        );
+        row(
+            "numa",
+            self.numa_nodes
+                .map(|n| format!("{n} node{}", if n == 1 { "" } else { "s" }))
+                .unwrap_or_else(unknown),
+        );
+        row(
+            "gpu",
+            if self.gpus.is_empty() {
+                "no NVIDIA GPU".into()
+            } else {
+                self.driver_text()
+            },
+        );
+        for gpu in &self.gpus {
+            let mut facts = vec![gpu.summary()];
+            facts.extend(gpu.pci_bus_id.as_ref().map(|b| format!("bus {b}")));
+            facts.extend(gpu.vbios_version.as_ref().map(|v| format!("VBIOS {v}")));
+            facts.extend(
+                gpu.compute_capability
+                    .as_ref()
+                    .map(|c| format!("compute {c}")),
+            );
+            facts.extend(gpu.memory_total_bytes.map(human_bytes));
+            if let (Some(g), Some(w)) = (gpu.pcie_max_gen, gpu.pcie_max_width) {
+                facts.push(format!("PCIe Gen{g} x{w} max"));
+            }
+            facts.extend(numa_text(gpu.numa_node));
+            out.push_str(&format!("    gpu{}  {}\n", gpu.index, facts.join(", ")));
+        }
+        out.push_str(&format!(
+            "  {:<10} {} device{} (GPUs, NICs, NVMe)\n",
+            "pcie",
+            self.pcie.len(),
+            if self.pcie.len() == 1 { "" } else { "s" }
+        ));
+        for d in &self.pcie {
+            let mut facts = vec![format!("{:<4} {}", d.kind, d.id)];
+            match (&d.current_link, &d.max_link) {
+                (Some(c), Some(m)) if c == m => facts.push(c.clone()),
+                (Some(c), Some(m)) => facts.push(format!("{c} (max {m})")),
+                (None, Some(m)) => facts.push(format!("max {m}")),
+                (Some(c), None) => facts.push(c.clone()),
+                (None, None) => {}
+            }
+            facts.extend(numa_text(d.numa_node));
+            if !d.upstream.is_empty() {
+                facts.push(format!("via {}", d.upstream.join(" > ")));
+            }
+            out.push_str(&format!("    {}  {}\n", d.bus_id, facts.join(", ")));
+        }
+        if !self.cpu.flags.is_empty() {
+            out.push_str(&format!(
+                "  {:<10} {}\n",
+                "cpu flags",
+                self.cpu.flags.join(" ")
+            ));
+        }
+        out
+    }
+
+    fn driver_text(&self) -> String {
+        let driver = self
+            .gpu_driver_version
+            .as_deref()
+            .map_or("NVIDIA driver unknown".to_string(), |d| {
+                format!("NVIDIA driver {d}")
+            });
+        match &self.cuda_driver_version {
+            Some(cuda) => format!("{driver} (CUDA {cuda})"),
+            None => driver,
+        }
+    }
+}
+
+/// sysfs says -1 when the platform does not tell a device's node.
+fn numa_text(node: Option<i64>) -> Option<String> {
+    node.filter(|n| *n >= 0).map(|n| format!("NUMA node {n}"))
+}
+
+impl CpuFingerprint {
+    fn summary(&self) -> String {
+        let mut counts = Vec::new();
+        if let Some(n) = self.logical_cpus {
+            counts.push(format!("{n} CPUs"));
+        }
+        if let Some(n) = self.physical_cores {
+            counts.push(format!("{n} cores"));
+        }
+        if let Some(n) = self.sockets {
+            counts.push(format!("{n} socket{}", if n == 1 { "" } else { "s" }));
+        }
+        let model = self.model.clone().unwrap_or_else(|| "CPU unknown".into());
+        if counts.is_empty() {
+            model
+        } else {
+            format!("{model} ({})", counts.join(", "))
+        }
+    }
+}
+
+impl GpuFingerprint {
+    fn summary(&self) -> String {
+        let name = self.name.as_deref().unwrap_or("GPU");
+        match &self.uuid {
+            Some(uuid) => format!("gpu{} {name} ({uuid})", self.index),
+            None => format!("gpu{} {name}", self.index),
+        }
+    }
 }
 
 pub(crate) fn build(env: &Env) -> Fingerprint {

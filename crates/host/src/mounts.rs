@@ -116,6 +116,8 @@ pub(crate) fn host_view(tree: &HostTree, path: &Path) -> String {
 
 /// The path itself when it exists, else its closest existing ancestor (a directory that
 /// `serve` would create lives on the file system of its parent).
+/// A relative path's last ancestor is the working directory (`audit`'s parent is `""`, which
+/// names nothing: `.` does).
 pub(crate) fn nearest_existing(path: &Path) -> PathBuf {
     let mut current = path.to_path_buf();
     loop {
@@ -123,6 +125,7 @@ pub(crate) fn nearest_existing(path: &Path) -> PathBuf {
             return current;
         }
         match current.parent() {
+            Some(parent) if parent.as_os_str().is_empty() => return PathBuf::from("."),
             Some(parent) if parent != current => current = parent.to_path_buf(),
             _ => return path.to_path_buf(),
         }
@@ -253,5 +256,20 @@ mod tests {
         assert_eq!(mount_for(&mounts, "/srv/models").unwrap().fs_type, "xfs");
         assert_eq!(mounts[3].mount_point, "/mnt/my disk");
         assert!(mounts[2].has_option("noatime"));
+    }
+
+    #[test]
+    fn a_missing_relative_directory_lives_in_the_working_directory() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let inside = dir.path().join("a/b");
+        assert_eq!(nearest_existing(&inside), dir.path());
+        assert_eq!(
+            nearest_existing(Path::new("rampart-no-such-dir/audit")),
+            Path::new(".")
+        );
+        assert_eq!(
+            nearest_existing(Path::new("rampart-no-such-dir")),
+            Path::new(".")
+        );
     }
 }

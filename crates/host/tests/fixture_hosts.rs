@@ -553,6 +553,34 @@ fn the_fingerprint_of_a_fixture_names_its_gpus_and_links() {
 }
 
 #[test]
+fn the_fingerprint_reads_as_one_line_and_as_a_table() {
+    let f = fixture("healthy");
+    let fingerprint = host::fingerprint(&Context::at_root(&f.root));
+    let line = fingerprint.summary();
+    assert!(!line.contains('\n'), "{line}");
+    for fact in [
+        "gpu-host-01",
+        "Ubuntu 22.04.4 LTS",
+        "2 NUMA nodes",
+        "NVIDIA driver 550.54.15 (CUDA 12.4)",
+        "gpu0 NVIDIA H100 80GB HBM3",
+    ] {
+        assert!(line.contains(fact), "{fact:?} not in {line}");
+    }
+    let text = fingerprint.render_text();
+    assert!(text.starts_with("hardware fingerprint\n"), "{text}");
+    assert!(text.contains("bus 0000:3b:00.0"), "{text}");
+    assert!(text.contains("2 devices (GPUs, NICs, NVMe)"), "{text}");
+    let bare = host::fingerprint(&Context::at_root(tempfile::tempdir().unwrap().path()));
+    assert!(
+        bare.summary().contains("no NVIDIA GPU"),
+        "{}",
+        bare.summary()
+    );
+    assert!(bare.render_text().contains("host       unknown"));
+}
+
+#[test]
 fn every_check_is_documented() {
     let docs =
         std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/doctor.md"))

@@ -216,7 +216,7 @@ fn per_device(
     judge: fn(&CheckSpec, &GpuDevice) -> Check,
 ) -> Vec<Check> {
     if gpus.devices.is_empty() {
-        return vec![spec.unknown(gpus.absent_reason())];
+        return vec![spec.unknown(gpus.absent_reason_short())];
     }
     gpus.devices
         .iter()
@@ -279,7 +279,7 @@ pub(crate) fn cuda_version_text(code: i32) -> String {
 
 fn driver_cuda(env: &Env, gpus: &GpuFacts) -> Check {
     let Some(driver) = gpus.driver_version() else {
-        return DRIVER_CUDA.unknown(gpus.absent_reason());
+        return DRIVER_CUDA.unknown(gpus.absent_reason_short());
     };
     let reported = gpus
         .system
@@ -335,7 +335,7 @@ fn driver_cuda(env: &Env, gpus: &GpuFacts) -> Check {
 
 fn kernel_module(gpus: &GpuFacts) -> Check {
     if !gpus.present() {
-        return KERNEL_MODULE.unknown(gpus.absent_reason());
+        return KERNEL_MODULE.unknown(gpus.absent_reason_short());
     }
     let Some(line) = &gpus.proc_version else {
         return KERNEL_MODULE
@@ -502,10 +502,10 @@ fn row_remap(spec: &CheckSpec, d: &GpuDevice) -> Check {
 
 fn pcie_links(env: &Env, gpus: &GpuFacts) -> Vec<Check> {
     if gpus.devices.is_empty() {
-        return vec![PCIE_LINK.unknown(gpus.absent_reason())];
+        return vec![PCIE_LINK.unknown(gpus.absent_reason_short())];
     }
     let Some(probe) = env.gpu_probe() else {
-        return vec![PCIE_LINK.unknown(gpus.absent_reason())];
+        return vec![PCIE_LINK.unknown(gpus.absent_reason_short())];
     };
     let ctx = env.ctx;
     // Sample every GPU at once: with the load sample each takes about a second.
@@ -638,7 +638,7 @@ fn pcie_aer(env: &Env, gpus: &GpuFacts) -> Vec<Check> {
             .collect();
     }
     if targets.is_empty() {
-        return vec![PCIE_AER.unknown(gpus.absent_reason())];
+        return vec![PCIE_AER.unknown(gpus.absent_reason_short())];
     }
     targets
         .into_iter()

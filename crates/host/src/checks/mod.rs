@@ -295,6 +295,16 @@ impl GpuFacts {
         }
     }
 
+    /// [`GpuFacts::absent_reason`] for the GPU checks after `gpu.nvml`, which gives it whole:
+    /// one long dlopen message repeated on every line reads as noise.
+    pub fn absent_reason_short(&self) -> String {
+        match &self.probe_error {
+            Some(_) if self.pci_devices.is_empty() => "no NVIDIA GPU found (see gpu.nvml)".into(),
+            Some(_) => "NVML not available (see gpu.nvml)".into(),
+            None => "NVML reports no GPU".to_string(),
+        }
+    }
+
     /// A device's label for the report: `gpu0`.
     pub fn label(device: &GpuDevice) -> String {
         format!("gpu{}", device.index)

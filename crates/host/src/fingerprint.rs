@@ -181,12 +181,22 @@ impl Fingerprint {
             }
             out.push_str(&format!("    {}  {}\n", d.bus_id, facts.join(", ")));
         }
-        if !self.cpu.flags.is_empty() {
-            out.push_str(&format!(
-                "  {:<10} {}\n",
-                "cpu flags",
-                self.cpu.flags.join(" ")
-            ));
+        // About 90 columns a line: a server CPU has well over a hundred flags.
+        let mut line = String::new();
+        let mut head = "cpu flags";
+        for flag in &self.cpu.flags {
+            if !line.is_empty() && line.len() + flag.len() > 76 {
+                out.push_str(&format!("  {head:<10} {line}\n"));
+                head = "";
+                line.clear();
+            }
+            if !line.is_empty() {
+                line.push(' ');
+            }
+            line.push_str(flag);
+        }
+        if !line.is_empty() {
+            out.push_str(&format!("  {head:<10} {line}\n"));
         }
         out
     }

@@ -433,7 +433,7 @@ fn serve_logs_the_fingerprint_and_each_finding_at_start() {
         if lines
             .iter()
             .any(|l| l["id"] == "rampart.grpc_message_limit")
-            && lines.iter().any(|l| l["message"] == "host")
+            && lines.iter().any(|l| l["message"] == "host checked")
         {
             break lines;
         }
@@ -444,7 +444,10 @@ fn serve_logs_the_fingerprint_and_each_finding_at_start() {
         );
         std::thread::sleep(std::time::Duration::from_millis(50));
     };
-    let host_line = lines.iter().find(|l| l["message"] == "host").unwrap();
+    let host_line = lines
+        .iter()
+        .find(|l| l["message"] == "host checked")
+        .unwrap();
     let summary = host_line["fingerprint"].as_str().unwrap();
     assert!(summary.contains(std::env::consts::ARCH), "{host_line}");
     assert!(host_line["warn"].as_u64().unwrap() >= 1, "{host_line}");
@@ -459,7 +462,10 @@ fn serve_logs_the_fingerprint_and_each_finding_at_start() {
     );
     assert!(!finding["fix"].as_str().unwrap().is_empty(), "{finding}");
     // Only findings get a line of their own: one per warning or error of the host line.
-    let findings = lines.iter().filter(|l| l["message"] != "host").count() as u64;
+    let findings = lines
+        .iter()
+        .filter(|l| l["message"] != "host checked")
+        .count() as u64;
     assert_eq!(
         findings,
         host_line["warn"].as_u64().unwrap() + host_line["error"].as_u64().unwrap()

@@ -127,7 +127,7 @@ fn log_view(view: &DoctorView) {
         error = counts.error,
         unknown = counts.unknown,
         elapsed_ms = view.report.elapsed_ms,
-        "host"
+        "host checked"
     );
     for check in &view.report.checks {
         let subject = check.subject.as_deref().unwrap_or("");
@@ -166,9 +166,6 @@ mod tests {
 
     #[test]
     fn the_context_follows_the_configuration() {
-        let mut config = ServerConfig::default();
-        config.threads = Some(6);
-        config.grpc.max_message_bytes = 4 << 20;
         let mut a = ModelConfig::named("a");
         a.kv_cache_memory = Some("2GiB".into());
         let mut b = ModelConfig::named("b");
@@ -177,7 +174,12 @@ mod tests {
         c.kv_cache_memory = Some("512MiB".into());
         c.quantization = Some("Q4_K".into());
         c.quantization_cache_dir = Some("/var/cache/q".into());
-        config.models = vec![a, b, c];
+        let mut config = ServerConfig {
+            threads: Some(6),
+            models: vec![a, b, c],
+            ..ServerConfig::default()
+        };
+        config.grpc.max_message_bytes = 4 << 20;
         let ctx = context(&config);
         let cwd = std::env::current_dir().unwrap();
         assert_eq!(ctx.repository_dir, Some(cwd.join(&config.repo)));

@@ -3,6 +3,7 @@
 
 mod audit_cmd;
 mod bench_cmd;
+mod doctor_cmd;
 mod engine_args;
 mod generate_cmd;
 mod guard_cmd;
@@ -64,6 +65,9 @@ enum Command {
     Audit(audit_cmd::AuditArgs),
     /// Judge texts with the input guard, and measure it on a labelled set.
     Guard(guard_cmd::GuardArgs),
+    /// Check the host and Rampart's settings for serving (exit 0 ok, 1 warnings, 2 errors);
+    /// print the fixes or the hardware fingerprint.
+    Doctor(doctor_cmd::DoctorArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -90,6 +94,7 @@ fn main() -> ExitCode {
         Command::Bench(command) => bench_cmd::run(command),
         Command::Audit(args) => audit_cmd::run(args),
         Command::Guard(args) => guard_cmd::run(args),
+        Command::Doctor(args) => doctor_cmd::run(args),
     };
     match result {
         Ok(code) => code,

@@ -451,6 +451,9 @@ fn inspect(repo: &Repository, model: &str, json: bool) -> Result<ExitCode> {
                 .collect();
             s.row("gpus", gpus.join(", "));
         }
+        if let Some(fingerprint) = env.host_fingerprint() {
+            s.row("fingerprint", fingerprint.summary());
+        }
         print!("{}", s.render());
     }
     Ok(ExitCode::SUCCESS)

@@ -62,6 +62,11 @@ pub struct Environment {
     pub memory_bytes: Option<u64>,
     pub gpus: Vec<Gpu>,
     pub cuda_version: Option<String>,
+    /// The full hardware fingerprint ([`host::Fingerprint`]: CPU flags, GPU UUIDs, driver,
+    /// VBIOS, PCIe topology), kept as JSON so that a fingerprint of a newer schema still
+    /// reads; versions imported before it have none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fingerprint: Option<serde_json::Value>,
 }
 
 /// The lineage record.
@@ -153,6 +158,12 @@ const INTERESTING_FLAGS: &[&str] = &[
 ];
 
 impl Environment {
+    /// The fingerprint as [`host::Fingerprint`]; `None` when there is none or it is of a
+    /// schema this build does not know.
+    pub fn host_fingerprint(&self) -> Option<host::Fingerprint> {
+        serde_json::from_value(self.fingerprint.clone()?).ok()
+    }
+
     /// Reads the host's facts. Missing sources (no `/proc`, no `nvidia-smi`) leave fields empty.
     pub fn snapshot() -> Self {
         let os = std::fs::read_to_string("/etc/os-release")
@@ -203,6 +214,7 @@ impl Environment {
             memory_bytes,
             gpus,
             cuda_version,
+            fingerprint: serde_json::to_value(host::fingerprint(&host::Context::default())).ok(),
         }
     }
 }
@@ -313,6 +325,37 @@ mod tests {
             assert!(env.kernel.is_some());
             assert!(env.memory_bytes.unwrap_or(0) > 1 << 20);
         }
+    }
+
+    #[test]
+    fn the_snapshot_carries_the_hardware_fingerprint() {
+        let env = Environment::snapshot();
+        let fingerprint = env
+            .host_fingerprint()
+            .expect("a fingerprint of this schema");
+        assert_eq!(fingerprint.arch, env.arch);
+        assert_eq!(fingerprint.kernel_release, env.kernel);
+    }
+
+    #[test]
+    fn an_environment_without_a_fingerprint_still_reads() {
+        // What versions imported before the fingerprint have.
+        let old = r#"{"os": "Ubuntu", "kernel": "6.8.0", "arch": "x86_64", "cpu_model": null,
+            "logical_cpus": 8, "cpu_flags": ["avx2"], "memory_bytes": 1024, "gpus": [],
+            "cuda_version": null}"#;
+        let env: Environment = serde_json::from_str(old).expect("old environments read");
+        assert_eq!(env.fingerprint, None);
+        assert!(env.host_fingerprint().is_none());
+        assert!(!serde_json::to_string(&env).unwrap().contains("fingerprint"));
+        // A fingerprint of a newer schema is kept, if not understood.
+        let newer = old.replacen(
+            '{',
+            r#"{"fingerprint": {"schema_version": 99, "new": 1},"#,
+            1,
+        );
+        let env: Environment = serde_json::from_str(&newer).expect("newer fingerprints read");
+        assert!(env.fingerprint.is_some());
+        assert!(env.host_fingerprint().is_none());
     }
 
     #[test]

@@ -108,6 +108,35 @@ fn import_writes_manifest_digests_and_lineage() {
 }
 
 #[test]
+fn an_imported_versions_lineage_carries_the_hardware_fingerprint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = write_tiny(tmp.path(), "tiny.gguf", &TinyLlama::default());
+    let repo = Repository::open(tmp.path().join("models"));
+    repo.import(&src, &options("tiny", "1.0.0")).unwrap();
+    let text = std::fs::read_to_string(tmp.path().join("models/tiny/1.0.0/LINEAGE.json")).unwrap();
+    let json: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let fingerprint = &json["environment"]["fingerprint"];
+    assert_eq!(
+        fingerprint["schema_version"],
+        host::FINGERPRINT_VERSION,
+        "{text}"
+    );
+    assert_eq!(fingerprint["arch"], std::env::consts::ARCH);
+    assert!(fingerprint["cpu"]["flags"].is_array(), "{text}");
+    assert!(fingerprint["gpus"].is_array() && fingerprint["pcie"].is_array());
+    // It reads back typed, and says this host.
+    let lineage = repo::Lineage::read(&tmp.path().join("models/tiny/1.0.0")).unwrap();
+    let typed = lineage
+        .environment
+        .host_fingerprint()
+        .expect("typed fingerprint");
+    assert_eq!(
+        typed.kernel_release,
+        host::fingerprint(&host::Context::default()).kernel_release
+    );
+}
+
+#[test]
 fn versions_are_immutable() {
     let tmp = tempfile::tempdir().unwrap();
     let src = write_tiny(tmp.path(), "a.gguf", &TinyLlama::default());

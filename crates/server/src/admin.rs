@@ -1,5 +1,6 @@
 //! The admin API under `/admin/…` (keys with the `admin` scope): the backends with their chains,
-//! breakers and hand-offs; pausing and resuming a model's hand-off; fault injection for drills.
+//! breakers and hand-offs; pausing and resuming a model's hand-off; fault injection for drills;
+//! the doctor's report on the host (`GET /admin/doctor`, itself an audited action).
 //! Every call that changes something is logged with who made it (the key and `X-Operator-Id`),
 //! counted in `rampart_admin_actions_total{action}` and kept in the audit log; in `fail_closed`
 //! a change the audit log cannot keep is refused before it is made.
@@ -14,6 +15,7 @@ use axum::{Extension, Json, Router};
 use serde::{Deserialize, Serialize};
 
 use crate::breaker::BreakerView;
+use crate::doctor::{self, DoctorView};
 use crate::error::ApiError;
 use crate::faults::{self, Fault, FaultRequest};
 use crate::handoff::HandoffView;
@@ -32,6 +34,7 @@ pub fn routes() -> Router<Arc<AppState>> {
             get(list_faults).post(inject_fault).delete(clear_faults),
         )
         .route(paths::ADMIN_FAULT, delete(clear_fault))
+        .route(paths::ADMIN_DOCTOR, get(doctor_report))
 }
 
 /// One admin action: logged, counted and audited (see [`AppState::act`]).
@@ -297,4 +300,35 @@ async fn clear_fault(
     }
     let cleared = state.faults.clear(Some(id), &principal.0);
     Json(Cleared { cleared }).into_response()
+}
+
+/// `GET /admin/doctor`: the doctor's report on this host with the server's own configuration
+/// (its ports are not bound again: the server holds them; the repository is not re-verified:
+/// loading verifies each version) and the hardware fingerprint, computed now on a blocking
+/// thread. The read is an action of its own: logged, counted and audited, and in
+/// `fail_closed` not answered when the audit log cannot keep it.
+async fn doctor_report(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+) -> Response {
+    if let Some(r) = refused(&state) {
+        return r;
+    }
+    let config = state.config.clone();
+    let view: DoctorView = match tokio::task::spawn_blocking(move || doctor::examine(&config)).await
+    {
+        Ok(view) => view,
+        Err(e) => return ApiError::Internal(format!("the doctor failed: {e}")).into_response(),
+    };
+    let counts = view.report.counts;
+    let detail = serde_json::json!({
+        "ok": counts.ok,
+        "warn": counts.warn,
+        "error": counts.error,
+        "unknown": counts.unknown,
+    });
+    if let Err(e) = note(&state, &principal.0, "doctor", "host", None, detail).await {
+        return e.into_response();
+    }
+    Json(view).into_response()
 }

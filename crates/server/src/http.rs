@@ -51,6 +51,7 @@ pub mod paths {
     pub const ADMIN_HANDOFF: &str = "/admin/models/{name}/handoff";
     pub const ADMIN_FAULTS: &str = "/admin/faults";
     pub const ADMIN_FAULT: &str = "/admin/faults/{id}";
+    pub const ADMIN_DOCTOR: &str = "/admin/doctor";
     // The audit log's routes (scope `audit`).
     pub const ADMIN_AUDIT: &str = "/admin/audit";
     pub const ADMIN_AUDIT_ENTRY: &str = "/admin/audit/{audit_id}";

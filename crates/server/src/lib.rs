@@ -14,7 +14,9 @@
 //!   to HTTP and gRPC;
 //! - records: every request's `InferenceRecord` (crate `record`) goes to the bus, whose first
 //!   sinks are the structured log and the Prometheus metrics ([`observe`]);
-//! - [`state`]: what handlers share, and model loading; [`config`]: the typed configuration.
+//! - [`state`]: what handlers share, and model loading; [`config`]: the typed configuration;
+//! - [`doctor`]: the host checks (crate `host`) on this configuration, logged at start and
+//!   served at `GET /admin/doctor`.
 //!
 //! Not here: model internals (the `engine` and `classic` crates) and compute kernels. Engines
 //! run on their own threads; handlers await their streams.
@@ -28,6 +30,7 @@ pub mod breaker;
 pub mod chain;
 pub mod config;
 pub mod decisions;
+pub mod doctor;
 pub mod error;
 pub mod faults;
 pub mod front;
@@ -152,6 +155,8 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         spawn_audit(&config, log, &bus)?;
         decisions::install(Arc::clone(log));
     }
+    // The host's findings go to the log while the models load; start does not wait for them.
+    doctor::log_at_start(&config);
     let state = AppState::with_audit(config, keys, metrics, bus, audit);
     tracing::info!(
         listen = %addr,

@@ -1644,6 +1644,76 @@ impl Harness {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_doctor_route_needs_the_admin_scope_answers_a_report_and_is_audited() {
+    let dir = tempfile::tempdir().unwrap();
+    let h = harness(
+        vec![("fake", llm(hello()))],
+        Options {
+            extra_keys: "ops:sk-ops-in-process-1 admin",
+            ..audited(dir.path())
+        },
+    )
+    .await;
+    let (status, body) = h.get_as("/admin/doctor", KEY).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (403, Some("insufficient_scope"))
+    );
+    let (status, body) = h.get_as("/admin/doctor", OPS_KEY).await;
+    assert_eq!(status, 200, "{body}");
+    let report: host::Report = serde_json::from_value(body["report"].clone()).unwrap();
+    for area in host::Area::ALL {
+        assert!(
+            report.checks.iter().any(|c| c.area == area),
+            "no {area} check"
+        );
+    }
+    // The server's own configuration is the Rampart context: its audit directory, and its
+    // ports are not bound again.
+    let audit_dir = report.check("rampart.audit_dir", None).unwrap();
+    assert!(
+        audit_dir
+            .observed
+            .contains(&dir.path().display().to_string()),
+        "{audit_dir:?}"
+    );
+    let ports = report.check("rampart.ports", None).unwrap();
+    assert_eq!(ports.status, host::Status::Unknown);
+    assert!(
+        ports.observed.contains("this server holds them"),
+        "{ports:?}"
+    );
+    assert!(!report.gpu_load_sample);
+    let fingerprint: host::Fingerprint =
+        serde_json::from_value(body["fingerprint"].clone()).unwrap();
+    assert_eq!(fingerprint.arch, std::env::consts::ARCH);
+    // The read is an audited action by the admin key.
+    let read = audit::read::load(dir.path(), None);
+    assert!(read.problem.is_none(), "{:?}", read.problem);
+    let doctor_reads: Vec<_> = read
+        .entries
+        .iter()
+        .filter_map(|l| l.entry.action.as_ref().map(|a| (a, &l.entry)))
+        .filter(|(a, _)| a.name == "doctor")
+        .collect();
+    assert_eq!(doctor_reads.len(), 1);
+    let (action, entry) = doctor_reads[0];
+    assert_eq!(entry.principal.as_deref(), Some("ops"));
+    assert_eq!(action.detail["error"], report.counts.error);
+    // fail_closed: a read the log cannot keep is not answered.
+    h.state
+        .audit
+        .as_ref()
+        .unwrap()
+        .set_write_fault(Some("injected".into()));
+    let (status, body) = h.get_as("/admin/doctor", OPS_KEY).await;
+    assert_eq!(
+        (status, body["error"]["code"].as_str()),
+        (503, Some("audit_unavailable"))
+    );
+}
+
 /// Options with a fail_closed audit log in `dir` (checkpoints every 50 ms).
 fn audited(dir: &std::path::Path) -> Options {
     Options {

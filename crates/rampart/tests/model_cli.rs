@@ -92,8 +92,8 @@ fn smollm2_import_inspect_verify_tamper() {
         "chat template   yes",
         "bos 1 \"<|im_start|>\"",
         "eos 2 \"<|im_end|>\"",
-        "git commit  0123abc",
-        "dataset     smol-v2",
+        "git commit   0123abc",
+        "dataset      smol-v2",
     ] {
         assert!(
             text.contains(expected),

@@ -1240,7 +1240,6 @@ async fn the_breaker_opens_sends_only_probes_while_open_and_closes_after_recover
     };
     // A broken backend: errors mid-start (the fault) are failures.
     h.fault("fake@2.0.0", "fail", serde_json::json!({})).await;
-    let opened = Instant::now();
     for _ in 0..3 {
         let r = h.post("/v1/chat/completions", chat(false)).await;
         assert_eq!(
@@ -1248,6 +1247,8 @@ async fn the_breaker_opens_sends_only_probes_while_open_and_closes_after_recover
             "level=2; backend=canned:fake; reason=error"
         );
     }
+    // The open time runs from the third failure (a slow machine takes a while to get there).
+    let opened = Instant::now();
     assert_eq!(state_of(&h), "open", "3 failures in a row open it");
     // While open: no call reaches the backend; the chain moves on at once.
     let calls = primary.started.load(Ordering::SeqCst);

@@ -716,12 +716,12 @@ impl Tokenizer {
             }
             // After template text, a SentencePiece vocabulary adds no space prefix; after a
             // control token (or at the start) it does, as for any segment.
-            let after_control = i == template_from
-                && (i == 0
-                    || self
-                        .find_special(&rendered[..i])
-                        .last()
-                        .is_some_and(|m| m.1 == i));
+            let before = &rendered[template_from..i];
+            let after_control = (i == 0)
+                || self
+                    .find_special(before)
+                    .last()
+                    .is_some_and(|m| m.1 == before.len());
             self.encode_plain_into(&plain, after_control, &mut ids)?;
             template_from = end;
         }

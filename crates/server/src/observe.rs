@@ -245,6 +245,38 @@ pub fn install_metrics() -> Result<PrometheusHandle, ObserveError> {
         "rampart_model_ready",
         "1 when the model is loaded and serving."
     );
+    describe_gauge!(
+        "rampart_feature_drift_score",
+        "The drift monitor's last statistic per feature (KS distance, or the chi-squared test's Cramér's V for categorical features), window against baseline."
+    );
+    describe_gauge!(
+        "rampart_feature_drift_pvalue",
+        "The drift monitor's last p-value per feature."
+    );
+    describe_gauge!(
+        "rampart_drift_active",
+        "1 while any feature of the model version is in drift alarm."
+    );
+    describe_counter!(
+        "rampart_drift_alarms_total",
+        "Drift alarms raised, by model, version and feature (output monitors included)."
+    );
+    describe_gauge!(
+        "rampart_output_entropy_window_mean",
+        "Sliding-window mean of the requests' mean token entropy (nats)."
+    );
+    describe_gauge!(
+        "rampart_output_entropy_window_std",
+        "Sliding-window standard deviation of the requests' mean token entropy (nats)."
+    );
+    describe_gauge!(
+        "rampart_output_confidence_window_mean",
+        "Sliding-window mean of a classifier's or detector's request confidence."
+    );
+    describe_gauge!(
+        "rampart_monitor_window_requests",
+        "Requests in the monitor's current window, per model version."
+    );
     Ok(handle)
 }
 

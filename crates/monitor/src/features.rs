@@ -1,0 +1,323 @@
+//! Features of one request: what its input looked like and what the model answered. Each
+//! extractor is cheap (one pass, images on a sampled grid) and returns named values; the
+//! monitors only see names and values.
+
+use std::borrow::Cow;
+
+/// A feature's value: a number, or a category (the predicted label, the dominant script).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Value {
+    Num(f64),
+    Cat(String),
+}
+
+/// The features of one request (or one image of a batch).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Observation {
+    pub values: Vec<(Cow<'static, str>, Value)>,
+}
+
+impl Observation {
+    pub fn num(&mut self, name: impl Into<Cow<'static, str>>, v: f64) {
+        if v.is_finite() {
+            self.values.push((name.into(), Value::Num(v)));
+        }
+    }
+
+    pub fn cat(&mut self, name: impl Into<Cow<'static, str>>, v: impl Into<String>) {
+        self.values.push((name.into(), Value::Cat(v.into())));
+    }
+
+    pub fn extend(&mut self, other: Observation) {
+        self.values.extend(other.values);
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.values.is_empty()
+    }
+
+    pub fn get(&self, name: &str) -> Option<&Value> {
+        self.values.iter().find(|(n, _)| n == name).map(|(_, v)| v)
+    }
+}
+
+/// Pixels read per image at most: larger images are read on a regular grid.
+pub const IMAGE_SAMPLE_PIXELS: usize = 1 << 16;
+
+/// Statistics of an 8-bit RGB image (row-major, 3 bytes per pixel): per-channel mean and
+/// standard deviation, brightness (mean luma, 0–255), contrast (luma std), the share of
+/// near-black (luma < 16) and saturated (a channel ≥ 250) pixels, and the original size.
+pub fn image(pixels: &[u8], width: usize, height: usize, original: (usize, usize)) -> Observation {
+    let mut o = Observation::default();
+    let n = (width * height).min(pixels.len() / 3);
+    if n > 0 {
+        // An odd stride, so the grid does not alias with even row widths and patterns.
+        let mut step = n.div_ceil(IMAGE_SAMPLE_PIXELS).max(1);
+        if step > 1 {
+            step |= 1;
+        }
+        let mut sum = [0u64; 3];
+        let mut sq = [0u64; 3];
+        let (mut luma_sum, mut luma_sq) = (0f64, 0f64);
+        let (mut black, mut saturated, mut count) = (0u64, 0u64, 0u64);
+        let mut i = 0;
+        while i < n {
+            let p = &pixels[i * 3..i * 3 + 3];
+            let (r, g, b) = (u64::from(p[0]), u64::from(p[1]), u64::from(p[2]));
+            sum[0] += r;
+            sum[1] += g;
+            sum[2] += b;
+            sq[0] += r * r;
+            sq[1] += g * g;
+            sq[2] += b * b;
+            let y = 0.299 * r as f64 + 0.587 * g as f64 + 0.114 * b as f64;
+            luma_sum += y;
+            luma_sq += y * y;
+            black += u64::from(y < 16.0);
+            saturated += u64::from(p[0] >= 250 || p[1] >= 250 || p[2] >= 250);
+            count += 1;
+            i += step;
+        }
+        let c = count as f64;
+        for (k, name) in ["r", "g", "b"].iter().enumerate() {
+            let mean = sum[k] as f64 / c;
+            let var = (sq[k] as f64 / c - mean * mean).max(0.0);
+            o.num(format!("image.mean_{name}"), mean);
+            o.num(format!("image.std_{name}"), var.sqrt());
+        }
+        let mean = luma_sum / c;
+        o.num("image.brightness", mean);
+        o.num(
+            "image.contrast",
+            (luma_sq / c - mean * mean).max(0.0).sqrt(),
+        );
+        o.num("image.black_fraction", black as f64 / c);
+        o.num("image.saturated_fraction", saturated as f64 / c);
+    }
+    let (w, h) = original;
+    o.num("image.width", w as f64);
+    o.num("image.height", h as f64);
+    if h > 0 {
+        o.num("image.aspect", w as f64 / h as f64);
+    }
+    o
+}
+
+/// Mean, standard deviation, minimum and maximum of a numeric input tensor, as
+/// `input.<name>.mean` and so on.
+pub fn tensor(name: &str, values: impl Iterator<Item = f64>) -> Observation {
+    let (mut n, mut sum, mut sq) = (0u64, 0f64, 0f64);
+    let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
+    for v in values {
+        if !v.is_finite() {
+            continue;
+        }
+        n += 1;
+        sum += v;
+        sq += v * v;
+        lo = lo.min(v);
+        hi = hi.max(v);
+    }
+    let mut o = Observation::default();
+    if n > 0 {
+        let c = n as f64;
+        let mean = sum / c;
+        o.num(format!("input.{name}.mean"), mean);
+        o.num(
+            format!("input.{name}.std"),
+            (sq / c - mean * mean).max(0.0).sqrt(),
+        );
+        o.num(format!("input.{name}.min"), lo);
+        o.num(format!("input.{name}.max"), hi);
+    }
+    o
+}
+
+/// The writing system of a character, coarsely.
+fn script(c: char) -> Option<&'static str> {
+    let u = c as u32;
+    Some(match u {
+        _ if c.is_ascii_alphabetic() => "latin",
+        0x00C0..=0x024F | 0x1E00..=0x1EFF => "latin",
+        0x0370..=0x03FF => "greek",
+        0x0400..=0x052F => "cyrillic",
+        0x0590..=0x05FF => "hebrew",
+        0x0600..=0x06FF | 0x0750..=0x077F => "arabic",
+        0x0900..=0x097F => "devanagari",
+        0x3040..=0x30FF => "kana",
+        0x4E00..=0x9FFF | 0x3400..=0x4DBF => "han",
+        0xAC00..=0xD7AF | 0x1100..=0x11FF => "hangul",
+        0x0E00..=0x0E7F => "thai",
+        _ if c.is_alphabetic() => "other",
+        _ => return None,
+    })
+}
+
+/// Features of a text input (a prompt, the chat's messages, an embedding input): characters,
+/// tokens, the share of non-ASCII characters, the dominant script (categorical) and the share of
+/// letters outside it, and the share of characters inside the model's special-token texts.
+pub fn text(text: &str, tokens: usize, special_texts: &[String]) -> Observation {
+    let mut o = Observation::default();
+    let mut chars = 0usize;
+    let mut non_ascii = 0usize;
+    let mut letters = 0usize;
+    let mut counts: Vec<(&'static str, usize)> = Vec::new();
+    for c in text.chars() {
+        chars += 1;
+        non_ascii += usize::from(!c.is_ascii());
+        if let Some(s) = script(c) {
+            letters += 1;
+            match counts.iter_mut().find(|(k, _)| *k == s) {
+                Some(e) => e.1 += 1,
+                None => counts.push((s, 1)),
+            }
+        }
+    }
+    let special: usize = special_texts
+        .iter()
+        .filter(|s| !s.is_empty())
+        .map(|s| text.matches(s.as_str()).count() * s.chars().count())
+        .sum();
+    let dominant = counts.iter().max_by_key(|(_, n)| *n);
+    o.num("text.chars", chars as f64);
+    if tokens > 0 {
+        o.num("text.tokens", tokens as f64);
+    }
+    let share = |k: usize| {
+        if chars == 0 {
+            0.0
+        } else {
+            k as f64 / chars as f64
+        }
+    };
+    o.num("text.non_ascii_share", share(non_ascii));
+    o.num("text.special_token_share", share(special));
+    o.cat("text.script", dominant.map_or("none", |(s, _)| *s));
+    o.num(
+        "text.mixed_script_share",
+        match dominant {
+            Some((_, n)) if letters > 0 => (letters - n) as f64 / letters as f64,
+            _ => 0.0,
+        },
+    );
+    o
+}
+
+/// Output features of a generated text: the request's mean token entropy, its lowest token
+/// entropy, and the share of near-certain tokens (entropy below 0.05 nats).
+pub fn generation(token_entropies: &[f32], completion_tokens: usize) -> Observation {
+    let mut o = Observation::default();
+    if !token_entropies.is_empty() {
+        let n = token_entropies.len() as f64;
+        let mean = token_entropies.iter().map(|&e| f64::from(e)).sum::<f64>() / n;
+        o.num("output.entropy_mean", mean);
+        o.num(
+            "output.entropy_min",
+            token_entropies
+                .iter()
+                .copied()
+                .fold(f32::INFINITY, f32::min)
+                .into(),
+        );
+        o.num(
+            "output.certain_share",
+            token_entropies.iter().filter(|&&e| e < 0.05).count() as f64 / n,
+        );
+    }
+    o.num("output.tokens", completion_tokens as f64);
+    o
+}
+
+/// Output features of one classified input: the top class's probability, the margin to the
+/// second, and the predicted label (categorical).
+pub fn classification(top: &[(String, f32)]) -> Observation {
+    let mut o = Observation::default();
+    if let Some((label, p)) = top.first() {
+        o.num("output.confidence", f64::from(*p));
+        if let Some((_, q)) = top.get(1) {
+            o.num("output.margin", f64::from(p - q));
+        }
+        o.cat("output.label", label.clone());
+    }
+    o
+}
+
+/// Output features of one detector input: the number of boxes and their mean score.
+pub fn detection(scores: &[f32]) -> Observation {
+    let mut o = Observation::default();
+    o.num("output.boxes", scores.len() as f64);
+    if !scores.is_empty() {
+        o.num(
+            "output.score_mean",
+            scores.iter().map(|&s| f64::from(s)).sum::<f64>() / scores.len() as f64,
+        );
+        o.num(
+            "output.confidence",
+            scores.iter().copied().fold(0.0f32, f32::max).into(),
+        );
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn num(o: &Observation, k: &str) -> f64 {
+        match o.get(k) {
+            Some(Value::Num(v)) => *v,
+            other => panic!("{k}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_black_image_is_all_black_and_a_grey_one_has_no_contrast() {
+        let black = vec![0u8; 64 * 64 * 3];
+        let o = image(&black, 64, 64, (640, 480));
+        assert_eq!(num(&o, "image.black_fraction"), 1.0);
+        assert_eq!(num(&o, "image.brightness"), 0.0);
+        assert!((num(&o, "image.aspect") - 640.0 / 480.0).abs() < 1e-9);
+        let grey = vec![128u8; 64 * 64 * 3];
+        let o = image(&grey, 64, 64, (64, 64));
+        assert!(num(&o, "image.contrast") < 1e-3);
+        assert!((num(&o, "image.mean_g") - 128.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_large_image_is_read_on_a_grid_with_the_same_means() {
+        let (w, h) = (1024usize, 1024usize);
+        let mut px = vec![0u8; w * h * 3];
+        for (i, p) in px.chunks_mut(3).enumerate() {
+            p[0] = (i % 256) as u8;
+            p[1] = 200;
+            p[2] = 10;
+        }
+        let o = image(&px, w, h, (w, h));
+        assert!((num(&o, "image.mean_r") - 127.5).abs() < 2.0);
+        assert_eq!(num(&o, "image.mean_g"), 200.0);
+    }
+
+    #[test]
+    fn text_features_see_scripts_and_special_tokens() {
+        let o = text(
+            "Привет, как дела? ok <|im_start|>",
+            9,
+            &["<|im_start|>".into()],
+        );
+        assert_eq!(o.get("text.script"), Some(&Value::Cat("cyrillic".into())));
+        assert!(num(&o, "text.special_token_share") > 0.25);
+        assert!(num(&o, "text.non_ascii_share") > 0.2);
+        let o = text("", 0, &[]);
+        assert_eq!(o.get("text.script"), Some(&Value::Cat("none".into())));
+    }
+
+    #[test]
+    fn generation_and_classification_features() {
+        let o = generation(&[0.0, 1.0, 2.0], 3);
+        assert!((num(&o, "output.entropy_mean") - 1.0).abs() < 1e-9);
+        assert!((num(&o, "output.certain_share") - 1.0 / 3.0).abs() < 1e-9);
+        let o = classification(&[("cat".into(), 0.7), ("dog".into(), 0.2)]);
+        assert!((num(&o, "output.margin") - 0.5).abs() < 1e-6);
+        assert_eq!(o.get("output.label"), Some(&Value::Cat("cat".into())));
+    }
+}

@@ -30,6 +30,7 @@ fn envelope(i: usize) -> Envelope {
         record: r,
         token_gaps_s: Vec::new(),
         token_entropies: Vec::new(),
+        observations: Vec::new(),
         payload: Some(Payload {
             input: Some(serde_json::json!({ "messages": [{ "role": "user", "content": prompt }] })),
             output: Some(

@@ -316,6 +316,7 @@ mod tests {
             record: r,
             token_gaps_s: Vec::new(),
             token_entropies: Vec::new(),
+            observations: Vec::new(),
             payload: Some(record::Payload {
                 input: Some(
                     serde_json::json!({"messages": [{"role": "user", "content": "my id is 1234"}]}),

@@ -338,12 +338,20 @@ pub struct Prepared {
     pub data: Vec<f32>,
     pub shape: [usize; 4],
     pub transform: Transform,
+    /// The decoded image's statistics for the monitors, when asked for.
+    pub observation: Option<monitor::Observation>,
 }
 
-/// Runs the declared steps on encoded image bytes.
-pub fn prepare(bytes: &[u8], spec: &Preprocess) -> Result<Prepared, ClassicError> {
+/// Runs the declared steps on encoded image bytes; with `observe`, also measures the decoded
+/// image for the monitors (before any resize, on a sampled grid).
+pub fn prepare(bytes: &[u8], spec: &Preprocess, observe: bool) -> Result<Prepared, ClassicError> {
     let img = decode(bytes, spec.exif_orientation)?;
-    prepare_rgb(img, spec)
+    let observation = observe.then(|| {
+        monitor::features::image(&img.pixels, img.width, img.height, (img.width, img.height))
+    });
+    let mut p = prepare_rgb(img, spec)?;
+    p.observation = observation;
+    Ok(p)
 }
 
 /// Runs the declared steps after decoding.
@@ -433,6 +441,7 @@ pub fn prepare_rgb(mut img: Rgb, spec: &Preprocess) -> Result<Prepared, ClassicE
         data,
         shape,
         transform: t,
+        observation: None,
     })
 }
 

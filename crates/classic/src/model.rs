@@ -59,6 +59,9 @@ impl Judgement {
     }
 }
 
+/// A pre-processed image batch: the tensor, each image's transform and observation.
+type ImageBatch = (Tensor, Vec<Transform>, Vec<monitor::Observation>);
+
 /// A loaded tensor model.
 pub struct TensorModel {
     pub name: String,
@@ -71,6 +74,18 @@ pub struct TensorModel {
     engine: Arc<dyn Backend>,
     batcher: Batcher,
     max_input_elements: usize,
+    /// Whether pre-processing also measures each image for the monitors (a sampled pass over
+    /// the decoded pixels).
+    pub observe_images: bool,
+}
+
+/// Request inputs checked and ordered as the graph wants them, with what pre-processing learnt.
+pub struct PreparedInputs {
+    pub tensors: Vec<Tensor>,
+    /// Maps detections back to each original image (empty for tensor inputs).
+    pub transforms: Vec<Transform>,
+    /// Each image's statistics for the monitors (empty unless `observe_images`).
+    pub observations: Vec<monitor::Observation>,
 }
 
 fn spec_dims(spec: &TensorSpec) -> Vec<i64> {
@@ -145,6 +160,7 @@ impl TensorModel {
             backend: backend.name(),
             engine: backend,
             batcher,
+            observe_images: false,
             max_input_elements: if options.max_input_elements == 0 {
                 64 << 20
             } else {
@@ -184,10 +200,7 @@ impl TensorModel {
     /// Checks request tensors against the graph and orders them as the graph wants. A `BYTES`
     /// tensor for the image input holds encoded images: they are pre-processed here, and their
     /// transforms returned.
-    pub fn prepare(
-        &self,
-        mut given: Vec<Tensor>,
-    ) -> Result<(Vec<Tensor>, Vec<Transform>), ClassicError> {
+    pub fn prepare(&self, mut given: Vec<Tensor>) -> Result<PreparedInputs, ClassicError> {
         let bad = |m: String| Err(ClassicError::BadInput(m));
         for t in &given {
             if !self.inputs.iter().any(|i| i.name == t.name) {
@@ -207,6 +220,7 @@ impl TensorModel {
             }
         }
         let mut transforms = Vec::new();
+        let mut observations = Vec::new();
         let mut ordered = Vec::with_capacity(self.inputs.len());
         for spec in &self.inputs {
             let Some(pos) = given.iter().position(|t| t.name == spec.name) else {
@@ -214,9 +228,10 @@ impl TensorModel {
             };
             let mut t = given.swap_remove(pos);
             if t.dtype() == DType::Bytes && self.image_input() == Some(spec.name.as_str()) {
-                let (tensor, tf) = self.prepare_images(&t)?;
+                let (tensor, tf, obs) = self.prepare_image_tensor(&t)?;
                 t = tensor;
                 transforms = tf;
+                observations = obs;
             }
             self.check(spec, &t)?;
             ordered.push(t);
@@ -237,7 +252,11 @@ impl TensorModel {
                 self.name
             ));
         }
-        Ok((ordered, transforms))
+        Ok(PreparedInputs {
+            tensors: ordered,
+            transforms,
+            observations,
+        })
     }
 
     fn check(&self, spec: &TensorSpec, t: &Tensor) -> Result<(), ClassicError> {
@@ -285,6 +304,10 @@ impl TensorModel {
 
     /// Decodes and pre-processes every image of a `BYTES` tensor into one f32 batch.
     pub fn prepare_images(&self, t: &Tensor) -> Result<(Tensor, Vec<Transform>), ClassicError> {
+        self.prepare_image_tensor(t).map(|(t, tf, _)| (t, tf))
+    }
+
+    fn prepare_image_tensor(&self, t: &Tensor) -> Result<ImageBatch, ClassicError> {
         let Data::Bytes(images) = &t.data else {
             return Err(ClassicError::BadInput(format!(
                 "input {:?}: images are BYTES",
@@ -304,7 +327,7 @@ impl TensorModel {
         &self,
         name: &str,
         images: &[Vec<u8>],
-    ) -> Result<(Tensor, Vec<Transform>), ClassicError> {
+    ) -> Result<ImageBatch, ClassicError> {
         let spec = self.pipeline.preprocess.as_ref().ok_or_else(|| {
             ClassicError::BadInput(format!(
                 "model {:?} declares no image pre-processing",
@@ -313,9 +336,10 @@ impl TensorModel {
         })?;
         let mut data = Vec::new();
         let mut transforms = Vec::with_capacity(images.len());
+        let mut observations = Vec::new();
         let mut shape = None;
         for (i, bytes) in images.iter().enumerate() {
-            let p = imageops::prepare(bytes, spec)
+            let p = imageops::prepare(bytes, spec, self.observe_images)
                 .map_err(|e| ClassicError::BadInput(format!("input {name:?}, image {i}: {e}")))?;
             if shape.is_some_and(|s: [usize; 4]| s != p.shape) {
                 return Err(ClassicError::BadInput(format!(
@@ -325,10 +349,15 @@ impl TensorModel {
             shape = Some(p.shape);
             data.extend_from_slice(&p.data);
             transforms.push(p.transform);
+            observations.extend(p.observation);
         }
         let mut shape = shape.expect("at least one image").to_vec();
         shape[0] = images.len();
-        Ok((Tensor::new(name, shape, Data::F32(data))?, transforms))
+        Ok((
+            Tensor::new(name, shape, Data::F32(data))?,
+            transforms,
+            observations,
+        ))
     }
 
     /// Runs prepared inputs through the batcher (one image of a fixed-batch graph at a time).
@@ -366,7 +395,7 @@ impl TensorModel {
                 self.inputs.len()
             )));
         }
-        let (tensor, transforms) = self.prepare_image_list(input, images)?;
+        let (tensor, transforms, _) = self.prepare_image_list(input, images)?;
         self.check(&self.inputs[0], &tensor)?;
         let outputs = self.run(vec![tensor]).await?;
         let judgements = self.postprocess(&outputs, &transforms)?;

@@ -25,6 +25,7 @@ pub struct RecordBuilder {
     emitted: bool,
     gaps: Vec<f64>,
     entropies: Vec<f32>,
+    observations: Vec<crate::Observation>,
     payload: Option<Payload>,
 }
 
@@ -58,6 +59,7 @@ impl RecordBuilder {
             emitted: false,
             gaps: Vec::new(),
             entropies: Vec::new(),
+            observations: Vec::new(),
             payload: None,
         }
     }
@@ -88,6 +90,11 @@ impl RecordBuilder {
     }
 
     /// A generated token arrived.
+    /// Adds an observation of the input (and its output) for the monitors.
+    pub fn observe(&mut self, o: crate::Observation) {
+        self.observations.push(o);
+    }
+
     pub fn token(&mut self, entropy: f32) {
         let now = Instant::now();
         if self.first_token.is_none() {
@@ -146,6 +153,7 @@ impl RecordBuilder {
             record,
             token_gaps_s: std::mem::take(&mut self.gaps),
             token_entropies: std::mem::take(&mut self.entropies),
+            observations: std::mem::take(&mut self.observations),
             payload: self.payload.take(),
         })
     }

@@ -138,6 +138,10 @@ pub struct Envelope {
     pub token_gaps_s: Vec<f64>,
     /// Entropy of each generated token's distribution, in nats.
     pub token_entropies: Vec<f32>,
+    /// What the request's input looked like where only the request path could see it (one
+    /// observation per image of a batch, with the output features of that image), for the
+    /// monitors. Empty when no monitor runs.
+    pub observations: Vec<crate::Observation>,
     pub payload: Option<Payload>,
 }
 

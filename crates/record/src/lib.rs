@@ -15,6 +15,7 @@
 
 mod builder;
 mod bus;
+mod features;
 mod inference;
 pub mod testing;
 
@@ -23,4 +24,5 @@ pub use bus::{
     AckError, Bus, BusError, Delivery, DropReason, LaneCounters, Receipt, ShutdownReport, Sink,
     SinkEnd, SinkError, SinkFuture,
 };
+pub use features::{Observation, Value};
 pub use inference::{Attempt, Envelope, InferenceRecord, Payload, StructuredRecord};

@@ -29,6 +29,7 @@ pub fn sample_envelope(n: usize) -> Envelope {
         record,
         token_gaps_s: vec![0.01, 0.02],
         token_entropies: vec![1.0, 1.5, 1.25],
+        observations: Vec::new(),
         payload: Some(Payload {
             input: Some(serde_json::json!({"prompt": format!("input {n}")})),
             output: Some(serde_json::json!({"text": "output"})),

@@ -1,6 +1,7 @@
 //! The admin API under `/admin/…` (keys with the `admin` scope): the backends with their chains,
 //! breakers and hand-offs; pausing and resuming a model's hand-off; fault injection for drills;
-//! the doctor's report on the host (`GET /admin/doctor`, itself an audited action).
+//! the doctor's report on the host (`GET /admin/doctor`, itself an audited action); the
+//! monitors' state and baselines (`/admin/monitors`).
 //! Every call that changes something is logged with who made it (the key and `X-Operator-Id`),
 //! counted in `rampart_admin_actions_total{action}` and kept in the audit log; in `fail_closed`
 //! a change the audit log cannot keep is refused before it is made.
@@ -10,7 +11,7 @@ use std::sync::Arc;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
+use axum::routing::{delete, get, post, put};
 use axum::{Extension, Json, Router};
 use serde::{Deserialize, Serialize};
 
@@ -35,6 +36,131 @@ pub fn routes() -> Router<Arc<AppState>> {
         )
         .route(paths::ADMIN_FAULT, delete(clear_fault))
         .route(paths::ADMIN_DOCTOR, get(doctor_report))
+        .route(paths::ADMIN_MONITORS, get(monitors))
+        .route(
+            paths::ADMIN_MONITOR_BASELINE,
+            put(replace_baseline).delete(recapture_baseline),
+        )
+}
+
+fn monitors_of(state: &AppState) -> Result<&Arc<crate::monitors::Monitors>, ApiError> {
+    state
+        .monitors
+        .get()
+        .ok_or_else(|| ApiError::invalid("the monitors are off ([monitor] enabled = false)"))
+}
+
+/// `GET /admin/monitors`: every model version's drift detector (phase, baseline, window, each
+/// feature's last statistic, p-value and effect, recent alarms) and output monitors. A read,
+/// audited like the doctor's.
+async fn monitors(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+) -> Response {
+    let m = match monitors_of(&state) {
+        Ok(m) => m,
+        Err(e) => return e.into_response(),
+    };
+    let views = m.views();
+    let detail = serde_json::json!({ "versions": views.len() });
+    if let Err(e) = note(
+        &state,
+        &principal.0,
+        "monitors.read",
+        "monitors",
+        None,
+        detail,
+    )
+    .await
+    {
+        return e.into_response();
+    }
+    Json(serde_json::json!({ "monitors": views })).into_response()
+}
+
+/// `PUT /admin/monitors/{name}/versions/{version}/baseline`: replaces the version's baseline
+/// with the body (a baseline as `GET` shows it kept on disk: columns, rows, categorical
+/// counts); kept on disk first, then the windows start over (and the calibrated mode
+/// calibrates it).
+async fn replace_baseline(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    Path((name, version)): Path<(String, String)>,
+    body: axum::body::Bytes,
+) -> Response {
+    if let Some(r) = refused(&state) {
+        return r;
+    }
+    let m = match monitors_of(&state) {
+        Ok(m) => m,
+        Err(e) => return e.into_response(),
+    };
+    let baseline: monitor::Baseline = match serde_json::from_slice(&body) {
+        Ok(b) => b,
+        Err(e) => {
+            return ApiError::invalid(format!("the body is not a baseline: {e}")).into_response()
+        }
+    };
+    let detail = serde_json::json!({
+        "source": baseline.source,
+        "rows": baseline.rows.len(),
+        "columns": baseline.columns,
+        "categorical": baseline.categorical.keys().collect::<Vec<_>>(),
+    });
+    if let Err(e) = m.replace_baseline(&name, &version, baseline) {
+        return ApiError::invalid(format!("baseline refused: {e}")).into_response();
+    }
+    let target = format!("{name}@{version}");
+    if let Err(e) = note(
+        &state,
+        &principal.0,
+        "monitors.baseline_replaced",
+        &target,
+        Some(&name),
+        detail,
+    )
+    .await
+    {
+        return e.into_response();
+    }
+    tracing::info!(target: "rampart::monitor", model = %name, version = %version, by = %principal.0, "monitor baseline replaced");
+    Json(serde_json::json!({ "replaced": true, "model": name, "version": version })).into_response()
+}
+
+/// `DELETE /admin/monitors/{name}/versions/{version}/baseline`: forgets the baseline; the next
+/// `baseline_requests` requests become the new one.
+async fn recapture_baseline(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    Path((name, version)): Path<(String, String)>,
+) -> Response {
+    if let Some(r) = refused(&state) {
+        return r;
+    }
+    let m = match monitors_of(&state) {
+        Ok(m) => m,
+        Err(e) => return e.into_response(),
+    };
+    let found = match m.recapture(&name, &version) {
+        Ok(found) => found,
+        Err(e) => return ApiError::Internal(e.to_string()).into_response(),
+    };
+    let target = format!("{name}@{version}");
+    let detail = serde_json::json!({ "found": found });
+    if let Err(e) = note(
+        &state,
+        &principal.0,
+        "monitors.baseline_reset",
+        &target,
+        Some(&name),
+        detail,
+    )
+    .await
+    {
+        return e.into_response();
+    }
+    tracing::info!(target: "rampart::monitor", model = %name, version = %version, by = %principal.0, "monitor baseline reset: capturing anew");
+    Json(serde_json::json!({ "reset": found, "model": name, "version": version })).into_response()
 }
 
 /// One admin action: logged, counted and audited (see [`AppState::act`]).

@@ -7,6 +7,36 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+/// `[monitor]`: the drift detector and the output monitors of every served model version.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MonitorConfig {
+    /// Monitors run (off the request path, in their record sink; tensor models also measure
+    /// each decoded image).
+    pub enabled: bool,
+    /// Where baselines are kept; default: `<repo>/<model>/monitors/<version>.json`, beside the
+    /// versions.
+    pub dir: Option<PathBuf>,
+    /// Records the monitors' lane holds before it drops (counted).
+    pub lane_capacity: usize,
+    /// The drift detector: mode, windows, thresholds, baseline capture, calibration.
+    pub drift: monitor::DriftConfig,
+    /// The output monitors (mean token entropy; classifier and detector confidence).
+    pub output: monitor::OutputConfig,
+}
+
+impl Default for MonitorConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            dir: None,
+            lane_capacity: 4096,
+            drift: monitor::DriftConfig::default(),
+            output: monitor::OutputConfig::default(),
+        }
+    }
+}
+
 /// Everything `rampart serve` runs with.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -49,6 +79,8 @@ pub struct ServerConfig {
     /// The input guard: prompt-injection rules and classifier, per model and per key
     /// (docs/guard.md).
     pub guard: GuardConfig,
+    /// The monitors: input drift, output entropy and confidence (docs/monitoring.md).
+    pub monitor: MonitorConfig,
     /// Models to serve; empty: the latest version of every LLM in the repository.
     pub models: Vec<ModelConfig>,
 }
@@ -76,6 +108,7 @@ impl Default for ServerConfig {
             faults: FaultsConfig::default(),
             audit: audit::AuditConfig::default(),
             guard: GuardConfig::default(),
+            monitor: MonitorConfig::default(),
             models: Vec::new(),
         }
     }
@@ -761,6 +794,10 @@ impl ServerConfig {
             .validate()
             .map_err(|e| ConfigError(e.to_string()))?;
         self.guard.policy().validate("guard")?;
+        self.monitor
+            .drift
+            .validate()
+            .map_err(|e| ConfigError(format!("[monitor.drift]: {e}")))?;
         for (id, o) in &self.guard.keys {
             o.validate(&format!("guard.keys.{id}"))?;
         }

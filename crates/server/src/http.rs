@@ -52,6 +52,8 @@ pub mod paths {
     pub const ADMIN_FAULTS: &str = "/admin/faults";
     pub const ADMIN_FAULT: &str = "/admin/faults/{id}";
     pub const ADMIN_DOCTOR: &str = "/admin/doctor";
+    pub const ADMIN_MONITORS: &str = "/admin/monitors";
+    pub const ADMIN_MONITOR_BASELINE: &str = "/admin/monitors/{name}/versions/{version}/baseline";
     // The audit log's routes (scope `audit`).
     pub const ADMIN_AUDIT: &str = "/admin/audit";
     pub const ADMIN_AUDIT_ENTRY: &str = "/admin/audit/{audit_id}";

@@ -39,6 +39,7 @@ pub mod handoff;
 pub mod http;
 pub mod identity;
 pub mod kserve;
+pub mod monitors;
 pub mod observe;
 pub mod openai;
 pub mod openai_http;
@@ -149,7 +150,11 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         .map(TcpListener::local_addr)
         .transpose()?;
     let audit = open_audit(&config)?;
-    let bus = Bus::start(sinks(&config, audit.as_ref()))
+    let monitors = config
+        .monitor
+        .enabled
+        .then(|| monitors::Monitors::new(config.monitor.clone(), config.repo.clone()));
+    let bus = Bus::start(sinks(&config, audit.as_ref(), monitors.as_ref()))
         .map_err(|e| ServeError::Config(e.to_string()))?;
     if let Some(log) = &audit {
         spawn_audit(&config, log, &bus)?;
@@ -158,6 +163,9 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
     // The host's findings go to the log while the models load; start does not wait for them.
     doctor::log_at_start(&config);
     let state = AppState::with_audit(config, keys, metrics, bus, audit);
+    if let Some(m) = monitors {
+        let _ = state.monitors.set(m);
+    }
     tracing::info!(
         listen = %addr,
         grpc = %grpc_addr.map_or_else(|| "off".to_string(), |a| a.to_string()),
@@ -251,9 +259,13 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
     Ok(())
 }
 
-/// The record's sinks: the structured log, the metrics and the audit log (the monitors and
-/// the release statistics join them in their issues).
-fn sinks(config: &ServerConfig, audit: Option<&Arc<audit::AuditLog>>) -> Vec<Box<dyn Sink>> {
+/// The record's sinks: the structured log, the metrics, the audit log and the monitors (the
+/// release statistics join them in their issue).
+fn sinks(
+    config: &ServerConfig,
+    audit: Option<&Arc<audit::AuditLog>>,
+    monitors: Option<&Arc<monitors::Monitors>>,
+) -> Vec<Box<dyn Sink>> {
     let capacity = config.records.lane_capacity;
     let mut sinks: Vec<Box<dyn Sink>> = vec![
         Box::new(observe::LogSink::redacting(
@@ -267,6 +279,9 @@ fn sinks(config: &ServerConfig, audit: Option<&Arc<audit::AuditLog>>) -> Vec<Box
             Arc::clone(log),
             &config.audit,
         )));
+    }
+    if let Some(m) = monitors {
+        sinks.push(Box::new(monitors::MonitorSink::new(Arc::clone(m))));
     }
     sinks
 }

@@ -126,6 +126,12 @@ async fn start(
     record.record.user = plan.user.clone();
     record.record.input_sha256 = sha256_hex(&plan.input_for_hash);
     record.payload_input(|| audit_input(endpoint, &plan.input_for_hash));
+    if state.config.monitor.enabled {
+        record.observe(crate::monitors::text_observation(
+            endpoint == Endpoint::Chat,
+            &plan.input_for_hash,
+        ));
+    }
     let sampling = &plan.request.sampling;
     record.record.params = Some(serde_json::json!({
         "temperature": sampling.temperature,
@@ -243,6 +249,12 @@ async fn embed(
     record.record.user = plan.user.clone();
     record.record.input_sha256 = sha256_hex(&plan.input_for_hash);
     record.payload_input(|| serde_json::json!({ "input": plan.input_for_hash }));
+    if state.config.monitor.enabled {
+        record.observe(crate::monitors::text_observation(
+            false,
+            &plan.input_for_hash,
+        ));
+    }
     let work = Work::Embed(EmbedWork {
         inputs: plan.inputs,
         dimensions: plan.dimensions,

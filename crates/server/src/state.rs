@@ -68,6 +68,9 @@ pub struct AppState {
     pub faults: Faults,
     /// The WORM audit log, when `[audit] enabled`.
     pub audit: Option<Arc<audit::AuditLog>>,
+    /// The monitors (drift, output entropy and confidence), when `[monitor] enabled`; set by
+    /// `serve` before the first request.
+    pub monitors: std::sync::OnceLock<Arc<crate::monitors::Monitors>>,
     /// The input guard, once loaded (the seed rules until then).
     pub guard: std::sync::OnceLock<Arc<crate::screen::GuardService>>,
     pub started: Instant,
@@ -111,6 +114,7 @@ impl AppState {
             metrics,
             bus,
             guard: std::sync::OnceLock::new(),
+            monitors: std::sync::OnceLock::new(),
             started: Instant::now(),
         })
     }
@@ -485,8 +489,9 @@ fn tensor_entry(
         threads: config.tensor.threads,
         max_input_elements: config.limits.max_tensor_elements,
     };
-    let tensor_model = classic::TensorModel::load(&version.dir, manifest, &options)
+    let mut tensor_model = classic::TensorModel::load(&version.dir, manifest, &options)
         .map_err(|e| LoadError::new(&model.name, e))?;
+    tensor_model.observe_images = config.monitor.enabled;
     tracing::info!(
         model = %model.name,
         backend = tensor_model.backend(),

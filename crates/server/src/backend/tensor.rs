@@ -101,6 +101,66 @@ fn record_confidence(record: &mut RecordBuilder, judgements: &[Judgement]) {
     record_confidences(record, &scores);
 }
 
+/// The monitors' observations of a request: one per image (its statistics with the output
+/// features of its judgement), or one for tensor inputs (each input's statistics, with the
+/// first row's judgement).
+fn observe(
+    record: &mut RecordBuilder,
+    images: Vec<monitor::Observation>,
+    tensors: Option<monitor::Observation>,
+    judgements: &[Judgement],
+) {
+    let output = |j: Option<&Judgement>| match j {
+        Some(Judgement::Classes(c)) => monitor::features::classification(
+            &c.iter()
+                .map(|c| {
+                    let label = c.label.clone().unwrap_or_else(|| c.index.to_string());
+                    (label, c.score)
+                })
+                .collect::<Vec<_>>(),
+        ),
+        Some(Judgement::Detections(d)) => {
+            monitor::features::detection(&d.iter().map(|d| d.score).collect::<Vec<_>>())
+        }
+        None => monitor::Observation::default(),
+    };
+    if images.is_empty() {
+        let mut o = tensors.unwrap_or_default();
+        o.extend(output(judgements.first()));
+        if !o.is_empty() {
+            record.observe(o);
+        }
+        return;
+    }
+    for (i, mut o) in images.into_iter().enumerate() {
+        o.extend(output(judgements.get(i)));
+        record.observe(o);
+    }
+}
+
+/// Each numeric input's mean, std, min and max (at most the first 1M elements of each).
+fn tensor_observation(inputs: &[Tensor]) -> Option<monitor::Observation> {
+    let mut o = monitor::Observation::default();
+    for t in inputs {
+        let cap = 1 << 20;
+        let part = match &t.data {
+            Data::F32(v) => {
+                monitor::features::tensor(&t.name, v.iter().take(cap).map(|&x| f64::from(x)))
+            }
+            Data::F64(v) => monitor::features::tensor(&t.name, v.iter().take(cap).copied()),
+            Data::I64(v) => {
+                monitor::features::tensor(&t.name, v.iter().take(cap).map(|&x| x as f64))
+            }
+            Data::I32(v) => {
+                monitor::features::tensor(&t.name, v.iter().take(cap).map(|&x| f64::from(x)))
+            }
+            _ => continue,
+        };
+        o.extend(part);
+    }
+    (!o.is_empty()).then_some(o)
+}
+
 /// The record's confidence: the mean and the lowest of the inputs' confidences.
 pub fn record_confidences(record: &mut RecordBuilder, scores: &[f32]) {
     if !scores.is_empty() {
@@ -308,12 +368,21 @@ impl TensorBackend {
     ) -> Result<InferResponse, BackendError> {
         let model = &self.model;
         let started = Instant::now();
-        let (inputs, transforms) = model.prepare(request.inputs)?;
+        let prepared = model.prepare(request.inputs)?;
+        let (inputs, transforms) = (prepared.tensors, prepared.transforms);
+        let input_features = if model.observe_images && prepared.observations.is_empty() {
+            tensor_observation(&inputs)
+        } else {
+            None
+        };
         record.record.items = inputs.first().map_or(0, Tensor::batch);
         let outputs = model.run(inputs).await?;
         record.record.compute_ms = started.elapsed().as_secs_f64() * 1e3;
         let judgements = model.postprocess(&outputs, &transforms)?;
         record_confidence(record, &judgements);
+        if model.observe_images {
+            observe(record, prepared.observations, input_features, &judgements);
+        }
         let mut available = outputs;
         if let Some(repo::pipeline::Postprocess::Detect(_)) = &model.pipeline.postprocess {
             available.extend(detection_tensors(&judgements));

@@ -142,7 +142,7 @@ impl Monitors {
             outputs: Vec::new(),
             calibrating: false,
         };
-        seed_outputs(&mut v);
+        seed_outputs(&mut v, &self.cfg.output);
         v
     }
 
@@ -182,7 +182,7 @@ impl Monitors {
             .or_insert_with(|| self.fresh(model, version));
         v.drift.set_baseline(baseline);
         v.outputs.clear();
-        seed_outputs(v);
+        seed_outputs(v, &self.cfg.output);
         self.calibrate_if_needed(model, version, v);
         Ok(())
     }
@@ -264,7 +264,7 @@ impl Monitors {
                 }
             }
             if v.outputs.is_empty() {
-                seed_outputs_from(v, o);
+                seed_outputs_from(v, o, &self.cfg.output);
             }
         }
         if let Some(b) = v.drift.take_fresh_baseline() {
@@ -272,7 +272,7 @@ impl Monitors {
             if let Err(e) = self.save_baseline(&r.model, &r.version, &b) {
                 tracing::error!(target: "rampart::monitor", model = %r.model, version = %r.version, error = %e, "the captured baseline could not be kept (it stays in memory)");
             }
-            seed_outputs(v);
+            seed_outputs(v, &self.cfg.output);
             self.calibrate_if_needed(&r.model, &r.version, v);
         }
         let labels = [("model", r.model.clone()), ("version", r.version.clone())];
@@ -305,7 +305,7 @@ impl Monitors {
 
 /// The output monitors a baseline implies (entropy for LLMs, confidence for tensor models),
 /// their baselines taken from it.
-fn seed_outputs(v: &mut VersionMonitors) {
+fn seed_outputs(v: &mut VersionMonitors, cfg: &monitor::OutputConfig) {
     let Some(b) = v.drift.baseline() else {
         return;
     };
@@ -317,7 +317,7 @@ fn seed_outputs(v: &mut VersionMonitors) {
         {
             v.outputs.push(OutputMonitor::new(
                 name,
-                monitor::OutputConfig::default(),
+                cfg.clone(),
                 Some((refs[c].mean, refs[c].std)),
                 0,
             ));
@@ -326,16 +326,12 @@ fn seed_outputs(v: &mut VersionMonitors) {
 }
 
 /// While capturing, an output monitor starts with the first observation that has its value.
-fn seed_outputs_from(v: &mut VersionMonitors, o: &Observation) {
+fn seed_outputs_from(v: &mut VersionMonitors, o: &Observation, cfg: &monitor::OutputConfig) {
     for name in [ENTROPY, CONFIDENCE] {
         if o.get(name).is_some() {
             let n = v.drift.config().baseline_requests;
-            v.outputs.push(OutputMonitor::new(
-                name,
-                monitor::OutputConfig::default(),
-                None,
-                n,
-            ));
+            v.outputs
+                .push(OutputMonitor::new(name, cfg.clone(), None, n));
         }
     }
 }

@@ -1498,3 +1498,116 @@ fn the_input_guard_through_the_openai_client() {
     assert!(metric(server.port, "rampart_guard_seconds_count") >= 20.0);
     assert!(log.contains("input guard decision"));
 }
+
+/// The monitors on the real binary and a real model: a version without a baseline captures one
+/// from its first requests and keeps it beside the version; an entropy collapse forced by a
+/// strong logit bias raises the output monitor's alarm (log line, metric, `/admin/monitors`);
+/// after a restart the version's monitors resume from the kept baseline.
+#[test]
+fn the_monitors_capture_keep_and_reload_a_baseline_and_see_an_entropy_collapse() {
+    let config =
+        "[monitor.drift]\nbaseline_requests = 50\n[monitor.output]\nwindow = 20\ntest_every = 5\n";
+    let Some(mut server) = start(config) else {
+        return;
+    };
+    wait_ready(server.port);
+    let ask = |port: u16, i: usize, bias: &str| {
+        let body = format!(
+            r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Tell me one thing about topic number {i}."}}],"max_tokens":6,"temperature":0.8,"seed":{i}{bias}}}"#
+        );
+        let (status, _, text) = http(port, "POST", "/v1/chat/completions", Some(&body), Some(KEY));
+        assert_eq!(status, 200, "{text}");
+    };
+    let monitors = |port: u16| -> serde_json::Value {
+        let (status, _, body) = http(port, "GET", "/admin/monitors", None, Some(ADMIN_KEY));
+        assert_eq!(status, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        v["monitors"]
+            .as_array()
+            .and_then(|a| a.iter().find(|m| m["model"] == MODEL).cloned())
+            .unwrap_or(serde_json::Value::Null)
+    };
+    // The sink runs after the response: wait for it to catch up.
+    let wait_for = |port: u16, what: &dyn Fn(&serde_json::Value) -> bool| {
+        for _ in 0..100 {
+            let m = monitors(port);
+            if what(&m) {
+                return m;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("the monitors never got there: {}", monitors(port));
+    };
+    for i in 0..50 {
+        ask(server.port, i, "");
+    }
+    let m = wait_for(server.port, &|m| m["drift"]["phase"] == "watching");
+    assert_eq!(m["drift"]["baseline_source"], "first 50 requests");
+    let kept = server
+        ._dir
+        .path()
+        .join("models/smollm2-135m/monitors/1.0.0.json");
+    assert!(kept.is_file(), "{m}");
+    let features: Vec<&str> = m["drift"]["features"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|f| f["feature"].as_str())
+        .collect();
+    for f in [
+        "text.chars",
+        "text.tokens",
+        "output.entropy_mean",
+        "text.script",
+    ] {
+        assert!(features.contains(&f), "{f} missing from {features:?}");
+    }
+    // Ordinary prompts raise nothing; a collapse does, within the window.
+    for i in 50..80 {
+        ask(server.port, i, "");
+    }
+    let m = wait_for(server.port, &|m| {
+        m["outputs"][0]["tests"].as_u64() > Some(0)
+    });
+    assert!(m["outputs"][0]["alarm"].is_null(), "{m}");
+    for i in 0..30 {
+        ask(server.port, 1000 + i, r#","logit_bias":{"28":100}"#);
+    }
+    let m = wait_for(server.port, &|m| m["outputs"][0]["alarm"] == "collapse");
+    assert!(
+        m["outputs"][0]["window_mean"].as_f64().unwrap() < 0.5,
+        "{m}"
+    );
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    assert!(log.contains("output monitor alarm raised"));
+    let metrics = http(server.port, "GET", "/metrics", None, Some(KEY)).2;
+    assert!(metrics.contains("rampart_drift_alarms_total{model=\"smollm2-135m\",version=\"1.0.0\",feature=\"output.entropy_mean\"} 1"), "{metrics}");
+    assert!(metrics.contains("rampart_output_entropy_window_mean"));
+    // Restart on the same repository: the kept baseline is read back.
+    let _ = server.child.kill();
+    let _ = server.child.wait();
+    let (port, grpc_port) = (free_port(), free_port());
+    let repo = server._dir.path().join("models");
+    let full = format!(
+        "shutdown_timeout_s = 20\n{config}\n[[models]]\nname = \"{MODEL}\"\ncontext = 2048\nkv_cache_memory = \"256MiB\"\n"
+    );
+    let log = server._dir.path().join("server2.log");
+    server.child = spawn_server(server._dir.path(), &repo, port, grpc_port, &full, &log);
+    server.port = port;
+    wait_ready(port);
+    ask(port, 5000, "");
+    let m = wait_for(port, &|m| !m.is_null());
+    assert_eq!(m["drift"]["phase"], "watching", "{m}");
+    assert_eq!(m["drift"]["baseline_source"], "first 50 requests");
+    // The admin API starts a capture anew.
+    let (status, _, body) = http(
+        port,
+        "DELETE",
+        "/admin/monitors/smollm2-135m/versions/1.0.0/baseline",
+        None,
+        Some(ADMIN_KEY),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert!(!kept.exists());
+    assert_eq!(monitors(port)["drift"]["phase"], "capturing");
+}

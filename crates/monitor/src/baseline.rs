@@ -40,6 +40,57 @@ pub struct Reference {
     pub sorted: Vec<f64>,
     pub mean: f64,
     pub std: f64,
+    /// The deciles' edges and the baseline's share in each bin (for the PSI).
+    edges: Vec<f64>,
+    shares: Vec<f64>,
+}
+
+impl Reference {
+    fn new(sorted: Vec<f64>) -> Self {
+        let (mean, std) = mean_std(&sorted);
+        let mut edges: Vec<f64> = if sorted.is_empty() {
+            Vec::new()
+        } else {
+            (1..10)
+                .map(|k| sorted[(k * sorted.len() / 10).min(sorted.len() - 1)])
+                .collect()
+        };
+        edges.dedup();
+        let shares = bin_shares(&edges, &sorted);
+        Self {
+            sorted,
+            mean,
+            std,
+            edges,
+            shares,
+        }
+    }
+
+    /// The population stability index of a window on this reference's deciles (each bin's
+    /// share floored at half a count, so empty bins stay finite).
+    pub fn psi(&self, window: &[f64]) -> f64 {
+        if self.sorted.is_empty() || window.is_empty() {
+            return 0.0;
+        }
+        let q = bin_shares(&self.edges, window);
+        self.shares
+            .iter()
+            .zip(&q)
+            .map(|(p, q)| (q - p) * (q / p).ln())
+            .sum()
+    }
+}
+
+fn bin_shares(edges: &[f64], values: &[f64]) -> Vec<f64> {
+    let mut counts = vec![0usize; edges.len() + 1];
+    for &v in values {
+        counts[edges.partition_point(|&e| e < v)] += 1;
+    }
+    let n = values.len().max(1) as f64;
+    counts
+        .into_iter()
+        .map(|c| (c as f64).max(0.5) / n)
+        .collect()
 }
 
 impl Baseline {
@@ -49,8 +100,7 @@ impl Baseline {
             .map(|c| {
                 let mut sorted: Vec<f64> = self.rows.iter().filter_map(|r| r[c]).collect();
                 sorted.sort_by(f64::total_cmp);
-                let (mean, std) = mean_std(&sorted);
-                Reference { sorted, mean, std }
+                Reference::new(sorted)
             })
             .collect()
     }

@@ -21,7 +21,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::baseline::{Baseline, BaselineBuilder, Reference};
 use crate::features::{Observation, Value};
-use crate::stats::{chi_squared, ks_pvalue, ks_statistic, wasserstein1, SplitMix};
+use crate::stats::{
+    chi_squared, chi_squared_two_sample, ks_pvalue, ks_statistic, wasserstein1, SplitMix,
+};
 
 /// How the detector decides.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -254,6 +256,8 @@ struct CatWindow {
     categories: Vec<String>,
     /// Expected shares (the baseline's, smoothed by half a count), `other` last.
     shares: Vec<f64>,
+    /// The baseline's counts, `other` (0) last.
+    baseline: Vec<u64>,
     ring: Ring<u16>,
     counts: Vec<u64>,
 }
@@ -267,7 +271,10 @@ impl CatWindow {
             .map(|c| (counts[c] as f64 + 0.5) / total)
             .collect();
         shares.push(0.5 / total);
+        let mut baseline: Vec<u64> = categories.iter().map(|c| counts[c]).collect();
+        baseline.push(0);
         Self {
+            baseline,
             name: name.to_string(),
             counts: vec![0; categories.len() + 1],
             categories,
@@ -597,7 +604,9 @@ impl DriftMonitor {
             if !w.ring.full() {
                 continue;
             }
-            // Categories seen in neither the baseline nor the window do not count.
+            // The p-value: the two samples' homogeneity (the baseline has sampling error too);
+            // the effect: Cramér's V of the window against the baseline's shares.
+            let (_, df, p) = chi_squared_two_sample(&w.baseline, &w.counts);
             let (obs, exp): (Vec<u64>, Vec<f64>) = w
                 .counts
                 .iter()
@@ -608,11 +617,11 @@ impl DriftMonitor {
                 .unzip();
             let total: f64 = exp.iter().sum();
             let exp: Vec<f64> = exp.iter().map(|p| p / total).collect();
-            let (stat, df, p) = chi_squared(&obs, &exp);
-            let v = if df == 0 {
+            let (stat, one_df, _) = chi_squared(&obs, &exp);
+            let v = if one_df == 0 {
                 0.0
             } else {
-                (stat / (w.ring.items.len() as f64 * df as f64)).sqrt()
+                (stat / (w.ring.items.len() as f64 * one_df as f64)).sqrt()
             };
             let alarming = df > 0 && p < alpha && v >= self.cfg.min_cramers_v;
             let s = &mut self.states[numeric + k];

@@ -133,6 +133,36 @@ pub fn chi_squared(observed: &[u64], expected_share: &[f64]) -> (f64, usize, f64
     (stat, df, gamma_q(df as f64 / 2.0, stat / 2.0))
 }
 
+/// The chi-squared test of homogeneity of two samples' category counts (a 2×k contingency
+/// table): whether the window's categories follow the baseline's, with the baseline's own
+/// sampling error accounted for. Categories empty in both are left out. Returns the statistic,
+/// the degrees of freedom and the p-value.
+pub fn chi_squared_two_sample(a: &[u64], b: &[u64]) -> (f64, usize, f64) {
+    let (na, nb): (u64, u64) = (a.iter().sum(), b.iter().sum());
+    if na == 0 || nb == 0 {
+        return (0.0, 0, 1.0);
+    }
+    let n = (na + nb) as f64;
+    let mut stat = 0.0;
+    let mut k = 0usize;
+    for (&x, &y) in a.iter().zip(b) {
+        let col = (x + y) as f64;
+        if col == 0.0 {
+            continue;
+        }
+        k += 1;
+        for (o, row) in [(x, na), (y, nb)] {
+            let e = row as f64 * col / n;
+            stat += (o as f64 - e).powi(2) / e;
+        }
+    }
+    if k < 2 {
+        return (0.0, 0, 1.0);
+    }
+    let df = k - 1;
+    (stat, df, gamma_q(df as f64 / 2.0, stat / 2.0))
+}
+
 /// The regularized upper incomplete gamma function `Q(a, x)` (series below `a + 1`, Lentz's
 /// continued fraction above).
 pub fn gamma_q(a: f64, x: f64) -> f64 {
@@ -282,6 +312,18 @@ mod tests {
         assert!((p - 1.0).abs() < 1e-12);
         let (_, _, p) = chi_squared(&[90, 10], &[0.5, 0.5]);
         assert!(p < 1e-10);
+    }
+
+    #[test]
+    fn the_two_sample_chi_squared_accounts_for_both_samples() {
+        let (stat, df, p) = chi_squared_two_sample(&[500, 500], &[50, 50]);
+        assert_eq!((stat, df), (0.0, 1));
+        assert!((p - 1.0).abs() < 1e-12);
+        // The same difference is weaker evidence against a small baseline than against shares.
+        let (_, _, p_small) = chi_squared_two_sample(&[60, 40], &[500, 500]);
+        let (_, _, p_one) = chi_squared(&[60, 40], &[0.5, 0.5]);
+        assert!(p_small > p_one, "{p_small} {p_one}");
+        assert_eq!(chi_squared_two_sample(&[5, 0], &[7, 0]).1, 0);
     }
 
     #[test]

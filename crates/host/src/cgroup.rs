@@ -193,6 +193,74 @@ impl Cgroup {
     }
 }
 
+/// Where this process's cgroup files are, found once so each telemetry reading only reads
+/// the counters. v2 when the process has a v2 cgroup with the controller, else v1.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct CgroupDirs {
+    /// The v2 directory, when the process has one (`/sys/fs/cgroup/system.slice/x.service`).
+    pub v2: Option<String>,
+    /// The v2 controllers enabled there (`cpu memory io …`).
+    pub v2_controllers: Vec<String>,
+    pub v1_memory: Option<String>,
+    pub v1_cpu: Option<String>,
+    pub v1_cpuacct: Option<String>,
+}
+
+impl CgroupDirs {
+    pub fn locate(tree: &HostTree, mounts: &[Mount]) -> CgroupDirs {
+        let Ok(text) = tree.read("/proc/self/cgroup") else {
+            return CgroupDirs::default();
+        };
+        let lines = parse_proc_cgroup(&text);
+        let v2 = lines
+            .iter()
+            .find(|l| l.controllers.is_empty())
+            .zip(mounts.iter().find(|m| m.fs_type == "cgroup2"))
+            .map(|(line, mount)| join_cgroup(mount, &line.path));
+        let v2_controllers = v2
+            .as_ref()
+            .and_then(|d| tree.value(&format!("{d}/cgroup.controllers")).ok())
+            .map(|t| t.split_whitespace().map(String::from).collect())
+            .unwrap_or_default();
+        let v1 = |controller: &str| -> Option<String> {
+            let line = lines
+                .iter()
+                .find(|l| l.controllers.iter().any(|c| c == controller))?;
+            let mount = mounts.iter().find(|m| {
+                m.fs_type == "cgroup" && m.super_options.iter().any(|o| o == controller)
+            })?;
+            Some(join_cgroup(mount, &line.path))
+        };
+        CgroupDirs {
+            v2,
+            v2_controllers,
+            v1_memory: v1("memory"),
+            v1_cpu: v1("cpu"),
+            v1_cpuacct: v1("cpuacct"),
+        }
+    }
+
+    /// The v2 directory when it has `controller` enabled.
+    pub fn v2_with(&self, controller: &str) -> Option<&str> {
+        self.v2
+            .as_deref()
+            .filter(|_| self.v2_controllers.iter().any(|c| c == controller))
+    }
+}
+
+/// `v1` writes "no limit" as a page-rounded i64::MAX.
+pub(crate) fn v1_limit(value: u64) -> Option<u64> {
+    (value < NO_LIMIT_V1).then_some(value)
+}
+
+/// `key value` lines, all of them.
+pub(crate) fn fields(text: &str) -> impl Iterator<Item = (&str, u64)> {
+    text.lines().filter_map(|line| {
+        let (k, v) = line.split_once(' ')?;
+        Some((k, v.trim().parse().ok()?))
+    })
+}
+
 fn parse_proc_cgroup(text: &str) -> Vec<Line> {
     text.lines()
         .filter_map(|line| {

@@ -5,7 +5,9 @@
 //!   the source) and the fix; a [`Report`] renders as text, JSON (serde) or a fix script;
 //! - [`fingerprint`]: the hardware fingerprint recorded in LINEAGE.json and logged at start;
 //! - [`GpuProbe`]: the seam to the GPUs, with NVML opened at run time ([`Nvml`]: no NVIDIA
-//!   driver is needed to build or run) and a JSON fixture for tests ([`FixtureGpu`]).
+//!   driver is needed to build or run) and a JSON fixture for tests ([`FixtureGpu`]);
+//! - [`Telemetry`]: the readings the server exports at each scrape (process, cgroup, PSI,
+//!   memory, GPUs), cheap enough for every scrape.
 //!
 //! Everything is read under [`Context::root`] (`<root>/proc/…`, `<root>/sys/…`,
 //! `<root>/etc/…`), so a fixture tree stands in for a host; a file that cannot be read makes
@@ -26,6 +28,7 @@ pub mod known_issues;
 mod mounts;
 mod offloads;
 mod report;
+pub mod telemetry;
 mod tree;
 
 pub use checks::{catalogue, CheckSpec};
@@ -33,8 +36,9 @@ pub use context::{default_kernel_isa, Context, PortToCheck, ProbeTimings};
 pub use fingerprint::{
     CpuFingerprint, Fingerprint, GpuFingerprint, PcieDevice, FINGERPRINT_VERSION,
 };
-pub use gpu::{FixtureGpu, GpuProbe, Nvml};
+pub use gpu::{FixtureGpu, GpuProbe, GpuTelemetry, Nvml};
 pub use report::{Area, Check, Counts, HostSummary, Report, Status, UnknownArea, SCHEMA_VERSION};
+pub use telemetry::{Telemetry, TelemetrySample};
 
 use checks::Env;
 use std::time::Instant;

@@ -7,6 +7,7 @@ mod doctor_cmd;
 mod engine_args;
 mod generate_cmd;
 mod guard_cmd;
+mod metrics_cmd;
 mod model_cmd;
 mod progress_bar;
 mod quantize_cmd;
@@ -68,6 +69,8 @@ enum Command {
     /// Check the host and Rampart's settings for serving (exit 0 ok, 1 warnings, 2 errors);
     /// print the fixes or the hardware fingerprint.
     Doctor(doctor_cmd::DoctorArgs),
+    /// List the metrics the server can emit (`--json` for the rule and dashboard checks).
+    Metrics(metrics_cmd::MetricsArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -95,6 +98,7 @@ fn main() -> ExitCode {
         Command::Audit(args) => audit_cmd::run(args),
         Command::Guard(args) => guard_cmd::run(args),
         Command::Doctor(args) => doctor_cmd::run(args),
+        Command::Metrics(args) => metrics_cmd::run(args),
     };
     match result {
         Ok(code) => code,

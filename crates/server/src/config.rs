@@ -61,6 +61,8 @@ pub struct ServerConfig {
     pub admission: Admission,
     pub rate_limit: RateLimit,
     pub log: Log,
+    /// Host and GPU telemetry on `/metrics` (docs/observability.md).
+    pub telemetry: TelemetryConfig,
     /// Tensor models: which backend runs ONNX graphs.
     pub tensor: TensorConfig,
     /// The KServe v2 gRPC endpoint.
@@ -100,6 +102,7 @@ impl Default for ServerConfig {
             admission: Admission::default(),
             rate_limit: RateLimit::default(),
             log: Log::default(),
+            telemetry: TelemetryConfig::default(),
             tensor: TensorConfig::default(),
             grpc: GrpcConfig::default(),
             records: RecordsConfig::default(),
@@ -436,6 +439,28 @@ pub struct RateLimit {
     pub requests_per_second: f64,
     /// Prompt plus generated tokens per minute.
     pub tokens_per_minute: u64,
+}
+
+/// Host and GPU telemetry, read at each scrape of `/metrics`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TelemetryConfig {
+    /// Export the process, cgroup, PSI, memory and GPU metrics.
+    pub enabled: bool,
+    /// Where the host's `/proc` and `/sys` are read: `/`, or a fixture tree in tests.
+    pub root: PathBuf,
+    /// Open NVML (at run time) for the GPU metrics; absent library → no GPU metrics.
+    pub gpu: bool,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            root: PathBuf::from("/"),
+            gpu: true,
+        }
+    }
 }
 
 /// Where and how the structured log goes.

@@ -291,11 +291,14 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         .caught_up(observe::METRICS_SINK, std::time::Duration::from_millis(250))
         .await;
     observe::refresh_gauges(&state.registry, &state.handoffs, &state.bus);
-    let body = state
+    let mut body = state
         .metrics
         .as_ref()
         .map(|h| h.render())
         .unwrap_or_default();
+    if let Some(telemetry) = state.telemetry() {
+        crate::telemetry::render(telemetry, &mut body);
+    }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }
 

@@ -46,6 +46,7 @@ pub mod openai_http;
 pub mod registry;
 pub mod screen;
 pub mod state;
+pub mod telemetry;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -25,6 +25,128 @@ const COMPILE_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0,
 ];
 
+/// What a metric is, in Prometheus terms. A histogram is exposed as `<name>_bucket`, `_sum`
+/// and `_count`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MetricKind {
+    Counter,
+    Gauge,
+    Histogram,
+}
+
+/// Who writes a metric's samples.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MetricSource {
+    /// The `metrics` recorder (the sinks, the engines' snapshots, the audit log, the batcher).
+    Recorder,
+    /// The host telemetry, read and written as text at each scrape ([`crate::telemetry`]).
+    Host,
+}
+
+/// One metric the server can emit: the registry the shipped alert rules and dashboards are
+/// checked against (`rampart metrics list --json`, scripts/check-monitoring.sh).
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct MetricInfo {
+    pub name: &'static str,
+    #[serde(rename = "type")]
+    pub kind: MetricKind,
+    /// The labels it carries (documentation; docs/metrics.md says what each value means).
+    pub labels: &'static [&'static str],
+    pub help: &'static str,
+    pub source: MetricSource,
+}
+
+const fn recorded(
+    name: &'static str,
+    kind: MetricKind,
+    labels: &'static [&'static str],
+    help: &'static str,
+) -> MetricInfo {
+    MetricInfo {
+        name,
+        kind,
+        labels,
+        help,
+        source: MetricSource::Recorder,
+    }
+}
+
+/// Every metric the `metrics` recorder can emit (described at install). With
+/// [`crate::telemetry::HOST_METRICS`] ([`all_metrics`]) this is the server's metric registry;
+/// a name emitted in the code but missing here fails a test.
+pub static METRICS: &[MetricInfo] = &[
+    recorded("rampart_output_confidence", MetricKind::Histogram, &["model"], "Tensor models: per request, the mean confidence of its inputs (top class probability or best detection score)."),
+    recorded("rampart_inputs_total", MetricKind::Counter, &["model"], "Tensor and embedding models: inputs served (batch rows, texts)."),
+    recorded("rampart_tensor_batch_size", MetricKind::Histogram, &["model"], "Tensor models: rows per backend call, as the dynamic batcher formed them."),
+    recorded("rampart_tensor_queue_delay_seconds", MetricKind::Histogram, &["model"], "Tensor models: time a request waited in the batcher's queue."),
+    recorded("rampart_tensor_compute_seconds", MetricKind::Histogram, &["model"], "Tensor models: time of one backend call (one batch)."),
+    recorded("rampart_tensor_queue_depth", MetricKind::Gauge, &["model"], "Tensor models: requests waiting in the batcher's queue."),
+    recorded("rampart_requests_total", MetricKind::Counter, &["model", "endpoint", "status"], "Requests finished, by model, endpoint and status code."),
+    recorded("rampart_fallback_total", MetricKind::Counter, &["model", "to", "reason"], "Requests answered by a step of the model's fallback chain, by model, the backend that answered and the trigger."),
+    recorded("rampart_canned_responses_total", MetricKind::Counter, &["model"], "Requests answered by the model's canned answer (fallback level 2)."),
+    recorded("rampart_breaker_state", MetricKind::Gauge, &["backend"], "Circuit breaker of each backend: 0 closed, 1 half-open, 2 open."),
+    recorded("rampart_breaker_transitions_total", MetricKind::Counter, &["backend", "to"], "Circuit breaker changes of state, by backend and the state it went to."),
+    recorded("rampart_handoff_active", MetricKind::Gauge, &["model"], "1 while the model is handed off to people (new requests get 503 human_handoff)."),
+    recorded("rampart_handoff_transitions_total", MetricKind::Counter, &["model", "to"], "Hand-offs and resumptions, by model (to: handed_off, resumed)."),
+    recorded("rampart_faults_injected_total", MetricKind::Counter, &["backend", "mode"], "Faults injected through the admin API, by backend and mode."),
+    recorded("rampart_faults_struck_total", MetricKind::Counter, &["backend", "mode"], "Calls an injected fault struck, by backend and mode."),
+    recorded("rampart_admin_actions_total", MetricKind::Counter, &["action"], "Admin API calls that changed something, by action."),
+    recorded("rampart_request_duration_seconds", MetricKind::Histogram, &["model"], "Time from arrival to the last byte of the response."),
+    recorded("rampart_time_to_first_token_seconds", MetricKind::Histogram, &["model"], "Time from arrival to the first generated token."),
+    recorded("rampart_inter_token_latency_seconds", MetricKind::Histogram, &["model"], "Gaps between consecutive tokens of a response."),
+    recorded("rampart_time_per_output_token_seconds", MetricKind::Histogram, &["model"], "Decode time divided by tokens after the first, per request."),
+    recorded("rampart_queue_time_seconds", MetricKind::Histogram, &["model"], "Time a request waited for an admission slot."),
+    recorded("rampart_token_entropy_nats", MetricKind::Histogram, &["model"], "Entropy of each generated token's distribution."),
+    recorded("rampart_structured_requests_total", MetricKind::Counter, &["model", "kind", "outcome"], "Structured-output requests finished, by model, kind and outcome of the final check."),
+    recorded("rampart_grammar_compile_seconds", MetricKind::Histogram, &["kind"], "Time to compile a structured-output grammar (cache misses), by kind."),
+    recorded("rampart_grammar_mask_seconds", MetricKind::Histogram, &["kind"], "Time to compute one token's allowed-token mask, by kind."),
+    recorded("rampart_grammar_cache_total", MetricKind::Counter, &["result"], "Compiled-grammar cache lookups, by result (hit, miss)."),
+    recorded("rampart_prompt_tokens_total", MetricKind::Counter, &["model"], "Prompt tokens of finished requests."),
+    recorded("rampart_generated_tokens_total", MetricKind::Counter, &["model"], "Tokens generated for finished requests."),
+    recorded("rampart_rejected_requests_total", MetricKind::Counter, &["model", "reason"], "Requests refused before reaching the engine, by reason."),
+    recorded("rampart_abnormal_requests_total", MetricKind::Counter, &["model"], "Requests whose mean token entropy fell outside the model's band."),
+    recorded("rampart_queue_depth", MetricKind::Gauge, &["model"], "Requests waiting for an admission slot."),
+    recorded("rampart_requests_in_flight", MetricKind::Gauge, &["model"], "Requests holding an admission slot."),
+    recorded("rampart_engine_running_sequences", MetricKind::Gauge, &["model"], "Sequences in the engine's running batch."),
+    recorded("rampart_engine_waiting_sequences", MetricKind::Gauge, &["model"], "Sequences waiting inside the engine."),
+    recorded("rampart_kv_blocks_used", MetricKind::Gauge, &["model"], "KV blocks held by sequences."),
+    recorded("rampart_kv_blocks_total", MetricKind::Gauge, &["model"], "KV blocks in the pool."),
+    recorded("rampart_kv_blocks_cached", MetricKind::Gauge, &["model"], "Unreferenced KV blocks kept for prefix reuse."),
+    recorded("rampart_prefix_cache_hits_total", MetricKind::Counter, &["model"], "Prompt blocks found in the prefix cache."),
+    recorded("rampart_prefix_cache_lookups_total", MetricKind::Counter, &["model"], "Prompt blocks looked up in the prefix cache."),
+    recorded("rampart_preemptions_total", MetricKind::Counter, &["model"], "Sequences preempted for lack of KV blocks."),
+    recorded("rampart_record_dropped_total", MetricKind::Counter, &["sink", "reason"], "Records a sink's lane lost, by sink and reason (lane_full, overflow, timeout, closed, write_failed)."),
+    recorded("rampart_record_written_total", MetricKind::Counter, &["sink"], "Records a sink wrote, by sink."),
+    recorded("rampart_model_ready", MetricKind::Gauge, &["model"], "1 while the model is loaded and its last readiness check passed, 0 while it fails (stalled, stopped)."),
+    recorded("rampart_feature_drift_score", MetricKind::Gauge, &["model", "version", "feature"], "The drift monitor's last statistic per feature (KS distance, or the chi-squared test's Cramér's V for categorical features), window against baseline."),
+    recorded("rampart_feature_drift_pvalue", MetricKind::Gauge, &["model", "version", "feature"], "The drift monitor's last p-value per feature."),
+    recorded("rampart_drift_active", MetricKind::Gauge, &["model", "version"], "1 while any feature of the model version is in drift alarm."),
+    recorded("rampart_drift_alarms_total", MetricKind::Counter, &["model", "version", "feature"], "Drift alarms raised, by model, version and feature (output monitors included)."),
+    recorded("rampart_output_entropy_window_mean", MetricKind::Gauge, &["model", "version"], "Sliding-window mean of the requests' mean token entropy (nats)."),
+    recorded("rampart_output_entropy_window_std", MetricKind::Gauge, &["model", "version"], "Sliding-window standard deviation of the requests' mean token entropy (nats)."),
+    recorded("rampart_output_confidence_window_mean", MetricKind::Gauge, &["model", "version"], "Sliding-window mean of a classifier's or detector's request confidence."),
+    recorded("rampart_monitor_window_requests", MetricKind::Gauge, &["model", "version"], "Requests in the monitor's current window, per model version."),
+    recorded("rampart_guard_decisions_total", MetricKind::Counter, &["model", "verdict", "channel", "tier", "reason"], "Input guard decisions, by model, verdict, channel of the deciding text, tier and strongest reason."),
+    recorded("rampart_guard_seconds", MetricKind::Histogram, &["model"], "Time the input guard took per request."),
+    recorded("rampart_guard_output_total", MetricKind::Counter, &["model", "verdict"], "Outputs that repeated the system message's canary or opening (flag) or were cut before it (cut)."),
+    recorded("rampart_audit_appended_total", MetricKind::Counter, &[], "Entries made durable in the audit log (requests and actions)."),
+    recorded("rampart_audit_dropped_total", MetricKind::Counter, &[], "Records the audit lane lost (best_effort: queue full; fail_closed: write failures, whose requests were refused)."),
+    recorded("rampart_audit_queue_depth", MetricKind::Gauge, &[], "Records waiting in the audit lane."),
+    recorded("rampart_audit_fsync_seconds", MetricKind::Histogram, &[], "One audit group commit: the write and its fdatasync."),
+    recorded("rampart_audit_checkpoint_age_seconds", MetricKind::Gauge, &[], "How long the newest audit entries have waited for a signed checkpoint (0: all covered)."),
+    recorded("rampart_audit_healthy", MetricKind::Gauge, &[], "1 while the audit log persists; 0: in fail_closed every request is refused."),
+    recorded("rampart_audit_ship_lag_seconds", MetricKind::Gauge, &[], "Age of the oldest sealed audit segment not yet shipped and verified on S3."),
+    recorded("rampart_audit_ship_failures_total", MetricKind::Counter, &[], "Audit shipping rounds that failed (retried with backoff; the local copy stays)."),
+    recorded("rampart_audit_s3_retries_total", MetricKind::Counter, &[], "S3 requests retried after a transport error or a 5xx."),
+];
+
+/// The recorder's metrics and the host telemetry's ([`crate::telemetry::HOST_METRICS`]).
+pub fn all_metrics() -> impl Iterator<Item = &'static MetricInfo> {
+    METRICS.iter().chain(crate::telemetry::HOST_METRICS.iter())
+}
+
 /// Metrics or logging could not be set up.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("{0}")]
@@ -79,204 +201,13 @@ pub fn install_metrics() -> Result<PrometheusHandle, ObserveError> {
         .map_err(|e| ObserveError(e.to_string()))?
         .install_recorder()
         .map_err(|e| ObserveError(e.to_string()))?;
-    describe_histogram!(
-        "rampart_output_confidence",
-        "Tensor models: per request, the mean confidence of its inputs (top class probability or best detection score)."
-    );
-    describe_counter!(
-        "rampart_inputs_total",
-        "Tensor and embedding models: inputs served (batch rows, texts)."
-    );
-    describe_histogram!(
-        "rampart_tensor_batch_size",
-        "Tensor models: rows per backend call, as the dynamic batcher formed them."
-    );
-    describe_histogram!(
-        "rampart_tensor_queue_delay_seconds",
-        "Tensor models: time a request waited in the batcher's queue."
-    );
-    describe_histogram!(
-        "rampart_tensor_compute_seconds",
-        "Tensor models: time of one backend call (one batch)."
-    );
-    describe_gauge!(
-        "rampart_tensor_queue_depth",
-        "Tensor models: requests waiting in the batcher's queue."
-    );
-    describe_counter!(
-        "rampart_requests_total",
-        "Requests finished, by model, endpoint and status code."
-    );
-    describe_counter!(
-        "rampart_fallback_total",
-        "Requests answered by a step of the model's fallback chain, by model, the backend that answered and the trigger."
-    );
-    describe_counter!(
-        "rampart_canned_responses_total",
-        "Requests answered by the model's canned answer (fallback level 2)."
-    );
-    describe_gauge!(
-        "rampart_breaker_state",
-        "Circuit breaker of each backend: 0 closed, 1 half-open, 2 open."
-    );
-    describe_counter!(
-        "rampart_breaker_transitions_total",
-        "Circuit breaker changes of state, by backend and the state it went to."
-    );
-    describe_gauge!(
-        "rampart_handoff_active",
-        "1 while the model is handed off to people (new requests get 503 human_handoff)."
-    );
-    describe_counter!(
-        "rampart_handoff_transitions_total",
-        "Hand-offs and resumptions, by model (to: handed_off, resumed)."
-    );
-    describe_counter!(
-        "rampart_faults_injected_total",
-        "Faults injected through the admin API, by backend and mode."
-    );
-    describe_counter!(
-        "rampart_faults_struck_total",
-        "Calls an injected fault struck, by backend and mode."
-    );
-    describe_counter!(
-        "rampart_admin_actions_total",
-        "Admin API calls that changed something, by action."
-    );
-    describe_histogram!(
-        "rampart_request_duration_seconds",
-        "Time from arrival to the last byte of the response."
-    );
-    describe_histogram!(
-        "rampart_time_to_first_token_seconds",
-        "Time from arrival to the first generated token."
-    );
-    describe_histogram!(
-        "rampart_inter_token_latency_seconds",
-        "Gaps between consecutive tokens of a response."
-    );
-    describe_histogram!(
-        "rampart_time_per_output_token_seconds",
-        "Decode time divided by tokens after the first, per request."
-    );
-    describe_histogram!(
-        "rampart_queue_time_seconds",
-        "Time a request waited for an admission slot."
-    );
-    describe_histogram!(
-        "rampart_token_entropy_nats",
-        "Entropy of each generated token's distribution."
-    );
-    describe_counter!(
-        "rampart_structured_requests_total",
-        "Structured-output requests finished, by model, kind and outcome of the final check."
-    );
-    describe_histogram!(
-        "rampart_grammar_compile_seconds",
-        "Time to compile a structured-output grammar (cache misses), by kind."
-    );
-    describe_histogram!(
-        "rampart_grammar_mask_seconds",
-        "Time to compute one token's allowed-token mask, by kind."
-    );
-    describe_counter!(
-        "rampart_grammar_cache_total",
-        "Compiled-grammar cache lookups, by result (hit, miss)."
-    );
-    describe_counter!(
-        "rampart_prompt_tokens_total",
-        "Prompt tokens of finished requests."
-    );
-    describe_counter!(
-        "rampart_generated_tokens_total",
-        "Tokens generated for finished requests."
-    );
-    describe_counter!(
-        "rampart_rejected_requests_total",
-        "Requests refused before reaching the engine, by reason."
-    );
-    describe_counter!(
-        "rampart_abnormal_requests_total",
-        "Requests whose mean token entropy fell outside the model's band."
-    );
-    describe_gauge!(
-        "rampart_queue_depth",
-        "Requests waiting for an admission slot."
-    );
-    describe_gauge!(
-        "rampart_requests_in_flight",
-        "Requests holding an admission slot."
-    );
-    describe_gauge!(
-        "rampart_engine_running_sequences",
-        "Sequences in the engine's running batch."
-    );
-    describe_gauge!(
-        "rampart_engine_waiting_sequences",
-        "Sequences waiting inside the engine."
-    );
-    describe_gauge!("rampart_kv_blocks_used", "KV blocks held by sequences.");
-    describe_gauge!("rampart_kv_blocks_total", "KV blocks in the pool.");
-    describe_gauge!(
-        "rampart_kv_blocks_cached",
-        "Unreferenced KV blocks kept for prefix reuse."
-    );
-    describe_counter!(
-        "rampart_prefix_cache_hits_total",
-        "Prompt blocks found in the prefix cache."
-    );
-    describe_counter!(
-        "rampart_prefix_cache_lookups_total",
-        "Prompt blocks looked up in the prefix cache."
-    );
-    describe_counter!(
-        "rampart_preemptions_total",
-        "Sequences preempted for lack of KV blocks."
-    );
-    describe_counter!(
-        "rampart_record_dropped_total",
-        "Records a sink's lane lost, by sink and reason (lane_full, overflow, timeout, closed, write_failed)."
-    );
-    describe_counter!(
-        "rampart_record_written_total",
-        "Records a sink wrote, by sink."
-    );
-    describe_gauge!(
-        "rampart_model_ready",
-        "1 when the model is loaded and serving."
-    );
-    describe_gauge!(
-        "rampart_feature_drift_score",
-        "The drift monitor's last statistic per feature (KS distance, or the chi-squared test's Cramér's V for categorical features), window against baseline."
-    );
-    describe_gauge!(
-        "rampart_feature_drift_pvalue",
-        "The drift monitor's last p-value per feature."
-    );
-    describe_gauge!(
-        "rampart_drift_active",
-        "1 while any feature of the model version is in drift alarm."
-    );
-    describe_counter!(
-        "rampart_drift_alarms_total",
-        "Drift alarms raised, by model, version and feature (output monitors included)."
-    );
-    describe_gauge!(
-        "rampart_output_entropy_window_mean",
-        "Sliding-window mean of the requests' mean token entropy (nats)."
-    );
-    describe_gauge!(
-        "rampart_output_entropy_window_std",
-        "Sliding-window standard deviation of the requests' mean token entropy (nats)."
-    );
-    describe_gauge!(
-        "rampart_output_confidence_window_mean",
-        "Sliding-window mean of a classifier's or detector's request confidence."
-    );
-    describe_gauge!(
-        "rampart_monitor_window_requests",
-        "Requests in the monitor's current window, per model version."
-    );
+    for m in METRICS {
+        match m.kind {
+            MetricKind::Counter => describe_counter!(m.name, m.help),
+            MetricKind::Gauge => describe_gauge!(m.name, m.help),
+            MetricKind::Histogram => describe_histogram!(m.name, m.help),
+        }
+    }
     Ok(handle)
 }
 
@@ -293,6 +224,10 @@ pub fn refresh_gauges(registry: &Registry, handoffs: &crate::handoff::Handoffs, 
             gauge!("rampart_breaker_state", "backend" => b.id.clone())
                 .set(f64::from(b.breaker.state().gauge()));
         }
+        // The last periodic readiness check (`spawn_readiness`), so a model that stalls or
+        // stops reads 0 and readiness flapping shows as changes of this gauge.
+        gauge!("rampart_model_ready", "model" => e.name.clone())
+            .set(f64::from(u8::from(e.is_ready())));
         let Some(s) = e.backend.engine_snapshot() else {
             continue;
         };
@@ -308,7 +243,6 @@ pub fn refresh_gauges(registry: &Registry, handoffs: &crate::handoff::Handoffs, 
         counter!("rampart_prefix_cache_lookups_total", &labels)
             .absolute(s.prefix.hits + s.prefix.misses);
         counter!("rampart_preemptions_total", &labels).absolute(s.preemptions);
-        gauge!("rampart_model_ready", &labels).set(1.0);
     }
     for lane in bus.counters() {
         for (reason, n) in &lane.dropped {
@@ -595,6 +529,74 @@ pub fn init_logging(log: &Log) -> Result<(), ObserveError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every `counter!/gauge!/histogram!("rampart_…"` in the workspace's sources.
+    fn emitted_names() -> std::collections::BTreeSet<String> {
+        fn walk(dir: &std::path::Path, found: &mut std::collections::BTreeSet<String>) {
+            let Ok(entries) = std::fs::read_dir(dir) else {
+                return;
+            };
+            for entry in entries.flatten() {
+                let path = entry.path();
+                if path.is_dir() {
+                    walk(&path, found);
+                } else if path.extension().is_some_and(|e| e == "rs") {
+                    let text = std::fs::read_to_string(&path).unwrap_or_default();
+                    for macro_name in ["counter!(", "gauge!(", "histogram!("] {
+                        for (at, _) in text.match_indices(macro_name) {
+                            let rest = text[at + macro_name.len()..].trim_start();
+                            if let Some(rest) = rest.strip_prefix("\"rampart_") {
+                                let end = rest.find('"').unwrap_or(0);
+                                let tail = &rest[..end];
+                                let plain = |c: char| {
+                                    c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'
+                                };
+                                if !tail.is_empty() && tail.chars().all(plain) {
+                                    found.insert(format!("rampart_{tail}"));
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let crates = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let mut found = std::collections::BTreeSet::new();
+        for entry in std::fs::read_dir(&crates).expect("crates dir").flatten() {
+            walk(&entry.path().join("src"), &mut found);
+        }
+        found
+    }
+
+    #[test]
+    fn metric_table_covers_every_emitted_name() {
+        let names: std::collections::BTreeSet<&str> = all_metrics().map(|m| m.name).collect();
+        assert_eq!(
+            names.len(),
+            all_metrics().count(),
+            "a metric is listed twice"
+        );
+        let emitted = emitted_names();
+        assert!(emitted.len() > 40, "the scan found too little: {emitted:?}");
+        for name in &emitted {
+            assert!(
+                names.contains(name.as_str()),
+                "{name} is emitted but not in METRICS"
+            );
+        }
+        for m in all_metrics() {
+            assert!(m.name.starts_with("rampart_"), "{}", m.name);
+            assert!(!m.help.is_empty(), "{}", m.name);
+            // Counters end in _total; histograms must not (their series add _bucket, _sum,
+            // _count). A gauge may count a total (rampart_kv_blocks_total: blocks in the pool).
+            let total = m.name.ends_with("_total");
+            match m.kind {
+                MetricKind::Counter => assert!(total, "{}: a counter ends in _total", m.name),
+                MetricKind::Histogram => assert!(!total, "{}", m.name),
+                MetricKind::Gauge => {}
+            }
+        }
+    }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_log_and_metrics_sinks_pass_the_sink_contract() {

@@ -73,6 +73,8 @@ pub struct AppState {
     pub monitors: std::sync::OnceLock<Arc<crate::monitors::Monitors>>,
     /// The input guard, once loaded (the seed rules until then).
     pub guard: std::sync::OnceLock<Arc<crate::screen::GuardService>>,
+    /// The host telemetry, opened at the first scrape (`None` inside: `[telemetry]` is off).
+    pub telemetry: std::sync::OnceLock<Option<host::Telemetry>>,
     pub started: Instant,
 }
 
@@ -115,6 +117,7 @@ impl AppState {
             bus,
             guard: std::sync::OnceLock::new(),
             monitors: std::sync::OnceLock::new(),
+            telemetry: std::sync::OnceLock::new(),
             started: Instant::now(),
         })
     }
@@ -123,6 +126,13 @@ impl AppState {
     pub fn guard(&self) -> &Arc<crate::screen::GuardService> {
         self.guard
             .get_or_init(|| Arc::new(crate::screen::GuardService::seed(&self.config)))
+    }
+
+    /// The host telemetry, opened on first use as `[telemetry]` says.
+    pub fn telemetry(&self) -> Option<&host::Telemetry> {
+        self.telemetry
+            .get_or_init(|| crate::telemetry::open(&self.config.telemetry))
+            .as_ref()
     }
 
     /// A fresh record for a request that just arrived.

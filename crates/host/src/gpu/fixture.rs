@@ -57,6 +57,24 @@ pub struct FixtureDevice {
     pub power_default_limit_mw: Option<u32>,
     pub mig_mode: Option<MigMode>,
     pub nvlinks: Option<Vec<NvLink>>,
+    /// What the run-time readings ([`GpuProbe::telemetry`]) answer beyond the fields above.
+    #[serde(default)]
+    pub telemetry: Option<FixtureTelemetry>,
+}
+
+/// A fixture GPU's run-time readings; a field left out reads as "not supported".
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct FixtureTelemetry {
+    pub utilization_gpu_percent: Option<u32>,
+    pub utilization_memory_percent: Option<u32>,
+    pub memory_used_bytes: Option<u64>,
+    pub sm_clock_mhz: Option<u32>,
+    pub sm_clock_max_mhz: Option<u32>,
+    pub memory_clock_mhz: Option<u32>,
+    pub memory_clock_max_mhz: Option<u32>,
+    pub ecc_corrected_volatile: Option<u64>,
+    pub xid_errors: Option<u64>,
 }
 
 pub struct FixtureGpu {
@@ -154,6 +172,44 @@ impl GpuProbe for FixtureGpu {
         }
         let i = self.next_sample[index as usize].fetch_add(1, Ordering::Relaxed);
         Ok(device.pcie_samples[i.min(device.pcie_samples.len() - 1)])
+    }
+
+    fn telemetry(&self, index: u32) -> GpuTelemetry {
+        let d = self
+            .system
+            .devices
+            .get(index as usize)
+            .cloned()
+            .unwrap_or_default();
+        let t = d.telemetry.clone().unwrap_or_default();
+        GpuTelemetry {
+            index,
+            utilization_gpu_percent: given(&t.utilization_gpu_percent),
+            utilization_memory_percent: given(&t.utilization_memory_percent),
+            memory_used_bytes: given(&t.memory_used_bytes),
+            memory_total_bytes: given(&d.memory_total_bytes),
+            temperature_c: given(&d.temperature_c),
+            power_usage_mw: given(&d.power_usage_mw),
+            power_limit_mw: given(&d.power_limit_mw),
+            sm_clock_mhz: given(&t.sm_clock_mhz),
+            sm_clock_max_mhz: given(&t.sm_clock_max_mhz),
+            memory_clock_mhz: given(&t.memory_clock_mhz),
+            memory_clock_max_mhz: given(&t.memory_clock_max_mhz),
+            clock_event_reasons: given(&d.clock_event_reasons),
+            // The last reading stands for the link now (the first ones may be from idle).
+            pcie_current: d
+                .pcie_samples
+                .last()
+                .map(|s| PcieLink {
+                    gen: s.gen,
+                    width: s.width,
+                })
+                .ok_or(Unavailable::NotSupported),
+            pcie_max: given(&d.pcie_max),
+            ecc_corrected_volatile: given(&t.ecc_corrected_volatile),
+            ecc_uncorrected_volatile: given(&d.ecc_uncorrected).map(|c| c.volatile),
+            xid_errors: given(&t.xid_errors),
+        }
     }
 
     fn pcie_under_load(&self, index: u32, samples: u32, _window: Duration) -> PcieSampling {

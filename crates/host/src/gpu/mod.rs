@@ -6,7 +6,7 @@
 mod fixture;
 mod nvml;
 
-pub use fixture::{FixtureDevice, FixtureError, FixtureGpu, FixtureSystem};
+pub use fixture::{FixtureDevice, FixtureError, FixtureGpu, FixtureSystem, FixtureTelemetry};
 pub use nvml::Nvml;
 
 use serde::{Deserialize, Serialize};
@@ -138,6 +138,35 @@ pub struct GpuDevice {
     pub nvlinks: Probed<Vec<NvLink>>,
 }
 
+/// One reading of a GPU's run-time state, for the server's metrics: cheap calls only (no
+/// strings, no NVLink walk), so a scrape can take one per GPU.
+#[derive(Clone, Debug)]
+pub struct GpuTelemetry {
+    pub index: u32,
+    /// Percent of the last sample period a kernel ran (NVML's "GPU utilization").
+    pub utilization_gpu_percent: Probed<u32>,
+    /// Percent of the last sample period device memory was read or written.
+    pub utilization_memory_percent: Probed<u32>,
+    pub memory_used_bytes: Probed<u64>,
+    pub memory_total_bytes: Probed<u64>,
+    pub temperature_c: Probed<u32>,
+    pub power_usage_mw: Probed<u32>,
+    pub power_limit_mw: Probed<u32>,
+    pub sm_clock_mhz: Probed<u32>,
+    pub sm_clock_max_mhz: Probed<u32>,
+    pub memory_clock_mhz: Probed<u32>,
+    pub memory_clock_max_mhz: Probed<u32>,
+    /// NVML clock event (throttle) reasons, a bit mask ([`clock_reasons`]).
+    pub clock_event_reasons: Probed<u64>,
+    pub pcie_current: Probed<PcieLink>,
+    pub pcie_max: Probed<PcieLink>,
+    /// ECC errors since the last driver load.
+    pub ecc_corrected_volatile: Probed<u64>,
+    pub ecc_uncorrected_volatile: Probed<u64>,
+    /// Critical XID events seen since the probe was opened.
+    pub xid_errors: Probed<u64>,
+}
+
 /// What load, if any, was applied while the links were sampled.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum LoadApplied {
@@ -164,6 +193,35 @@ pub trait GpuProbe: Send + Sync {
     fn device(&self, index: u32) -> GpuDevice;
     /// One reading of the current PCIe link.
     fn pcie_sample(&self, index: u32) -> Probed<PcieSample>;
+    /// One reading of the GPU's run-time state. The default takes what [`GpuProbe::device`]
+    /// and [`GpuProbe::pcie_sample`] answer and leaves the rest unsupported; NVML and the
+    /// fixture answer all of it.
+    fn telemetry(&self, index: u32) -> GpuTelemetry {
+        let d = self.device(index);
+        GpuTelemetry {
+            index,
+            utilization_gpu_percent: Err(Unavailable::NotSupported),
+            utilization_memory_percent: Err(Unavailable::NotSupported),
+            memory_used_bytes: Err(Unavailable::NotSupported),
+            memory_total_bytes: d.memory_total_bytes,
+            temperature_c: d.temperature_c,
+            power_usage_mw: d.power_usage_mw,
+            power_limit_mw: d.power_limit_mw,
+            sm_clock_mhz: Err(Unavailable::NotSupported),
+            sm_clock_max_mhz: Err(Unavailable::NotSupported),
+            memory_clock_mhz: Err(Unavailable::NotSupported),
+            memory_clock_max_mhz: Err(Unavailable::NotSupported),
+            clock_event_reasons: d.clock_event_reasons,
+            pcie_current: self.pcie_sample(index).map(|s| PcieLink {
+                gen: s.gen,
+                width: s.width,
+            }),
+            pcie_max: d.pcie_max,
+            ecc_corrected_volatile: Err(Unavailable::NotSupported),
+            ecc_uncorrected_volatile: d.ecc_uncorrected.map(|c| c.volatile),
+            xid_errors: Err(Unavailable::NotSupported),
+        }
+    }
     /// `samples` readings spread over `window`, under a short load where the probe can apply
     /// one. The default applies none.
     fn pcie_under_load(&self, index: u32, samples: u32, window: Duration) -> PcieSampling {

@@ -26,7 +26,15 @@ const NVML_ERROR_FUNCTION_NOT_FOUND: NvmlReturn = 13;
 const NVLINK_MAX_LINKS: u32 = 18;
 const NVML_TEMPERATURE_GPU: c_int = 0;
 const NVML_TEMPERATURE_THRESHOLD_SLOWDOWN: c_int = 1;
+const NVML_MEMORY_ERROR_TYPE_CORRECTED: c_int = 0;
 const NVML_MEMORY_ERROR_TYPE_UNCORRECTED: c_int = 1;
+/// nvml.h `nvmlClockType_t`.
+const NVML_CLOCK_SM: c_int = 1;
+const NVML_CLOCK_MEM: c_int = 2;
+/// nvml.h `nvmlEventTypeXidCriticalError`.
+const NVML_EVENT_TYPE_XID_CRITICAL_ERROR: c_ulonglong = 0x8;
+/// Events taken from the set per reading, so a storm cannot hold a scrape.
+const XID_EVENTS_PER_READING: usize = 256;
 const NVML_VOLATILE_ECC: c_int = 0;
 const NVML_AGGREGATE_ECC: c_int = 1;
 const NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT: c_int = 0;
@@ -59,6 +67,28 @@ struct NvmlUtilization {
     memory: c_uint,
 }
 
+/// nvml.h `nvmlEventData_t`.
+#[repr(C)]
+struct NvmlEventData {
+    device: *mut c_void,
+    event_type: c_ulonglong,
+    event_data: c_ulonglong,
+    gpu_instance_id: c_uint,
+    compute_instance_id: c_uint,
+}
+
+/// The event set the XID count is drained from, created at the first reading.
+#[derive(Default)]
+struct XidEvents {
+    /// `nvmlEventSet_t` as an address; 0 until created.
+    set: usize,
+    /// Why there is none (the driver cannot deliver XID events to us).
+    unavailable: Option<Unavailable>,
+    /// Devices registered on the set, by handle.
+    registered: Vec<DeviceHandle>,
+    counts: std::collections::HashMap<DeviceHandle, u64>,
+}
+
 /// Why NVML could not be opened.
 #[derive(Debug, thiserror::Error)]
 pub enum NvmlLoadError {
@@ -74,6 +104,7 @@ pub struct Nvml {
     version: String,
     /// nvmlShutdown balances a successful nvmlInit only.
     initialised: bool,
+    xid: std::sync::Mutex<XidEvents>,
 }
 
 impl Nvml {
@@ -86,6 +117,7 @@ impl Nvml {
             lib,
             version: String::new(),
             initialised: false,
+            xid: std::sync::Mutex::new(XidEvents::default()),
         };
         let init = nvml
             .function::<unsafe extern "C" fn() -> NvmlReturn>("nvmlInit_v2")
@@ -466,8 +498,152 @@ impl Nvml {
     }
 }
 
+impl Nvml {
+    fn memory_info(&self, device: DeviceHandle) -> Probed<NvmlMemory> {
+        let name = "nvmlDeviceGetMemoryInfo";
+        let f = self
+            .function::<unsafe extern "C" fn(*mut c_void, *mut NvmlMemory) -> NvmlReturn>(name)?;
+        let mut memory = NvmlMemory {
+            total: 0,
+            free: 0,
+            used: 0,
+        };
+        // SAFETY: nvml.h `(nvmlDevice_t, nvmlMemory_t*)`, v1 layout.
+        let rc = unsafe { f(device as *mut c_void, &mut memory) };
+        self.status(rc, name)?;
+        Ok(memory)
+    }
+
+    fn utilization(&self, device: DeviceHandle) -> Probed<NvmlUtilization> {
+        let name = "nvmlDeviceGetUtilizationRates";
+        let f = self
+            .function::<unsafe extern "C" fn(*mut c_void, *mut NvmlUtilization) -> NvmlReturn>(
+                name,
+            )?;
+        let mut rates = NvmlUtilization { gpu: 0, memory: 0 };
+        // SAFETY: nvml.h `(nvmlDevice_t, nvmlUtilization_t*)`.
+        let rc = unsafe { f(device as *mut c_void, &mut rates) };
+        self.status(rc, name)?;
+        Ok(rates)
+    }
+
+    fn ecc_volatile(&self, device: DeviceHandle, error_type: c_int) -> Probed<u64> {
+        let name = "nvmlDeviceGetTotalEccErrors";
+        let f = self.function::<unsafe extern "C" fn(
+            *mut c_void,
+            c_int,
+            c_int,
+            *mut c_ulonglong,
+        ) -> NvmlReturn>(name)?;
+        let mut count: c_ulonglong = 0;
+        // SAFETY: as in `ecc_uncorrected`.
+        let rc = unsafe {
+            f(
+                device as *mut c_void,
+                error_type,
+                NVML_VOLATILE_ECC,
+                &mut count,
+            )
+        };
+        self.status(rc, name)?;
+        Ok(count)
+    }
+
+    /// Critical XID events of `device` seen since the first reading: an event set is created
+    /// then, each device registered once, and every reading drains the set without waiting.
+    fn xid_count(&self, device: DeviceHandle) -> Probed<u64> {
+        let Ok(mut xid) = self.xid.lock() else {
+            return Err(Unavailable::Failed("XID event state poisoned".into()));
+        };
+        if let Some(why) = &xid.unavailable {
+            return Err(why.clone());
+        }
+        if xid.set == 0 {
+            let name = "nvmlEventSetCreate";
+            let created = self
+                .function::<unsafe extern "C" fn(*mut *mut c_void) -> NvmlReturn>(name)
+                .and_then(|f| {
+                    let mut set: *mut c_void = std::ptr::null_mut();
+                    // SAFETY: nvml.h `nvmlEventSetCreate(nvmlEventSet_t *set)`.
+                    let rc = unsafe { f(&mut set) };
+                    self.status(rc, name).map(|()| set as usize)
+                });
+            match created {
+                Ok(set) => xid.set = set,
+                Err(e) => {
+                    xid.unavailable = Some(e.clone());
+                    return Err(e);
+                }
+            }
+        }
+        if !xid.registered.contains(&device) {
+            let name = "nvmlDeviceRegisterEvents";
+            let f = self.function::<unsafe extern "C" fn(
+                *mut c_void,
+                c_ulonglong,
+                *mut c_void,
+            ) -> NvmlReturn>(name)?;
+            // SAFETY: nvml.h `(nvmlDevice_t, unsigned long long eventTypes, nvmlEventSet_t)`;
+            // the set was created above and lives until drop.
+            let rc = unsafe {
+                f(
+                    device as *mut c_void,
+                    NVML_EVENT_TYPE_XID_CRITICAL_ERROR,
+                    xid.set as *mut c_void,
+                )
+            };
+            self.status(rc, name)?;
+            xid.registered.push(device);
+            xid.counts.insert(device, 0);
+        }
+        let name = "nvmlEventSetWait_v2";
+        if let Ok(wait) = self.function::<unsafe extern "C" fn(
+            *mut c_void,
+            *mut NvmlEventData,
+            c_uint,
+        ) -> NvmlReturn>(name)
+        {
+            for _ in 0..XID_EVENTS_PER_READING {
+                let mut data = NvmlEventData {
+                    device: std::ptr::null_mut(),
+                    event_type: 0,
+                    event_data: 0,
+                    gpu_instance_id: 0,
+                    compute_instance_id: 0,
+                };
+                // SAFETY: nvml.h `(nvmlEventSet_t, nvmlEventData_t*, unsigned int timeoutms)`;
+                // a timeout of 0 returns at once (NVML_ERROR_TIMEOUT when nothing is pending).
+                let rc = unsafe { wait(xid.set as *mut c_void, &mut data, 0) };
+                // NVML_ERROR_TIMEOUT: drained. Another error ends this drain; the next
+                // reading tries again and the count stays where it was.
+                if rc != NVML_SUCCESS {
+                    break;
+                }
+                let _ = (
+                    data.event_data,
+                    data.gpu_instance_id,
+                    data.compute_instance_id,
+                );
+                if data.event_type & NVML_EVENT_TYPE_XID_CRITICAL_ERROR != 0 {
+                    *xid.counts.entry(data.device as DeviceHandle).or_insert(0) += 1;
+                }
+            }
+        }
+        Ok(xid.counts.get(&device).copied().unwrap_or(0))
+    }
+}
+
 impl Drop for Nvml {
     fn drop(&mut self) {
+        let set = self.xid.get_mut().map(|x| x.set).unwrap_or(0);
+        if set != 0 {
+            if let Ok(f) =
+                self.function::<unsafe extern "C" fn(*mut c_void) -> NvmlReturn>("nvmlEventSetFree")
+            {
+                // SAFETY: nvml.h `nvmlEventSetFree(nvmlEventSet_t)`, on the set we created.
+                unsafe { f(set as *mut c_void) };
+            }
+        }
         if !self.initialised {
             return;
         }
@@ -584,6 +760,51 @@ impl GpuProbe for Nvml {
                 .and_then(|d| self.device_u32(d, "nvmlDeviceGetPowerManagementDefaultLimit")),
             mig_mode: h().and_then(|d| self.mig_mode(d)),
             nvlinks: h().and_then(|d| self.nvlinks(d)),
+        }
+    }
+
+    fn telemetry(&self, index: u32) -> GpuTelemetry {
+        let handle = self.handle(index);
+        let h = || handle.clone();
+        let memory = h().and_then(|d| self.memory_info(d));
+        let rates = h().and_then(|d| self.utilization(d));
+        let clock =
+            |name: &'static str, which: c_int| h().and_then(|d| self.device_u32_of(d, name, which));
+        let link = |gen: &'static str, width: &'static str| {
+            h().and_then(|d| {
+                Ok(PcieLink {
+                    gen: self.device_u32(d, gen)?,
+                    width: self.device_u32(d, width)?,
+                })
+            })
+        };
+        GpuTelemetry {
+            index,
+            utilization_gpu_percent: rates.as_ref().map(|r| r.gpu).map_err(Clone::clone),
+            utilization_memory_percent: rates.as_ref().map(|r| r.memory).map_err(Clone::clone),
+            memory_used_bytes: memory.as_ref().map(|m| m.used).map_err(Clone::clone),
+            memory_total_bytes: memory.as_ref().map(|m| m.total).map_err(Clone::clone),
+            temperature_c: clock("nvmlDeviceGetTemperature", NVML_TEMPERATURE_GPU),
+            power_usage_mw: h().and_then(|d| self.device_u32(d, "nvmlDeviceGetPowerUsage")),
+            power_limit_mw: h().and_then(|d| self.device_u32(d, "nvmlDeviceGetEnforcedPowerLimit")),
+            sm_clock_mhz: clock("nvmlDeviceGetClockInfo", NVML_CLOCK_SM),
+            sm_clock_max_mhz: clock("nvmlDeviceGetMaxClockInfo", NVML_CLOCK_SM),
+            memory_clock_mhz: clock("nvmlDeviceGetClockInfo", NVML_CLOCK_MEM),
+            memory_clock_max_mhz: clock("nvmlDeviceGetMaxClockInfo", NVML_CLOCK_MEM),
+            clock_event_reasons: h().and_then(|d| self.clock_event_reasons(d)),
+            pcie_current: link(
+                "nvmlDeviceGetCurrPcieLinkGeneration",
+                "nvmlDeviceGetCurrPcieLinkWidth",
+            ),
+            pcie_max: link(
+                "nvmlDeviceGetMaxPcieLinkGeneration",
+                "nvmlDeviceGetMaxPcieLinkWidth",
+            ),
+            ecc_corrected_volatile: h()
+                .and_then(|d| self.ecc_volatile(d, NVML_MEMORY_ERROR_TYPE_CORRECTED)),
+            ecc_uncorrected_volatile: h()
+                .and_then(|d| self.ecc_volatile(d, NVML_MEMORY_ERROR_TYPE_UNCORRECTED)),
+            xid_errors: h().and_then(|d| self.xid_count(d)),
         }
     }
 

@@ -22,6 +22,10 @@ pub struct InferenceRecord {
     /// The version's lineage (`LINEAGE.json`): the source's git commit and dataset version.
     pub lineage_commit: Option<String>,
     pub dataset_version: Option<String>,
+    /// Mean utilization (0–1) of the host's GPUs at the server's last telemetry reading (each
+    /// `/metrics` scrape); absent without GPUs (or before the first scrape).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_utilization: Option<f32>,
     /// The request's sampling parameters (temperature, top_p, max_tokens, seed, ...).
     pub params: Option<serde_json::Value>,
     /// sha256 of the input (prompt text, chat messages as JSON, or the tensors).
@@ -166,6 +170,7 @@ impl InferenceRecord {
             version_digest: String::new(),
             lineage_commit: None,
             dataset_version: None,
+            gpu_utilization: None,
             params: None,
             input_sha256: String::new(),
             output_sha256: String::new(),

@@ -89,6 +89,7 @@ pub fn route(
     record.record.version_digest = entry.digest.clone();
     record.record.lineage_commit = entry.lineage_commit.clone();
     record.record.dataset_version = entry.dataset_version.clone();
+    record.record.gpu_utilization = state.gpu_utilization();
     record.set_entropy_band(entry.backend.entropy_band());
     Ok(entry)
 }

@@ -297,7 +297,8 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         .map(|h| h.render())
         .unwrap_or_default();
     if let Some(telemetry) = state.telemetry() {
-        crate::telemetry::render(telemetry, &mut body);
+        let utilization = crate::telemetry::render(telemetry, &mut body);
+        state.set_gpu_utilization(utilization);
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }

@@ -339,6 +339,8 @@ fn log_record(r: &InferenceRecord) {
         version = %r.version,
         version_digest = %r.version_digest,
         lineage_commit = r.lineage_commit.as_deref(),
+        dataset_version = r.dataset_version.as_deref(),
+        gpu_utilization = r.gpu_utilization,
         input_sha256 = %r.input_sha256,
         output_sha256 = %r.output_sha256,
         guard_verdict = r.guard_verdict.as_deref(),

@@ -75,6 +75,8 @@ pub struct AppState {
     pub guard: std::sync::OnceLock<Arc<crate::screen::GuardService>>,
     /// The host telemetry, opened at the first scrape (`None` inside: `[telemetry]` is off).
     pub telemetry: std::sync::OnceLock<Option<host::Telemetry>>,
+    /// The GPUs' mean utilization at the last telemetry reading, as f32 bits (NaN: none).
+    pub gpu_utilization_bits: std::sync::atomic::AtomicU32,
     pub started: Instant,
 }
 
@@ -118,6 +120,7 @@ impl AppState {
             guard: std::sync::OnceLock::new(),
             monitors: std::sync::OnceLock::new(),
             telemetry: std::sync::OnceLock::new(),
+            gpu_utilization_bits: std::sync::atomic::AtomicU32::new(f32::NAN.to_bits()),
             started: Instant::now(),
         })
     }
@@ -133,6 +136,18 @@ impl AppState {
         self.telemetry
             .get_or_init(|| crate::telemetry::open(&self.config.telemetry))
             .as_ref()
+    }
+
+    /// The GPUs' mean utilization (0–1) at the last telemetry reading, for the records.
+    pub fn gpu_utilization(&self) -> Option<f32> {
+        let value = f32::from_bits(self.gpu_utilization_bits.load(Ordering::Relaxed));
+        (!value.is_nan()).then_some(value)
+    }
+
+    /// Remembers the GPUs' mean utilization of a telemetry reading.
+    pub fn set_gpu_utilization(&self, value: Option<f64>) {
+        let bits = value.map_or(f32::NAN, |v| v as f32).to_bits();
+        self.gpu_utilization_bits.store(bits, Ordering::Relaxed);
     }
 
     /// A fresh record for a request that just arrived.

@@ -91,16 +91,24 @@ pub fn open(config: &TelemetryConfig) -> Option<host::Telemetry> {
     Some(telemetry)
 }
 
-/// Takes one reading and appends it to a scrape's body.
-pub fn render(telemetry: &host::Telemetry, out: &mut String) {
+/// Takes one reading and appends it to a scrape's body. Returns the GPUs' mean utilization
+/// (0–1), for the records; `None` without GPU readings.
+pub fn render(telemetry: &host::Telemetry, out: &mut String) -> Option<f64> {
     let start = Instant::now();
     let sample = telemetry.sample();
     write_sample(telemetry, &sample, out);
+    let readings: Vec<f64> = sample
+        .gpus
+        .iter()
+        .filter_map(|g| g.utilization_gpu_percent.as_ref().ok())
+        .map(|p| f64::from(*p) / 100.0)
+        .collect();
     family(
         out,
         "rampart_host_telemetry_duration_seconds",
         [(Labels::none(), Some(start.elapsed().as_secs_f64()))],
     );
+    (!readings.is_empty()).then(|| readings.iter().sum::<f64>() / readings.len() as f64)
 }
 
 /// A sample's label pairs.
@@ -395,7 +403,8 @@ mod tests {
     fn a_fixture_host_renders_every_family_once() {
         let t = host::Telemetry::open(&fixture("telemetry-v2"));
         let mut out = String::new();
-        render(&t, &mut out);
+        // GPU 1 has no utilization reading: the mean is GPU 0's.
+        assert_eq!(render(&t, &mut out), Some(0.93));
         for line in [
             "rampart_process_cpu_seconds_total 4",
             "rampart_cgroup_memory_limit_bytes 8589934592",
@@ -441,5 +450,29 @@ mod tests {
         assert!(out.contains("rampart_cgroup_cpu_throttled_periods_total 25"));
         // No cgroup memory limit in the v1 tree: absent.
         assert!(!out.contains("rampart_cgroup_memory_limit_bytes"));
+    }
+}
+
+#[cfg(test)]
+mod record_tests {
+    use crate::config::ServerConfig;
+    use crate::state::AppState;
+
+    #[test]
+    fn records_carry_the_last_gpu_utilization_only_when_there_is_one() {
+        let state = AppState::new(
+            ServerConfig::default(),
+            None,
+            None,
+            record::Bus::disconnected(),
+        );
+        assert_eq!(state.gpu_utilization(), None);
+        let builder = state.record("r1".into(), "p".into(), "chat");
+        let json = serde_json::to_value(&builder.record).expect("a record serializes");
+        assert!(json.get("gpu_utilization").is_none(), "no GPU: no field");
+        state.set_gpu_utilization(Some(0.25));
+        assert_eq!(state.gpu_utilization(), Some(0.25));
+        state.set_gpu_utilization(None);
+        assert_eq!(state.gpu_utilization(), None);
     }
 }

@@ -160,6 +160,13 @@ with ThreadPoolExecutor(4) as pool:
         window = s["drift"]["window"]
         send(window + 50, None, 5000 + i, pool)
         s = state()
+        # A false alarm raised while the window refilled stays raised: wait for it to clear, so
+        # the shift's alarm is a new one.
+        extra = 0
+        while s["drift"]["active"] and extra < 2000:
+            send(20, None, 7000 + i * 100 + extra, pool)
+            extra += 20
+            s = state()
         at = s["drift"]["observations"]
         before = s["drift"]["alarms"]
         delay = None

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::features::{Observation, Value};
-use crate::stats::{mean_std, SplitMix};
+use crate::stats::{bin_shares, decile_edges, mean_std, psi_of_shares, SplitMix};
 
 /// Rows a baseline keeps at most.
 pub const MAX_ROWS: usize = 5000;
@@ -48,14 +48,7 @@ pub struct Reference {
 impl Reference {
     fn new(sorted: Vec<f64>) -> Self {
         let (mean, std) = mean_std(&sorted);
-        let mut edges: Vec<f64> = if sorted.is_empty() {
-            Vec::new()
-        } else {
-            (1..10)
-                .map(|k| sorted[(k * sorted.len() / 10).min(sorted.len() - 1)])
-                .collect()
-        };
-        edges.dedup();
+        let edges = decile_edges(&sorted);
         let shares = bin_shares(&edges, &sorted);
         Self {
             sorted,
@@ -66,31 +59,13 @@ impl Reference {
         }
     }
 
-    /// The population stability index of a window on this reference's deciles (each bin's
-    /// share floored at half a count, so empty bins stay finite).
+    /// The population stability index of a window on this reference's deciles.
     pub fn psi(&self, window: &[f64]) -> f64 {
         if self.sorted.is_empty() || window.is_empty() {
             return 0.0;
         }
-        let q = bin_shares(&self.edges, window);
-        self.shares
-            .iter()
-            .zip(&q)
-            .map(|(p, q)| (q - p) * (q / p).ln())
-            .sum()
+        psi_of_shares(&self.shares, &bin_shares(&self.edges, window))
     }
-}
-
-fn bin_shares(edges: &[f64], values: &[f64]) -> Vec<f64> {
-    let mut counts = vec![0usize; edges.len() + 1];
-    for &v in values {
-        counts[edges.partition_point(|&e| e < v)] += 1;
-    }
-    let n = values.len().max(1) as f64;
-    counts
-        .into_iter()
-        .map(|c| (c as f64).max(0.5) / n)
-        .collect()
 }
 
 impl Baseline {

@@ -119,7 +119,7 @@ fn script(c: char) -> Option<&'static str> {
 /// Features of a text input (a prompt, the chat's messages, an embedding input): characters,
 /// tokens, the share of non-ASCII characters, the dominant script (categorical) and the share of
 /// letters outside it, and the share of characters inside the model's special-token texts.
-pub fn text(text: &str, tokens: usize, special_texts: &[String]) -> Observation {
+pub fn text<S: AsRef<str>>(text: &str, tokens: usize, special_texts: &[S]) -> Observation {
     let mut o = Observation::default();
     let mut chars = 0usize;
     let mut non_ascii = 0usize;
@@ -138,8 +138,9 @@ pub fn text(text: &str, tokens: usize, special_texts: &[String]) -> Observation 
     }
     let special: usize = special_texts
         .iter()
+        .map(AsRef::as_ref)
         .filter(|s| !s.is_empty())
-        .map(|s| text.matches(s.as_str()).count() * s.chars().count())
+        .map(|s| text.matches(s).count() * s.chars().count())
         .sum();
     let dominant = counts.iter().max_by_key(|(_, n)| *n);
     o.num("text.chars", chars as f64);
@@ -262,15 +263,11 @@ mod tests {
 
     #[test]
     fn text_features_see_scripts_and_special_tokens() {
-        let o = text(
-            "Привет, как дела? ok <|im_start|>",
-            9,
-            &["<|im_start|>".into()],
-        );
+        let o = text("Привет, как дела? ok <|im_start|>", 9, &["<|im_start|>"]);
         assert_eq!(o.get("text.script"), Some(&Value::Cat("cyrillic".into())));
         assert!(num(&o, "text.special_token_share") > 0.25);
         assert!(num(&o, "text.non_ascii_share") > 0.2);
-        let o = text("", 0, &[]);
+        let o = text("", 0, &[] as &[&str]);
         assert_eq!(o.get("text.script"), Some(&Value::Cat("none".into())));
     }
 

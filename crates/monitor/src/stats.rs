@@ -94,23 +94,38 @@ pub fn psi(baseline: &[f64], window: &[f64]) -> f64 {
     if baseline.is_empty() || window.is_empty() {
         return 0.0;
     }
+    let edges = decile_edges(baseline);
+    psi_of_shares(&bin_shares(&edges, baseline), &bin_shares(&edges, window))
+}
+
+/// The inner deciles of a sorted sample (duplicates merged): the PSI's bin edges.
+pub fn decile_edges(sorted: &[f64]) -> Vec<f64> {
+    if sorted.is_empty() {
+        return Vec::new();
+    }
     let mut edges: Vec<f64> = (1..10)
-        .map(|k| baseline[(k * baseline.len() / 10).min(baseline.len() - 1)])
+        .map(|k| sorted[(k * sorted.len() / 10).min(sorted.len() - 1)])
         .collect();
     edges.dedup();
-    let share = |s: &[f64]| {
-        let mut counts = vec![0usize; edges.len() + 1];
-        for &v in s {
-            counts[edges.partition_point(|&e| e < v)] += 1;
-        }
-        let n = s.len() as f64;
-        counts
-            .into_iter()
-            .map(|c| (c as f64).max(0.5) / n)
-            .collect::<Vec<_>>()
-    };
-    let (p, q) = (share(baseline), share(window));
-    p.iter().zip(&q).map(|(p, q)| (q - p) * (q / p).ln()).sum()
+    edges
+}
+
+/// Each bin's share of `values` (bins split at `edges`), floored at half a count.
+pub fn bin_shares(edges: &[f64], values: &[f64]) -> Vec<f64> {
+    let mut counts = vec![0usize; edges.len() + 1];
+    for &v in values {
+        counts[edges.partition_point(|&e| e < v)] += 1;
+    }
+    let n = values.len().max(1) as f64;
+    counts
+        .into_iter()
+        .map(|c| (c as f64).max(0.5) / n)
+        .collect()
+}
+
+/// The PSI of two binnings' shares: `Σ (q − p) ln(q / p)`.
+pub fn psi_of_shares(p: &[f64], q: &[f64]) -> f64 {
+    p.iter().zip(q).map(|(p, q)| (q - p) * (q / p).ln()).sum()
 }
 
 /// Pearson's chi-squared test of observed counts against expected proportions. Returns the

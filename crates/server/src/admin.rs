@@ -50,6 +50,15 @@ fn monitors_of(state: &AppState) -> Result<&Arc<crate::monitors::Monitors>, ApiE
         .ok_or_else(|| ApiError::invalid("the monitors are off ([monitor] enabled = false)"))
 }
 
+/// The monitors, for a change: refused in `fail_closed` while the audit log cannot keep it, or
+/// when the monitors are off.
+fn changing_monitors(state: &AppState) -> Result<&Arc<crate::monitors::Monitors>, ApiError> {
+    match state.audit_refusal() {
+        Some(e) => Err(e),
+        None => monitors_of(state),
+    }
+}
+
 /// `GET /admin/monitors`: every model version's drift detector (phase, baseline, window, each
 /// feature's last statistic, p-value and effect, recent alarms) and output monitors. A read,
 /// audited like the doctor's.
@@ -88,10 +97,7 @@ async fn replace_baseline(
     Path((name, version)): Path<(String, String)>,
     body: axum::body::Bytes,
 ) -> Response {
-    if let Some(r) = refused(&state) {
-        return r;
-    }
-    let m = match monitors_of(&state) {
+    let m = match changing_monitors(&state) {
         Ok(m) => m,
         Err(e) => return e.into_response(),
     };
@@ -134,10 +140,7 @@ async fn recapture_baseline(
     Extension(principal): Extension<Principal>,
     Path((name, version)): Path<(String, String)>,
 ) -> Response {
-    if let Some(r) = refused(&state) {
-        return r;
-    }
-    let m = match monitors_of(&state) {
+    let m = match changing_monitors(&state) {
         Ok(m) => m,
         Err(e) => return e.into_response(),
     };

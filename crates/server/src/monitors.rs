@@ -395,8 +395,7 @@ pub fn text_observation(chat: bool, input_for_hash: &str) -> Observation {
     } else {
         input_for_hash
     };
-    let specials: Vec<String> = CONTROL_TEXTS.iter().map(|s| s.to_string()).collect();
-    monitor::features::text(text, 0, &specials)
+    monitor::features::text(text, 0, CONTROL_TEXTS)
 }
 
 /// The observations of one record: the ones the request path made (images, tensors, text),

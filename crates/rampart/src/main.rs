@@ -9,6 +9,7 @@ mod generate_cmd;
 mod guard_cmd;
 mod metrics_cmd;
 mod model_cmd;
+mod monitor_cmd;
 mod progress_bar;
 mod quantize_cmd;
 mod render;
@@ -71,6 +72,8 @@ enum Command {
     Doctor(doctor_cmd::DoctorArgs),
     /// List the metrics the server can emit (`--json` for the rule and dashboard checks).
     Metrics(metrics_cmd::MetricsArgs),
+    /// The monitors' baselines: make one from a reference set, offline.
+    Monitor(monitor_cmd::MonitorArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -99,6 +102,7 @@ fn main() -> ExitCode {
         Command::Guard(args) => guard_cmd::run(args),
         Command::Doctor(args) => doctor_cmd::run(args),
         Command::Metrics(args) => metrics_cmd::run(args),
+        Command::Monitor(args) => monitor_cmd::run(args),
     };
     match result {
         Ok(code) => code,

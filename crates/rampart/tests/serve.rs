@@ -1143,9 +1143,12 @@ fn kill_9_under_load_loses_no_acknowledged_audit_entry() {
         let mut child = spawn_server(dir.path(), &repo, port, grpc_port, &config, &log);
         wait_ready(port);
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        // Completed answers of this trial, so the kill can wait for the first one.
+        let completed = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let clients: Vec<_> = (0..4)
             .map(|c| {
                 let stop = std::sync::Arc::clone(&stop);
+                let completed = std::sync::Arc::clone(&completed);
                 std::thread::spawn(move || {
                     let mut done = Vec::new();
                     let mut i = 0;
@@ -1170,6 +1173,7 @@ fn kill_9_under_load_loses_no_acknowledged_audit_entry() {
                         if complete {
                             if let Some(id) = header(&headers, "x-rampart-audit-id") {
                                 done.push(id.to_string());
+                                completed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                             }
                         }
                     }
@@ -1177,7 +1181,16 @@ fn kill_9_under_load_loses_no_acknowledged_audit_entry() {
                 })
             })
             .collect();
-        std::thread::sleep(Duration::from_millis(150 + random(900)));
+        // Kill at a random moment after the trial's first acknowledged answer: a fixed time
+        // after readiness left whole trials with nothing answered on a loaded machine (the
+        // first requests of a fresh server are the slowest), and such a trial proves nothing.
+        let first_answer_deadline = Instant::now() + Duration::from_secs(60);
+        while completed.load(std::sync::atomic::Ordering::Relaxed) == 0
+            && Instant::now() < first_answer_deadline
+        {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        std::thread::sleep(Duration::from_millis(50 + random(900)));
         child.kill().unwrap(); // SIGKILL: no drain, no flush
         child.wait().unwrap();
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -1610,4 +1623,150 @@ fn the_monitors_capture_keep_and_reload_a_baseline_and_see_an_entropy_collapse()
     assert_eq!(status, 200, "{body}");
     assert!(!kept.exists());
     assert_eq!(monitors(port)["drift"]["phase"], "capturing");
+}
+
+#[test]
+fn a_baseline_from_a_reference_set_is_the_one_the_server_watches() {
+    let Some(model) = cached_model(SMOLLM2_GGUF) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("models");
+    // The manifest declares the monitored features: everything but the script.
+    let manifest = dir.path().join("monitor.toml");
+    std::fs::write(
+        &manifest,
+        "[pipeline.monitor]\nexclude = [\"text.script\"]\n",
+    )
+    .unwrap();
+    let status = Command::new(binary())
+        .args(["model", "import"])
+        .arg(&model)
+        .args(["--name", MODEL, "--version", "1.0.0", "--manifest"])
+        .arg(&manifest)
+        .arg("--repo")
+        .arg(&repo)
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let config =
+        format!("[[models]]\nname = \"{MODEL}\"\ncontext = 512\nkv_cache_memory = \"64MiB\"\n");
+    let config_file = dir.path().join("rampart.toml");
+    std::fs::write(&config_file, &config).unwrap();
+    let topics = [
+        "the sea",
+        "bread",
+        "a bicycle",
+        "winter",
+        "music",
+        "the moon",
+    ];
+    let prompts: String = (0..60)
+        .map(|i| {
+            format!(
+                "Tell me one thing about {} (question {i}).\n",
+                topics[i % 6]
+            )
+        })
+        .collect();
+    let inputs = dir.path().join("reference.txt");
+    std::fs::write(&inputs, prompts).unwrap();
+    let baseline = |extra: &[&str]| {
+        Command::new(binary())
+            .args(["monitor", "baseline", MODEL, "--inputs"])
+            .arg(&inputs)
+            .arg("--repo")
+            .arg(&repo)
+            .arg("-c")
+            .arg(&config_file)
+            .args([
+                "--max-tokens",
+                "4",
+                "--temperature",
+                "0.8",
+                "-t",
+                "2",
+                "--json",
+            ])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let out = baseline(&[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["version"], "1.0.0", "{report}");
+    assert_eq!(report["answered"], 60, "{report}");
+    assert_eq!(report["observations"], 60, "{report}");
+    let features: Vec<&str> = report["features"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|f| f["feature"].as_str())
+        .collect();
+    for f in ["text.chars", "text.tokens", "output.entropy_mean"] {
+        assert!(features.contains(&f), "{f} missing from {features:?}");
+    }
+    assert!(!features.contains(&"text.script"), "{features:?}");
+    let kept = repo.join(MODEL).join("monitors/1.0.0.json");
+    assert!(kept.is_file());
+    // A second run does not replace it unasked.
+    let again = baseline(&[]);
+    assert!(!again.status.success());
+    assert!(
+        String::from_utf8_lossy(&again.stderr).contains("--force"),
+        "{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+    // Images are for tensor models.
+    let images = Path::new(env!("CARGO_MANIFEST_DIR")).join("../classic/tests/data");
+    let wrong = Command::new(binary())
+        .args(["monitor", "baseline", MODEL, "--inputs"])
+        .arg(&images)
+        .arg("--repo")
+        .arg(&repo)
+        .output()
+        .unwrap();
+    assert!(!wrong.status.success());
+    assert!(String::from_utf8_lossy(&wrong.stderr).contains("tensor models"));
+    // The server watches with it, and with the manifest's features.
+    let (port, grpc_port) = (free_port(), free_port());
+    let log = dir.path().join("server.log");
+    let mut child = spawn_server(dir.path(), &repo, port, grpc_port, &config, &log);
+    wait_ready(port);
+    let body = format!(
+        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Tell me one thing about rain."}}],"max_tokens":4}}"#
+    );
+    let (status, _, text) = http(port, "POST", "/v1/chat/completions", Some(&body), Some(KEY));
+    assert_eq!(status, 200, "{text}");
+    let mut m = serde_json::Value::Null;
+    for _ in 0..100 {
+        let (status, _, body) = http(port, "GET", "/admin/monitors", None, Some(ADMIN_KEY));
+        assert_eq!(status, 200, "{body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        if let Some(found) = v["monitors"]
+            .as_array()
+            .and_then(|a| a.iter().find(|m| m["model"] == MODEL))
+        {
+            m = found.clone();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(m["drift"]["phase"], "watching", "{m}");
+    let source = m["drift"]["baseline_source"].as_str().unwrap_or_default();
+    assert!(source.starts_with("reference set "), "{m}");
+    assert!(source.ends_with("(60 inputs)"), "{m}");
+    let watched: Vec<&str> = m["drift"]["features"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|f| f["feature"].as_str())
+        .collect();
+    assert!(watched.contains(&"text.tokens"), "{watched:?}");
+    assert!(!watched.contains(&"text.script"), "{watched:?}");
 }

@@ -1,5 +1,6 @@
-//! The declared serving pipeline of a tensor model: how an image becomes the graph's input, what
-//! the outputs mean (classes, detections), and how requests are batched.
+//! The declared serving pipeline of a model: for tensor models, how an image becomes the graph's
+//! input, what the outputs mean (classes, detections) and how requests are batched; for every
+//! kind, which request features the monitors watch (`[pipeline.monitor]`).
 //!
 //! Declared at import (`rampart model import … --manifest FILE`, or a `rampart.toml` beside the
 //! source) and written into the version's manifest as `[pipeline]`, so the pipeline is as
@@ -23,6 +24,72 @@ pub struct Pipeline {
     pub postprocess: Option<Postprocess>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub batching: Option<Batching>,
+    /// Which request features the monitors watch (any kind of model).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub monitor: Option<MonitorFeatures>,
+}
+
+/// The families of request features the monitors know (crate `monitor`): a pattern must name
+/// one of them.
+pub const FEATURE_FAMILIES: &[&str] = &["image.", "input.", "text.", "output."];
+
+/// `[pipeline.monitor]`: the features the drift detector and the output monitors watch for
+/// this model. Without it, every feature its kind yields (images: channel means and spreads,
+/// brightness, contrast, black and saturated shares, size; tensor inputs: mean, std, min, max;
+/// texts: length, tokens, scripts, control-token share; outputs: entropy, confidence, labels,
+/// boxes). A pattern is a feature's
+/// name (`image.brightness`) or a prefix ending in `*` (`image.*`, `image.mean_*`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MonitorFeatures {
+    /// The features watched; absent: all of the kind's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub features: Option<Vec<String>>,
+    /// Features left out (after `features`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub exclude: Vec<String>,
+}
+
+impl MonitorFeatures {
+    /// Whether the feature `name` is watched.
+    pub fn watches(&self, name: &str) -> bool {
+        let hit = |patterns: &[String]| patterns.iter().any(|p| feature_matches(p, name));
+        self.features.as_deref().is_none_or(hit) && !hit(&self.exclude)
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        let patterns = self.features.iter().flatten().chain(&self.exclude);
+        for p in patterns {
+            let stem = p.strip_suffix('*').unwrap_or(p);
+            // Tensor inputs keep their graph names (`input.<name>.mean`), so any visible
+            // characters; `*` only at the end.
+            let well_formed = !stem.is_empty()
+                && stem.chars().all(|c| !c.is_whitespace() && !c.is_control())
+                && !stem.contains('*');
+            if !well_formed || !FEATURE_FAMILIES.iter().any(|f| p.starts_with(f)) {
+                return Err(format!(
+                    "monitor feature {p:?}: a feature name or a prefix ending in '*', starting \
+                     with one of {}",
+                    FEATURE_FAMILIES.join(", ")
+                ));
+            }
+        }
+        if self.features.as_ref().is_some_and(Vec::is_empty) {
+            return Err(
+                "monitor features = []: leave it out to watch every feature, or name \
+                        some (to watch none, turn [monitor] off in the server's configuration)"
+                    .into(),
+            );
+        }
+        Ok(())
+    }
+}
+
+fn feature_matches(pattern: &str, name: &str) -> bool {
+    match pattern.strip_suffix('*') {
+        Some(prefix) => name.starts_with(prefix),
+        None => pattern == name,
+    }
 }
 
 /// `[pipeline.preprocess]`: image bytes → one input tensor. The steps run in this order:
@@ -393,6 +460,9 @@ impl Pipeline {
         }
         if let Some(batching) = &self.batching {
             batching.validate(onnx)?;
+        }
+        if let Some(monitor) = &self.monitor {
+            monitor.validate()?;
         }
         Ok(())
     }
@@ -788,5 +858,45 @@ mod tests {
     fn labels_come_from_lines_or_json() {
         assert_eq!(split_labels("a\n\n b \n"), ["a", "b"]);
         assert_eq!(split_labels("[\"x y\", \"z\"]"), ["x y", "z"]);
+    }
+
+    #[test]
+    fn monitor_features_select_by_name_and_prefix_and_refuse_unknown_families() {
+        let d = Declaration::parse(
+            "[pipeline.monitor]\nfeatures = [\"image.*\", \"output.label\"]\nexclude = [\"image.width\", \"image.height\"]\n",
+        )
+        .unwrap();
+        let m = d.pipeline.monitor.unwrap();
+        m.validate().unwrap();
+        assert!(m.watches("image.brightness"));
+        assert!(m.watches("output.label"));
+        assert!(!m.watches("image.width"));
+        assert!(!m.watches("output.confidence"));
+        let all = MonitorFeatures::default();
+        assert!(all.watches("text.chars"));
+        assert!(MonitorFeatures {
+            features: Some(vec!["input.input_ids:0.*".into()]),
+            exclude: Vec::new(),
+        }
+        .validate()
+        .is_ok());
+        for bad in [
+            "pixels.mean",
+            "image.*.x",
+            "Image.brightness",
+            "*",
+            "text. chars",
+        ] {
+            let m = MonitorFeatures {
+                features: Some(vec![bad.to_string()]),
+                exclude: Vec::new(),
+            };
+            assert!(m.validate().is_err(), "{bad}");
+        }
+        let none = MonitorFeatures {
+            features: Some(Vec::new()),
+            exclude: Vec::new(),
+        };
+        assert!(none.validate().is_err());
     }
 }

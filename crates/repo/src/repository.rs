@@ -486,6 +486,9 @@ fn declared_pipeline(
             pipeline.validate(onnx, &has_file).map_err(invalid)?;
         }
         None => {
+            if let Some(monitor) = &pipeline.monitor {
+                monitor.validate().map_err(invalid)?;
+            }
             if pipeline.preprocess.is_some() || pipeline.postprocess.is_some() {
                 return Err(invalid(format!(
                     "pre- and post-processing are declared for ONNX models; this is a {} model",

@@ -43,6 +43,7 @@ pub mod monitors;
 pub mod observe;
 pub mod openai;
 pub mod openai_http;
+pub mod reference;
 pub mod registry;
 pub mod screen;
 pub mod state;
@@ -347,36 +348,40 @@ fn spawn_audit(
 
 /// Loads the models on a blocking thread; readiness follows.
 fn spawn_loading(state: Arc<AppState>) {
-    tokio::task::spawn_blocking(move || {
-        let repository = Repository::open(&state.config.repo);
-        // The guard first: no request is served before its guard is.
-        let (guard, problem) = screen::GuardService::load(&state.config, &repository);
-        if state.guard.set(Arc::new(guard)).is_err() {
-            tracing::warn!("the input guard was already in use before it loaded");
-        }
-        if let Some(e) = problem {
+    tokio::task::spawn_blocking(move || load_models(&state));
+}
+
+/// Loads the guard and the configured models (blocking: files are read and engines started);
+/// each failure is kept as a reason readiness gives.
+pub fn load_models(state: &AppState) {
+    let repository = Repository::open(&state.config.repo);
+    // The guard first: no request is served before its guard is.
+    let (guard, problem) = screen::GuardService::load(&state.config, &repository);
+    if state.guard.set(Arc::new(guard)).is_err() {
+        tracing::warn!("the input guard was already in use before it loaded");
+    }
+    if let Some(e) = problem {
+        state.refuse(e);
+    }
+    let wanted = match state::models_to_load(&state.config, &repository) {
+        Ok(w) => w,
+        Err(e) => {
+            tracing::error!(error = %e, repo = %state.config.repo.display(), "cannot read the model repository");
             state.refuse(e);
+            state.loaded();
+            return;
         }
-        let wanted = match state::models_to_load(&state.config, &repository) {
-            Ok(w) => w,
-            Err(e) => {
-                tracing::error!(error = %e, repo = %state.config.repo.display(), "cannot read the model repository");
-                state.refuse(e);
-                state.loaded();
-                return;
+    };
+    for model in wanted {
+        match state::load(&state.config, &repository, &model) {
+            Ok(entry) => {
+                state.registry.add(entry);
             }
-        };
-        for model in wanted {
-            match state::load(&state.config, &repository, &model) {
-                Ok(entry) => {
-                    state.registry.add(entry);
-                }
-                Err(e) => state.refuse(e),
-            }
+            Err(e) => state.refuse(e),
         }
-        check_chains(&state);
-        state.loaded();
-    });
+    }
+    check_chains(state);
+    state.loaded();
 }
 
 /// Checks every backend's readiness each `breaker.readiness_interval_ms`: the chain reads the

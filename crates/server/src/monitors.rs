@@ -50,6 +50,8 @@ struct VersionMonitors {
     drift: DriftMonitor,
     outputs: Vec<OutputMonitor>,
     calibrating: bool,
+    /// The features its manifest declares (`[pipeline.monitor]`); `None`: all of them.
+    features: Option<repo::pipeline::MonitorFeatures>,
 }
 
 /// What `GET /admin/monitors` shows of a model version.
@@ -91,11 +93,7 @@ impl Monitors {
 
     /// Where a version's baseline is kept.
     pub fn baseline_path(&self, model: &str, version: &str) -> PathBuf {
-        let file = format!("{version}.json");
-        match &self.cfg.dir {
-            Some(dir) => dir.join(model).join(file),
-            None => self.repo.join(model).join("monitors").join(file),
-        }
+        baseline_path(&self.cfg, &self.repo, model, version)
     }
 
     fn load_baseline(&self, model: &str, version: &str) -> Option<Baseline> {
@@ -114,16 +112,7 @@ impl Monitors {
     }
 
     fn save_baseline(&self, model: &str, version: &str, b: &Baseline) -> Result<(), MonitorError> {
-        let path = self.baseline_path(model, version);
-        let io = |e: std::io::Error| MonitorError(format!("{}: {e}", path.display()));
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).map_err(io)?;
-        }
-        let text = serde_json::to_vec(b).map_err(|e| MonitorError(e.to_string()))?;
-        let tmp = path.with_extension("json.tmp");
-        std::fs::write(&tmp, text).map_err(io)?;
-        std::fs::rename(&tmp, &path).map_err(io)?;
-        Ok(())
+        write_baseline(&self.baseline_path(model, version), b)
     }
 
     fn fresh(&self, model: &str, version: &str) -> VersionMonitors {
@@ -141,6 +130,7 @@ impl Monitors {
             drift,
             outputs: Vec::new(),
             calibrating: false,
+            features: declared_features(&self.repo, model, version),
         };
         seed_outputs(&mut v, &self.cfg.output);
         v
@@ -242,15 +232,27 @@ impl Monitors {
     /// Feeds one record's observations to its version's monitors.
     fn take(self: &Arc<Self>, envelope: &Envelope) {
         let r = &envelope.record;
-        let observations = observations(envelope);
+        let mut observations = observations(envelope);
         if observations.is_empty() {
             return;
         }
         let mut versions = self.versions.lock().expect("monitors");
         let key = (r.model.clone(), r.version.clone());
-        let v = versions
-            .entry(key)
-            .or_insert_with(|| self.fresh(&r.model, &r.version));
+        let v = match versions.entry(key) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let v = e.insert(self.fresh(&r.model, &r.version));
+                // A stored baseline without a calibration for these settings (made offline,
+                // or under the `ks` mode) is calibrated now, not never.
+                self.calibrate_if_needed(&r.model, &r.version, v);
+                v
+            }
+        };
+        if let Some(f) = &v.features {
+            for o in &mut observations {
+                o.values.retain(|(name, _)| f.watches(name));
+            }
+        }
         let tests = v.drift.tests();
         for o in &observations {
             for a in v.drift.observe(o) {
@@ -301,6 +303,56 @@ impl Monitors {
             }
         }
     }
+}
+
+/// Where a version's baseline is kept: `<repo>/<model>/monitors/<version>.json`, or
+/// `<dir>/<model>/<version>.json` under `[monitor] dir`.
+pub fn baseline_path(
+    cfg: &MonitorConfig,
+    repo: &std::path::Path,
+    model: &str,
+    version: &str,
+) -> PathBuf {
+    let file = format!("{version}.json");
+    match &cfg.dir {
+        Some(dir) => dir.join(model).join(file),
+        None => repo.join(model).join("monitors").join(file),
+    }
+}
+
+/// Writes a baseline file whole or not at all (a temporary file renamed over it).
+pub fn write_baseline(path: &std::path::Path, b: &Baseline) -> Result<(), MonitorError> {
+    let io = |e: std::io::Error| MonitorError(format!("{}: {e}", path.display()));
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(io)?;
+    }
+    let text = serde_json::to_vec(b).map_err(|e| MonitorError(e.to_string()))?;
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(&tmp, text).map_err(io)?;
+    std::fs::rename(&tmp, path).map_err(io)?;
+    Ok(())
+}
+
+/// The features a version's manifest declares for the monitors (`[pipeline.monitor]`); `None`:
+/// every feature (none declared, or the version's manifest is unreadable).
+pub fn declared_features(
+    repo: &std::path::Path,
+    model: &str,
+    version: &str,
+) -> Option<repo::pipeline::MonitorFeatures> {
+    let repository = repo::Repository::open(repo);
+    let wanted = repo::ModelRef {
+        name: model.to_string(),
+        version: Some(semver::Version::parse(version).ok()?),
+    };
+    let features = repository
+        .resolve(&wanted)
+        .and_then(|v| repository.manifest(&v))
+        .ok()?
+        .pipeline?
+        .monitor?;
+    tracing::info!(target: "rampart::monitor", model, version, features = ?features.features, exclude = ?features.exclude, "monitor features declared by the manifest");
+    Some(features)
 }
 
 /// The output monitors a baseline implies (entropy for LLMs, confidence for tensor models),

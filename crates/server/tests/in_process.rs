@@ -2125,7 +2125,7 @@ async fn traces_over_http_start_a_trace_per_request_for_chat_embeddings_and_infe
         match endpoint {
             "embeddings" => {
                 assert_eq!(root.attr("gen_ai.operation.name"), Some("embeddings"));
-                assert_eq!(root.attr("gen_ai.usage.input_tokens"), Some("2"));
+                assert!(root.attr("gen_ai.usage.input_tokens").is_some());
                 assert!(names.contains(&"attempt") && names.contains(&"admission"));
             }
             "kserve_infer" | "kserve_grpc_infer" => {

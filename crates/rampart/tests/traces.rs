@@ -147,7 +147,7 @@ fn post(
 }
 
 /// The records the server logged, once `n` are there.
-fn records(server: &Server, n: usize) -> Vec<serde_json::Value> {
+fn records_of(server: &Server, n: usize) -> Vec<serde_json::Value> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let all: Vec<serde_json::Value> = std::fs::read_to_string(&server.log)
@@ -296,7 +296,7 @@ fn traces_of_chat_structured_output_embeddings_and_an_image_over_otlp_grpc() {
         .events
         .iter()
         .all(|(name, a)| name == "rampart.token" && a.contains_key("rampart.token.entropy")));
-    let records = records(&server, 1);
+    let records = records_of(&server, 1);
     assert_eq!(records[0]["trace_id"], CALLER_TRACE);
 
     // 2. A structured-output request: the final check is a span, and a trace of its own.
@@ -311,7 +311,7 @@ fn traces_of_chat_structured_output_embeddings_and_an_image_over_otlp_grpc() {
         structured.as_bytes(),
     );
     assert_eq!(status, 200, "{body}");
-    let records = records(&server, 2);
+    let records = records_of(&server, 2);
     let id = records[1]["trace_id"]
         .as_str()
         .expect("a trace id of the server's own")
@@ -332,7 +332,7 @@ fn traces_of_chat_structured_output_embeddings_and_an_image_over_otlp_grpc() {
         br#"{"model":"minilm","input":["A man is eating food.","The girl is carrying a baby."]}"#,
     );
     assert_eq!(status, 200, "{body}");
-    let records = records(&server, 3);
+    let records = records_of(&server, 3);
     let id = records[2]["trace_id"].as_str().unwrap().to_string();
     let spans = trace(&runtime, &receiver, &id);
     let root = check_tree(&spans, "").unwrap();
@@ -357,7 +357,7 @@ fn traces_of_chat_structured_output_embeddings_and_an_image_over_otlp_grpc() {
         &image,
     );
     assert_eq!(status, 200, "{body}");
-    let records = records(&server, 4);
+    let records = records_of(&server, 4);
     let id = records[3]["trace_id"].as_str().unwrap().to_string();
     let spans = trace(&runtime, &receiver, &id);
     let root = check_tree(&spans, "").unwrap();
@@ -403,7 +403,7 @@ fn traces_over_otlp_http_carry_content_only_when_asked() {
         chat.as_bytes(),
     );
     assert_eq!(status, 200, "{body}");
-    let records = records(&server, 1);
+    let records = records_of(&server, 1);
     let id = records[0]["trace_id"].as_str().unwrap().to_string();
     let spans = trace(&runtime, &receiver, &id);
     let root = check_tree(&spans, "").unwrap();

@@ -1125,6 +1125,59 @@ mod tests {
         }
     }
 
+    /// What tracing costs per request, off the request path: building a chat's spans, and
+    /// building plus exporting them in batches of 64 to a receiver in the same process (which
+    /// decodes them too: an upper bound). docs/perf.md quotes it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    #[ignore = "a measurement: cargo test -p rampart-server --lib -- --ignored trace_cost --nocapture"]
+    async fn trace_cost_per_request() {
+        let scope = scope("1.38");
+        let e = chat_envelope();
+        let mut ids = SpanIds::seeded();
+        let n = 20_000;
+        let began = Instant::now();
+        let mut spans = 0;
+        for _ in 0..n {
+            spans += build_spans(&e, &settings(), &scope, &mut ids).len();
+        }
+        let per = began.elapsed().as_secs_f64() / n as f64;
+        println!(
+            "build_spans: {:.1} µs per request ({} spans)",
+            per * 1e6,
+            spans / n
+        );
+        let receiver = testkit::otlp::Receiver::start_on(("127.0.0.1", 0), ("127.0.0.1", 0), false)
+            .await
+            .unwrap();
+        let addr: SocketAddr = "127.0.0.1:8080".parse().unwrap();
+        for (protocol, endpoint) in [
+            (TraceProtocol::Grpc, receiver.grpc_endpoint.clone()),
+            (TraceProtocol::Http, receiver.http_endpoint.clone()),
+        ] {
+            let config = TracingConfig {
+                enabled: true,
+                protocol,
+                endpoint,
+                ..Default::default()
+            };
+            let mut sink =
+                TraceSink::new(&config, SpanSettings::new(&config, addr, addr, vec![])).unwrap();
+            let batch: Vec<Arc<Envelope>> = (0..64).map(|_| Arc::new(chat_envelope())).collect();
+            sink.write_batch(&batch).await.unwrap();
+            let rounds = 100;
+            let began = Instant::now();
+            for _ in 0..rounds {
+                sink.write_batch(&batch).await.unwrap();
+            }
+            let per = began.elapsed().as_secs_f64() / (rounds * batch.len()) as f64;
+            println!(
+                "{protocol:?} build + export: {:.1} µs per request",
+                per * 1e6
+            );
+        }
+        assert!(receiver.span_count() > 0);
+    }
+
     #[test]
     fn semconv_1_36_names_the_system_and_content_is_opt_in() {
         let scope = scope("1.36");

@@ -38,7 +38,7 @@ pub struct Timeline {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Stage {
     /// `guard`, `route`, `admission`, `attempt`, `tokenize`, `structured_output`,
-    /// `decode_image`, `preprocess`, `batch_wait`, `compute`, `postprocess`, `embed`.
+    /// `decode_image`, `preprocess`, `batch_wait`, `compute`, `postprocess`.
     pub name: &'static str,
     pub start: Duration,
     pub end: Duration,

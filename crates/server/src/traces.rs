@@ -25,7 +25,8 @@
 //! Children: `guard`, `route`, one `attempt` per step of the fallback chain (with `admission`,
 //! `tokenize`, `prefill`, `decode` with the sampled token events, `batch_wait` and `compute` for
 //! embeddings and tensor models, and for images `decode_image`, `preprocess`, `postprocess`,
-//! under the attempt they belong to), `structured_output` (the final check), and `record` (the fan-out to the sinks).
+//! under the attempt they belong to), `structured_output` (the final check), and `record` (the
+//! fan-out to the sinks).
 //!
 //! Sampling is parent-based: a caller's `sampled` flag decides; without one, the trace id's
 //! lower 64 bits against `sampling_ratio` (as OpenTelemetry's `TraceIdRatioBased`). The server

@@ -31,6 +31,7 @@ fn envelope(i: usize) -> Envelope {
         token_gaps_s: Vec::new(),
         token_entropies: Vec::new(),
         observations: Vec::new(),
+        timeline: None,
         payload: Some(Payload {
             input: Some(serde_json::json!({ "messages": [{ "role": "user", "content": prompt }] })),
             output: Some(

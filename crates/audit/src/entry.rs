@@ -317,6 +317,7 @@ mod tests {
             token_gaps_s: Vec::new(),
             token_entropies: Vec::new(),
             observations: Vec::new(),
+            timeline: None,
             payload: Some(record::Payload {
                 input: Some(
                     serde_json::json!({"messages": [{"role": "user", "content": "my id is 1234"}]}),

@@ -43,7 +43,15 @@ impl From<&repo::pipeline::Batching> for BatchConfig {
     }
 }
 
-type Reply = oneshot::Sender<Result<Vec<Tensor>, ClassicError>>;
+type Reply = oneshot::Sender<Result<(Vec<Tensor>, BatchTimes), ClassicError>>;
+
+/// How one request's trip through the batcher went: the time it waited in the queue, and the
+/// time its batch computed (shared with the batch's other requests).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct BatchTimes {
+    pub waited: Duration,
+    pub computed: Duration,
+}
 
 struct Job {
     inputs: Vec<Tensor>,
@@ -117,6 +125,14 @@ impl Batcher {
     /// Queues one request (its inputs in graph order, all with the same first dimension) and
     /// waits for its outputs.
     pub async fn infer(&self, inputs: Vec<Tensor>) -> Result<Vec<Tensor>, ClassicError> {
+        self.infer_timed(inputs).await.map(|(outputs, _)| outputs)
+    }
+
+    /// [`Batcher::infer`], also saying how long the request waited and its batch computed.
+    pub async fn infer_timed(
+        &self,
+        inputs: Vec<Tensor>,
+    ) -> Result<(Vec<Tensor>, BatchTimes), ClassicError> {
         let rows = inputs.first().map_or(1, Tensor::batch);
         let (tx, rx) = oneshot::channel();
         {
@@ -244,8 +260,13 @@ fn run_batch(shared: &Shared, session: &mut dyn crate::backend::Session, jobs: V
             .collect();
         inputs.and_then(|inputs| session.run(inputs))
     };
+    let computed = started.elapsed();
     metrics::histogram!("rampart_tensor_compute_seconds", "model" => model.clone())
-        .record(started.elapsed().as_secs_f64());
+        .record(computed.as_secs_f64());
+    let times = |job: &Job| BatchTimes {
+        waited: started.duration_since(job.enqueued),
+        computed,
+    };
     match result {
         Err(e) => {
             for job in jobs {
@@ -254,7 +275,8 @@ fn run_batch(shared: &Shared, session: &mut dyn crate::backend::Session, jobs: V
         }
         Ok(outputs) if jobs.len() == 1 => {
             let job = jobs.into_iter().next().expect("one job");
-            let _ = job.reply.send(Ok(outputs));
+            let t = times(&job);
+            let _ = job.reply.send(Ok((outputs, t)));
         }
         Ok(outputs) => {
             let mut start = 0;
@@ -273,7 +295,8 @@ fn run_batch(shared: &Shared, session: &mut dyn crate::backend::Session, jobs: V
                         }
                     })
                     .collect();
-                let _ = job.reply.send(mine);
+                let t = times(&job);
+                let _ = job.reply.send(mine.map(|outputs| (outputs, t)));
                 start = end;
             }
         }

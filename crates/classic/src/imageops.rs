@@ -340,17 +340,23 @@ pub struct Prepared {
     pub transform: Transform,
     /// The decoded image's statistics for the monitors, when asked for.
     pub observation: Option<monitor::Observation>,
+    /// Time spent decoding the encoded bytes (0 when given decoded pixels); the rest of the
+    /// preparation is pre-processing (the traces show the two apart).
+    pub decode_seconds: f64,
 }
 
 /// Runs the declared steps on encoded image bytes; with `observe`, also measures the decoded
 /// image for the monitors (before any resize, on a sampled grid).
 pub fn prepare(bytes: &[u8], spec: &Preprocess, observe: bool) -> Result<Prepared, ClassicError> {
+    let began = std::time::Instant::now();
     let img = decode(bytes, spec.exif_orientation)?;
+    let decode_seconds = began.elapsed().as_secs_f64();
     let observation = observe.then(|| {
         monitor::features::image(&img.pixels, img.width, img.height, (img.width, img.height))
     });
     let mut p = prepare_rgb(img, spec)?;
     p.observation = observation;
+    p.decode_seconds = decode_seconds;
     Ok(p)
 }
 
@@ -442,6 +448,7 @@ pub fn prepare_rgb(mut img: Rgb, spec: &Preprocess) -> Result<Prepared, ClassicE
         shape,
         transform: t,
         observation: None,
+        decode_seconds: 0.0,
     })
 }
 

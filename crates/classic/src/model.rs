@@ -60,7 +60,8 @@ impl Judgement {
 }
 
 /// A pre-processed image batch: the tensor, each image's transform and observation.
-type ImageBatch = (Tensor, Vec<Transform>, Vec<monitor::Observation>);
+/// The batch tensor, each image's transform and observation, and the seconds spent decoding.
+type ImageBatch = (Tensor, Vec<Transform>, Vec<monitor::Observation>, f64);
 
 /// A loaded tensor model.
 pub struct TensorModel {
@@ -86,6 +87,8 @@ pub struct PreparedInputs {
     pub transforms: Vec<Transform>,
     /// Each image's statistics for the monitors (empty unless `observe_images`).
     pub observations: Vec<monitor::Observation>,
+    /// Seconds spent decoding images (the rest of `prepare` was pre-processing).
+    pub decode_seconds: f64,
 }
 
 fn spec_dims(spec: &TensorSpec) -> Vec<i64> {
@@ -221,6 +224,7 @@ impl TensorModel {
         }
         let mut transforms = Vec::new();
         let mut observations = Vec::new();
+        let mut decode_seconds = 0.0;
         let mut ordered = Vec::with_capacity(self.inputs.len());
         for spec in &self.inputs {
             let Some(pos) = given.iter().position(|t| t.name == spec.name) else {
@@ -228,10 +232,11 @@ impl TensorModel {
             };
             let mut t = given.swap_remove(pos);
             if t.dtype() == DType::Bytes && self.image_input() == Some(spec.name.as_str()) {
-                let (tensor, tf, obs) = self.prepare_image_tensor(&t)?;
+                let (tensor, tf, obs, decoding) = self.prepare_image_tensor(&t)?;
                 t = tensor;
                 transforms = tf;
                 observations = obs;
+                decode_seconds += decoding;
             }
             self.check(spec, &t)?;
             ordered.push(t);
@@ -256,6 +261,7 @@ impl TensorModel {
             tensors: ordered,
             transforms,
             observations,
+            decode_seconds,
         })
     }
 
@@ -304,7 +310,7 @@ impl TensorModel {
 
     /// Decodes and pre-processes every image of a `BYTES` tensor into one f32 batch.
     pub fn prepare_images(&self, t: &Tensor) -> Result<(Tensor, Vec<Transform>), ClassicError> {
-        self.prepare_image_tensor(t).map(|(t, tf, _)| (t, tf))
+        self.prepare_image_tensor(t).map(|(t, tf, _, _)| (t, tf))
     }
 
     fn prepare_image_tensor(&self, t: &Tensor) -> Result<ImageBatch, ClassicError> {
@@ -338,6 +344,7 @@ impl TensorModel {
         let mut transforms = Vec::with_capacity(images.len());
         let mut observations = Vec::new();
         let mut shape = None;
+        let mut decode_seconds = 0.0;
         for (i, bytes) in images.iter().enumerate() {
             let p = imageops::prepare(bytes, spec, self.observe_images)
                 .map_err(|e| ClassicError::BadInput(format!("input {name:?}, image {i}: {e}")))?;
@@ -350,6 +357,7 @@ impl TensorModel {
             data.extend_from_slice(&p.data);
             transforms.push(p.transform);
             observations.extend(p.observation);
+            decode_seconds += p.decode_seconds;
         }
         let mut shape = shape.expect("at least one image").to_vec();
         shape[0] = images.len();
@@ -357,24 +365,39 @@ impl TensorModel {
             Tensor::new(name, shape, Data::F32(data))?,
             transforms,
             observations,
+            decode_seconds,
         ))
     }
 
     /// Runs prepared inputs through the batcher (one image of a fixed-batch graph at a time).
     pub async fn run(&self, inputs: Vec<Tensor>) -> Result<Vec<Tensor>, ClassicError> {
+        self.run_timed(inputs).await.map(|(outputs, _)| outputs)
+    }
+
+    /// [`TensorModel::run`], also saying how long the request waited in the batcher's queue
+    /// and how long its batches computed (summed over the rows run one by one).
+    pub async fn run_timed(
+        &self,
+        inputs: Vec<Tensor>,
+    ) -> Result<(Vec<Tensor>, crate::batcher::BatchTimes), ClassicError> {
         let batch = inputs.first().map_or(1, Tensor::batch);
         if batch <= self.max_batch_size() {
-            return self.batcher.infer(inputs).await;
+            return self.batcher.infer_timed(inputs).await;
         }
         // The graph takes fewer rows than the request has: run row by row and stack.
         let mut parts: Vec<Vec<Tensor>> = Vec::with_capacity(batch);
+        let mut times = crate::batcher::BatchTimes::default();
         for row in 0..batch {
             let one: Vec<Tensor> = inputs.iter().map(|t| t.rows(row, row + 1)).collect();
-            parts.push(self.batcher.infer(one).await?);
+            let (outputs, t) = self.batcher.infer_timed(one).await?;
+            times.waited += t.waited;
+            times.computed += t.computed;
+            parts.push(outputs);
         }
-        (0..parts[0].len())
+        let stacked = (0..parts[0].len())
             .map(|o| Tensor::concat(&parts.iter().map(|p| &p[o]).collect::<Vec<_>>()))
-            .collect()
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((stacked, times))
     }
 
     /// Encoded images → pre-processing → graph → post-processing.
@@ -395,7 +418,7 @@ impl TensorModel {
                 self.inputs.len()
             )));
         }
-        let (tensor, transforms, _) = self.prepare_image_list(input, images)?;
+        let (tensor, transforms, _, _) = self.prepare_image_list(input, images)?;
         self.check(&self.inputs[0], &tensor)?;
         let outputs = self.run(vec![tensor]).await?;
         let judgements = self.postprocess(&outputs, &transforms)?;

@@ -7,6 +7,7 @@ use sha2::{Digest, Sha256};
 
 use crate::bus::{Bus, Receipt};
 use crate::inference::{Envelope, InferenceRecord, Payload};
+use crate::timeline::{Timeline, TokenNote};
 
 /// Collects a record while a request runs; publishes it to the bus exactly once, on `finish`
 /// or when dropped (a client that disconnects still produces its record, with
@@ -27,6 +28,8 @@ pub struct RecordBuilder {
     entropies: Vec<f32>,
     observations: Vec<crate::Observation>,
     payload: Option<Payload>,
+    /// Kept only when a sink wants it (tracing on); `None` costs nothing.
+    timeline: Option<Box<Timeline>>,
 }
 
 /// sha256 of a text, as lowercase hex.
@@ -46,6 +49,7 @@ impl RecordBuilder {
         principal: String,
         endpoint: &'static str,
     ) -> Self {
+        let timeline = bus.wants_timeline().then(|| Box::new(Timeline::new()));
         Self {
             record: InferenceRecord::new(request_id, principal, endpoint),
             bus,
@@ -61,6 +65,51 @@ impl RecordBuilder {
             entropies: Vec::new(),
             observations: Vec::new(),
             payload: None,
+            timeline,
+        }
+    }
+
+    /// Whether this record keeps a timeline (a sink traces requests).
+    pub fn traced(&self) -> bool {
+        self.timeline.is_some()
+    }
+
+    /// The request's timeline, when one is kept (to set the caller's trace context).
+    pub fn timeline_mut(&mut self) -> Option<&mut Timeline> {
+        self.timeline.as_deref_mut()
+    }
+
+    /// A stage of the request ran from `began` to `ended` (kept only when traced).
+    pub fn stage(&mut self, name: &'static str, began: Instant, ended: Instant) {
+        if let Some(t) = &mut self.timeline {
+            t.stage(self.started, name, began, ended);
+        }
+    }
+
+    /// A stage of the request ran from `began` until now (kept only when traced).
+    pub fn stage_since(&mut self, name: &'static str, began: Instant) {
+        if self.timeline.is_some() {
+            self.stage(name, began, Instant::now());
+        }
+    }
+
+    /// What the last generated token was, for the sampled token notes (call after
+    /// [`RecordBuilder::token`]; `text` is made only for a token that is kept).
+    pub fn token_note(
+        &mut self,
+        text: impl FnOnce() -> String,
+        logprob: Option<f32>,
+        entropy: f32,
+    ) {
+        let Some(t) = &mut self.timeline else { return };
+        if let Some(index) = t.next_token_kept() {
+            t.tokens.push(TokenNote {
+                at: self.started.elapsed(),
+                index,
+                text: text(),
+                logprob,
+                entropy,
+            });
         }
     }
 
@@ -149,12 +198,17 @@ impl RecordBuilder {
             record.error_code = Some("client_closed_request".into());
         }
         let record = record.clone();
+        let mut timeline = self.timeline.take();
+        if let Some(t) = &mut timeline {
+            t.published = self.started.elapsed();
+        }
         self.bus.publish(Envelope {
             record,
             token_gaps_s: std::mem::take(&mut self.gaps),
             token_entropies: std::mem::take(&mut self.entropies),
             observations: std::mem::take(&mut self.observations),
             payload: self.payload.take(),
+            timeline,
         })
     }
 }

@@ -78,6 +78,11 @@ pub trait Sink: Send + 'static {
     fn wants_payload(&self) -> bool {
         false
     }
+    /// Whether the sink needs each request's [`crate::Timeline`] (the trace sink does); records
+    /// carry one only when a sink asks.
+    fn wants_timeline(&self) -> bool {
+        false
+    }
     fn write<'a>(&'a mut self, envelope: &'a Envelope) -> SinkFuture<'a>;
     /// The most records the bus hands to [`Sink::write_batch`] at once (1: one at a time).
     fn max_batch(&self) -> usize {
@@ -279,6 +284,7 @@ pub struct Bus {
     tasks: Mutex<Vec<(&'static str, JoinHandle<()>)>>,
     runtime: Option<Handle>,
     wants_payload: bool,
+    wants_timeline: bool,
 }
 
 impl std::fmt::Debug for Bus {
@@ -300,6 +306,7 @@ impl Bus {
             tasks: Mutex::new(Vec::new()),
             runtime: None,
             wants_payload: false,
+            wants_timeline: false,
         })
     }
 
@@ -308,6 +315,7 @@ impl Bus {
         let runtime = Handle::try_current().map_err(|_| BusError::NoRuntime)?;
         let mut lanes = Vec::with_capacity(sinks.len());
         let mut tasks = Vec::with_capacity(sinks.len());
+        let wants_timeline = sinks.iter().any(|s| s.wants_timeline());
         for sink in sinks {
             let name = sink.name();
             if lanes.iter().any(|l: &Arc<Lane>| l.name == name) {
@@ -334,12 +342,18 @@ impl Bus {
             tasks: Mutex::new(tasks),
             runtime: Some(runtime),
             wants_payload,
+            wants_timeline,
         }))
     }
 
     /// Whether any sink takes the full input and output.
     pub fn wants_payload(&self) -> bool {
         self.wants_payload
+    }
+
+    /// Whether any sink takes each request's timeline.
+    pub fn wants_timeline(&self) -> bool {
+        self.wants_timeline
     }
 
     /// Hands the record to every lane without waiting (callable from `Drop` and from threads

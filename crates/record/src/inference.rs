@@ -13,7 +13,8 @@ pub struct InferenceRecord {
     pub user: Option<String>,
     /// The person acting (`X-Operator-Id`), when the client names one.
     pub operator: Option<String>,
-    /// The W3C trace id the request came with (`traceparent`), when it had one.
+    /// The W3C trace id: the one the request came with (`traceparent`), or, when tracing is
+    /// on, the id of the trace the server started for it.
     pub trace_id: Option<String>,
     pub endpoint: &'static str,
     pub model: String,
@@ -147,6 +148,8 @@ pub struct Envelope {
     /// monitors. Empty when no monitor runs.
     pub observations: Vec<crate::Observation>,
     pub payload: Option<Payload>,
+    /// The stages' times and the caller's trace context, when a sink wants them (tracing on).
+    pub timeline: Option<Box<crate::Timeline>>,
 }
 
 impl InferenceRecord {

@@ -8,6 +8,8 @@
 //! - [`Bus`]: fans each record out to the [`Sink`]s, one task and one bounded lane each, lossy
 //!   (drop newest, counted) or lossless (awaited off the request path, optionally acknowledged
 //!   for fail-closed audit), and drains them on shutdown;
+//! - [`Timeline`]: the stages' times and the caller's trace context, kept only when a sink
+//!   asks for them (the trace sink);
 //! - [`testing`]: the contract every sink passes, and sinks for tests.
 //!
 //! Not here: what the sinks do (log, metrics, audit, monitors live with their crates) and
@@ -18,6 +20,7 @@ mod bus;
 mod features;
 mod inference;
 pub mod testing;
+mod timeline;
 
 pub use builder::{sha256_bytes_hex, sha256_hex, RecordBuilder};
 pub use bus::{
@@ -26,3 +29,4 @@ pub use bus::{
 };
 pub use features::{Observation, Value};
 pub use inference::{Attempt, Envelope, InferenceRecord, Payload, StructuredRecord};
+pub use timeline::{Stage, Timeline, TokenNote};

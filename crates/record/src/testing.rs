@@ -30,6 +30,7 @@ pub fn sample_envelope(n: usize) -> Envelope {
         token_gaps_s: vec![0.01, 0.02],
         token_entropies: vec![1.0, 1.5, 1.25],
         observations: Vec::new(),
+        timeline: None,
         payload: Some(Payload {
             input: Some(serde_json::json!({"prompt": format!("input {n}")})),
             output: Some(serde_json::json!({"text": "output"})),
@@ -161,6 +162,10 @@ impl<S: Sink> Sink for GatedSink<S> {
     fn wants_payload(&self) -> bool {
         self.inner.wants_payload()
     }
+
+    fn wants_timeline(&self) -> bool {
+        self.inner.wants_timeline()
+    }
     fn write<'a>(&'a mut self, envelope: &'a Envelope) -> SinkFuture<'a> {
         self.reached
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
@@ -191,6 +196,10 @@ impl<S: Sink> Sink for Watched<S> {
     }
     fn wants_payload(&self) -> bool {
         self.inner.wants_payload()
+    }
+
+    fn wants_timeline(&self) -> bool {
+        self.inner.wants_timeline()
     }
     fn write<'a>(&'a mut self, envelope: &'a Envelope) -> SinkFuture<'a> {
         {

@@ -295,12 +295,15 @@ fn note_attempt(
     detail: Option<String>,
     began: Instant,
 ) {
+    let ended = Instant::now();
     record.record.attempts.push(Attempt {
         backend,
         outcome,
         detail,
-        ms: began.elapsed().as_secs_f64() * 1e3,
+        ms: ended.duration_since(began).as_secs_f64() * 1e3,
     });
+    // The trace's `attempt` span: the i-th such stage is the i-th attempt.
+    record.stage("attempt", began, ended);
 }
 
 /// A call that passed the breaker: reports its outcome exactly once (a call dropped without an
@@ -417,6 +420,12 @@ async fn try_backend(
     };
     // What an earlier attempt's backend wrote of its own (tokens, its constraint, confidences)
     // is not this backend's.
+    let admitted = Instant::now();
+    record.stage(
+        "admission",
+        admitted.checked_sub(slot.queued).unwrap_or(admitted),
+        admitted,
+    );
     let r = &mut record.record;
     r.refusal = None;
     r.queue_ms = slot.queued.as_secs_f64() * 1e3;

@@ -61,6 +61,8 @@ pub struct ServerConfig {
     pub admission: Admission,
     pub rate_limit: RateLimit,
     pub log: Log,
+    /// OpenTelemetry traces over OTLP (docs/observability.md); off by default.
+    pub tracing: TracingConfig,
     /// Host and GPU telemetry on `/metrics` (docs/observability.md).
     pub telemetry: TelemetryConfig,
     /// Tensor models: which backend runs ONNX graphs.
@@ -102,6 +104,7 @@ impl Default for ServerConfig {
             admission: Admission::default(),
             rate_limit: RateLimit::default(),
             log: Log::default(),
+            tracing: TracingConfig::default(),
             telemetry: TelemetryConfig::default(),
             tensor: TensorConfig::default(),
             grpc: GrpcConfig::default(),
@@ -492,6 +495,138 @@ pub enum LogFormat {
     Text,
 }
 
+/// `[tracing]`: OpenTelemetry traces, one per request, exported over OTLP. Off by default: then
+/// no exporter exists and records keep no timeline.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TracingConfig {
+    pub enabled: bool,
+    /// The collector: `http://host:4317` for gRPC, the full URL (`http://host:4318/v1/traces`)
+    /// for HTTP. Empty: the protocol's usual local address. Plain `http://` only (no TLS).
+    pub endpoint: String,
+    /// `grpc` (OTLP/gRPC) or `http` (OTLP/HTTP with protobuf bodies).
+    pub protocol: TraceProtocol,
+    /// Sent with every export (gRPC metadata or HTTP headers): an API key for the collector.
+    pub headers: std::collections::BTreeMap<String, String>,
+    /// Share of the traces the server starts that are kept (0 to 1). Parent-based: a request
+    /// whose `traceparent` says sampled (or not) is kept (or not) whatever the ratio.
+    pub sampling_ratio: f64,
+    /// The resource's `service.name`.
+    pub service_name: String,
+    /// Which GenAI semantic conventions the attribute names follow (`1.36`: `gen_ai.system`;
+    /// `1.37` and later: `gen_ai.provider.name`, and `gen_ai.usage.cache_read.input_tokens`).
+    pub semconv_version: String,
+    /// Put the prompt and the answer on the server span (`gen_ai.input.messages`,
+    /// `gen_ai.output.messages`). Off: neither leaves the server in a trace.
+    pub capture_content: bool,
+    /// Fraction of generated tokens that become events on the decode span (0 to 1; token text,
+    /// logprob when asked for, entropy).
+    pub token_events: f64,
+    /// Longest wait for one export; the batch is dropped (counted) past it.
+    pub export_timeout_ms: u64,
+    /// Requests' records waiting for the exporter; beyond it they are dropped, counted.
+    pub queue_capacity: usize,
+    /// Most requests' spans sent in one export.
+    pub max_batch: usize,
+}
+
+impl Default for TracingConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            endpoint: String::new(),
+            protocol: TraceProtocol::Grpc,
+            headers: Default::default(),
+            sampling_ratio: 1.0,
+            service_name: "rampart".into(),
+            semconv_version: SEMCONV_VERSIONS[SEMCONV_VERSIONS.len() - 1].into(),
+            capture_content: false,
+            token_events: 0.0,
+            export_timeout_ms: 5000,
+            queue_capacity: 2048,
+            max_batch: 64,
+        }
+    }
+}
+
+/// The GenAI semantic-convention versions whose names the traces can follow (oldest first; the
+/// default is the last).
+pub const SEMCONV_VERSIONS: &[&str] = &["1.36", "1.37", "1.38"];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TraceProtocol {
+    Grpc,
+    Http,
+}
+
+impl TracingConfig {
+    /// The endpoint exports go to (the protocol's local default when none is given).
+    pub fn resolved_endpoint(&self) -> String {
+        if !self.endpoint.is_empty() {
+            return self.endpoint.clone();
+        }
+        match self.protocol {
+            TraceProtocol::Grpc => "http://127.0.0.1:4317".into(),
+            TraceProtocol::Http => "http://127.0.0.1:4318/v1/traces".into(),
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let fraction = |name: &str, v: f64| {
+            if (0.0..=1.0).contains(&v) {
+                Ok(())
+            } else {
+                Err(ConfigError(format!(
+                    "tracing.{name} = {v}: a fraction from 0 to 1"
+                )))
+            }
+        };
+        fraction("sampling_ratio", self.sampling_ratio)?;
+        fraction("token_events", self.token_events)?;
+        if !SEMCONV_VERSIONS.contains(&self.semconv_version.as_str()) {
+            return Err(ConfigError(format!(
+                "tracing.semconv_version = {:?}: one of {}",
+                self.semconv_version,
+                SEMCONV_VERSIONS.join(", ")
+            )));
+        }
+        if !self.enabled {
+            return Ok(());
+        }
+        let endpoint = self.resolved_endpoint();
+        // The exporters are built without TLS (no TLS stack in the binary): a collector beyond
+        // the host is reached through a local collector or sidecar.
+        if endpoint.starts_with("https://") {
+            return Err(ConfigError(format!(
+                "tracing.endpoint = {endpoint:?}: TLS to the collector is not built in; export \
+                 to a local OpenTelemetry Collector (http://) and let it forward over TLS"
+            )));
+        }
+        if !endpoint.starts_with("http://") || endpoint.parse::<axum::http::Uri>().is_err() {
+            return Err(ConfigError(format!(
+                "tracing.endpoint = {endpoint:?}: an http:// URL"
+            )));
+        }
+        for (name, value) in &self.headers {
+            if axum::http::HeaderName::from_bytes(name.as_bytes()).is_err()
+                || axum::http::HeaderValue::from_str(value).is_err()
+                || name.chars().any(|c| c.is_ascii_uppercase())
+            {
+                return Err(ConfigError(format!(
+                    "tracing.headers.{name}: header names are lowercase tokens and values visible ASCII"
+                )));
+            }
+        }
+        if self.export_timeout_ms == 0 || self.queue_capacity == 0 || self.max_batch == 0 {
+            return Err(ConfigError(
+                "tracing.export_timeout_ms, queue_capacity and max_batch must be above 0".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// One served model.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -815,6 +950,7 @@ impl ServerConfig {
 
     /// Checks values that parse but make no sense.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.tracing.validate()?;
         self.audit
             .validate()
             .map_err(|e| ConfigError(e.to_string()))?;
@@ -953,6 +1089,50 @@ impl ServerConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tracing_is_off_by_default_and_checked_when_given() {
+        let c = ServerConfig::default();
+        assert!(!c.tracing.enabled);
+        assert_eq!(c.tracing.semconv_version, "1.38");
+        assert!(!c.tracing.capture_content);
+        assert_eq!(c.tracing.token_events, 0.0);
+        let text = r#"
+            [tracing]
+            enabled = true
+            protocol = "http"
+            sampling_ratio = 0.25
+            token_events = 0.1
+            headers = { "x-api-key" = "secret" }
+        "#;
+        let c: ServerConfig = toml::from_str(text).unwrap();
+        c.validate().unwrap();
+        assert_eq!(c.tracing.protocol, TraceProtocol::Http);
+        assert_eq!(
+            c.tracing.resolved_endpoint(),
+            "http://127.0.0.1:4318/v1/traces"
+        );
+        let grpc: ServerConfig = toml::from_str("[tracing]\nenabled = true\n").unwrap();
+        assert_eq!(grpc.tracing.resolved_endpoint(), "http://127.0.0.1:4317");
+        for bad in [
+            "sampling_ratio = 1.5",
+            "token_events = -0.1",
+            "semconv_version = \"2.0\"",
+            "endpoint = \"127.0.0.1:4317\"",
+            "endpoint = \"https://collector:4317\"",
+            "headers = { \"X-Key\" = \"v\" }",
+            "headers = { \"x-key\" = \"a\\nb\" }",
+            "max_batch = 0",
+        ] {
+            let c: ServerConfig =
+                toml::from_str(&format!("[tracing]\nenabled = true\n{bad}\n")).unwrap();
+            assert!(c.validate().is_err(), "{bad} should be refused");
+        }
+        let unknown = toml::from_str::<ServerConfig>("[tracing]\nendpont = \"x\"\n");
+        assert!(unknown.is_err(), "unknown keys are refused");
+        let protocol = toml::from_str::<ServerConfig>("[tracing]\nprotocol = \"udp\"\n");
+        assert!(protocol.is_err());
+    }
 
     #[test]
     fn files_and_environment_override_defaults() {

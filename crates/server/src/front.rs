@@ -83,7 +83,10 @@ pub fn route(
     work: WorkKind,
     record: &mut RecordBuilder,
 ) -> Result<Arc<Entry>, ApiError> {
-    let entry = state.registry.resolve(model, work)?;
+    let began = std::time::Instant::now();
+    let resolved = state.registry.resolve(model, work);
+    record.stage_since("route", began);
+    let entry = resolved?;
     record.record.model = entry.name.clone();
     record.record.version = entry.version.clone();
     record.record.version_digest = entry.digest.clone();
@@ -122,7 +125,8 @@ pub async fn serve_routed(
         let mut watch = None;
         if let Work::Generate(plan) = &mut work {
             let service = Arc::clone(state.guard());
-            let (screened, w) = screen::screen(
+            let began = std::time::Instant::now();
+            let screened = screen::screen(
                 &service,
                 &entry.name,
                 &entry.backend,
@@ -131,7 +135,9 @@ pub async fn serve_routed(
                 record,
             )
             .instrument(tracing::debug_span!("guard"))
-            .await?;
+            .await;
+            record.stage_since("guard", began);
+            let (screened, w) = screened?;
             if let Screened::RefuseWithCompletion = screened {
                 return refusal_completion(state, principal, entry, work, record).await;
             }

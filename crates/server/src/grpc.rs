@@ -146,10 +146,10 @@ impl Inference {
 pub const FALLBACK_PARAMETER: &str = "rampart_fallback";
 
 /// The client's `x-request-id` when it is sane, else a fresh UUIDv4 (as over HTTP).
-/// The operator and trace of a call (`x-operator-id`, `traceparent` metadata).
+/// The operator and trace of a call (`x-operator-id`, `traceparent`, `tracestate` metadata).
 fn origin(metadata: &MetadataMap) -> identity::Origin {
     let get = |k: &str| metadata.get(k).and_then(|v| v.to_str().ok());
-    identity::Origin::from_headers(get("x-operator-id"), get("traceparent"))
+    identity::Origin::from_headers(get("x-operator-id"), get("traceparent"), get("tracestate"))
 }
 
 fn request_id(metadata: &MetadataMap) -> String {

@@ -157,7 +157,11 @@ async fn identify(mut request: Request, next: Next) -> Response {
     request.extensions_mut().insert(RequestId(id.clone()));
     let origin = {
         let header = |name: &str| request.headers().get(name).and_then(|v| v.to_str().ok());
-        identity::Origin::from_headers(header("x-operator-id"), header("traceparent"))
+        identity::Origin::from_headers(
+            header("x-operator-id"),
+            header("traceparent"),
+            header("tracestate"),
+        )
     };
     let mut response = identity::with_origin(origin, next.run(request)).await;
     if let Ok(value) = HeaderValue::from_str(&id) {

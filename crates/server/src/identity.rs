@@ -21,12 +21,19 @@ pub struct Principal(pub String);
 pub struct Granted(pub auth::Scopes);
 
 /// Who acts and in which trace, from the request's headers: `X-Operator-Id` (the person
-/// behind an admin call or a request) and the W3C `traceparent`'s trace id. Set for the whole
-/// request by the front door and read where records and actions are made.
+/// behind an admin call or a request) and the W3C `traceparent` (its trace id, the caller's span
+/// and sampled flag) with its `tracestate`. Set for the whole request by the front door and read
+/// where records and actions are made.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Origin {
     pub operator: Option<String>,
     pub trace_id: Option<String>,
+    /// The caller's span id (16 hex), from the `traceparent`.
+    pub parent_span_id: Option<String>,
+    /// The `traceparent`'s sampled flag.
+    pub sampled: Option<bool>,
+    /// The `tracestate`, kept only with a valid `traceparent` (as the W3C spec says).
+    pub tracestate: Option<String>,
 }
 
 tokio::task_local! {
@@ -35,7 +42,12 @@ tokio::task_local! {
 
 impl Origin {
     /// From the header values (insane ones are ignored).
-    pub fn from_headers(operator: Option<&str>, traceparent: Option<&str>) -> Self {
+    pub fn from_headers(
+        operator: Option<&str>,
+        traceparent: Option<&str>,
+        tracestate: Option<&str>,
+    ) -> Self {
+        let parent = traceparent.and_then(crate::traces::TraceParent::parse);
         Self {
             operator: operator
                 .map(str::trim)
@@ -45,25 +57,15 @@ impl Origin {
                         && v.bytes().all(|b| b.is_ascii_graphic() || b == b' ')
                 })
                 .map(str::to_string),
-            trace_id: traceparent.and_then(trace_id),
+            tracestate: parent
+                .as_ref()
+                .and(tracestate)
+                .and_then(crate::traces::sane_tracestate),
+            trace_id: parent.as_ref().map(|p| p.trace_id.clone()),
+            parent_span_id: parent.as_ref().map(|p| p.parent_span_id.clone()),
+            sampled: parent.as_ref().map(|p| p.sampled),
         }
     }
-}
-
-/// The trace id of a `traceparent` (`00-<32 hex>-<16 hex>-<2 hex>`), unless it is invalid or
-/// all zeros.
-fn trace_id(traceparent: &str) -> Option<String> {
-    let mut parts = traceparent.trim().split('-');
-    let (version, trace, parent, flags) =
-        (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
-    (hex(version, 2)
-        && version != "ff"
-        && hex(trace, 32)
-        && hex(parent, 16)
-        && hex(flags, 2)
-        && trace.bytes().any(|b| b != b'0'))
-    .then(|| trace.to_ascii_lowercase())
 }
 
 /// The current request's origin (empty outside a request).
@@ -159,23 +161,36 @@ mod tests {
         let o = Origin::from_headers(
             Some("dr. ada"),
             Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+            Some("rojo=00f067aa0ba902b7"),
         );
         assert_eq!(o.operator.as_deref(), Some("dr. ada"));
         assert_eq!(
             o.trace_id.as_deref(),
             Some("4bf92f3577b34da6a3ce929d0e0e4736")
         );
+        assert_eq!(o.parent_span_id.as_deref(), Some("00f067aa0ba902b7"));
+        assert_eq!(o.sampled, Some(true));
+        assert_eq!(o.tracestate.as_deref(), Some("rojo=00f067aa0ba902b7"));
         let bad = Origin::from_headers(
             Some("a\nb"),
             Some("00-00000000000000000000000000000000-00f067aa0ba902b7-01"),
+            Some("rojo=1"),
         );
         assert_eq!(
             bad,
-            Origin {
-                operator: None,
-                trace_id: None
-            }
+            Origin::default(),
+            "no tracestate without a valid traceparent"
         );
-        assert_eq!(Origin::from_headers(None, Some("garbage")).trace_id, None);
+        assert_eq!(
+            Origin::from_headers(None, Some("garbage"), None).trace_id,
+            None
+        );
+        let insane = Origin::from_headers(
+            None,
+            Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"),
+            Some("no equals"),
+        );
+        assert_eq!(insane.sampled, Some(false));
+        assert_eq!(insane.tracestate, None);
     }
 }

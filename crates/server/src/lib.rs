@@ -13,7 +13,8 @@
 //!   [`auth`]: key hashes and per-key rate limits; [`error`]: the one error type and its maps
 //!   to HTTP and gRPC;
 //! - records: every request's `InferenceRecord` (crate `record`) goes to the bus, whose first
-//!   sinks are the structured log and the Prometheus metrics ([`observe`]);
+//!   sinks are the structured log and the Prometheus metrics ([`observe`]), and, with
+//!   `[tracing]` on, the OpenTelemetry traces exported over OTLP ([`traces`]);
 //! - [`state`]: what handlers share, and model loading; [`config`]: the typed configuration;
 //! - [`doctor`]: the host checks (crate `host`) on this configuration, logged at start and
 //!   served at `GET /admin/doctor`.
@@ -48,6 +49,7 @@ pub mod registry;
 pub mod screen;
 pub mod state;
 pub mod telemetry;
+pub mod traces;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -156,8 +158,12 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         .monitor
         .enabled
         .then(|| monitors::Monitors::new(config.monitor.clone(), config.repo.clone()));
-    let bus = Bus::start(sinks(&config, audit.as_ref(), monitors.as_ref()))
-        .map_err(|e| ServeError::Config(e.to_string()))?;
+    let listening = Listening {
+        http: addr,
+        grpc: grpc_addr.unwrap_or(config.grpc.listen),
+    };
+    let sinks = sinks(&config, audit.as_ref(), monitors.as_ref(), listening)?;
+    let bus = Bus::start(sinks).map_err(|e| ServeError::Config(e.to_string()))?;
     if let Some(log) = &audit {
         spawn_audit(&config, log, &bus)?;
         decisions::install(Arc::clone(log));
@@ -261,13 +267,21 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
     Ok(())
 }
 
-/// The record's sinks: the structured log, the metrics, the audit log and the monitors (the
-/// release statistics join them in their issue).
+/// Where the server listens, for the traces' `server.address` and `server.port`.
+#[derive(Debug, Clone, Copy)]
+struct Listening {
+    http: std::net::SocketAddr,
+    grpc: std::net::SocketAddr,
+}
+
+/// The record's sinks: the structured log, the metrics, the audit log, the monitors and, with
+/// `[tracing]` on, the traces (the release statistics join them in their issue).
 fn sinks(
     config: &ServerConfig,
     audit: Option<&Arc<audit::AuditLog>>,
     monitors: Option<&Arc<monitors::Monitors>>,
-) -> Vec<Box<dyn Sink>> {
+    listening: Listening,
+) -> Result<Vec<Box<dyn Sink>>, ServeError> {
     let capacity = config.records.lane_capacity;
     let mut sinks: Vec<Box<dyn Sink>> = vec![
         Box::new(observe::LogSink::redacting(
@@ -285,7 +299,15 @@ fn sinks(
     if let Some(m) = monitors {
         sinks.push(Box::new(monitors::MonitorSink::new(Arc::clone(m))));
     }
-    sinks
+    if config.tracing.enabled {
+        let names = sinks.iter().map(|s| s.name()).collect();
+        let settings =
+            traces::SpanSettings::new(&config.tracing, listening.http, listening.grpc, names);
+        let sink = traces::TraceSink::new(&config.tracing, settings)
+            .map_err(|e| ServeError::Config(e.to_string()))?;
+        sinks.push(Box::new(sink));
+    }
+    Ok(sinks)
 }
 
 /// Opens (and, after a crash, recovers) the audit log when `[audit] enabled`.

@@ -21,6 +21,16 @@ const ENTROPY_BUCKETS: &[f64] = &[0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0,
 const MASK_BUCKETS: &[f64] = &[
     0.000_01, 0.000_025, 0.000_05, 0.000_1, 0.000_25, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.05,
 ];
+/// The GenAI semantic conventions' advised bucket boundaries (`gen_ai.server.*` metrics).
+const GEN_AI_REQUEST_BUCKETS: &[f64] = &[
+    0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
+];
+const GEN_AI_TTFT_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+];
+const GEN_AI_TPOT_BUCKETS: &[f64] = &[
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+];
 const COMPILE_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0,
 ];
@@ -140,6 +150,11 @@ pub static METRICS: &[MetricInfo] = &[
     recorded("rampart_audit_ship_lag_seconds", MetricKind::Gauge, &[], "Age of the oldest sealed audit segment not yet shipped and verified on S3."),
     recorded("rampart_audit_ship_failures_total", MetricKind::Counter, &[], "Audit shipping rounds that failed (retried with backoff; the local copy stays)."),
     recorded("rampart_audit_s3_retries_total", MetricKind::Counter, &[], "S3 requests retried after a transport error or a 5xx."),
+    recorded("rampart_trace_spans_exported_total", MetricKind::Counter, &[], "Spans the trace sink exported over OTLP ([tracing] on)."),
+    recorded("rampart_trace_spans_dropped_total", MetricKind::Counter, &["reason"], "Spans the trace sink dropped, by reason (export_failed, timeout); records its lane dropped are in rampart_record_dropped_total{sink=\"traces\"}."),
+    recorded("gen_ai_server_request_duration_seconds", MetricKind::Histogram, &["gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model", "gen_ai_response_model", "error_type"], "GenAI semantic conventions' gen_ai.server.request.duration: time to the last byte of the response, per generation or embedding request."),
+    recorded("gen_ai_server_time_to_first_token_seconds", MetricKind::Histogram, &["gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model", "gen_ai_response_model"], "GenAI semantic conventions' gen_ai.server.time_to_first_token: time to the first generated token of successful responses."),
+    recorded("gen_ai_server_time_per_output_token_seconds", MetricKind::Histogram, &["gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model", "gen_ai_response_model"], "GenAI semantic conventions' gen_ai.server.time_per_output_token: decode time per token after the first, of successful responses."),
 ];
 
 /// The recorder's metrics and the host telemetry's ([`crate::telemetry::HOST_METRICS`]).
@@ -172,6 +187,24 @@ pub fn install_metrics() -> Result<PrometheusHandle, ObserveError> {
             b.set_buckets_for_metric(
                 Matcher::Full("rampart_token_entropy_nats".into()),
                 ENTROPY_BUCKETS,
+            )
+        })
+        .and_then(|b| {
+            b.set_buckets_for_metric(
+                Matcher::Full("gen_ai_server_request_duration_seconds".into()),
+                GEN_AI_REQUEST_BUCKETS,
+            )
+        })
+        .and_then(|b| {
+            b.set_buckets_for_metric(
+                Matcher::Full("gen_ai_server_time_to_first_token_seconds".into()),
+                GEN_AI_TTFT_BUCKETS,
+            )
+        })
+        .and_then(|b| {
+            b.set_buckets_for_metric(
+                Matcher::Full("gen_ai_server_time_per_output_token_seconds".into()),
+                GEN_AI_TPOT_BUCKETS,
             )
         })
         .and_then(|b| {
@@ -495,6 +528,53 @@ fn count_record(envelope: &Envelope) {
     if r.items > 0 {
         counter!("rampart_inputs_total", &labels).increment(r.items as u64);
     }
+    gen_ai_metrics(r);
+}
+
+/// The GenAI semantic conventions' server metrics, for generations and embeddings (tensor
+/// models are not generative AI). Labels are the conventions' attributes with `_` for `.`.
+fn gen_ai_metrics(r: &InferenceRecord) {
+    let operation = match r.endpoint {
+        "chat.completions" => "chat",
+        "completions" => "text_completion",
+        "embeddings" => "embeddings",
+        _ => return,
+    };
+    let response_model = if r.status < 400 {
+        r.fallback_backend.as_deref().map_or_else(
+            || r.model.clone(),
+            |b| b.split('@').next().unwrap_or(b).to_string(),
+        )
+    } else {
+        String::new()
+    };
+    let common = [
+        ("gen_ai_operation_name", operation.to_string()),
+        ("gen_ai_provider_name", crate::traces::PROVIDER.to_string()),
+        ("gen_ai_request_model", r.model.clone()),
+        ("gen_ai_response_model", response_model),
+    ];
+    let error = if r.status >= 400 {
+        r.error_code
+            .clone()
+            .or_else(|| r.error_type.clone())
+            .unwrap_or_else(|| r.status.to_string())
+    } else {
+        String::new()
+    };
+    let mut with_error = common.to_vec();
+    with_error.push(("error_type", error));
+    histogram!("gen_ai_server_request_duration_seconds", &with_error[..]).record(r.total_ms / 1e3);
+    if r.status >= 400 {
+        return;
+    }
+    if r.completion_tokens > 0 {
+        histogram!("gen_ai_server_time_to_first_token_seconds", &common).record(r.ttft_ms / 1e3);
+    }
+    if r.completion_tokens > 1 {
+        histogram!("gen_ai_server_time_per_output_token_seconds", &common)
+            .record(r.decode_ms / 1e3 / (r.completion_tokens - 1) as f64);
+    }
 }
 
 /// Sets up `tracing`: JSON lines (fields at the top level) or text, to stdout or a file.
@@ -547,14 +627,17 @@ mod tests {
                     for macro_name in ["counter!(", "gauge!(", "histogram!("] {
                         for (at, _) in text.match_indices(macro_name) {
                             let rest = text[at + macro_name.len()..].trim_start();
-                            if let Some(rest) = rest.strip_prefix("\"rampart_") {
+                            for prefix in ["rampart_", "gen_ai_"] {
+                                let Some(rest) = rest.strip_prefix(&format!("\"{prefix}")) else {
+                                    continue;
+                                };
                                 let end = rest.find('"').unwrap_or(0);
                                 let tail = &rest[..end];
                                 let plain = |c: char| {
                                     c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'
                                 };
                                 if !tail.is_empty() && tail.chars().all(plain) {
-                                    found.insert(format!("rampart_{tail}"));
+                                    found.insert(format!("{prefix}{tail}"));
                                 }
                             }
                         }
@@ -586,8 +669,20 @@ mod tests {
                 "{name} is emitted but not in METRICS"
             );
         }
+        for name in [
+            "gen_ai_server_request_duration_seconds",
+            "gen_ai_server_time_to_first_token_seconds",
+            "gen_ai_server_time_per_output_token_seconds",
+        ] {
+            assert!(emitted.contains(name), "{name} is not emitted");
+        }
         for m in all_metrics() {
-            assert!(m.name.starts_with("rampart_"), "{}", m.name);
+            // Ours are rampart_*; the GenAI conventions' server metrics keep their own names.
+            assert!(
+                m.name.starts_with("rampart_") || m.name.starts_with("gen_ai_server_"),
+                "{}",
+                m.name
+            );
             assert!(!m.help.is_empty(), "{}", m.name);
             // Counters end in _total; histograms must not (their series add _bucket, _sum,
             // _count). A gauge may count a total (rampart_kv_blocks_total: blocks in the pool).

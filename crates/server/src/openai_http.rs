@@ -164,6 +164,10 @@ async fn start(
         Endpoint::Chat => "chatcmpl",
         Endpoint::Completions => "cmpl",
     };
+    let id = format!("{prefix}-{}", uuid::Uuid::new_v4().simple());
+    if let Some(t) = record.timeline_mut() {
+        t.response_id = Some(id.clone());
+    }
     Ok(Reply {
         g,
         entry: admitted.entry,
@@ -171,7 +175,7 @@ async fn start(
         fallback: admitted.fallback,
         shape,
         endpoint,
-        id: format!("{prefix}-{}", uuid::Uuid::new_v4().simple()),
+        id,
         created: now_s(),
     })
 }
@@ -513,6 +517,11 @@ async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Respon
         match event {
             Generated::Token(t) => {
                 record.token(t.entropy);
+                record.token_note(
+                    || t.text.clone(),
+                    t.logprobs.as_ref().map(|l| l.logprob),
+                    t.entropy,
+                );
                 if reply.shape.logprobs {
                     match reply.endpoint {
                         Endpoint::Chat => {
@@ -732,6 +741,11 @@ impl Streaming {
 
     fn on_token(&mut self, i: usize, t: Token) {
         self.record.token(t.entropy);
+        self.record.token_note(
+            || t.text.clone(),
+            t.logprobs.as_ref().map(|l| l.logprob),
+            t.entropy,
+        );
         let want_logprobs = self.reply.shape.logprobs;
         if t.text.is_empty() && !want_logprobs {
             return;

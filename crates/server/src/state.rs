@@ -160,7 +160,18 @@ impl AppState {
         let mut record = RecordBuilder::new(Arc::clone(&self.bus), request_id, principal, endpoint);
         let origin = crate::identity::origin();
         record.record.operator = origin.operator;
-        record.record.trace_id = origin.trace_id;
+        // With tracing on, a request that came without a trace starts one here, so its record,
+        // its log line and its spans share the id.
+        let traced = record.traced();
+        record.record.trace_id = origin
+            .trace_id
+            .or_else(|| traced.then(crate::traces::new_trace_id));
+        if let Some(t) = record.timeline_mut() {
+            t.parent_span_id = origin.parent_span_id;
+            t.parent_sampled = origin.sampled;
+            t.tracestate = origin.tracestate;
+            t.token_fraction = self.config.tracing.token_events;
+        }
         record
     }
 

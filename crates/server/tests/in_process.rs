@@ -1884,3 +1884,294 @@ async fn a_stream_whose_entry_cannot_be_kept_ends_with_audit_unavailable_not_its
     assert!(!text.contains("\"finish_reason\":\"stop\""), "{text}");
     assert!(text.trim_end().ends_with("[DONE]"), "{text}");
 }
+
+/// A trace sink exporting to a test receiver, as `[tracing]` would build it.
+fn trace_sink(endpoint: &str, protocol: server::config::TraceProtocol) -> Box<dyn Sink> {
+    let config = server::config::TracingConfig {
+        enabled: true,
+        endpoint: endpoint.into(),
+        protocol,
+        token_events: 1.0,
+        ..Default::default()
+    };
+    let settings = server::traces::SpanSettings::new(
+        &config,
+        "127.0.0.1:8080".parse().unwrap(),
+        "127.0.0.1:8081".parse().unwrap(),
+        vec!["test"],
+    );
+    Box::new(server::traces::TraceSink::new(&config, settings).unwrap())
+}
+
+fn traced(config: &mut ServerConfig) {
+    config.tracing.enabled = true;
+    config.tracing.token_events = 1.0;
+}
+
+const CALLER_TRACE: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const CALLER_SPAN: &str = "00f067aa0ba902b7";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_traced_chat_stream_is_one_span_tree_under_the_callers_span() {
+    use testkit::otlp::{check_tree, children};
+    let receiver = testkit::otlp::Receiver::start().await.unwrap();
+    let sink = trace_sink(&receiver.grpc_endpoint, server::config::TraceProtocol::Grpc);
+    let h = harness(
+        vec![("fake", llm(hello()))],
+        Options {
+            extra_sinks: vec![sink],
+            configure: traced,
+            ..Options::default()
+        },
+    )
+    .await;
+    let r = h
+        .client
+        .post(format!("{}/v1/chat/completions", h.url))
+        .bearer_auth(KEY)
+        .header("traceparent", format!("00-{CALLER_TRACE}-{CALLER_SPAN}-01"))
+        .header("tracestate", "rojo=00f067aa0ba902b7")
+        .json(&chat(true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.text().await.unwrap().contains("[DONE]"));
+    let records = h.records(1).await;
+    assert_eq!(records[0].trace_id.as_deref(), Some(CALLER_TRACE));
+    let spans = receiver
+        .wait_for_trace(CALLER_TRACE, Duration::from_secs(10), |s| {
+            s.iter().any(|s| s.name == "record")
+        })
+        .await;
+    let root = check_tree(&spans, CALLER_SPAN).unwrap_or_else(|e| panic!("{e}: {spans:#?}"));
+    assert_eq!(root.name, "chat fake");
+    assert_eq!(root.kind, 2, "a server span");
+    assert_eq!(root.transport, "grpc");
+    assert_eq!(root.trace_state, "rojo=00f067aa0ba902b7");
+    assert_eq!(
+        root.resource.get("service.name").map(String::as_str),
+        Some("rampart")
+    );
+    for (key, value) in [
+        ("gen_ai.operation.name", "chat"),
+        ("gen_ai.provider.name", "rampart"),
+        ("gen_ai.request.model", "fake"),
+        ("gen_ai.response.model", "fake@1.0.0"),
+        ("gen_ai.request.max_tokens", "8"),
+        ("gen_ai.response.finish_reasons", "[stop]"),
+        ("gen_ai.usage.input_tokens", "3"),
+        ("gen_ai.usage.output_tokens", "2"),
+        ("server.address", "127.0.0.1"),
+        ("server.port", "8080"),
+        ("rampart.stream", "true"),
+        ("rampart.fallback.level", "0"),
+    ] {
+        assert_eq!(root.attr(key), Some(value), "{key}");
+    }
+    assert_eq!(
+        root.attr("rampart.audit_id"),
+        Some(records[0].audit_id.as_str())
+    );
+    assert!(root
+        .attr("gen_ai.response.id")
+        .is_some_and(|id| id.starts_with("chatcmpl-")));
+    assert!(
+        root.attr("gen_ai.input.messages").is_none(),
+        "no content unless opted in"
+    );
+    let names: Vec<&str> = children(&spans, root)
+        .iter()
+        .map(|s| s.name.as_str())
+        .collect();
+    for n in ["route", "guard", "attempt", "record"] {
+        assert!(names.contains(&n), "{n} under the root: {names:?}");
+    }
+    let attempt = children(&spans, root)
+        .into_iter()
+        .find(|s| s.name == "attempt")
+        .unwrap();
+    assert_eq!(attempt.attr("rampart.attempt.outcome"), Some("answered"));
+    let inner: Vec<&str> = children(&spans, attempt)
+        .iter()
+        .map(|s| s.name.as_str())
+        .collect();
+    assert_eq!(
+        inner,
+        ["admission", "prefill", "decode"],
+        "nested, in order"
+    );
+    let decode = children(&spans, attempt)
+        .into_iter()
+        .find(|s| s.name == "decode")
+        .unwrap();
+    let texts: Vec<&str> = decode
+        .events
+        .iter()
+        .map(|(_, a)| a["rampart.token.text"].as_str())
+        .collect();
+    assert_eq!(
+        texts,
+        ["Hello", " world"],
+        "token_events = 1.0 keeps every token"
+    );
+    for s in &spans {
+        assert!(s.start_unix_nano <= s.end_unix_nano, "{}", s.name);
+        assert!(s.start_unix_nano >= root.start_unix_nano, "{}", s.name);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn traces_over_http_start_a_trace_per_request_for_chat_embeddings_and_infer() {
+    use server::grpc::proto::grpc_inference_service_server::GrpcInferenceService;
+    use server::grpc::proto::model_infer_request::InferInputTensor;
+    use server::grpc::proto::{InferTensorContents, ModelInferRequest};
+    use testkit::otlp::check_tree;
+    let receiver = testkit::otlp::Receiver::start().await.unwrap();
+    let sink = trace_sink(&receiver.http_endpoint, server::config::TraceProtocol::Http);
+    let h = harness(
+        vec![
+            ("fake", llm(hello())),
+            ("echo", Arc::new(FakeTensor)),
+            ("embed", Arc::new(FakeEmbedder)),
+        ],
+        Options {
+            extra_sinks: vec![sink],
+            configure: traced,
+            ..Options::default()
+        },
+    )
+    .await;
+    assert_eq!(
+        h.post("/v1/chat/completions", chat(false)).await.status(),
+        200
+    );
+    let embed = serde_json::json!({"model": "embed", "input": ["abc", "de"]});
+    assert_eq!(h.post("/v1/embeddings", embed).await.status(), 200);
+    let tensors = serde_json::json!({
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1, 2], "data": [1.5, 2.5]}]
+    });
+    assert_eq!(h.post("/v2/models/echo/infer", tensors).await.status(), 200);
+    let missing =
+        serde_json::json!({"model": "nope", "messages": [{"role": "user", "content": "hi"}]});
+    assert_eq!(h.post("/v1/chat/completions", missing).await.status(), 404);
+    let service = server::grpc::Inference::new(Arc::clone(&h.state));
+    let mut request = tonic::Request::new(ModelInferRequest {
+        model_name: "echo".into(),
+        inputs: vec![InferInputTensor {
+            name: "x".into(),
+            datatype: "FP32".into(),
+            shape: vec![2],
+            parameters: Default::default(),
+            contents: Some(InferTensorContents {
+                fp32_contents: vec![1.0, 2.0],
+                ..Default::default()
+            }),
+        }],
+        ..Default::default()
+    });
+    request
+        .metadata_mut()
+        .insert("authorization", format!("Bearer {KEY}").parse().unwrap());
+    request.metadata_mut().insert(
+        "traceparent",
+        format!("00-{CALLER_TRACE}-{CALLER_SPAN}-01")
+            .parse()
+            .unwrap(),
+    );
+    service.model_infer(request).await.unwrap();
+
+    let records = h.records(5).await;
+    assert_eq!(records.len(), 5);
+    let mut ids = std::collections::BTreeSet::new();
+    for r in &records {
+        let id = r
+            .trace_id
+            .clone()
+            .expect("with tracing on every record has a trace id");
+        assert_eq!(id.len(), 32);
+        ids.insert(id);
+    }
+    assert_eq!(ids.len(), 5, "one trace per request");
+    let expected = [
+        ("chat.completions", "fake", "chat fake", "8080"),
+        ("embeddings", "embed", "embeddings embed", "8080"),
+        ("kserve_infer", "echo", "infer echo", "8080"),
+        ("chat.completions", "", "chat", "8080"),
+        ("kserve_grpc_infer", "echo", "infer echo", "8081"),
+    ];
+    for (endpoint, model, name, port) in expected {
+        let r = records
+            .iter()
+            .find(|r| r.endpoint == endpoint && r.model == model)
+            .unwrap_or_else(|| panic!("no record of {endpoint} {model}"));
+        let trace = r.trace_id.as_deref().unwrap();
+        let spans = receiver
+            .wait_for_trace(trace, Duration::from_secs(10), |s| {
+                s.iter().any(|s| s.name == "record")
+            })
+            .await;
+        let caller = if endpoint == "kserve_grpc_infer" {
+            assert_eq!(trace, CALLER_TRACE, "the gRPC metadata's traceparent");
+            CALLER_SPAN
+        } else {
+            ""
+        };
+        let root = check_tree(&spans, caller).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(root.name, name);
+        assert_eq!(root.transport, "http");
+        assert_eq!(root.attr("server.port"), Some(port), "{name}");
+        let names: Vec<&str> = spans.iter().map(|s| s.name.as_str()).collect();
+        match endpoint {
+            "embeddings" => {
+                assert_eq!(root.attr("gen_ai.operation.name"), Some("embeddings"));
+                assert!(root.attr("gen_ai.usage.input_tokens").is_some());
+                assert!(names.contains(&"attempt") && names.contains(&"admission"));
+            }
+            "kserve_infer" | "kserve_grpc_infer" => {
+                assert_eq!(
+                    root.attr("gen_ai.operation.name"),
+                    None,
+                    "not generative AI"
+                );
+                assert_eq!(root.attr("gen_ai.request.model"), Some("echo"));
+                assert!(names.contains(&"admission"), "{names:?}");
+            }
+            _ if model.is_empty() => {
+                assert_eq!(root.status_code, 2, "an error status");
+                assert_eq!(root.attr("error.type"), Some("model_not_found"));
+                assert_eq!(root.attr("rampart.status"), Some("404"));
+            }
+            _ => {
+                assert!(names.contains(&"decode") && names.contains(&"guard"));
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_tracing_records_keep_only_the_callers_trace_id() {
+    let h = harness(vec![("fake", llm(hello()))], Options::default()).await;
+    assert!(
+        !h.state.bus.wants_timeline(),
+        "no timeline without a trace sink"
+    );
+    assert_eq!(
+        h.post("/v1/chat/completions", chat(false)).await.status(),
+        200
+    );
+    let r = h
+        .client
+        .post(format!("{}/v1/chat/completions", h.url))
+        .bearer_auth(KEY)
+        .header("traceparent", format!("00-{CALLER_TRACE}-{CALLER_SPAN}-01"))
+        .json(&chat(false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let records = h.records(2).await;
+    let ids: Vec<Option<&str>> = records.iter().map(|r| r.trace_id.as_deref()).collect();
+    assert!(ids.contains(&None));
+    assert!(ids.contains(&Some(CALLER_TRACE)));
+}

@@ -3,6 +3,7 @@
 //! - [`cached_model`]: the real models that `scripts/fetch-models.sh` puts in the model cache,
 //!   skipped with a note when absent, or a failure when `RAMPART_REQUIRE_MODELS=1` (as in CI).
 //! - [`flip_byte`]: tampering with a file, read-only or not, to test digest checks.
+//! - `otlp` (feature `otlp`): an OTLP trace receiver (gRPC and HTTP) for the trace tests.
 
 use std::path::{Path, PathBuf};
 
@@ -58,3 +59,6 @@ pub mod models {
     pub const LAYOUT_ONNX: &str = "layout-cdla/layout_cdla.onnx";
     pub const MINILM_INT8_ONNX: &str = "all-minilm-l6-v2-int8/model.onnx";
 }
+
+#[cfg(feature = "otlp")]
+pub mod otlp;

@@ -48,6 +48,7 @@ impl EmbeddingBackend {
         &self,
         inputs: EmbeddingInputs,
         dimensions: Option<usize>,
+        record: &mut RecordBuilder,
     ) -> Result<Embeddings, BackendError> {
         if let Some(d) = dimensions {
             let max = self.embedder.dimensions();
@@ -64,7 +65,8 @@ impl EmbeddingBackend {
         };
         let embedder = Arc::clone(&self.embedder);
         let compute = Arc::clone(&self.compute);
-        tokio::task::spawn_blocking(move || {
+        let result = tokio::task::spawn_blocking(move || {
+            let began = Instant::now();
             let ids = match inputs {
                 EmbeddingInputs::Texts(texts) => texts
                     .iter()
@@ -73,16 +75,28 @@ impl EmbeddingBackend {
                 EmbeddingInputs::Tokens(ids) => ids,
             };
             let prompt_tokens: usize = ids.iter().map(Vec::len).sum();
+            let tokenized = Instant::now();
             let _running = compute.lock().unwrap_or_else(|e| e.into_inner());
+            let computing = Instant::now();
             let vectors = embedder.embed_ids(&ids, options)?;
-            Ok(Embeddings {
-                vectors,
-                prompt_tokens,
-            })
+            let times = [began, tokenized, computing, Instant::now()];
+            Ok::<_, BackendError>((
+                Embeddings {
+                    vectors,
+                    prompt_tokens,
+                },
+                times,
+            ))
         })
         .instrument(tracing::debug_span!("embed"))
         .await
-        .map_err(|e| BackendError::Failed(format!("embedding task failed: {e}")))?
+        .map_err(|e| BackendError::Failed(format!("embedding task failed: {e}")))??;
+        let (embeddings, [began, tokenized, computing, done]) = result;
+        record.stage("tokenize", began, tokenized);
+        // Waiting for the model's one compute slot is the batch wait of an embedder.
+        record.stage("batch_wait", tokenized, computing);
+        record.stage("compute", computing, done);
+        Ok(embeddings)
     }
 
     /// The KServe form: a `text` BYTES tensor in, an `embedding` `[N, dim]` FP32 tensor out.
@@ -94,7 +108,9 @@ impl EmbeddingBackend {
         let texts = text_input(&format!("embedding model {:?}", self.name), &request)?;
         let n_texts = texts.len();
         let started = Instant::now();
-        let embeddings = self.embed(EmbeddingInputs::Texts(texts), None).await?;
+        let embeddings = self
+            .embed(EmbeddingInputs::Texts(texts), None, record)
+            .await?;
         record.record.prompt_tokens = embeddings.prompt_tokens;
         record.record.items = n_texts;
         record.record.compute_ms = started.elapsed().as_secs_f64() * 1e3;
@@ -142,7 +158,7 @@ impl InferenceBackend for EmbeddingBackend {
         Box::pin(async move {
             match work {
                 Work::Embed(EmbedWork { inputs, dimensions }) => {
-                    let embeddings = self.embed(inputs, dimensions).await?;
+                    let embeddings = self.embed(inputs, dimensions, record).await?;
                     record.record.prompt_tokens = embeddings.prompt_tokens;
                     Ok(Answer::Embeddings(embeddings))
                 }

@@ -91,7 +91,8 @@ impl LlmBackend {
                 }
             }
         }
-        let (prepared, structured) = tokio::task::spawn_blocking(move || {
+        let began = Instant::now();
+        let prepared = tokio::task::spawn_blocking(move || {
             // The grammar first: a bad schema is refused before any tokenization work.
             let structured = match &prepare_plan.structured {
                 Some(spec) => Some(compiler.compile(spec).map_err(|e| match e {
@@ -123,8 +124,10 @@ impl LlmBackend {
             Ok::<_, BackendError>((out, structured))
         })
         .instrument(tracing::debug_span!("tokenize"))
-        .await
-        .map_err(|e| BackendError::Failed(format!("tokenization task failed: {e}")))??;
+        .await;
+        record.stage_since("tokenize", began);
+        let (prepared, structured) = prepared
+            .map_err(|e| BackendError::Failed(format!("tokenization task failed: {e}")))??;
         if let Some((compiled, cached)) = &structured {
             record.record.structured = Some(StructuredRecord {
                 kind: compiled.spec.kind(),

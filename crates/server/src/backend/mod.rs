@@ -226,6 +226,7 @@ impl Generation {
             grammar::Outcome::Incomplete(_) => 1,
             grammar::Outcome::Invalid(_) => 2,
         };
+        let began = std::time::Instant::now();
         let mut worst = grammar::Outcome::Valid;
         for (text, f) in outputs {
             // Cut short by max_tokens or by one of the request's stop strings: incomplete, not wrong.
@@ -234,6 +235,7 @@ impl Generation {
                 worst = outcome;
             }
         }
+        record.stage_since("structured_output", began);
         if let Some(s) = record.record.structured.as_mut() {
             s.outcome = Some(worst.as_str());
             s.problem = match &worst {

@@ -2,7 +2,7 @@
 //! protocol-neutral tensor request and response that KServe REST and gRPC decode into.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use classic::{DType, Data, Judgement, Tensor};
 use record::{sha256_hex, RecordBuilder};
@@ -369,6 +369,16 @@ impl TensorBackend {
         let model = &self.model;
         let started = Instant::now();
         let prepared = model.prepare(request.inputs)?;
+        let prepared_at = Instant::now();
+        // Decoding and pre-processing run interleaved per image; the trace shows their sums
+        // one after the other.
+        let decoded_at = started
+            + Duration::from_secs_f64(prepared.decode_seconds.max(0.0))
+                .min(prepared_at.duration_since(started));
+        if prepared.decode_seconds > 0.0 {
+            record.stage("decode_image", started, decoded_at);
+        }
+        record.stage("preprocess", decoded_at, prepared_at);
         let (inputs, transforms) = (prepared.tensors, prepared.transforms);
         let input_features = if model.observe_images && prepared.observations.is_empty() {
             tensor_observation(&inputs)
@@ -376,8 +386,16 @@ impl TensorBackend {
             None
         };
         record.record.items = inputs.first().map_or(0, Tensor::batch);
-        let outputs = model.run(inputs).await?;
+        let queued_at = Instant::now();
+        let (outputs, times) = model.run_timed(inputs).await?;
+        let ran_at = Instant::now();
         record.record.compute_ms = started.elapsed().as_secs_f64() * 1e3;
+        let computing = ran_at
+            .checked_sub(times.computed)
+            .unwrap_or(queued_at)
+            .max(queued_at);
+        record.stage("batch_wait", queued_at, computing);
+        record.stage("compute", computing, ran_at);
         let judgements = model.postprocess(&outputs, &transforms)?;
         record_confidence(record, &judgements);
         if model.observe_images {
@@ -393,7 +411,9 @@ impl TensorBackend {
             &request.outputs,
             request.binary_output,
             model,
-        )?;
+        );
+        record.stage_since("postprocess", ran_at);
+        let selected = selected?;
         Ok(InferResponse {
             model_name: String::new(),
             model_version: String::new(),

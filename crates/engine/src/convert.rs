@@ -800,9 +800,10 @@ rules = [
             ..EngineOptions::default()
         };
         let engine = Engine::load(&src, &options).unwrap();
-        let stream = engine
-            .generate(GenerateRequest::new(Prompt::Text("the".into()), 3))
-            .unwrap();
+        // A random model may sample its end-of-text token early (seen once in a full run).
+        let mut request = GenerateRequest::new(Prompt::Text("the".into()), 3);
+        request.ignore_eos = true;
+        let stream = engine.generate(request).unwrap();
         let tokens = stream
             .filter(|e| matches!(e, crate::Event::Token(_)))
             .count();

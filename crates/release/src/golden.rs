@@ -1,0 +1,1 @@
+//! (being built: gates and golden sets)

@@ -1,0 +1,1 @@
+//! (being built: plan, router, judge, controller)

@@ -1724,3 +1724,692 @@ pub fn feature_consistency_gate(
     });
     report
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::golden::GoldenSet;
+
+    fn label_set(classes: &[&str]) -> GoldenSet {
+        let text: Vec<String> = classes
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                format!(r#"{{"id": "c{i}", "prompt": "p{i}", "label_field": "category", "expected": {{"label": "{c}"}}}}"#)
+            })
+            .collect();
+        GoldenSet::from_sources(&[("cases.jsonl".into(), text.join("\n"))]).unwrap()
+    }
+
+    fn answers(labels: &[&str]) -> Vec<Prediction> {
+        labels
+            .iter()
+            .map(|l| Prediction::Text(format!(r#"{{"category": "{l}"}}"#)))
+            .collect()
+    }
+
+    /// `n` cases of `class`, of which the first `wrong` are answered `instead`.
+    fn with_errors(truth: &[&'static str], wrong: &[(usize, &'static str)]) -> Vec<&'static str> {
+        let mut out = truth.to_vec();
+        for (i, instead) in wrong {
+            out[*i] = instead;
+        }
+        out
+    }
+
+    fn refunds_and_logistics() -> Vec<&'static str> {
+        let mut truth = vec!["refund"; 20];
+        truth.extend(vec!["logistics"; 20]);
+        truth
+    }
+
+    #[test]
+    fn a_recall_floor_failure_is_refused_with_a_table_naming_the_class() {
+        let truth = refunds_and_logistics();
+        let golden = label_set(&truth);
+        let mut settings = GateSettings::default();
+        settings.recall_floors.insert("refund".into(), 0.95);
+        // Stable misses one refund (95%), candidate two (90%); overall accuracy within margin
+        // is not the point: the floor refuses on its own.
+        let stable = answers(&with_errors(&truth, &[(0, "logistics")]));
+        let candidate = answers(&with_errors(&truth, &[(0, "logistics"), (1, "other")]));
+        settings.accuracy_margin_points = 5.0;
+        let report = eval_gate(&settings, &golden, Some(&stable), &candidate);
+        assert!(!report.passed);
+        assert_eq!(report.reasons.len(), 1, "{:?}", report.reasons);
+        assert!(
+            report.reasons[0].contains("`refund`"),
+            "{}",
+            report.reasons[0]
+        );
+        assert!(report.reasons[0].contains("90.0%"), "{}", report.reasons[0]);
+        let table = report.table();
+        assert!(table.starts_with("eval gate: REFUSED"), "{table}");
+        let refund_row = table
+            .lines()
+            .find(|l| l.starts_with("refund"))
+            .unwrap_or_else(|| panic!("no refund row in\n{table}"));
+        for cell in ["20", "95.0%", "90.0%", "≥ 95.0%", "✗"] {
+            assert!(refund_row.contains(cell), "{cell} not in {refund_row:?}");
+        }
+        let logistics_row = table.lines().find(|l| l.starts_with("logistics")).unwrap();
+        assert!(!logistics_row.contains('✗'), "{logistics_row}");
+
+        // The same candidate passes once the floor is met.
+        let candidate = answers(&with_errors(&truth, &[(0, "logistics")]));
+        let report = eval_gate(&settings, &golden, Some(&stable), &candidate);
+        assert!(report.passed, "{}", report.table());
+
+        // A floor on a class the golden set never shows refuses.
+        settings.recall_floors.insert("fraud".into(), 0.9);
+        let report = eval_gate(&settings, &golden, Some(&stable), &candidate);
+        assert!(!report.passed);
+        assert!(
+            report.reasons[0].contains("`fraud`"),
+            "{:?}",
+            report.reasons
+        );
+    }
+
+    #[test]
+    fn must_improve_needs_the_margin_and_otherwise_the_margin_bounds_regression() {
+        let truth = vec!["yes"; 200];
+        let golden = label_set(&truth);
+        let wrong = |n: usize| -> Vec<Prediction> {
+            let wrong: Vec<(usize, &'static str)> = (0..n).map(|i| (i, "no")).collect();
+            answers(&with_errors(&truth, &wrong))
+        };
+        let stable = wrong(20); // 90.0%
+        let mut settings = GateSettings::default();
+        let verdict = |settings: &GateSettings, errors: usize| {
+            eval_gate(settings, &golden, Some(&stable), &wrong(errors)).passed
+        };
+        // Default: at most 0.5 points below stable.
+        assert!(verdict(&settings, 21)); // 89.5%
+        assert!(!verdict(&settings, 22)); // 89.0%
+        settings.must_improve = true;
+        assert!(verdict(&settings, 19)); // 90.5%
+        assert!(!verdict(&settings, 20)); // equal is not better
+        let report = eval_gate(&settings, &golden, Some(&stable), &wrong(20));
+        assert!(
+            report.reasons.iter().any(|r| r.contains("must_improve")),
+            "{:?}",
+            report.reasons
+        );
+        // Without a stable, only the absolute floors apply.
+        settings.min_accuracy = Some(0.9);
+        assert!(eval_gate(&settings, &golden, None, &wrong(20)).passed);
+        assert!(!eval_gate(&settings, &golden, None, &wrong(21)).passed);
+    }
+
+    #[test]
+    fn an_unacceptable_confusion_weighs_ten_errors() {
+        let mut truth = vec!["refund"; 50];
+        truth.extend(vec!["logistics"; 50]);
+        let golden = label_set(&truth);
+        // Stable: two harmless errors. Candidate: one error, but the unacceptable one.
+        let stable = answers(&with_errors(&truth, &[(50, "refund"), (51, "refund")]));
+        let candidate = answers(&with_errors(&truth, &[(0, "logistics")]));
+        let mut settings = GateSettings::default();
+        assert!(eval_gate(&settings, &golden, Some(&stable), &candidate).passed);
+
+        settings.unacceptable = vec![["refund".into(), "logistics".into()]];
+        let report = eval_gate(&settings, &golden, Some(&stable), &candidate);
+        assert!(!report.passed, "{}", report.table());
+        let GateMetrics::Eval(eval) = &report.metrics else {
+            panic!("eval metrics expected")
+        };
+        assert_eq!(eval.candidate.unacceptable_confusions, 1);
+        assert!((eval.candidate.error_cost.unwrap() - 0.10).abs() < 1e-12);
+        assert!((eval.stable.as_ref().unwrap().error_cost.unwrap() - 0.02).abs() < 1e-12);
+        assert!(eval.candidate.accuracy > eval.stable.as_ref().unwrap().accuracy);
+        assert!(
+            report.reasons[0].contains("error cost"),
+            "{:?}",
+            report.reasons
+        );
+        let cell = eval
+            .candidate
+            .confusion
+            .iter()
+            .find(|c| c.expected == "refund" && c.predicted == "logistics")
+            .unwrap();
+        assert_eq!(cell.count, 1);
+        let refund = &eval.candidate.classes["refund"];
+        assert_eq!((refund.support, refund.true_positive), (50, 49));
+        assert_eq!(eval.candidate.classes["logistics"].predicted, 51);
+
+        settings.unacceptable_weight = 2.0; // 0.02 + 0.005 ≥ 0.02: passes again
+        assert!(eval_gate(&settings, &golden, Some(&stable), &candidate).passed);
+    }
+
+    #[test]
+    fn failed_calls_count_as_wrong_and_mismatched_lengths_refuse() {
+        let truth = vec!["a"; 10];
+        let golden = label_set(&truth);
+        let mut candidate = answers(&truth);
+        candidate[3] = Prediction::Failed("timeout".into());
+        let report = eval_gate(&GateSettings::default(), &golden, None, &candidate);
+        let GateMetrics::Eval(eval) = &report.metrics else {
+            panic!()
+        };
+        assert_eq!((eval.candidate.correct, eval.candidate.failed), (9, 1));
+        assert!(report.notes.iter().any(|n| n.contains("1 cases failed")));
+
+        let report = eval_gate(&GateSettings::default(), &golden, None, &candidate[..9]);
+        assert!(!report.passed);
+        assert!(
+            report.reasons[0].contains("9 predictions"),
+            "{:?}",
+            report.reasons
+        );
+    }
+
+    fn gt(label: &str, bbox: [f32; 4]) -> GroundTruthBox {
+        GroundTruthBox {
+            label: label.into(),
+            bbox,
+        }
+    }
+
+    fn det(label: &str, score: f32, bbox: [f32; 4]) -> DetectedBox {
+        DetectedBox {
+            label: label.into(),
+            score,
+            bbox,
+        }
+    }
+
+    fn ap_of(images: &[(Vec<GroundTruthBox>, Vec<DetectedBox>)], class: &str) -> Option<f64> {
+        let refs: Vec<(&[GroundTruthBox], &[DetectedBox])> = images
+            .iter()
+            .map(|(t, d)| (t.as_slice(), d.as_slice()))
+            .collect();
+        match_detections(&refs, 0.5, 0.5)[class].average_precision
+    }
+
+    #[test]
+    fn average_precision_on_hand_computed_cases() {
+        let a = [0.0, 0.0, 10.0, 10.0];
+        let b = [20.0, 20.0, 30.0, 30.0];
+        let far = [50.0, 50.0, 60.0, 60.0];
+        // Perfect boxes.
+        let perfect = vec![
+            (vec![gt("p", a)], vec![det("p", 0.9, a)]),
+            (vec![gt("p", b)], vec![det("p", 0.8, b)]),
+        ];
+        assert_eq!(ap_of(&perfect, "p"), Some(1.0));
+
+        // Two ground-truth boxes, one false positive ranked second: precision 1, 1/2, 2/3 at
+        // recall 1/2, 1/2, 1 → AP = 1/2 · 1 + 1/2 · 2/3 = 5/6.
+        let middle = vec![(
+            vec![gt("p", a), gt("p", b)],
+            vec![det("p", 0.9, a), det("p", 0.8, far), det("p", 0.7, b)],
+        )];
+        assert!((ap_of(&middle, "p").unwrap() - 5.0 / 6.0).abs() < 1e-12);
+        // Ranked first: the envelope is 2/3 everywhere → 2/3. Ranked last: 1.
+        let first = vec![(
+            vec![gt("p", a), gt("p", b)],
+            vec![det("p", 0.95, far), det("p", 0.9, a), det("p", 0.7, b)],
+        )];
+        assert!((ap_of(&first, "p").unwrap() - 2.0 / 3.0).abs() < 1e-12);
+        let last = vec![(
+            vec![gt("p", a), gt("p", b)],
+            vec![det("p", 0.9, a), det("p", 0.7, b), det("p", 0.1, far)],
+        )];
+        assert_eq!(ap_of(&last, "p"), Some(1.0));
+        // A duplicate of a matched box is a false positive.
+        let duplicate = [(vec![gt("p", a)], vec![det("p", 0.9, a), det("p", 0.8, a)])];
+        let refs: Vec<(&[GroundTruthBox], &[DetectedBox])> = duplicate
+            .iter()
+            .map(|(t, d)| (t.as_slice(), d.as_slice()))
+            .collect();
+        let p = &match_detections(&refs, 0.5, 0.5)["p"];
+        assert_eq!((p.detections_above, p.true_positives_above), (2, 1));
+        assert_eq!(p.average_precision, Some(1.0));
+
+        // IoU exactly 0.5 matches; just below does not; just above does.
+        assert_eq!(iou(a, [0.0, 0.0, 10.0, 5.0]), 0.5);
+        let at = vec![(vec![gt("p", a)], vec![det("p", 0.9, [0.0, 0.0, 10.0, 5.0])])];
+        assert_eq!(ap_of(&at, "p"), Some(1.0));
+        let below = vec![(vec![gt("p", a)], vec![det("p", 0.9, [0.0, 0.0, 10.0, 4.9])])];
+        assert!(iou(a, [0.0, 0.0, 10.0, 4.9]) < 0.5);
+        assert_eq!(ap_of(&below, "p"), Some(0.0));
+        let above = vec![(vec![gt("p", a)], vec![det("p", 0.9, [0.0, 0.0, 10.0, 5.1])])];
+        assert_eq!(ap_of(&above, "p"), Some(1.0));
+        // A right box with the wrong label matches nothing; a class without ground truth has
+        // no AP (it stays out of the mean).
+        let wrong_label = vec![(vec![gt("p", a)], vec![det("car", 0.9, a)])];
+        assert_eq!(ap_of(&wrong_label, "p"), Some(0.0));
+        assert_eq!(ap_of(&wrong_label, "car"), None);
+    }
+
+    #[test]
+    fn detector_gate_judges_map_and_box_recall() {
+        let line = |i: usize| {
+            format!(
+                r#"{{"id": "d{i}", "input": {{"image": "{i}.png"}}, "expected": {{"boxes": [{{"label": "person", "box": [0, 0, 10, 10]}}, {{"label": "car", "box": [20, 20, 40, 30]}}]}}}}"#
+            )
+        };
+        let text: Vec<String> = (0..4).map(line).collect();
+        let golden = GoldenSet::from_sources(&[("det.jsonl".into(), text.join("\n"))]).unwrap();
+        let perfect = || {
+            Prediction::Boxes(vec![
+                det("person", 0.9, [0.0, 0.0, 10.0, 10.0]),
+                det("car", 0.8, [20.0, 20.0, 40.0, 30.0]),
+            ])
+        };
+        let stable: Vec<Prediction> = (0..4).map(|_| perfect()).collect();
+        let mut candidate = stable.clone();
+        // Misses the person in two images.
+        for prediction in candidate.iter_mut().take(2) {
+            *prediction = Prediction::Boxes(vec![det("car", 0.8, [20.0, 20.0, 40.0, 30.0])]);
+        }
+        let mut settings = GateSettings::default();
+        settings.recall_floors.insert("person".into(), 0.9);
+        let report = eval_gate(&settings, &golden, Some(&stable), &candidate);
+        assert!(!report.passed);
+        let GateMetrics::Eval(eval) = &report.metrics else {
+            panic!()
+        };
+        assert_eq!(eval.stable.as_ref().unwrap().map, Some(1.0));
+        assert_eq!(eval.candidate.map, Some(0.75)); // person AP 0.5, car AP 1
+        assert_eq!(eval.candidate.classes["person"].recall, Some(0.5));
+        assert!(report.reasons.iter().any(|r| r.contains("`person`")));
+        assert!(report.reasons.iter().any(|r| r.contains("mAP@0.5")));
+        assert!(eval_gate(&settings, &golden, Some(&stable), &stable).passed);
+    }
+
+    #[test]
+    fn latency_gate_compares_p95() {
+        let settings = GateSettings::default();
+        let stable: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&stable, 0.95), Some(95.0));
+        assert_eq!(percentile(&stable, 0.5), Some(50.0));
+        let slower = |factor: f64| -> Vec<f64> { stable.iter().map(|v| v * factor).collect() };
+        assert!(latency_gate(&settings, &stable, &slower(1.1)).passed);
+        let report = latency_gate(&settings, &stable, &slower(1.2));
+        assert!(!report.passed);
+        assert!(report.reasons[0].contains("1.20×"), "{:?}", report.reasons);
+        let table = report.table();
+        assert!(
+            table.contains("95.0 ms") && table.contains("114.0 ms"),
+            "{table}"
+        );
+        assert!(
+            table
+                .lines()
+                .any(|l| l.starts_with("p95") && l.ends_with('✗')),
+            "{table}"
+        );
+
+        let few = latency_gate(&settings, &stable[..5], &stable[..5]);
+        assert!(!few.passed);
+        assert!(
+            few.reasons[0].contains("5 latency samples"),
+            "{:?}",
+            few.reasons
+        );
+        let mut broken = stable.clone();
+        broken[0] = f64::NAN;
+        assert!(!latency_gate(&settings, &stable, &broken).passed);
+    }
+
+    fn row(pairs: &[(&str, serde_json::Value)]) -> serde_json::Map<String, serde_json::Value> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.clone()))
+            .collect()
+    }
+
+    fn labelled(counts: &[(&str, usize)]) -> DatasetStats {
+        let rows: Vec<_> = counts
+            .iter()
+            .flat_map(|(label, n)| (0..*n).map(move |_| row(&[("label", (*label).into())])))
+            .collect();
+        DatasetStats::from_rows(&rows, &DataQualitySettings::default())
+    }
+
+    #[test]
+    fn kl_and_missing_values() {
+        use serde_json::json;
+        let balanced = labelled(&[("a", 50), ("b", 50)]);
+        assert_eq!(label_kl(&balanced, &balanced, 0.5), Some(0.0));
+        let skewed = labelled(&[("a", 90), ("b", 10)]);
+        // p = (90.5, 10.5)/101, q = (1/2, 1/2).
+        let kl = label_kl(&skewed, &balanced, 0.5).unwrap();
+        assert!((kl - 0.359_448_462_620_653).abs() < 1e-9, "{kl}");
+        // A label the previous version never had: finite, and large enough to refuse.
+        let new_label = labelled(&[("a", 50), ("b", 20), ("c", 30)]);
+        let kl = label_kl(&new_label, &balanced, 0.5).unwrap();
+        assert!(kl.is_finite() && kl > 0.3, "{kl}");
+        let settings = GateSettings::default();
+        let report = data_quality_gate(&settings, &skewed, Some(&balanced));
+        assert!(
+            !report.passed && report.reasons[0].contains("KL"),
+            "{:?}",
+            report.reasons
+        );
+        assert!(
+            data_quality_gate(
+                &settings,
+                &balanced,
+                Some(&labelled(&[("a", 48), ("b", 52)]))
+            )
+            .passed
+        );
+
+        // 4 rows × 3 columns; missing: an absent key, a null, a blank string.
+        let rows = vec![
+            row(&[
+                ("label", json!("a")),
+                ("width", json!(32)),
+                ("height", json!(32)),
+            ]),
+            row(&[("label", json!("a")), ("width", json!(32))]),
+            row(&[
+                ("label", json!(null)),
+                ("width", json!(32)),
+                ("height", json!(32)),
+            ]),
+            row(&[
+                ("label", json!(" ")),
+                ("width", json!(32)),
+                ("height", json!(32)),
+            ]),
+        ];
+        let stats = DatasetStats::from_rows(&rows, &DataQualitySettings::default());
+        assert_eq!((stats.missing_cells, stats.total_cells), (3, 12));
+        assert_eq!(stats.missing_share(), Some(0.25));
+        assert_eq!(stats.label_counts["a"], 2);
+        assert_eq!(stats.size_consistency(), Some(1.0));
+        let report = data_quality_gate(&settings, &stats, None);
+        assert!(!report.passed);
+        assert!(report.reasons[0].contains("25.0%"), "{:?}", report.reasons);
+        assert!(report.notes.iter().any(|n| n.contains("no previous")));
+    }
+
+    #[test]
+    fn image_size_consistency() {
+        use serde_json::json;
+        let sized = |odd: usize| {
+            let rows: Vec<_> = (0..100)
+                .map(|i| {
+                    let w = if i < odd { 31 } else { 32 };
+                    row(&[
+                        ("label", json!("x")),
+                        ("width", json!(w)),
+                        ("height", json!(32)),
+                    ])
+                })
+                .collect();
+            DatasetStats::from_rows(&rows, &DataQualitySettings::default())
+        };
+        let settings = GateSettings::default();
+        assert!(data_quality_gate(&settings, &sized(1), None).passed);
+        let report = data_quality_gate(&settings, &sized(2), None);
+        assert!(!report.passed);
+        assert!(report.reasons[0].contains("32x32"), "{:?}", report.reasons);
+    }
+
+    #[test]
+    fn datasets_load_from_jsonl_and_csv() {
+        let dir = tempfile::tempdir().unwrap();
+        let csv = dir.path().join("v2.csv");
+        std::fs::write(
+            &csv,
+            "path,label,width,height\r\nimg/1.png,\"cat, tabby\",32,32\nimg/2.png,dog,32,\n\"img/\"\"3\"\".png\",dog,32,32\n",
+        )
+        .unwrap();
+        let settings = DataQualitySettings::default();
+        let stats = DatasetStats::load(&csv, &settings).unwrap();
+        assert_eq!(stats.rows, 3);
+        assert_eq!(stats.label_counts["cat, tabby"], 1);
+        assert_eq!(stats.label_counts["dog"], 2);
+        assert_eq!((stats.missing_cells, stats.total_cells), (1, 12));
+        assert_eq!(stats.size_counts["32x32"], 2);
+
+        let jsonl = dir.path().join("v1.jsonl");
+        std::fs::write(
+            &jsonl,
+            "{\"label\": \"cat\", \"width\": 32, \"height\": 32}\n\n[1]\n",
+        )
+        .unwrap();
+        let err = DatasetStats::load(&jsonl, &settings).unwrap_err();
+        assert!(
+            err.to_string()
+                .ends_with("v1.jsonl:3: a row must be a JSON object"),
+            "{err}"
+        );
+
+        let bad_csv = dir.path().join("bad.csv");
+        std::fs::write(&bad_csv, "label,width\ncat\n").unwrap();
+        let err = DatasetStats::load(&bad_csv, &settings).unwrap_err();
+        assert!(err.to_string().contains("bad.csv:2:"), "{err}");
+    }
+
+    /// A tiny separable resizer with PIL-style antialiasing (the kernel widens by the scale when
+    /// shrinking): enough to show what a change of filter does to features.
+    fn resize(
+        src: &[f32],
+        size: usize,
+        out: usize,
+        kernel: fn(f64) -> f64,
+        support: f64,
+    ) -> Vec<f32> {
+        let scale = size as f64 / out as f64;
+        let filter_scale = scale.max(1.0);
+        let weights: Vec<Vec<(usize, f64)>> = (0..out)
+            .map(|o| {
+                let center = (o as f64 + 0.5) * scale;
+                let lo = ((center - support * filter_scale).floor().max(0.0)) as usize;
+                let hi = ((center + support * filter_scale).ceil() as usize).min(size);
+                let taps: Vec<(usize, f64)> = (lo..hi)
+                    .map(|i| (i, kernel((i as f64 + 0.5 - center) / filter_scale)))
+                    .collect();
+                let total: f64 = taps.iter().map(|t| t.1).sum();
+                taps.into_iter().map(|(i, w)| (i, w / total)).collect()
+            })
+            .collect();
+        let mut rows = vec![0.0f32; size * out];
+        for y in 0..size {
+            for (x, taps) in weights.iter().enumerate() {
+                rows[y * out + x] = taps
+                    .iter()
+                    .map(|(i, w)| f64::from(src[y * size + i]) * w)
+                    .sum::<f64>() as f32;
+            }
+        }
+        let mut dst = vec![0.0f32; out * out];
+        for (y, taps) in weights.iter().enumerate() {
+            for x in 0..out {
+                dst[y * out + x] = taps
+                    .iter()
+                    .map(|(i, w)| f64::from(rows[i * out + x]) * w)
+                    .sum::<f64>() as f32;
+            }
+        }
+        dst
+    }
+
+    fn triangle(x: f64) -> f64 {
+        (1.0 - x.abs()).max(0.0)
+    }
+
+    fn lanczos3(x: f64) -> f64 {
+        let sinc = |v: f64| {
+            if v == 0.0 {
+                1.0
+            } else {
+                (std::f64::consts::PI * v).sin() / (std::f64::consts::PI * v)
+            }
+        };
+        if x.abs() < 3.0 {
+            sinc(x) * sinc(x / 3.0)
+        } else {
+            0.0
+        }
+    }
+
+    /// A synthetic photo: a smooth gradient, a few sharp-edged objects and fine texture, from a
+    /// seeded generator.
+    fn synthetic_image(seed: u64, size: usize) -> Vec<f32> {
+        let mut state = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 11) as f64 / (1u64 << 53) as f64
+        };
+        let (fx, fy, phase) = (next() * 6.0, next() * 6.0, next() * std::f64::consts::TAU);
+        let objects: Vec<[f64; 5]> = (0..4)
+            .map(|_| {
+                let (x, y) = (next(), next());
+                [
+                    x,
+                    y,
+                    x + 0.1 + next() * 0.3,
+                    y + 0.1 + next() * 0.3,
+                    next() - 0.5,
+                ]
+            })
+            .collect();
+        (0..size * size)
+            .map(|i| {
+                let (x, y) = (
+                    (i % size) as f64 / size as f64,
+                    (i / size) as f64 / size as f64,
+                );
+                let mut value = 0.5 + 0.2 * (fx * x + fy * y + phase).sin();
+                for [x1, y1, x2, y2, shade] in &objects {
+                    if (*x1..*x2).contains(&x) && (*y1..*y2).contains(&y) {
+                        value += shade;
+                    }
+                }
+                (value + 0.2 * (next() - 0.5)) as f32
+            })
+            .collect()
+    }
+
+    /// What a vision model's pre-processing ends with: resize, then normalise to mean 0.
+    fn preprocess(image: &[f32], kernel: fn(f64) -> f64, support: f64) -> Vec<f32> {
+        resize(image, 48, 20, kernel, support)
+            .into_iter()
+            .map(|v| (v - 0.485) / 0.229)
+            .collect()
+    }
+
+    #[test]
+    fn feature_consistency_catches_bilinear_versus_lanczos() {
+        let images: Vec<Vec<f32>> = (0..1000).map(|seed| synthetic_image(seed, 48)).collect();
+        let bilinear: Vec<Vec<f32>> = images
+            .iter()
+            .map(|i| preprocess(i, triangle, 1.0))
+            .collect();
+        let lanczos: Vec<Vec<f32>> = images
+            .iter()
+            .map(|i| preprocess(i, lanczos3, 3.0))
+            .collect();
+        let settings = GateSettings::default();
+
+        let same = feature_consistency_gate(&settings, &bilinear, &bilinear.clone());
+        assert!(same.passed, "{}", same.table());
+
+        let changed = feature_consistency_gate(&settings, &bilinear, &lanczos);
+        assert!(!changed.passed, "{}", changed.table());
+        assert!(
+            changed.reasons[0].contains("pre-processing differs"),
+            "{:?}",
+            changed.reasons
+        );
+        let GateMetrics::FeatureConsistency(metrics) = &changed.metrics else {
+            panic!()
+        };
+        assert!(metrics.share_consistent < 0.95, "{metrics:?}");
+        assert_eq!(metrics.worst[0].cosine, metrics.min_cosine);
+
+        // Float noise far below a real change still passes.
+        let jittered: Vec<Vec<f32>> = bilinear
+            .iter()
+            .map(|v| {
+                v.iter()
+                    .enumerate()
+                    .map(|(i, x)| x + if i % 2 == 0 { 1e-5 } else { -1e-5 })
+                    .collect()
+            })
+            .collect();
+        assert!(feature_consistency_gate(&settings, &bilinear, &jittered).passed);
+
+        // Too few samples, or vectors of different lengths, refuse.
+        assert!(!feature_consistency_gate(&settings, &bilinear[..10], &bilinear[..10]).passed);
+        let mut short = bilinear.clone();
+        short[7].pop();
+        let report = feature_consistency_gate(&settings, &bilinear, &short);
+        assert!(
+            !report.passed && report.reasons[0].contains("sample 7"),
+            "{:?}",
+            report.reasons
+        );
+    }
+
+    #[test]
+    fn settings_from_the_plan_table() {
+        let table: toml::Table = toml::from_str(
+            r#"
+            eval = true
+            must_improve = true
+            accuracy_margin_points = 1
+            unacceptable = [["refund", "logistics"]]
+            [recall_floors]
+            refund = 0.95
+            [data_quality]
+            max_label_kl = 0.2
+            [feature_consistency]
+            samples = 200
+            "#,
+        )
+        .unwrap();
+        let settings = GateSettings::from_table(&table).unwrap();
+        assert!(settings.must_improve);
+        assert_eq!(settings.accuracy_margin_points, 1.0);
+        assert_eq!(settings.recall_floors["refund"], 0.95);
+        assert_eq!(
+            settings.unacceptable,
+            vec![["refund".to_owned(), "logistics".to_owned()]]
+        );
+        assert_eq!(settings.data_quality.max_label_kl, 0.2);
+        assert_eq!(settings.data_quality.max_missing, 0.05);
+        assert_eq!(settings.feature_consistency.samples, 200);
+        assert_eq!(settings.latency_ratio, 1.1);
+        assert_eq!(
+            GateSettings::from_table(&toml::Table::new()).unwrap(),
+            GateSettings::default()
+        );
+
+        let typo: toml::Table = toml::from_str("latency_ration = 1.2").unwrap();
+        let err = GateSettings::from_table(&typo).unwrap_err();
+        assert!(err.to_string().contains("latency_ration"), "{err}");
+        let percent: toml::Table = toml::from_str("[recall_floors]\nrefund = 95").unwrap();
+        let err = GateSettings::from_table(&percent).unwrap_err();
+        assert!(err.to_string().contains("recall_floors.refund"), "{err}");
+    }
+
+    #[test]
+    fn reports_round_trip_through_json() {
+        let truth = refunds_and_logistics();
+        let golden = label_set(&truth);
+        let stable = answers(&truth);
+        let report = eval_gate(&GateSettings::default(), &golden, Some(&stable), &stable);
+        let json = serde_json::to_string(&report).unwrap();
+        let back: GateReport = serde_json::from_str(&json).unwrap();
+        assert_eq!(back, report);
+        let reports = [
+            report,
+            latency_gate(&GateSettings::default(), &[1.0; 3], &[1.0; 3]),
+        ];
+        assert!(!all_passed(&reports));
+        assert!(render_reports(&reports).starts_with("latency gate: REFUSED"));
+    }
+}

@@ -236,12 +236,17 @@ impl GateSettings {
         let optional_fractions = [
             ("min_accuracy", self.min_accuracy),
             ("min_map", self.min_map),
-            ("cost_margin", self.cost_margin.map(|m| m.min(1.0))),
         ];
         for (key, value) in optional_fractions {
             if value.is_some_and(|v| !fraction(v)) {
                 return invalid(key, "must be a fraction in [0, 1]");
             }
+        }
+        if self
+            .cost_margin
+            .is_some_and(|m| !(m.is_finite() && m >= 0.0))
+        {
+            return invalid("cost_margin", "must be non-negative");
         }
         if !(self.map_iou > 0.0 && self.map_iou <= 1.0) {
             return invalid("map_iou", "must be in (0, 1]");
@@ -576,6 +581,13 @@ impl EvalMetrics {
         if let Some(stable) = &self.stable {
             classes.extend(stable.classes.keys().map(String::as_str));
         }
+        // Classes only ever predicted (support 0 in both) stay in the metrics, not the table.
+        let supported =
+            |v: &VariantEval, class: &str| v.classes.get(class).is_some_and(|c| c.support > 0);
+        classes.retain(|class| {
+            supported(&self.candidate, class)
+                || self.stable.as_ref().is_some_and(|s| supported(s, class))
+        });
         classes.extend(self.floors.iter().map(|f| f.class.as_str()));
         let rows: Vec<Vec<String>> = classes
             .into_iter()
@@ -712,6 +724,7 @@ pub fn eval_gate(
             stable_accuracy,
             accuracy,
             margin,
+            ValueFormat::Percent,
         );
         if let Some(cost) = candidate_eval.error_cost {
             let stable_cost = stable_eval.as_ref().and_then(|s| s.error_cost);
@@ -767,7 +780,15 @@ pub fn eval_gate(
                 || format!("candidate {metric} {map:.3} is below the floor {min:.3}"),
             );
         }
-        compare_to_stable(&mut report, settings, &metric, stable_map, map, margin);
+        compare_to_stable(
+            &mut report,
+            settings,
+            &metric,
+            stable_map,
+            map,
+            margin,
+            ValueFormat::Plain,
+        );
     }
     if candidate_eval.accuracy.is_none() && candidate_eval.map.is_none() {
         report.refuse("the golden set gave neither an accuracy nor an mAP to judge".into());
@@ -813,20 +834,9 @@ fn compare_to_stable(
     stable: Option<f64>,
     candidate: f64,
     margin: f64,
+    format: ValueFormat,
 ) {
-    let percent_metric = metric == "accuracy";
-    let show = |v: f64| {
-        if percent_metric {
-            percent(v)
-        } else {
-            format!("{v:.3}")
-        }
-    };
-    let format = if percent_metric {
-        ValueFormat::Percent
-    } else {
-        ValueFormat::Plain
-    };
+    let show = |v: f64| format_value(Some(v), format);
     let Some(stable) = stable else {
         report.checks.push(Check {
             metric: metric.to_owned(),
@@ -1792,6 +1802,7 @@ mod tests {
         for cell in ["20", "95.0%", "90.0%", "≥ 95.0%", "✗"] {
             assert!(refund_row.contains(cell), "{cell} not in {refund_row:?}");
         }
+        assert!(!table.lines().any(|l| l.starts_with("other")), "{table}");
         let logistics_row = table.lines().find(|l| l.starts_with("logistics")).unwrap();
         assert!(!logistics_row.contains('✗'), "{logistics_row}");
 

@@ -34,9 +34,10 @@
 //! - **Entropy spread** (`entropy_std`): the issue's rule, "entropy std ≥ 0.05 within a step → roll
 //!   back", read as a *comparison*: the std of the candidate's per-request mean entropy moved away
 //!   from the stable's by at least `entropy_std_max` nats (a healthy LLM's per-request entropy has
-//!   a std of tenths of a nat, so an absolute reading would roll back every candidate). Tested as
-//!   the normal mixture on `(|σ_c − σ_s| − max) / se`, se from normal theory. A collapse (the
-//!   spread falls to ~0) fails within a few samples.
+//!   a std of tenths of a nat, so an absolute reading would roll back every candidate). Tested on
+//!   the log of the std ratio (whose noise does not depend on the std), two one-sided normal
+//!   mixtures averaged, from `MIN_SPREAD_SAMPLES` candidate samples. A collapse (the spread falls
+//!   to ~0) fails as soon as that many samples are in.
 //! - **Entropy mean** (optional, nats), **confidence** (optional drop), **helpful rate** (optional
 //!   points): the same normal mixture on the difference of means (rates) beyond the threshold.
 //! - **Drift**: a monitor's drift alarm active on the candidate and not on the stable fails at
@@ -73,8 +74,10 @@ use crate::plan::{JudgeConfig, Schedule, Variant};
 pub const WINDOW_CAP: usize = 20_000;
 /// Stable samples needed before any comparative test runs or a step may pass.
 pub const MIN_REFERENCE_SAMPLES: u64 = 30;
-/// Candidate samples the spread and mean tests need.
+/// Candidate samples the mean tests need.
 pub const MIN_CANDIDATE_SAMPLES: u64 = 10;
+/// Candidate samples the spread test needs (the log of a sample std is skewed at small counts).
+pub const MIN_SPREAD_SAMPLES: u64 = 20;
 /// The tail the latency test is about.
 const TAIL_LEVEL: f64 = 0.95;
 /// Bet sizes of the Bernoulli betting mixture, as fractions of the largest allowed bet.
@@ -509,23 +512,15 @@ impl Judge {
             error_test(cfg, s, c, alpha_slot, &mut metrics);
             let entropy_ready =
                 s.entropy.n >= MIN_REFERENCE_SAMPLES && c.entropy.n >= MIN_CANDIDATE_SAMPLES;
+            if entropy_ready && c.entropy.n >= MIN_SPREAD_SAMPLES {
+                metrics.push(spread_stat(
+                    &s.entropy,
+                    &c.entropy,
+                    cfg.entropy_std_max,
+                    alpha_slot,
+                ));
+            }
             if entropy_ready {
-                let (sd_s, sd_c) = (s.entropy.std(), c.entropy.std());
-                let se = (sd_c * sd_c / (2.0 * (c.entropy.n - 1) as f64)
-                    + sd_s * sd_s / (2.0 * (s.entropy.n - 1) as f64))
-                    .sqrt()
-                    .max(1e-9);
-                let diff = (sd_c - sd_s).abs();
-                metrics.push(MetricStat {
-                    metric: "entropy_std",
-                    test: "spread",
-                    stable: Some(sd_s),
-                    candidate: Some(sd_c),
-                    statistic: diff,
-                    threshold: cfg.entropy_std_max,
-                    e_value: normal_mixture_e_value((diff - cfg.entropy_std_max) / se, c.entropy.n),
-                    alpha: alpha_slot,
-                });
                 if let Some(shift) = cfg.entropy_mean_shift {
                     let diff = (c.entropy.mean - s.entropy.mean).abs();
                     metrics.push(mean_stat(
@@ -744,6 +739,33 @@ fn error_test(cfg: &JudgeConfig, s: &Side, c: &Side, alpha: f64, out: &mut Vec<M
     });
 }
 
+/// The spread test: is the candidate's std outside `[σ_s − max, σ_s + max]`? On the log scale,
+/// where the sample std's noise, `1/(2(n−1))` in variance, does not depend on the std itself (a
+/// test standardised by the candidate's own small std would reject an identical candidate whenever
+/// its first few samples happen to be close together). The average of the two one-sided
+/// normal-mixture e-values (below, above) is the e-value.
+fn spread_stat(s: &Moments, c: &Moments, max: f64, alpha: f64) -> MetricStat {
+    let (sd_s, sd_c) = (s.std(), c.std());
+    let se_log = (0.5 / (c.n - 1) as f64 + 0.5 / (s.n - 1) as f64).sqrt();
+    let log_c = sd_c.max(1e-9).ln();
+    let e_below = if sd_s - max > 0.0 {
+        normal_mixture_e_value(((sd_s - max).ln() - log_c) / se_log, c.n)
+    } else {
+        0.0
+    };
+    let e_above = normal_mixture_e_value((log_c - (sd_s + max).max(1e-9).ln()) / se_log, c.n);
+    MetricStat {
+        metric: "entropy_std",
+        test: "spread",
+        stable: Some(sd_s),
+        candidate: Some(sd_c),
+        statistic: (sd_c - sd_s).abs(),
+        threshold: max,
+        e_value: (e_below + e_above) / 2.0,
+        alpha,
+    }
+}
+
 /// A difference of means beyond `threshold`, as a normal mixture over the candidate's count.
 fn mean_stat(
     metric: &'static str,
@@ -897,7 +919,7 @@ mod tests {
         for i in 0..200 {
             w.push(&sample(&mut rng, Variant::Stable, i, 1.0, 2.0));
         }
-        for _ in 0..12 {
+        for _ in 0..MIN_SPREAD_SAMPLES {
             let mut s = sample(&mut rng, Variant::Candidate, 1000, 1.0, 2.0);
             s.entropy_mean = Some((0.02 * rng.uniform()) as f32);
             w.push(&s);

@@ -644,3 +644,47 @@ fn decisions_persist_and_a_replaced_plan_keeps_the_window() {
     ctrl.replace_plan(other);
     assert_eq!(ctrl.status().samples_stable, 0);
 }
+
+/// The null's boundary: a candidate exactly `latency_ratio` slower on every request and exactly
+/// `error_rate_points` worse. The tests must still roll back at most α of such releases (the
+/// plug-in reference is where the bound is approximate; this measures it).
+#[test]
+fn candidates_at_the_thresholds_are_rolled_back_at_most_alpha_of_the_time() {
+    let users = Users::new(2000);
+    let releases = 1000;
+    let alpha = JudgeConfig::default().alpha;
+    let at_threshold = Behaviour {
+        slow: 1.10,
+        error_rate: NORMAL.error_rate + 0.005,
+        ..NORMAL
+    };
+    let mut rolled_back = 0;
+    for seed in 0..releases {
+        let mut rng = Rng(2_000_000 + seed);
+        let mut ctrl = Controller::new(plan(fast_schedule()));
+        start(&mut ctrl, 0);
+        let (decisions, _) = drive(
+            &mut ctrl,
+            &mut rng,
+            &users,
+            20.0,
+            0,
+            3_600_000,
+            |_| at_threshold,
+            |_| true,
+        );
+        if ctrl.plan().state.phase == Phase::RolledBack {
+            rolled_back += 1;
+            println!(
+                "seed {seed}: rollback at the boundary {:?}",
+                decisions.last().map(|d| &d.reason)
+            );
+        }
+    }
+    let rate = rolled_back as f64 / releases as f64;
+    let margin = 3.0 * (alpha * (1.0 - alpha) / releases as f64).sqrt();
+    println!(
+        "at the thresholds: {rolled_back} of {releases} rolled back (rate {rate:.4}, α = {alpha})"
+    );
+    assert!(rate <= alpha + margin, "rate {rate}");
+}

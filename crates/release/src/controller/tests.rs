@@ -1,0 +1,690 @@
+//! The controller on virtual time and simulated request streams.
+
+use super::*;
+use crate::plan::{JudgeConfig, Schedule};
+use crate::router::{route, RoutingKey};
+
+/// A small deterministic generator (splitmix64).
+struct Rng(u64);
+
+impl Rng {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f64 {
+        ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+    fn normal(&mut self) -> f64 {
+        let (u, v) = (self.uniform(), self.uniform());
+        (-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()
+    }
+    fn exponential(&mut self, rate: f64) -> f64 {
+        -self.uniform().ln() / rate
+    }
+}
+
+/// How a version behaves.
+#[derive(Clone, Copy)]
+struct Behaviour {
+    slow: f64,
+    error_rate: f64,
+    entropy: f64,
+    entropy_sd: f64,
+}
+
+const NORMAL: Behaviour = Behaviour {
+    slow: 1.0,
+    error_rate: 0.01,
+    entropy: 2.0,
+    entropy_sd: 0.3,
+};
+
+fn sample(rng: &mut Rng, variant: Variant, time_ms: u64, b: Behaviour) -> Sample {
+    let ttft = 200.0 * (0.2 * rng.normal()).exp() * b.slow;
+    let tpot = 30.0 * (0.2 * rng.normal()).exp() * b.slow;
+    Sample {
+        variant,
+        time_ms,
+        error: rng.uniform() < b.error_rate,
+        ttft_ms: Some(ttft),
+        tpot_ms: Some(tpot),
+        e2e_ms: ttft + 100.0 * tpot,
+        entropy_mean: Some((b.entropy + b.entropy_sd * rng.normal()).max(0.0) as f32),
+        confidence: None,
+        helpful: None,
+    }
+}
+
+fn plan(schedule: Schedule) -> ReleasePlan {
+    let mut plan = ReleasePlan::new("v1");
+    plan.schedule = schedule;
+    plan
+}
+
+fn start(ctrl: &mut Controller, now_ms: u64) {
+    ctrl.command(
+        Command::Start {
+            candidate: "v2".to_string(),
+            mode: None,
+            tokenizer_changed: false,
+            gates_passed: Some(true),
+        },
+        now_ms,
+        "alice",
+    )
+    .expect("the release starts");
+}
+
+struct Users(Vec<String>);
+
+impl Users {
+    fn new(n: usize) -> Self {
+        Users((0..n).map(|i| format!("user-{i}")).collect())
+    }
+}
+
+/// Drives requests at `rate_per_s` (Poisson) through the router and the controller, ticking every
+/// second, from `from_ms` until `until_ms` or until the release ends. `candidate(t)` says how the
+/// candidate behaves at time t; `traffic(t)` whether requests arrive at all.
+#[allow(clippy::too_many_arguments)]
+fn drive(
+    ctrl: &mut Controller,
+    rng: &mut Rng,
+    users: &Users,
+    rate_per_s: f64,
+    from_ms: u64,
+    until_ms: u64,
+    candidate: impl Fn(u64) -> Behaviour,
+    traffic: impl Fn(u64) -> bool,
+) -> (Vec<Decision>, u64) {
+    let mut decisions = Vec::new();
+    let mut now = from_ms as f64;
+    let mut next_tick = from_ms + 1000;
+    loop {
+        now += rng.exponential(rate_per_s) * 1000.0;
+        while (next_tick as f64) <= now && next_tick <= until_ms {
+            decisions.extend(ctrl.tick(next_tick));
+            if !ctrl.plan().state.phase.is_active() {
+                return (decisions, next_tick);
+            }
+            next_tick += 1000;
+        }
+        if now as u64 > until_ms {
+            return (decisions, until_ms);
+        }
+        let t = now as u64;
+        if !traffic(t) {
+            continue;
+        }
+        let user = &users.0[(rng.next_u64() % users.0.len() as u64) as usize];
+        let r = route(
+            ctrl.plan(),
+            &RoutingKey {
+                user: Some(user),
+                request_id: "r",
+                ..Default::default()
+            },
+        );
+        let behaviour = match r.variant {
+            Variant::Stable => NORMAL,
+            Variant::Candidate => candidate(t),
+        };
+        let s = sample(rng, r.variant, t, behaviour);
+        ctrl.observe(&s);
+    }
+}
+
+fn fast_schedule() -> Schedule {
+    Schedule {
+        steps: vec![5.0, 20.0, 50.0, 100.0],
+        min_step_secs: 10,
+        min_samples: 20,
+        max_step_secs: 600,
+        stall_secs: 30,
+    }
+}
+
+fn actions(decisions: &[Decision]) -> Vec<Action> {
+    decisions.iter().map(|d| d.action).collect()
+}
+
+#[test]
+fn a_slower_candidate_is_rolled_back_inside_the_first_step_within_a_minute() {
+    let users = Users::new(5000);
+    let mut times = Vec::new();
+    for seed in 0..30 {
+        let mut rng = Rng(seed);
+        let mut ctrl = Controller::new(plan(Schedule::default()));
+        start(&mut ctrl, 0);
+        let slow = Behaviour {
+            slow: 1.5,
+            ..NORMAL
+        };
+        let (decisions, end) = drive(
+            &mut ctrl,
+            &mut rng,
+            &users,
+            4.0,
+            0,
+            600_000,
+            |_| slow,
+            |_| true,
+        );
+        assert_eq!(actions(&decisions), vec![Action::Rollback], "seed {seed}");
+        let d = &decisions[0];
+        assert_eq!(d.from_weight, 0.05, "rolled back at the 5% step");
+        assert!(d.metric.as_deref().unwrap().ends_with("_p95"), "{d:?}");
+        assert!(d.e_value.unwrap() > 1.0 / 0.01 && d.p_value.unwrap() < 0.01);
+        assert_eq!(ctrl.plan().state.weight, 0.0);
+        assert_eq!(ctrl.plan().state.phase, Phase::RolledBack);
+        times.push((end, d.samples_candidate));
+    }
+    times.sort();
+    let within = times.iter().filter(|(t, _)| *t <= 60_000).count();
+    println!(
+        "1.5× slower at 4 req/s: rolled back after (ms, candidate samples) median {:?}, max {:?}; {within}/30 within 60 s",
+        times[times.len() / 2],
+        times.last().unwrap()
+    );
+    assert!(times[times.len() / 2].0 <= 60_000, "{times:?}");
+    assert!(within >= 24, "{times:?}");
+}
+
+#[test]
+fn an_erroring_candidate_is_rolled_back() {
+    let users = Users::new(5000);
+    let mut rng = Rng(42);
+    let mut ctrl = Controller::new(plan(fast_schedule()));
+    start(&mut ctrl, 0);
+    let erroring = Behaviour {
+        error_rate: 0.2,
+        ..NORMAL
+    };
+    let (decisions, end) = drive(
+        &mut ctrl,
+        &mut rng,
+        &users,
+        20.0,
+        0,
+        600_000,
+        |_| erroring,
+        |_| true,
+    );
+    let last = decisions.last().unwrap();
+    assert_eq!(last.action, Action::Rollback, "{decisions:?}");
+    assert_eq!(last.metric.as_deref(), Some("error_rate"));
+    println!(
+        "20% errors at 20 req/s: rolled back after {end} ms at weight {}",
+        last.from_weight
+    );
+}
+
+#[test]
+fn an_entropy_collapse_is_rolled_back() {
+    let users = Users::new(5000);
+    let mut rng = Rng(43);
+    let mut ctrl = Controller::new(plan(fast_schedule()));
+    start(&mut ctrl, 0);
+    let collapsed = Behaviour {
+        entropy: 0.02,
+        entropy_sd: 0.01,
+        ..NORMAL
+    };
+    let (decisions, end) = drive(
+        &mut ctrl,
+        &mut rng,
+        &users,
+        20.0,
+        0,
+        600_000,
+        |_| collapsed,
+        |_| true,
+    );
+    assert_eq!(actions(&decisions), vec![Action::Rollback]);
+    assert_eq!(decisions[0].metric.as_deref(), Some("entropy_std"));
+    assert_eq!(decisions[0].from_weight, 0.05);
+    println!("entropy collapse: rolled back after {end} ms");
+}
+
+#[test]
+fn an_identical_candidate_promotes_through_every_step() {
+    let users = Users::new(5000);
+    let mut rng = Rng(44);
+    let mut ctrl = Controller::new(plan(fast_schedule()));
+    start(&mut ctrl, 0);
+    let (decisions, _) = drive(
+        &mut ctrl,
+        &mut rng,
+        &users,
+        20.0,
+        0,
+        3_600_000,
+        |_| NORMAL,
+        |_| true,
+    );
+    assert_eq!(
+        actions(&decisions),
+        vec![Action::Step, Action::Step, Action::Step, Action::Promote]
+    );
+    let weights: Vec<f64> = decisions.iter().map(|d| d.to_weight).collect();
+    assert_eq!(weights, vec![0.2, 0.5, 1.0, 1.0]);
+    let p = ctrl.plan();
+    assert_eq!((p.stable.as_str(), p.candidate.as_deref()), ("v2", None));
+    assert_eq!(p.state.phase, Phase::Promoted);
+    // start + 3 steps + promote, in the plan's history.
+    assert_eq!(p.history.len(), 5);
+    assert_eq!(p.history[0].actor, "alice");
+}
+
+/// ≥ 1,000 A/A releases (different seeds): the share rolled back must stay within α (plus a
+/// binomial margin).
+#[test]
+fn the_false_rollback_rate_of_identical_candidates_is_bounded_by_alpha() {
+    let users = Users::new(2000);
+    let releases = 1000;
+    let mut rolled_back = 0;
+    let mut promoted = 0;
+    let alpha = JudgeConfig::default().alpha;
+    for seed in 0..releases {
+        let mut rng = Rng(1_000_000 + seed);
+        let mut ctrl = Controller::new(plan(fast_schedule()));
+        start(&mut ctrl, 0);
+        let (decisions, _) = drive(
+            &mut ctrl,
+            &mut rng,
+            &users,
+            20.0,
+            0,
+            3_600_000,
+            |_| NORMAL,
+            |_| true,
+        );
+        match ctrl.plan().state.phase {
+            Phase::RolledBack => {
+                rolled_back += 1;
+                println!("seed {seed}: false rollback {:?}", decisions.last());
+            }
+            Phase::Promoted => promoted += 1,
+            other => panic!("seed {seed}: ended in {other:?}"),
+        }
+    }
+    let rate = rolled_back as f64 / releases as f64;
+    // α plus three binomial standard errors.
+    let margin = 3.0 * (alpha * (1.0 - alpha) / releases as f64).sqrt();
+    println!("A/A: {rolled_back} of {releases} releases rolled back (rate {rate:.4}, α = {alpha}), {promoted} promoted");
+    assert!(rate <= alpha + margin, "false-rollback rate {rate}");
+    assert_eq!(promoted + rolled_back, releases);
+}
+
+#[test]
+fn traffic_stopping_mid_step_holds_without_deciding_then_resumes() {
+    let users = Users::new(5000);
+    let mut rng = Rng(45);
+    let mut schedule = fast_schedule();
+    schedule.min_samples = 200;
+    let mut ctrl = Controller::new(plan(schedule));
+    start(&mut ctrl, 0);
+    // Traffic for 20 s, then nothing until 200 s, then traffic again.
+    let traffic = |t: u64| !(20_000..200_000).contains(&t);
+    let (decisions, _) = drive(
+        &mut ctrl,
+        &mut rng,
+        &users,
+        20.0,
+        0,
+        199_000,
+        |_| NORMAL,
+        traffic,
+    );
+    assert_eq!(actions(&decisions), vec![Action::Hold], "{decisions:?}");
+    assert_eq!(ctrl.plan().state.phase, Phase::Holding);
+    assert_eq!(ctrl.plan().state.weight, 0.05, "holding keeps the weight");
+    assert!(
+        decisions[0].reason.contains("no candidate sample"),
+        "{}",
+        decisions[0].reason
+    );
+    // Data flows again: one resume, and the release goes on.
+    let (decisions, _) = drive(
+        &mut ctrl,
+        &mut rng,
+        &users,
+        20.0,
+        199_000,
+        260_000,
+        |_| NORMAL,
+        traffic,
+    );
+    assert_eq!(
+        decisions.first().map(|d| d.action),
+        Some(Action::Resume),
+        "{decisions:?}"
+    );
+    assert!(!decisions.iter().any(|d| d.action == Action::Rollback));
+}
+
+#[test]
+fn time_from_regression_onset_to_weight_zero_at_10_percent_and_20_rps() {
+    let users = Users::new(5000);
+    let mut delays = Vec::new();
+    for seed in 0..20 {
+        let mut rng = Rng(500 + seed);
+        let schedule = Schedule {
+            steps: vec![10.0, 100.0],
+            min_step_secs: 3600,
+            min_samples: 100,
+            max_step_secs: 7200,
+            stall_secs: 60,
+        };
+        let mut ctrl = Controller::new(plan(schedule));
+        start(&mut ctrl, 0);
+        let onset_ms = 60_000;
+        let candidate = |t: u64| {
+            if t >= onset_ms {
+                Behaviour {
+                    slow: 1.5,
+                    ..NORMAL
+                }
+            } else {
+                NORMAL
+            }
+        };
+        let (decisions, end) = drive(
+            &mut ctrl,
+            &mut rng,
+            &users,
+            20.0,
+            0,
+            600_000,
+            candidate,
+            |_| true,
+        );
+        assert_eq!(actions(&decisions), vec![Action::Rollback], "seed {seed}");
+        assert!(end > onset_ms, "no rollback before the onset");
+        delays.push(end - onset_ms);
+    }
+    delays.sort();
+    println!(
+        "regression onset → weight 0 at 10% and 20 req/s: median {} ms, max {} ms (goal ≤ 30 s)",
+        delays[delays.len() / 2],
+        delays.last().unwrap()
+    );
+    assert!(delays[delays.len() / 2] <= 30_000, "{delays:?}");
+    assert!(*delays.last().unwrap() <= 60_000, "{delays:?}");
+}
+
+#[test]
+fn commands_are_checked() {
+    let mut ctrl = Controller::new(ReleasePlan::new("v1"));
+    let start_cmd = |tokenizer_changed| Command::Start {
+        candidate: "v2".to_string(),
+        mode: None,
+        tokenizer_changed,
+        gates_passed: None,
+    };
+    // A tokenizer change needs an explicit approval in the plan.
+    let err = ctrl.command(start_cmd(true), 0, "alice").unwrap_err();
+    assert!(
+        err.to_string().contains("tokenizer_change_approved"),
+        "{err}"
+    );
+    assert_eq!(ctrl.plan().state.phase, Phase::Idle);
+    // Starting waits for the gates.
+    let d = ctrl.command(start_cmd(false), 0, "alice").unwrap();
+    assert_eq!(
+        (d.action, ctrl.plan().state.phase),
+        (Action::Start, Phase::Gating)
+    );
+    assert_eq!(
+        route(
+            ctrl.plan(),
+            &RoutingKey {
+                user: Some("u"),
+                request_id: "r",
+                ..Default::default()
+            }
+        )
+        .why,
+        "gating"
+    );
+    // A second start is refused while one runs.
+    let err = ctrl.command(start_cmd(false), 1, "bob").unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ReleaseError::Refused {
+                command: "start",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    // Gates pass: first step.
+    let d = ctrl
+        .command(
+            Command::GateResult {
+                passed: true,
+                detail: String::new(),
+            },
+            2,
+            "server",
+        )
+        .unwrap();
+    assert_eq!((d.action, d.to_weight), (Action::Start, 0.05));
+    assert_eq!(ctrl.plan().state.release_id, "v1→v2@0");
+    // Pause, resume.
+    assert_eq!(
+        ctrl.command(Command::Pause, 3, "alice").unwrap().action,
+        Action::Pause
+    );
+    assert!(
+        ctrl.tick(100_000_000).is_empty(),
+        "a paused release does not move"
+    );
+    assert_eq!(
+        ctrl.command(Command::Resume, 4, "alice").unwrap().action,
+        Action::Resume
+    );
+    assert!(ctrl.command(Command::Resume, 5, "alice").is_err());
+    // Manual rollback.
+    let d = ctrl
+        .command(
+            Command::Rollback {
+                reason: "customer complaint".to_string(),
+            },
+            6,
+            "alice",
+        )
+        .unwrap();
+    assert_eq!(
+        (d.action, d.to_weight, d.actor.as_str()),
+        (Action::Rollback, 0.0, "alice")
+    );
+    assert!(d.reason.contains("customer complaint"));
+    assert_eq!(ctrl.plan().state.phase, Phase::RolledBack);
+    assert!(ctrl.command(Command::Promote, 7, "alice").is_err());
+    // Gates failing: no traffic at all.
+    let d = ctrl
+        .command(
+            Command::Start {
+                candidate: "v3".to_string(),
+                mode: Some(Mode::Shadow),
+                tokenizer_changed: false,
+                gates_passed: Some(false),
+            },
+            8,
+            "alice",
+        )
+        .unwrap();
+    assert_eq!(
+        (d.action, ctrl.plan().state.phase),
+        (Action::GateFailed, Phase::RolledBack)
+    );
+    assert_eq!(ctrl.plan().mode, Mode::Shadow);
+}
+
+#[test]
+fn approvals_gate_the_start_and_the_promotion() {
+    let users = Users::new(5000);
+    let mut schedule = fast_schedule();
+    schedule.steps = vec![50.0, 100.0];
+    let mut p = plan(schedule);
+    p.approval.start = true;
+    p.approval.promote = true;
+    p.approval.tokenizer_change_approved = true;
+    let mut ctrl = Controller::new(p);
+    let d = ctrl
+        .command(
+            Command::Start {
+                candidate: "v2".to_string(),
+                mode: None,
+                tokenizer_changed: true,
+                gates_passed: Some(true),
+            },
+            0,
+            "alice",
+        )
+        .unwrap();
+    assert_eq!(
+        (d.action, ctrl.plan().state.phase),
+        (Action::Hold, Phase::AwaitingApproval)
+    );
+    assert!(ctrl.tick(10_000).is_empty());
+    let d = ctrl.command(Command::Approve, 10_000, "bob").unwrap();
+    assert_eq!((d.action, d.to_weight), (Action::Approve, 0.5));
+    let mut rng = Rng(46);
+    let (decisions, _) = drive(
+        &mut ctrl,
+        &mut rng,
+        &users,
+        20.0,
+        10_000,
+        200_000,
+        |_| NORMAL,
+        |_| true,
+    );
+    assert_eq!(actions(&decisions), vec![Action::Step, Action::Hold]);
+    assert_eq!(ctrl.plan().state.phase, Phase::AwaitingApproval);
+    // While awaiting the promotion, the candidate keeps its 100%.
+    let r = route(
+        ctrl.plan(),
+        &RoutingKey {
+            user: Some("u"),
+            request_id: "r",
+            ..Default::default()
+        },
+    );
+    assert_eq!(
+        (r.variant, r.why),
+        (Variant::Candidate, "awaiting_approval")
+    );
+    let d = ctrl.command(Command::Approve, 200_000, "bob").unwrap();
+    assert_eq!(d.action, Action::Promote);
+    assert_eq!(ctrl.plan().stable, "v2");
+}
+
+#[test]
+fn decisions_persist_and_a_replaced_plan_keeps_the_window() {
+    let users = Users::new(5000);
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("release.toml");
+    let mut rng = Rng(47);
+    let mut ctrl = Controller::new(plan(fast_schedule()));
+    start(&mut ctrl, 0);
+    let (_, _) = drive(
+        &mut ctrl,
+        &mut rng,
+        &users,
+        20.0,
+        0,
+        5_000,
+        |_| NORMAL,
+        |_| true,
+    );
+    let before = ctrl.status().samples_stable;
+    assert!(before > 0);
+    // A human edits the thresholds: same release, same step, the window stays.
+    let mut edited = ctrl.plan().clone();
+    edited.judge.latency_ratio = 1.2;
+    ctrl.replace_plan(edited);
+    assert_eq!(ctrl.status().samples_stable, before);
+    assert_eq!(ctrl.plan().judge.latency_ratio, 1.2);
+    // A slow candidate is rolled back; the plan on disk carries the decision and its statistics.
+    let slow = Behaviour {
+        slow: 2.0,
+        ..NORMAL
+    };
+    let (decisions, _) = drive(
+        &mut ctrl,
+        &mut rng,
+        &users,
+        20.0,
+        5_000,
+        600_000,
+        |_| slow,
+        |_| true,
+    );
+    assert_eq!(actions(&decisions), vec![Action::Rollback]);
+    ctrl.plan().save_atomic(&path).unwrap();
+    let back = ReleasePlan::load(&path).unwrap();
+    assert_eq!(back.state.phase, Phase::RolledBack);
+    let last = back.history.last().unwrap();
+    assert_eq!(last.action, Action::Rollback);
+    assert!(last.statistic.is_some() && last.e_value.is_some() && last.samples_candidate > 0);
+    let status = serde_json::to_value(ctrl.status()).unwrap();
+    assert_eq!(status["phase"], "rolled_back");
+    assert_eq!(status["last_verdict"]["verdict"], "fail");
+    // A new release id (someone started another release by editing the file) resets the window.
+    let mut other = back.clone();
+    other.state.release_id = "v1→v9@1".to_string();
+    ctrl.replace_plan(other);
+    assert_eq!(ctrl.status().samples_stable, 0);
+}
+
+/// The null's boundary: a candidate exactly `latency_ratio` slower on every request and exactly
+/// `error_rate_points` worse. The tests must still roll back at most α of such releases (the
+/// plug-in reference is where the bound is approximate; this measures it).
+#[test]
+fn candidates_at_the_thresholds_are_rolled_back_at_most_alpha_of_the_time() {
+    let users = Users::new(2000);
+    let releases = 1000;
+    let alpha = JudgeConfig::default().alpha;
+    let at_threshold = Behaviour {
+        slow: 1.10,
+        error_rate: NORMAL.error_rate + 0.005,
+        ..NORMAL
+    };
+    let mut rolled_back = 0;
+    for seed in 0..releases {
+        let mut rng = Rng(2_000_000 + seed);
+        let mut ctrl = Controller::new(plan(fast_schedule()));
+        start(&mut ctrl, 0);
+        let (decisions, _) = drive(
+            &mut ctrl,
+            &mut rng,
+            &users,
+            20.0,
+            0,
+            3_600_000,
+            |_| at_threshold,
+            |_| true,
+        );
+        if ctrl.plan().state.phase == Phase::RolledBack {
+            rolled_back += 1;
+            println!(
+                "seed {seed}: rollback at the boundary {:?}",
+                decisions.last().map(|d| &d.reason)
+            );
+        }
+    }
+    let rate = rolled_back as f64 / releases as f64;
+    let margin = 3.0 * (alpha * (1.0 - alpha) / releases as f64).sqrt();
+    println!(
+        "at the thresholds: {rolled_back} of {releases} rolled back (rate {rate:.4}, α = {alpha})"
+    );
+    assert!(rate <= alpha + margin, "rate {rate}");
+}

@@ -12,6 +12,7 @@ mod model_cmd;
 mod monitor_cmd;
 mod progress_bar;
 mod quantize_cmd;
+mod release_cmd;
 mod render;
 mod serve_cmd;
 mod tensor_bench;
@@ -74,6 +75,9 @@ enum Command {
     Metrics(metrics_cmd::MetricsArgs),
     /// The monitors' baselines: make one from a reference set, offline.
     Monitor(monitor_cmd::MonitorArgs),
+    /// Releases: start, watch, approve, promote, pause, resume or roll back a model's canary or
+    /// A/B release (on a running server with --url, else on the plan file).
+    Release(release_cmd::ReleaseArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -103,6 +107,7 @@ fn main() -> ExitCode {
         Command::Doctor(args) => doctor_cmd::run(args),
         Command::Metrics(args) => metrics_cmd::run(args),
         Command::Monitor(args) => monitor_cmd::run(args),
+        Command::Release(args) => release_cmd::run(args),
     };
     match result {
         Ok(code) => code,

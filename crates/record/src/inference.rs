@@ -23,6 +23,14 @@ pub struct InferenceRecord {
     /// The version's lineage (`LINEAGE.json`): the source's git commit and dataset version.
     pub lineage_commit: Option<String>,
     pub dataset_version: Option<String>,
+    /// The release variant that answered (`stable` or `candidate`; `shadow` for the discarded
+    /// copy a shadow release mirrors), when the model has a release plan.
+    pub variant: Option<&'static str>,
+    /// Why the route chose that version: `weight` (the user's sticky bucket against the
+    /// candidate's weight), `group` (an A/B group), `anonymous` (no user: a per-request draw),
+    /// `named_version` (the request named it), `no_release`, `paused`, `holding`,
+    /// `rolled_back`, `shadow`.
+    pub route_reason: Option<&'static str>,
     /// Mean utilization (0–1) of the host's GPUs at the server's last telemetry reading (each
     /// `/metrics` scrape); absent without GPUs (or before the first scrape).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -173,6 +181,8 @@ impl InferenceRecord {
             version_digest: String::new(),
             lineage_commit: None,
             dataset_version: None,
+            variant: None,
+            route_reason: None,
             gpu_utilization: None,
             params: None,
             input_sha256: String::new(),

@@ -29,7 +29,8 @@
 //!   latency of the candidate ≤ the stable's + ln(ratio)" (for a scale change that is the same
 //!   statement as the p95 one), tested with a one-sided normal-mixture e-process (Robbins' mixture,
 //!   τ = σ) on the standardised difference, with the variance of both means. It fails a 1.5×
-//!   slower candidate (σ = 0.2) after ~6–10 candidate samples.
+//!   slower candidate (σ = 0.2) after ~6–10 candidate samples, and waits for
+//!   `MIN_LOCATION_SAMPLES` (5): a fresh engine's first answers are its slowest.
 //! - **Error rate**: H0 "p_c ≤ p_s + points/100": the candidate's errors as a Bernoulli betting
 //!   e-process against `p0 = Wilson upper bound (z = 1) of p_s + points/100`.
 //! - **Entropy spread** (`entropy_std`): the issue's rule, "entropy std ≥ 0.05 within a step → roll
@@ -59,7 +60,7 @@
 //! `Pass` when the step lasted `min_step_secs`, the candidate has `min_samples` samples, the stable
 //! reference exists and nothing failed. `Inconclusive` (hold, alert; never promote or roll back on
 //! no data) when `max_step_secs` passed without enough samples, or after `min_step_secs` no
-//! candidate sample came for `stall_secs`. `Continue` otherwise.
+//! request of either variant came for `stall_secs` (traffic stopped). `Continue` otherwise.
 //!
 //! # Memory
 //!
@@ -77,6 +78,8 @@ pub const WINDOW_CAP: usize = 20_000;
 pub const MIN_REFERENCE_SAMPLES: u64 = 30;
 /// Candidate samples the mean tests need.
 pub const MIN_CANDIDATE_SAMPLES: u64 = 10;
+/// Candidate samples the latency location test waits for.
+pub const MIN_LOCATION_SAMPLES: u64 = 5;
 /// Candidate samples the spread test needs (the log of a sample std is skewed at small counts).
 pub const MIN_SPREAD_SAMPLES: u64 = 20;
 /// The tail the latency test is about.
@@ -103,12 +106,15 @@ pub struct Sample {
     pub helpful: Option<bool>,
 }
 
-/// Running mean and variance (Welford).
+/// Running mean, variance and kurtosis (Welford's update, extended to the third and fourth
+/// central moments).
 #[derive(Debug, Clone, Default)]
 struct Moments {
     n: u64,
     mean: f64,
     m2: f64,
+    m3: f64,
+    m4: f64,
 }
 
 impl Moments {
@@ -116,10 +122,27 @@ impl Moments {
         if !x.is_finite() {
             return;
         }
+        let n1 = self.n as f64;
         self.n += 1;
+        let n = self.n as f64;
         let delta = x - self.mean;
-        self.mean += delta / self.n as f64;
-        self.m2 += delta * (x - self.mean);
+        let delta_n = delta / n;
+        let delta_n2 = delta_n * delta_n;
+        let term1 = delta * delta_n * n1;
+        self.mean += delta_n;
+        self.m4 += term1 * delta_n2 * (n * n - 3.0 * n + 3.0) + 6.0 * delta_n2 * self.m2
+            - 4.0 * delta_n * self.m3;
+        self.m3 += term1 * delta_n * (n - 2.0) - 3.0 * delta_n * self.m2;
+        self.m2 += term1;
+    }
+
+    /// The (non-excess) kurtosis, 3 for a normal distribution; 3 until there are enough
+    /// samples to say more.
+    fn kurtosis(&self) -> f64 {
+        if self.n < 8 || self.m2 <= 0.0 {
+            return 3.0;
+        }
+        self.n as f64 * self.m4 / (self.m2 * self.m2)
     }
 
     fn variance(&self) -> f64 {
@@ -630,14 +653,18 @@ impl Judge {
                 summary: summary(metrics),
             };
         }
+        // Traffic stopped: no request of either variant for a while. A candidate that gets
+        // too few samples while the stable's flow (a small weight on little traffic) is not a
+        // stop: it waits for `max_step_secs`.
         let quiet_since = c
             .last_ms
+            .max(s.last_ms)
             .unwrap_or(window.started_ms)
             .max(window.started_ms);
         if long_enough && now_ms.saturating_sub(quiet_since) >= self.stall_ms {
             return Verdict::Inconclusive {
                 reason: format!(
-                    "no candidate sample for {} s (traffic stopped?): {} stable, {} candidate samples",
+                    "no request for {} s (traffic stopped): {} stable, {} candidate samples",
                     now_ms.saturating_sub(quiet_since) / 1000,
                     s.samples,
                     c.samples
@@ -728,6 +755,12 @@ fn location_test(
     alpha: f64,
     out: &mut Vec<MetricStat>,
 ) {
+    // A first request or two prove little about a location: a freshly loaded engine's first
+    // answers are its slowest (caches, lazy initialisation), and with one sample the spread is
+    // the stable's by assumption.
+    if candidate.log.n < MIN_LOCATION_SAMPLES {
+        return;
+    }
     let ratio = cfg.latency_ratio;
     // Location: mean log-latency difference beyond ln(ratio), standardised with both variances.
     let (ls, lc) = (&stable.log, &candidate.log);
@@ -772,13 +805,18 @@ fn error_test(cfg: &JudgeConfig, s: &Side, c: &Side, alpha: f64, out: &mut Vec<M
 }
 
 /// The spread test: is the candidate's std outside `[σ_s − max, σ_s + max]`? On the log scale,
-/// where the sample std's noise, `1/(2(n−1))` in variance, does not depend on the std itself (a
-/// test standardised by the candidate's own small std would reject an identical candidate whenever
-/// its first few samples happen to be close together). The average of the two one-sided
-/// normal-mixture e-values (below, above) is the e-value.
+/// where the sample std's noise, `(κ − 1)/(4(n−1))` in variance, does not depend on the std
+/// itself (a test standardised by the candidate's own small std would reject an identical
+/// candidate whenever its first few samples happen to be close together). κ is the kurtosis
+/// (3 for normal data): per-request mean entropies are skewed and heavy-tailed (a few requests
+/// far from the rest), and with the normal value an identical candidate's 20-sample std was
+/// rolled back end to end; the larger of the two variants' estimates is used (at least 3). The
+/// average of the two one-sided normal-mixture e-values (below, above) is the e-value.
 fn spread_stat(s: &Moments, c: &Moments, max: f64, alpha: f64) -> MetricStat {
     let (sd_s, sd_c) = (s.std(), c.std());
-    let se_log = (0.5 / (c.n - 1) as f64 + 0.5 / (s.n - 1) as f64).sqrt();
+    let kurtosis = s.kurtosis().max(c.kurtosis()).clamp(3.0, 100.0);
+    let per_sample = (kurtosis - 1.0) / 4.0;
+    let se_log = (per_sample / (c.n - 1) as f64 + per_sample / (s.n - 1) as f64).sqrt();
     let log_c = sd_c.max(1e-9).ln();
     let e_below = if sd_s - max > 0.0 {
         normal_mixture_e_value(((sd_s - max).ln() - log_c) / se_log, c.n)
@@ -969,6 +1007,32 @@ mod tests {
     }
 
     #[test]
+    fn moments_give_the_kurtosis_of_known_distributions() {
+        let mut normal = Moments::default();
+        let mut rng = Rng(17);
+        for _ in 0..20_000 {
+            normal.push(rng.normal());
+        }
+        assert!(
+            (normal.kurtosis() - 3.0).abs() < 0.15,
+            "{}",
+            normal.kurtosis()
+        );
+        assert!(normal.std() > 0.97 && normal.std() < 1.03);
+        // A two-point distribution (±1) has kurtosis 1; a rare outlier raises it a lot.
+        let mut two = Moments::default();
+        for i in 0..1000 {
+            two.push(if i % 2 == 0 { 1.0 } else { -1.0 });
+        }
+        assert!((two.kurtosis() - 1.0).abs() < 1e-6, "{}", two.kurtosis());
+        let mut tailed = Moments::default();
+        for i in 0..1000 {
+            tailed.push(if i % 100 == 0 { 10.0 } else { 0.0 });
+        }
+        assert!(tailed.kurtosis() > 50.0, "{}", tailed.kurtosis());
+    }
+
+    #[test]
     fn no_traffic_is_inconclusive_never_pass_or_fail() {
         let cfg = JudgeConfig::default();
         let j = judge();
@@ -976,7 +1040,7 @@ mod tests {
         assert_eq!(j.evaluate(&cfg, &w, 10_000).name(), "continue");
         match j.evaluate(&cfg, &w, 90_000) {
             Verdict::Inconclusive { reason, .. } => {
-                assert!(reason.contains("no candidate"), "{reason}")
+                assert!(reason.contains("no request"), "{reason}")
             }
             other => panic!("{other:?}"),
         }

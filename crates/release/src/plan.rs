@@ -101,7 +101,7 @@ pub struct Schedule {
     pub min_samples: u64,
     /// Without a conclusion after this long (too few samples), the release holds and alerts.
     pub max_step_secs: u64,
-    /// After `min_step_secs`, no candidate sample for this long means traffic stopped: hold.
+    /// After `min_step_secs`, no request of either variant for this long means traffic stopped: hold.
     pub stall_secs: u64,
 }
 
@@ -170,14 +170,11 @@ pub struct Approval {
     pub tokenizer_change_approved: bool,
 }
 
-/// How a request is assigned to a variant.
+/// How a request is assigned to a variant. The headers that name a request's user and group
+/// are the server's (`[releases] user_header`, `group_header`), the same for every model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Routing {
-    /// The header that names the user when the request's `user` field is absent.
-    pub user_header: Option<String>,
-    /// The header that names a request's A/B group.
-    pub group_header: Option<String>,
     /// A/B mode: group name → the variant that serves it.
     pub groups: BTreeMap<String, Variant>,
     /// Shadow mode: the share (0..=1) of requests mirrored to the candidate.
@@ -187,8 +184,6 @@ pub struct Routing {
 impl Default for Routing {
     fn default() -> Self {
         Self {
-            user_header: Some("x-user-id".to_string()),
-            group_header: Some("x-rampart-group".to_string()),
             groups: BTreeMap::new(),
             shadow_share: 0.1,
         }
@@ -514,7 +509,6 @@ min_accuracy = 0.9
 promote = true
 
 [routing]
-user_header = "x-user"
 groups = { beta = "candidate", control = "stable" }
 
 [state]

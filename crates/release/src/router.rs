@@ -25,11 +25,11 @@ use crate::plan::{Mode, Phase, ReleasePlan};
 pub struct RoutingKey<'a> {
     /// The request's `user` field.
     pub user: Option<&'a str>,
-    /// The value of the configured user header (`routing.user_header`).
+    /// The value of the configured user header (`[releases] user_header`).
     pub header_user: Option<&'a str>,
     /// The id of the API key that authenticated the request.
     pub key_id: Option<&'a str>,
-    /// The value of the configured group header (`routing.group_header`), A/B mode.
+    /// The value of the configured group header (`[releases] group_header`), A/B mode.
     pub group: Option<&'a str>,
     pub request_id: &'a str,
 }

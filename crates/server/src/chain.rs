@@ -636,15 +636,26 @@ fn with_fault(g: Generation, strike: Option<Strike>) -> Generation {
             Generation { events, ..g }
         }
         Some(Strike::Slow { factor }) => {
-            let mut last = Instant::now();
-            let events = g
-                .events
-                .then(move |event| {
-                    let gap = last.elapsed();
-                    let wait = gap.mul_f64(factor - 1.0);
-                    last = Instant::now() + wait;
+            // Each event is released at `factor` times its real time since the start. The
+            // real times are taken by a task that reads the backend's stream as fast as it
+            // produces (an engine runs ahead of a slow reader, so timing the events as they are
+            // read would slow only the first one); dropping the stream ends the task and the
+            // backend's stream with it.
+            let started = Instant::now();
+            let (tx, rx) = tokio::sync::mpsc::channel(4096);
+            let mut inner = g.events;
+            tokio::spawn(async move {
+                while let Some(event) = inner.next().await {
+                    if tx.send((Instant::now(), event)).await.is_err() {
+                        break;
+                    }
+                }
+            });
+            let events = tokio_stream::wrappers::ReceiverStream::new(rx)
+                .then(move |(arrived, event)| {
+                    let due = started + arrived.duration_since(started).mul_f64(factor);
                     async move {
-                        tokio::time::sleep(wait).await;
+                        tokio::time::sleep_until(due.into()).await;
                         event
                     }
                 })

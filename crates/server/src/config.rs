@@ -37,6 +37,37 @@ impl Default for MonitorConfig {
     }
 }
 
+/// `[releases]`: canary, A/B and shadow releases, each steered by its model's
+/// `release.toml` in the repository (docs/releases.md).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ReleasesConfig {
+    /// Release plans are read, routed by and judged (off: every request gets the version it
+    /// names, or the newest).
+    pub enabled: bool,
+    /// The header that names the end user when the request's `user` field does not; the
+    /// route's sticky hash takes the `user`, else this header, else the API key's id.
+    pub user_header: String,
+    /// The header that names a request's A/B group (the plan's `[routing.groups]`).
+    pub group_header: String,
+    /// How often the controller judges each running release and looks for a changed plan file.
+    pub tick_ms: u64,
+    /// Records the releases' lane holds before it drops (counted).
+    pub lane_capacity: usize,
+}
+
+impl Default for ReleasesConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            user_header: "x-user-id".into(),
+            group_header: "x-rampart-group".into(),
+            tick_ms: 1000,
+            lane_capacity: 4096,
+        }
+    }
+}
+
 /// Everything `rampart serve` runs with.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -85,6 +116,8 @@ pub struct ServerConfig {
     pub guard: GuardConfig,
     /// The monitors: input drift, output entropy and confidence (docs/monitoring.md).
     pub monitor: MonitorConfig,
+    /// Canary, A/B and shadow releases (docs/releases.md).
+    pub releases: ReleasesConfig,
     /// Models to serve; empty: the latest version of every LLM in the repository.
     pub models: Vec<ModelConfig>,
 }
@@ -115,6 +148,7 @@ impl Default for ServerConfig {
             audit: audit::AuditConfig::default(),
             guard: GuardConfig::default(),
             monitor: MonitorConfig::default(),
+            releases: ReleasesConfig::default(),
             models: Vec::new(),
         }
     }

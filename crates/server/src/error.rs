@@ -58,6 +58,9 @@ pub enum ApiError {
     /// An exact-key audit lookup found nothing.
     #[error("{0}")]
     AuditEntryNotFound(String),
+    /// The command does not fit the state it would change (a release already under way).
+    #[error("{0}")]
+    Conflict(String),
     #[error("{0}")]
     Internal(String),
     /// A structured-output request ended with an output that fails its schema or grammar.
@@ -80,7 +83,8 @@ pub struct ErrorBody {
 pub struct ErrorDetail {
     pub message: String,
     /// Stable error type: `invalid_request_error`, `authentication_error`, `not_found_error`,
-    /// `rate_limit_error`, `service_unavailable`, `server_error`, `unsafe_input`.
+    /// `conflict_error`, `rate_limit_error`, `service_unavailable`, `server_error`,
+    /// `unsafe_input`.
     #[serde(rename = "type")]
     pub kind: String,
     pub param: Option<String>,
@@ -123,6 +127,7 @@ impl ApiError {
                 StatusCode::SERVICE_UNAVAILABLE
             }
             ApiError::AuditEntryNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::Internal(_) | ApiError::InvalidOutput(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -140,6 +145,7 @@ impl ApiError {
             ApiError::Overloaded { .. } => "rate_limit_error",
             ApiError::Unavailable { .. } | ApiError::AuditUnavailable(_) => "service_unavailable",
             ApiError::AuditEntryNotFound(_) => "not_found_error",
+            ApiError::Conflict(_) => "conflict_error",
             ApiError::UnsafeInput { .. } => "unsafe_input",
             ApiError::Internal(_) | ApiError::InvalidOutput(_) => "server_error",
         }
@@ -157,6 +163,7 @@ impl ApiError {
             ApiError::InvalidOutput(_) => Some("structured_output_invalid"),
             ApiError::AuditUnavailable(_) => Some("audit_unavailable"),
             ApiError::AuditEntryNotFound(_) => Some("audit_entry_not_found"),
+            ApiError::Conflict(_) => Some("conflict"),
             ApiError::UnsafeInput { .. } => Some("unsafe_input"),
             _ => None,
         }
@@ -361,6 +368,7 @@ impl ApiError {
             ApiError::ModelNotFound(_)
             | ApiError::RouteNotFound(_)
             | ApiError::AuditEntryNotFound(_) => (Status::not_found(message), None),
+            ApiError::Conflict(_) => (Status::failed_precondition(message), None),
             ApiError::AuditUnavailable(_) => (
                 Status::unavailable(format!("{message} [audit_unavailable]")),
                 Some(5),

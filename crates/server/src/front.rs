@@ -8,8 +8,7 @@
 //!
 //! The guard ([`crate::screen`]: injection rules and classifier) judges every generation after
 //! the route (its policy and the model's control tokens are the model's) and before anything
-//! else; the release plan's routing (canary, A/B) plugs in at the route: today it is the model
-//! asked for (newest version unless one is named).
+//! else; the release plan's routing (canary, A/B) happens at the route ([`crate::releases`]).
 
 use std::sync::Arc;
 
@@ -75,8 +74,11 @@ pub async fn serve(
     serve_routed(state, principal, entry, work, record).await
 }
 
-/// The route: the entry that answers `work` for `model` (the release plan will choose among
-/// variants here). Protocols that need the model to decode (a raw image body) call it first.
+/// The route: the entry that answers `work` for `model`. A model named without a version
+/// whose release plan is under way goes to the stable or the candidate by the plan (sticky by
+/// user: the request's `user`, else the `[releases] user_header`, else the key's id); the record
+/// says which and why. Protocols that need the model to decode (a raw image body) call it
+/// first.
 pub fn route(
     state: &AppState,
     model: &ModelName,
@@ -84,7 +86,27 @@ pub fn route(
     record: &mut RecordBuilder,
 ) -> Result<Arc<Entry>, ApiError> {
     let began = std::time::Instant::now();
-    let resolved = state.registry.resolve(model, work);
+    let routed = release_route(state, model, record);
+    let resolved = match &routed {
+        Some(r) => {
+            let chosen = ModelName::versioned(&model.name, Some(&r.version));
+            match state.registry.resolve(&chosen, work) {
+                Ok(entry) => {
+                    record.record.variant = Some(r.variant.as_str());
+                    record.record.route_reason = Some(r.why);
+                    Ok(entry)
+                }
+                // The plan names a version that is not loaded (it failed to load, or the plan
+                // file names a version this server was not started with): the newest loaded
+                // version answers, outside the release's statistics.
+                Err(_) => {
+                    record.record.route_reason = Some("version_not_loaded");
+                    state.registry.resolve(model, work)
+                }
+            }
+        }
+        None => state.registry.resolve(model, work),
+    };
     record.stage_since("route", began);
     let entry = resolved?;
     record.record.model = entry.name.clone();
@@ -95,6 +117,33 @@ pub fn route(
     record.record.gpu_utilization = state.gpu_utilization();
     record.set_entropy_band(entry.backend.entropy_band());
     Ok(entry)
+}
+
+/// The release plan's choice for a model named without a version (none: no plan, releases
+/// off, or a version named; the record then says `named_version` when a plan exists).
+fn release_route(
+    state: &AppState,
+    model: &ModelName,
+    record: &mut RecordBuilder,
+) -> Option<crate::releases::Routed> {
+    let releases = state.releases.get()?;
+    if model.version.is_some() {
+        if releases.get(&model.name).is_some() {
+            record.record.route_reason = Some("named_version");
+        }
+        return None;
+    }
+    let origin = crate::identity::origin();
+    let r = &record.record;
+    let key_id = (r.principal != "anonymous").then_some(r.principal.as_str());
+    let key = release::router::RoutingKey {
+        user: r.user.as_deref(),
+        header_user: origin.routing_user.as_deref(),
+        key_id,
+        group: origin.routing_group.as_deref(),
+        request_id: &r.request_id,
+    };
+    releases.route(&model.name, &key)
 }
 
 /// The pipeline after the route (for protocols that route first): drain check, hand-off,

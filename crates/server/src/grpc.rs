@@ -147,9 +147,10 @@ pub const FALLBACK_PARAMETER: &str = "rampart_fallback";
 
 /// The client's `x-request-id` when it is sane, else a fresh UUIDv4 (as over HTTP).
 /// The operator and trace of a call (`x-operator-id`, `traceparent`, `tracestate` metadata).
-fn origin(metadata: &MetadataMap) -> identity::Origin {
+fn origin(metadata: &MetadataMap, releases: &crate::config::ReleasesConfig) -> identity::Origin {
     let get = |k: &str| metadata.get(k).and_then(|v| v.to_str().ok());
     identity::Origin::from_headers(get("x-operator-id"), get("traceparent"), get("tracestate"))
+        .with_routing(get(&releases.user_header), get(&releases.group_header))
 }
 
 fn request_id(metadata: &MetadataMap) -> String {
@@ -464,7 +465,7 @@ impl GrpcInferenceService for Inference {
     ) -> Result<Response<ModelInferResponse>, Status> {
         let id = request_id(request.metadata());
         let principal = self.authenticate(request.metadata(), INFER_ENDPOINT, &id)?;
-        let origin = origin(request.metadata());
+        let origin = origin(request.metadata(), &self.state.config.releases);
         match self
             .infer_one(&principal, origin, id.clone(), request.into_inner())
             .await
@@ -507,7 +508,7 @@ impl GrpcInferenceService for Inference {
     ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
         let stream_id = request_id(request.metadata());
         let principal = self.authenticate(request.metadata(), INFER_ENDPOINT, &stream_id)?;
-        let stream_origin = origin(request.metadata());
+        let stream_origin = origin(request.metadata(), &self.state.config.releases);
         let service = self.clone();
         let concurrency = self.state.config.admission.max_in_flight.max(1);
         let responses = request

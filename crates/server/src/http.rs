@@ -23,6 +23,7 @@ use crate::kserve;
 use crate::observe;
 use crate::openai::*;
 use crate::openai_http;
+use crate::release_api;
 use crate::state::AppState;
 
 /// Route paths.
@@ -53,6 +54,9 @@ pub mod paths {
     pub const ADMIN_FAULT: &str = "/admin/faults/{id}";
     pub const ADMIN_DOCTOR: &str = "/admin/doctor";
     pub const ADMIN_MONITORS: &str = "/admin/monitors";
+    pub const ADMIN_RELEASES: &str = "/admin/releases";
+    pub const ADMIN_RELEASE: &str = "/admin/releases/{name}";
+    pub const ADMIN_RELEASE_ACTION: &str = "/admin/releases/{name}/{action}";
     pub const ADMIN_MONITOR_BASELINE: &str = "/admin/monitors/{name}/versions/{version}/baseline";
     // The audit log's routes (scope `audit`).
     pub const ADMIN_AUDIT: &str = "/admin/audit";
@@ -124,10 +128,13 @@ pub fn router(state: Arc<AppState>) -> Router {
             (Arc::clone(&state), Some(Scope::Infer)),
             authenticate,
         ));
-    let admin_routes = admin::routes().layer(middleware::from_fn_with_state(
-        (Arc::clone(&state), Some(Scope::Admin)),
-        authenticate,
-    ));
+    let admin_routes =
+        admin::routes()
+            .merge(release_api::routes())
+            .layer(middleware::from_fn_with_state(
+                (Arc::clone(&state), Some(Scope::Admin)),
+                authenticate,
+            ));
     let audit_routes = audit_api::routes().layer(middleware::from_fn_with_state(
         (Arc::clone(&state), Some(Scope::Audit)),
         authenticate,
@@ -142,12 +149,16 @@ pub fn router(state: Arc<AppState>) -> Router {
         .merge(admin_routes)
         .merge(audit_routes)
         .fallback(not_found)
-        .layer(middleware::from_fn(identify))
+        .layer(middleware::from_fn_with_state(Arc::clone(&state), identify))
         .with_state(state)
 }
 
 /// Accepts a sane `X-Request-Id` or makes one; echoes it on the response.
-async fn identify(mut request: Request, next: Next) -> Response {
+async fn identify(
+    State(state): State<Arc<AppState>>,
+    mut request: Request,
+    next: Next,
+) -> Response {
     let id = identity::request_id(
         request
             .headers()
@@ -161,6 +172,10 @@ async fn identify(mut request: Request, next: Next) -> Response {
             header("x-operator-id"),
             header("traceparent"),
             header("tracestate"),
+        )
+        .with_routing(
+            header(&state.config.releases.user_header),
+            header(&state.config.releases.group_header),
         )
     };
     let mut response = identity::with_origin(origin, next.run(request)).await;

@@ -34,6 +34,11 @@ pub struct Origin {
     pub sampled: Option<bool>,
     /// The `tracestate`, kept only with a valid `traceparent` (as the W3C spec says).
     pub tracestate: Option<String>,
+    /// The end user named by the `[releases] user_header` (the release route's sticky key when
+    /// the request body names no `user`).
+    pub routing_user: Option<String>,
+    /// The A/B group named by the `[releases] group_header`.
+    pub routing_group: Option<String>,
 }
 
 tokio::task_local! {
@@ -64,7 +69,23 @@ impl Origin {
             trace_id: parent.as_ref().map(|p| p.trace_id.clone()),
             parent_span_id: parent.as_ref().map(|p| p.parent_span_id.clone()),
             sampled: parent.as_ref().map(|p| p.sampled),
+            routing_user: None,
+            routing_group: None,
         }
+    }
+
+    /// With the release route's user and group headers (insane values are ignored).
+    pub fn with_routing(mut self, user: Option<&str>, group: Option<&str>) -> Self {
+        let sane = |v: &str| {
+            let v = v.trim();
+            (!v.is_empty()
+                && v.len() <= 256
+                && v.bytes().all(|b| b.is_ascii_graphic() || b == b' '))
+            .then(|| v.to_string())
+        };
+        self.routing_user = user.and_then(sane);
+        self.routing_group = group.and_then(sane);
+        self
     }
 }
 

@@ -16,6 +16,8 @@
 //!   sinks are the structured log and the Prometheus metrics ([`observe`]), and, with
 //!   `[tracing]` on, the OpenTelemetry traces exported over OTLP ([`traces`]);
 //! - [`state`]: what handlers share, and model loading; [`config`]: the typed configuration;
+//! - [`releases`]: each model's release plan routes its requests (stable, canary, A/B), a
+//!   record sink feeds its judge, and a controller task moves weights, promotes and rolls back;
 //! - [`doctor`]: the host checks (crate `host`) on this configuration, logged at start and
 //!   served at `GET /admin/doctor`.
 //!
@@ -46,6 +48,8 @@ pub mod openai;
 pub mod openai_http;
 pub mod reference;
 pub mod registry;
+pub mod release_api;
+pub mod releases;
 pub mod screen;
 pub mod state;
 pub mod telemetry;
@@ -158,11 +162,18 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         .monitor
         .enabled
         .then(|| monitors::Monitors::new(config.monitor.clone(), config.repo.clone()));
+    let releases = open_releases(&config)?;
     let listening = Listening {
         http: addr,
         grpc: grpc_addr.unwrap_or(config.grpc.listen),
     };
-    let sinks = sinks(&config, audit.as_ref(), monitors.as_ref(), listening)?;
+    let sinks = sinks(
+        &config,
+        audit.as_ref(),
+        monitors.as_ref(),
+        releases.as_ref(),
+        listening,
+    )?;
     let bus = Bus::start(sinks).map_err(|e| ServeError::Config(e.to_string()))?;
     if let Some(log) = &audit {
         spawn_audit(&config, log, &bus)?;
@@ -173,6 +184,10 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
     let state = AppState::with_audit(config, keys, metrics, bus, audit);
     if let Some(m) = monitors {
         let _ = state.monitors.set(m);
+    }
+    if let Some(r) = releases {
+        let _ = state.releases.set(Arc::clone(&r));
+        releases::spawn(Arc::clone(&state), r);
     }
     tracing::info!(
         listen = %addr,
@@ -274,12 +289,24 @@ struct Listening {
     grpc: std::net::SocketAddr,
 }
 
-/// The record's sinks: the structured log, the metrics, the audit log, the monitors and, with
-/// `[tracing]` on, the traces (the release statistics join them in their issue).
+/// The releases of the repository's models (the plans there are), when `[releases] enabled`.
+fn open_releases(config: &ServerConfig) -> Result<Option<Arc<releases::Releases>>, ServeError> {
+    if !config.releases.enabled {
+        return Ok(None);
+    }
+    let names = Repository::open(&config.repo).models().unwrap_or_default();
+    releases::Releases::open(config.releases.clone(), config.repo.clone(), &names)
+        .map(|r| Some(Arc::new(r)))
+        .map_err(|e| ServeError::Config(e.to_string()))
+}
+
+/// The record's sinks: the structured log, the metrics, the audit log, the monitors, the
+/// releases' judges and, with `[tracing]` on, the traces.
 fn sinks(
     config: &ServerConfig,
     audit: Option<&Arc<audit::AuditLog>>,
     monitors: Option<&Arc<monitors::Monitors>>,
+    releases: Option<&Arc<releases::Releases>>,
     listening: Listening,
 ) -> Result<Vec<Box<dyn Sink>>, ServeError> {
     let capacity = config.records.lane_capacity;
@@ -298,6 +325,9 @@ fn sinks(
     }
     if let Some(m) = monitors {
         sinks.push(Box::new(monitors::MonitorSink::new(Arc::clone(m))));
+    }
+    if let Some(r) = releases {
+        sinks.push(Box::new(releases::ReleaseSink::new(Arc::clone(r))));
     }
     if config.tracing.enabled {
         let names = sinks.iter().map(|s| s.name()).collect();
@@ -394,6 +424,11 @@ pub fn load_models(state: &AppState) {
             return;
         }
     };
+    let wanted = if state.config.releases.enabled {
+        with_release_versions(&state.config.repo, wanted)
+    } else {
+        wanted
+    };
     for model in wanted {
         match state::load(&state.config, &repository, &model) {
             Ok(entry) => {
@@ -404,6 +439,38 @@ pub fn load_models(state: &AppState) {
     }
     check_chains(state);
     state.loaded();
+}
+
+/// The models to load with their release plans' versions: a model served by name serves its
+/// plan's stable version, and the candidate too while its release is under way.
+fn with_release_versions(
+    repo: &std::path::Path,
+    wanted: Vec<config::ModelConfig>,
+) -> Vec<config::ModelConfig> {
+    let mut out: Vec<config::ModelConfig> = Vec::new();
+    for model in wanted {
+        let Some((stable, candidate)) = releases::Releases::versions_wanted(repo, &model.name)
+        else {
+            out.push(model);
+            continue;
+        };
+        let mut versions = vec![model.version.clone().unwrap_or_else(|| stable.clone())];
+        if model.version.is_some() && model.version.as_deref() != Some(stable.as_str()) {
+            versions.push(stable);
+        }
+        versions.extend(candidate);
+        for v in versions {
+            let present = out
+                .iter()
+                .any(|m| m.name == model.name && m.version.as_deref() == Some(v.as_str()));
+            if !present {
+                let mut m = model.clone();
+                m.version = Some(v);
+                out.push(m);
+            }
+        }
+    }
+    out
 }
 
 /// Checks every backend's readiness each `breaker.readiness_interval_ms`: the chain reads the

@@ -71,6 +71,9 @@ pub struct AppState {
     /// The monitors (drift, output entropy and confidence), when `[monitor] enabled`; set by
     /// `serve` before the first request.
     pub monitors: std::sync::OnceLock<Arc<crate::monitors::Monitors>>,
+    /// The models' releases (their plans route, judge and steer), when `[releases] enabled`;
+    /// set by `serve` before the first request.
+    pub releases: std::sync::OnceLock<Arc<crate::releases::Releases>>,
     /// The input guard, once loaded (the seed rules until then).
     pub guard: std::sync::OnceLock<Arc<crate::screen::GuardService>>,
     /// The host telemetry, opened at the first scrape (`None` inside: `[telemetry]` is off).
@@ -119,6 +122,7 @@ impl AppState {
             bus,
             guard: std::sync::OnceLock::new(),
             monitors: std::sync::OnceLock::new(),
+            releases: std::sync::OnceLock::new(),
             telemetry: std::sync::OnceLock::new(),
             gpu_utilization_bits: std::sync::atomic::AtomicU32::new(f32::NAN.to_bits()),
             started: Instant::now(),

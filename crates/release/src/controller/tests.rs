@@ -344,7 +344,7 @@ fn traffic_stopping_mid_step_holds_without_deciding_then_resumes() {
     assert_eq!(ctrl.plan().state.phase, Phase::Holding);
     assert_eq!(ctrl.plan().state.weight, 0.05, "holding keeps the weight");
     assert!(
-        decisions[0].reason.contains("no candidate sample"),
+        decisions[0].reason.contains("no request"),
         "{}",
         decisions[0].reason
     );

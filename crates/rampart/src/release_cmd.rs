@@ -1,0 +1,462 @@
+//! `rampart release …`: a model's release (docs/releases.md). With `--url` (or `RAMPART_URL`)
+//! the commands go to a running server's `/admin/releases/…` (a key with the `admin` scope);
+//! without, they work on the plan file in the repository (`<repo>/<model>/release.toml`), which a
+//! running server adopts at its next tick, as it would a Git commit of that file.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use release::controller::{Command, Controller};
+use release::plan::{Mode, ReleasePlan};
+
+use crate::render;
+
+#[derive(Debug, clap::Args)]
+pub struct ReleaseArgs {
+    /// A running server (`http://host:port`): the commands go to its admin API.
+    #[arg(long, global = true, env = "RAMPART_URL", value_name = "URL")]
+    pub url: Option<String>,
+    /// The API key (scope `admin`) for `--url`.
+    #[arg(
+        long,
+        global = true,
+        env = "RAMPART_API_KEY",
+        value_name = "KEY",
+        hide_env_values = true
+    )]
+    pub key: Option<String>,
+    /// The model repository folder (without `--url`: where the plan files are).
+    #[arg(
+        long,
+        global = true,
+        env = "RAMPART_REPO",
+        default_value = "models",
+        value_name = "DIR"
+    )]
+    pub repo: PathBuf,
+    /// Print JSON.
+    #[arg(long, global = true)]
+    pub json: bool,
+    #[command(subcommand)]
+    pub command: ReleaseCommand,
+}
+
+#[derive(Debug, clap::Subcommand)]
+pub enum ReleaseCommand {
+    /// Start releasing a candidate version: gates, then the schedule's steps (5/20/50/100 % by
+    /// default), judged against the stable at each step.
+    Start {
+        model: String,
+        /// The version to release.
+        #[arg(long)]
+        candidate: String,
+        /// `canary` (default), `ab` or `shadow`.
+        #[arg(long)]
+        mode: Option<String>,
+        /// Without a server: the candidate's tokenizer differs from the stable's (a server
+        /// compares them itself).
+        #[arg(long)]
+        tokenizer_changed: bool,
+    },
+    /// Where the release stands: phase, step, weight, samples, the judge's last look.
+    Status {
+        /// One model (default: every release).
+        model: Option<String>,
+    },
+    /// The decisions of a model's release, oldest first.
+    History { model: String },
+    /// Let a release waiting for approval go on (start or promotion).
+    Approve { model: String },
+    /// Make the candidate the stable now.
+    Promote { model: String },
+    /// Freeze the weights and the schedule.
+    Pause { model: String },
+    /// Let a paused or holding release go on.
+    Resume { model: String },
+    /// Send every request back to the stable and mark the candidate rejected.
+    Rollback {
+        model: String,
+        /// Why (kept in the history and the audit log).
+        #[arg(long)]
+        reason: Option<String>,
+    },
+}
+
+pub fn run(args: ReleaseArgs) -> Result<ExitCode> {
+    match &args.url {
+        Some(url) => remote(&args, url),
+        None => local(&args),
+    }
+}
+
+fn mode(text: Option<&str>) -> Result<Option<Mode>> {
+    text.map(|m| match m {
+        "canary" => Ok(Mode::Canary),
+        "ab" => Ok(Mode::Ab),
+        "shadow" => Ok(Mode::Shadow),
+        other => bail!("unknown mode {other:?}: use canary, ab or shadow"),
+    })
+    .transpose()
+}
+
+/// Against a running server.
+fn remote(args: &ReleaseArgs, url: &str) -> Result<ExitCode> {
+    let base = url.trim_end_matches('/');
+    let (method, path, body) = match &args.command {
+        ReleaseCommand::Start {
+            model,
+            candidate,
+            mode: m,
+            ..
+        } => {
+            mode(m.as_deref())?;
+            (
+                "POST",
+                format!("/admin/releases/{model}/start"),
+                Some(serde_json::json!({ "candidate": candidate, "mode": m })),
+            )
+        }
+        ReleaseCommand::Status { model: None } => ("GET", "/admin/releases".to_string(), None),
+        ReleaseCommand::Status { model: Some(m) } | ReleaseCommand::History { model: m } => {
+            ("GET", format!("/admin/releases/{m}"), None)
+        }
+        ReleaseCommand::Approve { model } => {
+            ("POST", format!("/admin/releases/{model}/approve"), None)
+        }
+        ReleaseCommand::Promote { model } => {
+            ("POST", format!("/admin/releases/{model}/promote"), None)
+        }
+        ReleaseCommand::Pause { model } => ("POST", format!("/admin/releases/{model}/pause"), None),
+        ReleaseCommand::Resume { model } => {
+            ("POST", format!("/admin/releases/{model}/resume"), None)
+        }
+        ReleaseCommand::Rollback { model, reason } => (
+            "POST",
+            format!("/admin/releases/{model}/rollback"),
+            Some(serde_json::json!({ "reason": reason })),
+        ),
+    };
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (status, value) = runtime.block_on(async {
+        let client = reqwest::Client::new();
+        let mut request = match method {
+            "GET" => client.get(format!("{base}{path}")),
+            _ => client.post(format!("{base}{path}")),
+        };
+        if let Some(key) = &args.key {
+            request = request.bearer_auth(key);
+        }
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        let response = request
+            .send()
+            .await
+            .with_context(|| format!("{method} {base}{path}"))?;
+        let status = response.status();
+        let value: serde_json::Value = response
+            .json()
+            .await
+            .with_context(|| format!("{method} {base}{path}: the answer is not JSON"))?;
+        anyhow::Ok((status, value))
+    })?;
+    if !status.is_success() {
+        let message = value["error"]["message"].as_str().unwrap_or("");
+        if args.json {
+            println!("{value:#}");
+        }
+        bail!("{method} {path}: {status}: {message}");
+    }
+    if args.json {
+        println!("{value:#}");
+        return Ok(ExitCode::SUCCESS);
+    }
+    match &args.command {
+        ReleaseCommand::Status { model: None } => {
+            let releases = value["releases"].as_array().cloned().unwrap_or_default();
+            if releases.is_empty() {
+                println!("no release plans");
+            }
+            for r in &releases {
+                print_status(r["model"].as_str().unwrap_or("?"), &r["status"]);
+            }
+        }
+        ReleaseCommand::Status { model: Some(m) } => print_status(m, &value["status"]),
+        ReleaseCommand::History { .. } => {
+            let plan: ReleasePlan = serde_json::from_value(value["plan"].clone())
+                .context("the server's plan does not read as a release plan")?;
+            print_history(&plan);
+        }
+        _ => print_decision(&value["decision"]),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn plan_path(repo: &Path, model: &str) -> PathBuf {
+    repo.join(model).join("release.toml")
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// On the plan file (no server).
+fn local(args: &ReleaseArgs) -> Result<ExitCode> {
+    let model = match &args.command {
+        ReleaseCommand::Status { model: None } => {
+            return local_status_all(args);
+        }
+        ReleaseCommand::Status { model: Some(m) }
+        | ReleaseCommand::History { model: m }
+        | ReleaseCommand::Approve { model: m }
+        | ReleaseCommand::Promote { model: m }
+        | ReleaseCommand::Pause { model: m }
+        | ReleaseCommand::Resume { model: m }
+        | ReleaseCommand::Rollback { model: m, .. }
+        | ReleaseCommand::Start { model: m, .. } => m.clone(),
+    };
+    let path = plan_path(&args.repo, &model);
+    let plan = if path.is_file() {
+        ReleasePlan::load(&path)?
+    } else if let ReleaseCommand::Start { candidate, .. } = &args.command {
+        let stable = newest_other(&args.repo, &model, candidate)?;
+        ReleasePlan::new(stable)
+    } else {
+        bail!(
+            "{} has no release plan ({} does not exist); start one with `rampart release start {model} --candidate VERSION`",
+            model,
+            path.display()
+        );
+    };
+    let command = match &args.command {
+        ReleaseCommand::Status { .. } => {
+            let c = Controller::new(plan);
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&c.status())?);
+            } else {
+                print_status(&model, &serde_json::to_value(c.status())?);
+            }
+            return Ok(ExitCode::SUCCESS);
+        }
+        ReleaseCommand::History { .. } => {
+            if args.json {
+                println!("{}", serde_json::to_string_pretty(&plan.history)?);
+            } else {
+                print_history(&plan);
+            }
+            return Ok(ExitCode::SUCCESS);
+        }
+        ReleaseCommand::Start {
+            candidate,
+            mode: m,
+            tokenizer_changed,
+            ..
+        } => {
+            let version = semver::Version::parse(candidate)
+                .with_context(|| format!("candidate {candidate:?}"))?;
+            let repository = repo::Repository::open(&args.repo);
+            repository
+                .resolve(&repo::ModelRef {
+                    name: model.clone(),
+                    version: Some(version),
+                })
+                .with_context(|| {
+                    format!("{model}@{candidate} is not in {}", args.repo.display())
+                })?;
+            Command::Start {
+                candidate: candidate.clone(),
+                mode: mode(m.as_deref())?,
+                tokenizer_changed: *tokenizer_changed,
+                gates_passed: Some(true),
+            }
+        }
+        ReleaseCommand::Approve { .. } => Command::Approve,
+        ReleaseCommand::Promote { .. } => Command::Promote,
+        ReleaseCommand::Pause { .. } => Command::Pause,
+        ReleaseCommand::Resume { .. } => Command::Resume,
+        ReleaseCommand::Rollback { reason, .. } => Command::Rollback {
+            reason: reason
+                .clone()
+                .unwrap_or_else(|| "rolled back from the command line".into()),
+        },
+    };
+    let mut controller = Controller::new(plan);
+    let actor = std::env::var("USER").unwrap_or_else(|_| "cli".into());
+    let decision = controller.command(command, now_ms(), &format!("cli:{actor}"))?;
+    controller.plan().save_atomic(&path)?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&decision)?);
+    } else {
+        print_decision(&serde_json::to_value(&decision)?);
+        println!(
+            "written to {} (a running server adopts it at its next tick)",
+            path.display()
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The newest version of `model` in the repository other than `candidate`: a new plan's stable.
+fn newest_other(repo_dir: &Path, model: &str, candidate: &str) -> Result<String> {
+    let repository = repo::Repository::open(repo_dir);
+    let mut versions: Vec<semver::Version> = repository
+        .versions(model)
+        .with_context(|| format!("{model} in {}", repo_dir.display()))?
+        .into_iter()
+        .map(|v| v.version)
+        .filter(|v| v.to_string() != candidate)
+        .collect();
+    versions.sort();
+    versions
+        .pop()
+        .map(|v| v.to_string())
+        .with_context(|| format!("{model} has no version besides {candidate} to be the stable"))
+}
+
+fn local_status_all(args: &ReleaseArgs) -> Result<ExitCode> {
+    let repository = repo::Repository::open(&args.repo);
+    let mut all = Vec::new();
+    for name in repository.models().unwrap_or_default() {
+        let path = plan_path(&args.repo, &name);
+        if path.is_file() {
+            let plan = ReleasePlan::load(&path)?;
+            all.push((name, serde_json::to_value(Controller::new(plan).status())?));
+        }
+    }
+    if args.json {
+        let list: Vec<_> = all
+            .iter()
+            .map(|(m, s)| serde_json::json!({ "model": m, "status": s }))
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&list)?);
+    } else if all.is_empty() {
+        println!("no release plans in {}", args.repo.display());
+    } else {
+        for (m, s) in &all {
+            print_status(m, s);
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn text(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::Null => "-".into(),
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Number(n) => n
+            .as_f64()
+            .map_or_else(|| n.to_string(), |f| format!("{}", (f * 1e4).round() / 1e4)),
+        other => other.to_string(),
+    }
+}
+
+fn print_status(model: &str, s: &serde_json::Value) {
+    println!(
+        "{model}: {} — stable {}, candidate {}, mode {}, step {}, weight {}%",
+        text(&s["phase"]),
+        text(&s["stable"]),
+        text(&s["candidate"]),
+        text(&s["mode"]),
+        text(&s["step"]),
+        s["weight"]
+            .as_f64()
+            .map_or("-".into(), |w| format!("{:.1}", w * 100.0)),
+    );
+    println!(
+        "  samples: stable {} ({} errors), candidate {} ({} errors); {} s in this step",
+        text(&s["samples_stable"]),
+        text(&s["errors_stable"]),
+        text(&s["samples_candidate"]),
+        text(&s["errors_candidate"]),
+        s["time_in_step_ms"].as_u64().map_or(0, |ms| ms / 1000),
+    );
+    if let Some(reason) = s["reason"].as_str() {
+        println!("  reason: {reason}");
+    }
+    let v = &s["last_verdict"];
+    if let Some(metrics) = v["summary"]["metrics"].as_array() {
+        println!("  judge: {}", text(&v["verdict"]));
+        let rows: Vec<Vec<String>> = metrics
+            .iter()
+            .map(|m| {
+                vec![
+                    text(&m["metric"]),
+                    text(&m["stable"]),
+                    text(&m["candidate"]),
+                    text(&m["statistic"]),
+                    text(&m["threshold"]),
+                    text(&m["e_value"]),
+                ]
+            })
+            .collect();
+        let table = render::table(
+            &[
+                "metric",
+                "stable",
+                "candidate",
+                "statistic",
+                "threshold",
+                "e-value",
+            ],
+            &rows,
+        );
+        for line in table.lines() {
+            println!("    {line}");
+        }
+    }
+}
+
+fn print_decision(d: &serde_json::Value) {
+    println!(
+        "{}: weight {} → {} ({}){}",
+        text(&d["action"]),
+        text(&d["from_weight"]),
+        text(&d["to_weight"]),
+        text(&d["reason"]),
+        d["metric"]
+            .as_str()
+            .map(|m| format!(
+                "; {m} statistic {} threshold {} e-value {}",
+                text(&d["statistic"]),
+                text(&d["threshold"]),
+                text(&d["e_value"])
+            ))
+            .unwrap_or_default()
+    );
+}
+
+fn print_history(plan: &ReleasePlan) {
+    if plan.history.is_empty() {
+        println!("no decisions yet");
+        return;
+    }
+    let rows: Vec<Vec<String>> = plan
+        .history
+        .iter()
+        .map(|d| {
+            vec![
+                d.time_ms.to_string(),
+                serde_json::to_value(d.action)
+                    .map(|v| text(&v))
+                    .unwrap_or_default(),
+                format!("{:.3}", d.from_weight),
+                format!("{:.3}", d.to_weight),
+                d.metric.clone().unwrap_or_default(),
+                d.actor.clone(),
+                d.reason.clone(),
+            ]
+        })
+        .collect();
+    print!(
+        "{}",
+        render::table(
+            &["time_ms", "action", "from", "to", "metric", "actor", "reason"],
+            &rows
+        )
+    );
+}

@@ -1,0 +1,421 @@
+//! Releases end to end: the real binary serving SmolLM2 twice (1.0.0 the stable, 1.1.0 the
+//! candidate, the same weights), steered by `rampart release` against the admin API and on the
+//! plan file, judged on live traffic. The candidate is made worse with the fault drills (slower,
+//! erroring), so that what is judged is the server's own measurement of real generations.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use testkit::cached_model;
+use testkit::models::SMOLLM2_GGUF;
+
+/// A server on a repository holding SmolLM2 as 1.0.0 and 1.1.0, with `config` lines before its
+/// `[[models]]` table (which serves `version`, or the plan's versions when `None`).
+fn release_server(config: &str, version: Option<&str>, plan: Option<&str>) -> Option<Server> {
+    let model = cached_model(SMOLLM2_GGUF)?;
+    let dir = tempfile::tempdir().unwrap();
+    let repo = import_repository(
+        dir.path(),
+        &[(MODEL, "1.0.0", model.clone()), (MODEL, "1.1.0", model)],
+    );
+    if let Some(plan) = plan {
+        std::fs::write(repo.join(MODEL).join("release.toml"), plan).unwrap();
+    }
+    let pinned = version
+        .map(|v| format!("version = \"{v}\"\n"))
+        .unwrap_or_default();
+    let config = format!(
+        "[faults]\nenabled = true\n[releases]\ntick_ms = 250\n{config}\n[[models]]\nname = \"{MODEL}\"\n{pinned}context = 512\nkv_cache_memory = \"64MiB\"\n"
+    );
+    let (port, grpc_port) = (free_port(), free_port());
+    let log = dir.path().join("server.log");
+    let child = spawn_server(dir.path(), &repo, port, grpc_port, &config, &log);
+    let server = Server {
+        child,
+        port,
+        grpc_port,
+        _dir: dir,
+        log,
+    };
+    wait_ready(server.port);
+    Some(server)
+}
+
+fn repo_of(server: &Server) -> PathBuf {
+    server._dir.path().join("models")
+}
+
+/// Chat requests from many users (each request its own user, so the sticky split sees many)
+/// on `threads` threads until `stop`; counts answered requests.
+struct Load {
+    stop: Arc<AtomicBool>,
+    answered: Arc<AtomicUsize>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(port: u16, threads: usize) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let answered = Arc::new(AtomicUsize::new(0));
+        let threads = (0..threads)
+            .map(|t| {
+                let (stop, answered) = (Arc::clone(&stop), Arc::clone(&answered));
+                std::thread::spawn(move || {
+                    let mut i = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        i += 1;
+                        let body = format!(
+                            r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Say a word about the number {i}."}}],"max_tokens":6,"temperature":0,"user":"user-{t}-{i}"}}"#
+                        );
+                        if let Some((200, _, _)) =
+                            try_http(port, "POST", "/v1/chat/completions", Some(&body), Some(KEY))
+                        {
+                            answered.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                })
+            })
+            .collect();
+        Self {
+            stop,
+            answered,
+            threads,
+        }
+    }
+
+    fn stop(self) -> usize {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads {
+            let _ = t.join();
+        }
+        self.answered.load(Ordering::Relaxed)
+    }
+}
+
+fn release(port: u16) -> serde_json::Value {
+    let (status, _, body) = http(
+        port,
+        "GET",
+        &format!("/admin/releases/{MODEL}"),
+        None,
+        Some(ADMIN_KEY),
+    );
+    assert_eq!(status, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+/// Polls the release until `done` holds (or `limit` passes); the last state.
+fn wait_release(
+    port: u16,
+    limit: Duration,
+    done: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    let began = Instant::now();
+    loop {
+        let r = release(port);
+        if done(&r) || began.elapsed() > limit {
+            return r;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn cli(args: &[&str], repo: &Path, url: Option<u16>) -> (bool, String) {
+    let mut command = Command::new(binary());
+    command.arg("release").args(args).arg("--repo").arg(repo);
+    if let Some(port) = url {
+        command
+            .arg("--url")
+            .arg(format!("http://127.0.0.1:{port}"))
+            .arg("--key")
+            .arg(ADMIN_KEY);
+    }
+    let out = command.output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+fn actions(plan: &serde_json::Value) -> Vec<String> {
+    plan["history"]
+        .as_array()
+        .map(|h| {
+            h.iter()
+                .map(|d| d["action"].as_str().unwrap_or("").to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn fault(port: u16, body: &str) {
+    let (status, _, text) = http(port, "POST", "/admin/faults", Some(body), Some(ADMIN_KEY));
+    assert_eq!(status, 201, "{text}");
+}
+
+#[test]
+fn a_slower_and_an_erroring_candidate_are_rolled_back_at_the_first_step() {
+    // The first step at 20 % (not the default 5 %): a single client is slow, and the judge
+    // needs a dozen candidate answers (the 5 % step's timing is measured by
+    // scripts/bench-release.sh and the crate's simulations).
+    let plan = "stable = \"1.0.0\"\n\n[schedule]\nsteps = [20.0, 50.0, 100.0]\n";
+    let Some(server) = release_server("", Some("1.0.0"), Some(plan)) else {
+        return;
+    };
+    let repo = repo_of(&server);
+    let (ok, text) = cli(&["status", MODEL], &repo, Some(server.port));
+    assert!(ok && text.contains("idle"), "{text}");
+    // Refusals: a start without a candidate, by a key without the admin scope, an unknown
+    // action, and (below) a second start.
+    let (status, _, body) = http(
+        server.port,
+        "POST",
+        &format!("/admin/releases/{MODEL}/launch"),
+        Some("{}"),
+        Some(ADMIN_KEY),
+    );
+    assert_eq!(status, 400, "{body}");
+    let (status, _, body) = http(
+        server.port,
+        "POST",
+        &format!("/admin/releases/{MODEL}/start"),
+        Some("{}"),
+        Some(ADMIN_KEY),
+    );
+    assert_eq!(status, 400, "{body}");
+    let (status, _, _) = http(
+        server.port,
+        "POST",
+        &format!("/admin/releases/{MODEL}/start"),
+        Some(r#"{"candidate":"1.1.0"}"#),
+        Some(KEY),
+    );
+    assert_eq!(status, 403, "an infer key cannot start a release");
+
+    // The slower candidate: started (1.1.0 is loaded for it), then every call of 1.1.0 takes
+    // twice as long (first token and gaps). One client, so that both versions answer alone:
+    // under concurrent load the stable's engine batches 95 % of the requests while the
+    // candidate's runs nearly idle, and an identical candidate measures faster than the stable
+    // (docs/releases.md, "What the judge cannot see").
+    let (ok, text) = cli(
+        &["start", MODEL, "--candidate", "1.1.0"],
+        &repo,
+        Some(server.port),
+    );
+    assert!(ok, "{text}");
+    fault(
+        server.port,
+        &format!(r#"{{"backend":"{MODEL}@1.1.0","mode":"slow","factor":2.0,"duration_s":600}}"#),
+    );
+    let started = Instant::now();
+    let (status, _, body) = http(
+        server.port,
+        "POST",
+        &format!("/admin/releases/{MODEL}/start"),
+        Some(r#"{"candidate":"1.1.0"}"#),
+        Some(ADMIN_KEY),
+    );
+    assert_eq!(status, 409, "a second start is refused: {body}");
+    let load = Load::start(server.port, 1);
+    let r = wait_release(server.port, Duration::from_secs(150), |r| {
+        r["status"]["phase"] == "rolled_back"
+    });
+    let took = started.elapsed();
+    let answered = load.stop();
+    eprintln!(
+        "slower candidate: {} after {:.1} s, {answered} answered; {}",
+        r["status"]["phase"],
+        took.as_secs_f64(),
+        r["status"]
+    );
+    assert_eq!(r["status"]["phase"], "rolled_back", "{r}");
+    let rollback = r["plan"]["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .rev()
+        .find(|d| d["action"] == "rollback")
+        .unwrap()
+        .clone();
+    assert_eq!(
+        rollback["from_weight"], 0.2,
+        "rolled back in the first step: {rollback}"
+    );
+    assert_eq!(rollback["to_weight"], 0.0);
+    let metric = rollback["metric"].as_str().unwrap_or("");
+    assert!(
+        ["ttft_p95", "tpot_p95", "e2e_p95"].contains(&metric),
+        "a latency test rolled it back: {rollback}"
+    );
+    assert!(rollback["e_value"].as_f64().unwrap() >= 100.0, "{rollback}");
+    // (The issue's bound is 60 s; the test allows for a machine busy with other tests.)
+    assert!(
+        took < Duration::from_secs(120),
+        "rolled back after {took:?}"
+    );
+    // The file says the same (a restart or a Git commit sees it), the records say who served.
+    let on_disk = std::fs::read_to_string(repo.join(MODEL).join("release.toml")).unwrap();
+    assert!(on_disk.contains("phase = \"rolled_back\""), "{on_disk}");
+    let records = records_of(&server);
+    let candidate = records
+        .iter()
+        .filter(|r| r["variant"] == "candidate" && r["version"] == "1.1.0")
+        .count();
+    assert!(candidate >= 5, "{candidate} candidate records");
+    assert!(records
+        .iter()
+        .any(|r| r["variant"] == "stable" && r["route_reason"] == "weight"));
+    assert!(
+        metric_labelled(
+            server.port,
+            "rampart_release_decisions_total",
+            "result=\"rollback\""
+        ) >= 1.0
+    );
+    assert_eq!(
+        metric_labelled(server.port, "rampart_release_weight", "version=\"1.1.0\""),
+        0.0
+    );
+    // After the rollback everything goes to the stable.
+    let (_, headers, _) = http(
+        server.port,
+        "POST",
+        "/v1/chat/completions",
+        Some(&format!(
+            r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"hi"}}],"max_tokens":2}}"#
+        )),
+        Some(KEY),
+    );
+    assert!(header(&headers, "x-rampart-audit-id").is_some());
+    let last = records_of(&server);
+    let last = last.last().unwrap();
+    assert_eq!(last["version"], "1.0.0", "{last}");
+    assert_eq!(last["route_reason"], "rolled_back", "{last}");
+
+    // The erroring candidate: half of its calls fail.
+    let (status, _, _) = http(
+        server.port,
+        "DELETE",
+        "/admin/faults",
+        None,
+        Some(ADMIN_KEY),
+    );
+    assert_eq!(status, 200);
+    fault(
+        server.port,
+        &format!(
+            r#"{{"backend":"{MODEL}@1.1.0","mode":"fail_fraction","fraction":0.5,"duration_s":600}}"#
+        ),
+    );
+    let (status, _, body) = http(
+        server.port,
+        "POST",
+        &format!("/admin/releases/{MODEL}/start"),
+        Some(r#"{"candidate":"1.1.0"}"#),
+        Some(ADMIN_KEY),
+    );
+    assert_eq!(status, 200, "{body}");
+    let started = Instant::now();
+    let load = Load::start(server.port, 4);
+    let r = wait_release(server.port, Duration::from_secs(120), |r| {
+        r["status"]["phase"] == "rolled_back"
+    });
+    let took = started.elapsed();
+    load.stop();
+    eprintln!(
+        "erroring candidate: {} after {:.1} s; {}",
+        r["status"]["phase"],
+        took.as_secs_f64(),
+        r["status"]
+    );
+    assert_eq!(r["status"]["phase"], "rolled_back", "{r}");
+    let history = r["plan"]["history"].as_array().unwrap();
+    let last = history.last().unwrap();
+    assert_eq!(last["action"], "rollback", "{last}");
+    assert_eq!(last["metric"], "error_rate", "{last}");
+    assert_eq!(
+        actions(&r["plan"]),
+        ["start", "rollback", "start", "rollback"],
+        "{}",
+        r["plan"]
+    );
+    // Each decision is a log line with its numbers.
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    assert!(
+        log.lines()
+            .filter(|l| l.contains("release decision") && l.contains("\"action\":\"rollback\""))
+            .count()
+            >= 2,
+        "decisions are logged"
+    );
+}
+
+/// The sum of a metric's samples whose labels contain `label`.
+fn metric_labelled(port: u16, name: &str, label: &str) -> f64 {
+    let (_, _, body) = http(port, "GET", "/metrics", None, None);
+    body.lines()
+        .filter(|l| l.starts_with(name) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[test]
+fn an_identical_candidate_started_on_the_file_holds_without_traffic_and_promotes() {
+    // A short schedule, so that the whole release fits a test.
+    let plan = "stable = \"1.0.0\"\n\n[schedule]\nsteps = [20.0, 50.0, 100.0]\nmin_step_secs = 2\nmin_samples = 6\nstall_secs = 4\n";
+    let Some(server) = release_server("", None, Some(plan)) else {
+        return;
+    };
+    let repo = repo_of(&server);
+    let r = release(server.port);
+    assert_eq!(r["status"]["phase"], "idle", "{r}");
+    // Started on the file, as a Git commit of it would: the server adopts it and loads 1.1.0.
+    let (ok, text) = cli(&["start", MODEL, "--candidate", "1.1.0"], &repo, None);
+    assert!(ok, "{text}");
+    let r = wait_release(server.port, Duration::from_secs(30), |r| {
+        r["status"]["phase"] == "running"
+    });
+    assert_eq!(r["status"]["phase"], "running", "{r}");
+    let load = Load::start(server.port, 4);
+    // (The first requests may find 1.1.0 still loading: the release holds, then resumes.)
+    let r = wait_release(server.port, Duration::from_secs(120), |r| {
+        r["status"]["step"].as_u64() >= Some(1)
+            || !["running", "holding"].contains(&r["status"]["phase"].as_str().unwrap_or(""))
+    });
+    load.stop();
+    assert_eq!(r["status"]["phase"], "running", "{r}");
+    assert_eq!(r["status"]["step"], 1, "{r}");
+    // No traffic: the release holds (no promotion, no rollback on no data).
+    let r = wait_release(server.port, Duration::from_secs(30), |r| {
+        r["status"]["phase"] == "holding"
+    });
+    assert_eq!(r["status"]["phase"], "holding", "{r}");
+    assert_eq!(r["status"]["weight"], 0.5, "{r}");
+    // Traffic again: it resumes and promotes through the last step.
+    let load = Load::start(server.port, 4);
+    let r = wait_release(server.port, Duration::from_secs(150), |r| {
+        !["running", "holding"].contains(&r["status"]["phase"].as_str().unwrap_or(""))
+    });
+    load.stop();
+    eprintln!("identical candidate: {}", r["plan"]);
+    assert_eq!(r["status"]["phase"], "promoted", "{r}");
+    assert_eq!(r["plan"]["stable"], "1.1.0", "{r}");
+    let actions = actions(&r["plan"]);
+    assert!(!actions.contains(&"rollback".to_string()), "{actions:?}");
+    for a in ["start", "step", "hold", "resume", "promote"] {
+        assert!(actions.contains(&a.to_string()), "{a} in {actions:?}");
+    }
+    // The CLI reads the same from the file.
+    let (ok, text) = cli(&["history", MODEL], &repo, None);
+    assert!(ok && text.contains("promote"), "{text}");
+    let (ok, text) = cli(&["status", MODEL, "--json"], &repo, Some(server.port));
+    assert!(ok && text.contains("\"promoted\""), "{text}");
+}

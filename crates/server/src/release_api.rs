@@ -1,0 +1,252 @@
+//! The releases' admin API (`/admin/releases/…`, scope `admin`): read every release's state,
+//! one release's plan, status and history, and steer it (`start`, `approve`, `promote`,
+//! `pause`, `resume`, `rollback`). Each command is an audited admin action and a controller
+//! decision written to the plan file before the answer.
+
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use release::controller::Command;
+use release::plan::Mode;
+use serde::Deserialize;
+
+use crate::error::ApiError;
+use crate::http::paths;
+use crate::identity::Principal;
+use crate::releases::{CommandError, Releases};
+use crate::state::AppState;
+
+/// The release routes (the caller adds the `admin` scope check).
+pub fn routes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route(paths::ADMIN_RELEASES, get(list))
+        .route(paths::ADMIN_RELEASE, get(show))
+        .route(paths::ADMIN_RELEASE_ACTION, post(act))
+}
+
+fn releases_of(state: &AppState) -> Result<&Arc<Releases>, ApiError> {
+    state
+        .releases
+        .get()
+        .ok_or_else(|| ApiError::invalid("releases are off ([releases] enabled = false)"))
+}
+
+/// `GET /admin/releases`: every release's status.
+async fn list(State(state): State<Arc<AppState>>) -> Response {
+    match releases_of(&state) {
+        Ok(r) => Json(serde_json::json!({ "releases": r.views() })).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+/// `GET /admin/releases/{name}`: the plan (settings, state, history) and the judge's status.
+async fn show(State(state): State<Arc<AppState>>, Path(name): Path<String>) -> Response {
+    let r = match releases_of(&state) {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    let Some(m) = r.get(&name) else {
+        return ApiError::ModelNotFound(format!(
+            "the model {name:?} has no release plan (start one with POST /admin/releases/{name}/start)"
+        ))
+        .into_response();
+    };
+    let plan = m.plan();
+    Json(serde_json::json!({
+        "model": name,
+        "status": m.status(),
+        "plan": &*plan,
+    }))
+    .into_response()
+}
+
+/// The body of a release command (every field optional; `start` needs `candidate`).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CommandBody {
+    candidate: Option<String>,
+    mode: Option<Mode>,
+    reason: Option<String>,
+}
+
+/// `POST /admin/releases/{name}/{action}`.
+async fn act(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    Path((name, action)): Path<(String, String)>,
+    body: axum::body::Bytes,
+) -> Response {
+    match act_inner(&state, &principal.0, &name, &action, &body).await {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn act_inner(
+    state: &Arc<AppState>,
+    principal: &str,
+    name: &str,
+    action: &str,
+    body: &[u8],
+) -> Result<serde_json::Value, ApiError> {
+    let releases = releases_of(state)?;
+    if let Some(refusal) = state.audit_refusal() {
+        return Err(refusal);
+    }
+    let body: CommandBody = if body.iter().all(u8::is_ascii_whitespace) {
+        CommandBody::default()
+    } else {
+        serde_json::from_slice(body)
+            .map_err(|e| ApiError::invalid(format!("the body is not a release command: {e}")))?
+    };
+    let command = match action {
+        "start" => start_command(state, releases, name, &body).await?,
+        "approve" => Command::Approve,
+        "promote" => Command::Promote,
+        "pause" => Command::Pause,
+        "resume" => Command::Resume,
+        "rollback" => Command::Rollback {
+            reason: body
+                .reason
+                .clone()
+                .unwrap_or_else(|| format!("rolled back by {principal}")),
+        },
+        other => {
+            return Err(ApiError::invalid_param(
+                "action",
+                format!(
+                    "unknown release action {other:?}: use start, approve, promote, pause, resume or rollback"
+                ),
+            ))
+        }
+    };
+    let stable = served_stable(state, name, body.candidate.as_deref());
+    let decision = releases
+        .command(name, stable.as_deref(), command, principal)
+        .await
+        .map_err(|e| match e {
+            CommandError::Refused(m) => ApiError::Conflict(m),
+            CommandError::NoPlan(..) => ApiError::ModelNotFound(e.to_string()),
+            CommandError::Release(e) => ApiError::Internal(e.to_string()),
+        })?;
+    let detail = serde_json::to_value(&decision).unwrap_or_default();
+    state
+        .act(
+            principal,
+            Some(name),
+            audit::Action {
+                name: format!("release.{action}"),
+                target: Some(name.to_string()),
+                cause: Some(decision.reason.clone()),
+                outcome: "ok".into(),
+                detail: detail.clone(),
+            },
+        )
+        .await?;
+    let status = releases.get(name).map(|m| m.status());
+    Ok(serde_json::json!({ "decision": detail, "status": status }))
+}
+
+/// The version a new plan starts from: the newest served version other than the candidate.
+fn served_stable(state: &AppState, name: &str, candidate: Option<&str>) -> Option<String> {
+    let mut versions = state.registry.versions(name);
+    versions.retain(|v| Some(v.as_str()) != candidate);
+    versions.sort_by(|a, b| {
+        let parse = |v: &str| semver::Version::parse(v).ok();
+        parse(a).cmp(&parse(b)).then_with(|| a.cmp(b))
+    });
+    versions.pop()
+}
+
+/// `start`: the candidate exists in the repository and is loaded (loaded now when it is not),
+/// its tokenizer is compared with the stable's.
+async fn start_command(
+    state: &Arc<AppState>,
+    releases: &Releases,
+    name: &str,
+    body: &CommandBody,
+) -> Result<Command, ApiError> {
+    let Some(candidate) = body.candidate.clone() else {
+        return Err(ApiError::invalid_param(
+            "candidate",
+            "start needs the candidate version: {\"candidate\": \"1.1.0\"}",
+        ));
+    };
+    let stable = match releases.get(name) {
+        Some(m) => m.plan().stable.clone(),
+        None => served_stable(state, name, Some(&candidate))
+            .ok_or_else(|| ApiError::ModelNotFound(format!("the model {name:?} is not served")))?,
+    };
+    if stable == candidate {
+        return Err(ApiError::invalid_param(
+            "candidate",
+            format!("{candidate} is already the stable version of {name}"),
+        ));
+    }
+    crate::releases::ensure_loaded(state, name, &candidate)
+        .await
+        .map_err(|e| ApiError::invalid_param("candidate", e))?;
+    let tokenizer = tokenizer_change(state, name, &stable, &candidate).await?;
+    Ok(Command::Start {
+        candidate,
+        mode: body.mode,
+        tokenizer_changed: tokenizer.is_some(),
+        gates_passed: Some(true),
+    })
+}
+
+/// Why the candidate's tokenizer differs from the stable's, if it does (`rampart model diff`).
+async fn tokenizer_change(
+    state: &AppState,
+    name: &str,
+    stable: &str,
+    candidate: &str,
+) -> Result<Option<String>, ApiError> {
+    let repo_dir = state.config.repo.clone();
+    let (name, stable, candidate) = (name.to_string(), stable.to_string(), candidate.to_string());
+    tokio::task::spawn_blocking(move || {
+        let repository = repo::Repository::open(&repo_dir);
+        let version = |v: &str| -> Result<repo::ModelVersion, ApiError> {
+            let parsed = semver::Version::parse(v)
+                .map_err(|e| ApiError::invalid_param("candidate", format!("{v:?}: {e}")))?;
+            repository
+                .resolve(&repo::ModelRef {
+                    name: name.clone(),
+                    version: Some(parsed),
+                })
+                .map_err(|e| ApiError::ModelNotFound(e.to_string()))
+        };
+        let (old, new) = (version(&stable)?, version(&candidate)?);
+        let d = repo::diff::diff(
+            &repository,
+            &old,
+            &new,
+            repo::diff::DEFAULT_TOKENIZER_THRESHOLD_PCT,
+            &repo::NoProgress,
+        )
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+        let changed = d.tokenizer_present.0 != d.tokenizer_present.1
+            || d.tokenizer.as_ref().is_some_and(|t| {
+                t.kind.0 != t.kind.1
+                    || t.pre.0 != t.pre.1
+                    || t.tokens_added + t.tokens_removed + t.tokens_renumbered > 0
+                    || t.merges_added + t.merges_removed + t.merges_reordered > 0
+                    || !t.special_changes.is_empty()
+                    || t.add_bos.0 != t.add_bos.1
+                    || t.add_eos.0 != t.add_eos.1
+                    || t.chat_template_changed
+            });
+        Ok(changed.then(|| {
+            if d.blocking.is_empty() {
+                "the tokenizer changed".to_string()
+            } else {
+                d.blocking.join("; ")
+            }
+        }))
+    })
+    .await
+    .map_err(|e| ApiError::Internal(e.to_string()))?
+}

@@ -1,0 +1,664 @@
+//! Releases in the server: each model's release plan (`<repo>/<name>/release.toml`, crate
+//! `release`) routes its requests, is judged from its records and steered by a controller task.
+//!
+//! - The route ([`Releases::route`]) assigns a request that names a model without a version to
+//!   the stable or the candidate (sticky by user); the record carries the variant and why.
+//! - The record sink ([`ReleaseSink`]) turns each answered request of a variant into a judge
+//!   sample (errors, TTFT, time per output token, E2E latency, entropy, confidence).
+//! - The controller task ([`spawn`]) ticks every `[releases] tick_ms`: it feeds the monitors'
+//!   drift alarms, judges, moves weights, promotes and rolls back; each decision is written back
+//!   to the plan file atomically, logged, counted and kept in the audit log. A plan file changed
+//!   by someone else (an edit, a Git checkout) is read at the next tick and adopted.
+//! - Commands (`/admin/releases/…`, `rampart release …`) go through [`Releases::command`].
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, SystemTime};
+
+use metrics::{counter, gauge};
+use record::{Delivery, Envelope, InferenceRecord, Sink, SinkFuture};
+use release::controller::{Action, Command, Controller, Decision, Status};
+use release::judge::Sample;
+use release::plan::{Phase, ReleasePlan, Variant};
+use release::router::{Route, RoutingKey};
+use serde::Serialize;
+
+use crate::config::ReleasesConfig;
+
+/// The file that holds a model's release plan, beside its versions.
+pub const PLAN_FILE: &str = "release.toml";
+
+/// Where `name`'s plan lives in `repo`.
+pub fn plan_path(repo: &Path, name: &str) -> PathBuf {
+    repo.join(name).join(PLAN_FILE)
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+fn modified(path: &Path) -> Option<SystemTime> {
+    std::fs::metadata(path).and_then(|m| m.modified()).ok()
+}
+
+/// One model's release: its controller, the snapshot the route reads, and what the file looked
+/// like when this process last read or wrote it.
+pub struct ModelRelease {
+    pub name: String,
+    path: PathBuf,
+    controller: Mutex<Controller>,
+    /// The plan the route reads: replaced after every change, read without the controller's
+    /// lock.
+    routing: RwLock<Arc<ReleasePlan>>,
+    /// The file's modification time after our last read or write: another one means someone
+    /// else changed it.
+    seen: Mutex<Option<SystemTime>>,
+    /// Serializes writes of the file (controller ticks and commands).
+    writing: tokio::sync::Mutex<()>,
+}
+
+impl std::fmt::Debug for ModelRelease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelRelease")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ModelRelease {
+    fn new(name: String, path: PathBuf, plan: ReleasePlan) -> Self {
+        let seen = modified(&path);
+        Self {
+            routing: RwLock::new(Arc::new(plan.clone())),
+            controller: Mutex::new(Controller::new(plan)),
+            name,
+            path,
+            seen: Mutex::new(seen),
+            writing: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    fn controller(&self) -> std::sync::MutexGuard<'_, Controller> {
+        self.controller.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The plan as the route sees it.
+    pub fn plan(&self) -> Arc<ReleasePlan> {
+        Arc::clone(&self.routing.read().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    pub fn status(&self) -> Status {
+        self.controller().status()
+    }
+
+    /// Publishes the controller's plan to the route and writes it to the file.
+    async fn persist(&self) -> Result<(), release::plan::ReleaseError> {
+        let _writing = self.writing.lock().await;
+        let plan = self.controller().plan().clone();
+        *self.routing.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(plan.clone());
+        let path = self.path.clone();
+        let saved = tokio::task::spawn_blocking(move || plan.save_atomic(&path).map(|()| path))
+            .await
+            .map_err(|e| release::plan::ReleaseError::Io {
+                path: self.path.display().to_string(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+        let path = saved?;
+        *self.seen.lock().unwrap_or_else(|e| e.into_inner()) = modified(&path);
+        Ok(())
+    }
+
+    /// Adopts the file when someone else changed it since we last read or wrote it.
+    fn reload_if_changed(&self) -> Option<Result<(), release::plan::ReleaseError>> {
+        let now = modified(&self.path);
+        {
+            let seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+            if now == *seen {
+                return None;
+            }
+        }
+        let loaded = match ReleasePlan::load(&self.path) {
+            Ok(plan) => plan,
+            Err(e) => {
+                // Remember this version of the file so that the error is said once.
+                *self.seen.lock().unwrap_or_else(|e| e.into_inner()) = now;
+                return Some(Err(e));
+            }
+        };
+        *self.seen.lock().unwrap_or_else(|e| e.into_inner()) = now;
+        self.controller().replace_plan(loaded.clone());
+        *self.routing.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(loaded);
+        Some(Ok(()))
+    }
+}
+
+/// What the route decided, for the record and the front.
+#[derive(Debug, Clone)]
+pub struct Routed {
+    pub version: String,
+    pub variant: Variant,
+    pub why: &'static str,
+    /// Shadow mode: the candidate version the request is mirrored to.
+    pub shadow: Option<String>,
+}
+
+impl From<Route> for Routed {
+    fn from(r: Route) -> Self {
+        Self {
+            version: r.version,
+            variant: r.variant,
+            why: r.why,
+            shadow: r.shadow,
+        }
+    }
+}
+
+/// Every model's release, shared by the route, the sink, the controller task and the admin API.
+#[derive(Debug)]
+pub struct Releases {
+    pub cfg: ReleasesConfig,
+    repo: PathBuf,
+    models: RwLock<BTreeMap<String, Arc<ModelRelease>>>,
+}
+
+/// A command could not be carried out.
+#[derive(Debug, thiserror::Error)]
+pub enum CommandError {
+    #[error("{0}")]
+    Refused(String),
+    #[error("model {0:?} has no release plan and none can be made: {1}")]
+    NoPlan(String, String),
+    #[error("{0}")]
+    Release(#[from] release::plan::ReleaseError),
+}
+
+impl Releases {
+    /// Reads the plans of `names` that have one (a plan that does not parse is an error: the
+    /// server must not guess how a release was meant to route).
+    pub fn open(
+        cfg: ReleasesConfig,
+        repo: PathBuf,
+        names: &[String],
+    ) -> Result<Self, release::plan::ReleaseError> {
+        let mut models = BTreeMap::new();
+        for name in names {
+            let path = plan_path(&repo, name);
+            if !path.is_file() {
+                continue;
+            }
+            let plan = ReleasePlan::load(&path)?;
+            tracing::info!(
+                target: "rampart::release",
+                model = %name,
+                stable = %plan.stable,
+                candidate = plan.candidate.as_deref().unwrap_or(""),
+                phase = ?plan.state.phase,
+                weight = plan.state.weight,
+                "release plan read"
+            );
+            let m = Arc::new(ModelRelease::new(name.clone(), path, plan));
+            set_gauges(&m);
+            models.insert(name.clone(), m);
+        }
+        Ok(Self {
+            cfg,
+            repo,
+            models: RwLock::new(models),
+        })
+    }
+
+    /// The versions a plan wants served: its stable, and its candidate while a release of it
+    /// is under way. `None` without a plan.
+    pub fn versions_wanted(repo: &Path, name: &str) -> Option<(String, Option<String>)> {
+        let plan = ReleasePlan::load(&plan_path(repo, name)).ok()?;
+        let candidate = plan
+            .candidate
+            .clone()
+            .filter(|_| plan.state.phase.is_active());
+        Some((plan.stable, candidate))
+    }
+
+    pub fn get(&self, name: &str) -> Option<Arc<ModelRelease>> {
+        self.models
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .cloned()
+    }
+
+    pub fn all(&self) -> Vec<Arc<ModelRelease>> {
+        self.models
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    /// The route of a request for `name` (no version named), or `None` when the model has no
+    /// release plan.
+    pub fn route(&self, name: &str, key: &RoutingKey<'_>) -> Option<Routed> {
+        let models = self.models.read().unwrap_or_else(|e| e.into_inner());
+        let m = models.get(name)?;
+        let plan = m.plan();
+        Some(release::router::route(&plan, key).into())
+    }
+
+    /// One record into the judge of its model's release.
+    pub fn take(&self, record: &InferenceRecord) {
+        let Some(variant) = record_variant(record) else {
+            return;
+        };
+        let Some(m) = self.get(&record.model) else {
+            return;
+        };
+        if let Some(sample) = sample(record, variant) {
+            m.controller().observe(&sample);
+        }
+    }
+
+    /// The release of `name`, made with a fresh plan (stable: `stable`) when it has none.
+    fn release_or_new(
+        &self,
+        name: &str,
+        stable: Option<&str>,
+    ) -> Result<Arc<ModelRelease>, CommandError> {
+        if let Some(m) = self.get(name) {
+            return Ok(m);
+        }
+        let Some(stable) = stable else {
+            return Err(CommandError::NoPlan(
+                name.to_string(),
+                "no version of it is served".into(),
+            ));
+        };
+        let path = plan_path(&self.repo, name);
+        let plan = if path.is_file() {
+            ReleasePlan::load(&path)?
+        } else {
+            ReleasePlan::new(stable)
+        };
+        let m = Arc::new(ModelRelease::new(name.to_string(), path, plan));
+        let mut models = self.models.write().unwrap_or_else(|e| e.into_inner());
+        Ok(Arc::clone(models.entry(name.to_string()).or_insert(m)))
+    }
+
+    /// Applies an operator's command to `name`'s release; the plan is written and the decision
+    /// published before this returns. `stable` names the served version a new plan starts from.
+    pub async fn command(
+        &self,
+        name: &str,
+        stable: Option<&str>,
+        command: Command,
+        actor: &str,
+    ) -> Result<Decision, CommandError> {
+        let m = self.release_or_new(name, stable)?;
+        let decision = m
+            .controller()
+            .command(command, now_ms(), actor)
+            .map_err(|e| CommandError::Refused(e.to_string()))?;
+        m.persist().await?;
+        publish(&m.name, &decision);
+        set_gauges(&m);
+        Ok(decision)
+    }
+
+    /// One tick of every release: adopt changed files, feed drift, judge, decide, persist.
+    pub async fn tick(&self, drift: &(dyn Fn(&str, &str) -> Option<String> + Sync)) {
+        for m in self.all() {
+            match m.reload_if_changed() {
+                Some(Ok(())) => {
+                    let plan = m.plan();
+                    tracing::warn!(
+                        target: "rampart::release",
+                        model = %m.name,
+                        stable = %plan.stable,
+                        candidate = plan.candidate.as_deref().unwrap_or(""),
+                        phase = ?plan.state.phase,
+                        weight = plan.state.weight,
+                        "release plan changed on disk: adopted"
+                    );
+                    crate::decisions::note(
+                        "release.plan_changed",
+                        Some(&m.name),
+                        &m.name,
+                        "the plan file changed on disk",
+                        serde_json::json!({
+                            "stable": plan.stable,
+                            "candidate": plan.candidate,
+                            "phase": plan.state.phase,
+                            "weight": plan.state.weight,
+                        }),
+                    );
+                    set_gauges(&m);
+                }
+                Some(Err(e)) => {
+                    tracing::error!(target: "rampart::release", model = %m.name, error = %e, "release plan changed on disk but cannot be read: the release keeps its last plan");
+                    counter!("rampart_release_plan_errors_total", "model" => m.name.clone())
+                        .increment(1);
+                }
+                None => {}
+            }
+            let (stable, candidate) = {
+                let plan = m.plan();
+                (plan.stable.clone(), plan.candidate.clone())
+            };
+            {
+                let mut c = m.controller();
+                let s = drift(&m.name, &stable);
+                c.set_drift(Variant::Stable, s.is_some(), s.as_deref().unwrap_or(""));
+                if let Some(candidate) = &candidate {
+                    let d = drift(&m.name, candidate);
+                    c.set_drift(Variant::Candidate, d.is_some(), d.as_deref().unwrap_or(""));
+                }
+            }
+            let decisions = m.controller().tick(now_ms());
+            if decisions.is_empty() {
+                continue;
+            }
+            if let Err(e) = m.persist().await {
+                tracing::error!(target: "rampart::release", model = %m.name, error = %e, "the release plan could not be written: the decision holds in memory and routes, but a restart would not know it");
+                counter!("rampart_release_plan_errors_total", "model" => m.name.clone())
+                    .increment(1);
+            }
+            for d in &decisions {
+                publish(&m.name, d);
+                crate::decisions::note(
+                    &format!("release.{}", action_name(d.action)),
+                    Some(&m.name),
+                    &format!("{}@{}", m.name, d.candidate.as_deref().unwrap_or(&d.stable)),
+                    &d.reason,
+                    serde_json::to_value(d).unwrap_or_default(),
+                );
+            }
+            set_gauges(&m);
+        }
+    }
+}
+
+/// The variant a record was served as (`stable` or `candidate`).
+fn record_variant(r: &InferenceRecord) -> Option<Variant> {
+    match r.variant? {
+        "stable" => Some(Variant::Stable),
+        "candidate" => Some(Variant::Candidate),
+        _ => None,
+    }
+}
+
+/// The judge's sample of a record: refusals at the front and client errors (4xx) say nothing
+/// about the version and give none; a server error or a fallback away from the version is an
+/// error of it.
+pub fn sample(r: &InferenceRecord, variant: Variant) -> Option<Sample> {
+    if r.refusal.is_some() || (400..500).contains(&r.status) {
+        return None;
+    }
+    let error = r.status >= 500 || r.fallback_level > 0;
+    let generated = r.completion_tokens > 0 && !error;
+    Some(Sample {
+        variant,
+        time_ms: r.time_ms,
+        error,
+        ttft_ms: generated.then_some(r.ttft_ms),
+        tpot_ms: (generated && r.completion_tokens > 1)
+            .then(|| r.decode_ms / (r.completion_tokens - 1) as f64),
+        e2e_ms: r.total_ms,
+        entropy_mean: r.entropy_mean.filter(|_| !error),
+        confidence: r.confidence.filter(|_| !error),
+        helpful: None,
+    })
+}
+
+pub fn action_name(a: Action) -> &'static str {
+    match a {
+        Action::Start => "start",
+        Action::Step => "step",
+        Action::Promote => "promote",
+        Action::Rollback => "rollback",
+        Action::Hold => "hold",
+        Action::Resume => "resume",
+        Action::Pause => "pause",
+        Action::Approve => "approve",
+        Action::GateFailed => "gate_failed",
+    }
+}
+
+/// The phase as the `rampart_release_phase` gauge's value (docs/metrics.md).
+pub fn phase_code(p: Phase) -> f64 {
+    match p {
+        Phase::Idle => 0.0,
+        Phase::Gating => 1.0,
+        Phase::AwaitingApproval => 2.0,
+        Phase::Running => 3.0,
+        Phase::Paused => 4.0,
+        Phase::Holding => 5.0,
+        Phase::Promoted => 6.0,
+        Phase::RolledBack => 7.0,
+    }
+}
+
+/// A decision's log line and counter.
+fn publish(model: &str, d: &Decision) {
+    let action = action_name(d.action);
+    let reason_label = match (&d.metric, d.actor.as_str()) {
+        (Some(metric), _) => metric.clone(),
+        (None, "controller") => match d.action {
+            Action::Hold => "no_data".to_string(),
+            Action::GateFailed => "gates".to_string(),
+            _ => "schedule".to_string(),
+        },
+        (None, _) => "command".to_string(),
+    };
+    counter!(
+        "rampart_release_decisions_total",
+        "model" => model.to_string(),
+        "result" => action,
+        "reason" => reason_label
+    )
+    .increment(1);
+    let level_warn = matches!(
+        d.action,
+        Action::Rollback | Action::Hold | Action::GateFailed
+    );
+    macro_rules! line {
+        ($lvl:ident) => {
+            tracing::$lvl!(
+                target: "rampart::release",
+                model,
+                action,
+                stable = %d.stable,
+                candidate = d.candidate.as_deref().unwrap_or(""),
+                from_weight = d.from_weight,
+                to_weight = d.to_weight,
+                metric = d.metric.as_deref().unwrap_or(""),
+                statistic = d.statistic,
+                threshold = d.threshold,
+                e_value = d.e_value,
+                p_value = d.p_value,
+                samples_stable = d.samples_stable,
+                samples_candidate = d.samples_candidate,
+                actor = %d.actor,
+                reason = %d.reason,
+                "release decision"
+            )
+        };
+    }
+    if level_warn {
+        line!(warn);
+    } else {
+        line!(info);
+    }
+}
+
+/// `rampart_release_weight{model,version}` and `rampart_release_phase{model}`.
+fn set_gauges(m: &ModelRelease) {
+    let plan = m.plan();
+    let w = plan.state.weight.clamp(0.0, 1.0);
+    let candidate_serves = plan.candidate.is_some()
+        && matches!(
+            plan.state.phase,
+            Phase::Running | Phase::Paused | Phase::Holding | Phase::AwaitingApproval
+        );
+    let (stable_w, candidate_w) = if candidate_serves {
+        (1.0 - w, w)
+    } else {
+        (1.0, 0.0)
+    };
+    gauge!("rampart_release_weight", "model" => m.name.clone(), "version" => plan.stable.clone())
+        .set(stable_w);
+    if let Some(c) = &plan.candidate {
+        gauge!("rampart_release_weight", "model" => m.name.clone(), "version" => c.clone())
+            .set(candidate_w);
+    }
+    gauge!("rampart_release_phase", "model" => m.name.clone()).set(phase_code(plan.state.phase));
+}
+
+/// What `GET /admin/releases` shows of a model.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReleaseView {
+    pub model: String,
+    pub plan_path: String,
+    pub status: Status,
+}
+
+impl Releases {
+    pub fn views(&self) -> Vec<ReleaseView> {
+        self.all()
+            .iter()
+            .map(|m| ReleaseView {
+                model: m.name.clone(),
+                plan_path: m.path.display().to_string(),
+                status: m.status(),
+            })
+            .collect()
+    }
+}
+
+/// The record sink that feeds the releases' judges. Lossy: a judge that falls behind loses
+/// samples (counted by the bus), never slows a request.
+pub struct ReleaseSink {
+    releases: Arc<Releases>,
+}
+
+impl ReleaseSink {
+    pub fn new(releases: Arc<Releases>) -> Self {
+        Self { releases }
+    }
+}
+
+impl Sink for ReleaseSink {
+    fn name(&self) -> &'static str {
+        "releases"
+    }
+
+    fn delivery(&self) -> Delivery {
+        Delivery::Lossy {
+            capacity: self.releases.cfg.lane_capacity,
+        }
+    }
+
+    fn write<'a>(&'a mut self, envelope: &'a Envelope) -> SinkFuture<'a> {
+        self.releases.take(&envelope.record);
+        Box::pin(std::future::ready(Ok(())))
+    }
+}
+
+/// A version's active monitor alarm in words (drift, or an output monitor's), if any.
+fn alarm_detail(v: &crate::monitors::MonitorView) -> Option<String> {
+    if v.drift.active {
+        let last = v.drift.recent.iter().rev().find(|a| a.event == "raised");
+        return Some(match last {
+            Some(a) => format!(
+                "drift on {} ({} statistic {:.3} > {:.3}, p {:.2e})",
+                a.feature, a.mode, a.statistic, a.threshold, a.p_value
+            ),
+            None => "drift".to_string(),
+        });
+    }
+    v.outputs
+        .iter()
+        .find_map(|o| o.alarm.map(|a| format!("{} {a}", o.feature)))
+}
+
+/// Loads `name@version` from the repository when this server does not serve it yet (with the
+/// model's configured settings).
+pub async fn ensure_loaded(
+    state: &Arc<crate::state::AppState>,
+    name: &str,
+    version: &str,
+) -> Result<(), String> {
+    if state
+        .registry
+        .find(&crate::registry::ModelName::versioned(name, Some(version)))
+        .is_some()
+    {
+        return Ok(());
+    }
+    let mut model = state
+        .config
+        .models
+        .iter()
+        .find(|m| m.name == name)
+        .cloned()
+        .unwrap_or_else(|| crate::config::ModelConfig::named(name));
+    model.version = Some(version.to_string());
+    let config = state.config.clone();
+    let loaded = tokio::task::spawn_blocking(move || {
+        let repository = repo::Repository::open(&config.repo);
+        crate::state::load(&config, &repository, &model)
+    })
+    .await
+    .map_err(|e| e.to_string())?;
+    match loaded {
+        Ok(entry) => {
+            tracing::info!(target: "rampart::release", model = name, version, "candidate loaded for its release");
+            state.registry.add(entry);
+            Ok(())
+        }
+        Err(e) => Err(format!("{name}@{version} cannot be loaded: {}", e.message)),
+    }
+}
+
+/// The controller task: a tick every `[releases] tick_ms`, with the monitors' drift alarms.
+pub fn spawn(state: Arc<crate::state::AppState>, releases: Arc<Releases>) {
+    let every = Duration::from_millis(releases.cfg.tick_ms.max(10));
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut tried = std::collections::HashSet::new();
+        loop {
+            tick.tick().await;
+            let views = state.monitors.get().map(|m| m.views()).unwrap_or_default();
+            let drift = |model: &str, version: &str| -> Option<String> {
+                views
+                    .iter()
+                    .find(|v| v.model == model && v.version == version)
+                    .and_then(alarm_detail)
+            };
+            releases.tick(&drift).await;
+            // A plan that names a candidate this server does not serve yet (a release started
+            // on the file, or by Git): load it, once per version, after the start's loading.
+            let loading = matches!(
+                *state.loading.lock().unwrap_or_else(|e| e.into_inner()),
+                crate::state::Loading::InProgress
+            );
+            for m in releases.all().into_iter().filter(|_| !loading) {
+                let plan = m.plan();
+                let Some(candidate) = plan.candidate.clone() else {
+                    continue;
+                };
+                if !plan.state.phase.is_active()
+                    || tried.contains(&(m.name.clone(), candidate.clone()))
+                {
+                    continue;
+                }
+                tried.insert((m.name.clone(), candidate.clone()));
+                if let Err(e) = ensure_loaded(&state, &m.name, &candidate).await {
+                    tracing::error!(target: "rampart::release", model = %m.name, candidate, error = %e, "the release's candidate cannot be loaded: its requests go to the stable");
+                }
+            }
+        }
+    });
+}

@@ -59,6 +59,26 @@ pub enum ReleaseCommand {
         #[arg(long)]
         tokenizer_changed: bool,
     },
+    /// Run the gates before any traffic: the model's golden set (`<repo>/<model>/golden/*.jsonl`)
+    /// through the server's stable and the candidate (loaded for it), the eval gate (accuracy,
+    /// per-class recall floors, weighted error cost) and the latency gate (p95), with the plan's
+    /// `[gates]` settings. Exit 0 when they pass, 3 when a gate refuses. `--start` then starts
+    /// the release with the results (a refused gate ends it before any traffic). Needs --url.
+    Gate {
+        model: String,
+        /// The version to release.
+        #[arg(long)]
+        candidate: String,
+        /// The golden set folder (default: <repo>/<model>/golden).
+        #[arg(long, value_name = "DIR")]
+        golden: Option<PathBuf>,
+        /// LLMs: tokens generated per case (greedy).
+        #[arg(long, default_value_t = 64)]
+        max_tokens: u32,
+        /// Start the release with the results.
+        #[arg(long)]
+        start: bool,
+    },
     /// Where the release stands: phase, step, weight, samples, the judge's last look.
     Status {
         /// One model (default: every release).
@@ -84,10 +104,245 @@ pub enum ReleaseCommand {
 }
 
 pub fn run(args: ReleaseArgs) -> Result<ExitCode> {
+    if let ReleaseCommand::Gate { .. } = &args.command {
+        let Some(url) = &args.url else {
+            bail!("`rampart release gate` runs the golden set through a running server: give --url (or RAMPART_URL)");
+        };
+        return gate(&args, url);
+    }
     match &args.url {
         Some(url) => remote(&args, url),
         None => local(&args),
     }
+}
+
+/// A small client of the server's APIs (JSON in, JSON out).
+struct Api {
+    runtime: tokio::runtime::Runtime,
+    client: reqwest::Client,
+    base: String,
+    key: Option<String>,
+}
+
+impl Api {
+    fn new(url: &str, key: Option<String>) -> Result<Self> {
+        Ok(Self {
+            runtime: tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?,
+            client: reqwest::Client::new(),
+            base: url.trim_end_matches('/').to_string(),
+            key,
+        })
+    }
+
+    /// Status and JSON body (`null` when the body is not JSON).
+    fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> Result<(u16, serde_json::Value)> {
+        self.runtime.block_on(async {
+            let url = format!("{}{path}", self.base);
+            let mut request = match method {
+                "GET" => self.client.get(&url),
+                _ => self.client.post(&url),
+            };
+            if let Some(key) = &self.key {
+                request = request.bearer_auth(key);
+            }
+            if let Some(body) = body {
+                request = request.json(body);
+            }
+            let response = request
+                .send()
+                .await
+                .with_context(|| format!("{method} {url}"))?;
+            let status = response.status().as_u16();
+            let value = response.json().await.unwrap_or(serde_json::Value::Null);
+            Ok((status, value))
+        })
+    }
+}
+
+/// One golden case through one version: its prediction and latency.
+fn ask(
+    api: &Api,
+    model: &str,
+    version: &str,
+    case: &release::golden::GoldenCase,
+    max_tokens: u32,
+) -> Result<(release::golden::Prediction, f64)> {
+    use release::golden::{CaseInput, Prediction};
+    let id = format!("{model}@{version}");
+    let (path, body) = match &case.input {
+        CaseInput::Messages(messages) => (
+            "/v1/chat/completions",
+            serde_json::json!({ "model": id, "messages": messages, "max_tokens": max_tokens, "temperature": 0 }),
+        ),
+        CaseInput::Prompt(prompt) => (
+            "/v1/completions",
+            serde_json::json!({ "model": id, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0 }),
+        ),
+        CaseInput::Input(_) => bail!(
+            "golden case {} ({}): tensor-model golden sets are judged by the gates but not run by this command yet; give LLM cases (`prompt` or `messages`)",
+            case.id,
+            case.source
+        ),
+    };
+    let began = std::time::Instant::now();
+    let (status, value) = api.call("POST", path, Some(&body))?;
+    let ms = began.elapsed().as_secs_f64() * 1e3;
+    if status != 200 {
+        let message = value["error"]["message"]
+            .as_str()
+            .unwrap_or("no JSON error");
+        return Ok((Prediction::Failed(format!("{status}: {message}")), ms));
+    }
+    let choice = &value["choices"][0];
+    let text = choice["message"]["content"]
+        .as_str()
+        .or_else(|| choice["text"].as_str())
+        .unwrap_or("");
+    Ok((Prediction::Text(text.to_string()), ms))
+}
+
+/// `rampart release gate`.
+fn gate(args: &ReleaseArgs, url: &str) -> Result<ExitCode> {
+    let ReleaseCommand::Gate {
+        model,
+        candidate,
+        golden,
+        max_tokens,
+        start,
+    } = &args.command
+    else {
+        unreachable!("gate() is called for the gate command");
+    };
+    let api = Api::new(url, args.key.clone())?;
+    let (status, release) = api.call("GET", &format!("/admin/releases/{model}"), None)?;
+    let (stable, table) = match status {
+        200 => (
+            release["plan"]["stable"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string(),
+            release["plan"]["gates"].clone(),
+        ),
+        404 => bail!("{model} has no release plan on the server: write {}/{model}/release.toml with `stable = \"VERSION\"` and its [gates]", args.repo.display()),
+        other => bail!("GET /admin/releases/{model}: {other}: {}", release["error"]["message"]),
+    };
+    let table: toml::Table = serde_json::from_value(table).unwrap_or_default();
+    let settings = release::gates::GateSettings::from_table(&table)?;
+    let dir = golden
+        .clone()
+        .unwrap_or_else(|| args.repo.join(model).join("golden"));
+    let set = release::golden::GoldenSet::load_dir(&dir)
+        .with_context(|| format!("the golden set in {}", dir.display()))?;
+    // The candidate must be served to be asked.
+    let (status, prepared) = api.call(
+        "POST",
+        &format!("/admin/releases/{model}/prepare"),
+        Some(&serde_json::json!({ "candidate": candidate })),
+    )?;
+    if status != 200 {
+        bail!(
+            "preparing {model}@{candidate}: {status}: {}",
+            prepared["error"]["message"]
+        );
+    }
+    let mut predictions = (Vec::new(), Vec::new());
+    let mut latencies = (Vec::new(), Vec::new());
+    for case in set.cases() {
+        // Alternated, so that both versions see the same machine at the same time.
+        let (p, ms) = ask(&api, model, &stable, case, *max_tokens)?;
+        predictions.0.push(p);
+        latencies.0.push(ms);
+        let (p, ms) = ask(&api, model, candidate, case, *max_tokens)?;
+        predictions.1.push(p);
+        latencies.1.push(ms);
+    }
+    let mut reports = Vec::new();
+    if settings.eval {
+        reports.push(release::gates::eval_gate(
+            &settings,
+            &set,
+            Some(&predictions.0),
+            &predictions.1,
+        ));
+    }
+    if settings.latency {
+        reports.push(release::gates::latency_gate(
+            &settings,
+            &latencies.0,
+            &latencies.1,
+        ));
+    }
+    let passed = release::gates::all_passed(&reports);
+    let summary = reports
+        .iter()
+        .map(|r| {
+            if r.passed {
+                format!("{}: passed", r.gate)
+            } else {
+                format!("{}: refused: {}", r.gate, r.reasons.join("; "))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" | ");
+    if args.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&serde_json::json!({
+                "passed": passed,
+                "golden_digest": set.digest(),
+                "reports": reports,
+            }))?
+        );
+    } else {
+        println!(
+            "{model}: {} golden cases ({}), stable {stable} against candidate {candidate}",
+            set.len(),
+            set.digest()
+        );
+        print!("{}", release::gates::render_reports(&reports));
+        println!(
+            "{}",
+            if passed {
+                "gates passed"
+            } else {
+                "gates refused the candidate"
+            }
+        );
+    }
+    if *start {
+        let body = serde_json::json!({
+            "candidate": candidate,
+            "gates": {
+                "passed": passed,
+                "summary": summary,
+                "golden_digest": set.digest(),
+                "reports": reports,
+            },
+        });
+        let (status, value) = api.call(
+            "POST",
+            &format!("/admin/releases/{model}/start"),
+            Some(&body),
+        )?;
+        if status != 200 {
+            bail!("start: {status}: {}", value["error"]["message"]);
+        }
+        if !args.json {
+            print_decision(&value["decision"]);
+        }
+    }
+    Ok(if passed {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(3)
+    })
 }
 
 fn mode(text: Option<&str>) -> Result<Option<Mode>> {
@@ -136,6 +391,7 @@ fn remote(args: &ReleaseArgs, url: &str) -> Result<ExitCode> {
             format!("/admin/releases/{model}/rollback"),
             Some(serde_json::json!({ "reason": reason })),
         ),
+        ReleaseCommand::Gate { .. } => unreachable!("gate() handles it"),
     };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -219,6 +475,7 @@ fn local(args: &ReleaseArgs) -> Result<ExitCode> {
         | ReleaseCommand::Resume { model: m }
         | ReleaseCommand::Rollback { model: m, .. }
         | ReleaseCommand::Start { model: m, .. } => m.clone(),
+        ReleaseCommand::Gate { .. } => unreachable!("gate needs a server"),
     };
     let path = plan_path(&args.repo, &model);
     let plan = if path.is_file() {
@@ -275,6 +532,7 @@ fn local(args: &ReleaseArgs) -> Result<ExitCode> {
                 gates_passed: Some(true),
             }
         }
+        ReleaseCommand::Gate { .. } => unreachable!("gate needs a server"),
         ReleaseCommand::Approve { .. } => Command::Approve,
         ReleaseCommand::Promote { .. } => Command::Promote,
         ReleaseCommand::Pause { .. } => Command::Pause,

@@ -165,12 +165,74 @@ fn fault(port: u16, body: &str) {
 fn a_slower_and_an_erroring_candidate_are_rolled_back_at_the_first_step() {
     // The first step at 20 % (not the default 5 %): a single client is slow, and the judge
     // needs a dozen candidate answers (the 5 % step's timing is measured by
-    // scripts/bench-release.sh and the crate's simulations).
-    let plan = "stable = \"1.0.0\"\n\n[schedule]\nsteps = [20.0, 50.0, 100.0]\n";
-    let Some(server) = release_server("", Some("1.0.0"), Some(plan)) else {
+    // scripts/bench-release.sh and the crate's simulations). The plan declares gates first.
+    let gated = "stable = \"1.0.0\"\n\n[schedule]\nsteps = [20.0, 50.0, 100.0]\n\n[gates]\nlatency_min_samples = 3\nrecall_floors = { count = 1.0 }\n";
+    let Some(server) = release_server("", Some("1.0.0"), Some(gated)) else {
         return;
     };
     let repo = repo_of(&server);
+    let golden = repo.join(MODEL).join("golden");
+    std::fs::create_dir_all(&golden).unwrap();
+    std::fs::write(
+        golden.join("cases.jsonl"),
+        concat!(
+            r#"{"id":"count","prompt":"1, 2, 3, 4,","expected":{"regex":"5","label":"count"}}"#,
+            "\n",
+            r#"{"id":"capital","messages":[{"role":"user","content":"What is the capital of France?"}],"expected":{"regex":"(?i)paris","label":"capital"}}"#,
+            "\n",
+            r#"{"id":"never","prompt":"Count with me: one, two,","expected":{"regex":"zzqqxx","label":"count"}}"#,
+            "\n",
+        ),
+    )
+    .unwrap();
+    // Declared gates: a start without their results is refused.
+    let (ok, text) = cli(
+        &["start", MODEL, "--candidate", "1.1.0"],
+        &repo,
+        Some(server.port),
+    );
+    assert!(!ok && text.contains("declares gates"), "{text}");
+    // The gates run: the candidate misses the `count` recall floor (so does the stable: the
+    // floor is absolute), and the table says so; exit status 3.
+    let out = Command::new(binary())
+        .args([
+            "release",
+            "gate",
+            MODEL,
+            "--candidate",
+            "1.1.0",
+            "--max-tokens",
+            "8",
+        ])
+        .arg("--repo")
+        .arg(&repo)
+        .args([
+            "--url",
+            &format!("http://127.0.0.1:{}", server.port),
+            "--key",
+            ADMIN_KEY,
+        ])
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{table}{}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(out.status.code(), Some(3), "{table}");
+    assert!(table.contains("count") && table.contains("✗"), "{table}");
+    assert!(table.contains("gates refused the candidate"), "{table}");
+    // Without gates (the plan edited on disk, as a Git commit would): the server adopts it.
+    std::fs::write(
+        repo.join(MODEL).join("release.toml"),
+        "stable = \"1.0.0\"\n\n[schedule]\nsteps = [20.0, 50.0, 100.0]\n",
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while release(server.port)["plan"]["gates"].is_object() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(
+        release(server.port)["plan"]["gates"].is_null(),
+        "the edit is adopted"
+    );
     let (ok, text) = cli(&["status", MODEL], &repo, Some(server.port));
     assert!(ok && text.contains("idle"), "{text}");
     // Refusals: a start without a candidate, by a key without the admin scope, an unknown

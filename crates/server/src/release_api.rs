@@ -70,6 +70,23 @@ struct CommandBody {
     candidate: Option<String>,
     mode: Option<Mode>,
     reason: Option<String>,
+    /// `start`: the gates' results (`rampart release gate … --start` runs them against this
+    /// server's stable and candidate on the model's golden set).
+    gates: Option<GateSubmission>,
+}
+
+/// The gates' results a `start` carries; kept beside the plan (`gates/<candidate>.json`).
+#[derive(Debug, Clone, Deserialize, serde::Serialize)]
+#[serde(deny_unknown_fields)]
+struct GateSubmission {
+    passed: bool,
+    /// One line per gate (`eval: passed`, `latency: refused: p95 1.31x > 1.10x`).
+    summary: String,
+    /// The golden set's digest.
+    golden_digest: Option<String>,
+    /// The reports as the gates made them (`release::gates::GateReport`).
+    #[serde(default)]
+    reports: Vec<serde_json::Value>,
 }
 
 /// `POST /admin/releases/{name}/{action}`.
@@ -103,6 +120,7 @@ async fn act_inner(
             .map_err(|e| ApiError::invalid(format!("the body is not a release command: {e}")))?
     };
     let command = match action {
+        "prepare" => return prepare(state, releases, name, &body, principal).await,
         "start" => start_command(state, releases, name, &body).await?,
         "approve" => Command::Approve,
         "promote" => Command::Promote,
@@ -118,20 +136,45 @@ async fn act_inner(
             return Err(ApiError::invalid_param(
                 "action",
                 format!(
-                    "unknown release action {other:?}: use start, approve, promote, pause, resume or rollback"
+                    "unknown release action {other:?}: use prepare, start, approve, promote, pause, resume or rollback"
                 ),
             ))
         }
     };
     let stable = served_stable(state, name, body.candidate.as_deref());
-    let decision = releases
+    let refused = |e: CommandError| match e {
+        CommandError::Refused(m) => ApiError::Conflict(m),
+        CommandError::NoPlan(..) => ApiError::ModelNotFound(e.to_string()),
+        CommandError::Release(e) => ApiError::Internal(e.to_string()),
+    };
+    let mut decision = releases
         .command(name, stable.as_deref(), command, principal)
         .await
-        .map_err(|e| match e {
-            CommandError::Refused(m) => ApiError::Conflict(m),
-            CommandError::NoPlan(..) => ApiError::ModelNotFound(e.to_string()),
-            CommandError::Release(e) => ApiError::Internal(e.to_string()),
-        })?;
+        .map_err(refused)?;
+    // A start with the gates' results: kept beside the plan, then judged (a refused gate ends
+    // the release before any traffic, with the table in the history's reason).
+    if let (Some(gates), "start") = (&body.gates, action) {
+        keep_gates(
+            state,
+            name,
+            body.candidate.as_deref().unwrap_or(""),
+            principal,
+            gates,
+        )
+        .await;
+        decision = releases
+            .command(
+                name,
+                None,
+                Command::GateResult {
+                    passed: gates.passed,
+                    detail: gates.summary.clone(),
+                },
+                principal,
+            )
+            .await
+            .map_err(refused)?;
+    }
     let detail = serde_json::to_value(&decision).unwrap_or_default();
     state
         .act(
@@ -148,6 +191,45 @@ async fn act_inner(
         .await?;
     let status = releases.get(name).map(|m| m.status());
     Ok(serde_json::json!({ "decision": detail, "status": status }))
+}
+
+/// `prepare`: loads the candidate (for the gates to run against it before any traffic goes
+/// to it); an audited admin action, no decision.
+async fn prepare(
+    state: &Arc<AppState>,
+    releases: &Releases,
+    name: &str,
+    body: &CommandBody,
+    principal: &str,
+) -> Result<serde_json::Value, ApiError> {
+    let Some(candidate) = body.candidate.as_deref() else {
+        return Err(ApiError::invalid_param(
+            "candidate",
+            "prepare needs the candidate version: {\"candidate\": \"1.1.0\"}",
+        ));
+    };
+    if releases.get(name).is_none() && served_stable(state, name, Some(candidate)).is_none() {
+        return Err(ApiError::ModelNotFound(format!(
+            "the model {name:?} is not served"
+        )));
+    }
+    crate::releases::ensure_loaded(state, name, candidate)
+        .await
+        .map_err(|e| ApiError::invalid_param("candidate", e))?;
+    state
+        .act(
+            principal,
+            Some(name),
+            audit::Action {
+                name: "release.prepare".into(),
+                target: Some(format!("{name}@{candidate}")),
+                cause: None,
+                outcome: "ok".into(),
+                detail: serde_json::json!({ "candidate": candidate }),
+            },
+        )
+        .await?;
+    Ok(serde_json::json!({ "model": name, "candidate": candidate, "loaded": true }))
 }
 
 /// The version a new plan starts from: the newest served version other than the candidate.
@@ -190,12 +272,68 @@ async fn start_command(
         .await
         .map_err(|e| ApiError::invalid_param("candidate", e))?;
     let tokenizer = tokenizer_change(state, name, &stable, &candidate).await?;
+    if let Some(why) = &tokenizer {
+        tracing::warn!(target: "rampart::release", model = name, candidate, why, "the candidate's tokenizer differs from the stable's");
+    }
+    if mode_of(releases, name, body.mode) == Mode::Shadow {
+        return Err(ApiError::invalid_param(
+            "mode",
+            "shadow releases (mirrored requests) are not served yet: use canary or ab",
+        ));
+    }
+    let declared = releases
+        .get(name)
+        .is_some_and(|m| !m.plan().gates.is_empty());
+    if declared && body.gates.is_none() {
+        return Err(ApiError::Conflict(format!(
+            "the release plan of {name} declares gates ([gates]): run them with `rampart release gate {name} --candidate {candidate} --start`"
+        )));
+    }
     Ok(Command::Start {
         candidate,
         mode: body.mode,
         tokenizer_changed: tokenizer.is_some(),
-        gates_passed: Some(true),
+        // With results, the start waits in `gating` for them (the next command).
+        gates_passed: if body.gates.is_some() {
+            None
+        } else {
+            Some(true)
+        },
     })
+}
+
+/// The mode a start would run in: the one asked for, else the plan's.
+fn mode_of(releases: &Releases, name: &str, asked: Option<Mode>) -> Mode {
+    asked.unwrap_or_else(|| releases.get(name).map_or(Mode::Canary, |m| m.plan().mode))
+}
+
+/// Writes the gates' results beside the plan (`<repo>/<name>/gates/<candidate>.json`).
+async fn keep_gates(
+    state: &AppState,
+    name: &str,
+    candidate: &str,
+    principal: &str,
+    gates: &GateSubmission,
+) {
+    let dir = state.config.repo.join(name).join("gates");
+    let path = dir.join(format!("{candidate}.json"));
+    let body = serde_json::json!({
+        "model": name,
+        "candidate": candidate,
+        "by": principal,
+        "time_ms": std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64),
+        "gates": gates,
+    });
+    let written = tokio::task::spawn_blocking(move || {
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(&path, serde_json::to_vec_pretty(&body).unwrap_or_default())
+    })
+    .await;
+    if !matches!(written, Ok(Ok(()))) {
+        tracing::error!(target: "rampart::release", model = name, candidate, "the gates' results could not be kept beside the plan");
+    }
 }
 
 /// Why the candidate's tokenizer differs from the stable's, if it does (`rampart model diff`).

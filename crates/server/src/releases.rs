@@ -162,6 +162,8 @@ pub struct Releases {
     pub cfg: ReleasesConfig,
     repo: PathBuf,
     models: RwLock<BTreeMap<String, Arc<ModelRelease>>>,
+    /// Plan files found unreadable, with their modification time (said once per version).
+    unreadable: Mutex<BTreeMap<String, Option<SystemTime>>>,
 }
 
 /// A command could not be carried out.
@@ -207,6 +209,7 @@ impl Releases {
             cfg,
             repo,
             models: RwLock::new(models),
+            unreadable: Mutex::new(BTreeMap::new()),
         })
     }
 
@@ -304,6 +307,43 @@ impl Releases {
         publish(&m.name, &decision);
         set_gauges(&m);
         Ok(decision)
+    }
+
+    /// Reads the plans that appeared for served models since the start (a plan file written
+    /// by hand or by Git for a model that had none).
+    pub fn discover(&self, names: &[String]) {
+        for name in names {
+            if self.get(name).is_some() {
+                continue;
+            }
+            let path = plan_path(&self.repo, name);
+            if !path.is_file() {
+                continue;
+            }
+            let stamp = modified(&path);
+            let mut unreadable = self.unreadable.lock().unwrap_or_else(|e| e.into_inner());
+            if unreadable.get(name) == Some(&stamp) {
+                continue;
+            }
+            match ReleasePlan::load(&path) {
+                Ok(plan) => {
+                    tracing::warn!(target: "rampart::release", model = %name, stable = %plan.stable, phase = ?plan.state.phase, "a release plan appeared: adopted");
+                    let m = Arc::new(ModelRelease::new(name.clone(), path, plan));
+                    set_gauges(&m);
+                    self.models
+                        .write()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .entry(name.clone())
+                        .or_insert(m);
+                }
+                Err(e) => {
+                    tracing::error!(target: "rampart::release", model = %name, error = %e, "a release plan appeared but cannot be read");
+                    counter!("rampart_release_plan_errors_total", "model" => name.clone())
+                        .increment(1);
+                    unreadable.insert(name.clone(), stamp);
+                }
+            }
+        }
     }
 
     /// One tick of every release: adopt changed files, feed drift, judge, decide, persist.
@@ -637,6 +677,14 @@ pub fn spawn(state: Arc<crate::state::AppState>, releases: Arc<Releases>) {
                     .find(|v| v.model == model && v.version == version)
                     .and_then(alarm_detail)
             };
+            let mut names: Vec<String> = state
+                .registry
+                .all()
+                .iter()
+                .map(|e| e.name.clone())
+                .collect();
+            names.dedup();
+            releases.discover(&names);
             releases.tick(&drift).await;
             // A plan that names a candidate this server does not serve yet (a release started
             // on the file, or by Git): load it, once per version, after the start's loading.

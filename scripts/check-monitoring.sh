@@ -12,7 +12,8 @@
 #                                       rules and dashboards against `rampart metrics list`
 #
 # usage: scripts/check-monitoring.sh [--install]   (--install: install the tools, check nothing)
-# RAMPART_BIN: a built rampart binary (default: cargo run -p rampart).
+# RAMPART_BIN: a built rampart binary (default: cargo run -p rampart, which builds the workspace
+# again with the features of that one crate; scripts/test.sh passes the binary its tests built).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$(date +%s)

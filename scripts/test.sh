@@ -22,5 +22,7 @@ fi
 # test needs the real prometheus, the monitoring checks need all of them.
 scripts/check-monitoring.sh --install
 RAMPART_REQUIRE_MODELS=1 cargo test --workspace --locked "$@"
-# The shipped alert rules, their unit tests and the dashboards, against the server just tested.
-scripts/check-monitoring.sh
+# The shipped alert rules, their unit tests and the dashboards, against the server just tested:
+# its binary as the tests built it (`cargo run -p rampart` would build the workspace again with
+# the features of one crate: minutes on two cores).
+RAMPART_BIN="${CARGO_TARGET_DIR:-target}/debug/rampart" scripts/check-monitoring.sh

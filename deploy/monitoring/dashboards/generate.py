@@ -243,6 +243,10 @@ def governance():
         q(f"rampart_output_entropy_window_mean{{{MSEL}}} + rampart_output_entropy_window_std{{{MSEL}}}", "{{model}} {{version}} +1σ"),
         q(f"rampart_output_entropy_window_mean{{{MSEL}}} - rampart_output_entropy_window_std{{{MSEL}}}", "{{model}} {{version}} −1σ")], w=12)
     b.ts("Requests in monitor window", q(f"rampart_monitor_window_requests{{{MSEL}}}", "{{model}} {{version}}"), w=12)
+    b.row("Releases")
+    b.ts("Release weight", q(f"max by (model, version) (rampart_release_weight{{{MSEL}}})", "{{model}} {{version}}"), w=8)
+    b.ts("Release phase", q(f"max by (model) (rampart_release_phase{{{MSEL}}})", "{{model}}"), w=8)
+    b.ts("Release decisions", q(f"sum by (model, result, reason) (increase(rampart_release_decisions_total{{{MSEL}}}[$__rate_interval]))", "{{model}} {{result}} {{reason}}"), w=8)
     b.row("Audit log and record sinks")
     b.stat("Audit healthy", q(f"min(rampart_audit_healthy{{{SEL}}})"))
     b.stat("Audit ship lag", q(f"max(rampart_audit_ship_lag_seconds{{{SEL}}})"), "s")

@@ -11,8 +11,10 @@
 //! controller when a step cannot conclude (inconclusive), until data flows again. A failing test
 //! rolls back even while paused or holding: a pause freezes the schedule, not the safety net.
 //!
-//! The 100% step has no concurrent stable traffic; it is judged against the stable samples of the
-//! previous step (`StepWindow::with_reference`).
+//! The last judged step is the one before 100 %: at 100 % no stable serves concurrently, and a
+//! comparison with an earlier window compares two periods of traffic, not two versions (an
+//! end-to-end run rolled an identical candidate back there, on the spread of entropy of prompts
+//! that had changed since). Passing it promotes (or waits for the promotion's approval).
 
 use serde::{Deserialize, Serialize};
 
@@ -388,7 +390,9 @@ impl Controller {
             summary.as_ref().map_or(0, |s| s.samples_stable),
             summary.as_ref().map_or(0, |s| s.samples_candidate),
         );
-        if step + 1 < self.plan.schedule.steps.len() {
+        let next_is_judged = step + 1 < self.plan.schedule.steps.len()
+            && (self.plan.step_weight(step + 1) < 1.0 || self.plan.mode == Mode::Shadow);
+        if next_is_judged {
             let to = self.plan.step_weight(step + 1);
             let d = self.decision(now_ms, Action::Step, to, passed, "controller");
             self.begin_step(step + 1, now_ms);

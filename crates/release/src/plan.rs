@@ -398,6 +398,12 @@ impl ReleasePlan {
                 format!("must end at 100, ends at {previous}"),
             ));
         }
+        if steps.len() < 2 {
+            return Err(ReleaseError::invalid(
+                "schedule.steps",
+                "needs a step below 100 (the candidate is judged against the concurrent stable there)",
+            ));
+        }
         if self.schedule.max_step_secs < self.schedule.min_step_secs {
             return Err(ReleaseError::invalid(
                 "schedule.max_step_secs",

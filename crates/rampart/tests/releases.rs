@@ -156,6 +156,18 @@ fn actions(plan: &serde_json::Value) -> Vec<String> {
         .unwrap_or_default()
 }
 
+/// `POST /admin/releases/{MODEL}/{action}` with `body` and `key`: status and body.
+fn command(port: u16, action: &str, body: &str, key: &str) -> (u16, String) {
+    let (status, _, text) = http(
+        port,
+        "POST",
+        &format!("/admin/releases/{MODEL}/{action}"),
+        Some(body),
+        Some(key),
+    );
+    (status, text)
+}
+
 fn fault(port: u16, body: &str) {
     let (status, _, text) = http(port, "POST", "/admin/faults", Some(body), Some(ADMIN_KEY));
     assert_eq!(status, 201, "{text}");
@@ -237,29 +249,11 @@ fn a_slower_and_an_erroring_candidate_are_rolled_back_at_the_first_step() {
     assert!(ok && text.contains("idle"), "{text}");
     // Refusals: a start without a candidate, by a key without the admin scope, an unknown
     // action, and (below) a second start.
-    let (status, _, body) = http(
-        server.port,
-        "POST",
-        &format!("/admin/releases/{MODEL}/launch"),
-        Some("{}"),
-        Some(ADMIN_KEY),
-    );
+    let (status, body) = command(server.port, "launch", "{}", ADMIN_KEY);
     assert_eq!(status, 400, "{body}");
-    let (status, _, body) = http(
-        server.port,
-        "POST",
-        &format!("/admin/releases/{MODEL}/start"),
-        Some("{}"),
-        Some(ADMIN_KEY),
-    );
+    let (status, body) = command(server.port, "start", "{}", ADMIN_KEY);
     assert_eq!(status, 400, "{body}");
-    let (status, _, _) = http(
-        server.port,
-        "POST",
-        &format!("/admin/releases/{MODEL}/start"),
-        Some(r#"{"candidate":"1.1.0"}"#),
-        Some(KEY),
-    );
+    let (status, _) = command(server.port, "start", r#"{"candidate":"1.1.0"}"#, KEY);
     assert_eq!(status, 403, "an infer key cannot start a release");
 
     // The slower candidate: started (1.1.0 is loaded for it), then every call of 1.1.0 takes
@@ -278,13 +272,7 @@ fn a_slower_and_an_erroring_candidate_are_rolled_back_at_the_first_step() {
         &format!(r#"{{"backend":"{MODEL}@1.1.0","mode":"slow","factor":2.0,"duration_s":600}}"#),
     );
     let started = Instant::now();
-    let (status, _, body) = http(
-        server.port,
-        "POST",
-        &format!("/admin/releases/{MODEL}/start"),
-        Some(r#"{"candidate":"1.1.0"}"#),
-        Some(ADMIN_KEY),
-    );
+    let (status, body) = command(server.port, "start", r#"{"candidate":"1.1.0"}"#, ADMIN_KEY);
     assert_eq!(status, 409, "a second start is refused: {body}");
     let load = Load::start(server.port, 1);
     let r = wait_release(server.port, Duration::from_secs(150), |r| {
@@ -377,13 +365,7 @@ fn a_slower_and_an_erroring_candidate_are_rolled_back_at_the_first_step() {
             r#"{{"backend":"{MODEL}@1.1.0","mode":"fail_fraction","fraction":0.5,"duration_s":600}}"#
         ),
     );
-    let (status, _, body) = http(
-        server.port,
-        "POST",
-        &format!("/admin/releases/{MODEL}/start"),
-        Some(r#"{"candidate":"1.1.0"}"#),
-        Some(ADMIN_KEY),
-    );
+    let (status, body) = command(server.port, "start", r#"{"candidate":"1.1.0"}"#, ADMIN_KEY);
     assert_eq!(status, 200, "{body}");
     let started = Instant::now();
     let load = Load::start(server.port, 4);

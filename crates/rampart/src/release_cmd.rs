@@ -8,7 +8,7 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use release::controller::{Command, Controller};
-use release::plan::{Mode, ReleasePlan};
+use release::plan::{plan_path, Mode, ReleasePlan};
 
 use crate::render;
 
@@ -393,33 +393,8 @@ fn remote(args: &ReleaseArgs, url: &str) -> Result<ExitCode> {
         ),
         ReleaseCommand::Gate { .. } => unreachable!("gate() handles it"),
     };
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    let (status, value) = runtime.block_on(async {
-        let client = reqwest::Client::new();
-        let mut request = match method {
-            "GET" => client.get(format!("{base}{path}")),
-            _ => client.post(format!("{base}{path}")),
-        };
-        if let Some(key) = &args.key {
-            request = request.bearer_auth(key);
-        }
-        if let Some(body) = body {
-            request = request.json(&body);
-        }
-        let response = request
-            .send()
-            .await
-            .with_context(|| format!("{method} {base}{path}"))?;
-        let status = response.status();
-        let value: serde_json::Value = response
-            .json()
-            .await
-            .with_context(|| format!("{method} {base}{path}: the answer is not JSON"))?;
-        anyhow::Ok((status, value))
-    })?;
-    if !status.is_success() {
+    let (status, value) = Api::new(base, args.key.clone())?.call(method, &path, body.as_ref())?;
+    if !(200..300).contains(&status) {
         let message = value["error"]["message"].as_str().unwrap_or("");
         if args.json {
             println!("{value:#}");
@@ -449,10 +424,6 @@ fn remote(args: &ReleaseArgs, url: &str) -> Result<ExitCode> {
         _ => print_decision(&value["decision"]),
     }
     Ok(ExitCode::SUCCESS)
-}
-
-fn plan_path(repo: &Path, model: &str) -> PathBuf {
-    repo.join(model).join("release.toml")
 }
 
 fn now_ms() -> u64 {

@@ -344,9 +344,19 @@ fn a_slower_and_an_erroring_candidate_are_rolled_back_at_the_first_step() {
         )),
         Some(KEY),
     );
-    assert!(header(&headers, "x-rampart-audit-id").is_some());
-    let last = records_of(&server);
-    let last = last.last().unwrap();
+    // Its record (the log sink writes on its own task: wait for it, by its audit id).
+    let audit_id = header(&headers, "x-rampart-audit-id").unwrap().to_string();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let last = loop {
+        let found = records_of(&server)
+            .into_iter()
+            .find(|r| r["audit_id"] == audit_id.as_str());
+        match found {
+            Some(r) => break r,
+            None if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+            None => panic!("no record of {audit_id}"),
+        }
+    };
     assert_eq!(last["version"], "1.0.0", "{last}");
     assert_eq!(last["route_reason"], "rolled_back", "{last}");
 

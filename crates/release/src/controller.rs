@@ -264,12 +264,7 @@ impl Controller {
     fn begin_step(&mut self, step: usize, now_ms: u64) {
         self.plan.state.step = step;
         self.plan.state.step_started_ms = now_ms;
-        let weight = self.plan.step_weight(step);
-        self.window = if weight >= 1.0 && self.plan.mode != Mode::Shadow {
-            StepWindow::with_reference(now_ms, &self.window)
-        } else {
-            StepWindow::next(now_ms, &self.window)
-        };
+        self.window = StepWindow::next(now_ms, &self.window);
         self.last_verdict = None;
     }
 

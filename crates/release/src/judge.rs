@@ -234,9 +234,6 @@ pub struct StepWindow {
     started_ms: u64,
     stable: Side,
     candidate: Side,
-    /// The stable side was carried over from the previous step (the 100% step has no concurrent
-    /// stable traffic, so it is judged against the last one).
-    carried_reference: bool,
 }
 
 impl StepWindow {
@@ -245,20 +242,6 @@ impl StepWindow {
             started_ms,
             stable: Side::default(),
             candidate: Side::default(),
-            carried_reference: false,
-        }
-    }
-
-    /// A new step's window whose stable side starts from the previous window's (for a step where
-    /// the stable gets no traffic). Drift alarms carry over on both sides.
-    pub fn with_reference(started_ms: u64, previous: &StepWindow) -> Self {
-        let mut candidate = Side::default();
-        candidate.drift = previous.candidate.drift.clone();
-        Self {
-            started_ms,
-            stable: previous.stable.clone(),
-            candidate,
-            carried_reference: true,
         }
     }
 
@@ -272,10 +255,6 @@ impl StepWindow {
 
     pub fn started_ms(&self) -> u64 {
         self.started_ms
-    }
-
-    pub fn carried_reference(&self) -> bool {
-        self.carried_reference
     }
 
     fn side(&self, variant: Variant) -> &Side {
@@ -328,7 +307,7 @@ impl StepWindow {
         self.side_mut(variant).drift = active.then(|| detail.to_string());
     }
 
-    /// Samples of a variant in this step (for a carried reference, including the previous step's).
+    /// Samples of a variant in this step.
     pub fn samples(&self, variant: Variant) -> u64 {
         self.side(variant).samples
     }
@@ -368,7 +347,6 @@ pub struct Summary {
     pub samples_stable: u64,
     pub samples_candidate: u64,
     pub elapsed_ms: u64,
-    pub carried_reference: bool,
     pub metrics: Vec<MetricStat>,
 }
 
@@ -493,7 +471,6 @@ impl Judge {
             samples_stable: s.samples,
             samples_candidate: c.samples,
             elapsed_ms,
-            carried_reference: window.carried_reference,
             metrics,
         };
 

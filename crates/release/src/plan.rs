@@ -20,6 +20,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::controller::Decision;
 
+/// The plan's file name, beside the model's versions in the repository.
+pub const PLAN_FILE: &str = "release.toml";
+
+/// Where `model`'s plan lives in the repository `repo`.
+pub fn plan_path(repo: &Path, model: &str) -> std::path::PathBuf {
+    repo.join(model).join(PLAN_FILE)
+}
+
 /// How many decisions the plan file keeps (the oldest are dropped first).
 pub const HISTORY_MAX: usize = 200;
 

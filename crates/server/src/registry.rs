@@ -224,6 +224,17 @@ impl Registry {
         }
     }
 
+    /// The newest loaded version of `name` other than `except` (the order [`Registry::find`]
+    /// uses).
+    pub fn newest_version(&self, name: &str, except: Option<&str>) -> Option<String> {
+        let entries = self.entries.read().unwrap_or_else(|e| e.into_inner());
+        entries
+            .iter()
+            .filter(|e| e.name == name && Some(e.version.as_str()) != except)
+            .max_by(|a, b| newer(a, b))
+            .map(|e| e.version.clone())
+    }
+
     /// Every loaded version of `name`, sorted.
     pub fn versions(&self, name: &str) -> Vec<String> {
         let mut v: Vec<String> = self

@@ -234,13 +234,7 @@ async fn prepare(
 
 /// The version a new plan starts from: the newest served version other than the candidate.
 fn served_stable(state: &AppState, name: &str, candidate: Option<&str>) -> Option<String> {
-    let mut versions = state.registry.versions(name);
-    versions.retain(|v| Some(v.as_str()) != candidate);
-    versions.sort_by(|a, b| {
-        let parse = |v: &str| semver::Version::parse(v).ok();
-        parse(a).cmp(&parse(b)).then_with(|| a.cmp(b))
-    });
-    versions.pop()
+    state.registry.newest_version(name, candidate)
 }
 
 /// `start`: the candidate exists in the repository and is loaded (loaded now when it is not),

@@ -20,19 +20,11 @@ use metrics::{counter, gauge};
 use record::{Delivery, Envelope, InferenceRecord, Sink, SinkFuture};
 use release::controller::{Action, Command, Controller, Decision, Status};
 use release::judge::Sample;
-use release::plan::{Phase, ReleasePlan, Variant};
+use release::plan::{plan_path, Phase, ReleasePlan, Variant};
 use release::router::{Route, RoutingKey};
 use serde::Serialize;
 
 use crate::config::ReleasesConfig;
-
-/// The file that holds a model's release plan, beside its versions.
-pub const PLAN_FILE: &str = "release.toml";
-
-/// Where `name`'s plan lives in `repo`.
-pub fn plan_path(repo: &Path, name: &str) -> PathBuf {
-    repo.join(name).join(PLAN_FILE)
-}
 
 fn now_ms() -> u64 {
     SystemTime::now()

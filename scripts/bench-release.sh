@@ -6,6 +6,7 @@
 #
 #   scripts/bench-release.sh [bench_release.py options: --factor 1.5 --rate 4 --clients 8 ...]
 #   RAMPART_RELEASE_STEPS="[10.0, 100.0]" scripts/bench-release.sh --rate 20   # onset at 10 %
+#   RAMPART_RELEASE_CONTROL=false scripts/bench-release.sh …   # judge latency against the stable
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cache="${RAMPART_MODEL_CACHE:-$HOME/.cache/rampart/models}"
@@ -19,7 +20,9 @@ for v in 1.0.0 1.1.0; do
     --name smollm2-135m --version "$v" >/dev/null
 done
 steps="${RAMPART_RELEASE_STEPS:-[5.0, 20.0, 50.0, 100.0]}"
-printf 'stable = "1.0.0"\n\n[schedule]\nsteps = %s\n' "$steps" >"$repo/smollm2-135m/release.toml"
+control="${RAMPART_RELEASE_CONTROL:-true}"
+printf 'stable = "1.0.0"\n\n[schedule]\nsteps = %s\n\n[routing]\ncontrol = %s\n' "$steps" "$control" \
+  >"$repo/smollm2-135m/release.toml"
 printf 'tester:bench-key\nops:bench-admin admin infer\n' >"$work/keys.txt"
 port=18485
 cat >"$work/rampart.toml" <<TOML

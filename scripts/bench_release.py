@@ -106,7 +106,12 @@ def main():
         "metric": last.get("metric"), "statistic": last.get("statistic"), "e_value": last.get("e_value"),
         "samples_stable": last.get("samples_stable", s["samples_stable"]),
         "samples_candidate": last.get("samples_candidate", s["samples_candidate"]),
+        "reference": s.get("reference"),
+        "samples_control": ((s.get("last_verdict") or {}).get("summary") or {}).get("samples_control"),
         "reason": last.get("reason"),
+        "judge": [[m["metric"], m["test"], round(m["stable"] or 0, 2), round(m["candidate"] or 0, 2), round(m["statistic"], 3),
+                   round(m["e_value"], 3)]
+                  for m in (((s.get("last_verdict") or {}).get("summary") or {}).get("metrics") or [])],
     }))
     call(f"{base}/admin/faults", a.admin_key, "DELETE")
     if s["phase"] not in ("rolled_back", "promoted"):

@@ -1,6 +1,7 @@
 //! The cost of one feature update: a drift detector (ks mode, 1,000-observation windows, a test
 //! every 100) fed observations of 15 image-like features (14 numeric and a label), the tests'
-//! sorting and KS included (amortized), and an output monitor's update.
+//! sorting and KS included (amortized), an output monitor's update, and the per-request feature
+//! extraction (a decoded 1280×720 image, a 2,000-character prompt, a 64-token generation).
 //!
 //!   cargo bench -p rampart-monitor --bench update
 
@@ -80,5 +81,35 @@ fn main() {
     println!(
         "output monitor (window 100, test every 10): {:.0} ns per update",
         started.elapsed().as_secs_f64() * 1e9 / values.len() as f64
+    );
+    // What a request pays before the lane: extracting its features.
+    let (w, h) = (1280, 720);
+    let pixels: Vec<u8> = (0..w * h * 3)
+        .map(|_| (rng.next_u64() >> 56) as u8)
+        .collect();
+    let rounds = 2000;
+    let started = Instant::now();
+    for _ in 0..rounds {
+        black_box(monitor::features::image(black_box(&pixels), w, h, (w, h)));
+    }
+    println!(
+        "image features ({w}x{h}, sampled grid): {:.1} us per image",
+        started.elapsed().as_secs_f64() * 1e6 / rounds as f64
+    );
+    let prompt: String = "Please summarise the attached quarterly report, région par région. "
+        .repeat(30)
+        .chars()
+        .take(2000)
+        .collect();
+    let specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"];
+    let entropies: Vec<f32> = (0..64).map(|i| 0.5 + (i % 7) as f32 * 0.3).collect();
+    let started = Instant::now();
+    for _ in 0..rounds {
+        black_box(monitor::features::text(black_box(&prompt), 500, &specials));
+        black_box(monitor::features::generation(black_box(&entropies), 64));
+    }
+    println!(
+        "text features (2,000 characters) and generation features (64 tokens): {:.1} us per request",
+        started.elapsed().as_secs_f64() * 1e6 / rounds as f64
     );
 }

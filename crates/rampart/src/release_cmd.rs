@@ -136,12 +136,38 @@ impl Api {
         })
     }
 
+    /// A raw body (an image) posted with its content type; status and JSON body.
+    fn post_bytes(
+        &self,
+        path: &str,
+        body: Vec<u8>,
+        content_type: &str,
+    ) -> Result<(u16, serde_json::Value)> {
+        self.send("POST", path, |r| {
+            r.header(reqwest::header::CONTENT_TYPE, content_type)
+                .body(body)
+        })
+    }
+
     /// Status and JSON body (`null` when the body is not JSON).
     fn call(
         &self,
         method: &str,
         path: &str,
         body: Option<&serde_json::Value>,
+    ) -> Result<(u16, serde_json::Value)> {
+        self.send(method, path, |r| match body {
+            Some(body) => r.json(body),
+            None => r,
+        })
+    }
+
+    /// One request (GET, else POST) with the key, its body set by `with_body`.
+    fn send(
+        &self,
+        method: &str,
+        path: &str,
+        with_body: impl FnOnce(reqwest::RequestBuilder) -> reqwest::RequestBuilder,
     ) -> Result<(u16, serde_json::Value)> {
         self.runtime.block_on(async {
             let url = format!("{}{path}", self.base);
@@ -152,10 +178,7 @@ impl Api {
             if let Some(key) = &self.key {
                 request = request.bearer_auth(key);
             }
-            if let Some(body) = body {
-                request = request.json(body);
-            }
-            let response = request
+            let response = with_body(request)
                 .send()
                 .await
                 .with_context(|| format!("{method} {url}"))?;
@@ -166,12 +189,15 @@ impl Api {
     }
 }
 
-/// One golden case through one version: its prediction and latency.
+/// One golden case through one version: its prediction and latency. LLM cases go to the
+/// OpenAI API (greedy); a tensor-model case names an image (`"input": {"image": "PATH"}`, a
+/// JPEG or PNG relative to the golden folder), sent as a raw image to KServe, whose `results`
+/// give the top class (classifiers) or the boxes (detectors).
 fn ask(
     api: &Api,
     model: &str,
     version: &str,
-    case: &release::golden::GoldenCase,
+    (case, golden_dir): (&release::golden::GoldenCase, &Path),
     max_tokens: u32,
 ) -> Result<(release::golden::Prediction, f64)> {
     use release::golden::{CaseInput, Prediction};
@@ -185,11 +211,7 @@ fn ask(
             "/v1/completions",
             serde_json::json!({ "model": id, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0 }),
         ),
-        CaseInput::Input(_) => bail!(
-            "golden case {} ({}): tensor-model golden sets are judged by the gates but not run by this command yet; give LLM cases (`prompt` or `messages`)",
-            case.id,
-            case.source
-        ),
+        CaseInput::Input(input) => return ask_image(api, model, version, case, input, golden_dir),
     };
     let began = std::time::Instant::now();
     let (status, value) = api.call("POST", path, Some(&body))?;
@@ -206,6 +228,146 @@ fn ask(
         .or_else(|| choice["text"].as_str())
         .unwrap_or("");
     Ok((Prediction::Text(text.to_string()), ms))
+}
+
+/// A tensor-model golden case: its image through KServe's raw-image route.
+fn ask_image(
+    api: &Api,
+    model: &str,
+    version: &str,
+    case: &release::golden::GoldenCase,
+    input: &serde_json::Value,
+    golden_dir: &Path,
+) -> Result<(release::golden::Prediction, f64)> {
+    use release::golden::{DetectedBox, Prediction};
+    let Some(image) = input.get("image").and_then(|v| v.as_str()) else {
+        bail!(
+            "golden case {} ({}): a tensor-model case gives its input as {{\"image\": \"PATH\"}} (a JPEG or PNG, relative to {})",
+            case.id,
+            case.source,
+            golden_dir.display()
+        );
+    };
+    let file = golden_dir.join(image);
+    let bytes = std::fs::read(&file).with_context(|| {
+        format!(
+            "golden case {} ({}): reading {}",
+            case.id,
+            case.source,
+            file.display()
+        )
+    })?;
+    let lower = image.to_ascii_lowercase();
+    let content_type = if lower.ends_with(".jpg") || lower.ends_with(".jpeg") {
+        "image/jpeg"
+    } else {
+        "image/png"
+    };
+    let path = format!("/v2/models/{model}/versions/{version}/infer");
+    let began = std::time::Instant::now();
+    let (status, value) = api.post_bytes(&path, bytes, content_type)?;
+    let ms = began.elapsed().as_secs_f64() * 1e3;
+    if status != 200 {
+        let message = value["error"]
+            .as_str()
+            .or_else(|| value["error"]["message"].as_str())
+            .unwrap_or("no JSON error");
+        return Ok((Prediction::Failed(format!("{status}: {message}")), ms));
+    }
+    let Some(results) = value["results"][0].as_array() else {
+        return Ok((
+            Prediction::Failed("the answer has no `results` (not a classifier or detector)".into()),
+            ms,
+        ));
+    };
+    let label = |r: &serde_json::Value| {
+        r["label"].as_str().map(str::to_string).unwrap_or_else(|| {
+            r["index"]
+                .as_u64()
+                .or(r["class"].as_u64())
+                .unwrap_or(0)
+                .to_string()
+        })
+    };
+    let is_detector = results.iter().any(|r| r.get("box").is_some());
+    let prediction = if is_detector {
+        Prediction::Boxes(
+            results
+                .iter()
+                .filter_map(|r| {
+                    let b: Vec<f32> = r["box"]
+                        .as_array()?
+                        .iter()
+                        .filter_map(|v| v.as_f64().map(|v| v as f32))
+                        .collect();
+                    Some(DetectedBox {
+                        label: label(r),
+                        score: r["score"].as_f64().unwrap_or(0.0) as f32,
+                        bbox: b.try_into().ok()?,
+                    })
+                })
+                .collect(),
+        )
+    } else {
+        match results.first() {
+            Some(top) => Prediction::Label {
+                label: label(top),
+                confidence: top["score"].as_f64().map(|v| v as f32),
+            },
+            None => Prediction::Failed("no class in the answer".into()),
+        }
+    };
+    Ok((prediction, ms))
+}
+
+/// The feature-consistency gate: the golden set's images through the stable's and the
+/// candidate's declared pre-processing (`[pipeline.preprocess]` of each version's manifest).
+fn feature_consistency(
+    repo_dir: &Path,
+    model: &str,
+    (stable, candidate): (&str, &str),
+    set: &release::golden::GoldenSet,
+    golden_dir: &Path,
+    settings: &release::gates::GateSettings,
+) -> Result<release::gates::GateReport> {
+    let repository = repo::Repository::open(repo_dir);
+    let spec = |version: &str| -> Result<repo::pipeline::Preprocess> {
+        let found = repository.resolve(&repo::ModelRef {
+            name: model.to_string(),
+            version: Some(repo::model_ref::parse_version(version)?),
+        })?;
+        let manifest = repository.manifest(&found)?;
+        manifest
+            .pipeline
+            .and_then(|p| p.preprocess)
+            .with_context(|| {
+                format!(
+                    "{model}@{version} declares no image pre-processing: [gates.feature_consistency] compares two versions' pre-processing (in {})",
+                    repo_dir.display()
+                )
+            })
+    };
+    let (old, new) = (spec(stable)?, spec(candidate)?);
+    let mut vectors = (Vec::new(), Vec::new());
+    for case in set.cases() {
+        let release::golden::CaseInput::Input(input) = &case.input else {
+            continue;
+        };
+        let Some(image) = input.get("image").and_then(|v| v.as_str()) else {
+            continue;
+        };
+        let bytes = std::fs::read(golden_dir.join(image)).with_context(|| {
+            format!("golden case {} ({}): reading {image}", case.id, case.source)
+        })?;
+        for (spec, out) in [(&old, &mut vectors.0), (&new, &mut vectors.1)] {
+            let prepared = classic::imageops::prepare(&bytes, spec, false)
+                .map_err(|e| anyhow::anyhow!("golden case {} ({}): {e}", case.id, case.source))?;
+            out.push(prepared.data);
+        }
+    }
+    Ok(release::gates::feature_consistency_gate(
+        settings, &vectors.0, &vectors.1,
+    ))
 }
 
 /// `rampart release gate`.
@@ -256,10 +418,10 @@ fn gate(args: &ReleaseArgs, url: &str) -> Result<ExitCode> {
     let mut latencies = (Vec::new(), Vec::new());
     for case in set.cases() {
         // Alternated, so that both versions see the same machine at the same time.
-        let (p, ms) = ask(&api, model, &stable, case, *max_tokens)?;
+        let (p, ms) = ask(&api, model, &stable, (case, &dir), *max_tokens)?;
         predictions.0.push(p);
         latencies.0.push(ms);
-        let (p, ms) = ask(&api, model, candidate, case, *max_tokens)?;
+        let (p, ms) = ask(&api, model, candidate, (case, &dir), *max_tokens)?;
         predictions.1.push(p);
         latencies.1.push(ms);
     }
@@ -278,6 +440,19 @@ fn gate(args: &ReleaseArgs, url: &str) -> Result<ExitCode> {
             &latencies.0,
             &latencies.1,
         ));
+    }
+    // Declared `[gates.feature_consistency]` on a model with image pre-processing: both
+    // versions' declared pre-processing (read from the repository, run by the code the server
+    // runs) on the golden set's images.
+    if settings.feature_consistency.enabled && table.contains_key("feature_consistency") {
+        reports.push(feature_consistency(
+            &args.repo,
+            model,
+            (&stable, candidate),
+            &set,
+            &dir,
+            &settings,
+        )?);
     }
     let passed = release::gates::all_passed(&reports);
     let summary = reports
@@ -596,14 +771,24 @@ fn print_status(model: &str, s: &serde_json::Value) {
             .as_f64()
             .map_or("-".into(), |w| format!("{:.1}", w * 100.0)),
     );
+    let control = if s["reference"] == "control" {
+        format!(", of which control {}", text(&s["samples_control"]))
+    } else {
+        String::new()
+    };
     println!(
-        "  samples: stable {} ({} errors), candidate {} ({} errors); {} s in this step",
+        "  samples: stable {} ({} errors{control}), candidate {} ({} errors); {} s in this step",
         text(&s["samples_stable"]),
         text(&s["errors_stable"]),
         text(&s["samples_candidate"]),
         text(&s["errors_candidate"]),
         s["time_in_step_ms"].as_u64().map_or(0, |ms| ms / 1000),
     );
+    if s["reference"] == "control" {
+        println!(
+            "  latency judged against the control (a copy of the stable at the candidate's share)"
+        );
+    }
     if let Some(reason) = s["reason"].as_str() {
         println!("  reason: {reason}");
     }

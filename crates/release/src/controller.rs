@@ -139,7 +139,13 @@ pub struct Status {
     pub step: usize,
     pub weight: f64,
     pub release_id: String,
+    /// What the candidate's latency is compared with: `control` (a copy of the stable at the
+    /// candidate's share, the default) or `stable`; the verdict's latency rows' `stable` column
+    /// is the reference's. Errors, entropy and confidence are compared with every sample of the
+    /// stable version (`samples_stable` counts the control's too).
+    pub reference: Variant,
     pub samples_stable: u64,
+    pub samples_control: u64,
     pub samples_candidate: u64,
     pub errors_stable: u64,
     pub errors_candidate: u64,
@@ -216,7 +222,9 @@ impl Controller {
             step: p.state.step,
             weight: p.state.weight,
             release_id: p.state.release_id.clone(),
+            reference: p.routing.reference(p.mode),
             samples_stable: self.window.samples(Variant::Stable),
+            samples_control: self.window.samples(Variant::Control),
             samples_candidate: self.window.samples(Variant::Candidate),
             errors_stable: self.window.errors(Variant::Stable),
             errors_candidate: self.window.errors(Variant::Candidate),
@@ -332,7 +340,7 @@ impl Controller {
         if !matches!(phase, Phase::Running | Phase::Holding | Phase::Paused) {
             return Vec::new();
         }
-        let judge = Judge::from_schedule(&self.plan.schedule);
+        let judge = Judge::for_plan(&self.plan);
         let verdict = judge.evaluate(&self.plan.judge, &self.window, now_ms);
         self.last_verdict = Some(verdict.clone());
         let mut out = Vec::new();

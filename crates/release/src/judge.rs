@@ -76,6 +76,9 @@ use crate::plan::{JudgeConfig, Schedule, Variant};
 pub const WINDOW_CAP: usize = 20_000;
 /// Stable samples needed before any comparative test runs or a step may pass.
 pub const MIN_REFERENCE_SAMPLES: u64 = 30;
+/// The same for a control (a copy of the stable at the candidate's share), which gets about as
+/// many samples as the candidate: the tests standardise with both sides' variances.
+pub const MIN_CONTROL_SAMPLES: u64 = 10;
 /// Candidate samples the mean tests need.
 pub const MIN_CANDIDATE_SAMPLES: u64 = 10;
 /// Candidate samples the latency location test waits for.
@@ -228,11 +231,46 @@ struct Side {
     drift: Option<String>,
 }
 
-/// The samples of both variants since the step started, and the monitors' drift alarms.
+impl Side {
+    /// Adds one sample. Latencies, entropy and confidence count only for successful requests.
+    fn push(&mut self, sample: &Sample) {
+        self.samples += 1;
+        self.last_ms = Some(
+            self.last_ms
+                .map_or(sample.time_ms, |t| t.max(sample.time_ms)),
+        );
+        if let Some(h) = sample.helpful {
+            self.helpful_answers += 1;
+            self.helpful += u64::from(h);
+        }
+        if sample.error {
+            self.errors += 1;
+            return;
+        }
+        if let Some(t) = sample.ttft_ms {
+            self.ttft.push(t);
+        }
+        if let Some(t) = sample.tpot_ms {
+            self.tpot.push(t);
+        }
+        self.e2e.push(sample.e2e_ms);
+        if let Some(h) = sample.entropy_mean {
+            self.entropy.push(f64::from(h));
+        }
+        if let Some(c) = sample.confidence {
+            self.confidence.push(f64::from(c));
+        }
+    }
+}
+
+/// The samples of both variants since the step started, and the monitors' drift alarms. The
+/// stable's side holds every sample of the stable version (its main copy's and the control's);
+/// the control's are also kept apart, as the latency tests' reference when the release has one.
 #[derive(Debug, Clone)]
 pub struct StepWindow {
     started_ms: u64,
     stable: Side,
+    control: Side,
     candidate: Side,
 }
 
@@ -241,6 +279,7 @@ impl StepWindow {
         Self {
             started_ms,
             stable: Side::default(),
+            control: Side::default(),
             candidate: Side::default(),
         }
     }
@@ -260,51 +299,30 @@ impl StepWindow {
     fn side(&self, variant: Variant) -> &Side {
         match variant {
             Variant::Stable => &self.stable,
+            Variant::Control => &self.control,
             Variant::Candidate => &self.candidate,
         }
     }
 
-    fn side_mut(&mut self, variant: Variant) -> &mut Side {
-        match variant {
-            Variant::Stable => &mut self.stable,
-            Variant::Candidate => &mut self.candidate,
-        }
-    }
-
-    /// Adds one sample. Latencies, entropy and confidence count only for successful requests.
+    /// Adds one sample (a control's counts for the stable version too).
     pub fn push(&mut self, sample: &Sample) {
-        let side = self.side_mut(sample.variant);
-        side.samples += 1;
-        side.last_ms = Some(
-            side.last_ms
-                .map_or(sample.time_ms, |t| t.max(sample.time_ms)),
-        );
-        if let Some(h) = sample.helpful {
-            side.helpful_answers += 1;
-            side.helpful += u64::from(h);
-        }
-        if sample.error {
-            side.errors += 1;
-            return;
-        }
-        if let Some(t) = sample.ttft_ms {
-            side.ttft.push(t);
-        }
-        if let Some(t) = sample.tpot_ms {
-            side.tpot.push(t);
-        }
-        side.e2e.push(sample.e2e_ms);
-        if let Some(h) = sample.entropy_mean {
-            side.entropy.push(f64::from(h));
-        }
-        if let Some(c) = sample.confidence {
-            side.confidence.push(f64::from(c));
+        match sample.variant {
+            Variant::Stable => self.stable.push(sample),
+            Variant::Control => {
+                self.control.push(sample);
+                self.stable.push(sample);
+            }
+            Variant::Candidate => self.candidate.push(sample),
         }
     }
 
     /// A monitor's drift alarm on a variant was raised (`active`) or cleared.
     pub fn set_drift(&mut self, variant: Variant, active: bool, detail: &str) {
-        self.side_mut(variant).drift = active.then(|| detail.to_string());
+        let drift = active.then(|| detail.to_string());
+        match variant {
+            Variant::Stable | Variant::Control => self.stable.drift = drift,
+            Variant::Candidate => self.candidate.drift = drift,
+        }
     }
 
     /// Samples of a variant in this step.
@@ -344,7 +362,10 @@ pub struct MetricStat {
 /// What the judge saw at this look.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Summary {
+    /// Every sample of the stable version (its main copy's and the control's).
     pub samples_stable: u64,
+    /// The control's alone (0 without one): the latency tests' reference when present.
+    pub samples_control: u64,
     pub samples_candidate: u64,
     pub elapsed_ms: u64,
     pub metrics: Vec<MetricStat>,
@@ -449,16 +470,28 @@ pub struct Judge {
     pub min_step_ms: u64,
     pub max_step_ms: u64,
     pub stall_ms: u64,
+    /// The latency tests compare with the control (`[routing] control`), not the stable's
+    /// main copy; the other tests compare with every sample of the stable version.
+    pub control: bool,
 }
 
 impl Judge {
+    /// The judge of a schedule against the stable itself.
     pub fn from_schedule(schedule: &Schedule) -> Self {
         Self {
             min_samples: schedule.min_samples,
             min_step_ms: schedule.min_step_secs.saturating_mul(1000),
             max_step_ms: schedule.max_step_secs.saturating_mul(1000),
             stall_ms: schedule.stall_secs.saturating_mul(1000),
+            control: false,
         }
+    }
+
+    /// The judge of a plan: its schedule, against its reference (the control or the stable).
+    pub fn for_plan(plan: &crate::plan::ReleasePlan) -> Self {
+        let mut judge = Self::from_schedule(&plan.schedule);
+        judge.control = plan.routing.reference(plan.mode) == Variant::Control;
+        judge
     }
 
     /// Judges the window at `now_ms`.
@@ -469,6 +502,7 @@ impl Judge {
         let mut metrics = Vec::new();
         let summary = |metrics: Vec<MetricStat>| Summary {
             samples_stable: s.samples,
+            samples_control: window.control.samples,
             samples_candidate: c.samples,
             elapsed_ms,
             metrics,
@@ -509,20 +543,36 @@ impl Judge {
             }
         }
 
-        let reference_ready = s.samples >= MIN_REFERENCE_SAMPLES;
+        // Latency depends on load, so with a control it is compared with the control alone
+        // (same share of the traffic as the candidate); errors, entropy and confidence do
+        // not, and are compared with every sample of the stable version.
+        let (latency_ref, latency_min) = if self.control {
+            (&window.control, MIN_CONTROL_SAMPLES)
+        } else {
+            (s, MIN_REFERENCE_SAMPLES)
+        };
+        let reference_ready =
+            s.samples >= MIN_REFERENCE_SAMPLES && latency_ref.samples >= latency_min;
         if reference_ready {
             // Latency: TTFT and TPOT for token models, E2E (with both slots) otherwise.
             let token_model = s.ttft.seen > 0 || c.ttft.seen > 0;
+            let l = latency_ref;
             let latency: Vec<(&'static str, &Series, &Series, f64)> = if token_model {
                 vec![
-                    ("ttft_p95", &s.ttft, &c.ttft, alpha_slot),
-                    ("tpot_p95", &s.tpot, &c.tpot, alpha_slot),
+                    ("ttft_p95", &l.ttft, &c.ttft, alpha_slot),
+                    ("tpot_p95", &l.tpot, &c.tpot, alpha_slot),
                 ]
             } else {
-                vec![("e2e_p95", &s.e2e, &c.e2e, 2.0 * alpha_slot)]
+                vec![("e2e_p95", &l.e2e, &c.e2e, 2.0 * alpha_slot)]
             };
             for (metric, stable, candidate, alpha) in latency {
-                latency_tests(cfg, metric, stable, candidate, alpha, &mut metrics);
+                latency_tests(
+                    cfg,
+                    metric,
+                    (stable, candidate),
+                    (latency_min, alpha),
+                    &mut metrics,
+                );
             }
             error_test(cfg, s, c, alpha_slot, &mut metrics);
             let entropy_ready =
@@ -652,12 +702,20 @@ impl Judge {
         if elapsed_ms >= self.max_step_ms {
             return Verdict::Inconclusive {
                 reason: format!(
-                    "too few samples after {} s: {} candidate (need {}), {} stable (need {})",
+                    "too few samples after {} s: {} candidate (need {}), {} stable (need {}){}",
                     elapsed_ms / 1000,
                     c.samples,
                     self.min_samples,
                     s.samples,
-                    MIN_REFERENCE_SAMPLES
+                    MIN_REFERENCE_SAMPLES,
+                    if self.control {
+                        format!(
+                            ", {} control (need {MIN_CONTROL_SAMPLES})",
+                            window.control.samples
+                        )
+                    } else {
+                        String::new()
+                    }
                 ),
                 summary: summary(metrics),
             };
@@ -683,12 +741,11 @@ fn statistic_name(metric: &str) -> &'static str {
 fn latency_tests(
     cfg: &JudgeConfig,
     metric: &'static str,
-    stable: &Series,
-    candidate: &Series,
-    alpha: f64,
+    (stable, candidate): (&Series, &Series),
+    (min_reference, alpha): (u64, f64),
     out: &mut Vec<MetricStat>,
 ) {
-    if stable.seen < MIN_REFERENCE_SAMPLES || candidate.seen == 0 {
+    if stable.seen < min_reference || candidate.seen == 0 {
         return;
     }
     let (Some(q_s), Some(q_c)) = (stable.quantile(TAIL_LEVEL), candidate.quantile(TAIL_LEVEL))

@@ -71,6 +71,10 @@ impl ReleaseError {
 pub enum Variant {
     Stable,
     Candidate,
+    /// A second copy of the stable version, loaded for the release, that serves as many users as
+    /// the candidate (`[routing] control`): the judge's reference, under the same load as the
+    /// candidate.
+    Control,
 }
 
 impl Variant {
@@ -78,6 +82,7 @@ impl Variant {
         match self {
             Variant::Stable => "stable",
             Variant::Candidate => "candidate",
+            Variant::Control => "control",
         }
     }
 }
@@ -187,6 +192,12 @@ pub struct Routing {
     pub groups: BTreeMap<String, Variant>,
     /// Shadow mode: the share (0..=1) of requests mirrored to the candidate.
     pub shadow_share: f64,
+    /// Canary and A/B: a second copy of the stable version (the control) serves as many users as
+    /// the candidate, and the judge compares the candidate with it rather than with the stable,
+    /// which batches the rest of the traffic (on one machine a lightly loaded engine answers
+    /// faster than a busy one, and would hide a slower candidate). Costs one more copy of the
+    /// stable in memory while the release runs; `false` judges against the stable itself.
+    pub control: bool,
 }
 
 impl Default for Routing {
@@ -194,6 +205,27 @@ impl Default for Routing {
         Self {
             groups: BTreeMap::new(),
             shadow_share: 0.1,
+            control: true,
+        }
+    }
+}
+
+impl Routing {
+    /// The share of users the control serves at the candidate's weight `w`: as many as the
+    /// candidate, at most what the stable has left, none outside (0, 1) or when off.
+    pub fn control_share(&self, w: f64) -> f64 {
+        if !self.control || w <= 0.0 || w >= 1.0 {
+            return 0.0;
+        }
+        w.min(1.0 - w)
+    }
+
+    /// The variant the judge compares the candidate with.
+    pub fn reference(&self, mode: Mode) -> Variant {
+        if self.control && mode != Mode::Shadow {
+            Variant::Control
+        } else {
+            Variant::Stable
         }
     }
 }
@@ -450,6 +482,17 @@ impl ReleasePlan {
                     ));
                 }
             }
+        }
+        if let Some((group, _)) = self
+            .routing
+            .groups
+            .iter()
+            .find(|(_, v)| **v == Variant::Control)
+        {
+            return Err(ReleaseError::invalid(
+                "routing.groups",
+                format!("group {group:?}: a group is served by `stable` or `candidate`"),
+            ));
         }
         if !(0.0..=1.0).contains(&self.routing.shadow_share) {
             return Err(ReleaseError::invalid(

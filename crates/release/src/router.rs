@@ -8,6 +8,12 @@
 //! so the same users are not always the guinea pigs. A request without any user key is routed by a
 //! hash of its request id: not sticky, and `why` says so (`anonymous`).
 //!
+//! The control (`[routing] control`, on by default): the users just above the candidate's bucket
+//! range, `[w, w + min(w, 1 − w))`, are served by a second copy of the stable version, so that
+//! the judge compares the candidate with an engine under the same load. As the weight grows
+//! control users move to the candidate, never back to the stable's main copy before the release
+//! ends.
+//!
 //! A/B mode: a request naming a configured group gets that group's variant (`group`); the others
 //! are split by weight. Shadow mode: everyone is served by the stable; a `shadow_share` of requests
 //! (by a hash of the request id) also carry the candidate version to mirror to.
@@ -105,6 +111,12 @@ pub fn route(plan: &ReleasePlan, key: &RoutingKey) -> Route {
         shadow: None,
         why,
     };
+    let to_control = |why: &'static str| Route {
+        version: plan.stable.clone(),
+        variant: Variant::Control,
+        shadow: None,
+        why,
+    };
     match plan.mode {
         Mode::Shadow => {
             let mirrored = plan.routing.shadow_share > 0.0
@@ -120,7 +132,8 @@ pub fn route(plan: &ReleasePlan, key: &RoutingKey) -> Route {
             if plan.mode == Mode::Ab {
                 if let Some(variant) = key.group.and_then(|g| plan.routing.groups.get(g)) {
                     return match variant {
-                        Variant::Stable => stable("group"),
+                        // (`validate` refuses a group served by the control.)
+                        Variant::Stable | Variant::Control => stable("group"),
                         Variant::Candidate => to_candidate("group"),
                     };
                 }
@@ -129,8 +142,11 @@ pub fn route(plan: &ReleasePlan, key: &RoutingKey) -> Route {
                 Some(u) => (u, weight_why),
                 None => (key.request_id, "anonymous"),
             };
-            if state.weight > 0.0 && bucket(&state.release_id, user_key) < state.weight {
+            let b = bucket(&state.release_id, user_key);
+            if state.weight > 0.0 && b < state.weight {
                 to_candidate(why)
+            } else if b < state.weight + plan.routing.control_share(state.weight) {
+                to_control(why)
             } else {
                 stable(why)
             }
@@ -180,6 +196,55 @@ mod tests {
             }
             previous = Some(assigned);
         }
+    }
+
+    #[test]
+    fn the_control_serves_as_many_users_as_the_candidate_and_feeds_it() {
+        let users: Vec<String> = (0..10_000).map(|i| format!("user-{i}")).collect();
+        let mut previous: Option<Vec<Variant>> = None;
+        for percent in [5.0, 20.0, 50.0] {
+            let plan = running_plan(Mode::Canary, percent / 100.0);
+            let assigned: Vec<Variant> = users
+                .iter()
+                .map(|u| route(&plan, &user_key(u, "r")).variant)
+                .collect();
+            let share = |v: Variant| {
+                100.0 * assigned.iter().filter(|&&a| a == v).count() as f64 / users.len() as f64
+            };
+            let (candidate, control) = (share(Variant::Candidate), share(Variant::Control));
+            println!("weight {percent}%: candidate {candidate:.2}%, control {control:.2}%");
+            assert!(
+                (candidate - percent).abs() <= 1.0,
+                "{percent}%: {candidate}"
+            );
+            assert!(
+                (control - percent).abs() <= 1.0,
+                "{percent}%: control {control}"
+            );
+            if let Some(before) = &previous {
+                for (i, (was, is)) in before.iter().zip(&assigned).enumerate() {
+                    // A candidate user stays; a control user moves on to the candidate or stays.
+                    match was {
+                        Variant::Candidate => assert_eq!(*is, Variant::Candidate, "user-{i}"),
+                        Variant::Control => assert_ne!(*is, Variant::Stable, "user-{i}"),
+                        Variant::Stable => {}
+                    }
+                }
+            }
+            previous = Some(assigned);
+        }
+        // The control serves the stable version; off, nobody is routed to it.
+        let mut plan = running_plan(Mode::Canary, 0.2);
+        let r = users
+            .iter()
+            .map(|u| route(&plan, &user_key(u, "r")))
+            .find(|r| r.variant == Variant::Control)
+            .unwrap();
+        assert_eq!((r.version.as_str(), r.why), ("v1", "weight"));
+        plan.routing.control = false;
+        assert!(users
+            .iter()
+            .all(|u| route(&plan, &user_key(u, "r")).variant != Variant::Control));
     }
 
     #[test]

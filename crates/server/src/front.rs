@@ -88,6 +88,28 @@ pub fn route(
     let began = std::time::Instant::now();
     let routed = release_route(state, model, record);
     let resolved = match &routed {
+        // The control: the release's second copy of the stable. Until it is loaded (or when
+        // it cannot be), its users are served by the stable, as stable requests (the judge,
+        // comparing with the control, leaves them out).
+        Some(r) if r.variant == release::plan::Variant::Control => {
+            let control = state
+                .releases
+                .get()
+                .and_then(|rel| rel.control(&model.name));
+            match control.filter(|e| e.backend.accepts(work)) {
+                Some(entry) => {
+                    record.record.variant = Some(r.variant.as_str());
+                    record.record.route_reason = Some(r.why);
+                    Ok(entry)
+                }
+                None => {
+                    let chosen = ModelName::versioned(&model.name, Some(&r.version));
+                    record.record.variant = Some(release::plan::Variant::Stable.as_str());
+                    record.record.route_reason = Some("control_not_loaded");
+                    state.registry.resolve(&chosen, work)
+                }
+            }
+        }
         Some(r) => {
             let chosen = ModelName::versioned(&model.name, Some(&r.version));
             match state.registry.resolve(&chosen, work) {

@@ -223,7 +223,9 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
     state
         .draining
         .store(true, std::sync::atomic::Ordering::Relaxed);
-    let busy = |state: &AppState| state.registry.busy();
+    let busy = |state: &AppState| {
+        state.registry.busy() + state.releases.get().map_or(0, |r| r.controls_busy())
+    };
     tracing::info!(
         in_flight = busy(&state),
         timeout_s = state.config.shutdown_timeout_s,
@@ -242,6 +244,9 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         );
         // Dropping the engines ends their streams.
         state.registry.clear();
+        if let Some(releases) = state.releases.get() {
+            releases.drop_controls();
+        }
     }
     // Stop accepting and close idle connections.
     stop.notify_one();

@@ -50,6 +50,9 @@ pub struct ModelRelease {
     seen: Mutex<Option<SystemTime>>,
     /// Serializes writes of the file (controller ticks and commands).
     writing: tokio::sync::Mutex<()>,
+    /// The control: a second copy of the stable version (`[routing] control`), loaded while a
+    /// release runs and dropped when it ends. Not in the registry: only the route reaches it.
+    control: RwLock<Option<Arc<crate::registry::Entry>>>,
 }
 
 impl std::fmt::Debug for ModelRelease {
@@ -70,7 +73,20 @@ impl ModelRelease {
             path,
             seen: Mutex::new(seen),
             writing: tokio::sync::Mutex::new(()),
+            control: RwLock::new(None),
         }
+    }
+
+    /// The loaded control, if any.
+    pub fn control(&self) -> Option<Arc<crate::registry::Entry>> {
+        self.control
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn set_control(&self, entry: Option<Arc<crate::registry::Entry>>) {
+        *self.control.write().unwrap_or_else(|e| e.into_inner()) = entry;
     }
 
     fn controller(&self) -> std::sync::MutexGuard<'_, Controller> {
@@ -242,6 +258,28 @@ impl Releases {
         Some(release::router::route(&plan, key).into())
     }
 
+    /// The loaded control of `name`'s release, if any.
+    pub fn control(&self, name: &str) -> Option<Arc<crate::registry::Entry>> {
+        self.get(name)?.control()
+    }
+
+    /// Requests holding or waiting for a slot of the releases' controls (the drain waits for
+    /// them as for the registry's).
+    pub fn controls_busy(&self) -> usize {
+        self.all()
+            .iter()
+            .filter_map(|m| m.control())
+            .map(|e| e.admission.in_flight() + e.admission.waiting())
+            .sum()
+    }
+
+    /// Drops every control (shutdown): their engines stop once the last request lets go.
+    pub fn drop_controls(&self) {
+        for m in self.all() {
+            m.set_control(None);
+        }
+    }
+
     /// One record into the judge of its model's release.
     pub fn take(&self, record: &InferenceRecord) {
         let Some(variant) = record_variant(record) else {
@@ -411,11 +449,12 @@ impl Releases {
     }
 }
 
-/// The variant a record was served as (`stable` or `candidate`).
+/// The variant a record was served as (`stable`, `candidate` or `control`).
 fn record_variant(r: &InferenceRecord) -> Option<Variant> {
     match r.variant? {
         "stable" => Some(Variant::Stable),
         "candidate" => Some(Variant::Candidate),
+        "control" => Some(Variant::Control),
         _ => None,
     }
 }
@@ -628,6 +667,19 @@ pub async fn ensure_loaded(
     {
         return Ok(());
     }
+    let entry = load_version(state, name, version).await?;
+    tracing::info!(target: "rampart::release", model = name, version, "candidate loaded for its release");
+    state.registry.add(entry);
+    Ok(())
+}
+
+/// A fresh copy of `name@version` from the repository, with the model's configured settings
+/// (not added to the registry).
+async fn load_version(
+    state: &Arc<crate::state::AppState>,
+    name: &str,
+    version: &str,
+) -> Result<crate::registry::Entry, String> {
     let mut model = state
         .config
         .models
@@ -643,13 +695,45 @@ pub async fn ensure_loaded(
     })
     .await
     .map_err(|e| e.to_string())?;
-    match loaded {
-        Ok(entry) => {
-            tracing::info!(target: "rampart::release", model = name, version, "candidate loaded for its release");
-            state.registry.add(entry);
-            Ok(())
+    loaded.map_err(|e| format!("{name}@{version} cannot be loaded: {}", e.message))
+}
+
+/// Loads the release's control (a second copy of the stable) when the plan wants one and drops
+/// it when the release ended or no longer wants it. A copy that fails to load is tried once per
+/// release: the judge then waits for reference samples and the release holds (the error says
+/// how to judge against the stable instead).
+async fn keep_control(
+    state: &Arc<crate::state::AppState>,
+    m: &ModelRelease,
+    tried: &mut std::collections::HashSet<String>,
+) {
+    let plan = m.plan();
+    let wanted = plan.candidate.is_some()
+        && plan.state.phase.is_active()
+        && plan.routing.reference(plan.mode) == Variant::Control;
+    match (wanted, m.control()) {
+        (false, None) => {}
+        (false, Some(entry)) => {
+            m.set_control(None);
+            tracing::info!(target: "rampart::release", model = %m.name, control = %entry.id, phase = ?plan.state.phase, "the release's control is unloaded");
         }
-        Err(e) => Err(format!("{name}@{version} cannot be loaded: {}", e.message)),
+        (true, Some(entry)) if entry.version == plan.stable => {}
+        (true, _) => {
+            if !tried.insert(format!("{}|{}", plan.state.release_id, plan.stable)) {
+                return;
+            }
+            let began = std::time::Instant::now();
+            match load_version(state, &m.name, &plan.stable).await {
+                Ok(entry) => {
+                    let entry = entry.with_id(format!("{}@{}:control", m.name, plan.stable));
+                    tracing::info!(target: "rampart::release", model = %m.name, control = %entry.id, load_ms = began.elapsed().as_millis() as u64, "the release's control is loaded: a copy of the stable serving as many users as the candidate, the judge's reference");
+                    m.set_control(Some(Arc::new(entry)));
+                }
+                Err(e) => {
+                    tracing::error!(target: "rampart::release", model = %m.name, stable = %plan.stable, error = %e, "the release's control cannot be loaded: its users are served by the stable and the judge waits for reference samples (set `[routing] control = false` in the plan to judge against the stable)");
+                }
+            }
+        }
     }
 }
 
@@ -660,6 +744,7 @@ pub fn spawn(state: Arc<crate::state::AppState>, releases: Arc<Releases>) {
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut tried = std::collections::HashSet::new();
+        let mut control_tried = std::collections::HashSet::new();
         loop {
             tick.tick().await;
             let views = state.monitors.get().map(|m| m.views()).unwrap_or_default();
@@ -698,6 +783,9 @@ pub fn spawn(state: Arc<crate::state::AppState>, releases: Arc<Releases>) {
                 if let Err(e) = ensure_loaded(&state, &m.name, &candidate).await {
                     tracing::error!(target: "rampart::release", model = %m.name, candidate, error = %e, "the release's candidate cannot be loaded: its requests go to the stable");
                 }
+            }
+            for m in releases.all().into_iter().filter(|_| !loading) {
+                keep_control(&state, &m, &mut control_tried).await;
             }
         }
     });

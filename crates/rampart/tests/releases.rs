@@ -143,6 +143,37 @@ fn wait_release(
     }
 }
 
+/// Drives `clients` of load until the release is rolled back (or `limit` passes): the release,
+/// its rollback decision (`null` when none) and the time it took from `started`.
+fn until_rolled_back(
+    port: u16,
+    clients: usize,
+    limit: Duration,
+    started: Instant,
+    what: &str,
+) -> (serde_json::Value, serde_json::Value, Duration) {
+    let load = Load::start(port, clients);
+    let r = wait_release(port, limit, |r| r["status"]["phase"] == "rolled_back");
+    let took = started.elapsed();
+    let answered = load.stop();
+    eprintln!(
+        "{what}: {} after {:.1} s, {answered} answered; {}",
+        r["status"]["phase"],
+        took.as_secs_f64(),
+        r["status"]
+    );
+    assert_eq!(r["status"]["phase"], "rolled_back", "{what}: {r}");
+    let rollback = r["plan"]["history"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .rev()
+        .find(|d| d["action"] == "rollback")
+        .cloned()
+        .unwrap_or_default();
+    (r, rollback, took)
+}
+
 fn cli(args: &[&str], repo: &Path, url: Option<u16>) -> (bool, String) {
     let mut command = Command::new(binary());
     command.arg("release").args(args).arg("--repo").arg(repo);
@@ -290,27 +321,13 @@ fn a_slower_and_an_erroring_candidate_are_rolled_back_at_the_first_step() {
     let started = Instant::now();
     let (status, body) = command(server.port, "start", r#"{"candidate":"1.1.0"}"#, ADMIN_KEY);
     assert_eq!(status, 409, "a second start is refused: {body}");
-    let load = Load::start(server.port, 1);
-    let r = wait_release(server.port, Duration::from_secs(150), |r| {
-        r["status"]["phase"] == "rolled_back"
-    });
-    let took = started.elapsed();
-    let answered = load.stop();
-    eprintln!(
-        "slower candidate: {} after {:.1} s, {answered} answered; {}",
-        r["status"]["phase"],
-        took.as_secs_f64(),
-        r["status"]
+    let (r, rollback, took) = until_rolled_back(
+        server.port,
+        1,
+        Duration::from_secs(150),
+        started,
+        "slower candidate",
     );
-    assert_eq!(r["status"]["phase"], "rolled_back", "{r}");
-    let rollback = r["plan"]["history"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .rev()
-        .find(|d| d["action"] == "rollback")
-        .unwrap()
-        .clone();
     assert_eq!(
         rollback["from_weight"], 0.2,
         "rolled back in the first step: {rollback}"
@@ -406,19 +423,13 @@ fn a_slower_and_an_erroring_candidate_are_rolled_back_at_the_first_step() {
     let (status, body) = command(server.port, "start", r#"{"candidate":"1.1.0"}"#, ADMIN_KEY);
     assert_eq!(status, 200, "{body}");
     let started = Instant::now();
-    let load = Load::start(server.port, 4);
-    let r = wait_release(server.port, Duration::from_secs(120), |r| {
-        r["status"]["phase"] == "rolled_back"
-    });
-    let took = started.elapsed();
-    load.stop();
-    eprintln!(
-        "erroring candidate: {} after {:.1} s; {}",
-        r["status"]["phase"],
-        took.as_secs_f64(),
-        r["status"]
+    let (r, _, _) = until_rolled_back(
+        server.port,
+        4,
+        Duration::from_secs(120),
+        started,
+        "erroring candidate",
     );
-    assert_eq!(r["status"]["phase"], "rolled_back", "{r}");
     let history = r["plan"]["history"].as_array().unwrap();
     let last = history.last().unwrap();
     assert_eq!(last["action"], "rollback", "{last}");
@@ -466,27 +477,13 @@ fn an_overconfident_candidate_is_rolled_back_on_its_entropy() {
     let (status, body) = command(server.port, "start", r#"{"candidate":"1.1.0"}"#, ADMIN_KEY);
     assert_eq!(status, 200, "{body}");
     let started = Instant::now();
-    let load = Load::start(server.port, 4);
-    let r = wait_release(server.port, Duration::from_secs(150), |r| {
-        r["status"]["phase"] == "rolled_back"
-    });
-    let took = started.elapsed();
-    let answered = load.stop();
-    eprintln!(
-        "overconfident candidate: {} after {:.1} s, {answered} answered; {}",
-        r["status"]["phase"],
-        took.as_secs_f64(),
-        r["status"]
+    let (_, rollback, _) = until_rolled_back(
+        server.port,
+        4,
+        Duration::from_secs(150),
+        started,
+        "overconfident candidate",
     );
-    assert_eq!(r["status"]["phase"], "rolled_back", "{r}");
-    let rollback = r["plan"]["history"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .rev()
-        .find(|d| d["action"] == "rollback")
-        .unwrap()
-        .clone();
     assert_eq!(rollback["from_weight"], 0.2, "{rollback}");
     let metric = rollback["metric"].as_str().unwrap_or("");
     assert!(

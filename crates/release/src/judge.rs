@@ -551,9 +551,11 @@ impl Judge {
         } else {
             (s, MIN_REFERENCE_SAMPLES)
         };
-        let reference_ready =
-            s.samples >= MIN_REFERENCE_SAMPLES && latency_ref.samples >= latency_min;
-        if reference_ready {
+        // The latency tests wait for their own reference (`latency_tests` checks it); errors,
+        // entropy and confidence run as soon as the stable version has its samples.
+        let stable_ready = s.samples >= MIN_REFERENCE_SAMPLES;
+        let reference_ready = stable_ready && latency_ref.samples >= latency_min;
+        if stable_ready {
             // Latency: TTFT and TPOT for token models, E2E (with both slots) otherwise.
             let token_model = s.ttft.seen > 0 || c.ttft.seen > 0;
             let l = latency_ref;
@@ -947,6 +949,77 @@ mod tests {
         assert!(normal_mixture_e_value(-3.0, 50) <= 1.0);
         assert!(normal_mixture_e_value(5.0, 50) > 1e3);
         assert!(wilson_upper(0, 100, 1.0) > 0.0 && wilson_upper(0, 100, 1.0) < 0.02);
+    }
+
+    /// With a control, latency is compared with the control alone (a busy stable 2× slower does
+    /// not excuse a 1.5× slower candidate, nor condemn an identical one), errors with every
+    /// sample of the stable version.
+    #[test]
+    fn with_a_control_latency_is_judged_against_it_and_errors_against_every_stable_sample() {
+        let with_control = Judge {
+            control: true,
+            ..judge()
+        };
+        let cfg = JudgeConfig::default();
+        let window = |candidate_slow: f64, seed: u64| {
+            let mut rng = Rng(seed);
+            let mut w = StepWindow::new(0);
+            for i in 0..400 {
+                w.push(&sample(&mut rng, Variant::Stable, i * 100, 2.0, 2.0));
+            }
+            for i in 0..40 {
+                w.push(&sample(&mut rng, Variant::Control, i * 1000, 1.0, 2.0));
+                w.push(&sample(
+                    &mut rng,
+                    Variant::Candidate,
+                    i * 1000,
+                    candidate_slow,
+                    2.0,
+                ));
+            }
+            w
+        };
+        let identical = with_control.evaluate(&cfg, &window(1.0, 3), 60_000);
+        assert!(matches!(identical, Verdict::Pass { .. }), "{identical:?}");
+        let s = identical.summary();
+        assert_eq!((s.samples_stable, s.samples_control), (440, 40));
+        let slower = with_control.evaluate(&cfg, &window(1.5, 4), 60_000);
+        match &slower {
+            Verdict::Fail { metric, .. } => assert!(metric.ends_with("_p95"), "{slower:?}"),
+            other => panic!("{other:?}"),
+        }
+        // Without the control the same busy stable hides the slower candidate.
+        let blind = judge().evaluate(&cfg, &window(1.5, 4), 60_000);
+        assert!(!matches!(blind, Verdict::Fail { .. }), "{blind:?}");
+        // Too few control samples: no latency test yet, whatever the stable has.
+        let mut rng = Rng(5);
+        let mut w = StepWindow::new(0);
+        for i in 0..400 {
+            w.push(&sample(&mut rng, Variant::Stable, i * 100, 1.0, 2.0));
+        }
+        for i in 0..5 {
+            w.push(&sample(&mut rng, Variant::Control, i * 1000, 1.0, 2.0));
+        }
+        for i in 0..40 {
+            w.push(&sample(&mut rng, Variant::Candidate, i * 1000, 3.0, 2.0));
+        }
+        match with_control.evaluate(&cfg, &w, 60_000) {
+            Verdict::Continue { summary } => assert!(
+                summary.metrics.iter().all(|m| !m.metric.ends_with("_p95")),
+                "{summary:?}"
+            ),
+            other => panic!("{other:?}"),
+        }
+        // ... while an erroring candidate is judged on the stable's samples already.
+        for i in 40..60 {
+            let mut c = sample(&mut rng, Variant::Candidate, i * 1000, 1.0, 2.0);
+            c.error = true;
+            w.push(&c);
+        }
+        match with_control.evaluate(&cfg, &w, 60_000) {
+            Verdict::Fail { metric, .. } => assert_eq!(metric, "error_rate"),
+            other => panic!("{other:?}"),
+        }
     }
 
     #[test]

@@ -637,6 +637,10 @@ release_id = "v3→v4@1000"
             ),
             ("stable = \"v1\"\n[judge]\nalpha = 0.0", "judge.alpha"),
             ("stable = \"v1\"\n[state]\nphase = \"running\"", "candidate"),
+            (
+                "stable = \"v1\"\n[routing]\ngroups = { qa = \"control\" }",
+                "routing.groups",
+            ),
         ];
         for (text, field) in cases {
             match ReleasePlan::from_toml_str(text) {

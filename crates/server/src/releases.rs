@@ -699,9 +699,9 @@ async fn load_version(
 }
 
 /// Loads the release's control (a second copy of the stable) when the plan wants one and drops
-/// it when the release ended or no longer wants it. A copy that fails to load is tried once per
-/// release: the judge then waits for reference samples and the release holds (the error says
-/// how to judge against the stable instead).
+/// it when the release ended or no longer wants it; each is a controller decision (log, audit).
+/// A copy that fails to load is tried once per release: the latency tests then wait for control
+/// samples and the release holds (the error says how to judge against the stable instead).
 async fn keep_control(
     state: &Arc<crate::state::AppState>,
     m: &ModelRelease,
@@ -716,6 +716,13 @@ async fn keep_control(
         (false, Some(entry)) => {
             m.set_control(None);
             tracing::info!(target: "rampart::release", model = %m.name, control = %entry.id, phase = ?plan.state.phase, "the release's control is unloaded");
+            crate::decisions::note(
+                "release.control_unloaded",
+                Some(&m.name),
+                &entry.id,
+                "the release ended or no longer judges against a control",
+                serde_json::json!({ "phase": plan.state.phase }),
+            );
         }
         (true, Some(entry)) if entry.version == plan.stable => {}
         (true, _) => {
@@ -726,11 +733,26 @@ async fn keep_control(
             match load_version(state, &m.name, &plan.stable).await {
                 Ok(entry) => {
                     let entry = entry.with_id(format!("{}@{}:control", m.name, plan.stable));
-                    tracing::info!(target: "rampart::release", model = %m.name, control = %entry.id, load_ms = began.elapsed().as_millis() as u64, "the release's control is loaded: a copy of the stable serving as many users as the candidate, the judge's reference");
+                    let load_ms = began.elapsed().as_millis() as u64;
+                    tracing::info!(target: "rampart::release", model = %m.name, control = %entry.id, load_ms, "the release's control is loaded: a copy of the stable serving as many users as the candidate, the judge's latency reference");
+                    crate::decisions::note(
+                        "release.control_loaded",
+                        Some(&m.name),
+                        &entry.id,
+                        "a release judges latency against a control",
+                        serde_json::json!({ "release_id": plan.state.release_id, "load_ms": load_ms }),
+                    );
                     m.set_control(Some(Arc::new(entry)));
                 }
                 Err(e) => {
-                    tracing::error!(target: "rampart::release", model = %m.name, stable = %plan.stable, error = %e, "the release's control cannot be loaded: its users are served by the stable and the judge waits for reference samples (set `[routing] control = false` in the plan to judge against the stable)");
+                    tracing::error!(target: "rampart::release", model = %m.name, stable = %plan.stable, error = %e, "the release's control cannot be loaded: its users are served by the stable and the latency tests wait for control samples (set `[routing] control = false` in the plan to judge against the stable)");
+                    crate::decisions::note(
+                        "release.control_failed",
+                        Some(&m.name),
+                        &format!("{}@{}", m.name, plan.stable),
+                        &e,
+                        serde_json::json!({ "release_id": plan.state.release_id }),
+                    );
                 }
             }
         }

@@ -174,6 +174,28 @@ fn until_rolled_back(
     (r, rollback, took)
 }
 
+/// `rampart release gate ARGS` against the server: its exit status and what it printed (stdout
+/// first).
+fn gate(port: u16, repo: &Path, args: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(binary())
+        .arg("release")
+        .arg("gate")
+        .args(args)
+        .arg("--repo")
+        .arg(repo)
+        .args([
+            "--url",
+            &format!("http://127.0.0.1:{port}"),
+            "--key",
+            ADMIN_KEY,
+        ])
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout).to_string();
+    eprintln!("{table}{}", String::from_utf8_lossy(&out.stderr));
+    (out.status.code(), table)
+}
+
 fn cli(args: &[&str], repo: &Path, url: Option<u16>) -> (bool, String) {
     let mut command = Command::new(binary());
     command.arg("release").args(args).arg("--repo").arg(repo);
@@ -254,29 +276,12 @@ fn a_slower_and_an_erroring_candidate_are_rolled_back_at_the_first_step() {
     assert!(!ok && text.contains("declares gates"), "{text}");
     // The gates run: the candidate misses the `count` recall floor (so does the stable: the
     // floor is absolute), and the table says so; exit status 3.
-    let out = Command::new(binary())
-        .args([
-            "release",
-            "gate",
-            MODEL,
-            "--candidate",
-            "1.1.0",
-            "--max-tokens",
-            "8",
-        ])
-        .arg("--repo")
-        .arg(&repo)
-        .args([
-            "--url",
-            &format!("http://127.0.0.1:{}", server.port),
-            "--key",
-            ADMIN_KEY,
-        ])
-        .output()
-        .unwrap();
-    let table = String::from_utf8_lossy(&out.stdout);
-    eprintln!("{table}{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(out.status.code(), Some(3), "{table}");
+    let (code, table) = gate(
+        server.port,
+        &repo,
+        &[MODEL, "--candidate", "1.1.0", "--max-tokens", "8"],
+    );
+    assert_eq!(code, Some(3), "{table}");
     assert!(table.contains("count") && table.contains("✗"), "{table}");
     assert!(table.contains("gates refused the candidate"), "{table}");
     // Without gates (the plan edited on disk, as a Git commit would): the server adopts it.
@@ -629,21 +634,12 @@ fn the_gates_refuse_a_classifier_whose_labels_were_mixed_up() {
         log,
     };
     wait_ready(server.port);
-    let out = Command::new(binary())
-        .args(["release", "gate", name, "--candidate", "1.1.0", "--start"])
-        .arg("--repo")
-        .arg(&repo)
-        .args([
-            "--url",
-            &format!("http://127.0.0.1:{}", server.port),
-            "--key",
-            ADMIN_KEY,
-        ])
-        .output()
-        .unwrap();
-    let table = String::from_utf8_lossy(&out.stdout);
-    eprintln!("{table}{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(out.status.code(), Some(3), "{table}");
+    let (code, table) = gate(
+        server.port,
+        &repo,
+        &[name, "--candidate", "1.1.0", "--start"],
+    );
+    assert_eq!(code, Some(3), "{table}");
     assert!(table.contains("gates refused the candidate"), "{table}");
     // The two swapped classes miss their floors; the stable answers every page right.
     let refused: Vec<&str> = table.lines().filter(|l| l.contains('✗')).collect();
@@ -694,21 +690,8 @@ fn the_gates_refuse_a_classifier_whose_labels_were_mixed_up() {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    let out = Command::new(binary())
-        .args(["release", "gate", name, "--candidate", "1.2.0"])
-        .arg("--repo")
-        .arg(&repo)
-        .args([
-            "--url",
-            &format!("http://127.0.0.1:{}", server.port),
-            "--key",
-            ADMIN_KEY,
-        ])
-        .output()
-        .unwrap();
-    let table = String::from_utf8_lossy(&out.stdout);
-    eprintln!("{table}{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(out.status.code(), Some(3), "{table}");
+    let (code, table) = gate(server.port, &repo, &[name, "--candidate", "1.2.0"]);
+    assert_eq!(code, Some(3), "{table}");
     assert!(
         table.contains("feature_consistency gate: REFUSED"),
         "{table}"

@@ -7,6 +7,7 @@
 #   scripts/bench-release.sh [bench_release.py options: --factor 1.5 --rate 4 --clients 8 ...]
 #   RAMPART_RELEASE_STEPS="[10.0, 100.0]" scripts/bench-release.sh --rate 20   # onset at 10 %
 #   RAMPART_RELEASE_CONTROL=false scripts/bench-release.sh …   # judge latency against the stable
+#   RAMPART_RELEASE_TOML='threads = 1' scripts/bench-release.sh …   # top-level server settings
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cache="${RAMPART_MODEL_CACHE:-$HOME/.cache/rampart/models}"
@@ -29,6 +30,7 @@ cat >"$work/rampart.toml" <<TOML
 listen = "127.0.0.1:$port"
 repo = "$repo"
 api_keys_file = "$work/keys.txt"
+${RAMPART_RELEASE_TOML:-}
 [admission]
 max_in_flight = 32
 [faults]

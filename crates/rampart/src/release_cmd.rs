@@ -230,23 +230,15 @@ fn ask(
     Ok((Prediction::Text(text.to_string()), ms))
 }
 
-/// A tensor-model golden case: its image through KServe's raw-image route.
-fn ask_image(
-    api: &Api,
-    model: &str,
-    version: &str,
+/// The image a tensor-model golden case names (`"input": {"image": "PATH"}`, relative to the
+/// golden folder) and its bytes; `None` when the input names none.
+fn case_image<'a>(
     case: &release::golden::GoldenCase,
-    input: &serde_json::Value,
+    input: &'a serde_json::Value,
     golden_dir: &Path,
-) -> Result<(release::golden::Prediction, f64)> {
-    use release::golden::{DetectedBox, Prediction};
+) -> Result<Option<(&'a str, Vec<u8>)>> {
     let Some(image) = input.get("image").and_then(|v| v.as_str()) else {
-        bail!(
-            "golden case {} ({}): a tensor-model case gives its input as {{\"image\": \"PATH\"}} (a JPEG or PNG, relative to {})",
-            case.id,
-            case.source,
-            golden_dir.display()
-        );
+        return Ok(None);
     };
     let file = golden_dir.join(image);
     let bytes = std::fs::read(&file).with_context(|| {
@@ -257,6 +249,27 @@ fn ask_image(
             file.display()
         )
     })?;
+    Ok(Some((image, bytes)))
+}
+
+/// A tensor-model golden case: its image through KServe's raw-image route.
+fn ask_image(
+    api: &Api,
+    model: &str,
+    version: &str,
+    case: &release::golden::GoldenCase,
+    input: &serde_json::Value,
+    golden_dir: &Path,
+) -> Result<(release::golden::Prediction, f64)> {
+    use release::golden::{DetectedBox, Prediction};
+    let Some((image, bytes)) = case_image(case, input, golden_dir)? else {
+        bail!(
+            "golden case {} ({}): a tensor-model case gives its input as {{\"image\": \"PATH\"}} (a JPEG or PNG, relative to {})",
+            case.id,
+            case.source,
+            golden_dir.display()
+        );
+    };
     let lower = image.to_ascii_lowercase();
     let content_type = if lower.ends_with(".jpg") || lower.ends_with(".jpeg") {
         "image/jpeg"
@@ -353,12 +366,9 @@ fn feature_consistency(
         let release::golden::CaseInput::Input(input) = &case.input else {
             continue;
         };
-        let Some(image) = input.get("image").and_then(|v| v.as_str()) else {
+        let Some((_, bytes)) = case_image(case, input, golden_dir)? else {
             continue;
         };
-        let bytes = std::fs::read(golden_dir.join(image)).with_context(|| {
-            format!("golden case {} ({}): reading {image}", case.id, case.source)
-        })?;
         for (spec, out) in [(&old, &mut vectors.0), (&new, &mut vectors.1)] {
             let prepared = classic::imageops::prepare(&bytes, spec, false)
                 .map_err(|e| anyhow::anyhow!("golden case {} ({}): {e}", case.id, case.source))?;

@@ -45,6 +45,12 @@
 //! - **Drift**: a monitor's drift alarm active on the candidate and not on the stable fails at
 //!   once (no statistics: the monitor already did its own).
 //!
+//! # The control
+//!
+//! With a control (`[routing] control`, `Judge::control`), "the stable" of the latency tests is
+//! the control alone, a copy of the stable at the candidate's share (its engine under the same
+//! load), from `MIN_CONTROL_SAMPLES`; the other tests keep every sample of the stable version.
+//!
 //! # What is approximate
 //!
 //! The stable's side is a plug-in (its p95, mean, std, error rate as estimated so far), not a

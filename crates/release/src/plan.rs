@@ -72,8 +72,8 @@ pub enum Variant {
     Stable,
     Candidate,
     /// A second copy of the stable version, loaded for the release, that serves as many users as
-    /// the candidate (`[routing] control`): the judge's reference, under the same load as the
-    /// candidate.
+    /// the candidate (`[routing] control`): the latency tests' reference, under the same load as
+    /// the candidate.
     Control,
 }
 
@@ -193,10 +193,11 @@ pub struct Routing {
     /// Shadow mode: the share (0..=1) of requests mirrored to the candidate.
     pub shadow_share: f64,
     /// Canary and A/B: a second copy of the stable version (the control) serves as many users as
-    /// the candidate, and the judge compares the candidate with it rather than with the stable,
-    /// which batches the rest of the traffic (on one machine a lightly loaded engine answers
-    /// faster than a busy one, and would hide a slower candidate). Costs one more copy of the
-    /// stable in memory while the release runs; `false` judges against the stable itself.
+    /// the candidate, and the judge compares the candidate's latency with it rather than with the
+    /// stable, which batches the rest of the traffic (on one machine engines under different
+    /// loads answer at different speeds, whichever version they run); errors, entropy and
+    /// confidence are still compared with every stable sample. Costs one more copy of the stable
+    /// in memory while the release runs; `false` judges latency against the stable itself.
     pub control: bool,
 }
 

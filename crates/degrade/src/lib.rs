@@ -1,0 +1,714 @@
+//! The degradation controller of one model: every window (one second by default) it reads how
+//! full memory is and how slow the last requests were, and moves the model's limits before
+//! anything breaks.
+//!
+//! # Levers, in order of cost
+//!
+//! 1. **The prefill budget** (`max_prefill_tokens`): prompt tokens per engine step. Each step
+//!    carries one token of every running stream plus some prompt; a big prompt chunk makes the
+//!    step slow and every stream waits for it. When inter-token latency (ITL) p99 is above its
+//!    objective the budget shrinks, so running streams keep their pace while long prompts still
+//!    progress by the floor's worth of tokens per step.
+//! 2. **The batch** (`max_num_seqs`, `max_num_batched_tokens`): halved per window while memory
+//!    is above the scaling watermark (and not already falling); `max_num_seqs` also shrinks
+//!    when ITL stays above its objective with the prefill budget at its floor (the decode steps
+//!    themselves are too slow).
+//! 3. **Admission** (`max_in_flight`): when time to first token (TTFT) p99 is above its
+//!    objective, fewer requests are let in at once and the rest are refused at once (429 with
+//!    Retry-After) instead of waiting in a queue that would make them late anyway.
+//! 4. **Saturation**: at the saturation watermark of memory or of the KV pool, no new prefill
+//!    starts and admission takes nobody new, so running sequences are never preempted for
+//!    newcomers.
+//!
+//! # Hysteresis
+//!
+//! Decreases are multiplicative: memory halves the batch (×0.5); latency scales a lever by
+//! `objective / p99`, clamped to [0.5, 0.9], which lands near the objective in one or two
+//! windows when latency is roughly proportional to the lever. Growth is additive (one sequence,
+//! 256 batched tokens, 32 prefill tokens, one admission slot per window) and happens only while
+//! every signal is inside its healthy band (latency below 0.8 × objective, memory below the
+//! scaling watermark minus 0.05) and the engine is actually held back by the cap it would raise
+//! (or idle). Between the band and the objective the limits hold. Latency is judged only on
+//! samples that finished after the lever last moved, so one slow burst is not punished twice.
+//!
+//! The controller is pure: the server reads memory, the engine's counters and the latency
+//! samples, calls [`Controller::observe`] once per window, applies [`Decision::limits`] and
+//! records every [`Change`] with its cause.
+
+use std::collections::VecDeque;
+use std::fmt;
+
+use serde::Serialize;
+
+/// The limits the controller moves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Limits {
+    /// Most sequences running at once in the engine.
+    pub max_num_seqs: usize,
+    /// Most tokens (decode + prompt) in one engine step.
+    pub max_num_batched_tokens: usize,
+    /// Most prompt tokens in one engine step.
+    pub max_prefill_tokens: usize,
+    /// Most requests admitted at once (beyond: 429 at once).
+    pub max_in_flight: usize,
+    /// Whether new sequences may start their prefill.
+    pub admit_prefills: bool,
+}
+
+/// The explicit rule operators already use: when the batch is above `batch_size` and request
+/// latency p99 is above `p99_latency_ms`, `max_num_seqs` drops to `batch_size`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rule {
+    pub p99_latency_ms: f64,
+    pub batch_size: usize,
+}
+
+/// Additive growth per healthy window.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Growth {
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub max_prefill_tokens: usize,
+    pub max_in_flight: usize,
+}
+
+impl Default for Growth {
+    fn default() -> Self {
+        Self {
+            max_num_seqs: 1,
+            max_num_batched_tokens: 256,
+            max_prefill_tokens: 32,
+            max_in_flight: 1,
+        }
+    }
+}
+
+/// How the controller decides.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    /// TTFT p99 objective; none: admission is not steered by latency.
+    pub ttft_p99_ms: Option<f64>,
+    /// Inter-token latency p99 objective; none: the prefill budget is not steered.
+    pub itl_p99_ms: Option<f64>,
+    /// Memory share where degradation starts.
+    pub scaling: f64,
+    /// Memory (or KV pool) share where new prefills stop and admission sheds.
+    pub saturation: f64,
+    /// Memory PSI `some avg10` (percent) that counts as reaching the scaling watermark.
+    pub psi_some_avg10: f64,
+    pub rule: Option<Rule>,
+    /// The configured limits: growth never goes beyond them.
+    pub ceilings: Limits,
+    /// Decreases never go below these.
+    pub floors: Limits,
+    pub growth: Growth,
+    /// Windows of latency samples the p99s look at.
+    pub horizon_windows: u64,
+    /// Fewest samples a p99 is judged on.
+    pub min_ttft_samples: usize,
+    pub min_itl_samples: usize,
+}
+
+/// The healthy band: a latency below this share of its objective lets its lever grow.
+pub const HEALTHY_SHARE: f64 = 0.8;
+/// Memory must be this far below the scaling watermark before limits grow.
+pub const MEMORY_HYSTERESIS: f64 = 0.05;
+
+impl Settings {
+    /// Defaults around the configured limits: watermarks 0.80 and 0.95, floors of one
+    /// sequence, 32 prefill tokens (never above the configured budget) and one admission slot.
+    pub fn new(ceilings: Limits) -> Self {
+        let min_prefill = 32.min(ceilings.max_prefill_tokens).max(1);
+        Self {
+            ttft_p99_ms: None,
+            itl_p99_ms: None,
+            scaling: 0.80,
+            saturation: 0.95,
+            psi_some_avg10: 10.0,
+            rule: None,
+            ceilings,
+            floors: Limits {
+                max_num_seqs: 1,
+                // Every running sequence's decode token fits in a step at the floor.
+                max_num_batched_tokens: ceilings
+                    .max_num_seqs
+                    .max(min_prefill)
+                    .min(ceilings.max_num_batched_tokens)
+                    .max(1),
+                max_prefill_tokens: min_prefill,
+                max_in_flight: 1,
+                admit_prefills: false,
+            },
+            growth: Growth::default(),
+            horizon_windows: 10,
+            min_ttft_samples: 5,
+            min_itl_samples: 20,
+        }
+    }
+}
+
+/// What one window saw.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Observation {
+    /// Memory used over its limit (the largest of the readings the server has: cgroup, RSS
+    /// against the configured limit, the host).
+    pub memory_ratio: Option<f64>,
+    /// Memory PSI `some avg10`, percent.
+    pub memory_psi_some_avg10: Option<f64>,
+    /// KV blocks held by sequences over the pool.
+    pub kv_ratio: Option<f64>,
+    /// Time to first token of the requests whose first token came in this window.
+    pub ttft_ms: Vec<f64>,
+    /// Gaps between consecutive tokens of a stream, this window.
+    pub itl_ms: Vec<f64>,
+    /// Whole-request latency of the requests that ended this window (for the explicit rule).
+    pub e2e_ms: Vec<f64>,
+    /// Sequences running in the engine at the window's end.
+    pub running: usize,
+    /// Sequences waiting in the engine at the window's end.
+    pub waiting: usize,
+    /// Most requests admitted at once during the window.
+    pub in_flight_peak: usize,
+    /// Requests refused by the admission limit during the window.
+    pub shed: u64,
+    /// Whether a step left prompt tokens for later because of the prefill budget.
+    pub prefill_held: bool,
+}
+
+/// Which limit moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Lever {
+    MaxNumSeqs,
+    MaxNumBatchedTokens,
+    MaxPrefillTokens,
+    MaxInFlight,
+    AdmitPrefills,
+}
+
+impl Lever {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Lever::MaxNumSeqs => "max_num_seqs",
+            Lever::MaxNumBatchedTokens => "max_num_batched_tokens",
+            Lever::MaxPrefillTokens => "max_prefill_tokens",
+            Lever::MaxInFlight => "max_in_flight",
+            Lever::AdmitPrefills => "admit_prefills",
+        }
+    }
+}
+
+/// Why it moved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Cause {
+    /// Memory above the scaling watermark.
+    Memory,
+    /// Memory above the saturation watermark.
+    MemorySaturated,
+    /// The KV pool above the saturation watermark.
+    KvSaturated,
+    /// TTFT p99 above its objective.
+    Ttft,
+    /// Inter-token latency p99 above its objective.
+    Itl,
+    /// The explicit batch rule.
+    Rule,
+    /// Every signal healthy: growing back.
+    Recovery,
+}
+
+impl Cause {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Cause::Memory => "memory",
+            Cause::MemorySaturated => "memory_saturated",
+            Cause::KvSaturated => "kv_saturated",
+            Cause::Ttft => "ttft",
+            Cause::Itl => "itl",
+            Cause::Rule => "rule",
+            Cause::Recovery => "recovery",
+        }
+    }
+}
+
+/// One limit change and its cause, in words a person can read later.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Change {
+    pub lever: Lever,
+    pub from: usize,
+    pub to: usize,
+    pub cause: Cause,
+    pub detail: String,
+}
+
+impl fmt::Display for Change {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{} {} -> {} ({}: {})",
+            self.lever.as_str(),
+            self.from,
+            self.to,
+            self.cause.as_str(),
+            self.detail
+        )
+    }
+}
+
+/// How degraded the model is: 0 every limit at its ceiling; 1 only the prefill budget
+/// trimmed; 2 the batch or admission reduced; 3 saturated (no new prefill).
+pub type Level = u8;
+
+/// The signals a window was judged on.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Signals {
+    pub memory_ratio: Option<f64>,
+    pub memory_psi_some_avg10: Option<f64>,
+    pub kv_ratio: Option<f64>,
+    pub ttft_p99_ms: Option<f64>,
+    pub itl_p99_ms: Option<f64>,
+    pub e2e_p99_ms: Option<f64>,
+}
+
+/// One window's outcome.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Decision {
+    pub window: u64,
+    pub limits: Limits,
+    pub level: Level,
+    pub signals: Signals,
+    pub changes: Vec<Change>,
+}
+
+/// The controller of one model.
+#[derive(Debug, Clone)]
+pub struct Controller {
+    settings: Settings,
+    limits: Limits,
+    window: u64,
+    ttft: VecDeque<(u64, f64)>,
+    itl: VecDeque<(u64, f64)>,
+    e2e: VecDeque<(u64, f64)>,
+    /// Window of the last change of the levers each latency judges.
+    itl_moved: u64,
+    ttft_moved: u64,
+    rule_moved: u64,
+    last_memory: Option<f64>,
+    /// The explicit rule holds `max_num_seqs` down.
+    rule_active: bool,
+}
+
+fn p99(samples: &VecDeque<(u64, f64)>, after: u64, min: usize) -> Option<f64> {
+    let mut values: Vec<f64> = samples
+        .iter()
+        .filter(|(w, _)| *w > after)
+        .map(|(_, v)| *v)
+        .filter(|v| v.is_finite())
+        .collect();
+    if values.len() < min.max(1) {
+        return None;
+    }
+    values.sort_by(|a, b| a.total_cmp(b));
+    let rank = ((values.len() as f64) * 0.99).ceil() as usize;
+    Some(values[rank.clamp(1, values.len()) - 1])
+}
+
+/// Scales `value` by `objective / observed` clamped to [0.5, 0.9], never below `floor` and
+/// always at least one below `value` (when above the floor).
+fn scaled_down(value: usize, objective: f64, observed: f64, floor: usize) -> usize {
+    let factor = (objective / observed).clamp(0.5, 0.9);
+    let next = ((value as f64) * factor).floor() as usize;
+    next.min(value.saturating_sub(1)).max(floor)
+}
+
+impl Controller {
+    pub fn new(settings: Settings) -> Self {
+        let limits = settings.ceilings;
+        Self {
+            settings,
+            limits,
+            window: 0,
+            ttft: VecDeque::new(),
+            itl: VecDeque::new(),
+            e2e: VecDeque::new(),
+            itl_moved: 0,
+            ttft_moved: 0,
+            rule_moved: 0,
+            last_memory: None,
+            rule_active: false,
+        }
+    }
+
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    pub fn limits(&self) -> Limits {
+        self.limits
+    }
+
+    pub fn level(&self) -> Level {
+        let (l, c) = (&self.limits, &self.settings.ceilings);
+        if !l.admit_prefills && c.admit_prefills {
+            3
+        } else if l.max_num_seqs < c.max_num_seqs
+            || l.max_num_batched_tokens < c.max_num_batched_tokens
+            || l.max_in_flight < c.max_in_flight
+        {
+            2
+        } else if l.max_prefill_tokens < c.max_prefill_tokens {
+            1
+        } else {
+            0
+        }
+    }
+
+    fn set(
+        &mut self,
+        lever: Lever,
+        to: usize,
+        cause: Cause,
+        detail: String,
+        out: &mut Vec<Change>,
+    ) {
+        let slot = match lever {
+            Lever::MaxNumSeqs => &mut self.limits.max_num_seqs,
+            Lever::MaxNumBatchedTokens => &mut self.limits.max_num_batched_tokens,
+            Lever::MaxPrefillTokens => &mut self.limits.max_prefill_tokens,
+            Lever::MaxInFlight => &mut self.limits.max_in_flight,
+            Lever::AdmitPrefills => {
+                let to = to != 0;
+                if self.limits.admit_prefills != to {
+                    out.push(Change {
+                        lever,
+                        from: self.limits.admit_prefills as usize,
+                        to: to as usize,
+                        cause,
+                        detail,
+                    });
+                    self.limits.admit_prefills = to;
+                }
+                return;
+            }
+        };
+        if *slot != to {
+            out.push(Change {
+                lever,
+                from: *slot,
+                to,
+                cause,
+                detail,
+            });
+            *slot = to;
+        }
+    }
+
+    /// Judges one window and moves the limits.
+    pub fn observe(&mut self, obs: &Observation) -> Decision {
+        self.window += 1;
+        let w = self.window;
+        let horizon = self.settings.horizon_windows.max(1);
+        for (queue, samples) in [
+            (&mut self.ttft, &obs.ttft_ms),
+            (&mut self.itl, &obs.itl_ms),
+            (&mut self.e2e, &obs.e2e_ms),
+        ] {
+            queue.extend(samples.iter().map(|&v| (w, v)));
+            while queue.front().is_some_and(|(at, _)| at + horizon <= w) {
+                queue.pop_front();
+            }
+            // Bounded memory whatever the traffic.
+            while queue.len() > 65_536 {
+                queue.pop_front();
+            }
+        }
+        let s = self.settings.clone();
+        let c = s.ceilings;
+        let f = s.floors;
+        let mut changes = Vec::new();
+
+        let memory = obs.memory_ratio;
+        let psi_high = obs
+            .memory_psi_some_avg10
+            .is_some_and(|p| p >= s.psi_some_avg10);
+        let mem = memory.map(|m| if psi_high { m.max(s.scaling) } else { m });
+        let mem = mem.or(psi_high.then_some(s.scaling));
+        let falling = match (mem, self.last_memory) {
+            (Some(now), Some(before)) => now < before - 0.005,
+            _ => false,
+        };
+        self.last_memory = mem;
+        let kv = obs.kv_ratio;
+        let mem_saturated = mem.is_some_and(|m| m >= s.saturation);
+        let kv_saturated = kv.is_some_and(|k| k >= s.saturation);
+        let mem_high = mem.is_some_and(|m| m >= s.scaling);
+        let mem_healthy = mem.is_none_or(|m| m < s.scaling - MEMORY_HYSTERESIS);
+        let kv_healthy = kv.is_none_or(|k| k < s.scaling);
+
+        let signals = Signals {
+            memory_ratio: memory,
+            memory_psi_some_avg10: obs.memory_psi_some_avg10,
+            kv_ratio: kv,
+            ttft_p99_ms: p99(&self.ttft, self.ttft_moved, s.min_ttft_samples),
+            itl_p99_ms: p99(&self.itl, self.itl_moved, s.min_itl_samples),
+            e2e_p99_ms: p99(&self.e2e, self.rule_moved, s.min_ttft_samples),
+        };
+
+        // Saturation: nobody new starts a prefill or gets in; running sequences are kept.
+        if mem_saturated || kv_saturated {
+            let (cause, detail) = if mem_saturated {
+                (
+                    Cause::MemorySaturated,
+                    format!(
+                        "memory at {:.3} of its limit, saturation watermark {:.2}",
+                        mem.unwrap_or(0.0),
+                        s.saturation
+                    ),
+                )
+            } else {
+                (
+                    Cause::KvSaturated,
+                    format!(
+                        "KV pool at {:.3}, saturation watermark {:.2}",
+                        kv.unwrap_or(0.0),
+                        s.saturation
+                    ),
+                )
+            };
+            self.set(Lever::AdmitPrefills, 0, cause, detail.clone(), &mut changes);
+            let hold = obs
+                .in_flight_peak
+                .min(self.limits.max_in_flight)
+                .max(f.max_in_flight);
+            self.set(Lever::MaxInFlight, hold, cause, detail, &mut changes);
+        } else if !self.limits.admit_prefills
+            && mem.is_none_or(|m| m < s.scaling)
+            && kv.is_none_or(|k| k < s.scaling)
+        {
+            let detail = format!(
+                "memory {} and KV pool {} below the scaling watermark {:.2}",
+                fmt_ratio(mem),
+                fmt_ratio(kv),
+                s.scaling
+            );
+            self.set(
+                Lever::AdmitPrefills,
+                1,
+                Cause::Recovery,
+                detail,
+                &mut changes,
+            );
+        }
+
+        // Memory above the scaling watermark and not already falling: halve the batch.
+        if mem_high && !falling {
+            let detail = format!(
+                "memory at {:.3} of its limit, scaling watermark {:.2}",
+                mem.unwrap_or(0.0),
+                s.scaling
+            );
+            let cause = if mem_saturated {
+                Cause::MemorySaturated
+            } else {
+                Cause::Memory
+            };
+            let seqs = (self.limits.max_num_seqs / 2).max(f.max_num_seqs);
+            self.set(Lever::MaxNumSeqs, seqs, cause, detail.clone(), &mut changes);
+            let tokens = (self.limits.max_num_batched_tokens / 2).max(f.max_num_batched_tokens);
+            self.set(
+                Lever::MaxNumBatchedTokens,
+                tokens,
+                cause,
+                detail,
+                &mut changes,
+            );
+            self.limits.max_prefill_tokens = self
+                .limits
+                .max_prefill_tokens
+                .min(self.limits.max_num_batched_tokens);
+        }
+
+        // The explicit rule.
+        if let (Some(rule), Some(e2e)) = (s.rule, signals.e2e_p99_ms) {
+            let batch = obs
+                .running
+                .max(self.limits.max_num_seqs.min(obs.running + obs.waiting));
+            if e2e > rule.p99_latency_ms && batch > rule.batch_size {
+                let to = rule
+                    .batch_size
+                    .min(self.limits.max_num_seqs)
+                    .max(f.max_num_seqs);
+                let detail = format!(
+                    "request latency p99 {e2e:.0} ms above {:.0} ms with {batch} sequences (rule batch size {})",
+                    rule.p99_latency_ms, rule.batch_size
+                );
+                let before = changes.len();
+                self.set(Lever::MaxNumSeqs, to, Cause::Rule, detail, &mut changes);
+                self.rule_active = true;
+                if changes.len() > before {
+                    self.rule_moved = w;
+                }
+            } else if e2e < rule.p99_latency_ms * HEALTHY_SHARE {
+                self.rule_active = false;
+            }
+        }
+
+        // Inter-token latency: the prefill budget first, then the batch.
+        let mut itl_healthy = true;
+        if let (Some(objective), Some(observed)) = (s.itl_p99_ms, signals.itl_p99_ms) {
+            if observed > objective {
+                itl_healthy = false;
+                let detail = format!(
+                    "inter-token latency p99 {observed:.0} ms above the objective {objective:.0} ms"
+                );
+                let before = changes.len();
+                if self.limits.max_prefill_tokens > f.max_prefill_tokens {
+                    let to = scaled_down(
+                        self.limits.max_prefill_tokens,
+                        objective,
+                        observed,
+                        f.max_prefill_tokens,
+                    );
+                    self.set(
+                        Lever::MaxPrefillTokens,
+                        to,
+                        Cause::Itl,
+                        detail,
+                        &mut changes,
+                    );
+                } else if self.limits.max_num_seqs > f.max_num_seqs
+                    && obs.running >= self.limits.max_num_seqs.saturating_sub(1).max(1)
+                {
+                    let to = scaled_down(
+                        self.limits.max_num_seqs,
+                        objective,
+                        observed,
+                        f.max_num_seqs,
+                    );
+                    self.set(Lever::MaxNumSeqs, to, Cause::Itl, detail, &mut changes);
+                }
+                if changes.len() > before {
+                    self.itl_moved = w;
+                }
+            } else if observed > objective * HEALTHY_SHARE {
+                itl_healthy = false;
+            }
+        }
+
+        // Time to first token: admission.
+        let mut ttft_healthy = true;
+        if let (Some(objective), Some(observed)) = (s.ttft_p99_ms, signals.ttft_p99_ms) {
+            if observed > objective {
+                ttft_healthy = false;
+                let base = self
+                    .limits
+                    .max_in_flight
+                    .min(obs.in_flight_peak.max(f.max_in_flight));
+                let to = scaled_down(base + 1, objective, observed, f.max_in_flight)
+                    .min(self.limits.max_in_flight);
+                let detail = format!(
+                    "time to first token p99 {observed:.0} ms above the objective {objective:.0} ms ({} in flight at most)",
+                    obs.in_flight_peak
+                );
+                let before = changes.len();
+                self.set(Lever::MaxInFlight, to, Cause::Ttft, detail, &mut changes);
+                if changes.len() > before {
+                    self.ttft_moved = w;
+                }
+            } else if observed > objective * HEALTHY_SHARE {
+                ttft_healthy = false;
+            }
+        }
+
+        // Growth: only when nothing moved down this window and every signal is healthy.
+        let idle = obs.running == 0 && obs.waiting == 0 && obs.in_flight_peak == 0;
+        if changes.is_empty() && mem_healthy && kv_healthy && self.limits.admit_prefills {
+            let detail = |what: &str| {
+                format!(
+                    "memory {}, TTFT p99 {}, ITL p99 {}: healthy, {what}",
+                    fmt_ratio(mem),
+                    fmt_ms(signals.ttft_p99_ms),
+                    fmt_ms(signals.itl_p99_ms)
+                )
+            };
+            let seq_limited = obs.waiting > 0 || obs.running >= self.limits.max_num_seqs;
+            if itl_healthy && !self.rule_active && (seq_limited || idle) {
+                let to = (self.limits.max_num_seqs + s.growth.max_num_seqs).min(c.max_num_seqs);
+                self.set(
+                    Lever::MaxNumSeqs,
+                    to,
+                    Cause::Recovery,
+                    detail(if idle {
+                        "idle"
+                    } else {
+                        "the engine is at its sequence cap"
+                    }),
+                    &mut changes,
+                );
+                let to = (self.limits.max_num_batched_tokens + s.growth.max_num_batched_tokens)
+                    .min(c.max_num_batched_tokens);
+                self.set(
+                    Lever::MaxNumBatchedTokens,
+                    to,
+                    Cause::Recovery,
+                    detail(if idle {
+                        "idle"
+                    } else {
+                        "the engine is at its sequence cap"
+                    }),
+                    &mut changes,
+                );
+            }
+            if itl_healthy && (obs.prefill_held || idle) {
+                let to = (self.limits.max_prefill_tokens + s.growth.max_prefill_tokens)
+                    .min(c.max_prefill_tokens)
+                    .min(self.limits.max_num_batched_tokens.max(f.max_prefill_tokens));
+                self.set(
+                    Lever::MaxPrefillTokens,
+                    to,
+                    Cause::Recovery,
+                    detail(if idle {
+                        "idle"
+                    } else {
+                        "prompts waited for the prefill budget"
+                    }),
+                    &mut changes,
+                );
+            }
+            if ttft_healthy && (obs.shed > 0 || idle) {
+                let to = (self.limits.max_in_flight + s.growth.max_in_flight).min(c.max_in_flight);
+                let what = if idle {
+                    "idle".to_string()
+                } else {
+                    format!("{} requests were refused", obs.shed)
+                };
+                self.set(
+                    Lever::MaxInFlight,
+                    to,
+                    Cause::Recovery,
+                    detail(&what),
+                    &mut changes,
+                );
+            }
+        }
+        Decision {
+            window: w,
+            limits: self.limits,
+            level: self.level(),
+            signals,
+            changes,
+        }
+    }
+}
+
+fn fmt_ratio(v: Option<f64>) -> String {
+    v.map_or_else(|| "unknown".into(), |v| format!("{v:.3}"))
+}
+
+fn fmt_ms(v: Option<f64>) -> String {
+    v.map_or_else(|| "unknown".into(), |v| format!("{v:.0} ms"))
+}
+
+#[cfg(test)]
+mod tests;

@@ -27,8 +27,8 @@ use crate::kv_tier::{KvTier, TierConfig};
 use crate::model::{Batch, ForwardState, LogitRows, Model, ModelConfig, WeightFormat};
 use crate::sampler::{Sampler, SamplingParams};
 use crate::scheduler::{
-    Executor, NewSequence, Scheduler, SchedulerConfig, SchedulerHandles, SchedulerLimits,
-    SchedulerSnapshot,
+    Executor, LatencySamples, NewSequence, Scheduler, SchedulerConfig, SchedulerHandles,
+    SchedulerLimits, SchedulerSnapshot,
 };
 use crate::tokenizer::Tokenizer;
 
@@ -109,6 +109,9 @@ pub struct SchedulerOptions {
     pub max_num_seqs: usize,
     /// Most tokens (decode tokens + prefill chunks) in one step.
     pub max_num_batched_tokens: usize,
+    /// Most prompt tokens in one step, after every running stream's decode token (none: only
+    /// `max_num_batched_tokens` bounds them).
+    pub max_prefill_tokens: Option<usize>,
     /// Most requests waiting for admission; more are refused with [`EngineError::QueueFull`].
     pub max_waiting: usize,
     /// Share of the pool kept free when admitting a new sequence.
@@ -120,6 +123,7 @@ impl Default for SchedulerOptions {
         Self {
             max_num_seqs: 64,
             max_num_batched_tokens: 512,
+            max_prefill_tokens: None,
             max_waiting: 1024,
             watermark: 0.01,
         }
@@ -357,6 +361,7 @@ pub struct Engine {
     capacity: KvCapacity,
     limits: Arc<SchedulerLimits>,
     snapshot: Arc<Mutex<SchedulerSnapshot>>,
+    latency: Arc<Mutex<LatencySamples>>,
     queued: Arc<AtomicUsize>,
     max_waiting: usize,
     commands: Mutex<Sender<Command>>,
@@ -491,6 +496,9 @@ impl Engine {
         });
         let sched = &options.scheduler;
         let handles = SchedulerHandles::new(sched.max_num_seqs, sched.max_num_batched_tokens);
+        if let Some(prefill) = sched.max_prefill_tokens {
+            handles.limits.set_max_prefill_tokens(prefill);
+        }
         let (commands, inbox) = channel::<Command>();
         let thread = {
             let config = SchedulerConfig {
@@ -526,6 +534,7 @@ impl Engine {
             capacity: KvCapacity { layout, blocks },
             limits: handles.limits,
             snapshot: handles.snapshot,
+            latency: handles.latency,
             queued: handles.queued,
             max_waiting: sched.max_waiting,
             commands: Mutex::new(commands),
@@ -593,6 +602,15 @@ impl Engine {
     /// The scheduler's limits, adjustable while running.
     pub fn limits(&self) -> &SchedulerLimits {
         &self.limits
+    }
+
+    /// Times to first token and inter-token gaps since the last call (the degradation
+    /// controller's latency signal).
+    pub fn drain_latency(&self) -> LatencySamples {
+        self.latency
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain()
     }
 
     /// The scheduler's state after its latest step.

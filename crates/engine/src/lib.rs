@@ -49,4 +49,4 @@ pub use generate::{
 };
 pub use kernels::KvDType;
 pub use sampler::SamplingParams;
-pub use scheduler::SchedulerSnapshot;
+pub use scheduler::{LatencySamples, SchedulerLimits, SchedulerSnapshot};

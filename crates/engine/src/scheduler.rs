@@ -4,8 +4,12 @@
 //! Every step builds a batch under a token budget (`max_num_batched_tokens`) and a sequence cap
 //! (`max_num_seqs`). Running sequences come first, oldest first: one decode token each, or the
 //! next chunk of a prompt still being read (chunked prefill), so a long prompt never stalls the
-//! others for more than its chunk. Waiting sequences are admitted in arrival order while the
-//! budget, the cap and the pool (keeping a watermark of free blocks for the running ones) allow.
+//! others for more than its chunk. Decode tokens are counted first: prompt chunks share what is
+//! left, up to the prefill budget (`max_prefill_tokens`), which the degradation controller
+//! shrinks when streams slow down (a step's time grows with its tokens, and every stream waits
+//! for the step). Waiting sequences are admitted in arrival order while the budgets, the cap and
+//! the pool (keeping a watermark of free blocks for the running ones) allow, and while new
+//! prefills are admitted at all (not at saturation).
 //!
 //! KV blocks are taken as sequences grow, never reserved for `max_tokens` up front. When a
 //! running sequence needs a block and none is left, the newest running sequence is preempted:
@@ -39,14 +43,41 @@ use crate::tokenizer::{Detokenizer, Tokenizer};
 pub struct SchedulerLimits {
     max_num_seqs: AtomicUsize,
     max_num_batched_tokens: AtomicUsize,
+    max_prefill_tokens: AtomicUsize,
+    admit_prefills: AtomicBool,
 }
 
 impl SchedulerLimits {
+    /// Limits with no separate prefill budget (a step's prompt tokens are bounded by
+    /// `max_num_batched_tokens` alone) and new prefills admitted.
     pub fn new(max_num_seqs: usize, max_num_batched_tokens: usize) -> Self {
         Self {
             max_num_seqs: AtomicUsize::new(max_num_seqs.max(1)),
             max_num_batched_tokens: AtomicUsize::new(max_num_batched_tokens.max(1)),
+            max_prefill_tokens: AtomicUsize::new(max_num_batched_tokens.max(1)),
+            admit_prefills: AtomicBool::new(true),
         }
+    }
+
+    /// Most prompt tokens in one step, after every running stream's decode token: a smaller
+    /// budget keeps the streams' pace while prompts are read (decode-first budgeting).
+    pub fn max_prefill_tokens(&self) -> usize {
+        self.max_prefill_tokens.load(Ordering::Relaxed)
+    }
+
+    pub fn set_max_prefill_tokens(&self, value: usize) {
+        self.max_prefill_tokens
+            .store(value.max(1), Ordering::Relaxed);
+    }
+
+    /// Whether new sequences may start (false at saturation: running ones go on, sequences
+    /// already started and preempted may resume, nobody new begins a prefill).
+    pub fn admit_prefills(&self) -> bool {
+        self.admit_prefills.load(Ordering::Relaxed)
+    }
+
+    pub fn set_admit_prefills(&self, value: bool) {
+        self.admit_prefills.store(value, Ordering::Relaxed);
     }
 
     /// Most sequences running at once.
@@ -102,6 +133,10 @@ pub struct SchedulerSnapshot {
     pub last_step_seconds: f64,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
+    pub max_prefill_tokens: usize,
+    pub admit_prefills: bool,
+    /// Steps that left prompt tokens for later because of the prefill budget.
+    pub prefill_held_steps: u64,
 }
 
 impl SchedulerSnapshot {
@@ -161,6 +196,8 @@ struct Sequence {
     arrived: Instant,
     first_scheduled: Option<Instant>,
     first_token: Option<Instant>,
+    /// When its latest token came out (the inter-token gaps' start).
+    last_token: Option<Instant>,
     cached_tokens: usize,
     /// A stop string ended the text: nothing held back is shown.
     text_done: bool,
@@ -178,6 +215,34 @@ impl Sequence {
     }
 }
 
+/// Latency samples the degradation controller drains once per window: time to first token
+/// (from arrival) and the gaps between consecutive tokens of a stream, in milliseconds.
+/// Bounded: beyond [`LatencySamples::CAPACITY`] samples per kind between two drains, later
+/// ones are counted as dropped.
+#[derive(Debug, Default)]
+pub struct LatencySamples {
+    pub ttft_ms: Vec<f32>,
+    pub itl_ms: Vec<f32>,
+    pub dropped: u64,
+}
+
+impl LatencySamples {
+    pub const CAPACITY: usize = 16_384;
+
+    fn push(list: &mut Vec<f32>, dropped: &mut u64, value: f32) {
+        if list.len() < Self::CAPACITY {
+            list.push(value);
+        } else {
+            *dropped += 1;
+        }
+    }
+
+    /// Takes the samples gathered since the last call.
+    pub fn drain(&mut self) -> LatencySamples {
+        std::mem::take(self)
+    }
+}
+
 /// What the scheduler shares with the engine's callers.
 #[derive(Debug, Clone)]
 pub struct SchedulerHandles {
@@ -185,6 +250,7 @@ pub struct SchedulerHandles {
     /// New requests not yet admitted: submitters take a slot, the scheduler gives it back.
     pub queued: Arc<AtomicUsize>,
     pub snapshot: Arc<Mutex<SchedulerSnapshot>>,
+    pub latency: Arc<Mutex<LatencySamples>>,
 }
 
 impl SchedulerHandles {
@@ -193,6 +259,7 @@ impl SchedulerHandles {
             limits: Arc::new(SchedulerLimits::new(max_num_seqs, max_num_batched_tokens)),
             queued: Arc::new(AtomicUsize::new(0)),
             snapshot: Arc::new(Mutex::new(SchedulerSnapshot::default())),
+            latency: Arc::new(Mutex::new(LatencySamples::default())),
         }
     }
 }
@@ -224,6 +291,7 @@ pub struct Scheduler {
     batch: Batch,
     block_buffer: Vec<u8>,
     snapshot: Arc<Mutex<SchedulerSnapshot>>,
+    latency: Arc<Mutex<LatencySamples>>,
     stats: SchedulerSnapshot,
 }
 
@@ -254,6 +322,7 @@ impl Scheduler {
             limits,
             queued,
             snapshot,
+            latency,
         } = handles;
         assert_eq!(pool.total(), store.blocks(), "pool and store agree");
         assert_eq!(pool.block_tokens(), store.layout().block_tokens);
@@ -273,6 +342,7 @@ impl Scheduler {
             batch: Batch::default(),
             block_buffer: vec![0u8; block_bytes],
             snapshot,
+            latency,
             stats: SchedulerSnapshot::default(),
         };
         scheduler.publish();
@@ -327,6 +397,7 @@ impl Scheduler {
             arrived: new.arrived,
             first_scheduled: None,
             first_token: None,
+            last_token: None,
             cached_tokens: 0,
             text_done: false,
             admitted: false,
@@ -467,6 +538,7 @@ impl Scheduler {
             register_full_blocks(&mut self.pool, &mut self.running[i]);
         }
         let mut finished = Vec::new();
+        let mut gaps: Vec<(bool, f32)> = Vec::with_capacity(samplers.len());
         for (row, &i) in samplers.iter().enumerate() {
             let row_logits = &mut logits[row * vocab..(row + 1) * vocab];
             let seq = &mut self.running[i];
@@ -474,7 +546,31 @@ impl Scheduler {
             {
                 finished.push((i, reason));
             }
+            if let Some(first) = seq.first_token {
+                let now = Instant::now();
+                gaps.push(match seq.last_token.replace(now) {
+                    None => (
+                        true,
+                        first.saturating_duration_since(seq.arrived).as_secs_f32() * 1e3,
+                    ),
+                    Some(before) => (
+                        false,
+                        now.saturating_duration_since(before).as_secs_f32() * 1e3,
+                    ),
+                });
+            }
             self.stats.generated_tokens += 1;
+        }
+        if !gaps.is_empty() {
+            let mut samples = self.latency.lock().unwrap_or_else(|e| e.into_inner());
+            let LatencySamples {
+                ttft_ms,
+                itl_ms,
+                dropped,
+            } = &mut *samples;
+            for (first, ms) in gaps {
+                LatencySamples::push(if first { ttft_ms } else { itl_ms }, dropped, ms);
+            }
         }
         finished.sort_unstable_by_key(|f| std::cmp::Reverse(f.0));
         for (i, reason) in finished {
@@ -515,12 +611,33 @@ impl Scheduler {
     fn schedule(&mut self) -> Vec<(usize, usize)> {
         let mut budget = self.limits.max_num_batched_tokens();
         let max_seqs = self.limits.max_num_seqs();
+        // Decode first: every running stream's next token is counted before any prompt chunk,
+        // and prompt tokens share what is left up to the prefill budget.
+        let decoding = self
+            .running
+            .iter()
+            .filter(|s| s.tokens.len() - s.computed <= 1)
+            .count();
+        let mut prefill = self
+            .limits
+            .max_prefill_tokens()
+            .min(budget.saturating_sub(decoding));
+        let mut held = false;
         let mut scheduled = Vec::new();
         let mut preempted = false;
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let pending = self.running[i].tokens.len() - self.running[i].computed;
-            let n = pending.min(budget);
+            let n = if pending <= 1 {
+                pending.min(budget)
+            } else {
+                pending.min(budget).min(prefill)
+            };
+            if n == 0 {
+                held = true;
+                i += 1;
+                continue;
+            }
             let need = self
                 .blocks_for(self.running[i].computed + n)
                 .saturating_sub(self.running[i].table.len());
@@ -543,16 +660,27 @@ impl Scheduler {
             }
             scheduled.push((i, n));
             budget -= n;
+            if pending > 1 {
+                prefill -= n;
+                held |= n < pending;
+            }
             i += 1;
         }
         if preempted {
+            self.stats.prefill_held_steps += held as u64;
             return scheduled;
         }
         let watermark = (self.config.watermark * self.pool.total() as f64).ceil() as usize;
-        while budget > 0 && self.running.len() < max_seqs {
+        let admit_new = self.limits.admit_prefills();
+        while budget > 0 && prefill > 0 && self.running.len() < max_seqs {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };
+            if !seq.admitted && !admit_new {
+                // Saturated: nobody new starts (sequences already started may resume).
+                self.waiting.push_front(seq);
+                break;
+            }
             if let Some((blocks, _)) = seq.swapped {
                 let reserve = if self.running.is_empty() {
                     0
@@ -572,7 +700,7 @@ impl Scheduler {
                 }
             }
             let pending = seq.tokens.len() - seq.computed;
-            let n = pending.min(budget);
+            let n = pending.min(budget).min(prefill);
             let need = self
                 .blocks_for(seq.computed + n)
                 .saturating_sub(seq.table.len());
@@ -599,7 +727,11 @@ impl Scheduler {
             self.running.push(seq);
             scheduled.push((self.running.len() - 1, n));
             budget -= n;
+            prefill -= n;
+            held |= n < pending;
         }
+        held |= prefill == 0 && budget > 0 && !self.waiting.is_empty();
+        self.stats.prefill_held_steps += held as u64;
         scheduled
     }
 
@@ -811,6 +943,8 @@ impl Scheduler {
         s.tier = self.tier.as_ref().map(KvTier::stats).unwrap_or_default();
         s.max_num_seqs = self.limits.max_num_seqs();
         s.max_num_batched_tokens = self.limits.max_num_batched_tokens();
+        s.max_prefill_tokens = self.limits.max_prefill_tokens();
+        s.admit_prefills = self.limits.admit_prefills();
         let mut shared = self.snapshot.lock().unwrap_or_else(|e| e.into_inner());
         *shared = self.stats.clone();
     }

@@ -18,8 +18,8 @@ use engine::kv_tier::{KvTier, TierConfig};
 use engine::model::Batch;
 use engine::sampler::Sampler;
 use engine::scheduler::{
-    Executor, NewSequence, Scheduler, SchedulerConfig, SchedulerHandles, SchedulerLimits,
-    SchedulerSnapshot,
+    Executor, LatencySamples, NewSequence, Scheduler, SchedulerConfig, SchedulerHandles,
+    SchedulerLimits, SchedulerSnapshot,
 };
 use engine::tokenizer::Tokenizer;
 use engine::{
@@ -116,6 +116,7 @@ struct Harness {
     queued: Arc<AtomicUsize>,
     snapshot: Arc<Mutex<SchedulerSnapshot>>,
     limits: Arc<SchedulerLimits>,
+    latency: Arc<Mutex<LatencySamples>>,
     requests: Vec<Request>,
 }
 
@@ -158,10 +159,11 @@ impl Harness {
             .enabled()
             .then(|| KvTier::new(&tier_config, layout.block_bytes()).unwrap());
         let handles = SchedulerHandles::new(setup.max_num_seqs, setup.budget);
-        let (queued, snapshot, limits) = (
+        let (queued, snapshot, limits, latency) = (
             Arc::clone(&handles.queued),
             Arc::clone(&handles.snapshot),
             Arc::clone(&handles.limits),
+            Arc::clone(&handles.latency),
         );
         let scheduler = Scheduler::new(
             SchedulerConfig {
@@ -183,6 +185,7 @@ impl Harness {
             queued,
             snapshot,
             limits,
+            latency,
             requests: Vec::new(),
         }
     }
@@ -332,7 +335,8 @@ enum Op {
     Submit((usize, Vec<u32>, usize)),
     Step,
     Cancel(usize, bool),
-    Limits(usize, usize),
+    Limits(usize, usize, usize),
+    Admit(bool),
 }
 
 fn op_strategy() -> impl Strategy<Value = Op> {
@@ -340,7 +344,8 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         3 => prompt_strategy().prop_map(Op::Submit),
         6 => Just(Op::Step),
         1 => (0..40usize, any::<bool>()).prop_map(|(i, d)| Op::Cancel(i, d)),
-        1 => (1..6usize, 1..40usize).prop_map(|(s, b)| Op::Limits(s, b)),
+        1 => (1..6usize, 1..40usize, 1..40usize).prop_map(|(s, b, p)| Op::Limits(s, b, p)),
+        1 => any::<bool>().prop_map(Op::Admit),
     ]
 }
 
@@ -396,12 +401,15 @@ proptest! {
                 }
                 Op::Step => h.step(),
                 Op::Cancel(i, drop_stream) => h.cancel(i, drop_stream),
-                Op::Limits(seqs, budget) => {
+                Op::Limits(seqs, budget, prefill) => {
                     h.limits.set_max_num_seqs(seqs);
                     h.limits.set_max_num_batched_tokens(budget);
+                    h.limits.set_max_prefill_tokens(prefill);
                 }
+                Op::Admit(admit) => h.limits.set_admit_prefills(admit),
             }
         }
+        h.limits.set_admit_prefills(true);
         h.run_to_end();
     }
 }
@@ -567,6 +575,94 @@ fn long_prompts_are_chunked_and_do_not_stall_decoding() {
     }
     assert_eq!(h.requests[0].got.len(), before + 10);
     h.run_to_end();
+}
+
+#[test]
+fn decode_tokens_come_first_and_prompts_share_the_prefill_budget() {
+    let mut h = Harness::new(Setup {
+        blocks: 400,
+        block_tokens: 16,
+        prefix_caching: false,
+        tier_host_blocks: 0,
+        tier_disk_blocks: 0,
+        max_num_seqs: 16,
+        budget: 512,
+    });
+    // Eight streams decoding.
+    for i in 0..8 {
+        h.submit(vec![5 + i; 4], 200);
+    }
+    for _ in 0..3 {
+        h.step();
+    }
+    h.limits.set_max_prefill_tokens(24);
+    // Two long prompts arrive: every step carries the eight decode tokens and at most 24
+    // prompt tokens, so the streams keep their pace and the prompts still progress.
+    h.submit((3..300).collect(), 4);
+    h.submit((3..250).rev().collect(), 4);
+    let before: Vec<usize> = h.requests.iter().take(8).map(|r| r.got.len()).collect();
+    let mut held = 0;
+    for _ in 0..10 {
+        h.step();
+        let s = h.snapshot.lock().unwrap().clone();
+        assert!(s.last_step_tokens <= 8 + 24, "{}", s.last_step_tokens);
+        assert_eq!(s.max_prefill_tokens, 24);
+        held = s.prefill_held_steps;
+    }
+    for (i, r) in h.requests.iter().take(8).enumerate() {
+        assert_eq!(r.got.len(), before[i] + 10, "stream {i} skipped a step");
+    }
+    assert!(held >= 10, "the budget held prompts back: {held}");
+    h.run_to_end();
+}
+
+#[test]
+fn at_saturation_nobody_new_starts_and_running_streams_go_on() {
+    let mut h = Harness::new(Setup {
+        blocks: 200,
+        block_tokens: 16,
+        prefix_caching: false,
+        tier_host_blocks: 0,
+        tier_disk_blocks: 0,
+        max_num_seqs: 8,
+        budget: 64,
+    });
+    h.submit(vec![5; 4], 30);
+    h.step();
+    h.limits.set_admit_prefills(false);
+    h.submit(vec![6; 4], 5);
+    for _ in 0..5 {
+        h.step();
+    }
+    let s = h.snapshot.lock().unwrap().clone();
+    assert_eq!((s.running, s.waiting), (1, 1));
+    assert!(!s.admit_prefills);
+    assert!(h.requests[1].got.is_empty());
+    assert_eq!(h.requests[0].got.len(), 6);
+    h.limits.set_admit_prefills(true);
+    h.run_to_end();
+}
+
+#[test]
+fn latency_samples_hold_each_first_token_and_every_gap() {
+    let mut h = Harness::new(Setup {
+        blocks: 200,
+        block_tokens: 16,
+        prefix_caching: false,
+        tier_host_blocks: 0,
+        tier_disk_blocks: 0,
+        max_num_seqs: 8,
+        budget: 64,
+    });
+    let latency = Arc::clone(&h.latency);
+    h.submit(vec![5; 4], 10);
+    h.submit(vec![6; 4], 5);
+    h.run_to_end();
+    let samples = latency.lock().unwrap().drain();
+    assert_eq!(samples.ttft_ms.len(), 2);
+    assert_eq!(samples.itl_ms.len(), 9 + 4);
+    assert!(samples.itl_ms.iter().all(|&g| g >= 0.0));
+    assert!(latency.lock().unwrap().drain().itl_ms.is_empty());
 }
 
 /// Allows only multiples of `step`; complete after `length` tokens; fails at token `fail_at`.

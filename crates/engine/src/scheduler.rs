@@ -223,6 +223,8 @@ impl Sequence {
 pub struct LatencySamples {
     pub ttft_ms: Vec<f32>,
     pub itl_ms: Vec<f32>,
+    /// Whole sequences, arrival to the last token.
+    pub e2e_ms: Vec<f32>,
     pub dropped: u64,
 }
 
@@ -567,12 +569,24 @@ impl Scheduler {
                 ttft_ms,
                 itl_ms,
                 dropped,
+                ..
             } = &mut *samples;
             for (first, ms) in gaps {
                 LatencySamples::push(if first { ttft_ms } else { itl_ms }, dropped, ms);
             }
         }
         finished.sort_unstable_by_key(|f| std::cmp::Reverse(f.0));
+        if !finished.is_empty() {
+            let now = Instant::now();
+            let mut samples = self.latency.lock().unwrap_or_else(|e| e.into_inner());
+            let LatencySamples {
+                e2e_ms, dropped, ..
+            } = &mut *samples;
+            for &(i, _) in &finished {
+                let ms = now.saturating_duration_since(self.running[i].arrived);
+                LatencySamples::push(e2e_ms, dropped, ms.as_secs_f32() * 1e3);
+            }
+        }
         for (i, reason) in finished {
             let mut seq = self.running.remove(i);
             finish(&mut seq, reason);

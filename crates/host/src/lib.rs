@@ -38,7 +38,7 @@ pub use fingerprint::{
 };
 pub use gpu::{FixtureGpu, GpuProbe, GpuTelemetry, Nvml};
 pub use report::{Area, Check, Counts, HostSummary, Report, Status, UnknownArea, SCHEMA_VERSION};
-pub use telemetry::{Telemetry, TelemetrySample};
+pub use telemetry::{CgroupStats, HostMemory, Pressure, ProcessStats, Telemetry, TelemetrySample};
 
 use checks::Env;
 use std::time::Instant;

@@ -37,6 +37,7 @@ pub fn routes() -> Router<Arc<AppState>> {
         .route(paths::ADMIN_FAULT, delete(clear_fault))
         .route(paths::ADMIN_DOCTOR, get(doctor_report))
         .route(paths::ADMIN_MONITORS, get(monitors))
+        .route(paths::ADMIN_DEGRADATION, get(degradation))
         .route(
             paths::ADMIN_MONITOR_BASELINE,
             put(replace_baseline).delete(recapture_baseline),
@@ -241,6 +242,9 @@ struct ModelView {
     stall_timeout_ms: u64,
     chain: Vec<StepView>,
     handoff: HandoffView,
+    /// The degradation controller's state (language models).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    degradation: Option<crate::degradation::ModelView>,
 }
 
 #[derive(Serialize)]
@@ -275,12 +279,21 @@ async fn backends(State(state): State<Arc<AppState>>) -> Json<BackendsView> {
                 })
                 .collect(),
             handoff: state.handoffs.get(&e.name).view(),
+            degradation: state.degradation.model(&e.id),
         })
         .collect();
     Json(BackendsView {
         backends,
         faults: state.faults.list(),
     })
+}
+
+/// `GET /admin/degradation`: each language model's degradation controller: its level,
+/// limits and ceilings, objectives, the signals of the last window and the latest changes.
+async fn degradation(
+    State(state): State<Arc<AppState>>,
+) -> Json<crate::degradation::DegradationView> {
+    Json(state.degradation.view(&state.config))
 }
 
 #[derive(Deserialize)]

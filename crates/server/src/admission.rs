@@ -5,9 +5,14 @@
 //! 429 at once with `Retry-After` estimated from the rate at which slots have been freeing up; a
 //! request that waits longer than the queue timeout gets 503. Memory stays bounded: at most
 //! `max_in_flight + max_waiting` requests per model hold anything beyond their socket.
+//!
+//! The degradation controller can lower the number let in at once below `max_in_flight`
+//! (time to first token above its objective, or saturation): then a request beyond that limit
+//! is refused at once (429 `shedding`, with `Retry-After`) instead of waiting in a queue that
+//! would make it late anyway.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -27,6 +32,13 @@ pub struct Admission {
     waiting: AtomicUsize,
     in_flight: AtomicUsize,
     completions: Mutex<VecDeque<Instant>>,
+    /// The degradation controller's limit on requests let in at once (`max_in_flight`
+    /// unless lowered).
+    limit: AtomicUsize,
+    /// Requests refused by that limit since the controller last looked.
+    shed: AtomicU64,
+    /// Most requests in flight or waiting since the controller last looked.
+    peak: AtomicUsize,
 }
 
 /// A request's place in flight; dropping it frees the place.
@@ -57,11 +69,39 @@ impl Admission {
     pub fn new(config: config::Admission) -> Arc<Self> {
         Arc::new(Self {
             permits: Arc::new(Semaphore::new(config.max_in_flight)),
-            config,
             waiting: AtomicUsize::new(0),
             in_flight: AtomicUsize::new(0),
             completions: Mutex::new(VecDeque::new()),
+            limit: AtomicUsize::new(config.max_in_flight),
+            shed: AtomicU64::new(0),
+            peak: AtomicUsize::new(0),
+            config,
         })
+    }
+
+    /// The configured most requests in flight.
+    pub fn max_in_flight(&self) -> usize {
+        self.config.max_in_flight
+    }
+
+    /// The degradation controller's limit on requests let in at once.
+    pub fn limit(&self) -> usize {
+        self.limit.load(Ordering::Relaxed)
+    }
+
+    /// Sets that limit (at most `max_in_flight`, at least 1); takes effect for the next
+    /// request.
+    pub fn set_limit(&self, limit: usize) {
+        self.limit
+            .store(limit.clamp(1, self.config.max_in_flight), Ordering::Relaxed);
+    }
+
+    /// The most requests in flight or waiting, and the requests refused by the limit, since
+    /// the last call (one degradation window).
+    pub fn take_window(&self) -> (usize, u64) {
+        let now = self.in_flight() + self.waiting();
+        let peak = self.peak.swap(now, Ordering::Relaxed).max(now);
+        (peak, self.shed.swap(0, Ordering::Relaxed))
     }
 
     /// Requests waiting for a slot.
@@ -96,6 +136,18 @@ impl Admission {
     /// Takes a slot, waiting in line if all are taken.
     pub async fn acquire(self: &Arc<Self>) -> Result<Slot, ApiError> {
         let start = Instant::now();
+        let limit = self.limit();
+        if limit < self.config.max_in_flight && self.in_flight() + self.waiting() >= limit {
+            self.shed.fetch_add(1, Ordering::Relaxed);
+            return Err(ApiError::Overloaded {
+                message: format!(
+                    "the model is shedding load: its degradation controller lets {limit} requests in at once (of {}); retry later",
+                    self.config.max_in_flight
+                ),
+                retry_after_s: self.retry_after_s(),
+                code: "shedding",
+            });
+        }
         let permit = match Arc::clone(&self.permits).try_acquire_owned() {
             Ok(permit) => permit,
             Err(_) => {
@@ -138,7 +190,8 @@ impl Admission {
                 }
             }
         };
-        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        let now = self.in_flight.fetch_add(1, Ordering::Relaxed) + 1 + self.waiting();
+        self.peak.fetch_max(now, Ordering::Relaxed);
         Ok(Slot {
             _permit: permit,
             admission: Arc::clone(self),
@@ -177,5 +230,30 @@ mod tests {
         assert_eq!(admission.waiting(), 0);
         drop(again);
         assert_eq!(admission.in_flight(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_lowered_limit_refuses_at_once_and_counts_what_it_refused() {
+        let admission = Admission::new(config::Admission {
+            max_in_flight: 4,
+            max_waiting: 8,
+            queue_timeout_ms: 1000,
+        });
+        admission.set_limit(2);
+        let a = admission.acquire().await.unwrap();
+        let b = admission.acquire().await.unwrap();
+        let refused = admission.acquire().await.unwrap_err();
+        assert_eq!(refused.status(), axum::http::StatusCode::TOO_MANY_REQUESTS);
+        assert!(refused.to_string().contains("shedding"), "{refused}");
+        assert_eq!(admission.take_window(), (2, 1));
+        drop(a);
+        let c = admission.acquire().await.unwrap();
+        // Back at the configured limit: nobody is shed.
+        admission.set_limit(100);
+        assert_eq!(admission.limit(), 4);
+        let d = admission.acquire().await.unwrap();
+        assert_eq!(admission.take_window(), (3, 0));
+        drop((b, c, d));
+        assert_eq!(admission.take_window(), (0, 0));
     }
 }

@@ -118,6 +118,11 @@ pub struct ServerConfig {
     pub monitor: MonitorConfig,
     /// Canary, A/B and shadow releases (docs/releases.md).
     pub releases: ReleasesConfig,
+    /// The degradation controllers: memory watermarks and latency objectives move each
+    /// language model's batch limits, prefill budget and admission (docs/resilience.md).
+    pub degradation: DegradationConfig,
+    /// The memory the degradation controllers measure against.
+    pub memory: MemoryConfig,
     /// Models to serve; empty: the latest version of every LLM in the repository.
     pub models: Vec<ModelConfig>,
 }
@@ -149,6 +154,8 @@ impl Default for ServerConfig {
             guard: GuardConfig::default(),
             monitor: MonitorConfig::default(),
             releases: ReleasesConfig::default(),
+            degradation: DegradationConfig::default(),
+            memory: MemoryConfig::default(),
             models: Vec::new(),
         }
     }
@@ -447,6 +454,75 @@ impl Default for FaultsConfig {
     }
 }
 
+/// `[degradation]`: the controllers that steer each language model's limits.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DegradationConfig {
+    pub enabled: bool,
+    /// How often each controller judges (milliseconds).
+    pub window_ms: u64,
+    /// Memory share (of `[memory] limit`) where the batch starts to shrink.
+    pub scaling: f64,
+    /// Memory (or KV pool) share where new prefills stop and admission sheds.
+    pub saturation: f64,
+    /// Memory PSI `some avg10` (percent) that counts as reaching the scaling watermark.
+    pub psi_some_avg10: f64,
+    /// Windows of latency samples the p99s look at.
+    pub horizon_windows: u64,
+}
+
+impl Default for DegradationConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            window_ms: 1000,
+            scaling: 0.80,
+            saturation: 0.95,
+            psi_some_avg10: 10.0,
+            horizon_windows: 10,
+        }
+    }
+}
+
+/// `[memory]`: the limit memory is measured against.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MemoryConfig {
+    /// Bytes (`6GiB`) the process's resident memory is measured against, or a fraction
+    /// (`0.9`) of the cgroup's limit (or of the host's memory when there is none). None: the
+    /// cgroup's limit when one is set, else the host's memory.
+    pub limit: Option<String>,
+}
+
+/// `[models.slo]`: the latency objectives the degradation controller keeps.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SloConfig {
+    /// Time to first token, p99 (milliseconds); none (the default): admission is not
+    /// steered by latency (refusing requests is a choice an operator makes).
+    pub ttft_p99_ms: Option<u64>,
+    /// Inter-token latency, p99 (milliseconds); none: the prefill budget is not steered.
+    pub itl_p99_ms: Option<u64>,
+}
+
+impl Default for SloConfig {
+    fn default() -> Self {
+        Self {
+            ttft_p99_ms: None,
+            itl_p99_ms: Some(500),
+        }
+    }
+}
+
+/// `batch_degrade_threshold = { p99_latency_ms = 1200, batch_size = 32 }`: above the batch
+/// size and the request latency p99, `max_num_seqs` drops to the batch size.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BatchDegradeThreshold {
+    pub p99_latency_ms: u64,
+    pub batch_size: usize,
+}
+
 /// Admission and load shedding, per model.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -680,6 +756,14 @@ pub struct ModelConfig {
     pub kv_cache_dtype: Option<String>,
     pub max_num_seqs: Option<usize>,
     pub max_num_batched_tokens: Option<usize>,
+    /// Most prompt tokens per engine step, after every running stream's decode token (the
+    /// degradation controller's ceiling for the prefill budget; default: the batch's).
+    pub max_prefill_tokens: Option<usize>,
+    /// The latency objectives the degradation controller keeps.
+    #[serde(default)]
+    pub slo: SloConfig,
+    /// The explicit batch rule, beside the controller's own decisions.
+    pub batch_degrade_threshold: Option<BatchDegradeThreshold>,
     /// Quantize the weights at load: a type (`Q4_K`) or a plan file (docs/quantization.md).
     pub quantization: Option<String>,
     /// Where in-situ quantized weights are kept (default: ~/.cache/rampart/quantized).
@@ -733,6 +817,9 @@ impl ModelConfig {
             kv_cache_dtype: None,
             max_num_seqs: None,
             max_num_batched_tokens: None,
+            max_prefill_tokens: None,
+            slo: SloConfig::default(),
+            batch_degrade_threshold: None,
             quantization: None,
             quantization_cache_dir: None,
             fallback: Vec::new(),
@@ -1010,6 +1097,34 @@ impl ServerConfig {
                 "limits.max_body_bytes must be at least 1024 and max_tokens, max_n, max_prompts at least 1"
                     .into(),
             ));
+        }
+        let d = &self.degradation;
+        if d.window_ms < 100
+            || !(0.0 < d.scaling && d.scaling < d.saturation && d.saturation <= 1.0)
+            || d.horizon_windows == 0
+        {
+            return Err(ConfigError(
+                "degradation: window_ms must be at least 100, 0 < scaling < saturation <= 1, horizon_windows at least 1"
+                    .into(),
+            ));
+        }
+        if let Some(limit) = &self.memory.limit {
+            limit
+                .parse::<engine::KvMemory>()
+                .map_err(|e| ConfigError(format!("memory.limit: {e}")))?;
+        }
+        for m in &self.models {
+            if m.max_prefill_tokens == Some(0)
+                || m.slo.ttft_p99_ms == Some(0)
+                || m.slo.itl_p99_ms == Some(0)
+                || m.batch_degrade_threshold
+                    .is_some_and(|t| t.batch_size == 0 || t.p99_latency_ms == 0)
+            {
+                return Err(ConfigError(format!(
+                    "models.{}: max_prefill_tokens, slo objectives and batch_degrade_threshold values must be at least 1",
+                    m.name
+                )));
+            }
         }
         if self.admission.max_in_flight == 0 {
             return Err(ConfigError(

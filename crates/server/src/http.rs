@@ -54,6 +54,7 @@ pub mod paths {
     pub const ADMIN_FAULT: &str = "/admin/faults/{id}";
     pub const ADMIN_DOCTOR: &str = "/admin/doctor";
     pub const ADMIN_MONITORS: &str = "/admin/monitors";
+    pub const ADMIN_DEGRADATION: &str = "/admin/degradation";
     pub const ADMIN_RELEASES: &str = "/admin/releases";
     pub const ADMIN_RELEASE: &str = "/admin/releases/{name}";
     pub const ADMIN_RELEASE_ACTION: &str = "/admin/releases/{name}/{action}";

@@ -33,6 +33,7 @@ pub mod breaker;
 pub mod chain;
 pub mod config;
 pub mod decisions;
+pub mod degradation;
 pub mod doctor;
 pub mod error;
 pub mod faults;
@@ -197,6 +198,7 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
     );
     spawn_loading(Arc::clone(&state));
     spawn_readiness(Arc::clone(&state));
+    degradation::spawn(Arc::clone(&state));
 
     let stop = Arc::new(Notify::new());
     let app = http::router(Arc::clone(&state));

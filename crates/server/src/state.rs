@@ -80,6 +80,8 @@ pub struct AppState {
     pub telemetry: std::sync::OnceLock<Option<host::Telemetry>>,
     /// The GPUs' mean utilization at the last telemetry reading, as f32 bits (NaN: none).
     pub gpu_utilization_bits: std::sync::atomic::AtomicU32,
+    /// Each language model's degradation controller (`[degradation]`).
+    pub degradation: crate::degradation::Degradation,
     pub started: Instant,
 }
 
@@ -125,6 +127,7 @@ impl AppState {
             releases: std::sync::OnceLock::new(),
             telemetry: std::sync::OnceLock::new(),
             gpu_utilization_bits: std::sync::atomic::AtomicU32::new(f32::NAN.to_bits()),
+            degradation: crate::degradation::Degradation::default(),
             started: Instant::now(),
         })
     }

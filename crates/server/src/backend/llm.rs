@@ -261,4 +261,8 @@ impl InferenceBackend for LlmBackend {
     fn engine_snapshot(&self) -> Option<engine::SchedulerSnapshot> {
         Some(self.engine.snapshot())
     }
+
+    fn engine(&self) -> Option<Arc<Engine>> {
+        Some(Arc::clone(&self.engine))
+    }
 }

@@ -394,6 +394,11 @@ pub trait InferenceBackend: Send + Sync + 'static {
     fn engine_snapshot(&self) -> Option<engine::SchedulerSnapshot> {
         None
     }
+
+    /// The engine itself (LLMs): the degradation controller moves its limits.
+    fn engine(&self) -> Option<Arc<engine::Engine>> {
+        None
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,480 @@
+//! The degradation controllers' task: once per window (`[degradation] window_ms`) it reads the
+//! host's memory (cgroup, process, PSI) and, for every language model served, the engine's
+//! latency samples and scheduler state and the admission's counters; each model's controller
+//! (crate `degrade`) judges the window, and its limits go to the engine (batch, prefill
+//! budget, saturation switch) and to the admission (requests let in at once).
+//!
+//! Every change is a controller decision: a log line with its cause, the counter
+//! `rampart_degradation_changes_total{model,cause}`, and an audit entry when the audit log is
+//! on. The state is at `GET /admin/degradation` and in `GET /admin/backends`.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use degrade::{Cause, Change, Controller, Decision, Limits, Settings, Signals};
+use engine::{Engine, KvMemory};
+use metrics::{counter, gauge};
+use serde::Serialize;
+
+use crate::config::{MemoryConfig, ModelConfig, ServerConfig};
+use crate::registry::Entry;
+use crate::state::AppState;
+
+/// Changes remembered per model for the admin view.
+const RECENT: usize = 32;
+
+/// One memory reading and what it was measured against.
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct MemoryReading {
+    /// `used_bytes / limit_bytes`.
+    pub ratio: Option<f64>,
+    pub used_bytes: Option<u64>,
+    pub limit_bytes: Option<u64>,
+    /// `rss` (the process against `[memory] limit`), `cgroup` (its usage against its limit)
+    /// or `host` (used against total memory).
+    pub source: &'static str,
+    /// Memory PSI `some avg10`, percent.
+    pub psi_some_avg10: Option<f64>,
+}
+
+/// Reads memory as `[memory]` says.
+pub fn read_memory(sample: &host::TelemetrySample, config: &MemoryConfig) -> MemoryReading {
+    let psi_some_avg10 = sample
+        .pressure
+        .iter()
+        .find(|p| p.resource == "memory" && p.kind == "some")
+        .map(|p| p.avg10_percent);
+    let limit = config
+        .limit
+        .as_deref()
+        .and_then(|l| l.parse::<KvMemory>().ok());
+    let cgroup = match (
+        sample.cgroup.memory_usage_bytes,
+        sample.cgroup.memory_limit_bytes,
+    ) {
+        (Some(used), Some(limit)) => Some((used, limit)),
+        _ => None,
+    };
+    let host = match (sample.memory.total_bytes, sample.memory.available_bytes) {
+        (Some(total), Some(available)) => Some((total.saturating_sub(available), total)),
+        _ => None,
+    };
+    let (source, used, limit) = match limit {
+        Some(KvMemory::Bytes(bytes)) => ("rss", sample.process.resident_bytes, Some(bytes)),
+        other => {
+            let share = match other {
+                Some(KvMemory::Fraction(f)) => f,
+                _ => 1.0,
+            };
+            match (cgroup, host) {
+                (Some((used, limit)), _) => {
+                    ("cgroup", Some(used), Some((limit as f64 * share) as u64))
+                }
+                (None, Some((used, total))) => {
+                    ("host", Some(used), Some((total as f64 * share) as u64))
+                }
+                (None, None) => ("none", None, None),
+            }
+        }
+    };
+    let ratio = match (used, limit) {
+        (Some(u), Some(l)) if l > 0 => Some(u as f64 / l as f64),
+        _ => None,
+    };
+    MemoryReading {
+        ratio,
+        used_bytes: used,
+        limit_bytes: limit,
+        source,
+        psi_some_avg10,
+    }
+}
+
+/// The latency objectives a model's controller keeps.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq)]
+pub struct Objectives {
+    pub ttft_p99_ms: Option<u64>,
+    pub itl_p99_ms: Option<u64>,
+}
+
+/// One change, as the admin API shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct ChangeView {
+    /// Unix milliseconds.
+    pub at_ms: u64,
+    pub window: u64,
+    #[serde(flatten)]
+    pub change: Change,
+}
+
+/// One model version's controller, as the admin API shows it.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelView {
+    /// The backend id (`name@version`).
+    pub backend: String,
+    pub model: String,
+    /// 0 every limit at its ceiling; 1 only the prefill budget trimmed; 2 the batch or
+    /// admission reduced; 3 saturated (no new prefill).
+    pub level: u8,
+    pub limits: Limits,
+    pub ceilings: Limits,
+    pub objectives: Objectives,
+    /// What the last window was judged on.
+    pub signals: Signals,
+    pub window: u64,
+    /// The latest changes, newest last.
+    pub recent: VecDeque<ChangeView>,
+}
+
+struct ModelState {
+    controller: Controller,
+    engine: Arc<Engine>,
+    entry: Arc<Entry>,
+    /// The engine's count of steps that held prompts back, at the last window.
+    held_steps: u64,
+    view: ModelView,
+}
+
+/// Every language model's controller.
+#[derive(Default)]
+pub struct Degradation {
+    models: Mutex<HashMap<String, ModelState>>,
+    memory: Mutex<MemoryReading>,
+}
+
+impl std::fmt::Debug for Degradation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Degradation").finish_non_exhaustive()
+    }
+}
+
+/// The whole state, for `GET /admin/degradation`.
+#[derive(Debug, Clone, Serialize)]
+pub struct DegradationView {
+    pub enabled: bool,
+    pub window_ms: u64,
+    pub scaling: f64,
+    pub saturation: f64,
+    pub memory: MemoryReading,
+    pub models: Vec<ModelView>,
+}
+
+fn model_config<'a>(config: &'a ServerConfig, name: &str) -> Option<&'a ModelConfig> {
+    config.models.iter().find(|m| m.name == name)
+}
+
+/// The controller's settings for one model version, its ceilings read from the engine and
+/// the admission before the controller first moves them.
+fn settings(config: &ServerConfig, entry: &Entry, engine: &Engine) -> (Settings, Objectives) {
+    let limits = engine.limits();
+    let ceilings = Limits {
+        max_num_seqs: limits.max_num_seqs(),
+        max_num_batched_tokens: limits.max_num_batched_tokens(),
+        max_prefill_tokens: limits.max_prefill_tokens(),
+        max_in_flight: entry.admission.max_in_flight(),
+        admit_prefills: true,
+    };
+    let d = &config.degradation;
+    let mut s = Settings::new(ceilings);
+    let default_model = ModelConfig::named(entry.name.clone());
+    let model = model_config(config, &entry.name).unwrap_or(&default_model);
+    s.ttft_p99_ms = model.slo.ttft_p99_ms.map(|v| v as f64);
+    s.itl_p99_ms = model.slo.itl_p99_ms.map(|v| v as f64);
+    s.scaling = d.scaling;
+    s.saturation = d.saturation;
+    s.psi_some_avg10 = d.psi_some_avg10;
+    s.horizon_windows = d.horizon_windows;
+    s.rule = model.batch_degrade_threshold.map(|r| degrade::Rule {
+        p99_latency_ms: r.p99_latency_ms as f64,
+        batch_size: r.batch_size,
+    });
+    let objectives = Objectives {
+        ttft_p99_ms: model.slo.ttft_p99_ms,
+        itl_p99_ms: model.slo.itl_p99_ms,
+    };
+    (s, objectives)
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+fn apply(engine: &Engine, entry: &Entry, limits: &Limits) {
+    let l = engine.limits();
+    l.set_max_num_seqs(limits.max_num_seqs);
+    l.set_max_num_batched_tokens(limits.max_num_batched_tokens);
+    l.set_max_prefill_tokens(limits.max_prefill_tokens);
+    l.set_admit_prefills(limits.admit_prefills);
+    entry.admission.set_limit(limits.max_in_flight);
+}
+
+/// Logs, counts and keeps one change as a controller decision.
+fn record(entry: &Entry, change: &Change, level: u8) {
+    let (model, backend) = (entry.name.as_str(), entry.id.as_str());
+    let lever = change.lever.as_str();
+    let cause = change.cause.as_str();
+    if change.cause == Cause::Recovery {
+        tracing::info!(
+            model,
+            backend,
+            lever,
+            from = change.from,
+            to = change.to,
+            cause,
+            level,
+            detail = %change.detail,
+            "degradation: limit raised"
+        );
+    } else {
+        tracing::warn!(
+            model,
+            backend,
+            lever,
+            from = change.from,
+            to = change.to,
+            cause,
+            level,
+            detail = %change.detail,
+            "degradation: limit lowered"
+        );
+    }
+    counter!(
+        "rampart_degradation_changes_total",
+        "model" => model.to_string(),
+        "cause" => cause
+    )
+    .increment(1);
+    crate::decisions::note(
+        &format!("degradation.{lever}"),
+        Some(model),
+        backend,
+        cause,
+        serde_json::json!({
+            "from": change.from,
+            "to": change.to,
+            "level": level,
+            "detail": change.detail,
+        }),
+    );
+}
+
+fn gauges(entry: &Entry, d: &Decision) {
+    let (model, version) = (entry.name.clone(), entry.version.clone());
+    for (kind, value) in [
+        ("max_num_seqs", d.limits.max_num_seqs),
+        ("max_num_batched_tokens", d.limits.max_num_batched_tokens),
+        ("max_prefill_tokens", d.limits.max_prefill_tokens),
+        ("max_in_flight", d.limits.max_in_flight),
+    ] {
+        gauge!(
+            "rampart_batch_limit",
+            "model" => model.clone(),
+            "version" => version.clone(),
+            "kind" => kind
+        )
+        .set(value as f64);
+    }
+    gauge!(
+        "rampart_degradation_level",
+        "model" => model,
+        "version" => version
+    )
+    .set(f64::from(d.level));
+}
+
+fn to_f64(samples: &[f32]) -> Vec<f64> {
+    samples.iter().map(|&v| f64::from(v)).collect()
+}
+
+impl Degradation {
+    /// Judges one window for every language model in the registry.
+    pub fn tick(&self, config: &ServerConfig, entries: &[Arc<Entry>], memory: MemoryReading) {
+        if let Some(ratio) = memory.ratio {
+            gauge!("rampart_memory_pressure_ratio").set(ratio);
+        }
+        let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
+        let mut live = HashSet::new();
+        for entry in entries {
+            let Some(engine) = entry.backend.engine() else {
+                continue;
+            };
+            live.insert(entry.id.clone());
+            if models
+                .get(&entry.id)
+                .is_some_and(|m| !Arc::ptr_eq(&m.engine, &engine))
+            {
+                // The version was reloaded under the same id: start over with its engine.
+                models.remove(&entry.id);
+            }
+            let state = models.entry(entry.id.clone()).or_insert_with(|| {
+                let (settings, objectives) = settings(config, entry, &engine);
+                let ceilings = settings.ceilings;
+                ModelState {
+                    controller: Controller::new(settings),
+                    engine: Arc::clone(&engine),
+                    entry: Arc::clone(entry),
+                    held_steps: engine.snapshot().prefill_held_steps,
+                    view: ModelView {
+                        backend: entry.id.clone(),
+                        model: entry.name.clone(),
+                        level: 0,
+                        limits: ceilings,
+                        ceilings,
+                        objectives,
+                        signals: Signals::default(),
+                        window: 0,
+                        recent: VecDeque::new(),
+                    },
+                }
+            });
+            let latency = state.engine.drain_latency();
+            let snapshot = state.engine.snapshot();
+            let (in_flight_peak, shed) = state.entry.admission.take_window();
+            let observation = degrade::Observation {
+                memory_ratio: memory.ratio,
+                memory_psi_some_avg10: memory.psi_some_avg10,
+                kv_ratio: (snapshot.blocks_total > 0)
+                    .then(|| snapshot.blocks_used as f64 / snapshot.blocks_total as f64),
+                ttft_ms: to_f64(&latency.ttft_ms),
+                itl_ms: to_f64(&latency.itl_ms),
+                e2e_ms: to_f64(&latency.e2e_ms),
+                running: snapshot.running,
+                waiting: snapshot.waiting,
+                in_flight_peak,
+                shed,
+                prefill_held: snapshot.prefill_held_steps > state.held_steps,
+            };
+            state.held_steps = snapshot.prefill_held_steps;
+            let decision = state.controller.observe(&observation);
+            if !decision.changes.is_empty() {
+                apply(&state.engine, &state.entry, &decision.limits);
+            }
+            let at_ms = unix_ms();
+            for change in &decision.changes {
+                record(&state.entry, change, decision.level);
+                if state.view.recent.len() == RECENT {
+                    state.view.recent.pop_front();
+                }
+                state.view.recent.push_back(ChangeView {
+                    at_ms,
+                    window: decision.window,
+                    change: change.clone(),
+                });
+            }
+            gauges(&state.entry, &decision);
+            state.view.level = decision.level;
+            state.view.limits = decision.limits;
+            state.view.signals = decision.signals;
+            state.view.window = decision.window;
+        }
+        // Versions no longer served: their controllers go; limits die with their engines.
+        models.retain(|id, _| live.contains(id));
+        drop(models);
+        *self.memory.lock().unwrap_or_else(|e| e.into_inner()) = memory;
+    }
+
+    /// One backend's controller view.
+    pub fn model(&self, backend: &str) -> Option<ModelView> {
+        let models = self.models.lock().unwrap_or_else(|e| e.into_inner());
+        models.get(backend).map(|m| m.view.clone())
+    }
+
+    pub fn view(&self, config: &ServerConfig) -> DegradationView {
+        let models = self.models.lock().unwrap_or_else(|e| e.into_inner());
+        let mut list: Vec<ModelView> = models.values().map(|m| m.view.clone()).collect();
+        list.sort_by(|a, b| a.backend.cmp(&b.backend));
+        DegradationView {
+            enabled: config.degradation.enabled,
+            window_ms: config.degradation.window_ms,
+            scaling: config.degradation.scaling,
+            saturation: config.degradation.saturation,
+            memory: self
+                .memory
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+            models: list,
+        }
+    }
+}
+
+/// Starts the controllers' task (`[degradation] enabled`).
+pub fn spawn(state: Arc<AppState>) {
+    let config = &state.config.degradation;
+    if !config.enabled {
+        tracing::info!("degradation controllers off ([degradation] enabled = false)");
+        return;
+    }
+    let every = Duration::from_millis(config.window_ms.max(100));
+    tokio::spawn(async move {
+        let telemetry = host::Telemetry::with_gpu(Path::new(&state.config.telemetry.root), None);
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let memory = read_memory(&telemetry.sample(), &state.config.memory);
+            let entries = state.registry.all();
+            state.degradation.tick(&state.config, &entries, memory);
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> host::TelemetrySample {
+        host::TelemetrySample {
+            process: host::ProcessStats {
+                resident_bytes: Some(3 << 30),
+                ..Default::default()
+            },
+            cgroup: host::CgroupStats::default(),
+            pressure_source: Some("proc"),
+            pressure: vec![host::Pressure {
+                resource: "memory",
+                kind: "some",
+                avg10_percent: 1.5,
+                total_seconds: 10.0,
+            }],
+            memory: host::HostMemory {
+                total_bytes: Some(16 << 30),
+                available_bytes: Some(4 << 30),
+            },
+            gpus: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn memory_is_measured_against_the_configured_limit_the_cgroup_or_the_host() {
+        let host = read_memory(&sample(), &MemoryConfig::default());
+        assert_eq!(host.source, "host");
+        assert_eq!(host.ratio, Some(0.75));
+        assert_eq!(host.psi_some_avg10, Some(1.5));
+        let rss = read_memory(
+            &sample(),
+            &MemoryConfig {
+                limit: Some("4GiB".into()),
+            },
+        );
+        assert_eq!((rss.source, rss.ratio), ("rss", Some(0.75)));
+        let mut s = sample();
+        s.cgroup.memory_usage_bytes = Some(1 << 30);
+        s.cgroup.memory_limit_bytes = Some(2 << 30);
+        let cgroup = read_memory(
+            &s,
+            &MemoryConfig {
+                limit: Some("0.5".into()),
+            },
+        );
+        assert_eq!((cgroup.source, cgroup.ratio), ("cgroup", Some(1.0)));
+        let mut bare = sample();
+        bare.memory = host::HostMemory::default();
+        assert_eq!(read_memory(&bare, &MemoryConfig::default()).ratio, None);
+    }
+}

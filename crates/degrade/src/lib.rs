@@ -116,9 +116,10 @@ pub const MEMORY_HYSTERESIS: f64 = 0.05;
 
 impl Settings {
     /// Defaults around the configured limits: watermarks 0.80 and 0.95, floors of one
-    /// sequence, 32 prefill tokens (never above the configured budget) and one admission slot.
+    /// sequence, 16 prefill tokens (one KV block; never above the configured budget) and one
+    /// admission slot.
     pub fn new(ceilings: Limits) -> Self {
-        let min_prefill = 32.min(ceilings.max_prefill_tokens).max(1);
+        let min_prefill = 16.min(ceilings.max_prefill_tokens).max(1);
         Self {
             ttft_p99_ms: None,
             itl_p99_ms: None,
@@ -294,6 +295,8 @@ pub struct Controller {
     itl_moved: u64,
     ttft_moved: u64,
     rule_moved: u64,
+    /// The most requests in flight or waiting, per window (the base admission shrinks from).
+    peaks: VecDeque<(u64, usize)>,
     last_memory: Option<f64>,
     /// The explicit rule holds `max_num_seqs` down.
     rule_active: bool,
@@ -335,6 +338,7 @@ impl Controller {
             itl_moved: 0,
             ttft_moved: 0,
             rule_moved: 0,
+            peaks: VecDeque::new(),
             last_memory: None,
             rule_active: false,
         }
@@ -422,6 +426,10 @@ impl Controller {
             while queue.len() > 65_536 {
                 queue.pop_front();
             }
+        }
+        self.peaks.push_back((w, obs.in_flight_peak));
+        while self.peaks.front().is_some_and(|(at, _)| at + horizon <= w) {
+            self.peaks.pop_front();
         }
         let s = self.settings.clone();
         let c = s.ceilings;
@@ -601,15 +609,20 @@ impl Controller {
         if let (Some(objective), Some(observed)) = (s.ttft_p99_ms, signals.ttft_p99_ms) {
             if observed > objective {
                 ttft_healthy = false;
-                let base = self
-                    .limits
-                    .max_in_flight
-                    .min(obs.in_flight_peak.max(f.max_in_flight));
+                // The most that were in while the judged samples came in (not this window's
+                // alone: a burst may have ended).
+                let peak = self
+                    .peaks
+                    .iter()
+                    .filter(|(at, _)| *at > self.ttft_moved)
+                    .map(|(_, p)| *p)
+                    .max()
+                    .unwrap_or(obs.in_flight_peak);
+                let base = self.limits.max_in_flight.min(peak.max(f.max_in_flight));
                 let to = scaled_down(base + 1, objective, observed, f.max_in_flight)
                     .min(self.limits.max_in_flight);
                 let detail = format!(
-                    "time to first token p99 {observed:.0} ms above the objective {objective:.0} ms ({} in flight at most)",
-                    obs.in_flight_peak
+                    "time to first token p99 {observed:.0} ms above the objective {objective:.0} ms ({peak} in flight at most)"
                 );
                 let before = changes.len();
                 self.set(Lever::MaxInFlight, to, Cause::Ttft, detail, &mut changes);

@@ -1573,3 +1573,140 @@ fn a_baseline_from_a_reference_set_is_the_one_the_server_watches() {
     assert!(watched.contains(&"text.tokens"), "{watched:?}");
     assert!(!watched.contains(&"text.script"), "{watched:?}");
 }
+
+/// The degradation controller on the real engine: objectives no CPU can keep (1 ms) make it
+/// trim the prefill budget (ITL) and shed at admission (TTFT) within a few windows; the
+/// refusals are 429 `shedding` with `Retry-After`; every change is logged, counted and shown
+/// at `/admin/degradation`; idle, the limits grow back to what was configured.
+#[test]
+fn the_degradation_controller_trims_sheds_and_grows_back() {
+    let Some(model) = cached_model(SMOLLM2_GGUF) else {
+        return;
+    };
+    let config = format!(
+        r#"
+[degradation]
+window_ms = 200
+[admission]
+max_in_flight = 12
+[[models]]
+name = "{MODEL}"
+context = 2048
+kv_cache_memory = "256MiB"
+max_num_seqs = 12
+[models.slo]
+itl_p99_ms = 1
+ttft_p99_ms = 1
+"#
+    );
+    let server = start_repository(&[(MODEL, "1.0.0", model)], &config);
+    wait_ready(server.port);
+    let port = server.port;
+    let burst = |n: usize| -> Vec<(u16, Option<String>, String)> {
+        let clients: Vec<_> = (0..n)
+            .map(|i| {
+                std::thread::spawn(move || {
+                    let body = format!(
+                        r#"{{"model":"{MODEL}","prompt":"Tell me about the number {i} and why it matters","max_tokens":24,"ignore_eos":true}}"#
+                    );
+                    let (status, headers, text) =
+                        http(port, "POST", "/v1/completions", Some(&body), Some(KEY));
+                    (status, header(&headers, "retry-after").map(str::to_string), text)
+                })
+            })
+            .collect();
+        clients.into_iter().map(|c| c.join().unwrap()).collect()
+    };
+    let view = || -> serde_json::Value {
+        let (status, _, body) = http(port, "GET", "/admin/degradation", None, Some(ADMIN_KEY));
+        assert_eq!(status, 200, "{body}");
+        serde_json::from_str(&body).unwrap()
+    };
+    // Load until both levers moved.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut refused = Vec::new();
+    let model_view = loop {
+        for (status, retry_after, text) in burst(10) {
+            match status {
+                200 => {}
+                429 => refused.push((retry_after, text)),
+                other => panic!("unexpected {other}: {text}"),
+            }
+        }
+        let v = view();
+        let m = v["models"][0].clone();
+        if m["limits"]["max_prefill_tokens"].as_u64() < m["ceilings"]["max_prefill_tokens"].as_u64()
+            && m["limits"]["max_in_flight"].as_u64() < Some(12)
+            && !refused.is_empty()
+        {
+            break m;
+        }
+        assert!(Instant::now() < deadline, "the controller did not act: {v}");
+    };
+    assert_eq!(model_view["backend"], format!("{MODEL}@1.0.0"));
+    assert!(model_view["level"].as_u64() >= Some(2), "{model_view}");
+    let causes: Vec<&str> = model_view["recent"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|c| c["cause"].as_str())
+        .collect();
+    assert!(
+        causes.contains(&"itl") && causes.contains(&"ttft"),
+        "{model_view}"
+    );
+    for (retry_after, text) in &refused {
+        let retry: u64 = retry_after
+            .as_deref()
+            .expect("Retry-After")
+            .parse()
+            .unwrap();
+        assert!(retry >= 1);
+        let body: serde_json::Value = serde_json::from_str(text).unwrap();
+        assert_eq!(body["error"]["type"], "rate_limit_error", "{text}");
+        assert_eq!(body["error"]["code"], "shedding", "{text}");
+    }
+    assert!(metric(port, "rampart_degradation_changes_total") >= 2.0);
+    assert!(metric(port, "rampart_batch_limit{") > 0.0);
+    assert!(
+        metric(
+            port,
+            "rampart_rejected_requests_total{model=\"smollm2-135m\",reason=\"shedding\""
+        ) >= 1.0
+    );
+    // The log says each change with its cause.
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    let lowered: Vec<serde_json::Value> = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["message"] == "degradation: limit lowered")
+        .collect();
+    assert!(lowered.iter().any(|v| v["lever"] == "max_prefill_tokens"
+        && v["cause"] == "itl"
+        && v["detail"]
+            .as_str()
+            .unwrap_or("")
+            .contains("above the objective 1 ms")));
+    assert!(lowered
+        .iter()
+        .any(|v| v["lever"] == "max_in_flight" && v["cause"] == "ttft"));
+    // The backends view carries it too.
+    let (_, _, backends) = http(port, "GET", "/admin/backends", None, Some(ADMIN_KEY));
+    assert!(backends.contains("\"degradation\""), "{backends}");
+    // Idle: the limits grow back to the configured ones.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let m = view()["models"][0].clone();
+        if m["level"] == 0 {
+            assert_eq!(m["limits"], m["ceilings"]);
+            break;
+        }
+        assert!(Instant::now() < deadline, "did not grow back: {m}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let raised = std::fs::read_to_string(&server.log)
+        .unwrap()
+        .matches("degradation: limit raised")
+        .count();
+    assert!(raised >= 2);
+}

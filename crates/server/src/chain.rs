@@ -410,10 +410,9 @@ async fn try_backend(
         Err(e) => {
             // A full queue says nothing about the backend's health.
             call.neutral();
-            record.refuse(if e.status() == axum::http::StatusCode::TOO_MANY_REQUESTS {
-                "queue_full"
-            } else {
-                "queue_timeout"
+            record.refuse(match &e {
+                ApiError::Overloaded { code, .. } => *code,
+                _ => "queue_timeout",
             });
             return Err(miss(Trigger::Overloaded, e));
         }

@@ -46,7 +46,7 @@ pub enum ApiError {
     Overloaded {
         message: String,
         retry_after_s: u64,
-        /// `queue_full` or `rate_limited`.
+        /// `queue_full`, `rate_limited` or `shedding` (the degradation controller).
         code: &'static str,
     },
     /// Waited too long for a slot, the server is draining, or the model is not ready.

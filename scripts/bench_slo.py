@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""Closed-loop load on an OpenAI-compatible server with the official `openai` client.
+
+Each of CLIENTS clients sends streaming completions one after another for DURATION seconds:
+prompts of 50-400 words drawn from a fixed list (about one token per word), seeded, and
+MAX_TOKENS output tokens with ignore_eos. A refused request (429) is retried after its
+Retry-After (capped at --retry-cap seconds), as a polite client would.
+
+Prints one JSON object: the admitted requests' TTFT and inter-token latency percentiles, the
+output tokens per second over the run, the refusals (how many, how fast they came back, whether
+they carried Retry-After) and any other errors.
+
+    python3 scripts/bench_slo.py --url http://127.0.0.1:8080/v1 --model smollm2-135m \
+        --clients 48 --duration 120 --seed 1
+"""
+import argparse
+import asyncio
+import json
+import random
+import time
+
+import openai
+
+WORDS = (
+    "the of and to in is was for on that with as by at from his her they this have are had "
+    "not but be one all were which their an there been has more when will would who so no "
+    "out up into about than them can only other new some could time these two may then do "
+    "first any my now such like our over man me even most made after also did many before "
+    "must through back years where much your way well down should because each just those "
+    "people how too little state good very make world still own see men work long get here "
+    "between both life being under never day same another know while last might us great old "
+    "year off come since against go came right used take three"
+).split()
+
+
+def percentile(values, p):
+    if not values:
+        return None
+    values = sorted(values)
+    rank = max(1, min(len(values), int(-(-len(values) * p // 100))))
+    return values[rank - 1]
+
+
+async def client_loop(client, args, rng, deadline, out):
+    while time.monotonic() < deadline:
+        words = rng.randint(args.min_words, args.max_words)
+        prompt = " ".join(rng.choice(WORDS) for _ in range(words))
+        start = time.monotonic()
+        first = None
+        last = None
+        gaps = []
+        tokens = 0
+        try:
+            stream = await client.completions.create(
+                model=args.model,
+                prompt=prompt,
+                max_tokens=args.max_tokens,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            async for chunk in stream:
+                if not chunk.choices or not chunk.choices[0].text:
+                    continue
+                now = time.monotonic()
+                if first is None:
+                    first = now
+                else:
+                    gaps.append(now - last)
+                last = now
+                tokens += 1
+            end = time.monotonic()
+            if first is not None and end <= deadline + args.grace:
+                out["ttft"].append(first - start)
+                out["itl"].extend(gaps)
+                out["tokens"] += tokens
+                out["done"] += 1
+        except openai.RateLimitError as e:
+            took = time.monotonic() - start
+            retry = e.response.headers.get("retry-after")
+            out["refused"] += 1
+            out["refusal_seconds"].append(took)
+            out["with_retry_after"] += retry is not None
+            pause = min(float(retry or 1), args.retry_cap)
+            await asyncio.sleep(pause)
+        except Exception as e:  # noqa: BLE001 - every other failure is counted by kind
+            key = type(e).__name__
+            out["errors"][key] = out["errors"].get(key, 0) + 1
+            await asyncio.sleep(0.1)
+
+
+async def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--api-key", default="none")
+    p.add_argument("--clients", type=int, default=48)
+    p.add_argument("--duration", type=float, default=120)
+    p.add_argument("--warmup", type=float, default=10, help="seconds of load not counted")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--min-words", type=int, default=50)
+    p.add_argument("--max-words", type=int, default=400)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--retry-cap", type=float, default=1.0)
+    p.add_argument("--grace", type=float, default=0.0)
+    args = p.parse_args()
+    client = openai.AsyncOpenAI(base_url=args.url, api_key=args.api_key, max_retries=0, timeout=600)
+    warm = {"ttft": [], "itl": [], "tokens": 0, "done": 0, "refused": 0,
+            "refusal_seconds": [], "with_retry_after": 0, "errors": {}}
+    out = {"ttft": [], "itl": [], "tokens": 0, "done": 0, "refused": 0,
+           "refusal_seconds": [], "with_retry_after": 0, "errors": {}}
+    if args.warmup > 0:
+        deadline = time.monotonic() + args.warmup
+        await asyncio.gather(*(client_loop(client, args, random.Random(args.seed * 1000 + 500 + i),
+                                           deadline, warm) for i in range(args.clients)))
+    start = time.monotonic()
+    deadline = start + args.duration
+    await asyncio.gather(*(client_loop(client, args, random.Random(args.seed * 1000 + i),
+                                       deadline, out) for i in range(args.clients)))
+    elapsed = time.monotonic() - start
+    ms = lambda v: None if v is None else round(v * 1000, 1)
+    print(json.dumps({
+        "clients": args.clients,
+        "seconds": round(elapsed, 1),
+        "completed": out["done"],
+        "output_tokens_per_second": round(out["tokens"] / elapsed, 1),
+        "ttft_ms": {"p50": ms(percentile(out["ttft"], 50)), "p90": ms(percentile(out["ttft"], 90)),
+                     "p99": ms(percentile(out["ttft"], 99)),
+                     "max": ms(max(out["ttft"]) if out["ttft"] else None)},
+        "itl_ms": {"p50": ms(percentile(out["itl"], 50)), "p99": ms(percentile(out["itl"], 99))},
+        "refused": out["refused"],
+        "refused_with_retry_after": out["with_retry_after"],
+        "refusal_ms": {"p50": ms(percentile(out["refusal_seconds"], 50)),
+                        "p99": ms(percentile(out["refusal_seconds"], 99))},
+        "errors": out["errors"],
+        "mean_prompt_words": (args.min_words + args.max_words) / 2,
+    }))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -2,17 +2,19 @@
 # Streams beside new prompts: rampart with its degradation controller off, rampart with an
 # inter-token latency objective, and llama-server, in the same run (SmolLM2-135M Q4_1, 2
 # threads). Each round starts each server fresh and runs `rampart bench serve` at the given
-# concurrencies (streaming /v1/completions, 128-token prompts, 128 output tokens, ignore_eos).
+# concurrencies (streaming /v1/completions, 128-token prompts, 128 output tokens, ignore_eos)
+# after 32 requests of load at concurrency 16 that are not counted (the controller needs a few
+# windows to find its limits; every server gets the same).
 # Prints a line per round and server, then the medians: output tokens/s, TTFT p99, ITL p99.
 #
 #   scripts/bench-degradation.sh RAMPART_BIN LLAMA_SERVER [ROUNDS] [CONCURRENCY]
 #
-# RAMPART_ITL_MS sets the objective (default 150); RAMPART_DEGRADE_TOML adds settings to the
+# RAMPART_ITL_MS sets the objective (default 120); RAMPART_DEGRADE_TOML adds settings to the
 # controlled server's [[models]] table.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin="$1" llama="$2" rounds="${3:-3}" levels="${4:-16,32}"
-itl="${RAMPART_ITL_MS:-150}"
+itl="${RAMPART_ITL_MS:-120}"
 cache="${RAMPART_MODEL_CACHE:-$HOME/.cache/rampart/models}"
 gguf="$cache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf"
 work="$(mktemp -d)"
@@ -65,6 +67,11 @@ for round in $(seq 1 "$rounds"); do
       pid=$!
       wait_ready "$url/health/ready"
     fi
+    # Load before the measured levels (the same for every server): the controller starts
+    # from the configured limits and needs a few windows to find its own.
+    "$bin" bench serve --url "$url" --model smollm2-135m --concurrency 16 --requests 32 \
+      --prompt-tokens 128 --output-tokens 128 --warmup 0 --seed "$((round * 10 + 1))" --json \
+      >/dev/null
     "$bin" bench serve --url "$url" --model smollm2-135m --concurrency "$levels" --requests 32 \
       --prompt-tokens 128 --output-tokens 128 --warmup 2 --seed "$((round * 10))" --json \
       >"$work/serve.json"

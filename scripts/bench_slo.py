@@ -6,6 +6,10 @@ prompts of 50-400 words drawn from a fixed list (about one token per word), seed
 MAX_TOKENS output tokens with ignore_eos. A refused request (429) is retried after its
 Retry-After (capped at --retry-cap seconds), as a polite client would.
 
+With --long-clients M, M more clients send near-context prompts (--long-words) all the time
+(the 28-page-document case); their numbers are reported apart ("long") and the others' ITL
+shows whether the normal streams kept their pace.
+
 Prints one JSON object: the admitted requests' TTFT and inter-token latency percentiles, the
 output tokens per second over the run, the refusals (how many, how fast they came back, whether
 they carried Retry-After) and any other errors.
@@ -41,9 +45,9 @@ def percentile(values, p):
     return values[rank - 1]
 
 
-async def client_loop(client, args, rng, deadline, out):
+async def client_loop(client, args, rng, deadline, out, long=False):
     while time.monotonic() < deadline:
-        words = rng.randint(args.min_words, args.max_words)
+        words = args.long_words if long else rng.randint(args.min_words, args.max_words)
         prompt = " ".join(rng.choice(WORDS) for _ in range(words))
         start = time.monotonic()
         first = None
@@ -103,20 +107,28 @@ async def main():
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--retry-cap", type=float, default=1.0)
     p.add_argument("--grace", type=float, default=0.0)
+    p.add_argument("--long-clients", type=int, default=0)
+    p.add_argument("--long-words", type=int, default=3500)
     args = p.parse_args()
     client = openai.AsyncOpenAI(base_url=args.url, api_key=args.api_key, max_retries=0, timeout=600)
     warm = {"ttft": [], "itl": [], "tokens": 0, "done": 0, "refused": 0,
             "refusal_seconds": [], "with_retry_after": 0, "errors": {}}
     out = {"ttft": [], "itl": [], "tokens": 0, "done": 0, "refused": 0,
            "refusal_seconds": [], "with_retry_after": 0, "errors": {}}
+    long_out = {"ttft": [], "itl": [], "tokens": 0, "done": 0, "refused": 0,
+                "refusal_seconds": [], "with_retry_after": 0, "errors": {}}
     if args.warmup > 0:
         deadline = time.monotonic() + args.warmup
         await asyncio.gather(*(client_loop(client, args, random.Random(args.seed * 1000 + 500 + i),
                                            deadline, warm) for i in range(args.clients)))
     start = time.monotonic()
     deadline = start + args.duration
-    await asyncio.gather(*(client_loop(client, args, random.Random(args.seed * 1000 + i),
-                                       deadline, out) for i in range(args.clients)))
+    await asyncio.gather(
+        *(client_loop(client, args, random.Random(args.seed * 1000 + i), deadline, out)
+          for i in range(args.clients)),
+        *(client_loop(client, args, random.Random(args.seed * 1000 + 900 + i), deadline, long_out,
+                      long=True)
+          for i in range(args.long_clients)))
     elapsed = time.monotonic() - start
     ms = lambda v: None if v is None else round(v * 1000, 1)
     print(json.dumps({
@@ -134,6 +146,11 @@ async def main():
                         "p99": ms(percentile(out["refusal_seconds"], 99))},
         "errors": out["errors"],
         "mean_prompt_words": (args.min_words + args.max_words) / 2,
+        "long": None if not args.long_clients else {
+            "clients": args.long_clients, "words": args.long_words, "completed": long_out["done"],
+            "ttft_ms_max": ms(max(long_out["ttft"]) if long_out["ttft"] else None),
+            "refused": long_out["refused"], "errors": long_out["errors"]},
+        "itl_ms_max": ms(max(out["itl"]) if out["itl"] else None),
     }))
 
 

@@ -24,10 +24,13 @@
 //!
 //! Decreases are multiplicative: memory halves the batch (×0.5); latency scales a lever by
 //! `objective / p99`, clamped to [0.5, 0.9], which lands near the objective in one or two
-//! windows when latency is roughly proportional to the lever. Growth is additive (one sequence,
-//! 256 batched tokens, 32 prefill tokens, one admission slot per window) and happens only while
-//! every signal is inside its healthy band (latency below 0.8 × objective, memory below the
-//! scaling watermark minus 0.05) and the engine is actually held back by the cap it would raise
+//! windows when latency is roughly proportional to the lever (the prefill budget is sized so the
+//! whole step, every stream's token plus the prompt chunk, meets the objective). Growth is
+//! additive (one sequence, 256 batched tokens, 16 prefill tokens, one admission slot per window)
+//! and happens only while every signal is inside its healthy band (latency below 0.8 ×
+//! objective, or for the prefill budget: the bigger step predicted below 0.95 × objective;
+//! memory below the scaling watermark minus 0.05) and the engine is actually held back by the
+//! cap it would raise
 //! (or idle). Between the band and the objective the limits hold. Latency is judged only on
 //! samples that finished after the lever last moved, so one slow burst is not punished twice.
 //!
@@ -77,7 +80,7 @@ impl Default for Growth {
         Self {
             max_num_seqs: 1,
             max_num_batched_tokens: 256,
-            max_prefill_tokens: 32,
+            max_prefill_tokens: 16,
             max_in_flight: 1,
         }
     }
@@ -111,6 +114,9 @@ pub struct Settings {
 
 /// The healthy band: a latency below this share of its objective lets its lever grow.
 pub const HEALTHY_SHARE: f64 = 0.8;
+/// The prefill budget grows only when the step it makes is predicted below this share of the
+/// ITL objective.
+pub const PREDICTED_SHARE: f64 = 0.95;
 /// Memory must be this far below the scaling watermark before limits grow.
 pub const MEMORY_HYSTERESIS: f64 = 0.05;
 
@@ -297,6 +303,10 @@ pub struct Controller {
     rule_moved: u64,
     /// The most requests in flight or waiting, per window (the base admission shrinks from).
     peaks: VecDeque<(u64, usize)>,
+    /// The admission limit and TTFT p99 before the last cut for TTFT.
+    ttft_cut: Option<(usize, f64)>,
+    /// No TTFT cut before this window (a cut that did not help was undone).
+    ttft_hold_until: u64,
     last_memory: Option<f64>,
     /// The explicit rule holds `max_num_seqs` down.
     rule_active: bool,
@@ -339,6 +349,8 @@ impl Controller {
             ttft_moved: 0,
             rule_moved: 0,
             peaks: VecDeque::new(),
+            ttft_cut: None,
+            ttft_hold_until: 0,
             last_memory: None,
             rule_active: false,
         }
@@ -572,12 +584,15 @@ impl Controller {
                 );
                 let before = changes.len();
                 if self.limits.max_prefill_tokens > f.max_prefill_tokens {
-                    let to = scaled_down(
-                        self.limits.max_prefill_tokens,
-                        objective,
-                        observed,
-                        f.max_prefill_tokens,
-                    );
+                    // A step's time grows with its tokens (every running stream's one plus the
+                    // prompt budget): size the budget so the whole step meets the objective,
+                    // cutting by half at most and by a tenth at least.
+                    let p = self.limits.max_prefill_tokens;
+                    let fitting =
+                        step_tokens(obs.running, p) * objective / observed - obs.running as f64;
+                    let to = (fitting.floor().clamp((p / 2) as f64, (p * 9 / 10) as f64) as usize)
+                        .min(p - 1)
+                        .max(f.max_prefill_tokens);
                     self.set(
                         Lever::MaxPrefillTokens,
                         to,
@@ -607,7 +622,30 @@ impl Controller {
         // Time to first token: admission.
         let mut ttft_healthy = true;
         if let (Some(objective), Some(observed)) = (s.ttft_p99_ms, signals.ttft_p99_ms) {
-            if observed > objective {
+            if observed > objective && w < self.ttft_hold_until {
+                ttft_healthy = false;
+            } else if let Some((before, before_p99)) = self
+                .ttft_cut
+                .filter(|(_, p99)| observed > objective && observed >= 0.95 * p99)
+            {
+                // Admitting fewer did not make first tokens faster: the prompts' own prefill
+                // dominates, not the queue. Undo the cut and hold.
+                ttft_healthy = false;
+                let detail = format!(
+                    "admitting {} did not lower time to first token p99 ({before_p99:.0} ms before, {observed:.0} ms after; objective {objective:.0} ms): the prompts' own prefill dominates, not the queue; back to {before} and holding for {horizon} windows",
+                    self.limits.max_in_flight
+                );
+                self.set(
+                    Lever::MaxInFlight,
+                    before,
+                    Cause::Ttft,
+                    detail,
+                    &mut changes,
+                );
+                self.ttft_cut = None;
+                self.ttft_moved = w;
+                self.ttft_hold_until = w + horizon;
+            } else if observed > objective {
                 ttft_healthy = false;
                 // The most that were in while the judged samples came in (not this window's
                 // alone: a burst may have ended).
@@ -625,12 +663,17 @@ impl Controller {
                     "time to first token p99 {observed:.0} ms above the objective {objective:.0} ms ({peak} in flight at most)"
                 );
                 let before = changes.len();
+                let limit = self.limits.max_in_flight;
                 self.set(Lever::MaxInFlight, to, Cause::Ttft, detail, &mut changes);
                 if changes.len() > before {
                     self.ttft_moved = w;
+                    self.ttft_cut = Some((limit, observed));
                 }
-            } else if observed > objective * HEALTHY_SHARE {
-                ttft_healthy = false;
+            } else {
+                self.ttft_cut = None;
+                if observed > objective * HEALTHY_SHARE {
+                    ttft_healthy = false;
+                }
             }
         }
 
@@ -673,10 +716,21 @@ impl Controller {
                     &mut changes,
                 );
             }
-            if itl_healthy && (obs.prefill_held || idle) {
-                let to = (self.limits.max_prefill_tokens + s.growth.max_prefill_tokens)
-                    .min(c.max_prefill_tokens)
-                    .min(self.limits.max_num_batched_tokens.max(f.max_prefill_tokens));
+            let p = self.limits.max_prefill_tokens;
+            let grown = (p + s.growth.max_prefill_tokens)
+                .min(c.max_prefill_tokens)
+                .min(self.limits.max_num_batched_tokens.max(f.max_prefill_tokens));
+            // Grow only when the bigger steps would still meet the objective (predicted from
+            // the step's tokens), not merely because the last window was fast.
+            let fits = match (s.itl_p99_ms, signals.itl_p99_ms) {
+                (Some(objective), Some(observed)) => {
+                    observed * step_tokens(obs.running, grown) / step_tokens(obs.running, p)
+                        <= objective * PREDICTED_SHARE
+                }
+                _ => itl_healthy,
+            };
+            if fits && (obs.prefill_held || idle) {
+                let to = grown;
                 self.set(
                     Lever::MaxPrefillTokens,
                     to,
@@ -713,6 +767,11 @@ impl Controller {
             changes,
         }
     }
+}
+
+/// Tokens of a step with `running` streams and a prompt budget of `prefill`.
+fn step_tokens(running: usize, prefill: usize) -> f64 {
+    (running + prefill).max(1) as f64
 }
 
 fn fmt_ratio(v: Option<f64>) -> String {

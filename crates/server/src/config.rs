@@ -1284,6 +1284,42 @@ mod tests {
     }
 
     #[test]
+    fn degradation_memory_and_objectives_parse_and_are_checked() {
+        let c = ServerConfig::default();
+        assert!(c.degradation.enabled);
+        assert_eq!(ModelConfig::named("m").slo.itl_p99_ms, Some(500));
+        assert_eq!(ModelConfig::named("m").slo.ttft_p99_ms, None);
+        let text = r#"
+            [degradation]
+            window_ms = 500
+            [memory]
+            limit = "6GiB"
+            [[models]]
+            name = "smollm2-135m"
+            max_prefill_tokens = 64
+            batch_degrade_threshold = { p99_latency_ms = 1200, batch_size = 32 }
+            [models.slo]
+            ttft_p99_ms = 800
+        "#;
+        let c: ServerConfig = toml::from_str(text).unwrap();
+        c.validate().unwrap();
+        let m = &c.models[0];
+        assert_eq!(m.slo.ttft_p99_ms, Some(800));
+        assert_eq!(m.slo.itl_p99_ms, Some(500), "unset fields keep defaults");
+        assert_eq!(m.max_prefill_tokens, Some(64));
+        assert_eq!(m.batch_degrade_threshold.unwrap().batch_size, 32);
+        for bad in [
+            "[degradation]\nscaling = 0.96\n",
+            "[degradation]\nwindow_ms = 10\n",
+            "[memory]\nlimit = \"lots\"\n",
+            "[[models]]\nname = \"m\"\n[models.slo]\nttft_p99_ms = 0\n",
+        ] {
+            let c: ServerConfig = toml::from_str(bad).unwrap();
+            assert!(c.validate().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
     fn files_and_environment_override_defaults() {
         let text = r#"
             listen = "0.0.0.0:9000"

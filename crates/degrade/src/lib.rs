@@ -166,6 +166,10 @@ pub struct Observation {
     pub kv_ratio: Option<f64>,
     /// Time to first token of the requests whose first token came in this window.
     pub ttft_ms: Vec<f64>,
+    /// For each of `ttft_ms` (when given): how many windows before this one its request
+    /// arrived. A lever is judged only on requests that arrived after it moved (requests
+    /// admitted before a cut still queue behind each other after it).
+    pub ttft_arrived_windows_ago: Vec<u32>,
     /// Gaps between consecutive tokens of a stream, this window.
     pub itl_ms: Vec<f64>,
     /// Whole-request latency of the requests that ended this window (for the explicit rule).
@@ -294,7 +298,8 @@ pub struct Controller {
     settings: Settings,
     limits: Limits,
     window: u64,
-    ttft: VecDeque<(u64, f64)>,
+    /// Window of the first token, window of arrival, milliseconds.
+    ttft: VecDeque<(u64, u64, f64)>,
     itl: VecDeque<(u64, f64)>,
     e2e: VecDeque<(u64, f64)>,
     /// Window of the last change of the levers each latency judges.
@@ -313,12 +318,18 @@ pub struct Controller {
 }
 
 fn p99(samples: &VecDeque<(u64, f64)>, after: u64, min: usize) -> Option<f64> {
-    let mut values: Vec<f64> = samples
-        .iter()
-        .filter(|(w, _)| *w > after)
-        .map(|(_, v)| *v)
-        .filter(|v| v.is_finite())
-        .collect();
+    p99_of(
+        samples
+            .iter()
+            .filter(|(w, _)| *w > after)
+            .map(|(_, v)| *v)
+            .collect(),
+        min,
+    )
+}
+
+fn p99_of(values: Vec<f64>, min: usize) -> Option<f64> {
+    let mut values: Vec<f64> = values.into_iter().filter(|v| v.is_finite()).collect();
     if values.len() < min.max(1) {
         return None;
     }
@@ -425,11 +436,22 @@ impl Controller {
         self.window += 1;
         let w = self.window;
         let horizon = self.settings.horizon_windows.max(1);
-        for (queue, samples) in [
-            (&mut self.ttft, &obs.ttft_ms),
-            (&mut self.itl, &obs.itl_ms),
-            (&mut self.e2e, &obs.e2e_ms),
-        ] {
+        for (i, &v) in obs.ttft_ms.iter().enumerate() {
+            let ago = obs.ttft_arrived_windows_ago.get(i).copied().unwrap_or(0);
+            self.ttft
+                .push_back((w, w.saturating_sub(u64::from(ago)), v));
+        }
+        while self
+            .ttft
+            .front()
+            .is_some_and(|(at, _, _)| at + horizon <= w)
+        {
+            self.ttft.pop_front();
+        }
+        while self.ttft.len() > 65_536 {
+            self.ttft.pop_front();
+        }
+        for (queue, samples) in [(&mut self.itl, &obs.itl_ms), (&mut self.e2e, &obs.e2e_ms)] {
             queue.extend(samples.iter().map(|&v| (w, v)));
             while queue.front().is_some_and(|(at, _)| at + horizon <= w) {
                 queue.pop_front();
@@ -470,7 +492,14 @@ impl Controller {
             memory_ratio: memory,
             memory_psi_some_avg10: obs.memory_psi_some_avg10,
             kv_ratio: kv,
-            ttft_p99_ms: p99(&self.ttft, self.ttft_moved, s.min_ttft_samples),
+            ttft_p99_ms: p99_of(
+                self.ttft
+                    .iter()
+                    .filter(|(_, arrived, _)| *arrived > self.ttft_moved)
+                    .map(|(_, _, v)| *v)
+                    .collect(),
+                s.min_ttft_samples,
+            ),
             itl_p99_ms: p99(&self.itl, self.itl_moved, s.min_itl_samples),
             e2e_p99_ms: p99(&self.e2e, self.rule_moved, s.min_ttft_samples),
         };
@@ -743,7 +772,10 @@ impl Controller {
                     &mut changes,
                 );
             }
-            if ttft_healthy && (obs.shed > 0 || idle) {
+            // Under traffic, an objective needs a measured p99 below its band to grow (no
+            // samples yet after a cut is not a healthy sign).
+            let ttft_measured = s.ttft_p99_ms.is_none() || signals.ttft_p99_ms.is_some();
+            if ttft_healthy && ((obs.shed > 0 && ttft_measured) || idle) {
                 let to = (self.limits.max_in_flight + s.growth.max_in_flight).min(c.max_in_flight);
                 let what = if idle {
                     "idle".to_string()

@@ -401,6 +401,42 @@ fn an_objective_the_queue_cannot_explain_does_not_collapse_admission() {
 }
 
 #[test]
+fn first_tokens_of_requests_admitted_before_a_cut_do_not_judge_it() {
+    let mut s = Settings::new(ceilings());
+    s.ttft_p99_ms = Some(800.0);
+    let mut c = Controller::new(s);
+    let d = c.observe(&Observation {
+        ttft_ms: jitter(4800.0, 10),
+        in_flight_peak: 48,
+        running: 32,
+        ..Observation::default()
+    });
+    assert_eq!(d.limits.max_in_flight, 24);
+    // The queue admitted before the cut drains: slow first tokens of old requests.
+    for _ in 0..3 {
+        let d = c.observe(&Observation {
+            ttft_ms: jitter(5200.0, 10),
+            ttft_arrived_windows_ago: vec![3; 10],
+            in_flight_peak: 40,
+            running: 32,
+            shed: 20,
+            ..Observation::default()
+        });
+        assert!(d.changes.is_empty(), "{:?}", d.changes);
+        assert_eq!(d.signals.ttft_p99_ms, None);
+    }
+    // Requests admitted after the cut: faster, but not yet within the objective: cut further.
+    let d = c.observe(&Observation {
+        ttft_ms: jitter(2400.0, 10),
+        in_flight_peak: 24,
+        running: 24,
+        shed: 20,
+        ..Observation::default()
+    });
+    assert!(d.limits.max_in_flight < 24, "{:?}", d.changes);
+}
+
+#[test]
 fn the_p99_of_a_window_is_the_sample_at_the_99th_percentile() {
     let mut q = VecDeque::new();
     for i in 1..=200 {

@@ -222,6 +222,8 @@ impl Sequence {
 #[derive(Debug, Default)]
 pub struct LatencySamples {
     pub ttft_ms: Vec<f32>,
+    /// When each of `ttft_ms`'s requests arrived.
+    pub ttft_arrived: Vec<Instant>,
     pub itl_ms: Vec<f32>,
     /// Whole sequences, arrival to the last token.
     pub e2e_ms: Vec<f32>,
@@ -540,7 +542,8 @@ impl Scheduler {
             register_full_blocks(&mut self.pool, &mut self.running[i]);
         }
         let mut finished = Vec::new();
-        let mut gaps: Vec<(bool, f32)> = Vec::with_capacity(samplers.len());
+        // (arrival for a first token, milliseconds)
+        let mut gaps: Vec<(Option<Instant>, f32)> = Vec::with_capacity(samplers.len());
         for (row, &i) in samplers.iter().enumerate() {
             let row_logits = &mut logits[row * vocab..(row + 1) * vocab];
             let seq = &mut self.running[i];
@@ -552,11 +555,11 @@ impl Scheduler {
                 let now = Instant::now();
                 gaps.push(match seq.last_token.replace(now) {
                     None => (
-                        true,
+                        Some(seq.arrived),
                         first.saturating_duration_since(seq.arrived).as_secs_f32() * 1e3,
                     ),
                     Some(before) => (
-                        false,
+                        None,
                         now.saturating_duration_since(before).as_secs_f32() * 1e3,
                     ),
                 });
@@ -565,14 +568,20 @@ impl Scheduler {
         }
         if !gaps.is_empty() {
             let mut samples = self.latency.lock().unwrap_or_else(|e| e.into_inner());
-            let LatencySamples {
-                ttft_ms,
-                itl_ms,
-                dropped,
-                ..
-            } = &mut *samples;
-            for (first, ms) in gaps {
-                LatencySamples::push(if first { ttft_ms } else { itl_ms }, dropped, ms);
+            for (arrived, ms) in gaps {
+                match arrived {
+                    Some(at) if samples.ttft_ms.len() < LatencySamples::CAPACITY => {
+                        samples.ttft_ms.push(ms);
+                        samples.ttft_arrived.push(at);
+                    }
+                    Some(_) => samples.dropped += 1,
+                    None => {
+                        let LatencySamples {
+                            itl_ms, dropped, ..
+                        } = &mut *samples;
+                        LatencySamples::push(itl_ms, dropped, ms);
+                    }
+                }
             }
         }
         finished.sort_unstable_by_key(|f| std::cmp::Reverse(f.0));

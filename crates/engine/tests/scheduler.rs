@@ -660,6 +660,7 @@ fn latency_samples_hold_each_first_token_and_every_gap() {
     h.run_to_end();
     let samples = latency.lock().unwrap().drain();
     assert_eq!(samples.ttft_ms.len(), 2);
+    assert_eq!(samples.ttft_arrived.len(), 2);
     assert_eq!(samples.itl_ms.len(), 9 + 4);
     assert_eq!(samples.e2e_ms.len(), 2);
     assert!(samples.itl_ms.iter().all(|&g| g >= 0.0));

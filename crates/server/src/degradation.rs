@@ -11,7 +11,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use degrade::{Cause, Change, Controller, Decision, Limits, Settings, Signals};
 use engine::{Engine, KvMemory};
@@ -297,6 +297,7 @@ impl Degradation {
         if let Some(ratio) = memory.ratio {
             gauge!("rampart_memory_pressure_ratio").set(ratio);
         }
+        let window_s = (config.degradation.window_ms.max(1) as f64) / 1e3;
         let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
         let mut live = HashSet::new();
         for entry in entries {
@@ -333,6 +334,12 @@ impl Degradation {
                 }
             });
             let latency = state.engine.drain_latency();
+            let now = Instant::now();
+            let ttft_arrived_windows_ago = latency
+                .ttft_arrived
+                .iter()
+                .map(|at| (now.saturating_duration_since(*at).as_secs_f64() / window_s) as u32)
+                .collect();
             let snapshot = state.engine.snapshot();
             let (in_flight_peak, shed) = state.entry.admission.take_window();
             let observation = degrade::Observation {
@@ -341,6 +348,7 @@ impl Degradation {
                 kv_ratio: (snapshot.blocks_total > 0)
                     .then(|| snapshot.blocks_used as f64 / snapshot.blocks_total as f64),
                 ttft_ms: to_f64(&latency.ttft_ms),
+                ttft_arrived_windows_ago,
                 itl_ms: to_f64(&latency.itl_ms),
                 e2e_ms: to_f64(&latency.e2e_ms),
                 running: snapshot.running,

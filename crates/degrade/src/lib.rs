@@ -760,6 +760,10 @@ impl Controller {
             };
             if fits && (obs.prefill_held || idle) {
                 let to = grown;
+                // The next growth waits for samples of the bigger steps.
+                if !idle && to > p {
+                    self.itl_moved = w;
+                }
                 self.set(
                     Lever::MaxPrefillTokens,
                     to,
@@ -777,6 +781,11 @@ impl Controller {
             let ttft_measured = s.ttft_p99_ms.is_none() || signals.ttft_p99_ms.is_some();
             if ttft_healthy && ((obs.shed > 0 && ttft_measured) || idle) {
                 let to = (self.limits.max_in_flight + s.growth.max_in_flight).min(c.max_in_flight);
+                // The next growth waits for first tokens of requests let in after this one:
+                // growing on the old requests' samples overshoots by the samples' lag.
+                if !idle && to > self.limits.max_in_flight && s.ttft_p99_ms.is_some() {
+                    self.ttft_moved = w;
+                }
                 let what = if idle {
                     "idle".to_string()
                 } else {

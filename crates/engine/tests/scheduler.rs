@@ -577,17 +577,22 @@ fn long_prompts_are_chunked_and_do_not_stall_decoding() {
     h.run_to_end();
 }
 
-#[test]
-fn decode_tokens_come_first_and_prompts_share_the_prefill_budget() {
-    let mut h = Harness::new(Setup {
-        blocks: 400,
+/// A pool with room for everything, blocks of 16 tokens, no prefix cache and no tier.
+fn roomy(blocks: usize, max_num_seqs: usize, budget: usize) -> Setup {
+    Setup {
+        blocks,
         block_tokens: 16,
         prefix_caching: false,
         tier_host_blocks: 0,
         tier_disk_blocks: 0,
-        max_num_seqs: 16,
-        budget: 512,
-    });
+        max_num_seqs,
+        budget,
+    }
+}
+
+#[test]
+fn decode_tokens_come_first_and_prompts_share_the_prefill_budget() {
+    let mut h = Harness::new(roomy(400, 16, 512));
     // Eight streams decoding.
     for i in 0..8 {
         h.submit(vec![5 + i; 4], 200);
@@ -618,15 +623,7 @@ fn decode_tokens_come_first_and_prompts_share_the_prefill_budget() {
 
 #[test]
 fn at_saturation_nobody_new_starts_and_running_streams_go_on() {
-    let mut h = Harness::new(Setup {
-        blocks: 200,
-        block_tokens: 16,
-        prefix_caching: false,
-        tier_host_blocks: 0,
-        tier_disk_blocks: 0,
-        max_num_seqs: 8,
-        budget: 64,
-    });
+    let mut h = Harness::new(roomy(200, 8, 64));
     h.submit(vec![5; 4], 30);
     h.step();
     h.limits.set_admit_prefills(false);
@@ -645,15 +642,7 @@ fn at_saturation_nobody_new_starts_and_running_streams_go_on() {
 
 #[test]
 fn latency_samples_hold_each_first_token_and_every_gap() {
-    let mut h = Harness::new(Setup {
-        blocks: 200,
-        block_tokens: 16,
-        prefix_caching: false,
-        tier_host_blocks: 0,
-        tier_disk_blocks: 0,
-        max_num_seqs: 8,
-        budget: 64,
-    });
+    let mut h = Harness::new(roomy(200, 8, 64));
     let latency = Arc::clone(&h.latency);
     h.submit(vec![5; 4], 10);
     h.submit(vec![6; 4], 5);

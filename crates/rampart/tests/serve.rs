@@ -1622,8 +1622,15 @@ ttft_p99_ms = 1
         assert_eq!(status, 200, "{body}");
         serde_json::from_str(&body).unwrap()
     };
-    // Load until both levers moved.
-    let deadline = Instant::now() + Duration::from_secs(60);
+    // Load until both levers moved and somebody was shed. (A TTFT cut that does not help is
+    // undone, so the current limit may be back at its ceiling when looked at: the changes say
+    // what happened.)
+    let lowered = |m: &serde_json::Value, lever: &str, cause: &str| {
+        m["recent"].as_array().unwrap().iter().any(|c| {
+            c["lever"] == lever && c["cause"] == cause && c["to"].as_u64() < c["from"].as_u64()
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(90);
     let mut refused = Vec::new();
     let model_view = loop {
         for (status, retry_after, text) in burst(10) {
@@ -1635,8 +1642,8 @@ ttft_p99_ms = 1
         }
         let v = view();
         let m = v["models"][0].clone();
-        if m["limits"]["max_prefill_tokens"].as_u64() < m["ceilings"]["max_prefill_tokens"].as_u64()
-            && m["limits"]["max_in_flight"].as_u64() < Some(12)
+        if lowered(&m, "max_prefill_tokens", "itl")
+            && lowered(&m, "max_in_flight", "ttft")
             && !refused.is_empty()
         {
             break m;
@@ -1644,15 +1651,10 @@ ttft_p99_ms = 1
         assert!(Instant::now() < deadline, "the controller did not act: {v}");
     };
     assert_eq!(model_view["backend"], format!("{MODEL}@1.0.0"));
-    assert!(model_view["level"].as_u64() >= Some(2), "{model_view}");
-    let causes: Vec<&str> = model_view["recent"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|c| c["cause"].as_str())
-        .collect();
+    assert_eq!(model_view["objectives"]["itl_p99_ms"], 1);
     assert!(
-        causes.contains(&"itl") && causes.contains(&"ttft"),
+        model_view["limits"]["max_prefill_tokens"].as_u64()
+            < model_view["ceilings"]["max_prefill_tokens"].as_u64(),
         "{model_view}"
     );
     for (retry_after, text) in &refused {
@@ -1668,11 +1670,13 @@ ttft_p99_ms = 1
     }
     assert!(metric(port, "rampart_degradation_changes_total") >= 2.0);
     assert!(metric(port, "rampart_batch_limit{") > 0.0);
+    let (_, _, metrics) = http(port, "GET", "/metrics", None, None);
     assert!(
-        metric(
-            port,
-            "rampart_rejected_requests_total{model=\"smollm2-135m\",reason=\"shedding\""
-        ) >= 1.0
+        metrics
+            .lines()
+            .any(|l| l.starts_with("rampart_rejected_requests_total{")
+                && l.contains("reason=\"shedding\"")),
+        "the refusals are counted as shedding"
     );
     // The log says each change with its cause.
     let log = std::fs::read_to_string(&server.log).unwrap();

@@ -254,6 +254,8 @@ mod tests {
         let d = admission.acquire().await.unwrap();
         assert_eq!(admission.take_window(), (3, 0));
         drop((b, c, d));
+        // The window that just ended began with three in flight; the next one is empty.
+        assert_eq!(admission.take_window(), (3, 0));
         assert_eq!(admission.take_window(), (0, 0));
     }
 }

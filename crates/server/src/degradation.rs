@@ -226,7 +226,7 @@ fn record(entry: &Entry, change: &Change, level: u8) {
             from = change.from,
             to = change.to,
             cause,
-            level,
+            degradation_level = level,
             detail = %change.detail,
             "degradation: limit raised"
         );
@@ -238,7 +238,7 @@ fn record(entry: &Entry, change: &Change, level: u8) {
             from = change.from,
             to = change.to,
             cause,
-            level,
+            degradation_level = level,
             detail = %change.detail,
             "degradation: limit lowered"
         );

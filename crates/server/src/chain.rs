@@ -411,7 +411,7 @@ async fn try_backend(
             // A full queue says nothing about the backend's health.
             call.neutral();
             record.refuse(match &e {
-                ApiError::Overloaded { code, .. } => *code,
+                ApiError::Overloaded { code, .. } => code,
                 _ => "queue_timeout",
             });
             return Err(miss(Trigger::Overloaded, e));

@@ -7,7 +7,9 @@
 //! others for more than its chunk. Decode tokens are counted first: prompt chunks share what is
 //! left, up to the prefill budget (`max_prefill_tokens`), which the degradation controller
 //! shrinks when streams slow down (a step's time grows with its tokens, and every stream waits
-//! for the step). Waiting sequences are admitted in arrival order while the budgets, the cap and
+//! for the step). While several prompts are read (or new ones wait), each takes at most its
+//! share of that budget, so a long document does not hold short prompts back. Waiting sequences
+//! are admitted in arrival order while the budgets, the cap and
 //! the pool (keeping a watermark of free blocks for the running ones) allow, and while new
 //! prefills are admitted at all (not at saturation).
 //!
@@ -645,6 +647,20 @@ impl Scheduler {
             .limits
             .max_prefill_tokens()
             .min(budget.saturating_sub(decoding));
+        // When several prompts are being read (or new ones wait), each running one takes at
+        // most its share of the prefill budget (one block at least): a long document being
+        // read does not hold a short prompt's first token back for its whole length.
+        let prefilling = self
+            .running
+            .iter()
+            .filter(|s| s.tokens.len() - s.computed > 1)
+            .count();
+        let contenders = prefilling + usize::from(!self.waiting.is_empty());
+        let share = if contenders > 1 {
+            (prefill / contenders).max(self.pool.block_tokens())
+        } else {
+            prefill
+        };
         let mut held = false;
         let mut scheduled = Vec::new();
         let mut preempted = false;
@@ -654,7 +670,7 @@ impl Scheduler {
             let n = if pending <= 1 {
                 pending.min(budget)
             } else {
-                pending.min(budget).min(prefill)
+                pending.min(budget).min(prefill).min(share)
             };
             if n == 0 {
                 held = true;

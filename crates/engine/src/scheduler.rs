@@ -299,6 +299,8 @@ pub struct Scheduler {
     snapshot: Arc<Mutex<SchedulerSnapshot>>,
     latency: Arc<Mutex<LatencySamples>>,
     stats: SchedulerSnapshot,
+    /// Rotates a too-small prefill budget between the prompts being read.
+    prefill_turns: u64,
 }
 
 impl std::fmt::Debug for Scheduler {
@@ -350,6 +352,7 @@ impl Scheduler {
             snapshot,
             latency,
             stats: SchedulerSnapshot::default(),
+            prefill_turns: 0,
         };
         scheduler.publish();
         scheduler
@@ -661,6 +664,15 @@ impl Scheduler {
         } else {
             prefill
         };
+        // A budget too small to give every contender a block is taken in turns, round robin
+        // (the waiting queue is the last contender): otherwise whoever is first in line would
+        // take it every step.
+        let rotating = contenders > 1 && prefill < contenders * self.pool.block_tokens();
+        // Counted per call, not per step run: a turn whose holder cannot use it (no room for a
+        // newcomer) must pass on.
+        self.prefill_turns = self.prefill_turns.wrapping_add(1);
+        let turn = (self.prefill_turns as usize) % contenders.max(1);
+        let mut reader = 0;
         let mut held = false;
         let mut scheduled = Vec::new();
         let mut preempted = false;
@@ -670,7 +682,14 @@ impl Scheduler {
             let n = if pending <= 1 {
                 pending.min(budget)
             } else {
-                pending.min(budget).min(prefill).min(share)
+                reader += 1;
+                if rotating && reader - 1 != turn {
+                    0
+                } else if rotating {
+                    pending.min(budget).min(prefill)
+                } else {
+                    pending.min(budget).min(prefill).min(share)
+                }
             };
             if n == 0 {
                 held = true;
@@ -711,7 +730,9 @@ impl Scheduler {
         }
         let watermark = (self.config.watermark * self.pool.total() as f64).ceil() as usize;
         let admit_new = self.limits.admit_prefills();
-        while budget > 0 && prefill > 0 && self.running.len() < max_seqs {
+        let waiting_turn = !rotating || turn == prefilling;
+        held |= !waiting_turn && !self.waiting.is_empty();
+        while waiting_turn && budget > 0 && prefill > 0 && self.running.len() < max_seqs {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };

@@ -299,8 +299,6 @@ pub struct Scheduler {
     snapshot: Arc<Mutex<SchedulerSnapshot>>,
     latency: Arc<Mutex<LatencySamples>>,
     stats: SchedulerSnapshot,
-    /// Rotates a too-small prefill budget between the prompts being read.
-    prefill_turns: u64,
 }
 
 impl std::fmt::Debug for Scheduler {
@@ -352,7 +350,6 @@ impl Scheduler {
             snapshot,
             latency,
             stats: SchedulerSnapshot::default(),
-            prefill_turns: 0,
         };
         scheduler.publish();
         scheduler
@@ -664,15 +661,6 @@ impl Scheduler {
         } else {
             prefill
         };
-        // A budget too small to give every contender a block is taken in turns, round robin
-        // (the waiting queue is the last contender): otherwise whoever is first in line would
-        // take it every step.
-        let rotating = contenders > 1 && prefill < contenders * self.pool.block_tokens();
-        // Counted per call, not per step run: a turn whose holder cannot use it (no room for a
-        // newcomer) must pass on.
-        self.prefill_turns = self.prefill_turns.wrapping_add(1);
-        let turn = (self.prefill_turns as usize) % contenders.max(1);
-        let mut reader = 0;
         let mut held = false;
         let mut scheduled = Vec::new();
         let mut preempted = false;
@@ -682,14 +670,7 @@ impl Scheduler {
             let n = if pending <= 1 {
                 pending.min(budget)
             } else {
-                reader += 1;
-                if rotating && reader - 1 != turn {
-                    0
-                } else if rotating {
-                    pending.min(budget).min(prefill)
-                } else {
-                    pending.min(budget).min(prefill).min(share)
-                }
+                pending.min(budget).min(prefill).min(share)
             };
             if n == 0 {
                 held = true;
@@ -730,9 +711,7 @@ impl Scheduler {
         }
         let watermark = (self.config.watermark * self.pool.total() as f64).ceil() as usize;
         let admit_new = self.limits.admit_prefills();
-        let waiting_turn = !rotating || turn == prefilling;
-        held |= !waiting_turn && !self.waiting.is_empty();
-        while waiting_turn && budget > 0 && prefill > 0 && self.running.len() < max_seqs {
+        while budget > 0 && prefill > 0 && self.running.len() < max_seqs {
             let Some(mut seq) = self.waiting.pop_front() else {
                 break;
             };

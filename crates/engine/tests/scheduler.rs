@@ -643,26 +643,6 @@ fn a_short_prompt_is_not_held_behind_a_long_document_being_read() {
 }
 
 #[test]
-fn a_budget_of_one_block_is_taken_in_turns() {
-    let mut h = Harness::new(roomy(400, 8, 64));
-    h.limits.set_max_prefill_tokens(16);
-    h.submit((3..600).collect(), 2);
-    for _ in 0..3 {
-        h.step();
-    }
-    h.submit(vec![9; 20], 2);
-    let mut steps = 0;
-    while h.requests[1].got.is_empty() {
-        h.step();
-        steps += 1;
-    }
-    // Turns: the document, then the newcomer's 16 tokens, the document, its last 4.
-    assert!(steps <= 5, "{steps} steps");
-    assert!(h.requests[0].got.is_empty());
-    h.run_to_end();
-}
-
-#[test]
 fn at_saturation_nobody_new_starts_and_running_streams_go_on() {
     let mut h = Harness::new(roomy(200, 8, 64));
     h.submit(vec![5; 4], 30);

@@ -131,7 +131,6 @@ pub struct ModelView {
 struct ModelState {
     controller: Controller,
     engine: Arc<Engine>,
-    entry: Arc<Entry>,
     /// The engine's count of steps that held prompts back, at the last window.
     held_steps: u64,
     view: ModelView,
@@ -318,7 +317,6 @@ impl Degradation {
                 ModelState {
                     controller: Controller::new(settings),
                     engine: Arc::clone(&engine),
-                    entry: Arc::clone(entry),
                     held_steps: engine.snapshot().prefill_held_steps,
                     view: ModelView {
                         backend: entry.id.clone(),
@@ -341,7 +339,7 @@ impl Degradation {
                 .map(|at| (now.saturating_duration_since(*at).as_secs_f64() / window_s) as u32)
                 .collect();
             let snapshot = state.engine.snapshot();
-            let (in_flight_peak, shed) = state.entry.admission.take_window();
+            let (in_flight_peak, shed) = entry.admission.take_window();
             let observation = degrade::Observation {
                 memory_ratio: memory.ratio,
                 memory_psi_some_avg10: memory.psi_some_avg10,
@@ -360,11 +358,11 @@ impl Degradation {
             state.held_steps = snapshot.prefill_held_steps;
             let decision = state.controller.observe(&observation);
             if !decision.changes.is_empty() {
-                apply(&state.engine, &state.entry, &decision.limits);
+                apply(&state.engine, entry, &decision.limits);
             }
             let at_ms = unix_ms();
             for change in &decision.changes {
-                record(&state.entry, change, decision.level);
+                record(entry, change, decision.level);
                 if state.view.recent.len() == RECENT {
                     state.view.recent.pop_front();
                 }
@@ -374,7 +372,7 @@ impl Degradation {
                     change: change.clone(),
                 });
             }
-            gauges(&state.entry, &decision);
+            gauges(entry, &decision);
             state.view.level = decision.level;
             state.view.limits = decision.limits;
             state.view.signals = decision.signals;

@@ -4,6 +4,10 @@
 //!
 //! # Levers, in order of cost
 //!
+//! 0. **Memory nobody uses** (`kv_resident_blocks`): while memory is above the scaling
+//!    watermark, the prefix cache's unreferenced blocks are dropped and the pages of free KV
+//!    blocks go back to the system. Free blocks are reused last-freed first, so the pool's mapped
+//!    memory follows its peak use; this lever brings it down to its present use.
 //! 1. **The prefill budget** (`max_prefill_tokens`): prompt tokens per engine step. Each step
 //!    carries one token of every running stream plus some prompt; a big prompt chunk makes the
 //!    step slow and every stream waits for it. When inter-token latency (ITL) p99 is above its
@@ -117,6 +121,9 @@ pub const HEALTHY_SHARE: f64 = 0.8;
 /// The prefill budget grows only when the step it makes is predicted below this share of the
 /// ITL objective.
 pub const PREDICTED_SHARE: f64 = 0.95;
+/// Free mapped KV blocks worth a release (fewer are not worth a record every window).
+pub const MIN_RELEASE_BLOCKS: usize = 16;
+
 /// Memory must be this far below the scaling watermark before limits grow.
 pub const MEMORY_HYSTERESIS: f64 = 0.05;
 
@@ -184,6 +191,10 @@ pub struct Observation {
     pub shed: u64,
     /// Whether a step left prompt tokens for later because of the prefill budget.
     pub prefill_held: bool,
+    /// KV blocks whose pages are mapped, and those held by sequences (the rest is free or
+    /// cached and can go back to the system).
+    pub kv_resident_blocks: usize,
+    pub kv_held_blocks: usize,
 }
 
 /// Which limit moved.
@@ -195,6 +206,8 @@ pub enum Lever {
     MaxPrefillTokens,
     MaxInFlight,
     AdmitPrefills,
+    /// Not a limit: the mapped KV blocks, brought down to those in use.
+    KvResidentBlocks,
 }
 
 impl Lever {
@@ -205,6 +218,7 @@ impl Lever {
             Lever::MaxPrefillTokens => "max_prefill_tokens",
             Lever::MaxInFlight => "max_in_flight",
             Lever::AdmitPrefills => "admit_prefills",
+            Lever::KvResidentBlocks => "kv_resident_blocks",
         }
     }
 }
@@ -418,6 +432,16 @@ impl Controller {
                 }
                 return;
             }
+            Lever::KvResidentBlocks => {
+                out.push(Change {
+                    lever,
+                    from: 0,
+                    to,
+                    cause,
+                    detail,
+                });
+                return;
+            }
         };
         if *slot != to {
             out.push(Change {
@@ -550,8 +574,31 @@ impl Controller {
             );
         }
 
-        // Memory above the scaling watermark and not already falling: halve the batch.
-        if mem_high && !falling {
+        // Memory above the scaling watermark: first give back what nobody uses, and judge the
+        // batch only on the next window's reading, after the release.
+        let releasing =
+            mem_high && obs.kv_resident_blocks >= obs.kv_held_blocks + MIN_RELEASE_BLOCKS;
+        if releasing {
+            changes.push(Change {
+                lever: Lever::KvResidentBlocks,
+                from: obs.kv_resident_blocks,
+                to: obs.kv_held_blocks,
+                cause: if mem_saturated {
+                    Cause::MemorySaturated
+                } else {
+                    Cause::Memory
+                },
+                detail: format!(
+                    "memory at {:.3} of its limit, scaling watermark {:.2}: free and cached KV pages go back",
+                    mem.unwrap_or(0.0),
+                    s.scaling
+                ),
+            });
+        }
+
+        // Memory above the scaling watermark and not already falling (nor about to fall by a
+        // release): halve the batch.
+        if mem_high && !falling && !releasing {
             let detail = format!(
                 "memory at {:.3} of its limit, scaling watermark {:.2}",
                 mem.unwrap_or(0.0),

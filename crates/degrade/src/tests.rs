@@ -149,6 +149,54 @@ fn a_memory_ramp_halves_the_batch_and_settles_below_the_watermark() {
 }
 
 #[test]
+fn memory_held_by_free_kv_pages_goes_back_and_admission_recovers() {
+    // Mapped KV pages stay mapped after their sequences end: the pool touched 450 blocks at a
+    // peak, 200 are in use now. Without giving pages back, memory would stay at saturation
+    // and nobody new would ever start.
+    let mut c = Controller::new(Settings::new(ceilings()));
+    let (mut resident, held) = (450usize, 200usize);
+    let mut windows_saturated = 0;
+    for w in 0..12 {
+        let memory = 0.5 + 0.001 * resident as f64;
+        let d = c.observe(&Observation {
+            memory_ratio: Some(memory),
+            running: 20,
+            in_flight_peak: 20,
+            kv_resident_blocks: resident,
+            kv_held_blocks: held,
+            ..Observation::default()
+        });
+        if let Some(release) = d
+            .changes
+            .iter()
+            .find(|ch| ch.lever == Lever::KvResidentBlocks)
+        {
+            assert_eq!(w, 0, "released once, when memory was high");
+            assert_eq!((release.from, release.to), (450, 200));
+            assert_eq!(release.cause, Cause::MemorySaturated);
+            // The engine gives the free pages back before the next window.
+            resident = held;
+        }
+        windows_saturated += usize::from(!d.limits.admit_prefills);
+    }
+    assert_eq!(windows_saturated, 1, "{c:?}");
+    assert!(c.limits().admit_prefills);
+    // The release came first: the batch was not halved for memory the release gave back.
+    assert_eq!(c.limits().max_num_seqs, ceilings().max_num_seqs);
+    // A small gap is not worth a release.
+    let d = c.observe(&Observation {
+        memory_ratio: Some(0.85),
+        kv_resident_blocks: held + MIN_RELEASE_BLOCKS - 1,
+        kv_held_blocks: held,
+        ..Observation::default()
+    });
+    assert!(d
+        .changes
+        .iter()
+        .all(|ch| ch.lever != Lever::KvResidentBlocks));
+}
+
+#[test]
 fn memory_pressure_from_psi_alone_counts_as_the_scaling_watermark() {
     let mut c = Controller::new(Settings::new(ceilings()));
     let d = c.observe(&Observation {

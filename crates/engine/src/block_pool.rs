@@ -150,8 +150,8 @@ impl BlockPool {
         self.content[block as usize].as_ref().map(|c| c.hash)
     }
 
-    /// Takes a block (reference count 1): a free one first, else the least recently released
-    /// cached one. `None` when every block is held.
+    /// Takes a block (reference count 1): the most recently freed one first, else the least
+    /// recently released cached one. `None` when every block is held.
     pub fn allocate(&mut self) -> Option<Allocated> {
         if let Some(block) = self.free.pop_front() {
             self.refcount[block as usize] = 1;
@@ -197,8 +197,28 @@ impl BlockPool {
             if let Some(c) = self.content[block as usize].take() {
                 self.by_hash.remove(&c.hash);
             }
+            // Last freed, first reused: the pages of a recently used block are still mapped
+            // (and warm in cache), so the pool's resident memory follows its peak use, not its
+            // size.
+            self.free.push_front(block);
+        }
+    }
+
+    /// Forgets the content of every cached block (they become free). Returns how many.
+    pub fn drop_cached(&mut self) -> usize {
+        let dropped = self.evictable.len();
+        while let Some((_, block)) = self.evictable.pop_first() {
+            if let Some(c) = self.content[block as usize].take() {
+                self.by_hash.remove(&c.hash);
+            }
             self.free.push_back(block);
         }
+        dropped
+    }
+
+    /// The free blocks (unreferenced, no content worth keeping).
+    pub fn free_blocks(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.free.iter().copied()
     }
 
     /// Registers the content of a held, full block. Returns false (and leaves the block

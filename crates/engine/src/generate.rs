@@ -288,6 +288,8 @@ struct Solo {
 
 enum Command {
     Submit(Box<NewSequence>),
+    /// Drop the prefix cache's unreferenced blocks and give free KV pages back.
+    ReleaseMemory,
     Shutdown,
 }
 
@@ -604,6 +606,15 @@ impl Engine {
         &self.limits
     }
 
+    /// Asks the engine thread to drop the prefix cache's unreferenced blocks and give the pages
+    /// of free KV blocks back to the system (the degradation controller's first memory lever).
+    /// Done between steps, also while idle; the snapshot counts what went
+    /// (`kv_released_bytes`, `blocks_resident`).
+    pub fn release_memory(&self) {
+        let commands = self.commands.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = commands.send(Command::ReleaseMemory);
+    }
+
     /// Times to first token and inter-token gaps since the last call (the degradation
     /// controller's latency signal).
     pub fn drain_latency(&self) -> LatencySamples {
@@ -882,6 +893,9 @@ fn engine_loop(
         for command in first.into_iter().chain(inbox.try_iter()) {
             match command {
                 Command::Submit(new) => scheduler.add(*new),
+                Command::ReleaseMemory => {
+                    scheduler.release_memory();
+                }
                 Command::Shutdown => {
                     scheduler.abort_all("the engine stopped");
                     return;

@@ -7,6 +7,8 @@
 
 use kernels::{KvDType, PagedKv};
 
+use crate::block_pool::BlockId;
+
 use crate::model::ModelConfig;
 
 /// The shape of the cache of one model.
@@ -109,6 +111,33 @@ impl KvStore {
         l.dtype.load_row(&self.values[layer][at..at + len], value);
     }
 
+    /// Gives the memory pages of these blocks (in every layer) back to the operating system;
+    /// their content reads as zeros afterwards, and a page is mapped again when next written.
+    /// Only pages wholly inside runs of the given blocks go. Returns the bytes given back (0
+    /// where the system has no such call).
+    pub fn release(&mut self, blocks: &[BlockId]) -> usize {
+        let mut sorted = blocks.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        let n = self.layout.layer_block_bytes();
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for &b in &sorted {
+            let b = b as usize;
+            assert!(b < self.blocks, "block {b} outside the store");
+            match runs.last_mut() {
+                Some((_, end)) if *end == b => *end = b + 1,
+                _ => runs.push((b, b + 1)),
+            }
+        }
+        let mut released = 0;
+        for buffer in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            for &(start, end) in &runs {
+                released += release_pages(&mut buffer[start * n..end * n]);
+            }
+        }
+        released
+    }
+
     /// The attention kernel's view of one layer.
     pub fn layer(&self, layer: usize) -> PagedKv<'_> {
         PagedKv {
@@ -141,6 +170,36 @@ impl KvStore {
             self.values[l][at..at + n].copy_from_slice(&chunk[n..]);
         }
     }
+}
+
+/// Hands the whole pages inside `bytes` back to the operating system (they read as zeros
+/// afterwards). Returns how many bytes went.
+#[cfg(target_os = "linux")]
+fn release_pages(bytes: &mut [u8]) -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    let page = if page > 0 { page as usize } else { 4096 };
+    let begin = bytes.as_mut_ptr() as usize;
+    let start = begin.next_multiple_of(page);
+    let end = (begin + bytes.len()) / page * page;
+    if end <= start {
+        return 0;
+    }
+    // SAFETY: [start, end) lies inside `bytes`, which we borrow mutably (no other reference to
+    // it exists), and is private anonymous memory from the allocator: MADV_DONTNEED only makes
+    // its pages read as zeros again, which is a valid value of `u8`. No other allocation's pages
+    // are touched, since the range is rounded inwards to whole pages.
+    let rc = unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED) };
+    if rc == 0 {
+        end - start
+    } else {
+        0
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn release_pages(_bytes: &mut [u8]) -> usize {
+    0
 }
 
 /// The cache of a single sequence: a private store whose blocks are used in order. What the
@@ -182,5 +241,54 @@ impl SequenceCache {
     /// Forgets everything (the memory is kept for the next sequence).
     pub fn clear(&mut self) {
         self.len = 0;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn released_blocks_read_as_zeros_and_the_others_keep_their_rows() {
+        let layout = KvLayout {
+            layers: 2,
+            kv_heads: 2,
+            head_dim: 64,
+            block_tokens: 16,
+            dtype: KvDType::F32,
+        };
+        // 8 KiB per layer block: whole pages on any 4 or 8 KiB page system.
+        let mut store = KvStore::new(layout, 32);
+        let row = |b: u32, s: usize| -> Vec<f32> {
+            (0..128).map(|i| (b * 1000 + s as u32 + i) as f32).collect()
+        };
+        for b in 0..32u32 {
+            for s in 0..16 {
+                for l in 0..2 {
+                    store.write(l, b, s, &row(b, s), &row(b + 1, s));
+                }
+            }
+        }
+        let released = store.release(&[4, 5, 6, 7, 20, 3]);
+        let (mut k, mut v) = (vec![0.0; 128], vec![0.0; 128]);
+        if cfg!(target_os = "linux") {
+            assert!(released >= 2 * 2 * 4 * 8192, "{released}");
+            store.read(1, 5, 3, &mut k, &mut v);
+            assert!(k.iter().chain(&v).all(|&x| x == 0.0));
+        }
+        for b in [0u32, 2, 8, 19, 21, 31] {
+            for l in 0..2 {
+                store.read(l, b, 7, &mut k, &mut v);
+                assert_eq!(
+                    (k.clone(), v.clone()),
+                    (row(b, 7), row(b + 1, 7)),
+                    "block {b}"
+                );
+            }
+        }
+        // Written again, a released block holds its new rows.
+        store.write(0, 5, 3, &row(9, 9), &row(9, 9));
+        store.read(0, 5, 3, &mut k, &mut v);
+        assert_eq!(k, row(9, 9));
     }
 }

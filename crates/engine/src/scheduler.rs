@@ -7,11 +7,14 @@
 //! others for more than its chunk. Decode tokens are counted first: prompt chunks share what is
 //! left, up to the prefill budget (`max_prefill_tokens`), which the degradation controller
 //! shrinks when streams slow down (a step's time grows with its tokens, and every stream waits
-//! for the step). While several prompts are read (or new ones wait), each takes at most its
-//! share of that budget, so a long document does not hold short prompts back. Waiting sequences
-//! are admitted in arrival order while the budgets, the cap and
-//! the pool (keeping a watermark of free blocks for the running ones) allow, and while new
-//! prefills are admitted at all (not at saturation).
+//! for the step). The prefill budget goes to prompts (being read, or waiting to start) in a
+//! weighted-fair-queueing order: by the moment each prompt would be read if it had the engine
+//! alone, on a clock of prompt tokens read. So prompts of one length are served first come
+//! first served (a burst's first arrivals get their first token first, instead of everybody
+//! waiting for the whole burst), a short prompt goes ahead of a long document that arrived
+//! shortly before it, and the document is never starved. Waiting sequences start in that order
+//! while the budgets, the cap and the pool (keeping a watermark of free blocks for the running
+//! ones) allow, and while new prefills are admitted at all (not at saturation).
 //!
 //! KV blocks are taken as sequences grow, never reserved for `max_tokens` up front. When a
 //! running sequence needs a block and none is left, the newest running sequence is preempted:
@@ -139,6 +142,12 @@ pub struct SchedulerSnapshot {
     pub admit_prefills: bool,
     /// Steps that left prompt tokens for later because of the prefill budget.
     pub prefill_held_steps: u64,
+    /// Blocks whose pages are mapped: written since the pool started or since they were last
+    /// given back (free blocks are reused last-freed first, so this follows the peak use).
+    pub blocks_resident: usize,
+    /// Bytes of free KV pages given back to the system so far, and how many times.
+    pub kv_released_bytes: u64,
+    pub kv_releases: u64,
 }
 
 impl SchedulerSnapshot {
@@ -196,6 +205,13 @@ struct Sequence {
     events: UnboundedSender<Event>,
     cancel: Arc<AtomicBool>,
     arrived: Instant,
+    /// Its place in the prefill order: the prompt clock when it arrived plus its prompt's
+    /// length, the moment its prompt would be read if it had the engine alone (weighted fair
+    /// queueing, with prompt tokens read as the clock). Prompts of one length go first come
+    /// first served; a short prompt goes ahead of a long document that arrived shortly before
+    /// it; and a document goes ahead of every prompt that arrives once as many prompt tokens
+    /// as its own were read after it, so it is never starved.
+    tag: u64,
     first_scheduled: Option<Instant>,
     first_token: Option<Instant>,
     /// When its latest token came out (the inter-token gaps' start).
@@ -299,6 +315,10 @@ pub struct Scheduler {
     snapshot: Arc<Mutex<SchedulerSnapshot>>,
     latency: Arc<Mutex<LatencySamples>>,
     stats: SchedulerSnapshot,
+    /// Prompt tokens read so far (recomputed ones included): the clock of the prefill order.
+    prompt_clock: u64,
+    /// Per block: whether its pages are mapped (written since last given back).
+    resident: Vec<bool>,
 }
 
 impl std::fmt::Debug for Scheduler {
@@ -333,6 +353,7 @@ impl Scheduler {
         assert_eq!(pool.total(), store.blocks(), "pool and store agree");
         assert_eq!(pool.block_tokens(), store.layout().block_tokens);
         let block_bytes = store.layout().block_bytes();
+        let blocks = pool.total();
         let mut scheduler = Self {
             config,
             limits,
@@ -350,6 +371,8 @@ impl Scheduler {
             snapshot,
             latency,
             stats: SchedulerSnapshot::default(),
+            prompt_clock: 0,
+            resident: vec![false; blocks],
         };
         scheduler.publish();
         scheduler
@@ -382,9 +405,10 @@ impl Scheduler {
     pub fn add(&mut self, new: NewSequence) {
         let block_tokens = self.pool.block_tokens();
         let sampler = new.sampler;
+        let prompt_len = new.tokens.len();
         let seq = Sequence {
             id: self.next_id,
-            prompt_len: new.tokens.len(),
+            prompt_len,
             hashes: Vec::with_capacity(new.tokens.len() / block_tokens + 1),
             tokens: new.tokens,
             computed: 0,
@@ -401,6 +425,7 @@ impl Scheduler {
             events: new.events,
             cancel: new.cancel,
             arrived: new.arrived,
+            tag: self.prompt_clock + prompt_len as u64,
             first_scheduled: None,
             first_token: None,
             last_token: None,
@@ -535,6 +560,9 @@ impl Scheduler {
         for &(i, n) in &scheduled {
             let seq = &mut self.running[i];
             let prefill = n.min(seq.prompt_len.saturating_sub(seq.computed));
+            if seq.tokens.len() - seq.computed > 1 {
+                self.prompt_clock += n as u64;
+            }
             self.stats.prefill_tokens += prefill as u64;
             self.stats.decode_tokens += (n - prefill) as u64;
             seq.computed += n;
@@ -636,8 +664,9 @@ impl Scheduler {
     fn schedule(&mut self) -> Vec<(usize, usize)> {
         let mut budget = self.limits.max_num_batched_tokens();
         let max_seqs = self.limits.max_num_seqs();
+        let admit_new = self.limits.admit_prefills();
         // Decode first: every running stream's next token is counted before any prompt chunk,
-        // and prompt tokens share what is left up to the prefill budget.
+        // and prompt tokens take what is left up to the prefill budget.
         let decoding = self
             .running
             .iter()
@@ -647,20 +676,10 @@ impl Scheduler {
             .limits
             .max_prefill_tokens()
             .min(budget.saturating_sub(decoding));
-        // When several prompts are being read (or new ones wait), each running one takes at
-        // most its share of the prefill budget (one block at least): a long document being
-        // read does not hold a short prompt's first token back for its whole length.
-        let prefilling = self
-            .running
-            .iter()
-            .filter(|s| s.tokens.len() - s.computed > 1)
-            .count();
-        let contenders = prefilling + usize::from(!self.waiting.is_empty());
-        let share = if contenders > 1 {
-            (prefill / contenders).max(self.pool.block_tokens())
-        } else {
-            prefill
-        };
+        // The prefill budget goes to prompts in the order of their tags (see `Sequence::tag`):
+        // first come first served among prompts of one length, a short prompt ahead of a long
+        // document that arrived shortly before it.
+        let (running_share, waiting_order) = self.prefill_shares(prefill, max_seqs, admit_new);
         let mut held = false;
         let mut scheduled = Vec::new();
         let mut preempted = false;
@@ -670,7 +689,7 @@ impl Scheduler {
             let n = if pending <= 1 {
                 pending.min(budget)
             } else {
-                pending.min(budget).min(prefill).min(share)
+                running_share[i].min(budget).min(prefill)
             };
             if n == 0 {
                 held = true;
@@ -710,16 +729,18 @@ impl Scheduler {
             return scheduled;
         }
         let watermark = (self.config.watermark * self.pool.total() as f64).ceil() as usize;
-        let admit_new = self.limits.admit_prefills();
-        while budget > 0 && prefill > 0 && self.running.len() < max_seqs {
-            let Some(mut seq) = self.waiting.pop_front() else {
-                break;
-            };
-            if !seq.admitted && !admit_new {
-                // Saturated: nobody new starts (sequences already started may resume).
-                self.waiting.push_front(seq);
+        for (id, share) in waiting_order {
+            if self.running.len() >= max_seqs {
                 break;
             }
+            if budget == 0 || prefill == 0 {
+                held = true;
+                break;
+            }
+            let Some(at) = self.waiting.iter().position(|w| w.id == id) else {
+                continue;
+            };
+            let mut seq = self.waiting.remove(at).expect("index in range");
             if let Some((blocks, _)) = seq.swapped {
                 let reserve = if self.running.is_empty() {
                     0
@@ -727,7 +748,8 @@ impl Scheduler {
                     watermark
                 };
                 if self.pool.available() < blocks + reserve {
-                    self.waiting.push_front(seq);
+                    self.waiting.insert(at, seq);
+                    held = true;
                     break;
                 }
             }
@@ -739,19 +761,18 @@ impl Scheduler {
                 }
             }
             let pending = seq.tokens.len() - seq.computed;
-            let n = pending.min(budget).min(prefill);
+            let n = pending.min(budget).min(prefill).min(share.max(1));
             let need = self
                 .blocks_for(seq.computed + n)
                 .saturating_sub(seq.table.len());
-            if self.pool.available() < need + watermark && !self.running.is_empty() {
-                // Not now: give back what it holds (cached blocks stay cached) and keep its place.
+            if self.pool.available() < need + watermark && !self.running.is_empty()
+                || self.pool.available() < need
+            {
+                // Not now: give back what it holds (cached blocks stay cached) and keep its
+                // place; nobody behind it jumps the pool's queue.
                 self.release_blocks(&mut seq);
-                self.waiting.push_front(seq);
-                break;
-            }
-            if self.pool.available() < need {
-                self.release_blocks(&mut seq);
-                self.waiting.push_front(seq);
+                self.waiting.insert(at, seq);
+                held = true;
                 break;
             }
             for _ in 0..need {
@@ -769,14 +790,93 @@ impl Scheduler {
             prefill -= n;
             held |= n < pending;
         }
-        held |= prefill == 0 && budget > 0 && !self.waiting.is_empty();
+        held |= prefill == 0
+            && budget > 0
+            && self.running.len() < max_seqs
+            && self.waiting.iter().any(|w| w.admitted || admit_new);
         self.stats.prefill_held_steps += held as u64;
         scheduled
+    }
+
+    /// Shares the prefill budget out in tag order, among the running sequences still reading
+    /// their prompt and the waiting ones that could start now (room under the sequence cap, and
+    /// not saturated unless already started once). Returns each running sequence's share and the
+    /// waiting ones to start, as `(id, share)` in tag order.
+    fn prefill_shares(
+        &self,
+        prefill: usize,
+        max_seqs: usize,
+        admit_new: bool,
+    ) -> (Vec<usize>, Vec<(u64, usize)>) {
+        let mut running_share = vec![0; self.running.len()];
+        // (tag, id, running, index, pending): ties go in arrival order.
+        let mut contenders: Vec<(u64, u64, bool, usize, usize)> = self
+            .running
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| {
+                let pending = s.tokens.len() - s.computed;
+                (pending > 1).then_some((s.tag, s.id, true, i, pending))
+            })
+            .collect();
+        let mut waiting: Vec<(u64, u64, bool, usize, usize)> = self
+            .waiting
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.admitted || admit_new)
+            .map(|(i, s)| (s.tag, s.id, false, i, s.tokens.len() - s.computed))
+            .collect();
+        // At most as many new ones as the cap has room for: the earliest tags.
+        let room = max_seqs.saturating_sub(self.running.len());
+        if waiting.len() > room {
+            waiting.select_nth_unstable_by_key(room, |c| (c.0, c.1));
+            waiting.truncate(room);
+        }
+        contenders.append(&mut waiting);
+        contenders.sort_unstable_by_key(|c| (c.0, c.1));
+        let mut left = prefill;
+        let mut order = Vec::new();
+        for (_, id, running, i, pending) in contenders {
+            if left == 0 {
+                break;
+            }
+            let n = pending.min(left);
+            left -= n;
+            if running {
+                running_share[i] = n;
+            } else {
+                order.push((id, n));
+            }
+        }
+        (running_share, order)
+    }
+
+    /// Gives memory back under pressure: drops the prefix cache's unreferenced blocks and hands
+    /// the pages of every free block back to the system. Returns the bytes given back.
+    pub fn release_memory(&mut self) -> usize {
+        self.pool.drop_cached();
+        let free: Vec<BlockId> = self
+            .pool
+            .free_blocks()
+            .filter(|&b| self.resident[b as usize])
+            .collect();
+        let bytes = self.store.release(&free);
+        for &b in &free {
+            self.resident[b as usize] = false;
+        }
+        self.stats.blocks_resident -= free.len();
+        self.stats.kv_released_bytes += bytes as u64;
+        self.stats.kv_releases += 1;
+        self.publish();
+        bytes
     }
 
     /// Takes a block, moving cached content it replaces to the tier.
     fn allocate(&mut self) -> Option<BlockId> {
         let allocated = self.pool.allocate()?;
+        if !std::mem::replace(&mut self.resident[allocated.block as usize], true) {
+            self.stats.blocks_resident += 1;
+        }
         if let (Some((hash, parent, tokens)), Some(tier)) = (allocated.evicted, self.tier.as_mut())
         {
             self.store.copy_out(allocated.block, &mut self.block_buffer);

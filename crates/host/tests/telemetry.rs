@@ -34,6 +34,7 @@ fn cgroup_v2_limits_usage_and_throttling() {
     assert_eq!(c.version, Some("v2"));
     assert_eq!(c.memory_usage_bytes, Some(3 * GIB));
     assert_eq!(c.memory_limit_bytes, Some(8 * GIB));
+    assert_eq!(c.memory_inactive_file_bytes, Some(GIB / 4));
     assert_eq!(c.oom_kills, Some(1));
     assert_eq!(c.cpu_quota_cores, Some(2.0));
     assert_eq!(c.cpu_usage_seconds, Some(7.5));
@@ -61,6 +62,7 @@ fn cgroup_v1_falls_back_and_reads_no_limit_as_none() {
     let c = &s.cgroup;
     assert_eq!(c.version, Some("v1"));
     assert_eq!(c.memory_usage_bytes, Some(GIB));
+    assert_eq!(c.memory_inactive_file_bytes, Some(GIB / 8));
     assert_eq!(
         c.memory_limit_bytes, None,
         "page-rounded i64::MAX is no limit"

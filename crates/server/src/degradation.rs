@@ -50,11 +50,16 @@ pub fn read_memory(sample: &host::TelemetrySample, config: &MemoryConfig) -> Mem
         .limit
         .as_deref()
         .and_then(|l| l.parse::<KvMemory>().ok());
+    // The cgroup's working set: usage minus the page cache the kernel drops first (the model
+    // file read through the cache, logs), as the OOM killer and the kubelet see it.
     let cgroup = match (
         sample.cgroup.memory_usage_bytes,
         sample.cgroup.memory_limit_bytes,
     ) {
-        (Some(used), Some(limit)) => Some((used, limit)),
+        (Some(used), Some(limit)) => Some((
+            used.saturating_sub(sample.cgroup.memory_inactive_file_bytes.unwrap_or(0)),
+            limit,
+        )),
         _ => None,
     };
     let host = match (sample.memory.total_bytes, sample.memory.available_bytes) {
@@ -217,7 +222,19 @@ fn record(entry: &Entry, change: &Change, level: u8) {
     let (model, backend) = (entry.name.as_str(), entry.id.as_str());
     let lever = change.lever.as_str();
     let cause = change.cause.as_str();
-    if change.cause == Cause::Recovery {
+    if change.lever == degrade::Lever::KvResidentBlocks {
+        tracing::warn!(
+            model,
+            backend,
+            lever,
+            from = change.from,
+            to = change.to,
+            cause,
+            degradation_level = level,
+            detail = %change.detail,
+            "degradation: free KV pages given back"
+        );
+    } else if change.cause == Cause::Recovery {
         tracing::info!(
             model,
             backend,
@@ -354,11 +371,20 @@ impl Degradation {
                 in_flight_peak,
                 shed,
                 prefill_held: snapshot.prefill_held_steps > state.held_steps,
+                kv_resident_blocks: snapshot.blocks_resident,
+                kv_held_blocks: snapshot.blocks_used,
             };
             state.held_steps = snapshot.prefill_held_steps;
             let decision = state.controller.observe(&observation);
             if !decision.changes.is_empty() {
                 apply(&state.engine, entry, &decision.limits);
+            }
+            if decision
+                .changes
+                .iter()
+                .any(|c| c.lever == degrade::Lever::KvResidentBlocks)
+            {
+                state.engine.release_memory();
             }
             let at_ms = unix_ms();
             for change in &decision.changes {
@@ -479,6 +505,11 @@ mod tests {
             },
         );
         assert_eq!((cgroup.source, cgroup.ratio), ("cgroup", Some(1.0)));
+        // Inactive page cache is not counted: it goes before the OOM killer comes.
+        s.cgroup.memory_inactive_file_bytes = Some(256 << 20);
+        let working_set = read_memory(&s, &MemoryConfig::default());
+        assert_eq!(working_set.used_bytes, Some(768 << 20));
+        assert_eq!(working_set.ratio, Some(0.375));
         let mut bare = sample();
         bare.memory = host::HostMemory::default();
         assert_eq!(read_memory(&bare, &MemoryConfig::default()).ratio, None);

@@ -124,6 +124,8 @@ pub static METRICS: &[MetricInfo] = &[
     recorded("rampart_kv_blocks_used", MetricKind::Gauge, &["model"], "KV blocks held by sequences."),
     recorded("rampart_kv_blocks_total", MetricKind::Gauge, &["model"], "KV blocks in the pool."),
     recorded("rampart_kv_blocks_cached", MetricKind::Gauge, &["model"], "Unreferenced KV blocks kept for prefix reuse."),
+    recorded("rampart_kv_blocks_resident", MetricKind::Gauge, &["model"], "KV blocks whose memory pages are mapped (written since the pool started or since last given back)."),
+    recorded("rampart_kv_released_bytes_total", MetricKind::Counter, &["model"], "Bytes of free KV pages given back to the system under memory pressure."),
     recorded("rampart_prefix_cache_hits_total", MetricKind::Counter, &["model"], "Prompt blocks found in the prefix cache."),
     recorded("rampart_prefix_cache_lookups_total", MetricKind::Counter, &["model"], "Prompt blocks looked up in the prefix cache."),
     recorded("rampart_preemptions_total", MetricKind::Counter, &["model"], "Sequences preempted for lack of KV blocks."),
@@ -280,6 +282,8 @@ pub fn refresh_gauges(registry: &Registry, handoffs: &crate::handoff::Handoffs, 
         gauge!("rampart_kv_blocks_used", &labels).set(s.blocks_used as f64);
         gauge!("rampart_kv_blocks_total", &labels).set(s.blocks_total as f64);
         gauge!("rampart_kv_blocks_cached", &labels).set(s.blocks_cached as f64);
+        gauge!("rampart_kv_blocks_resident", &labels).set(s.blocks_resident as f64);
+        counter!("rampart_kv_released_bytes_total", &labels).absolute(s.kv_released_bytes);
         counter!("rampart_prefix_cache_hits_total", &labels).absolute(s.prefix.hits);
         counter!("rampart_prefix_cache_lookups_total", &labels)
             .absolute(s.prefix.hits + s.prefix.misses);

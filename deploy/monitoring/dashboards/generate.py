@@ -182,6 +182,7 @@ def llm_engine():
                        q(f"sum by (model) (rampart_engine_waiting_sequences{{{MSEL}}})", "{{model}} waiting")])
     b.ts("KV blocks", [q(f"sum by (model) (rampart_kv_blocks_used{{{MSEL}}})", "{{model}} used"),
                        q(f"sum by (model) (rampart_kv_blocks_cached{{{MSEL}}})", "{{model}} cached"),
+                       q(f"sum by (model) (rampart_kv_blocks_resident{{{MSEL}}})", "{{model}} mapped"),
                        q(f"sum by (model) (rampart_kv_blocks_total{{{MSEL}}})", "{{model}} total")])
     b.ts("Prefix cache hit ratio", q(f"{rate('rampart_prefix_cache_hits_total')} / {rate('rampart_prefix_cache_lookups_total')}", "{{model}}"), "percentunit")
     b.ts("Preemptions / s", q(rate("rampart_preemptions_total"), "{{model}}"), "short")

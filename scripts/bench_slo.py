@@ -45,6 +45,18 @@ def percentile(values, p):
     return values[rank - 1]
 
 
+def by_words(samples, args):
+    span = max(1, args.max_words - args.min_words + 1)
+    bins = {}
+    for words, ttft in samples:
+        q = min(3, (words - args.min_words) * 4 // span)
+        lo = args.min_words + q * span // 4
+        hi = args.min_words + (q + 1) * span // 4 - 1
+        bins.setdefault(f"{lo}-{hi}", []).append(ttft)
+    return {k: {"n": len(v), "p99": round(percentile(v, 99) * 1000, 1)}
+            for k, v in sorted(bins.items(), key=lambda kv: int(kv[0].split("-")[0]))}
+
+
 async def client_loop(client, args, rng, deadline, out, long=False):
     while time.monotonic() < deadline:
         words = args.long_words if long else rng.randint(args.min_words, args.max_words)
@@ -76,6 +88,7 @@ async def client_loop(client, args, rng, deadline, out, long=False):
             end = time.monotonic()
             if first is not None and end <= deadline + args.grace:
                 out["ttft"].append(first - start)
+                out["ttft_words"].append((words, first - start))
                 out["itl"].extend(gaps)
                 out["tokens"] += tokens
                 out["done"] += 1
@@ -112,11 +125,11 @@ async def main():
     args = p.parse_args()
     client = openai.AsyncOpenAI(base_url=args.url, api_key=args.api_key, max_retries=0, timeout=600)
     warm = {"ttft": [], "itl": [], "tokens": 0, "done": 0, "refused": 0,
-            "refusal_seconds": [], "with_retry_after": 0, "errors": {}}
+            "refusal_seconds": [], "with_retry_after": 0, "errors": {}, "ttft_words": []}
     out = {"ttft": [], "itl": [], "tokens": 0, "done": 0, "refused": 0,
-           "refusal_seconds": [], "with_retry_after": 0, "errors": {}}
+           "refusal_seconds": [], "with_retry_after": 0, "errors": {}, "ttft_words": []}
     long_out = {"ttft": [], "itl": [], "tokens": 0, "done": 0, "refused": 0,
-                "refusal_seconds": [], "with_retry_after": 0, "errors": {}}
+                "refusal_seconds": [], "with_retry_after": 0, "errors": {}, "ttft_words": []}
     if args.warmup > 0:
         deadline = time.monotonic() + args.warmup
         await asyncio.gather(*(client_loop(client, args, random.Random(args.seed * 1000 + 500 + i),
@@ -139,6 +152,10 @@ async def main():
         "ttft_ms": {"p50": ms(percentile(out["ttft"], 50)), "p90": ms(percentile(out["ttft"], 90)),
                      "p99": ms(percentile(out["ttft"], 99)),
                      "max": ms(max(out["ttft"]) if out["ttft"] else None)},
+        # The admitted requests' TTFT p99 by prompt length (quarters of the word range): a
+        # first-token gate that predicts in arrival order but reads in fair-queueing order
+        # misjudges the long ones.
+        "ttft_ms_p99_by_words": by_words(out["ttft_words"], args),
         "itl_ms": {"p50": ms(percentile(out["itl"], 50)), "p99": ms(percentile(out["itl"], 99))},
         "refused": out["refused"],
         "refused_with_retry_after": out["with_retry_after"],

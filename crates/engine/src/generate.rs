@@ -714,6 +714,17 @@ impl Engine {
                 limit: self.max_waiting,
             });
         }
+        if let Err(refused) = self.limits.admit_prompt(tokens.len()) {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+            let over_s = (refused.predicted_ms - refused.max_wait_ms as f64) / 1e3;
+            return Err(EngineError::Shedding {
+                predicted_ms: refused.predicted_ms,
+                max_wait_ms: refused.max_wait_ms,
+                backlog_tokens: refused.backlog_tokens,
+                tokens_per_second: refused.tokens_per_second,
+                retry_after_s: over_s.ceil().clamp(1.0, 60.0) as u64,
+            });
+        }
         let constraint = match &request.constraint {
             Some(c) => match c.0.start() {
                 Ok(state) => Some(state),

@@ -49,4 +49,4 @@ pub use generate::{
 };
 pub use kernels::KvDType;
 pub use sampler::SamplingParams;
-pub use scheduler::{LatencySamples, SchedulerLimits, SchedulerSnapshot};
+pub use scheduler::{GateRefusal, LatencySamples, SchedulerLimits, SchedulerSnapshot};

@@ -26,7 +26,7 @@
 //! the longest cached prefix of its tokens (from the pool, or back from the tier).
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -50,6 +50,23 @@ pub struct SchedulerLimits {
     max_num_batched_tokens: AtomicUsize,
     max_prefill_tokens: AtomicUsize,
     admit_prefills: AtomicBool,
+    /// The first-token gate: most predicted wait (ms) for a new prompt to be read; 0 = off.
+    max_prefill_wait_ms: AtomicU64,
+    /// Prompt tokens still to read (waiting and running sequences), refreshed every step and
+    /// raised by each submission in between.
+    prefill_backlog: AtomicUsize,
+    /// Prompt tokens read per second while prompts are being read (a moving average over
+    /// steps), as f64 bits; 0 before the first.
+    prefill_rate: AtomicU64,
+}
+
+/// Why the first-token gate refused a prompt.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GateRefusal {
+    pub predicted_ms: f64,
+    pub max_wait_ms: u64,
+    pub backlog_tokens: usize,
+    pub tokens_per_second: f64,
 }
 
 impl SchedulerLimits {
@@ -61,7 +78,52 @@ impl SchedulerLimits {
             max_num_batched_tokens: AtomicUsize::new(max_num_batched_tokens.max(1)),
             max_prefill_tokens: AtomicUsize::new(max_num_batched_tokens.max(1)),
             admit_prefills: AtomicBool::new(true),
+            max_prefill_wait_ms: AtomicU64::new(0),
+            prefill_backlog: AtomicUsize::new(0),
+            prefill_rate: AtomicU64::new(0),
         }
+    }
+
+    /// The first-token gate (0: off): a new prompt whose predicted wait to be read, the
+    /// prompt tokens ahead of it plus its own over the measured reading rate, is above this
+    /// many milliseconds is refused at submission, before it queues into a late first token.
+    pub fn max_prefill_wait_ms(&self) -> u64 {
+        self.max_prefill_wait_ms.load(Ordering::Relaxed)
+    }
+
+    pub fn set_max_prefill_wait_ms(&self, value: u64) {
+        self.max_prefill_wait_ms.store(value, Ordering::Relaxed);
+    }
+
+    /// Prompt tokens still to read.
+    pub fn prefill_backlog(&self) -> usize {
+        self.prefill_backlog.load(Ordering::Relaxed)
+    }
+
+    /// Prompt tokens read per second while prompts are being read (0 before the first).
+    pub fn prefill_rate(&self) -> f64 {
+        f64::from_bits(self.prefill_rate.load(Ordering::Relaxed))
+    }
+
+    /// Checks a new prompt of `tokens` against the gate and, when it passes, counts it in
+    /// the backlog.
+    pub fn admit_prompt(&self, tokens: usize) -> Result<(), GateRefusal> {
+        let max_wait_ms = self.max_prefill_wait_ms();
+        let rate = self.prefill_rate();
+        let backlog = self.prefill_backlog();
+        if max_wait_ms > 0 && rate > 0.0 && backlog > 0 {
+            let predicted_ms = (backlog + tokens) as f64 / rate * 1e3;
+            if predicted_ms > max_wait_ms as f64 {
+                return Err(GateRefusal {
+                    predicted_ms,
+                    max_wait_ms,
+                    backlog_tokens: backlog,
+                    tokens_per_second: rate,
+                });
+            }
+        }
+        self.prefill_backlog.fetch_add(tokens, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Most prompt tokens in one step, after every running stream's decode token: a smaller
@@ -557,11 +619,13 @@ impl Scheduler {
         } else {
             logits.len() / samplers.len()
         };
+        let mut read = 0;
         for &(i, n) in &scheduled {
             let seq = &mut self.running[i];
             let prefill = n.min(seq.prompt_len.saturating_sub(seq.computed));
             if seq.tokens.len() - seq.computed > 1 {
                 self.prompt_clock += n as u64;
+                read += n;
             }
             self.stats.prefill_tokens += prefill as u64;
             self.stats.decode_tokens += (n - prefill) as u64;
@@ -634,6 +698,20 @@ impl Scheduler {
         self.stats.steps += 1;
         self.stats.last_step_tokens = tokens;
         self.stats.last_step_seconds = started.elapsed().as_secs_f64();
+        if read > 0 && self.stats.last_step_seconds > 0.0 {
+            // How fast prompts are read beside this step's streams (what a new prompt's wait
+            // is predicted from): a moving average over the steps that read prompts.
+            let sample = read as f64 / self.stats.last_step_seconds;
+            let before = self.limits.prefill_rate();
+            let rate = if before > 0.0 {
+                0.9 * before + 0.1 * sample
+            } else {
+                sample
+            };
+            self.limits
+                .prefill_rate
+                .store(rate.to_bits(), Ordering::Relaxed);
+        }
         self.publish();
         tokens
     }
@@ -1063,6 +1141,15 @@ impl Scheduler {
     }
 
     fn publish(&mut self) {
+        let backlog: usize = self
+            .waiting
+            .iter()
+            .chain(self.running.iter())
+            .map(|seq| seq.prompt_len.saturating_sub(seq.computed))
+            .sum();
+        self.limits
+            .prefill_backlog
+            .store(backlog, Ordering::Relaxed);
         let s = &mut self.stats;
         s.waiting = self.waiting.len();
         s.running = self.running.len();
@@ -1219,4 +1306,34 @@ fn finish(seq: &mut Sequence, reason: FinishReason) {
         stop: seq.stops.matched.clone(),
     };
     let _ = seq.events.send(Event::Finished(done));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_token_gate_refuses_a_prompt_predicted_to_be_read_too_late() {
+        let limits = SchedulerLimits::new(8, 512);
+        // Off, or nothing measured yet, or nothing ahead: everybody passes and is counted.
+        limits.admit_prompt(400).unwrap();
+        assert_eq!(limits.prefill_backlog(), 400);
+        limits.set_max_prefill_wait_ms(800);
+        limits.admit_prompt(400).unwrap();
+        limits
+            .prefill_rate
+            .store(1000f64.to_bits(), Ordering::Relaxed);
+        limits.prefill_backlog.store(0, Ordering::Relaxed);
+        limits.admit_prompt(2000).unwrap();
+        // 2,000 tokens ahead at 1,000 a second: 2.1 s predicted for 100 more, above 800 ms.
+        let refused = limits.admit_prompt(100).unwrap_err();
+        assert_eq!(refused.backlog_tokens, 2000);
+        assert!((refused.predicted_ms - 2100.0).abs() < 1e-6);
+        assert_eq!(limits.prefill_backlog(), 2000, "a refusal is not counted");
+        limits.prefill_backlog.store(300, Ordering::Relaxed);
+        limits.admit_prompt(400).unwrap();
+        assert!(limits.admit_prompt(200).is_err());
+        limits.set_max_prefill_wait_ms(0);
+        limits.admit_prompt(10_000).unwrap();
+    }
 }

@@ -727,6 +727,20 @@ fn free_blocks_are_reused_last_freed_first_and_their_pages_given_back() {
 }
 
 #[test]
+fn the_backlog_and_the_reading_rate_follow_the_steps() {
+    let mut h = Harness::new(roomy(400, 8, 64));
+    h.limits.set_max_prefill_tokens(32);
+    h.submit((3..203).collect(), 2);
+    h.submit(vec![7; 100], 2);
+    h.step();
+    // 32 of 300 prompt tokens read.
+    assert_eq!(h.limits.prefill_backlog(), 268);
+    assert!(h.limits.prefill_rate() > 0.0);
+    h.run_to_end();
+    assert_eq!(h.limits.prefill_backlog(), 0);
+}
+
+#[test]
 fn at_saturation_nobody_new_starts_and_running_streams_go_on() {
     let mut h = Harness::new(roomy(200, 8, 64));
     h.submit(vec![5; 4], 30);

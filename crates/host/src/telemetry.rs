@@ -224,19 +224,16 @@ impl Telemetry {
     fn cgroup_stats(&self) -> CgroupStats {
         let mut stats = CgroupStats::default();
         let number = |path: String| -> Option<u64> { self.tree.value(&path).ok()?.parse().ok() };
+        let stat = |dir: &str, key: &str| -> Option<u64> {
+            let text = self.tree.read(&format!("{dir}/memory.stat")).ok()?;
+            let found = cgroup::fields(&text).find(|(k, _)| *k == key);
+            found.map(|f| f.1)
+        };
         if let Some(dir) = self.cgroup.v2_with("memory") {
             stats.version = Some("v2");
             stats.memory_usage_bytes = number(format!("{dir}/memory.current"));
             stats.memory_limit_bytes = number(format!("{dir}/memory.max"));
-            stats.memory_inactive_file_bytes = self
-                .tree
-                .read(&format!("{dir}/memory.stat"))
-                .ok()
-                .and_then(|t| {
-                    cgroup::fields(&t)
-                        .find(|(k, _)| *k == "inactive_file")
-                        .map(|f| f.1)
-                });
+            stats.memory_inactive_file_bytes = stat(dir, "inactive_file");
             stats.oom_kills = self
                 .tree
                 .read(&format!("{dir}/memory.events"))
@@ -252,15 +249,7 @@ impl Telemetry {
             stats.memory_limit_bytes =
                 number(format!("{dir}/memory.limit_in_bytes")).and_then(cgroup::v1_limit);
             // The hierarchical count, as the limit applies to the subtree.
-            stats.memory_inactive_file_bytes = self
-                .tree
-                .read(&format!("{dir}/memory.stat"))
-                .ok()
-                .and_then(|t| {
-                    cgroup::fields(&t)
-                        .find(|(k, _)| *k == "total_inactive_file")
-                        .map(|f| f.1)
-                });
+            stats.memory_inactive_file_bytes = stat(dir, "total_inactive_file");
         }
         if let Some(dir) = self.cgroup.v2.as_deref() {
             // cpu.stat's usage lines are there even without the cpu controller; the

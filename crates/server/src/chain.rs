@@ -454,7 +454,14 @@ async fn try_backend(
             call.failed();
             return Err(first_token_miss(entry, "answer"));
         }
-        Ok(Err(e)) => return Err(backend_miss(&mut call, e)),
+        Ok(Err(e)) => {
+            if let BackendError::Overloaded { code, .. } = &e {
+                // The backend's own queue or its first-token gate refused it before any
+                // compute: a refusal like the admission's, counted by its reason.
+                record.refuse(code);
+            }
+            return Err(backend_miss(&mut call, e));
+        }
         Ok(Ok(answer)) => answer,
     };
     let Answer::Generation(g) = answer else {

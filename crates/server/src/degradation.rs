@@ -131,7 +131,22 @@ pub struct ModelView {
     pub window: u64,
     /// The latest changes, newest last.
     pub recent: VecDeque<ChangeView>,
+    /// The first-token gate (with a TTFT objective): prompts predicted to wait longer than
+    /// `max_wait_ms` to be read are refused at submission.
+    pub first_token_gate: Option<GateView>,
 }
+
+/// The engine's first-token gate and what it predicts from.
+#[derive(Debug, Clone, Serialize)]
+pub struct GateView {
+    pub max_wait_ms: u64,
+    pub backlog_tokens: usize,
+    pub prompt_tokens_per_second: f64,
+}
+
+/// The share of the TTFT objective a prompt may be predicted to wait to be read (the rest is
+/// for tokenizing, the first sampling and the way out).
+const GATE_SHARE: f64 = 0.9;
 
 struct ModelState {
     controller: Controller,
@@ -222,19 +237,14 @@ fn record(entry: &Entry, change: &Change, level: u8) {
     let (model, backend) = (entry.name.as_str(), entry.id.as_str());
     let lever = change.lever.as_str();
     let cause = change.cause.as_str();
-    if change.lever == degrade::Lever::KvResidentBlocks {
-        tracing::warn!(
-            model,
-            backend,
-            lever,
-            from = change.from,
-            to = change.to,
-            cause,
-            degradation_level = level,
-            detail = %change.detail,
-            "degradation: free KV pages given back"
-        );
+    let message = if change.lever == degrade::Lever::KvResidentBlocks {
+        "degradation: free KV pages given back"
     } else if change.cause == Cause::Recovery {
+        "degradation: limit raised"
+    } else {
+        "degradation: limit lowered"
+    };
+    if change.cause == Cause::Recovery {
         tracing::info!(
             model,
             backend,
@@ -244,7 +254,7 @@ fn record(entry: &Entry, change: &Change, level: u8) {
             cause,
             degradation_level = level,
             detail = %change.detail,
-            "degradation: limit raised"
+            "{message}"
         );
     } else {
         tracing::warn!(
@@ -256,7 +266,7 @@ fn record(entry: &Entry, change: &Change, level: u8) {
             cause,
             degradation_level = level,
             detail = %change.detail,
-            "degradation: limit lowered"
+            "{message}"
         );
     }
     counter!(
@@ -330,6 +340,12 @@ impl Degradation {
             }
             let state = models.entry(entry.id.clone()).or_insert_with(|| {
                 let (settings, objectives) = settings(config, entry, &engine);
+                // The first-token gate: with a TTFT objective, a prompt predicted to be read
+                // later than the objective allows is refused at once (429 `shedding`).
+                let gate = objectives
+                    .ttft_p99_ms
+                    .map_or(0, |ms| ((ms as f64 * GATE_SHARE) as u64).max(1));
+                engine.limits().set_max_prefill_wait_ms(gate);
                 let ceilings = settings.ceilings;
                 ModelState {
                     controller: Controller::new(settings),
@@ -345,6 +361,7 @@ impl Degradation {
                         signals: Signals::default(),
                         window: 0,
                         recent: VecDeque::new(),
+                        first_token_gate: None,
                     },
                 }
             });
@@ -403,6 +420,12 @@ impl Degradation {
             state.view.limits = decision.limits;
             state.view.signals = decision.signals;
             state.view.window = decision.window;
+            let gate = state.engine.limits();
+            state.view.first_token_gate = (gate.max_prefill_wait_ms() > 0).then(|| GateView {
+                max_wait_ms: gate.max_prefill_wait_ms(),
+                backlog_tokens: gate.prefill_backlog(),
+                prompt_tokens_per_second: gate.prefill_rate(),
+            });
         }
         // Versions no longer served: their controllers go; limits die with their engines.
         models.retain(|id, _| live.contains(id));

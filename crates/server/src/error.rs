@@ -249,6 +249,12 @@ impl From<EngineError> for BackendError {
             EngineError::QueueFull { limit } => BackendError::Overloaded {
                 message: format!("the engine's queue is full ({limit} requests); retry later"),
                 retry_after_s: 1,
+                code: "queue_full",
+            },
+            e @ EngineError::Shedding { retry_after_s, .. } => BackendError::Overloaded {
+                message: e.to_string(),
+                retry_after_s,
+                code: "shedding",
             },
             EngineError::Stopped => BackendError::Unavailable {
                 message: "the engine has stopped (the server is shutting down)".into(),
@@ -266,6 +272,7 @@ impl From<ClassicError> for BackendError {
             e @ ClassicError::QueueFull { .. } => BackendError::Overloaded {
                 message: e.to_string(),
                 retry_after_s: 1,
+                code: "queue_full",
             },
             e @ ClassicError::QueueTimeout { .. } => BackendError::Timeout {
                 message: e.to_string(),
@@ -297,10 +304,11 @@ impl From<BackendError> for ApiError {
             BackendError::Overloaded {
                 message,
                 retry_after_s,
+                code,
             } => ApiError::Overloaded {
                 message,
                 retry_after_s,
-                code: "queue_full",
+                code,
             },
             // A backend that timed out is unavailable to the client (503 with Retry-After).
             BackendError::Unavailable {

@@ -115,7 +115,7 @@ pub static METRICS: &[MetricInfo] = &[
     recorded("rampart_grammar_cache_total", MetricKind::Counter, &["result"], "Compiled-grammar cache lookups, by result (hit, miss)."),
     recorded("rampart_prompt_tokens_total", MetricKind::Counter, &["model"], "Prompt tokens of finished requests."),
     recorded("rampart_generated_tokens_total", MetricKind::Counter, &["model"], "Tokens generated for finished requests."),
-    recorded("rampart_rejected_requests_total", MetricKind::Counter, &["model", "reason"], "Requests refused before reaching the engine, by reason."),
+    recorded("rampart_rejected_requests_total", MetricKind::Counter, &["model", "reason"], "Requests refused before any compute, by reason."),
     recorded("rampart_abnormal_requests_total", MetricKind::Counter, &["model"], "Requests whose mean token entropy fell outside the model's band."),
     recorded("rampart_queue_depth", MetricKind::Gauge, &["model"], "Requests waiting for an admission slot."),
     recorded("rampart_requests_in_flight", MetricKind::Gauge, &["model"], "Requests holding an admission slot."),

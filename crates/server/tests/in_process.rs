@@ -144,6 +144,7 @@ impl InferenceBackend for FakeTensor {
                 return Err(BackendError::Overloaded {
                     message: "the batcher's queue is full".into(),
                     retry_after_s: 2,
+                    code: "queue_full",
                 });
             }
             record.record.items = input.batch();
@@ -382,6 +383,7 @@ async fn typed_backend_errors_become_their_status_codes() {
             BackendError::Overloaded {
                 message: "queue full".into(),
                 retry_after_s: 3,
+                code: "queue_full",
             },
             429,
             "rate_limit_error",
@@ -442,6 +444,10 @@ async fn typed_backend_errors_become_their_status_codes() {
         assert_eq!(records[0].status, status, "case {i}");
         assert_eq!(records[0].error_type.as_deref(), Some(kind), "case {i}");
         assert_eq!(records[0].error_code.as_deref(), code, "case {i}");
+        // The backend's own refusals (its queue, its first-token gate) are counted as
+        // refusals by their code; its failures are not.
+        let refused = (status == 429).then_some("queue_full");
+        assert_eq!(records[0].refusal, refused, "case {i}");
     }
 }
 

@@ -266,9 +266,14 @@ pub enum BackendError {
     /// The prompt plus the tokens asked for do not fit the model.
     #[error("{0}")]
     ContextLength(String),
-    /// The backend's own queue is full.
+    /// The backend's own queue is full (`queue_full`), or its first-token gate refused the
+    /// request (`shedding`).
     #[error("{message}")]
-    Overloaded { message: String, retry_after_s: u64 },
+    Overloaded {
+        message: String,
+        retry_after_s: u64,
+        code: &'static str,
+    },
     /// The backend is stopping or not ready.
     #[error("{message}")]
     Unavailable { message: String, retry_after_s: u64 },
@@ -417,6 +422,7 @@ mod tests {
                 BackendError::Overloaded {
                     message: "full".into(),
                     retry_after_s: 1,
+                    code: "queue_full",
                 },
                 FailureClass::Overload,
             ),

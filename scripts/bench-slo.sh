@@ -8,7 +8,9 @@
 #
 #   scripts/bench-slo.sh RAMPART_BIN [CLIENTS] [SECONDS] [ROUNDS]
 #
-# RAMPART_TTFT_MS sets the objective (default 800); RAMPART_TEST_PYTHON a Python with `openai`.
+# RAMPART_TTFT_MS sets the objective (default 800); RAMPART_TEST_PYTHON a Python with `openai`;
+# RAMPART_BENCH_LOGS a folder to keep the servers' logs in; RAMPART_SLO_EXTRA more lines for
+# the objective's [models.slo] (e.g. `itl_p99_ms = 1000`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin="$1" clients="${2:-48}" seconds="${3:-120}" rounds="${4:-1}"
@@ -27,7 +29,7 @@ for side in unconstrained objective; do
     slo=""
   else
     extra=""
-    slo=$'[models.slo]\n'"ttft_p99_ms = $ttft"
+    slo=$'[models.slo]\n'"ttft_p99_ms = $ttft"$'\n'"${RAMPART_SLO_EXTRA:-}"
   fi
   cat >"$work/$side.toml" <<TOML
 listen = "127.0.0.1:$port"
@@ -62,5 +64,9 @@ for round in $(seq 1 "$rounds"); do
     echo "{\"round\": $round, \"side\": \"$side\", \"limit_changes\": $changes, \"max_in_flight_at_end\": \"$limit\", \"result\": $result}"
     kill "$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
+    if [[ -n "${RAMPART_BENCH_LOGS:-}" ]]; then
+      mkdir -p "$RAMPART_BENCH_LOGS"
+      cp "$work/server-$side.log" "$RAMPART_BENCH_LOGS/round$round-$side.log"
+    fi
   done
 done

@@ -17,9 +17,13 @@
 //!    is above the scaling watermark (and not already falling); `max_num_seqs` also shrinks
 //!    when ITL stays above its objective with the prefill budget at its floor (the decode steps
 //!    themselves are too slow).
-//! 3. **Admission** (`max_in_flight`): when time to first token (TTFT) p99 is above its
-//!    objective, fewer requests are let in at once and the rest are refused at once (429 with
-//!    Retry-After) instead of waiting in a queue that would make them late anyway.
+//! 3. **The first-token gate** (`first_token_gate_ms`), then **admission** (`max_in_flight`):
+//!    with a time-to-first-token (TTFT) objective the engine refuses at once (429 with
+//!    Retry-After) a prompt it predicts to be read later than the gate allows (0.9 × the
+//!    objective to start with). When TTFT p99 is still above the objective, the gate tightens
+//!    (its prediction misses the time outside the engine's queue and prompts that overtake);
+//!    only with the gate at its floor are fewer requests let in at once. A cut that did not
+//!    lower TTFT p99 is undone and held: the prompts' own prefill dominates, not the queue.
 //! 4. **Saturation**: at the saturation watermark of memory or of the KV pool, no new prefill
 //!    starts and admission takes nobody new, so running sequences are never preempted for
 //!    newcomers.
@@ -30,7 +34,8 @@
 //! `objective / p99`, clamped to [0.5, 0.9], which lands near the objective in one or two
 //! windows when latency is roughly proportional to the lever (the prefill budget is sized so the
 //! whole step, every stream's token plus the prompt chunk, meets the objective). Growth is
-//! additive (one sequence, 256 batched tokens, 16 prefill tokens, one admission slot per window)
+//! additive (one sequence, 256 batched tokens, 16 prefill tokens, one admission slot, a
+//! sixteenth of the gate's ceiling per window)
 //! and happens only while every signal is inside its healthy band (latency below 0.8 ×
 //! objective, or for the prefill budget: the bigger step predicted below 0.95 × objective;
 //! memory below the scaling watermark minus 0.05) and the engine is actually held back by the
@@ -60,6 +65,9 @@ pub struct Limits {
     pub max_in_flight: usize,
     /// Whether new sequences may start their prefill.
     pub admit_prefills: bool,
+    /// The first-token gate: the most a new prompt may be predicted to wait to be read
+    /// (milliseconds; beyond: 429 at once). 0: no gate (no TTFT objective).
+    pub first_token_gate_ms: usize,
 }
 
 /// The explicit rule operators already use: when the batch is above `batch_size` and request
@@ -126,6 +134,10 @@ pub const MIN_RELEASE_BLOCKS: usize = 16;
 
 /// Memory must be this far below the scaling watermark before limits grow.
 pub const MEMORY_HYSTERESIS: f64 = 0.05;
+/// The first-token gate's floor is its ceiling over this; it grows back by its ceiling over
+/// [`GATE_GROWTH_DIVISOR`] per healthy window.
+pub const GATE_FLOOR_DIVISOR: usize = 8;
+pub const GATE_GROWTH_DIVISOR: usize = 16;
 
 impl Settings {
     /// Defaults around the configured limits: watermarks 0.80 and 0.95, floors of one
@@ -152,6 +164,8 @@ impl Settings {
                 max_prefill_tokens: min_prefill,
                 max_in_flight: 1,
                 admit_prefills: false,
+                // Never 0 (no gate) when there is one.
+                first_token_gate_ms: ceilings.first_token_gate_ms.div_ceil(GATE_FLOOR_DIVISOR),
             },
             growth: Growth::default(),
             horizon_windows: 10,
@@ -189,6 +203,8 @@ pub struct Observation {
     pub in_flight_peak: usize,
     /// Requests refused by the admission limit during the window.
     pub shed: u64,
+    /// Prompts refused by the first-token gate during the window.
+    pub gate_refused: u64,
     /// Whether a step left prompt tokens for later because of the prefill budget.
     pub prefill_held: bool,
     /// KV blocks whose pages are mapped, and those held by sequences (the rest is free or
@@ -206,6 +222,7 @@ pub enum Lever {
     MaxPrefillTokens,
     MaxInFlight,
     AdmitPrefills,
+    FirstTokenGate,
     /// Not a limit: the mapped KV blocks, brought down to those in use.
     KvResidentBlocks,
 }
@@ -218,6 +235,7 @@ impl Lever {
             Lever::MaxPrefillTokens => "max_prefill_tokens",
             Lever::MaxInFlight => "max_in_flight",
             Lever::AdmitPrefills => "admit_prefills",
+            Lever::FirstTokenGate => "first_token_gate_ms",
             Lever::KvResidentBlocks => "kv_resident_blocks",
         }
     }
@@ -322,8 +340,9 @@ pub struct Controller {
     rule_moved: u64,
     /// The most requests in flight or waiting, per window (the base admission shrinks from).
     peaks: VecDeque<(u64, usize)>,
-    /// The admission limit and TTFT p99 before the last cut for TTFT.
-    ttft_cut: Option<(usize, f64)>,
+    /// The lever (the first-token gate or admission), its value and TTFT p99 before the last
+    /// cut for TTFT.
+    ttft_cut: Option<(Lever, usize, f64)>,
     /// No TTFT cut before this window (a cut that did not help was undone).
     ttft_hold_until: u64,
     last_memory: Option<f64>,
@@ -398,7 +417,9 @@ impl Controller {
             || l.max_in_flight < c.max_in_flight
         {
             2
-        } else if l.max_prefill_tokens < c.max_prefill_tokens {
+        } else if l.max_prefill_tokens < c.max_prefill_tokens
+            || l.first_token_gate_ms < c.first_token_gate_ms
+        {
             1
         } else {
             0
@@ -418,6 +439,7 @@ impl Controller {
             Lever::MaxNumBatchedTokens => &mut self.limits.max_num_batched_tokens,
             Lever::MaxPrefillTokens => &mut self.limits.max_prefill_tokens,
             Lever::MaxInFlight => &mut self.limits.max_in_flight,
+            Lever::FirstTokenGate => &mut self.limits.first_token_gate_ms,
             Lever::AdmitPrefills => {
                 let to = to != 0;
                 if self.limits.admit_prefills != to {
@@ -695,32 +717,51 @@ impl Controller {
             }
         }
 
-        // Time to first token: admission.
+        // Time to first token: the first-token gate, then admission.
         let mut ttft_healthy = true;
         if let (Some(objective), Some(observed)) = (s.ttft_p99_ms, signals.ttft_p99_ms) {
             if observed > objective && w < self.ttft_hold_until {
                 ttft_healthy = false;
-            } else if let Some((before, before_p99)) = self
+            } else if let Some((lever, before, before_p99)) = self
                 .ttft_cut
-                .filter(|(_, p99)| observed > objective && observed >= 0.95 * p99)
+                .filter(|(_, _, p99)| observed > objective && observed >= 0.95 * p99)
             {
-                // Admitting fewer did not make first tokens faster: the prompts' own prefill
+                // Refusing more did not make first tokens faster: the prompts' own prefill
                 // dominates, not the queue. Undo the cut and hold.
                 ttft_healthy = false;
+                let what = match lever {
+                    Lever::FirstTokenGate => format!(
+                        "a first-token gate of {} ms",
+                        self.limits.first_token_gate_ms
+                    ),
+                    _ => format!("admitting {}", self.limits.max_in_flight),
+                };
                 let detail = format!(
-                    "admitting {} did not lower time to first token p99 ({before_p99:.0} ms before, {observed:.0} ms after; objective {objective:.0} ms): the prompts' own prefill dominates, not the queue; back to {before} and holding for {horizon} windows",
-                    self.limits.max_in_flight
+                    "{what} did not lower time to first token p99 ({before_p99:.0} ms before, {observed:.0} ms after; objective {objective:.0} ms): the prompts' own prefill dominates, not the queue; back to {before} and holding for {horizon} windows"
                 );
-                self.set(
-                    Lever::MaxInFlight,
-                    before,
-                    Cause::Ttft,
-                    detail,
-                    &mut changes,
-                );
+                self.set(lever, before, Cause::Ttft, detail, &mut changes);
                 self.ttft_cut = None;
                 self.ttft_moved = w;
                 self.ttft_hold_until = w + horizon;
+            } else if observed > objective
+                && self.limits.first_token_gate_ms > f.first_token_gate_ms
+            {
+                // The gate first: it refuses only the prompts predicted to be read late, where
+                // admission refuses whoever comes and thins the batch. Its prediction misses
+                // what happens outside the engine's queue and prompts that overtake; the
+                // measured p99 corrects it.
+                ttft_healthy = false;
+                let gate = self.limits.first_token_gate_ms;
+                let to = scaled_down(gate, objective, observed, f.first_token_gate_ms);
+                let detail = format!(
+                    "time to first token p99 {observed:.0} ms above the objective {objective:.0} ms: prompts predicted to wait more than {to} ms to be read are refused"
+                );
+                let before = changes.len();
+                self.set(Lever::FirstTokenGate, to, Cause::Ttft, detail, &mut changes);
+                if changes.len() > before {
+                    self.ttft_moved = w;
+                    self.ttft_cut = Some((Lever::FirstTokenGate, gate, observed));
+                }
             } else if observed > objective {
                 ttft_healthy = false;
                 // The most that were in while the judged samples came in (not this window's
@@ -743,7 +784,7 @@ impl Controller {
                 self.set(Lever::MaxInFlight, to, Cause::Ttft, detail, &mut changes);
                 if changes.len() > before {
                     self.ttft_moved = w;
-                    self.ttft_cut = Some((limit, observed));
+                    self.ttft_cut = Some((Lever::MaxInFlight, limit, observed));
                 }
             } else {
                 self.ttft_cut = None;
@@ -840,6 +881,32 @@ impl Controller {
                 };
                 self.set(
                     Lever::MaxInFlight,
+                    to,
+                    Cause::Recovery,
+                    detail(&what),
+                    &mut changes,
+                );
+            }
+            // The gate grows back last (it was cut first), while it refused prompts and first
+            // tokens are fast.
+            let gate = self.limits.first_token_gate_ms;
+            if ttft_healthy
+                && gate < c.first_token_gate_ms
+                && self.limits.max_in_flight >= c.max_in_flight
+                && ((obs.gate_refused > 0 && ttft_measured) || idle)
+            {
+                let step = (c.first_token_gate_ms / GATE_GROWTH_DIVISOR).max(1);
+                let to = (gate + step).min(c.first_token_gate_ms);
+                if !idle {
+                    self.ttft_moved = w;
+                }
+                let what = if idle {
+                    "idle".to_string()
+                } else {
+                    format!("{} prompts were refused by the gate", obs.gate_refused)
+                };
+                self.set(
+                    Lever::FirstTokenGate,
                     to,
                     Cause::Recovery,
                     detail(&what),

@@ -9,6 +9,7 @@ fn ceilings() -> Limits {
         max_prefill_tokens: 512,
         max_in_flight: 64,
         admit_prefills: true,
+        first_token_gate_ms: 0,
     }
 }
 
@@ -301,6 +302,86 @@ fn a_ttft_objective_sheds_the_excess_at_admission_and_holds() {
     assert!(hi - lo <= 1, "{trace:?}");
     // Not shedding more than needed: 8 in flight meet the objective exactly.
     assert!(*lo >= 6, "{trace:?}");
+}
+
+fn gate_settings() -> Settings {
+    let mut s = Settings::new(Limits {
+        first_token_gate_ms: 720,
+        ..ceilings()
+    });
+    s.ttft_p99_ms = Some(800.0);
+    s
+}
+
+/// First tokens under a gate whose prediction is `bias` times too optimistic, with `outside`
+/// ms spent outside the engine's queue (HTTP, tokenization): p99 = outside + bias × gate.
+fn gate_plant(limits: &Limits, bias: f64, outside: f64) -> Observation {
+    Observation {
+        ttft_ms: jitter(outside + bias * limits.first_token_gate_ms as f64, 10),
+        running: 24,
+        in_flight_peak: 30,
+        gate_refused: 20,
+        ..Observation::default()
+    }
+}
+
+#[test]
+fn a_first_token_gate_that_predicts_too_little_tightens_until_the_objective_holds() {
+    let mut c = Controller::new(gate_settings());
+    let mut trace = Vec::new();
+    for _ in 0..40 {
+        let obs = gate_plant(&c.limits(), 1.6, 150.0);
+        let ttft = obs.ttft_ms.iter().cloned().fold(0.0, f64::max);
+        let d = c.observe(&obs);
+        trace.push((ttft, d.limits.first_token_gate_ms, d.limits.max_in_flight));
+    }
+    for (w, (ttft, _, in_flight)) in trace.iter().enumerate() {
+        // The gate does the work; admission is never cut.
+        assert_eq!(*in_flight, 64, "window {w}: {trace:?}");
+        if w >= 10 {
+            assert!(*ttft <= 800.0 * 1.03, "window {w}: {trace:?}");
+        }
+    }
+    let settled: Vec<usize> = trace.iter().skip(10).map(|t| t.1).collect();
+    let (lo, hi) = (settled.iter().min().unwrap(), settled.iter().max().unwrap());
+    assert!(hi - lo <= 720 / GATE_GROWTH_DIVISOR, "{trace:?}");
+    // Not tighter than needed: (800 - 150) / 1.6 = 406 ms meets it exactly.
+    assert!(*lo >= 300, "{trace:?}");
+    assert_eq!(c.level(), 1);
+    // The prediction comes right (less traffic ahead): the gate grows back to its ceiling.
+    for _ in 0..30 {
+        let obs = gate_plant(&c.limits(), 0.6, 100.0);
+        c.observe(&obs);
+    }
+    assert_eq!(c.limits().first_token_gate_ms, 720);
+    assert_eq!(c.level(), 0);
+}
+
+#[test]
+fn a_gate_cut_that_does_not_help_is_undone_and_admission_is_left_alone() {
+    let mut c = Controller::new(gate_settings());
+    let mut gates = Vec::new();
+    let mut undone = 0;
+    for _ in 0..40 {
+        // First tokens take 1 s whatever is refused: the prompts' own prefill.
+        let mut obs = gate_plant(&c.limits(), 0.0, 1000.0);
+        obs.ttft_ms = jitter(1000.0, 10);
+        let d = c.observe(&obs);
+        undone += d
+            .changes
+            .iter()
+            .filter(|ch| ch.detail.contains("did not lower"))
+            .count();
+        gates.push(d.limits.first_token_gate_ms);
+        assert_eq!(d.limits.max_in_flight, 64);
+    }
+    assert!(undone >= 1, "{gates:?}");
+    // Cut once per hold at most: mostly at the ceiling, never below one cut.
+    assert!(gates.iter().all(|g| *g >= 540), "{gates:?}");
+    assert!(
+        gates.iter().filter(|g| **g == 720).count() >= 30,
+        "{gates:?}"
+    );
 }
 
 #[test]

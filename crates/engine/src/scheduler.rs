@@ -55,9 +55,15 @@ pub struct SchedulerLimits {
     /// Prompt tokens still to read (waiting and running sequences), refreshed every step and
     /// raised by each submission in between.
     prefill_backlog: AtomicUsize,
-    /// Prompt tokens read per second while prompts are being read (a moving average over
-    /// steps), as f64 bits; 0 before the first.
+    /// Prompt tokens read per second by steps that read their whole prefill budget (a moving
+    /// average over such steps: what the engine can read, not what a short queue asked of it),
+    /// as f64 bits; 0 before the first.
     prefill_rate: AtomicU64,
+    /// Prompt tokens the latest of those steps read: the rate is scaled down when the budget
+    /// has since shrunk below it (the degradation controller's cut takes effect at once).
+    prefill_rate_read: AtomicUsize,
+    /// Prompts the gate refused so far.
+    gate_refusals: AtomicU64,
 }
 
 /// Why the first-token gate refused a prompt.
@@ -81,6 +87,8 @@ impl SchedulerLimits {
             max_prefill_wait_ms: AtomicU64::new(0),
             prefill_backlog: AtomicUsize::new(0),
             prefill_rate: AtomicU64::new(0),
+            prefill_rate_read: AtomicUsize::new(0),
+            gate_refusals: AtomicU64::new(0),
         }
     }
 
@@ -100,9 +108,24 @@ impl SchedulerLimits {
         self.prefill_backlog.load(Ordering::Relaxed)
     }
 
-    /// Prompt tokens read per second while prompts are being read (0 before the first).
+    /// Prompt tokens the engine reads per second beside its running streams under today's
+    /// prefill budget (0 before the first step that read a whole budget).
     pub fn prefill_rate(&self) -> f64 {
-        f64::from_bits(self.prefill_rate.load(Ordering::Relaxed))
+        let rate = f64::from_bits(self.prefill_rate.load(Ordering::Relaxed));
+        let measured_at = self.prefill_rate_read.load(Ordering::Relaxed);
+        let budget = self.max_prefill_tokens().min(self.max_num_batched_tokens());
+        if measured_at > budget && budget > 0 {
+            // Fewer prompt tokens per step now than when it was measured: at most that much
+            // slower (steps get shorter too, so this errs on the side of refusing).
+            rate * budget as f64 / measured_at as f64
+        } else {
+            rate
+        }
+    }
+
+    /// Prompts the gate has refused since the engine started.
+    pub fn gate_refusals(&self) -> u64 {
+        self.gate_refusals.load(Ordering::Relaxed)
     }
 
     /// Checks a new prompt of `tokens` against the gate and, when it passes, counts it in
@@ -114,6 +137,7 @@ impl SchedulerLimits {
         if max_wait_ms > 0 && rate > 0.0 && backlog > 0 {
             let predicted_ms = (backlog + tokens) as f64 / rate * 1e3;
             if predicted_ms > max_wait_ms as f64 {
+                self.gate_refusals.fetch_add(1, Ordering::Relaxed);
                 return Err(GateRefusal {
                     predicted_ms,
                     max_wait_ms,
@@ -379,6 +403,9 @@ pub struct Scheduler {
     stats: SchedulerSnapshot,
     /// Prompt tokens read so far (recomputed ones included): the clock of the prefill order.
     prompt_clock: u64,
+    /// Whether the latest step's prompt tokens were bounded by its budgets (more prompt was
+    /// waiting than it could read).
+    budget_bound: bool,
     /// Per block: whether its pages are mapped (written since last given back).
     resident: Vec<bool>,
 }
@@ -434,6 +461,7 @@ impl Scheduler {
             latency,
             stats: SchedulerSnapshot::default(),
             prompt_clock: 0,
+            budget_bound: false,
             resident: vec![false; blocks],
         };
         scheduler.publish();
@@ -698,9 +726,11 @@ impl Scheduler {
         self.stats.steps += 1;
         self.stats.last_step_tokens = tokens;
         self.stats.last_step_seconds = started.elapsed().as_secs_f64();
-        if read > 0 && self.stats.last_step_seconds > 0.0 {
+        if read > 0 && self.budget_bound && self.stats.last_step_seconds > 0.0 {
             // How fast prompts are read beside this step's streams (what a new prompt's wait
-            // is predicted from): a moving average over the steps that read prompts.
+            // is predicted from): a moving average over the steps that read as many prompt
+            // tokens as the budget allowed (a step that read a short queue says nothing of
+            // how fast a longer one would go).
             let sample = read as f64 / self.stats.last_step_seconds;
             let before = self.limits.prefill_rate();
             let rate = if before > 0.0 {
@@ -711,6 +741,7 @@ impl Scheduler {
             self.limits
                 .prefill_rate
                 .store(rate.to_bits(), Ordering::Relaxed);
+            self.limits.prefill_rate_read.store(read, Ordering::Relaxed);
         }
         self.publish();
         tokens
@@ -804,6 +835,7 @@ impl Scheduler {
         }
         if preempted {
             self.stats.prefill_held_steps += held as u64;
+            self.budget_bound = false;
             return scheduled;
         }
         let watermark = (self.config.watermark * self.pool.total() as f64).ceil() as usize;
@@ -873,6 +905,7 @@ impl Scheduler {
             && self.running.len() < max_seqs
             && self.waiting.iter().any(|w| w.admitted || admit_new);
         self.stats.prefill_held_steps += held as u64;
+        self.budget_bound = held && (prefill == 0 || budget == 0);
         scheduled
     }
 
@@ -1333,6 +1366,10 @@ mod tests {
         limits.prefill_backlog.store(300, Ordering::Relaxed);
         limits.admit_prompt(400).unwrap();
         assert!(limits.admit_prompt(200).is_err());
+        assert_eq!(limits.gate_refusals(), 2);
+        // Measured at 1,024 prompt tokens a step, the budget now 512: half the rate.
+        limits.prefill_rate_read.store(1024, Ordering::Relaxed);
+        assert!((limits.prefill_rate() - 500.0).abs() < 1e-9);
         limits.set_max_prefill_wait_ms(0);
         limits.admit_prompt(10_000).unwrap();
     }

@@ -729,6 +729,12 @@ fn free_blocks_are_reused_last_freed_first_and_their_pages_given_back() {
 #[test]
 fn the_backlog_and_the_reading_rate_follow_the_steps() {
     let mut h = Harness::new(roomy(400, 8, 64));
+    // A prompt shorter than the budget: read in one step, which says nothing of how fast a
+    // longer queue would be read.
+    h.submit(vec![9; 20], 1);
+    h.step();
+    assert_eq!(h.limits.prefill_rate(), 0.0);
+    h.run_to_end();
     h.limits.set_max_prefill_tokens(32);
     h.submit((3..203).collect(), 2);
     h.submit(vec![7; 100], 2);

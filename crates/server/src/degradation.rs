@@ -142,6 +142,8 @@ pub struct GateView {
     pub max_wait_ms: u64,
     pub backlog_tokens: usize,
     pub prompt_tokens_per_second: f64,
+    /// Prompts it refused since the engine started.
+    pub refused: u64,
 }
 
 /// The share of the TTFT objective a prompt may be predicted to wait to be read (the rest is
@@ -153,6 +155,8 @@ struct ModelState {
     engine: Arc<Engine>,
     /// The engine's count of steps that held prompts back, at the last window.
     held_steps: u64,
+    /// The engine's count of prompts its first-token gate refused, at the last window.
+    gate_refusals: u64,
     view: ModelView,
 }
 
@@ -187,6 +191,8 @@ fn model_config<'a>(config: &'a ServerConfig, name: &str) -> Option<&'a ModelCon
 /// The controller's settings for one model version, its ceilings read from the engine and
 /// the admission before the controller first moves them.
 fn settings(config: &ServerConfig, entry: &Entry, engine: &Engine) -> (Settings, Objectives) {
+    let default_model = ModelConfig::named(entry.name.clone());
+    let model = model_config(config, &entry.name).unwrap_or(&default_model);
     let limits = engine.limits();
     let ceilings = Limits {
         max_num_seqs: limits.max_num_seqs(),
@@ -194,11 +200,15 @@ fn settings(config: &ServerConfig, entry: &Entry, engine: &Engine) -> (Settings,
         max_prefill_tokens: limits.max_prefill_tokens(),
         max_in_flight: entry.admission.max_in_flight(),
         admit_prefills: true,
+        // The first-token gate: with a TTFT objective, a prompt predicted to be read later
+        // than this is refused at once (429 `shedding`).
+        first_token_gate_ms: model
+            .slo
+            .ttft_p99_ms
+            .map_or(0, |ms| ((ms as f64 * GATE_SHARE) as usize).max(1)),
     };
     let d = &config.degradation;
     let mut s = Settings::new(ceilings);
-    let default_model = ModelConfig::named(entry.name.clone());
-    let model = model_config(config, &entry.name).unwrap_or(&default_model);
     s.ttft_p99_ms = model.slo.ttft_p99_ms.map(|v| v as f64);
     s.itl_p99_ms = model.slo.itl_p99_ms.map(|v| v as f64);
     s.scaling = d.scaling;
@@ -229,6 +239,7 @@ fn apply(engine: &Engine, entry: &Entry, limits: &Limits) {
     l.set_max_num_batched_tokens(limits.max_num_batched_tokens);
     l.set_max_prefill_tokens(limits.max_prefill_tokens);
     l.set_admit_prefills(limits.admit_prefills);
+    l.set_max_prefill_wait_ms(limits.first_token_gate_ms as u64);
     entry.admission.set_limit(limits.max_in_flight);
 }
 
@@ -296,6 +307,7 @@ fn gauges(entry: &Entry, d: &Decision) {
         ("max_num_batched_tokens", d.limits.max_num_batched_tokens),
         ("max_prefill_tokens", d.limits.max_prefill_tokens),
         ("max_in_flight", d.limits.max_in_flight),
+        ("first_token_gate_ms", d.limits.first_token_gate_ms),
     ] {
         gauge!(
             "rampart_batch_limit",
@@ -340,17 +352,15 @@ impl Degradation {
             }
             let state = models.entry(entry.id.clone()).or_insert_with(|| {
                 let (settings, objectives) = settings(config, entry, &engine);
-                // The first-token gate: with a TTFT objective, a prompt predicted to be read
-                // later than the objective allows is refused at once (429 `shedding`).
-                let gate = objectives
-                    .ttft_p99_ms
-                    .map_or(0, |ms| ((ms as f64 * GATE_SHARE) as u64).max(1));
-                engine.limits().set_max_prefill_wait_ms(gate);
                 let ceilings = settings.ceilings;
+                engine
+                    .limits()
+                    .set_max_prefill_wait_ms(ceilings.first_token_gate_ms as u64);
                 ModelState {
                     controller: Controller::new(settings),
                     engine: Arc::clone(&engine),
                     held_steps: engine.snapshot().prefill_held_steps,
+                    gate_refusals: engine.limits().gate_refusals(),
                     view: ModelView {
                         backend: entry.id.clone(),
                         model: entry.name.clone(),
@@ -374,6 +384,7 @@ impl Degradation {
                 .collect();
             let snapshot = state.engine.snapshot();
             let (in_flight_peak, shed) = entry.admission.take_window();
+            let gate_refusals = state.engine.limits().gate_refusals();
             let observation = degrade::Observation {
                 memory_ratio: memory.ratio,
                 memory_psi_some_avg10: memory.psi_some_avg10,
@@ -387,11 +398,13 @@ impl Degradation {
                 waiting: snapshot.waiting,
                 in_flight_peak,
                 shed,
+                gate_refused: gate_refusals.saturating_sub(state.gate_refusals),
                 prefill_held: snapshot.prefill_held_steps > state.held_steps,
                 kv_resident_blocks: snapshot.blocks_resident,
                 kv_held_blocks: snapshot.blocks_used,
             };
             state.held_steps = snapshot.prefill_held_steps;
+            state.gate_refusals = gate_refusals;
             let decision = state.controller.observe(&observation);
             if !decision.changes.is_empty() {
                 apply(&state.engine, entry, &decision.limits);
@@ -425,6 +438,7 @@ impl Degradation {
                 max_wait_ms: gate.max_prefill_wait_ms(),
                 backlog_tokens: gate.prefill_backlog(),
                 prompt_tokens_per_second: gate.prefill_rate(),
+                refused: gate.gate_refusals(),
             });
         }
         // Versions no longer served: their controllers go; limits die with their engines.

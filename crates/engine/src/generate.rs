@@ -449,7 +449,11 @@ impl Engine {
                 model.config.vocab_size
             )));
         }
-        let template = match &tokenizer.chat_template {
+        let template = match tokenizer
+            .chat_template
+            .as_deref()
+            .or(model.family.chat_template)
+        {
             Some(source) => {
                 let text =
                     |id: Option<u32>| id.map(|i| tokenizer.token_text(i)).unwrap_or_default();

@@ -16,13 +16,13 @@
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
-use formats::hf::gguf_tensor_name;
+use formats::hf::gguf_tensor_name_of;
 use formats::safetensors::{SafetensorsFile, ShardIndex};
 use kernels::ops::RopeScaling;
 use serde::Deserialize;
 use serde_json::Value as Json;
 
-use crate::arch::{family, family_of_hf_class, Family};
+use crate::arch::{family, family_of_hf_class, Activation, Family};
 use crate::error::EngineError;
 use crate::model::ModelConfig;
 use crate::weights::{dtype_of_safetensors, tensor_error, StoredTensor, Weights};
@@ -56,7 +56,17 @@ pub struct HfConfig {
     pub rope_scaling: Option<Json>,
     pub tie_word_embeddings: Option<bool>,
     pub hidden_act: Option<String>,
+    /// Gemma's name for `hidden_act`.
+    pub hidden_activation: Option<String>,
     pub use_sliding_window: Option<bool>,
+    pub sliding_window: Option<usize>,
+    /// Gemma 3: every n-th layer is global (older configs; newer ones list `layer_types`).
+    pub sliding_window_pattern: Option<usize>,
+    pub layer_types: Option<Vec<String>>,
+    pub query_pre_attn_scalar: Option<f64>,
+    pub rope_local_base_freq: Option<f64>,
+    pub final_logit_softcapping: Option<f64>,
+    pub attn_logit_softcapping: Option<f64>,
     pub partial_rotary_factor: Option<f64>,
 }
 
@@ -140,11 +150,27 @@ impl HfConfig {
                 "head_dim {head_dim} is not an even number up to 512"
             )));
         }
-        if let Some(act) = self.hidden_act.as_deref() {
-            if act != "silu" {
+        let wanted = match family.activation {
+            Activation::Silu => &["silu"][..],
+            Activation::GeluTanh => &["gelu_pytorch_tanh", "gelu_new", "gelu_tanh"][..],
+        };
+        for act in [&self.hidden_act, &self.hidden_activation]
+            .into_iter()
+            .flatten()
+        {
+            if !wanted.contains(&act.as_str()) {
                 return Err(bad(format!(
-                    "hidden_act {act:?} is not supported (the llama-family decoder uses silu)"
+                    "hidden activation {act:?} is not supported (the {} decoder uses {})",
+                    family.name, wanted[0]
                 )));
+            }
+        }
+        for (key, cap) in [
+            ("final_logit_softcapping", self.final_logit_softcapping),
+            ("attn_logit_softcapping", self.attn_logit_softcapping),
+        ] {
+            if let Some(cap) = cap {
+                return Err(bad(format!("{key} {cap} is not supported")));
             }
         }
         if let Some(f) = self.partial_rotary_factor {
@@ -152,14 +178,60 @@ impl HfConfig {
                 return Err(bad(format!("partial_rotary_factor {f} is not supported")));
             }
         }
-        if self.use_sliding_window == Some(true) {
-            return Err(bad(
-                "use_sliding_window is true; sliding-window attention is not supported".into(),
-            ));
+        if family.sliding_pattern == 0 && self.use_sliding_window == Some(true) {
+            return Err(bad(format!(
+                "use_sliding_window is true; the {} decoder has no sliding-window layers",
+                family.name
+            )));
         }
+        let block_count = need(self.num_hidden_layers, "num_hidden_layers")?;
+        let sliding_window = if family.sliding_pattern > 0 {
+            let window = need(self.sliding_window, "sliding_window")?;
+            // The layer pattern the decoder implements must be the checkpoint's.
+            let expected = |l: usize| {
+                if family.is_sliding(l) {
+                    "sliding_attention"
+                } else {
+                    "full_attention"
+                }
+            };
+            if let Some(types) = &self.layer_types {
+                if let Some((l, t)) = types
+                    .iter()
+                    .enumerate()
+                    .find(|(l, t)| t.as_str() != expected(*l))
+                {
+                    return Err(bad(format!(
+                        "layer_types[{l}] is {t:?}; the {} decoder makes every {}th layer global",
+                        family.name, family.sliding_pattern
+                    )));
+                }
+            }
+            if let Some(p) = self.sliding_window_pattern {
+                if p != family.sliding_pattern {
+                    return Err(bad(format!(
+                        "sliding_window_pattern {p} is not supported (the {} decoder's is {})",
+                        family.name, family.sliding_pattern
+                    )));
+                }
+            }
+            if let (Some(local), Some(theta)) =
+                (self.rope_local_base_freq, family.sliding_rope_theta)
+            {
+                if (local as f32 - theta).abs() > 1e-3 * theta {
+                    return Err(bad(format!(
+                        "rope_local_base_freq {local} is not supported (the {} decoder's is {theta})",
+                        family.name
+                    )));
+                }
+            }
+            Some(window)
+        } else {
+            None
+        };
         Ok(ModelConfig {
             architecture: family.name.to_string(),
-            block_count: need(self.num_hidden_layers, "num_hidden_layers")?,
+            block_count,
             hidden,
             ffn: need(self.intermediate_size, "intermediate_size")?,
             heads,
@@ -172,6 +244,11 @@ impl HfConfig {
             rope_theta: self.rope_theta.unwrap_or(10000.0) as f32,
             rope_dims: head_dim,
             rope_scaling: rope_scaling(self.rope_scaling.as_ref()).map_err(bad)?,
+            sliding_window,
+            query_pre_attn_scalar: self
+                .query_pre_attn_scalar
+                .map(|s| s as f32)
+                .filter(|&s| s != head_dim as f32),
         })
     }
 }
@@ -228,7 +305,8 @@ pub(crate) fn open(dir: &Path) -> Result<Checkpoint, EngineError> {
     let hf = HfConfig::read(dir)?;
     let family = hf.family()?;
     let config = hf.model_config(family)?;
-    let tied = hf.tie_word_embeddings.unwrap_or(false);
+    // Gemma ties its output to the embeddings unless the configuration says otherwise.
+    let tied = hf.tie_word_embeddings.unwrap_or(family.scale_embeddings);
 
     // The files, and for a sharded checkpoint the shard the index assigns each tensor to.
     let index_path = dir.join(INDEX_FILE);
@@ -264,7 +342,7 @@ pub(crate) fn open(dir: &Path) -> Result<Checkpoint, EngineError> {
             if t.name.ends_with(".rotary_emb.inv_freq") {
                 continue;
             }
-            let Some(name) = gguf_tensor_name(&t.name) else {
+            let Some(name) = gguf_tensor_name_of(&t.name, family.hf_norm_offset) else {
                 unused.push(t.name.clone());
                 continue;
             };
@@ -318,10 +396,14 @@ pub(crate) fn open(dir: &Path) -> Result<Checkpoint, EngineError> {
             "attn_k.bias",
             "attn_v.bias",
             "attn_output.weight",
+            "attn_q_norm.weight",
+            "attn_k_norm.weight",
+            "post_attention_norm.weight",
             "ffn_norm.weight",
             "ffn_gate.weight",
             "ffn_up.weight",
             "ffn_down.weight",
+            "post_ffw_norm.weight",
         ] {
             expected.insert(format!("blk.{l}.{t}"));
         }
@@ -434,7 +516,19 @@ mod tests {
             (r#""architectures":[]"#, "names no architectures"),
             (
                 r#""model_type":"qwen2","hidden_act":"gelu""#,
-                "hidden_act \"gelu\"",
+                "hidden activation \"gelu\"",
+            ),
+            (
+                r#""model_type":"gemma3","hidden_activation":"gelu_pytorch_tanh","sliding_window":512,"layer_types":["sliding_attention","full_attention"]"#,
+                "layer_types[1]",
+            ),
+            (
+                r#""model_type":"gemma3","hidden_activation":"gelu_pytorch_tanh""#,
+                "sliding_window is missing",
+            ),
+            (
+                r#""model_type":"gemma3","sliding_window":512,"final_logit_softcapping":30.0"#,
+                "final_logit_softcapping",
             ),
             (
                 r#""model_type":"qwen2","use_sliding_window":true"#,

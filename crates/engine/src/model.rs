@@ -3,18 +3,19 @@
 //!
 //! Weights stay in the memory maps (zero-copy, see [`crate::weights`]); only the small 1-D
 //! tensors (norms, biases) are copied to f32 at load. The forward pass is the llama-family
-//! decoder; what differs between families (RoPE layout, biases) is described by an
-//! [`crate::arch::Family`].
+//! decoder; what differs between families (RoPE layout, activation, embedding scale, sliding
+//! windows) is described by an [`crate::arch::Family`], and optional tensors (biases, Q/K norms,
+//! post-norms) are used where a file has them.
 
 use std::ops::Range;
 use std::path::Path;
 
 use formats::gguf::GgufFile;
-use kernels::ops::{swiglu, Rope, RopeScaling};
+use kernels::ops::{geglu, swiglu, Rope, RopeScaling};
 use kernels::quant::dequantize_row;
 use kernels::{Backend, Matrix, QueryRow, Scratch};
 
-use crate::arch::{family, Family};
+use crate::arch::{family, Activation, Family};
 use crate::error::EngineError;
 use crate::kv_store::{KvStore, SequenceCache};
 use crate::weights::{tensor_error, TensorRef, Weights};
@@ -38,6 +39,11 @@ pub struct ModelConfig {
     pub rope_theta: f32,
     pub rope_dims: usize,
     pub rope_scaling: RopeScaling,
+    /// The window of the family's sliding-window layers (`attention.sliding_window`): a query at
+    /// position p sees keys `p + 1 − window ..= p`.
+    pub sliding_window: Option<usize>,
+    /// Attention scores are `q·k / √query_pre_attn_scalar` (Gemma; `None`: `√head_dim`).
+    pub query_pre_attn_scalar: Option<f32>,
 }
 
 /// The file format a model was loaded from.
@@ -59,10 +65,19 @@ struct Layer {
     bq: Option<Vec<f32>>,
     bk: Option<Vec<f32>>,
     bv: Option<Vec<f32>>,
+    /// Per-head RMSNorms of Q and K before RoPE (Qwen 3, Gemma 3).
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
+    /// RMSNorm of the attention's output before the residual add (Gemma).
+    post_attn_norm: Option<Vec<f32>>,
     ffn_norm: Vec<f32>,
     w_gate: TensorRef,
     w_up: TensorRef,
     w_down: TensorRef,
+    /// RMSNorm of the feed-forward output before the residual add (Gemma).
+    post_ffn_norm: Option<Vec<f32>>,
+    /// A sliding-window layer: attends over the last `window` positions, with the local RoPE.
+    window: Option<usize>,
 }
 
 /// A model ready to run.
@@ -76,6 +91,11 @@ pub struct Model {
     output_norm: Vec<f32>,
     output: TensorRef,
     rope: Rope,
+    /// The RoPE of sliding-window layers, when the family gives them their own base.
+    rope_local: Option<Rope>,
+    /// Multiplies Q before the kernel's `1/√head_dim` so that scores are scaled by
+    /// `1/√query_pre_attn_scalar` (1 when they coincide).
+    query_factor: f32,
 }
 
 impl std::fmt::Debug for Model {
@@ -136,12 +156,29 @@ impl Model {
             .arch_u64("attention.head_count_kv")
             .map_err(meta)?
             .map_or(heads, |v| v as usize);
-        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 || hidden % heads != 0 {
+        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
             return Err(EngineError::Load(format!(
                 "inconsistent attention shape: hidden {hidden}, heads {heads}, kv heads {kv_heads}"
             )));
         }
-        let head_dim = hidden / heads;
+        let head_dim = match file.arch_u64("attention.key_length").map_err(meta)? {
+            Some(d) if d > 0 => d as usize,
+            Some(_) => return Err(EngineError::Load("attention.key_length is 0".into())),
+            None if hidden % heads == 0 => hidden / heads,
+            None => {
+                return Err(EngineError::Load(format!(
+                    "hidden {hidden} is not a multiple of {heads} heads and the file gives no \
+                     attention.key_length"
+                )))
+            }
+        };
+        if let Some(v) = file.arch_u64("attention.value_length").map_err(meta)? {
+            if v as usize != head_dim {
+                return Err(EngineError::Load(format!(
+                    "attention.value_length {v} differs from key_length {head_dim}: not supported"
+                )));
+            }
+        }
         let embd = file
             .tensor("token_embd.weight")
             .ok_or_else(|| tensor_error("token_embd.weight", "missing"))?;
@@ -189,6 +226,17 @@ impl Model {
                 .map_err(meta)?
                 .map_or(head_dim, |v| v as usize),
             rope_scaling: scaling,
+            sliding_window: match family.sliding_pattern {
+                0 => None,
+                _ => file
+                    .arch_u64("attention.sliding_window")
+                    .map_err(meta)?
+                    .map(|w| w as usize),
+            },
+            // GGUF does not carry Gemma 3's query_pre_attn_scalar: it is head_dim except for the
+            // 27B model (62 layers), where it is hidden / heads (as llama.cpp reads it).
+            query_pre_attn_scalar: (family.name == "gemma3" && need("block_count")? == 62)
+                .then(|| (hidden / heads) as f32),
         };
         if config.rope_dims > head_dim || !config.rope_dims.is_multiple_of(2) {
             return Err(EngineError::Load(format!(
@@ -221,11 +269,34 @@ impl Model {
             config.head_dim,
         );
         let (q_dim, kv_dim) = (heads * head_dim, kv_heads * head_dim);
+        // Gemma's Hugging Face checkpoints store RMSNorm weights as offsets from 1.
+        let offset = if format == WeightFormat::HuggingFace && family.hf_norm_offset {
+            1.0
+        } else {
+            0.0
+        };
+        let shift = |mut w: Vec<f32>| {
+            w.iter_mut().for_each(|v| *v += offset);
+            w
+        };
+        let norm = |name: &str, len: usize| weights.vector(name, len).map(shift);
+        let optional_norm = |name: &str, len: usize| {
+            Ok::<_, EngineError>(weights.optional_vector(name, len)?.map(shift))
+        };
         let mut layers = Vec::with_capacity(config.block_count);
+        if family.sliding_pattern > 0 && config.sliding_window.is_none() {
+            return Err(EngineError::Load(format!(
+                "a {} model needs its attention.sliding_window",
+                family.name
+            )));
+        }
+        if config.sliding_window == Some(0) {
+            return Err(EngineError::Load("attention.sliding_window is 0".into()));
+        }
         for l in 0..config.block_count {
             let n = |t: &str| format!("blk.{l}.{t}");
             layers.push(Layer {
-                attn_norm: weights.vector(&n("attn_norm.weight"), hidden)?,
+                attn_norm: norm(&n("attn_norm.weight"), hidden)?,
                 wq: weights.matrix(&n("attn_q.weight"), q_dim, hidden)?,
                 wk: weights.matrix(&n("attn_k.weight"), kv_dim, hidden)?,
                 wv: weights.matrix(&n("attn_v.weight"), kv_dim, hidden)?,
@@ -233,10 +304,15 @@ impl Model {
                 bq: weights.optional_vector(&n("attn_q.bias"), q_dim)?,
                 bk: weights.optional_vector(&n("attn_k.bias"), kv_dim)?,
                 bv: weights.optional_vector(&n("attn_v.bias"), kv_dim)?,
-                ffn_norm: weights.vector(&n("ffn_norm.weight"), hidden)?,
+                q_norm: optional_norm(&n("attn_q_norm.weight"), head_dim)?,
+                k_norm: optional_norm(&n("attn_k_norm.weight"), head_dim)?,
+                post_attn_norm: optional_norm(&n("post_attention_norm.weight"), hidden)?,
+                ffn_norm: norm(&n("ffn_norm.weight"), hidden)?,
                 w_gate: weights.matrix(&n("ffn_gate.weight"), config.ffn, hidden)?,
                 w_up: weights.matrix(&n("ffn_up.weight"), config.ffn, hidden)?,
                 w_down: weights.matrix(&n("ffn_down.weight"), hidden, config.ffn)?,
+                post_ffn_norm: optional_norm(&n("post_ffw_norm.weight"), hidden)?,
+                window: config.sliding_window.filter(|_| family.is_sliding(l)),
             });
         }
         let embeddings = weights.matrix("token_embd.weight", config.vocab_size, hidden)?;
@@ -254,8 +330,14 @@ impl Model {
             // Llama 3.1 GGUFs store their long-context frequency factors as a tensor.
             rope.divide_frequencies(&weights.vector("rope_freqs.weight", config.rope_dims / 2)?);
         }
+        let rope_local = family
+            .sliding_rope_theta
+            .map(|theta| Rope::new(config.rope_dims, theta, rope_neox, RopeScaling::None));
+        let query_factor = config
+            .query_pre_attn_scalar
+            .map_or(1.0, |s| (head_dim as f32).sqrt() / s.sqrt());
         Ok(Self {
-            output_norm: weights.vector("output_norm.weight", hidden)?,
+            output_norm: norm("output_norm.weight", hidden)?,
             weights,
             config,
             family,
@@ -264,6 +346,8 @@ impl Model {
             layers,
             output,
             rope,
+            rope_local,
+            query_factor,
         })
     }
 
@@ -357,6 +441,10 @@ impl Model {
                 &mut s.x[i * hid..(i + 1) * hid],
             );
         }
+        if self.family.scale_embeddings {
+            let scale = (hid as f32).sqrt();
+            s.x[..m * hid].iter_mut().for_each(|v| *v *= scale);
+        }
         for (l, layer) in self.layers.iter().enumerate() {
             let (x, h) = (&mut s.x[..m * hid], &mut s.h[..m * hid]);
             backend.rms_norm_rows(x, &layer.attn_norm, c.norm_eps, h);
@@ -383,10 +471,25 @@ impl Model {
                     }
                 }
             }
+            // Per-head RMSNorms of Q and K (rows of head_dim values), before RoPE.
+            for (buf, norm) in [(&mut *q, &layer.q_norm), (&mut *k, &layer.k_norm)] {
+                if let Some(norm) = norm {
+                    let tmp = &mut s.att[..buf.len()];
+                    backend.rms_norm_rows(buf, norm, c.norm_eps, tmp);
+                    buf.copy_from_slice(tmp);
+                }
+            }
+            if self.query_factor != 1.0 {
+                q.iter_mut().for_each(|v| *v *= self.query_factor);
+            }
+            let rope = match (&layer.window, &self.rope_local) {
+                (Some(_), Some(local)) => local,
+                _ => &self.rope,
+            };
             for (i, &pos) in batch.positions.iter().enumerate() {
                 let (qi, ki) = (&mut q[i * qd..(i + 1) * qd], &mut k[i * kvd..(i + 1) * kvd]);
-                self.rope.apply(qi, c.heads, c.head_dim, pos);
-                self.rope.apply(ki, c.kv_heads, c.head_dim, pos);
+                rope.apply(qi, c.heads, c.head_dim, pos);
+                rope.apply(ki, c.kv_heads, c.head_dim, pos);
                 let table = batch.table(batch.row_seq[i]);
                 store.write(
                     l,
@@ -402,6 +505,7 @@ impl Model {
                 .zip(&batch.row_seq)
                 .map(|(&pos, &seq)| QueryRow {
                     table: batch.table(seq),
+                    first: layer.window.map_or(0, |w| (pos + 1).saturating_sub(w)),
                     keys: pos + 1,
                 })
                 .collect();
@@ -409,7 +513,12 @@ impl Model {
             backend.paged_attention(c.heads, q, &rows, &store.layer(l), att);
             let o = &mut s.o[..m * hid];
             backend.matmul(&self.matrix(&layer.wo), att, m, o, &mut s.scratch);
-            kernels::ops::add_assign(x, o);
+            if let Some(norm) = &layer.post_attn_norm {
+                backend.rms_norm_rows(o, norm, c.norm_eps, h);
+                kernels::ops::add_assign(x, h);
+            } else {
+                kernels::ops::add_assign(x, o);
+            }
 
             backend.rms_norm_rows(x, &layer.ffn_norm, c.norm_eps, h);
             let (gate, up) = (&mut s.gate[..m * c.ffn], &mut s.up[..m * c.ffn]);
@@ -420,9 +529,17 @@ impl Model {
                 &mut [&mut *gate, &mut *up],
                 &mut s.scratch,
             );
-            swiglu(gate, up);
+            match self.family.activation {
+                Activation::Silu => swiglu(gate, up),
+                Activation::GeluTanh => geglu(gate, up),
+            }
             backend.matmul(&self.matrix(&layer.w_down), gate, m, o, &mut s.scratch);
-            kernels::ops::add_assign(x, o);
+            if let Some(norm) = &layer.post_ffn_norm {
+                backend.rms_norm_rows(o, norm, c.norm_eps, h);
+                kernels::ops::add_assign(x, h);
+            } else {
+                kernels::ops::add_assign(x, o);
+            }
         }
 
         let n_rows = batch.logit_rows.len();

@@ -231,6 +231,16 @@ impl Tokenizer {
         .flatten()
         .collect();
         stop_tokens.dedup();
+        // End-of-turn control tokens end a reply too when the file names only EOS (Gemma's
+        // `<end_of_turn>`), as llama.cpp treats them.
+        for (i, t) in tokens.iter().enumerate() {
+            if special[i] && END_OF_TURN_TEXTS.contains(&t.as_str()) {
+                let id = i as u32;
+                if !stop_tokens.contains(&id) {
+                    stop_tokens.push(id);
+                }
+            }
+        }
         // SentencePiece models add BOS unless told otherwise; byte-level BPE models do not.
         let add_bos = g
             .get_bool("tokenizer.ggml.add_bos_token")

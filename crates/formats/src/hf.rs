@@ -30,6 +30,13 @@ pub fn hf_tensor_name(gguf_name: &str) -> Option<String> {
 
 /// The GGUF name of a Hugging Face tensor; `None` for names outside the llama family.
 pub fn gguf_tensor_name(hf_name: &str) -> Option<String> {
+    gguf_tensor_name_of(hf_name, false)
+}
+
+/// [`gguf_tensor_name`] for a family whose layers have four norms (Gemma: before and after
+/// attention, before and after the feed-forward block), where `post_attention_layernorm` is the
+/// norm after attention rather than the llama family's norm before the feed-forward block.
+pub fn gguf_tensor_name_of(hf_name: &str, gemma_norms: bool) -> Option<String> {
     let simple = match hf_name {
         "model.embed_tokens.weight" => Some("token_embd.weight"),
         "model.norm.weight" => Some("output_norm.weight"),
@@ -43,12 +50,21 @@ pub fn gguf_tensor_name(hf_name: &str) -> Option<String> {
     let (layer, tensor) = rest.split_once('.')?;
     let layer: usize = layer.parse().ok()?;
     let (base, suffix) = tensor.rsplit_once('.')?;
-    let gguf = LAYER_TENSORS
-        .iter()
-        .find(|(_, hf)| *hf == base)
+    let gemma = gemma_norms
+        .then(|| GEMMA_NORMS.iter().find(|(_, hf)| *hf == base))
+        .flatten();
+    let gguf = gemma
+        .or_else(|| LAYER_TENSORS.iter().find(|(_, hf)| *hf == base))
         .map(|(gguf, _)| *gguf)?;
     Some(format!("blk.{layer}.{gguf}.{suffix}"))
 }
+
+/// Gemma's layer norms that are named differently from (or absent in) the llama family.
+const GEMMA_NORMS: &[(&str, &str)] = &[
+    ("post_attention_norm", "post_attention_layernorm"),
+    ("ffn_norm", "pre_feedforward_layernorm"),
+    ("post_ffw_norm", "post_feedforward_layernorm"),
+];
 
 /// Per-layer tensors: GGUF base name, Hugging Face base name.
 const LAYER_TENSORS: &[(&str, &str)] = &[
@@ -57,6 +73,8 @@ const LAYER_TENSORS: &[(&str, &str)] = &[
     ("attn_k", "self_attn.k_proj"),
     ("attn_v", "self_attn.v_proj"),
     ("attn_output", "self_attn.o_proj"),
+    ("attn_q_norm", "self_attn.q_norm"),
+    ("attn_k_norm", "self_attn.k_norm"),
     ("ffn_norm", "post_attention_layernorm"),
     ("ffn_gate", "mlp.gate_proj"),
     ("ffn_up", "mlp.up_proj"),
@@ -135,6 +153,27 @@ mod tests {
             assert_eq!(hf_tensor_name(gguf).as_deref(), Some(hf));
             assert_eq!(gguf_tensor_name(hf).as_deref(), Some(gguf));
         }
+        // Qwen 3's per-head norms; Gemma's four layer norms.
+        assert_eq!(
+            gguf_tensor_name("model.layers.2.self_attn.k_norm.weight").as_deref(),
+            Some("blk.2.attn_k_norm.weight")
+        );
+        for (hf, gguf) in [
+            ("post_attention_layernorm", "post_attention_norm"),
+            ("pre_feedforward_layernorm", "ffn_norm"),
+            ("post_feedforward_layernorm", "post_ffw_norm"),
+            ("input_layernorm", "attn_norm"),
+            ("self_attn.q_norm", "attn_q_norm"),
+        ] {
+            assert_eq!(
+                gguf_tensor_name_of(&format!("model.layers.4.{hf}.weight"), true).as_deref(),
+                Some(format!("blk.4.{gguf}.weight").as_str())
+            );
+        }
+        assert_eq!(
+            gguf_tensor_name("model.layers.4.pre_feedforward_layernorm.weight"),
+            None
+        );
         for odd in [
             "model.layers.x.mlp.up_proj.weight",
             "model.layers.0.self_attn.rotary_emb.inv_freq",

@@ -167,6 +167,13 @@ pub fn swiglu(gate: &mut [f32], up: &[f32]) {
     }
 }
 
+/// `gate[i] = gelu(gate[i]) · up[i]` (GELU, tanh approximation: Gemma's gated MLP).
+pub fn geglu(gate: &mut [f32], up: &[f32]) {
+    for (g, &u) in gate.iter_mut().zip(up) {
+        *g = gelu(*g) * u;
+    }
+}
+
 /// `x[i] += y[i]`.
 pub fn add_assign(x: &mut [f32], y: &[f32]) {
     for (a, &b) in x.iter_mut().zip(y) {

@@ -197,11 +197,14 @@ impl PagedKv<'_> {
     }
 }
 
-/// One query row: it sees positions `0..keys` of its sequence, position `p` living in block
-/// `table[p / block_tokens]`, slot `p % block_tokens`.
+/// One query row: it sees positions `first..keys` of its sequence, position `p` living in block
+/// `table[p / block_tokens]`, slot `p % block_tokens`. `first` is 0 for full causal attention
+/// and `keys − window` (at least 0) for a sliding-window layer; blocks wholly before `first` are
+/// not read (their table entries may be anything).
 #[derive(Debug, Clone, Copy)]
 pub struct QueryRow<'a> {
     pub table: &'a [u32],
+    pub first: usize,
     pub keys: usize,
 }
 
@@ -247,7 +250,7 @@ pub fn paged_attention(
     let block_bytes = kv.block_bytes();
     let blocks = k.len().min(v.len()) / block_bytes;
     for (i, row) in rows.iter().enumerate() {
-        assert!(row.keys > 0, "query row {i} sees no keys");
+        assert!(row.keys > row.first, "query row {i} sees no keys");
         let used = row.keys.div_ceil(block_tokens);
         assert!(
             row.table.len() >= used,
@@ -255,7 +258,11 @@ pub fn paged_attention(
             row.keys,
             row.table.len()
         );
-        if let Some(bad) = row.table[..used].iter().find(|&&b| b as usize >= blocks) {
+        let skipped = row.first / block_tokens;
+        if let Some(bad) = row.table[skipped..used]
+            .iter()
+            .find(|&&b| b as usize >= blocks)
+        {
             panic!("query row {i}: block {bad} is outside the cache's {blocks} blocks");
         }
     }
@@ -325,7 +332,8 @@ fn attend_group(
 ) {
     let head_dim = kv.head_dim;
     let group = q.len() / head_dim;
-    let keys = row.keys;
+    // Scores are indexed from the row's first visible position.
+    let (from, keys) = (row.first, row.keys - row.first);
     let (row_bytes, block_bytes) = (kv.row_bytes(), kv.block_bytes());
     let head_bytes = kv.dtype.row_bytes(head_dim);
     let head_offset = kv_head * head_bytes;
@@ -339,17 +347,20 @@ fn attend_group(
     grow(decoded, head_dim);
     let scores = &mut scores[..group * keys];
     let decoded = &mut decoded[..head_dim];
-    // Each block of the table is a run of consecutive slots: (first position, slots, byte
-    // offset of this head in the run's first slot, byte length of the run).
-    let runs = row.table[..keys.div_ceil(kv.block_tokens)]
-        .iter()
-        .enumerate()
-        .map(|(b, &block)| {
-            let first = b * kv.block_tokens;
-            let slots = kv.block_tokens.min(keys - first);
-            let at = block as usize * block_bytes + head_offset;
-            (first, slots, at, (slots - 1) * row_bytes + head_bytes)
-        });
+    // Each visible part of a block is a run of consecutive slots: (its first score, slots,
+    // byte offset of this head in the run's first slot, byte length of the run).
+    let bt = kv.block_tokens;
+    let runs = (from / bt..row.keys.div_ceil(bt)).map(|b| {
+        let start = (b * bt).max(from);
+        let slots = ((b + 1) * bt).min(row.keys) - start;
+        let at = row.table[b] as usize * block_bytes + (start - b * bt) * row_bytes + head_offset;
+        (
+            start - from,
+            slots,
+            at,
+            (slots - 1) * row_bytes + head_bytes,
+        )
+    });
     for (first, slots, at, len) in runs.clone() {
         key_scores(
             isa,
@@ -519,6 +530,8 @@ mod tests {
         sequences: Vec<Sequence>,
         /// (sequence, keys) of each query row.
         rows: Vec<(usize, usize)>,
+        /// Sliding-window attention: each row sees its last `window` keys.
+        window: Option<usize>,
         q: Vec<f32>,
         k_store: Vec<u8>,
         v_store: Vec<u8>,
@@ -602,10 +615,16 @@ mod tests {
                 block_tokens,
                 sequences,
                 rows: rows.to_vec(),
+                window: None,
                 q,
                 k_store,
                 v_store,
             }
+        }
+
+        /// The first key a row with `keys` keys sees.
+        fn first(&self, keys: usize) -> usize {
+            self.window.map_or(0, |w| keys.saturating_sub(w))
         }
 
         fn paged(&self, dtype: KvDType, isa: Isa, threads: usize) -> Vec<f32> {
@@ -614,6 +633,7 @@ mod tests {
                 .iter()
                 .map(|&(seq, keys)| QueryRow {
                     table: &self.sequences[seq].table,
+                    first: self.first(keys),
                     keys,
                 })
                 .collect();
@@ -652,19 +672,20 @@ mod tests {
             let mut out = vec![0f32; self.q.len()];
             for (i, &(seq, keys)) in self.rows.iter().enumerate() {
                 let s = &self.sequences[seq];
+                let first = self.first(keys);
                 let shape = AttentionShape {
                     heads: self.heads,
                     kv_heads: self.kv_heads,
                     head_dim: self.head_dim,
-                    first_pos: keys - 1,
+                    first_pos: keys - first - 1,
                 };
                 attention(
                     &pool,
                     Isa::Scalar,
                     shape,
                     &self.q[i * q_stride..(i + 1) * q_stride],
-                    &round_trip(&s.k[..keys * kv_width]),
-                    &round_trip(&s.v[..keys * kv_width]),
+                    &round_trip(&s.k[first * kv_width..keys * kv_width]),
+                    &round_trip(&s.v[first * kv_width..keys * kv_width]),
                     &mut out[i * q_stride..(i + 1) * q_stride],
                 );
             }
@@ -743,6 +764,60 @@ mod tests {
                                  blocks of {block_tokens}"
                             ),
                         );
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sliding-window rows (the last `window` keys only, windows inside a block, on a block's
+    /// edge and across blocks) match the contiguous attention over the same keys, on every ISA,
+    /// with the blocks before the window made unreadable (out of the storage).
+    #[test]
+    fn windowed_paged_attention_reads_only_the_window() {
+        for (heads, kv_heads, head_dim) in [(4, 1, 64), (9, 3, 64), (4, 2, 12), (3, 1, 40)] {
+            for block_tokens in [16, 5] {
+                for window in [1, 3, block_tokens, block_tokens + 2, 2 * block_tokens + 1] {
+                    let (lengths, rows) = layouts(block_tokens);
+                    for dtype in [KvDType::F32, KvDType::F16] {
+                        let mut scenario = Scenario::new(
+                            dtype,
+                            heads,
+                            kv_heads,
+                            head_dim,
+                            block_tokens,
+                            &lengths,
+                            &rows,
+                            (heads * 1000 + head_dim * 10 + block_tokens + window) as u64,
+                        );
+                        scenario.window = Some(window);
+                        // Blocks wholly before a row's window are never read: point them
+                        // outside the storage (a read would panic on the slice bounds).
+                        let first_needed = scenario.rows.iter().fold(
+                            vec![usize::MAX; lengths.len()],
+                            |mut f, &(seq, keys)| {
+                                f[seq] = f[seq].min(keys.saturating_sub(window) / block_tokens);
+                                f
+                            },
+                        );
+                        for (seq, first) in scenario.sequences.iter_mut().zip(first_needed) {
+                            for b in seq.table.iter_mut().take(first) {
+                                *b = u32::MAX;
+                            }
+                        }
+                        let expected = scenario.contiguous(Some(dtype));
+                        for isa in Isa::available() {
+                            let got = scenario.paged(dtype, isa, 2);
+                            assert_close(
+                                &got,
+                                &expected,
+                                1e-4,
+                                &format!(
+                                    "{dtype} {isa:?} heads {heads}/{kv_heads}×{head_dim} \
+                                     blocks of {block_tokens}, window {window}"
+                                ),
+                            );
+                        }
                     }
                 }
             }
@@ -960,7 +1035,11 @@ mod tests {
             Isa::detect(),
             2,
             &q,
-            &[QueryRow { table, keys }],
+            &[QueryRow {
+                table,
+                first: 0,
+                keys,
+            }],
             &kv,
             &mut out,
         );

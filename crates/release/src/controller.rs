@@ -137,7 +137,11 @@ pub struct Status {
     pub mode: Mode,
     pub phase: Phase,
     pub step: usize,
+    /// The current step's weight (canary, A/B: the candidate's share of users; shadow: where
+    /// the schedule stands, while the candidate serves no user).
     pub weight: f64,
+    /// Shadow mode: the share of requests mirrored to the candidate (and the control).
+    pub mirrored_share: Option<f64>,
     pub release_id: String,
     /// What the candidate's latency is compared with: `control` (a copy of the stable at the
     /// candidate's share, the default) or `stable`; the verdict's latency rows' `stable` column
@@ -207,6 +211,17 @@ impl Controller {
         }
     }
 
+    /// Shadow mode: whether the candidate's answer to a mirrored request agreed with the
+    /// control's.
+    pub fn observe_agreement(&mut self, agreed: bool) {
+        if matches!(
+            self.plan.state.phase,
+            Phase::Running | Phase::Holding | Phase::Paused
+        ) {
+            self.window.push_agreement(agreed);
+        }
+    }
+
     /// A monitor's drift alarm on a variant was raised or cleared.
     pub fn set_drift(&mut self, variant: Variant, active: bool, detail: &str) {
         self.window.set_drift(variant, active, detail);
@@ -221,8 +236,9 @@ impl Controller {
             phase: p.state.phase,
             step: p.state.step,
             weight: p.state.weight,
+            mirrored_share: (p.mode == Mode::Shadow).then_some(p.routing.shadow_share),
             release_id: p.state.release_id.clone(),
-            reference: p.routing.reference(p.mode),
+            reference: p.routing.reference(),
             samples_stable: self.window.samples(Variant::Stable),
             samples_control: self.window.samples(Variant::Control),
             samples_candidate: self.window.samples(Variant::Candidate),
@@ -402,12 +418,18 @@ impl Controller {
             self.apply(&d, Phase::Running);
             return vec![d];
         }
-        if self.plan.approval.promote {
+        // A shadow release served no user with the candidate: its promotion is a person's call.
+        let shadow = self.plan.mode == Mode::Shadow;
+        if self.plan.approval.promote || shadow {
             let d = self.decision(
                 now_ms,
                 Action::Hold,
                 self.plan.state.weight,
-                format!("{passed}; promotion awaits approval"),
+                if shadow {
+                    format!("{passed}; a shadow release's promotion awaits approval")
+                } else {
+                    format!("{passed}; promotion awaits approval")
+                },
                 "controller",
             );
             self.apply(&d, Phase::AwaitingApproval);

@@ -11,7 +11,7 @@
 //! as the always-valid p-value of that look. The step's α (`judge.alpha`, 1%) is split by
 //! Bonferroni over the tests that can run: two slots for latency (TTFT and time per output token,
 //! or E2E twice for models without tokens), one for the error rate, one for the entropy spread, and
-//! one per optional test that is configured (entropy mean, confidence, helpful rate). Inside a
+//! one per optional test that is configured (entropy mean, confidence, helpful rate, agreement). Inside a
 //! latency slot, half goes to the tail test and half to the location test.
 //!
 //! # The tests
@@ -42,6 +42,10 @@
 //!   to ~0) fails as soon as that many samples are in.
 //! - **Entropy mean** (optional, nats), **confidence** (optional drop), **helpful rate** (optional
 //!   points): the same normal mixture on the difference of means (rates) beyond the threshold.
+//! - **Agreement** (optional, shadow mode): the candidate's and the control's answers to the same
+//!   mirrored request (same input, same seed) are compared; H0 "they disagree on at most
+//!   `1 − agreement_min` of the requests", a Bernoulli betting e-process on the disagreements,
+//!   from `MIN_CANDIDATE_SAMPLES` comparisons. The rate is reported in the summary either way.
 //! - **Drift**: a monitor's drift alarm active on the candidate and not on the stable fails at
 //!   once (no statistics: the monitor already did its own).
 //!
@@ -278,6 +282,10 @@ pub struct StepWindow {
     stable: Side,
     control: Side,
     candidate: Side,
+    /// Shadow mode: mirrored requests both the candidate and the control answered, and how many
+    /// of those answers agreed.
+    compared: u64,
+    agreed: u64,
 }
 
 impl StepWindow {
@@ -287,6 +295,8 @@ impl StepWindow {
             stable: Side::default(),
             control: Side::default(),
             candidate: Side::default(),
+            compared: 0,
+            agreed: 0,
         }
     }
 
@@ -322,6 +332,18 @@ impl StepWindow {
         }
     }
 
+    /// Shadow mode: the candidate's and the control's answers to one mirrored request agreed
+    /// or not.
+    pub fn push_agreement(&mut self, agreed: bool) {
+        self.compared += 1;
+        self.agreed += u64::from(agreed);
+    }
+
+    /// Mirrored requests compared in this step, and how many agreed.
+    pub fn agreement(&self) -> (u64, u64) {
+        (self.compared, self.agreed)
+    }
+
     /// A monitor's drift alarm on a variant was raised (`active`) or cleared.
     pub fn set_drift(&mut self, variant: Variant, active: bool, detail: &str) {
         let drift = active.then(|| detail.to_string());
@@ -350,7 +372,7 @@ impl StepWindow {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct MetricStat {
     /// `ttft_p95`, `tpot_p95`, `e2e_p95`, `error_rate`, `entropy_std`, `entropy_mean`,
-    /// `confidence`, `helpful_rate`, `drift`.
+    /// `confidence`, `helpful_rate`, `agreement`, `drift`.
     pub metric: &'static str,
     /// `tail`, `location`, `rate`, `spread`, `mean`, `alarm`.
     pub test: &'static str,
@@ -373,6 +395,10 @@ pub struct Summary {
     /// The control's alone (0 without one): the latency tests' reference when present.
     pub samples_control: u64,
     pub samples_candidate: u64,
+    /// Shadow mode: mirrored requests whose candidate and control answers were compared, and
+    /// the share that agreed (`None` before the first comparison).
+    pub compared: u64,
+    pub agreement: Option<f64>,
     pub elapsed_ms: u64,
     pub metrics: Vec<MetricStat>,
 }
@@ -496,7 +522,7 @@ impl Judge {
     /// The judge of a plan: its schedule, against its reference (the control or the stable).
     pub fn for_plan(plan: &crate::plan::ReleasePlan) -> Self {
         let mut judge = Self::from_schedule(&plan.schedule);
-        judge.control = plan.routing.reference(plan.mode) == Variant::Control;
+        judge.control = plan.routing.reference() == Variant::Control;
         judge
     }
 
@@ -510,6 +536,8 @@ impl Judge {
             samples_stable: s.samples,
             samples_control: window.control.samples,
             samples_candidate: c.samples,
+            compared: window.compared,
+            agreement: (window.compared > 0).then(|| window.agreed as f64 / window.compared as f64),
             elapsed_ms,
             metrics,
         };
@@ -519,6 +547,7 @@ impl Judge {
             cfg.entropy_mean_shift.is_some(),
             cfg.confidence_drop.is_some(),
             cfg.helpful_rate_points.is_some(),
+            cfg.agreement_min.is_some(),
         ];
         let slots = 4 + optional.iter().filter(|&&on| on).count();
         let alpha_slot = cfg.alpha / slots as f64;
@@ -649,6 +678,26 @@ impl Judge {
             }
         }
 
+        // Agreement (shadow mode, when configured): H0 "the candidate disagrees with the control
+        // on at most 1 − agreement_min of the mirrored requests", a Bernoulli betting e-process
+        // on the disagreements. It needs no stable samples: both answers are to the same request.
+        if let Some(min) = cfg.agreement_min {
+            if window.compared >= MIN_CANDIDATE_SAMPLES {
+                let disagreed = window.compared - window.agreed;
+                let rate = window.agreed as f64 / window.compared as f64;
+                metrics.push(MetricStat {
+                    metric: "agreement",
+                    test: "rate",
+                    stable: None,
+                    candidate: Some(rate),
+                    statistic: rate,
+                    threshold: min,
+                    e_value: bernoulli_e_value(disagreed, window.compared, 1.0 - min),
+                    alpha: alpha_slot,
+                });
+            }
+        }
+
         if let Some(failed) = metrics.iter().find(|m| m.e_value >= 1.0 / m.alpha) {
             let reason = format!(
                 "{} ({} test): {} {:.4} against a threshold of {:.4}, e-value {:.1} ≥ 1/α = {:.0} \
@@ -741,6 +790,7 @@ fn statistic_name(metric: &str) -> &'static str {
         "entropy_std" => "|Δ std| in nats",
         "entropy_mean" => "|Δ mean| in nats",
         "confidence" => "mean drop",
+        "agreement" => "share of mirrored answers agreeing with the control's",
         _ => "statistic",
     }
 }

@@ -97,8 +97,10 @@ pub enum Mode {
     /// Explicit groups (named in a request header) pick their variant; requests without a known
     /// group are split by weight as in `canary`.
     Ab,
-    /// Everyone is served by the stable; a share of requests is mirrored to the candidate, whose
-    /// answer is discarded after being compared.
+    /// Everyone is served by the stable; a share of requests (`routing.shadow_share`) is
+    /// mirrored to the candidate (and to the control), whose answers are discarded after being
+    /// compared. The schedule's steps are successive judged windows; after the last one the
+    /// promotion always waits for an approval (no user has been served by the candidate).
     Shadow,
 }
 
@@ -151,6 +153,10 @@ pub struct JudgeConfig {
     pub confidence_drop: Option<f64>,
     /// Feedback: the helpful rate may drop by at most this many points (off when absent).
     pub helpful_rate_points: Option<f64>,
+    /// Shadow mode: the candidate's answers must agree with the control's on at least this share
+    /// of the mirrored requests (off when absent: the agreement rate is reported either way). For
+    /// a candidate meant to answer as the stable does (a re-quantization, a runtime upgrade).
+    pub agreement_min: Option<f64>,
     /// A drift alarm of the candidate's monitors (and not the stable's) rolls back.
     pub drift: bool,
 }
@@ -165,6 +171,7 @@ impl Default for JudgeConfig {
             entropy_mean_shift: None,
             confidence_drop: None,
             helpful_rate_points: None,
+            agreement_min: None,
             drift: true,
         }
     }
@@ -193,8 +200,9 @@ pub struct Routing {
     /// Shadow mode: the share (0..=1) of requests mirrored to the candidate.
     pub shadow_share: f64,
     /// Canary and A/B: a second copy of the stable version (the control) serves as many users as
-    /// the candidate, and the judge compares the candidate's latency with it rather than with the
-    /// stable, which batches the rest of the traffic (on one machine engines under different
+    /// the candidate (shadow: it answers the same mirrored requests as the candidate, and the
+    /// answers are compared), and the judge compares the candidate's latency with it rather than
+    /// with the stable, which batches the rest of the traffic (on one machine engines under different
     /// loads answer at different speeds, whichever version they run); errors, entropy and
     /// confidence are still compared with every stable sample. Costs one more copy of the stable
     /// in memory while the release runs; `false` judges latency against the stable itself.
@@ -222,8 +230,8 @@ impl Routing {
     }
 
     /// The variant the judge compares the candidate with.
-    pub fn reference(&self, mode: Mode) -> Variant {
-        if self.control && mode != Mode::Shadow {
+    pub fn reference(&self) -> Variant {
+        if self.control {
             Variant::Control
         } else {
             Variant::Stable
@@ -494,6 +502,14 @@ impl ReleasePlan {
                 "routing.groups",
                 format!("group {group:?}: a group is served by `stable` or `candidate`"),
             ));
+        }
+        if let Some(a) = j.agreement_min {
+            if !(a > 0.0 && a <= 1.0) {
+                return Err(ReleaseError::invalid(
+                    "judge.agreement_min",
+                    format!("must be in (0, 1], is {a}"),
+                ));
+            }
         }
         if !(0.0..=1.0).contains(&self.routing.shadow_share) {
             return Err(ReleaseError::invalid(

@@ -82,6 +82,20 @@ pub fn bucket(release_id: &str, user_key: &str) -> f64 {
     (mixed >> 11) as f64 / (1u64 << 53) as f64
 }
 
+/// Shadow mode: whether the request with this id is mirrored (a `routing.shadow_share` of
+/// request ids, by their bucket; not by user, so a user's requests are sampled evenly).
+/// Only while the release is judged (running, holding or paused): not while it awaits an
+/// approval to start or to promote.
+pub fn mirrored(plan: &ReleasePlan, request_id: &str) -> bool {
+    plan.mode == Mode::Shadow
+        && matches!(
+            plan.state.phase,
+            Phase::Running | Phase::Holding | Phase::Paused
+        )
+        && plan.routing.shadow_share > 0.0
+        && bucket(&plan.state.release_id, request_id) < plan.routing.shadow_share
+}
+
 /// Routes one request under the plan's current state.
 pub fn route(plan: &ReleasePlan, key: &RoutingKey) -> Route {
     let stable = |why: &'static str| Route {
@@ -119,8 +133,7 @@ pub fn route(plan: &ReleasePlan, key: &RoutingKey) -> Route {
     };
     match plan.mode {
         Mode::Shadow => {
-            let mirrored = plan.routing.shadow_share > 0.0
-                && bucket(&state.release_id, key.request_id) < plan.routing.shadow_share;
+            let mirrored = mirrored(plan, key.request_id);
             Route {
                 version: plan.stable.clone(),
                 variant: Variant::Stable,
@@ -366,6 +379,13 @@ mod tests {
         }
         let share = mirrored as f64 / 10_000.0;
         assert!((share - 0.2).abs() <= 0.01, "{share}");
+        // Awaiting an approval (to start, or to promote after the last step): nothing is
+        // mirrored, everyone is still served by the stable.
+        plan.state.phase = Phase::AwaitingApproval;
+        assert!((0..1000).all(|i| {
+            let r = route(&plan, &user_key("alice", &format!("req-{i}")));
+            r.shadow.is_none() && r.version == "v1"
+        }));
     }
 
     #[test]

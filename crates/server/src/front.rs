@@ -232,6 +232,9 @@ pub async fn serve_routed(
                 code: "rate_limited",
             });
         }
+        // Shadow releases: a share of what the stable answers is also answered, on its own
+        // task, by the candidate and the control (the input as the guard passed it).
+        crate::shadow::maybe_mirror(state, &entry, principal, &work, record);
         let answered = chain::run(state, entry, work, record)
             .instrument(tracing::debug_span!("chain"))
             .await?;

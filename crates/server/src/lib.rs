@@ -52,6 +52,7 @@ pub mod registry;
 pub mod release_api;
 pub mod releases;
 pub mod screen;
+pub mod shadow;
 pub mod state;
 pub mod telemetry;
 pub mod traces;

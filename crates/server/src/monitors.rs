@@ -232,6 +232,11 @@ impl Monitors {
     /// Feeds one record's observations to its version's monitors.
     fn take(self: &Arc<Self>, envelope: &Envelope) {
         let r = &envelope.record;
+        // A shadow release's control answers a copy of a request the stable version already
+        // answered (and its monitors saw): counting it again would weigh mirrored inputs twice.
+        if r.endpoint == "shadow" && r.variant == Some("control") {
+            return;
+        }
         let mut observations = observations(envelope);
         if observations.is_empty() {
             return;

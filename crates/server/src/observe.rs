@@ -147,6 +147,7 @@ pub static METRICS: &[MetricInfo] = &[
     recorded("rampart_release_weight", MetricKind::Gauge, &["model", "version"], "The share of the model's routed requests a version serves under its release plan (stable 1 − w, candidate w)."),
     recorded("rampart_release_phase", MetricKind::Gauge, &["model"], "The release's phase: 0 idle, 1 gating, 2 awaiting approval, 3 running, 4 paused, 5 holding (no data), 6 promoted, 7 rolled back."),
     recorded("rampart_release_decisions_total", MetricKind::Counter, &["model", "result", "reason"], "Release decisions, by model, result (start, step, promote, rollback, hold, resume, pause, approve, gate_failed) and reason (the judge's metric, schedule, no_data, gates or command)."),
+    recorded("rampart_release_mirrored_total", MetricKind::Counter, &["model", "result"], "Shadow releases: mirrored requests by whether the candidate's answer agreed with the control's (agreed, disagreed, or incomplete when one of them did not answer)."),
     recorded("rampart_release_plan_errors_total", MetricKind::Counter, &["model"], "Release plan files that could not be read (changed on disk) or written."),
     recorded("rampart_guard_decisions_total", MetricKind::Counter, &["model", "verdict", "channel", "tier", "reason"], "Input guard decisions, by model, verdict, channel of the deciding text, tier and strongest reason."),
     recorded("rampart_guard_seconds", MetricKind::Histogram, &["model"], "Time the input guard took per request."),

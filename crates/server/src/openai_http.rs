@@ -428,7 +428,7 @@ fn finish_reason(f: &Finished) -> String {
 }
 
 /// Fills the record's timings from the engine's account of each choice.
-fn record_finished(record: &mut RecordBuilder, finished: &[Finished]) {
+pub(crate) fn record_finished(record: &mut RecordBuilder, finished: &[Finished]) {
     let r = &mut record.record;
     r.completion_tokens = finished.iter().map(|f| f.completion_tokens).sum();
     r.cached_prompt_tokens = finished

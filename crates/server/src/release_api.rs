@@ -269,12 +269,6 @@ async fn start_command(
     if let Some(why) = &tokenizer {
         tracing::warn!(target: "rampart::release", model = name, candidate, why, "the candidate's tokenizer differs from the stable's");
     }
-    if mode_of(releases, name, body.mode) == Mode::Shadow {
-        return Err(ApiError::invalid_param(
-            "mode",
-            "shadow releases (mirrored requests) are not served yet: use canary or ab",
-        ));
-    }
     let declared = releases
         .get(name)
         .is_some_and(|m| !m.plan().gates.is_empty());
@@ -294,11 +288,6 @@ async fn start_command(
             Some(true)
         },
     })
-}
-
-/// The mode a start would run in: the one asked for, else the plan's.
-fn mode_of(releases: &Releases, name: &str, asked: Option<Mode>) -> Mode {
-    asked.unwrap_or_else(|| releases.get(name).map_or(Mode::Canary, |m| m.plan().mode))
 }
 
 /// Writes the gates' results beside the plan (`<repo>/<name>/gates/<candidate>.json`).

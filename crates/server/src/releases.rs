@@ -293,6 +293,21 @@ impl Releases {
         }
     }
 
+    /// Shadow mode: the candidate's and the control's answers to one mirrored request of `name`
+    /// agreed or not (`None`: one of them did not answer, nothing to compare).
+    pub fn agreement(&self, name: &str, agreed: Option<bool>) {
+        let result = match agreed {
+            Some(true) => "agreed",
+            Some(false) => "disagreed",
+            None => "incomplete",
+        };
+        counter!("rampart_release_mirrored_total", "model" => name.to_string(), "result" => result)
+            .increment(1);
+        if let (Some(agreed), Some(m)) = (agreed, self.get(name)) {
+            m.controller().observe_agreement(agreed);
+        }
+    }
+
     /// The release of `name`, made with a fresh plan (stable: `stable`) when it has none.
     fn release_or_new(
         &self,
@@ -572,6 +587,8 @@ fn set_gauges(m: &ModelRelease) {
             plan.state.phase,
             Phase::Running | Phase::Paused | Phase::Holding | Phase::AwaitingApproval
         );
+    // A shadow release serves no user with the candidate (its mirrored share is in the status).
+    let candidate_serves = candidate_serves && plan.mode != release::plan::Mode::Shadow;
     let (stable_w, candidate_w) = if candidate_serves {
         (1.0 - w, w)
     } else {
@@ -710,7 +727,7 @@ async fn keep_control(
     let plan = m.plan();
     let wanted = plan.candidate.is_some()
         && plan.state.phase.is_active()
-        && plan.routing.reference(plan.mode) == Variant::Control;
+        && plan.routing.reference() == Variant::Control;
     match (wanted, m.control()) {
         (false, None) => {}
         (false, Some(entry)) => {

@@ -790,3 +790,135 @@ fn candidates_at_the_thresholds_are_rolled_back_at_most_alpha_of_the_time() {
     );
     assert!(rate <= alpha + margin, "rate {rate}");
 }
+
+/// Drives a shadow release: every request is served by the stable; the mirrored ones are also
+/// answered by the candidate and the control, whose answers agree with probability `agree`.
+fn drive_shadow(
+    ctrl: &mut Controller,
+    rng: &mut Rng,
+    rate_per_s: f64,
+    until_ms: u64,
+    candidate: Behaviour,
+    agree: f64,
+) -> (Vec<Decision>, u64) {
+    let mut decisions = Vec::new();
+    let mut now = 0.0;
+    let mut next_tick = 1000;
+    let mut request = 0u64;
+    loop {
+        now += rng.exponential(rate_per_s) * 1000.0;
+        while (next_tick as f64) <= now && next_tick <= until_ms {
+            decisions.extend(ctrl.tick(next_tick));
+            if !ctrl.plan().state.phase.is_active()
+                || ctrl.plan().state.phase == Phase::AwaitingApproval
+            {
+                return (decisions, next_tick);
+            }
+            next_tick += 1000;
+        }
+        if now as u64 > until_ms {
+            return (decisions, until_ms);
+        }
+        let t = now as u64;
+        request += 1;
+        let id = format!("req-{request}");
+        let r = route(
+            ctrl.plan(),
+            &RoutingKey {
+                user: Some("someone"),
+                request_id: &id,
+                ..Default::default()
+            },
+        );
+        assert_eq!(
+            r.variant,
+            Variant::Stable,
+            "shadow serves every user the stable"
+        );
+        ctrl.observe(&sample(rng, Variant::Stable, t, NORMAL));
+        if r.shadow.is_some() {
+            ctrl.observe(&sample(rng, Variant::Candidate, t, candidate));
+            ctrl.observe(&sample(rng, Variant::Control, t, NORMAL));
+            ctrl.observe_agreement(rng.uniform() < agree);
+        }
+    }
+}
+
+fn shadow_plan(agreement_min: Option<f64>) -> ReleasePlan {
+    let mut p = plan(fast_schedule());
+    p.mode = Mode::Shadow;
+    p.routing.shadow_share = 0.25;
+    p.judge.agreement_min = agreement_min;
+    p
+}
+
+/// A shadow release whose candidate answers as the stable does passes every step, never serves
+/// a user, and waits for a person to promote it; one whose answers disagree too often, or that
+/// is slower than the control on the same mirrored requests, is rolled back.
+#[test]
+fn a_shadow_release_awaits_approval_or_rolls_back_on_agreement_and_latency() {
+    for seed in 0..10 {
+        let mut rng = Rng(seed);
+        let mut ctrl = Controller::new(shadow_plan(Some(0.9)));
+        start(&mut ctrl, 0);
+        let (decisions, end) = drive_shadow(&mut ctrl, &mut rng, 8.0, 900_000, NORMAL, 0.99);
+        assert_eq!(
+            ctrl.plan().state.phase,
+            Phase::AwaitingApproval,
+            "seed {seed}: {decisions:?}"
+        );
+        let last = decisions.last().expect("decisions");
+        assert!(last.reason.contains("shadow"), "{}", last.reason);
+        let status = ctrl.status();
+        assert_eq!(status.mirrored_share, Some(0.25));
+        let summary = status.last_verdict.expect("a verdict").summary().clone();
+        assert!(summary.compared >= 20, "{summary:?}");
+        assert!(summary.agreement.is_some_and(|a| a > 0.9), "{summary:?}");
+        // Nothing is mirrored while it waits; approving promotes.
+        let r = route(
+            ctrl.plan(),
+            &RoutingKey {
+                request_id: "any",
+                ..Default::default()
+            },
+        );
+        assert!(r.shadow.is_none());
+        let d = ctrl.command(Command::Approve, end + 1, "alice").unwrap();
+        assert_eq!(d.action, Action::Promote);
+        assert_eq!(ctrl.plan().stable, "v2");
+    }
+    let mut agreement_rollbacks = 0;
+    let mut latency_rollbacks = 0;
+    for seed in 0..10 {
+        // Agrees on half of the requests (a broken template, say) against a floor of 90 %: seen
+        // within a step's ~20 comparisons. (A 70 % agreement needs about three times as many
+        // comparisons per step as this schedule gives; each step's test starts afresh.)
+        let mut rng = Rng(100 + seed);
+        let mut ctrl = Controller::new(shadow_plan(Some(0.9)));
+        start(&mut ctrl, 0);
+        let (decisions, _) = drive_shadow(&mut ctrl, &mut rng, 8.0, 900_000, NORMAL, 0.5);
+        let last = decisions.last().expect("decisions");
+        if last.action == Action::Rollback && last.metric.as_deref() == Some("agreement") {
+            agreement_rollbacks += 1;
+        }
+        // 1.5× slower than the control on the same mirrored requests (no agreement floor).
+        let mut rng = Rng(200 + seed);
+        let mut ctrl = Controller::new(shadow_plan(None));
+        start(&mut ctrl, 0);
+        let slow = Behaviour {
+            slow: 1.5,
+            ..NORMAL
+        };
+        let (decisions, _) = drive_shadow(&mut ctrl, &mut rng, 8.0, 900_000, slow, 1.0);
+        let last = decisions.last().expect("decisions");
+        if last.action == Action::Rollback
+            && last
+                .metric
+                .as_deref()
+                .is_some_and(|m| m == "ttft_p95" || m == "tpot_p95")
+        {
+            latency_rollbacks += 1;
+        }
+    }
+    assert_eq!((agreement_rollbacks, latency_rollbacks), (10, 10));
+}

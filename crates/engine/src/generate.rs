@@ -649,11 +649,22 @@ impl Engine {
     /// text (a special-token text a client wrote never becomes a control token, so no one can
     /// forge a turn).
     pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>, EngineError> {
+        self.encode_chat_with(messages, true)
+    }
+
+    /// [`Engine::encode_chat`], with or without the assistant turn's opening at the end.
+    pub fn encode_chat_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, EngineError> {
         let template =
             self.core.template.as_ref().ok_or_else(|| {
                 EngineError::ChatTemplate("the model has no chat template".into())
             })?;
-        self.core.tokenizer.encode_chat(template, messages)
+        self.core
+            .tokenizer
+            .encode_chat_with(template, messages, add_generation_prompt)
     }
 
     /// Validates and tokenizes a request. Every request error surfaces here, before streaming.

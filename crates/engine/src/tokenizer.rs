@@ -746,6 +746,17 @@ impl Tokenizer {
         template: &ChatTemplate,
         messages: &[ChatMessage],
     ) -> Result<Vec<u32>, EngineError> {
+        self.encode_chat_with(template, messages, true)
+    }
+
+    /// [`Tokenizer::encode_chat`], with or without the template's generation prompt (the
+    /// assistant turn's opening) at the end.
+    pub fn encode_chat_with(
+        &self,
+        template: &ChatTemplate,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, EngineError> {
         let mut table = Protected::default();
         let protected = messages
             .iter()
@@ -756,7 +767,7 @@ impl Tokenizer {
                 })
             })
             .collect::<Result<Vec<_>, EngineError>>()?;
-        let rendered = template.render(&protected, true)?;
+        let rendered = template.render(&protected, add_generation_prompt)?;
         self.encode_protected(&rendered, &table, false)
     }
 

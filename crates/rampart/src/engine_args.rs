@@ -70,6 +70,24 @@ pub struct KvArgs {
     pub max_waiting: usize,
 }
 
+impl KvArgs {
+    /// The flags' defaults with a small pool, for commands that only tokenize.
+    pub fn small() -> Self {
+        Self {
+            kv_cache_memory: KvMemory::Bytes(16 << 20),
+            kv_cache_dtype: KvDType::F16,
+            block_size: 16,
+            no_prefix_caching: false,
+            kv_tier_memory: 0,
+            kv_tier_disk: 0,
+            kv_tier_dir: None,
+            max_num_seqs: 64,
+            max_num_batched_tokens: 512,
+            max_waiting: 1024,
+        }
+    }
+}
+
 fn parse_kv_memory(text: &str) -> Result<KvMemory, String> {
     text.parse()
 }

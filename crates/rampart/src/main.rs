@@ -16,6 +16,7 @@ mod release_cmd;
 mod render;
 mod serve_cmd;
 mod tensor_bench;
+mod tokenize_cmd;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -59,6 +60,8 @@ enum Command {
     Model(ModelArgs),
     /// Generate text with an LLM (streams to the terminal).
     Generate(generate_cmd::GenerateArgs),
+    /// A language model's token ids for a text or a chat message (as `POST /tokenize`).
+    Tokenize(tokenize_cmd::TokenizeArgs),
     /// Serve the repository's models: the OpenAI-compatible HTTP API, KServe v2 over HTTP and gRPC.
     Serve(serve_cmd::ServeArgs),
     /// Measure engine throughput and model perplexity.
@@ -100,6 +103,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Model(args) => model_cmd::run(args),
         Command::Generate(args) => generate_cmd::run(args),
+        Command::Tokenize(args) => tokenize_cmd::run(args),
         Command::Serve(args) => serve_cmd::run(args),
         Command::Bench(command) => bench_cmd::run(command),
         Command::Audit(args) => audit_cmd::run(args),

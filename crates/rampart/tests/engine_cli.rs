@@ -227,3 +227,48 @@ fn smollm2_answers_through_the_cli() {
         .stdout("The capital of France is Paris.\n")
         .stderr(predicate::str::contains("[finish: stop]"));
 }
+
+/// `rampart tokenize` on the real models: SmolLM2's ids as llama.cpp tokenizes them (no BOS),
+/// Gemma 3's with its BOS; a chat message through the template; clear refusals.
+#[test]
+fn tokenize_prints_the_ids_llama_cpp_computes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let tokenize = |model: &Path, args: &[&str]| -> Json {
+        let out = rampart(tmp.path())
+            .arg("tokenize")
+            .arg(model)
+            .args(args)
+            .arg("--json")
+            .assert()
+            .success()
+            .get_output()
+            .stdout
+            .clone();
+        serde_json::from_slice(&out).unwrap()
+    };
+    if let Some(smollm2) = cached_model(models::SMOLLM2_GGUF) {
+        let j = tokenize(&smollm2, &["The capital of France is"]);
+        assert_eq!(j["tokens"], serde_json::json!([504, 3575, 282, 4649, 314]));
+        assert_eq!(j["token_strs"][1], " capital");
+        let chat = tokenize(&smollm2, &["--chat", "Hi"]);
+        let bare = tokenize(&smollm2, &["--chat", "--no-generation-prompt", "Hi"]);
+        let (chat, bare) = (
+            chat["count"].as_u64().unwrap(),
+            bare["count"].as_u64().unwrap(),
+        );
+        assert!(chat > bare && bare > 3, "{chat} {bare}");
+        rampart(tmp.path())
+            .args(["tokenize", smollm2.to_str().unwrap(), "x", "--system", "s"])
+            .assert()
+            .failure()
+            .stderr(predicate::str::contains("--system needs --chat"));
+    }
+    if let Some(gemma) = cached_model(models::GEMMA3_GGUF) {
+        let j = tokenize(&gemma, &["The capital of France is"]);
+        assert_eq!(j["tokens"][0], 2, "{j}");
+        let plain = tokenize(&gemma, &["--no-special-tokens", "<start_of_turn>"]);
+        assert!(plain["count"].as_u64() > Some(1), "{plain}");
+        let special = tokenize(&gemma, &["<start_of_turn>"]);
+        assert_eq!(special["tokens"], serde_json::json!([2, 105]));
+    }
+}

@@ -202,8 +202,68 @@ fn http_contract_auth_ids_errors_and_metrics() {
     let (status, _, body) = http(port, "GET", "/v1/models/nope", None, Some(KEY));
     assert_eq!(status, 404);
     assert!(body.contains(MODEL), "lists the available models: {body}");
-    let (status, _, _) = http(port, "GET", "/openapi.json", None, Some(KEY));
+    let (status, _, body) = http(port, "GET", "/openapi.json", None, Some(KEY));
     assert_eq!(status, 200);
+    assert!(body.contains("/tokenize") && body.contains("/detokenize"));
+    // Tokenize and detokenize (vLLM's shapes): the only language model when none is named.
+    let post = |path: &str, body: &str, key: Option<&str>| {
+        let (status, _, text) = http(port, "POST", path, Some(body), key);
+        (
+            status,
+            serde_json::from_str::<serde_json::Value>(&text).unwrap(),
+        )
+    };
+    let (status, j) = post(
+        "/tokenize",
+        r#"{"prompt":"The capital of France is","return_token_strs":true}"#,
+        Some(KEY),
+    );
+    assert_eq!(status, 200, "{j}");
+    assert_eq!(j["tokens"], serde_json::json!([504, 3575, 282, 4649, 314]));
+    assert_eq!(
+        (j["count"].as_u64(), j["token_strs"][0].as_str()),
+        (Some(5), Some("The"))
+    );
+    assert!(j["max_model_len"].as_u64() > Some(0), "{j}");
+    let chat = format!(r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Hi"}}]}}"#);
+    let (status, with) = post("/tokenize", &chat, Some(KEY));
+    assert_eq!(status, 200, "{with}");
+    let bare = chat.replace("}]}", r#"}],"add_generation_prompt":false}"#);
+    let (_, without) = post("/tokenize", &bare, Some(KEY));
+    assert!(
+        with["count"].as_u64() > without["count"].as_u64(),
+        "{with} {without}"
+    );
+    let (status, j) = post(
+        "/detokenize",
+        r#"{"tokens":[504,3575,282,4649,314]}"#,
+        Some(KEY),
+    );
+    assert_eq!(
+        (status, j["prompt"].as_str()),
+        (200, Some("The capital of France is"))
+    );
+    for (path, body, param) in [
+        ("/detokenize", r#"{"tokens":[-1]}"#, "tokens"),
+        ("/tokenize", "{}", "prompt"),
+        ("/tokenize", r#"{"prompt":"a","messages":[]}"#, "messages"),
+        (
+            "/tokenize",
+            r#"{"prompt":"a","add_generation_prompt":true}"#,
+            "add_generation_prompt",
+        ),
+    ] {
+        let (status, j) = post(path, body, Some(KEY));
+        assert_eq!(
+            (status, j["error"]["param"].as_str()),
+            (400, Some(param)),
+            "{body}: {j}"
+        );
+    }
+    let (status, j) = post("/tokenize", r#"{"model":"nope","prompt":"a"}"#, Some(KEY));
+    assert_eq!(status, 404, "{j}");
+    let (status, _) = post("/tokenize", r#"{"prompt":"a"}"#, None);
+    assert_eq!(status, 401);
     let (status, _, body) = http(port, "GET", "/metrics", None, None);
     assert_eq!(status, 200);
     assert!(

@@ -37,6 +37,8 @@ pub mod paths {
     pub const CHAT: &str = "/v1/chat/completions";
     pub const COMPLETIONS: &str = "/v1/completions";
     pub const EMBEDDINGS: &str = "/v1/embeddings";
+    pub const TOKENIZE: &str = "/tokenize";
+    pub const DETOKENIZE: &str = "/detokenize";
     // KServe v2 / Open Inference Protocol.
     pub const V2: &str = "/v2";
     pub const V2_LIVE: &str = "/v2/health/live";
@@ -82,7 +84,9 @@ pub mod paths {
         openai_http::get_model,
         openai_http::chat_completions,
         openai_http::completions,
-        openai_http::embeddings
+        openai_http::embeddings,
+        crate::tokenize::tokenize,
+        crate::tokenize::detokenize
     ),
     components(schemas(
         ChatCompletionRequest,
@@ -95,7 +99,11 @@ pub mod paths {
         ErrorBody,
         Usage,
         EmbeddingRequest,
-        EmbeddingResponse
+        EmbeddingResponse,
+        crate::tokenize::TokenizeRequest,
+        crate::tokenize::TokenizeResponse,
+        crate::tokenize::DetokenizeRequest,
+        crate::tokenize::DetokenizeResponse
     ))
 )]
 pub struct ApiDoc;
@@ -117,6 +125,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route(paths::CHAT, post(openai_http::chat_completions))
         .route(paths::COMPLETIONS, post(openai_http::completions))
         .route(paths::EMBEDDINGS, post(openai_http::embeddings))
+        .route(paths::TOKENIZE, post(crate::tokenize::tokenize))
+        .route(paths::DETOKENIZE, post(crate::tokenize::detokenize))
         .route(paths::OPENAPI, get(openapi))
         .route(paths::V2, get(kserve::server_metadata))
         .route(paths::V2_MODEL, get(kserve::model_metadata))

@@ -55,6 +55,7 @@ pub mod screen;
 pub mod shadow;
 pub mod state;
 pub mod telemetry;
+pub mod tokenize;
 pub mod traces;
 
 use std::sync::Arc;

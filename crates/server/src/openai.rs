@@ -411,55 +411,62 @@ impl SamplingFields {
     }
 }
 
-impl ChatCompletionRequest {
-    pub fn plan(&self, limits: &Limits) -> Result<GeneratePlan, ApiError> {
-        if self.messages.is_empty() {
-            return Err(ApiError::invalid_param(
-                "messages",
-                "messages must hold at least one message",
-            ));
-        }
-        let mut messages = Vec::with_capacity(self.messages.len());
-        for (i, m) in self.messages.iter().enumerate() {
-            let role = match m.role.as_str() {
-                "system" | "developer" => "system",
-                "user" => "user",
-                "assistant" => "assistant",
-                // Tool and function results (retrieved documents): the guard's strictest
-                // channel; the model's template decides how they read.
-                "tool" | "function" => "tool",
-                other => {
-                    return Err(ApiError::invalid_param(
-                        "messages",
-                        format!(
-                            "messages[{i}].role {other:?} is not supported (system, developer, user, assistant, tool)"
-                        ),
-                    ))
-                }
-            };
-            let content = match &m.content {
-                None => String::new(),
-                Some(MessageContent::Text(t)) => t.clone(),
-                Some(MessageContent::Parts(parts)) => {
-                    let mut text = String::new();
-                    for part in parts {
-                        match (part.kind.as_str(), &part.text) {
-                            ("text", Some(t)) => text.push_str(t),
-                            (kind, _) => {
-                                return Err(ApiError::invalid_param(
-                                    "messages",
-                                    format!(
-                                        "messages[{i}]: content parts of type {kind:?} are not supported (text only)"
-                                    ),
-                                ))
-                            }
+/// A request's messages as the engine's: roles checked (`developer` is `system`, `function` is
+/// `tool`), content parts joined (text only). Shared by chat completions and `/tokenize`.
+pub fn engine_messages(input: &[ChatMessageIn]) -> Result<Vec<ChatMessage>, ApiError> {
+    if input.is_empty() {
+        return Err(ApiError::invalid_param(
+            "messages",
+            "messages must hold at least one message",
+        ));
+    }
+    let mut messages = Vec::with_capacity(input.len());
+    for (i, m) in input.iter().enumerate() {
+        let role = match m.role.as_str() {
+            "system" | "developer" => "system",
+            "user" => "user",
+            "assistant" => "assistant",
+            // Tool and function results (retrieved documents): the guard's strictest
+            // channel; the model's template decides how they read.
+            "tool" | "function" => "tool",
+            other => {
+                return Err(ApiError::invalid_param(
+                    "messages",
+                    format!(
+                        "messages[{i}].role {other:?} is not supported (system, developer, user, assistant, tool)"
+                    ),
+                ))
+            }
+        };
+        let content = match &m.content {
+            None => String::new(),
+            Some(MessageContent::Text(t)) => t.clone(),
+            Some(MessageContent::Parts(parts)) => {
+                let mut text = String::new();
+                for part in parts {
+                    match (part.kind.as_str(), &part.text) {
+                        ("text", Some(t)) => text.push_str(t),
+                        (kind, _) => {
+                            return Err(ApiError::invalid_param(
+                                "messages",
+                                format!(
+                                    "messages[{i}]: content parts of type {kind:?} are not supported (text only)"
+                                ),
+                            ))
                         }
                     }
-                    text
                 }
-            };
-            messages.push(ChatMessage::new(role, &content));
-        }
+                text
+            }
+        };
+        messages.push(ChatMessage::new(role, &content));
+    }
+    Ok(messages)
+}
+
+impl ChatCompletionRequest {
+    pub fn plan(&self, limits: &Limits) -> Result<GeneratePlan, ApiError> {
+        let messages = engine_messages(&self.messages)?;
         let want_logprobs = self.logprobs.unwrap_or(false);
         let top = match self.top_logprobs {
             Some(k) if !want_logprobs && k > 0 => {

@@ -497,15 +497,6 @@ fn an_overconfident_candidate_is_rolled_back_on_its_entropy() {
     );
 }
 
-/// The sum of a metric's samples whose labels contain `label`.
-fn metric_labelled(port: u16, name: &str, label: &str) -> f64 {
-    let (_, _, body) = http(port, "GET", "/metrics", None, None);
-    body.lines()
-        .filter(|l| l.starts_with(name) && l.contains(label))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
 #[test]
 fn an_identical_candidate_started_on_the_file_holds_without_traffic_and_promotes() {
     // A short schedule, so that the whole release fits a test.

@@ -1774,3 +1774,138 @@ ttft_p99_ms = 1
         .count();
     assert!(raised >= 2);
 }
+
+/// Many models, one memory budget (the KServe v2 repository API): two cold copies of SmolLM2
+/// where the budget holds one. Nothing loads at start; each first request loads its model and
+/// the other, idle, is evicted; an unload waits for a running stream to finish; an unloaded
+/// model is not loaded back by requests, only by `load`.
+#[test]
+fn cold_models_load_on_demand_within_the_budget_and_unload_after_draining() {
+    let Some(model) = cached_model(SMOLLM2_GGUF) else {
+        return;
+    };
+    let one = std::fs::metadata(&model).unwrap().len() + (16 << 20);
+    let budget = one + one / 2;
+    let cold = |name: &str| {
+        format!("[[models]]\nname = \"{name}\"\nresidency = \"cold\"\nkv_cache_memory = \"16MiB\"\ncontext = 256\n")
+    };
+    let config = format!(
+        "[memory]\nmodels_budget = \"{budget}\"\n{}{}",
+        cold("a"),
+        cold("b")
+    );
+    let server = start_repository(
+        &[("a", "1.0.0", model.clone()), ("b", "1.0.0", model)],
+        &config,
+    );
+    let port = server.port;
+    wait_ready(port);
+    let ready = |port| {
+        let (status, _, body) = http(port, "GET", "/health/ready", None, None);
+        assert_eq!(status, 200, "{body}");
+        serde_json::from_str::<serde_json::Value>(&body).unwrap()["loaded"].clone()
+    };
+    assert_eq!(
+        ready(port),
+        serde_json::Value::Null,
+        "nothing loaded at start"
+    );
+    let index = || {
+        let (status, _, body) = http(port, "GET", "/v2/repository/index", None, Some(ADMIN_KEY));
+        assert_eq!(status, 200, "{body}");
+        let rows: Vec<serde_json::Value> = serde_json::from_str(&body).unwrap();
+        rows.iter()
+            .map(|r| {
+                (
+                    r["name"].as_str().unwrap().to_string(),
+                    r["state"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    let state = |a: &str, b: &str| {
+        vec![
+            ("a".to_string(), a.to_string()),
+            ("b".to_string(), b.to_string()),
+        ]
+    };
+    assert_eq!(index(), state("UNAVAILABLE", "UNAVAILABLE"));
+    let complete = |name: &str| {
+        let body = format!(
+            r#"{{"model":"{name}","prompt":"The capital of France is","max_tokens":4,"temperature":0}}"#
+        );
+        http(port, "POST", "/v1/completions", Some(&body), Some(KEY))
+    };
+    let (status, _, body) = complete("a");
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(index(), state("READY", "UNAVAILABLE"));
+    let (status, _, body) = complete("b");
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        index(),
+        state("UNAVAILABLE", "READY"),
+        "a was evicted for b"
+    );
+    assert_eq!(ready(port), serde_json::json!(["b@1.0.0"]));
+    assert_eq!(
+        metric_labelled(port, "rampart_model_unloads_total", "cause=\"evicted\""),
+        1.0
+    );
+    assert_eq!(
+        metric_labelled(port, "rampart_model_loads_total", "cause=\"request\""),
+        2.0
+    );
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    assert!(
+        log.contains("model evicted: the models' budget needs room"),
+        "{log}"
+    );
+    // Loading needs the admin scope.
+    let (status, _, _) = http(
+        port,
+        "POST",
+        "/v2/repository/models/a/load",
+        Some("{}"),
+        Some(KEY),
+    );
+    assert_eq!(status, 403);
+    // Unloading b waits for its running stream, which finishes whole.
+    let body = r#"{"model":"b","prompt":"Once upon a time","max_tokens":48,"temperature":0,"ignore_eos":true,"stream":true}"#;
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nAuthorization: Bearer {KEY}\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut reader = BufReader::new(s);
+    read_events(&mut reader, 2);
+    let (status, _, text) = http(
+        port,
+        "POST",
+        "/v2/repository/models/b/unload",
+        Some("{}"),
+        Some(ADMIN_KEY),
+    );
+    assert_eq!(status, 200, "{text}");
+    let unloaded: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(unloaded["still_running"], 0, "{unloaded}");
+    assert!(unloaded["drained_ms"].as_u64() > Some(0), "{unloaded}");
+    let mut rest = String::new();
+    reader.read_to_string(&mut rest).unwrap();
+    assert!(rest.contains("[DONE]"), "the stream finished: {rest}");
+    // Not loaded back by a request; `load` brings it back.
+    let (status, _, body) = complete("b");
+    assert_eq!(status, 404, "{body}");
+    let (status, _, text) = http(
+        port,
+        "POST",
+        "/v2/repository/models/b/load",
+        Some("{}"),
+        Some(ADMIN_KEY),
+    );
+    assert_eq!(status, 200, "{text}");
+    let (status, _, body) = complete("b");
+    assert_eq!(status, 200, "{body}");
+}

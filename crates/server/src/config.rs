@@ -492,6 +492,11 @@ pub struct MemoryConfig {
     /// (`0.9`) of the cgroup's limit (or of the host's memory when there is none). None: the
     /// cgroup's limit when one is set, else the host's memory.
     pub limit: Option<String>,
+    /// The memory the loaded models may take together (weights plus KV pools): bytes
+    /// (`8GiB`) or a fraction of the cgroup's limit or the host's memory. Loading a model
+    /// beyond it evicts the least recently used idle `residency = "cold"` models first; none:
+    /// no budget (docs/model-repository.md, "Many models, one memory budget").
+    pub models_budget: Option<String>,
 }
 
 /// `[models.slo]`: the latency objectives the degradation controller keeps.
@@ -745,6 +750,11 @@ pub struct ModelConfig {
     pub name: String,
     /// Version to serve (default: the latest).
     pub version: Option<String>,
+    /// `hot` (default): loaded at start, never evicted. `cold`: loaded by its first request
+    /// (or `POST /v2/repository/models/{name}/load`), evicted least recently used when
+    /// `[memory] models_budget` needs room and no request runs on it.
+    #[serde(default)]
+    pub residency: Residency,
     /// Token-entropy band (nats): a request whose mean token entropy falls outside is flagged
     /// `abnormal` in its record.
     pub entropy_band: Option<[f32; 2]>,
@@ -811,6 +821,7 @@ impl ModelConfig {
         Self {
             name: name.into(),
             version: None,
+            residency: Residency::Hot,
             entropy_band: None,
             context: None,
             kv_cache_memory: None,
@@ -831,6 +842,15 @@ impl ModelConfig {
             guard: GuardOverride::default(),
         }
     }
+}
+
+/// When a model is loaded, and whether it may be evicted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Residency {
+    #[default]
+    Hot,
+    Cold,
 }
 
 /// How a refused input is answered.
@@ -1085,6 +1105,13 @@ impl ServerConfig {
         }
         for m in &self.models {
             m.guard.validate(&format!("models.{}.guard", m.name))?;
+        }
+        if let Some(budget) = &self.memory.models_budget {
+            budget.parse::<engine::KvMemory>().map_err(|e| {
+                ConfigError(format!(
+                    "memory.models_budget {budget:?}: {e} (bytes like \"8GiB\" or a fraction like \"0.5\")"
+                ))
+            })?;
         }
         if self.guard.segment_tokens < 8 || self.guard.max_segments == 0 {
             return Err(ConfigError(

@@ -529,6 +529,7 @@ mod tests {
             &sample(),
             &MemoryConfig {
                 limit: Some("4GiB".into()),
+                ..MemoryConfig::default()
             },
         );
         assert_eq!((rss.source, rss.ratio), ("rss", Some(0.75)));
@@ -539,6 +540,7 @@ mod tests {
             &s,
             &MemoryConfig {
                 limit: Some("0.5".into()),
+                ..MemoryConfig::default()
             },
         );
         assert_eq!((cgroup.source, cgroup.ratio), ("cgroup", Some(1.0)));

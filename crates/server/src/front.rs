@@ -70,6 +70,7 @@ pub async fn serve(
     if state.is_draining() {
         return Err(ApiError::draining());
     }
+    crate::residency::before_route(state, model, record).await?;
     let entry = route(state, model, work.kind(), record)?;
     serve_routed(state, principal, entry, work, record).await
 }

@@ -107,6 +107,7 @@ impl Inference {
         record: &mut RecordBuilder,
     ) -> Result<ModelInferResponse, ApiError> {
         let model = ModelName::versioned(&request.model_name, Some(&request.model_version));
+        crate::residency::before_route(&self.state, &model, record).await?;
         let entry = front::route(&self.state, &model, WorkKind::Tensors, record)?;
         let decoded = decode(request, self.state.config.limits.max_tensor_elements)?;
         record.record.input_sha256 = decoded.input_sha256();

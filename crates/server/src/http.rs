@@ -49,6 +49,9 @@ pub mod paths {
     pub const V2_VERSION: &str = "/v2/models/{name}/versions/{version}";
     pub const V2_VERSION_READY: &str = "/v2/models/{name}/versions/{version}/ready";
     pub const V2_VERSION_INFER: &str = "/v2/models/{name}/versions/{version}/infer";
+    pub const V2_REPOSITORY_INDEX: &str = "/v2/repository/index";
+    pub const V2_REPOSITORY_LOAD: &str = "/v2/repository/models/{name}/load";
+    pub const V2_REPOSITORY_UNLOAD: &str = "/v2/repository/models/{name}/unload";
     // The admin API (scope `admin`).
     pub const ADMIN_BACKENDS: &str = "/admin/backends";
     pub const ADMIN_HANDOFF: &str = "/admin/models/{name}/handoff";
@@ -139,13 +142,13 @@ pub fn router(state: Arc<AppState>) -> Router {
             (Arc::clone(&state), Some(Scope::Infer)),
             authenticate,
         ));
-    let admin_routes =
-        admin::routes()
-            .merge(release_api::routes())
-            .layer(middleware::from_fn_with_state(
-                (Arc::clone(&state), Some(Scope::Admin)),
-                authenticate,
-            ));
+    let admin_routes = admin::routes()
+        .merge(release_api::routes())
+        .merge(crate::residency::routes())
+        .layer(middleware::from_fn_with_state(
+            (Arc::clone(&state), Some(Scope::Admin)),
+            authenticate,
+        ));
     let audit_routes = audit_api::routes().layer(middleware::from_fn_with_state(
         (Arc::clone(&state), Some(Scope::Audit)),
         authenticate,
@@ -268,6 +271,10 @@ struct Health {
     reason: Option<String>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     models: Vec<String>,
+    /// Every loaded model version (`name@version`), whatever its kind; cold models that are
+    /// not loaded are not in it and do not make the server unready.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    loaded: Vec<String>,
 }
 
 /// Liveness: the process answers.
@@ -277,6 +284,7 @@ async fn live() -> impl IntoResponse {
         status: "live",
         reason: None,
         models: Vec::new(),
+        loaded: Vec::new(),
     })
 }
 
@@ -293,11 +301,20 @@ async fn ready(State(state): State<Arc<AppState>>) -> Response {
         .filter(|e| e.kind() == crate::backend::Kind::Llm)
         .map(|e| format!("{}@{}", e.name, e.version))
         .collect();
+    let mut loaded: Vec<String> = state
+        .registry
+        .all()
+        .iter()
+        .map(|e| format!("{}@{}", e.name, e.version))
+        .collect();
+    loaded.sort();
+    loaded.dedup();
     match state.not_ready_reason() {
         None => Json(Health {
             status: "ready",
             reason: None,
             models,
+            loaded,
         })
         .into_response(),
         Some(reason) => (
@@ -306,6 +323,7 @@ async fn ready(State(state): State<Arc<AppState>>) -> Response {
                 status: "not_ready",
                 reason: Some(reason),
                 models,
+                loaded,
             }),
         )
             .into_response(),

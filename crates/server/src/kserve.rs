@@ -418,6 +418,7 @@ async fn infer(
 ) -> Result<Response, ApiError> {
     let limits = &state.config.limits;
     let bytes = identity::read_body(body, limits.max_tensor_body_bytes, record).await?;
+    crate::residency::before_route(state, model, record).await?;
     let entry = front::route(state, model, WorkKind::Tensors, record)?;
     let raw_image = is_image_body(headers);
     let request = if raw_image {

@@ -51,6 +51,7 @@ pub mod reference;
 pub mod registry;
 pub mod release_api;
 pub mod releases;
+pub mod residency;
 pub mod screen;
 pub mod shadow;
 pub mod state;
@@ -439,6 +440,15 @@ pub fn load_models(state: &AppState) {
         wanted
     };
     for model in wanted {
+        // Cold models load on their first request (or an operator's `load`), unless their
+        // release is under way (a release serves its versions from the start).
+        let releasing = state.config.releases.enabled
+            && releases::Releases::versions_wanted(&state.config.repo, &model.name)
+                .is_some_and(|(_, candidate)| candidate.is_some());
+        if model.residency == config::Residency::Cold && !releasing {
+            tracing::info!(model = %model.name, "cold model: loads on its first request");
+            continue;
+        }
         match state::load(&state.config, &repository, &model) {
             Ok(entry) => {
                 state.registry.add(entry);

@@ -1,6 +1,6 @@
 //! Every served model version, whatever its kind, in one list with one lookup.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
 use crate::admission::Admission;
@@ -32,6 +32,12 @@ pub struct Entry {
     pub dataset_version: Option<String>,
     /// The last readiness check passed (the readiness task keeps it).
     ready: AtomicBool,
+    /// What loading it took: the version's files and the KV pool (bytes; 0: not measured).
+    pub memory_bytes: AtomicU64,
+    /// `residency = "cold"`: evictable when idle and the models' budget needs room.
+    pub cold: AtomicBool,
+    /// Milliseconds since the process started, at the last request routed to it (LRU).
+    last_used_ms: AtomicU64,
 }
 
 impl std::fmt::Debug for Entry {
@@ -70,7 +76,24 @@ impl Entry {
             lineage_commit: None,
             dataset_version: None,
             ready: AtomicBool::new(true),
+            memory_bytes: AtomicU64::new(0),
+            cold: AtomicBool::new(false),
+            last_used_ms: AtomicU64::new(0),
         }
+    }
+
+    /// Marks a request routed to it now (`now_ms`: since the process started).
+    pub fn touch(&self, now_ms: u64) {
+        self.last_used_ms.fetch_max(now_ms, Ordering::Relaxed);
+    }
+
+    pub fn last_used_ms(&self) -> u64 {
+        self.last_used_ms.load(Ordering::Relaxed)
+    }
+
+    /// Requests holding or waiting for its slots.
+    pub fn busy(&self) -> usize {
+        self.admission.in_flight() + self.admission.waiting()
     }
 
     /// The same entry under another backend id (a chain's own steps); its breaker keeps its
@@ -175,6 +198,16 @@ impl Registry {
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .push(Arc::new(entry));
+    }
+
+    /// Takes `name@version` out (new requests no longer find it; those in flight keep it
+    /// until they finish).
+    pub fn remove(&self, name: &str, version: &str) -> Option<Arc<Entry>> {
+        let mut entries = self.entries.write().unwrap_or_else(|e| e.into_inner());
+        let at = entries
+            .iter()
+            .position(|e| e.name == name && e.version == version)?;
+        Some(entries.remove(at))
     }
 
     pub fn all(&self) -> Vec<Arc<Entry>> {

@@ -82,6 +82,8 @@ pub struct AppState {
     pub gpu_utilization_bits: std::sync::atomic::AtomicU32,
     /// Each language model's degradation controller (`[degradation]`).
     pub degradation: crate::degradation::Degradation,
+    /// Loading on demand, unloading and evicting within `[memory] models_budget`.
+    pub residency: crate::residency::Residency,
     pub started: Instant,
 }
 
@@ -128,6 +130,7 @@ impl AppState {
             telemetry: std::sync::OnceLock::new(),
             gpu_utilization_bits: std::sync::atomic::AtomicU32::new(f32::NAN.to_bits()),
             degradation: crate::degradation::Degradation::default(),
+            residency: crate::residency::Residency::default(),
             started: Instant::now(),
         })
     }
@@ -272,7 +275,12 @@ impl AppState {
             let errors: Vec<String> = errors.iter().map(ToString::to_string).collect();
             return Some(format!("models failed to load: {}", errors.join("; ")));
         }
-        if self.registry.is_empty() {
+        let cold = self
+            .config
+            .models
+            .iter()
+            .any(|m| m.residency == crate::config::Residency::Cold);
+        if self.registry.is_empty() && !cold {
             return Some("no model is configured or found in the repository".into());
         }
         self.registry.problem()
@@ -373,6 +381,18 @@ fn load_verified(
     Ok((loaded, digest))
 }
 
+/// Bytes of a model version's files (what its weights take once mapped and read); 0 when the
+/// repository cannot say.
+pub fn files_bytes(repository: &Repository, model: &ModelConfig) -> u64 {
+    let Ok(reference) = model_ref(model) else {
+        return 0;
+    };
+    repository
+        .resolve(&reference)
+        .and_then(|v| repository.manifest(&v))
+        .map_or(0, |m| m.model.size_bytes)
+}
+
 /// Loads one model of whatever kind its manifest says (digests verified by the repository
 /// first), ready to be served.
 pub fn load(
@@ -390,6 +410,18 @@ pub fn load(
     };
     let policy = policy(config, repository, model, &entry)?;
     let entry = entry.with_policy(policy);
+    let memory = files_bytes(repository, model)
+        + entry
+            .backend
+            .engine()
+            .map_or(0, |e| e.kv_capacity().bytes() as u64);
+    entry
+        .memory_bytes
+        .store(memory, std::sync::atomic::Ordering::Relaxed);
+    entry.cold.store(
+        model.residency == crate::config::Residency::Cold,
+        std::sync::atomic::Ordering::Relaxed,
+    );
     let d = entry.backend.describe();
     tracing::info!(
         model = %entry.name,

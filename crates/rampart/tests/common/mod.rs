@@ -120,6 +120,15 @@ pub fn wait_ready(port: u16) -> Vec<u16> {
     }
 }
 
+/// The sum of a metric's samples whose labels contain `label`.
+pub fn metric_labelled(port: u16, name: &str, label: &str) -> f64 {
+    let (_, _, body) = http(port, "GET", "/metrics", None, None);
+    body.lines()
+        .filter(|l| l.starts_with(name) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 pub fn metric(port: u16, name: &str) -> f64 {
     let (_, _, body) = http(port, "GET", "/metrics", None, None);
     body.lines()

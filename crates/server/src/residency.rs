@@ -1,0 +1,504 @@
+//! Many models, one memory budget: loading on demand, unloading and eviction (the repository
+//! API of KServe v2 and Triton).
+//!
+//! - `[[models]] residency = "hot"` (the default) loads at start and is never evicted;
+//!   `"cold"` loads when its first request comes (that request waits: the wait is its record's
+//!   `model_load` stage and part of its time to first token) or on
+//!   `POST /v2/repository/models/{name}/load`.
+//! - `[memory] models_budget` bounds what the loaded models take together (a version's files
+//!   plus its KV pool). Before a model loads, the least recently used cold models with no
+//!   request in flight or waiting are evicted until it fits; if it cannot fit, its load is
+//!   refused (503 with the arithmetic) and nothing is evicted in vain. Hot models, busy models
+//!   and the one being loaded are never evicted.
+//! - `POST /v2/repository/models/{name}/unload` takes every version of the model out of the
+//!   routing at once, then waits for its in-flight requests to finish (up to
+//!   `shutdown_timeout_s`) before its memory is let go.
+//! - Loads of one model are single-flight: concurrent requests for a cold model wait on the
+//!   same load.
+//! - Every load, unload and eviction is logged with its cause, counted
+//!   (`rampart_model_loads_total`, `rampart_model_unloads_total`), gauged
+//!   (`rampart_models_memory_bytes`, `rampart_models_budget_bytes`) and a controller decision
+//!   (`model.loaded`, `model.unloaded`, `model.evicted`; the audit log when it is on).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use metrics::{counter, gauge};
+use serde::Serialize;
+
+use crate::config::{ModelConfig, Residency as Kind};
+use crate::error::ApiError;
+use crate::registry::{Entry, ModelName};
+use crate::state::AppState;
+
+/// Per-model load locks (single flight) and what was unloaded on purpose.
+#[derive(Debug, Default)]
+pub struct Residency {
+    loading: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Models an operator unloaded: requests do not load them back (until `load`).
+    unloaded: Mutex<HashMap<String, String>>,
+}
+
+/// One row of `GET /v2/repository/index`.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct IndexRow {
+    pub name: String,
+    pub version: String,
+    /// `READY` (loaded), `UNAVAILABLE` (not loaded), `LOADING`.
+    pub state: &'static str,
+    pub reason: String,
+    /// `hot` or `cold` (`null`: in the repository, not configured).
+    pub residency: Option<Kind>,
+    /// What it takes loaded (bytes; 0 when not loaded or not measured).
+    pub memory_bytes: u64,
+    /// Requests in flight or waiting on it.
+    pub busy: usize,
+}
+
+fn since_start_ms(state: &AppState) -> u64 {
+    state.started.elapsed().as_millis() as u64
+}
+
+/// The budget in bytes (`[memory] models_budget`), a fraction resolved against the cgroup's
+/// limit or the host's memory.
+pub fn budget_bytes(state: &AppState) -> Option<u64> {
+    let text = state.config.memory.models_budget.as_deref()?;
+    match text.parse::<engine::KvMemory>().ok()? {
+        engine::KvMemory::Bytes(b) => Some(b),
+        engine::KvMemory::Fraction(f) => {
+            let sample =
+                host::Telemetry::with_gpu(std::path::Path::new(&state.config.telemetry.root), None)
+                    .sample();
+            let total = sample
+                .cgroup
+                .memory_limit_bytes
+                .or(sample.memory.total_bytes)?;
+            Some((total as f64 * f) as u64)
+        }
+    }
+}
+
+/// What the loaded models take.
+fn in_use(state: &AppState) -> u64 {
+    let mut seen = std::collections::HashSet::new();
+    state
+        .registry
+        .all()
+        .iter()
+        .filter(|e| seen.insert(e.id.clone()))
+        .map(|e| e.memory_bytes.load(std::sync::atomic::Ordering::Relaxed))
+        .sum()
+}
+
+fn set_gauges(state: &AppState) {
+    gauge!("rampart_models_memory_bytes").set(in_use(state) as f64);
+    if let Some(b) = budget_bytes(state) {
+        gauge!("rampart_models_budget_bytes").set(b as f64);
+    }
+}
+
+/// The `[[models]]` entry of `name` (configured explicitly), if any.
+fn configured<'a>(state: &'a AppState, name: &str) -> Option<&'a ModelConfig> {
+    state.config.models.iter().find(|m| m.name == name)
+}
+
+/// Whether a request for `model` may load it: a configured cold model that no operator
+/// unloaded.
+fn loads_on_request(state: &AppState, model: &ModelName) -> bool {
+    configured(state, &model.name).is_some_and(|m| {
+        m.residency == Kind::Cold
+            && model
+                .version
+                .as_ref()
+                .is_none_or(|v| m.version.as_ref().is_none_or(|mv| mv == v))
+    }) && !state
+        .residency
+        .unloaded
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .contains_key(&model.name)
+}
+
+/// Before a request is routed: a cold model that is not loaded is loaded now (the request
+/// waits; its record gets the `model_load` stage). Nothing happens for loaded or hot models.
+pub async fn before_route(
+    state: &Arc<AppState>,
+    model: &ModelName,
+    record: &mut record::RecordBuilder,
+) -> Result<(), ApiError> {
+    let now = since_start_ms(state);
+    if let Some(entry) = state.registry.find(model) {
+        entry.touch(now);
+        return Ok(());
+    }
+    if !loads_on_request(state, model) {
+        return Ok(());
+    }
+    let began = Instant::now();
+    let loaded = load(state, &model.name, "request").await;
+    record.stage_since("model_load", began);
+    let entry = loaded?;
+    entry.touch(since_start_ms(state));
+    Ok(())
+}
+
+/// Loads `name` (its configured version, else the newest in the repository) unless it is
+/// loaded; single flight per model. `cause`: `request`, `admin`.
+pub async fn load(
+    state: &Arc<AppState>,
+    name: &str,
+    cause: &'static str,
+) -> Result<Arc<Entry>, ApiError> {
+    let lock = {
+        let mut loading = state
+            .residency
+            .loading
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        Arc::clone(loading.entry(name.to_string()).or_default())
+    };
+    let _one = lock.lock().await;
+    state
+        .residency
+        .unloaded
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(name);
+    if let Some(entry) = state.registry.find(&ModelName::parse(name)) {
+        return Ok(entry);
+    }
+    if state.is_draining() {
+        return Err(ApiError::draining());
+    }
+    let model = configured(state, name)
+        .cloned()
+        .unwrap_or_else(|| ModelConfig::named(name));
+    let repository = repo::Repository::open(&state.config.repo);
+    let files = crate::state::files_bytes(&repository, &model);
+    if files == 0 {
+        return Err(ApiError::ModelNotFound(format!(
+            "model {name:?} is not in the repository {}",
+            state.config.repo.display()
+        )));
+    }
+    // Room for what is known before loading (the files; the KV pool when configured in
+    // bytes); the pool sized from free memory is known once loaded.
+    let kv = model
+        .kv_cache_memory
+        .as_deref()
+        .and_then(|m| m.parse::<engine::KvMemory>().ok())
+        .and_then(|m| match m {
+            engine::KvMemory::Bytes(b) => Some(b),
+            engine::KvMemory::Fraction(_) => None,
+        })
+        .unwrap_or(0);
+    make_room(state, name, files + kv)?;
+    let began = Instant::now();
+    let config = state.config.clone();
+    let for_load = model.clone();
+    let loaded = tokio::task::spawn_blocking(move || {
+        let repository = repo::Repository::open(&config.repo);
+        crate::state::load(&config, &repository, &for_load)
+    })
+    .await
+    .map_err(|e| ApiError::Internal(format!("loading {name} stopped: {e}")))?;
+    let entry = loaded.map_err(|e| ApiError::Unavailable {
+        message: format!("model {name:?} could not be loaded: {}", e.message),
+        retry_after_s: 5,
+    })?;
+    let load_ms = began.elapsed().as_millis() as u64;
+    let memory = entry
+        .memory_bytes
+        .load(std::sync::atomic::Ordering::Relaxed);
+    // The KV pool sized at load may need more room than was made.
+    if let Err(e) = make_room(state, name, memory) {
+        drop(entry);
+        return Err(e);
+    }
+    state.registry.add(entry);
+    let entry = state
+        .registry
+        .find(&ModelName::versioned(name, None))
+        .ok_or_else(|| ApiError::Internal(format!("{name} vanished after loading")))?;
+    entry.touch(since_start_ms(state));
+    tracing::info!(target: "rampart::residency", model = %entry.id, cause, load_ms, memory_bytes = memory, residency = ?model.residency, "model loaded on demand");
+    counter!("rampart_model_loads_total", "model" => name.to_string(), "cause" => cause)
+        .increment(1);
+    crate::decisions::note(
+        "model.loaded",
+        Some(name),
+        &entry.id,
+        &format!("loaded on demand ({cause})"),
+        serde_json::json!({ "cause": cause, "load_ms": load_ms, "memory_bytes": memory }),
+    );
+    set_gauges(state);
+    Ok(entry)
+}
+
+/// Evicts least recently used idle cold models until `needed` more bytes fit the budget; an
+/// error (and no eviction) when even evicting every candidate would not make room.
+fn make_room(state: &AppState, loading: &str, needed: u64) -> Result<(), ApiError> {
+    let Some(budget) = budget_bytes(state) else {
+        return Ok(());
+    };
+    let used = in_use(state);
+    if used + needed <= budget {
+        return Ok(());
+    }
+    let mut candidates: Vec<Arc<Entry>> = state
+        .registry
+        .all()
+        .into_iter()
+        .filter(|e| {
+            e.name != loading && e.cold.load(std::sync::atomic::Ordering::Relaxed) && e.busy() == 0
+        })
+        .collect();
+    candidates.sort_by_key(|e| e.last_used_ms());
+    let freeable: u64 = candidates
+        .iter()
+        .map(|e| e.memory_bytes.load(std::sync::atomic::Ordering::Relaxed))
+        .sum();
+    if used - freeable.min(used) + needed > budget {
+        return Err(ApiError::Unavailable {
+            message: format!(
+                "model {loading:?} needs {needed} bytes; the models' budget is {budget} bytes, \
+                 {used} are in use and only {freeable} could be freed (idle cold models); \
+                 unload a model or raise [memory] models_budget"
+            ),
+            retry_after_s: 5,
+        });
+    }
+    let mut free = budget.saturating_sub(used);
+    for e in candidates {
+        if free >= needed {
+            break;
+        }
+        // Busy again since the list was made: keep it.
+        if e.busy() > 0 {
+            continue;
+        }
+        let Some(removed) = state.registry.remove(&e.name, &e.version) else {
+            continue;
+        };
+        let bytes = removed
+            .memory_bytes
+            .load(std::sync::atomic::Ordering::Relaxed);
+        free += bytes;
+        let idle_ms = since_start_ms(state).saturating_sub(removed.last_used_ms());
+        tracing::warn!(target: "rampart::residency", model = %removed.id, for_model = loading, bytes, idle_ms, "model evicted: the models' budget needs room");
+        counter!("rampart_model_unloads_total", "model" => removed.name.clone(), "cause" => "evicted")
+            .increment(1);
+        crate::decisions::note(
+            "model.evicted",
+            Some(&removed.name),
+            &removed.id,
+            &format!("least recently used idle cold model; room for {loading}"),
+            serde_json::json!({ "bytes": bytes, "idle_ms": idle_ms, "for": loading, "budget_bytes": budget }),
+        );
+    }
+    set_gauges(state);
+    if free >= needed {
+        Ok(())
+    } else {
+        Err(ApiError::Unavailable {
+            message: format!(
+                "model {loading:?} needs {needed} bytes; {free} of the models' budget of {budget} \
+                 bytes could be made free"
+            ),
+            retry_after_s: 5,
+        })
+    }
+}
+
+/// Takes every version of `name` out of the routing, then waits (up to `drain`) for their
+/// in-flight requests. Requests do not load it back until the next `load`.
+pub async fn unload(
+    state: &Arc<AppState>,
+    name: &str,
+    drain: Duration,
+) -> Result<serde_json::Value, ApiError> {
+    let mut removed = Vec::new();
+    for v in state.registry.versions(name) {
+        removed.extend(state.registry.remove(name, &v));
+    }
+    if removed.is_empty() {
+        return Err(ApiError::ModelNotFound(format!(
+            "model {name:?} is not loaded"
+        )));
+    }
+    state
+        .residency
+        .unloaded
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(name.to_string(), "unloaded by an operator".into());
+    let began = Instant::now();
+    while removed.iter().any(|e| e.busy() > 0) && began.elapsed() < drain {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let still = removed.iter().map(|e| e.busy()).sum::<usize>();
+    let bytes: u64 = removed
+        .iter()
+        .map(|e| e.memory_bytes.load(std::sync::atomic::Ordering::Relaxed))
+        .sum();
+    let versions: Vec<String> = removed.iter().map(|e| e.version.clone()).collect();
+    let waited_ms = began.elapsed().as_millis() as u64;
+    tracing::info!(target: "rampart::residency", model = name, ?versions, waited_ms, still_running = still, bytes, "model unloaded");
+    counter!("rampart_model_unloads_total", "model" => name.to_string(), "cause" => "admin")
+        .increment(1);
+    drop(removed);
+    set_gauges(state);
+    Ok(serde_json::json!({
+        "model": name,
+        "versions": versions,
+        "drained_ms": waited_ms,
+        "still_running": still,
+        "freed_bytes": bytes,
+    }))
+}
+
+/// Every model version in the repository and whether it is loaded.
+pub fn index(state: &AppState) -> Result<Vec<IndexRow>, ApiError> {
+    let repository = repo::Repository::open(&state.config.repo);
+    let names = repository
+        .models()
+        .map_err(|e| ApiError::Internal(format!("the repository cannot be read: {e}")))?;
+    let loaded = state.registry.all();
+    let unloaded = state
+        .residency
+        .unloaded
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    let mut rows = Vec::new();
+    for name in names {
+        let residency = configured(state, &name).map(|m| m.residency);
+        let versions = repository.versions(&name).unwrap_or_default();
+        for version in versions.iter().map(|v| v.version.to_string()) {
+            let entry = loaded
+                .iter()
+                .find(|e| e.name == name && e.version == version);
+            let (row_state, reason) = match (entry, residency) {
+                (Some(_), _) => ("READY", String::new()),
+                (None, _) if unloaded.contains_key(&name) => {
+                    ("UNAVAILABLE", unloaded[&name].clone())
+                }
+                (None, Some(Kind::Cold)) => (
+                    "UNAVAILABLE",
+                    "cold: loads on its first request or on load".to_string(),
+                ),
+                (None, Some(Kind::Hot)) => (
+                    "UNAVAILABLE",
+                    "not loaded (another version is served, or its load failed)".to_string(),
+                ),
+                (None, None) => (
+                    "UNAVAILABLE",
+                    "not configured to be served; load it with POST /v2/repository/models/{name}/load".to_string(),
+                ),
+            };
+            rows.push(IndexRow {
+                name: name.clone(),
+                version,
+                state: row_state,
+                reason,
+                residency,
+                memory_bytes: entry.map_or(0, |e| {
+                    e.memory_bytes.load(std::sync::atomic::Ordering::Relaxed)
+                }),
+                busy: entry.map_or(0, |e| e.busy()),
+            });
+        }
+    }
+    Ok(rows)
+}
+
+/// The repository routes (scope `admin`): `GET`/`POST /v2/repository/index`,
+/// `POST /v2/repository/models/{name}/load` and `/unload`. Loads and unloads are audited admin
+/// actions.
+pub fn routes() -> axum::Router<Arc<AppState>> {
+    use axum::routing::{get, post};
+    axum::Router::new()
+        .route(
+            crate::http::paths::V2_REPOSITORY_INDEX,
+            get(index_route).post(index_route),
+        )
+        .route(crate::http::paths::V2_REPOSITORY_LOAD, post(load_route))
+        .route(crate::http::paths::V2_REPOSITORY_UNLOAD, post(unload_route))
+}
+
+async fn index_route(
+    axum::extract::State(state): axum::extract::State<Arc<AppState>>,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    match index(&state) {
+        Ok(rows) => axum::Json(rows).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn load_route(
+    axum::extract::State(state): axum::extract::State<Arc<AppState>>,
+    axum::extract::Path(name): axum::extract::Path<String>,
+    axum::Extension(principal): axum::Extension<crate::identity::Principal>,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let result = async {
+        let entry = load(&state, &name, "admin").await?;
+        let detail = serde_json::json!({
+            "model": entry.name,
+            "version": entry.version,
+            "memory_bytes": entry.memory_bytes.load(std::sync::atomic::Ordering::Relaxed),
+        });
+        state
+            .act(
+                &principal.0,
+                Some(&name),
+                audit::Action {
+                    name: "model.load".into(),
+                    target: Some(entry.id.clone()),
+                    cause: None,
+                    outcome: "ok".into(),
+                    detail: detail.clone(),
+                },
+            )
+            .await?;
+        Ok::<_, ApiError>(detail)
+    }
+    .await;
+    match result {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn unload_route(
+    axum::extract::State(state): axum::extract::State<Arc<AppState>>,
+    axum::extract::Path(name): axum::extract::Path<String>,
+    axum::Extension(principal): axum::Extension<crate::identity::Principal>,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let drain = Duration::from_secs(state.config.shutdown_timeout_s.max(1));
+    let result = async {
+        let detail = unload(&state, &name, drain).await?;
+        state
+            .act(
+                &principal.0,
+                Some(&name),
+                audit::Action {
+                    name: "model.unload".into(),
+                    target: Some(name.clone()),
+                    cause: None,
+                    outcome: "ok".into(),
+                    detail: detail.clone(),
+                },
+            )
+            .await?;
+        Ok::<_, ApiError>(detail)
+    }
+    .await;
+    match result {
+        Ok(v) => axum::Json(v).into_response(),
+        Err(e) => e.into_response(),
+    }
+}

@@ -29,9 +29,12 @@ pub struct Family {
     /// Token embeddings are multiplied by √hidden before the first layer (Gemma).
     pub scale_embeddings: bool,
     /// Sliding-window attention: of every `n` layers the first `n − 1` attend over the window
-    /// (`attention.sliding_window`) and the `n`-th over the whole context (Gemma 3: 6). 0: no
-    /// layer is windowed.
+    /// (`attention.sliding_window`) and the `n`-th over the whole context (Gemma 3: 6); 1:
+    /// every layer is windowed (Phi-3, when the file gives a window); 0: no layer is.
     pub sliding_pattern: usize,
+    /// Q, K and V come from one fused projection (`attn_qkv`, rows q then k then v), and gate
+    /// and up from one (`ffn_up` of 2 × ffn rows, gate first): Phi-3.
+    pub fused_projections: bool,
     /// The RoPE base of the sliding-window layers (Gemma 3: 10,000, unscaled); the global ones use
     /// `rope.freq_base` and the file's scaling.
     pub sliding_rope_theta: Option<f32>,
@@ -60,7 +63,11 @@ const GEMMA_TEMPLATE: &str = "{{ bos_token }}\
 impl Family {
     /// Whether layer `l` attends over the sliding window only.
     pub fn is_sliding(&self, l: usize) -> bool {
-        self.sliding_pattern > 0 && l % self.sliding_pattern < self.sliding_pattern - 1
+        match self.sliding_pattern {
+            0 => false,
+            1 => true,
+            n => l % n < n - 1,
+        }
     }
 }
 
@@ -72,6 +79,7 @@ pub const LLAMA: Family = Family {
     activation: Activation::Silu,
     scale_embeddings: false,
     sliding_pattern: 0,
+    fused_projections: false,
     sliding_rope_theta: None,
     hf_norm_offset: false,
     chat_template: None,
@@ -86,6 +94,7 @@ pub const QWEN2: Family = Family {
     activation: Activation::Silu,
     scale_embeddings: false,
     sliding_pattern: 0,
+    fused_projections: false,
     sliding_rope_theta: None,
     hf_norm_offset: false,
     chat_template: None,
@@ -100,6 +109,23 @@ pub const QWEN3: Family = Family {
     activation: Activation::Silu,
     scale_embeddings: false,
     sliding_pattern: 0,
+    fused_projections: false,
+    sliding_rope_theta: None,
+    hf_norm_offset: false,
+    chat_template: None,
+};
+
+/// Phi-3 (mini, medium; 4k contexts): fused QKV and gate/up projections, NeoX RoPE, a separate
+/// output; every layer attends over `attention.sliding_window` when the file gives one (the
+/// Hugging Face model's `sliding_window`). LongRoPE (the 128k variants) is refused at load.
+pub const PHI3: Family = Family {
+    name: "phi3",
+    hf_class: "Phi3ForCausalLM",
+    rope_neox: true,
+    activation: Activation::Silu,
+    scale_embeddings: false,
+    sliding_pattern: 1,
+    fused_projections: true,
     sliding_rope_theta: None,
     hf_norm_offset: false,
     chat_template: None,
@@ -115,13 +141,14 @@ pub const GEMMA3: Family = Family {
     activation: Activation::GeluTanh,
     scale_embeddings: true,
     sliding_pattern: 6,
+    fused_projections: false,
     sliding_rope_theta: Some(10_000.0),
     hf_norm_offset: true,
     chat_template: Some(GEMMA_TEMPLATE),
 };
 
 /// Every supported family.
-pub const FAMILIES: &[&Family] = &[&LLAMA, &QWEN2, &QWEN3, &GEMMA3];
+pub const FAMILIES: &[&Family] = &[&LLAMA, &QWEN2, &QWEN3, &PHI3, &GEMMA3];
 
 /// The family of a `general.architecture` value.
 pub fn family(architecture: &str) -> Option<&'static Family> {

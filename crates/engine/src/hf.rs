@@ -185,7 +185,10 @@ impl HfConfig {
             )));
         }
         let block_count = need(self.num_hidden_layers, "num_hidden_layers")?;
-        let sliding_window = if family.sliding_pattern > 0 {
+        let sliding_window = if family.sliding_pattern == 1 {
+            // Every layer windowed when the configuration gives a window (Phi-3).
+            self.sliding_window.filter(|&w| w > 0)
+        } else if family.sliding_pattern > 1 {
             let window = need(self.sliding_window, "sliding_window")?;
             // The layer pattern the decoder implements must be the checkpoint's.
             let expected = |l: usize| {
@@ -396,6 +399,7 @@ pub(crate) fn open(dir: &Path) -> Result<Checkpoint, EngineError> {
             "attn_k.bias",
             "attn_v.bias",
             "attn_output.weight",
+            "attn_qkv.weight",
             "attn_q_norm.weight",
             "attn_k_norm.weight",
             "post_attention_norm.weight",

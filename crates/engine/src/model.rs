@@ -55,12 +55,28 @@ pub enum WeightFormat {
     HuggingFace,
 }
 
+/// Q, K and V projections: three matrices, or one whose rows are Q's, then K's, then V's.
+#[derive(Debug)]
+enum Qkv {
+    Separate {
+        wq: TensorRef,
+        wk: TensorRef,
+        wv: TensorRef,
+    },
+    Fused(TensorRef),
+}
+
+/// Gate and up projections: two matrices, or one whose first half of rows is the gate's.
+#[derive(Debug)]
+enum GateUp {
+    Separate { w_gate: TensorRef, w_up: TensorRef },
+    Fused(TensorRef),
+}
+
 #[derive(Debug)]
 struct Layer {
     attn_norm: Vec<f32>,
-    wq: TensorRef,
-    wk: TensorRef,
-    wv: TensorRef,
+    qkv: Qkv,
     wo: TensorRef,
     bq: Option<Vec<f32>>,
     bk: Option<Vec<f32>>,
@@ -71,8 +87,7 @@ struct Layer {
     /// RMSNorm of the attention's output before the residual add (Gemma).
     post_attn_norm: Option<Vec<f32>>,
     ffn_norm: Vec<f32>,
-    w_gate: TensorRef,
-    w_up: TensorRef,
+    gate_up: GateUp,
     w_down: TensorRef,
     /// RMSNorm of the feed-forward output before the residual add (Gemma).
     post_ffn_norm: Option<Vec<f32>>,
@@ -284,7 +299,7 @@ impl Model {
             Ok::<_, EngineError>(weights.optional_vector(name, len)?.map(shift))
         };
         let mut layers = Vec::with_capacity(config.block_count);
-        if family.sliding_pattern > 0 && config.sliding_window.is_none() {
+        if family.sliding_pattern > 1 && config.sliding_window.is_none() {
             return Err(EngineError::Load(format!(
                 "a {} model needs its attention.sliding_window",
                 family.name
@@ -295,11 +310,26 @@ impl Model {
         }
         for l in 0..config.block_count {
             let n = |t: &str| format!("blk.{l}.{t}");
+            let qkv = if family.fused_projections {
+                Qkv::Fused(weights.matrix(&n("attn_qkv.weight"), q_dim + 2 * kv_dim, hidden)?)
+            } else {
+                Qkv::Separate {
+                    wq: weights.matrix(&n("attn_q.weight"), q_dim, hidden)?,
+                    wk: weights.matrix(&n("attn_k.weight"), kv_dim, hidden)?,
+                    wv: weights.matrix(&n("attn_v.weight"), kv_dim, hidden)?,
+                }
+            };
+            let gate_up = if family.fused_projections {
+                GateUp::Fused(weights.matrix(&n("ffn_up.weight"), 2 * config.ffn, hidden)?)
+            } else {
+                GateUp::Separate {
+                    w_gate: weights.matrix(&n("ffn_gate.weight"), config.ffn, hidden)?,
+                    w_up: weights.matrix(&n("ffn_up.weight"), config.ffn, hidden)?,
+                }
+            };
             layers.push(Layer {
                 attn_norm: norm(&n("attn_norm.weight"), hidden)?,
-                wq: weights.matrix(&n("attn_q.weight"), q_dim, hidden)?,
-                wk: weights.matrix(&n("attn_k.weight"), kv_dim, hidden)?,
-                wv: weights.matrix(&n("attn_v.weight"), kv_dim, hidden)?,
+                qkv,
                 wo: weights.matrix(&n("attn_output.weight"), hidden, q_dim)?,
                 bq: weights.optional_vector(&n("attn_q.bias"), q_dim)?,
                 bk: weights.optional_vector(&n("attn_k.bias"), kv_dim)?,
@@ -308,8 +338,7 @@ impl Model {
                 k_norm: optional_norm(&n("attn_k_norm.weight"), head_dim)?,
                 post_attn_norm: optional_norm(&n("post_attention_norm.weight"), hidden)?,
                 ffn_norm: norm(&n("ffn_norm.weight"), hidden)?,
-                w_gate: weights.matrix(&n("ffn_gate.weight"), config.ffn, hidden)?,
-                w_up: weights.matrix(&n("ffn_up.weight"), config.ffn, hidden)?,
+                gate_up,
                 w_down: weights.matrix(&n("ffn_down.weight"), hidden, config.ffn)?,
                 post_ffn_norm: optional_norm(&n("post_ffw_norm.weight"), hidden)?,
                 window: config.sliding_window.filter(|_| family.is_sliding(l)),
@@ -326,6 +355,13 @@ impl Model {
             rope_neox,
             config.rope_scaling,
         );
+        if weights.get("rope_factors_long.weight").is_some()
+            || weights.get("rope_factors_short.weight").is_some()
+        {
+            return Err(EngineError::Load(
+                "LongRoPE (rope_factors_long/short: Phi-3's 128k variants) is not supported".into(),
+            ));
+        }
         if weights.get("rope_freqs.weight").is_some() {
             // Llama 3.1 GGUFs store their long-context frequency factors as a tensor.
             rope.divide_frequencies(&weights.vector("rope_freqs.weight", config.rope_dims / 2)?);
@@ -449,17 +485,25 @@ impl Model {
             let (x, h) = (&mut s.x[..m * hid], &mut s.h[..m * hid]);
             backend.rms_norm_rows(x, &layer.attn_norm, c.norm_eps, h);
             let (q, k, v) = (&mut s.q[..m * qd], &mut s.k[..m * kvd], &mut s.v[..m * kvd]);
-            backend.matmul_many(
-                &[
-                    self.matrix(&layer.wq),
-                    self.matrix(&layer.wk),
-                    self.matrix(&layer.wv),
-                ],
-                h,
-                m,
-                &mut [&mut *q, &mut *k, &mut *v],
-                &mut s.scratch,
-            );
+            match &layer.qkv {
+                Qkv::Separate { wq, wk, wv } => backend.matmul_many(
+                    &[self.matrix(wq), self.matrix(wk), self.matrix(wv)],
+                    h,
+                    m,
+                    &mut [&mut *q, &mut *k, &mut *v],
+                    &mut s.scratch,
+                ),
+                Qkv::Fused(w) => {
+                    let width = qd + 2 * kvd;
+                    let fused = &mut s.fused[..m * width];
+                    backend.matmul(&self.matrix(w), h, m, fused, &mut s.scratch);
+                    for (i, row) in fused.chunks_exact(width).enumerate() {
+                        q[i * qd..(i + 1) * qd].copy_from_slice(&row[..qd]);
+                        k[i * kvd..(i + 1) * kvd].copy_from_slice(&row[qd..qd + kvd]);
+                        v[i * kvd..(i + 1) * kvd].copy_from_slice(&row[qd + kvd..]);
+                    }
+                }
+            }
             for (buf, bias, dim) in [
                 (&mut *q, &layer.bq, qd),
                 (&mut *k, &layer.bk, kvd),
@@ -522,13 +566,24 @@ impl Model {
 
             backend.rms_norm_rows(x, &layer.ffn_norm, c.norm_eps, h);
             let (gate, up) = (&mut s.gate[..m * c.ffn], &mut s.up[..m * c.ffn]);
-            backend.matmul_many(
-                &[self.matrix(&layer.w_gate), self.matrix(&layer.w_up)],
-                h,
-                m,
-                &mut [&mut *gate, &mut *up],
-                &mut s.scratch,
-            );
+            match &layer.gate_up {
+                GateUp::Separate { w_gate, w_up } => backend.matmul_many(
+                    &[self.matrix(w_gate), self.matrix(w_up)],
+                    h,
+                    m,
+                    &mut [&mut *gate, &mut *up],
+                    &mut s.scratch,
+                ),
+                GateUp::Fused(w) => {
+                    let f = c.ffn;
+                    let fused = &mut s.fused[..m * 2 * f];
+                    backend.matmul(&self.matrix(w), h, m, fused, &mut s.scratch);
+                    for (i, row) in fused.chunks_exact(2 * f).enumerate() {
+                        gate[i * f..(i + 1) * f].copy_from_slice(&row[..f]);
+                        up[i * f..(i + 1) * f].copy_from_slice(&row[f..]);
+                    }
+                }
+            }
             match self.family.activation {
                 Activation::Silu => swiglu(gate, up),
                 Activation::GeluTanh => geglu(gate, up),
@@ -654,6 +709,8 @@ pub struct ForwardState {
     o: Vec<f32>,
     gate: Vec<f32>,
     up: Vec<f32>,
+    /// A fused projection's output (Phi-3's QKV, gate/up) before it is split.
+    fused: Vec<f32>,
     /// Logits of the selected rows, `rows × vocab`.
     pub logits: Vec<f32>,
     scratch: Scratch,
@@ -676,5 +733,6 @@ impl ForwardState {
         self.o.resize(rows * c.hidden, 0.0);
         self.gate.resize(rows * c.ffn, 0.0);
         self.up.resize(rows * c.ffn, 0.0);
+        self.fused.resize(rows * (qd + 2 * kvd).max(2 * c.ffn), 0.0);
     }
 }

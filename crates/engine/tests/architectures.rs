@@ -1,4 +1,4 @@
-//! Tiny llama, qwen2, qwen3 and gemma3 GGUFs with every supported weight type, run by the engine
+//! Tiny llama, qwen2, qwen3, phi3 and gemma3 GGUFs with every supported weight type, run by the engine
 //! and by an independent, naive f32 reference forward pass over the dequantized weights.
 //!
 //! The engine quantizes the input of every quantized matmul to 8 bits per block (as llama.cpp
@@ -55,7 +55,21 @@ impl Spec {
 
     /// A separate output matrix (the others tie it to the embeddings).
     fn separate_output(&self) -> bool {
-        matches!(self.arch, "qwen2" | "qwen3")
+        matches!(self.arch, "qwen2" | "qwen3" | "phi3")
+    }
+
+    /// Phi-3: one QKV projection and one gate/up projection.
+    fn fused(&self) -> bool {
+        self.arch == "phi3"
+    }
+
+    /// Whether layer `l` attends over the last WINDOW positions only.
+    fn sliding(&self, l: usize) -> bool {
+        match self.arch {
+            "gemma3" => l % 6 < 5,
+            "phi3" => true,
+            _ => false,
+        }
     }
 
     fn neox(&self) -> bool {
@@ -124,27 +138,37 @@ fn build(spec: &Spec) -> (Vec<u8>, Weights) {
             100 + l as u64,
             &mut tensors,
         );
-        matrix(
-            n("attn_q.weight"),
-            HEADS * head_dim,
-            HIDDEN,
-            d,
-            &mut tensors,
-        );
-        matrix(
-            n("attn_k.weight"),
-            KV_HEADS * head_dim,
-            HIDDEN,
-            d,
-            &mut tensors,
-        );
-        matrix(
-            n("attn_v.weight"),
-            KV_HEADS * head_dim,
-            HIDDEN,
-            d,
-            &mut tensors,
-        );
+        if spec.fused() {
+            matrix(
+                n("attn_qkv.weight"),
+                (HEADS + 2 * KV_HEADS) * head_dim,
+                HIDDEN,
+                d,
+                &mut tensors,
+            );
+        } else {
+            matrix(
+                n("attn_q.weight"),
+                HEADS * head_dim,
+                HIDDEN,
+                d,
+                &mut tensors,
+            );
+            matrix(
+                n("attn_k.weight"),
+                KV_HEADS * head_dim,
+                HIDDEN,
+                d,
+                &mut tensors,
+            );
+            matrix(
+                n("attn_v.weight"),
+                KV_HEADS * head_dim,
+                HIDDEN,
+                d,
+                &mut tensors,
+            );
+        }
         if spec.qk_norm() {
             vector(
                 n("attn_q_norm.weight"),
@@ -214,8 +238,12 @@ fn build(spec: &Spec) -> (Vec<u8>, Weights) {
             500 + l as u64,
             &mut tensors,
         );
-        matrix(n("ffn_gate.weight"), FFN, HIDDEN, d, &mut tensors);
-        matrix(n("ffn_up.weight"), FFN, HIDDEN, d, &mut tensors);
+        if spec.fused() {
+            matrix(n("ffn_up.weight"), 2 * FFN, HIDDEN, d, &mut tensors);
+        } else {
+            matrix(n("ffn_gate.weight"), FFN, HIDDEN, d, &mut tensors);
+            matrix(n("ffn_up.weight"), FFN, HIDDEN, d, &mut tensors);
+        }
         matrix(n("ffn_down.weight"), HIDDEN, FFN, d, &mut tensors);
     }
     vector("output_norm.weight".into(), HIDDEN, 1.0, 600, &mut tensors);
@@ -245,7 +273,7 @@ fn build(spec: &Spec) -> (Vec<u8>, Weights) {
                 .unwrap();
         }
     }
-    if spec.gemma() {
+    if spec.gemma() || spec.fused() {
         w.metadata(&format!("{arch}.attention.sliding_window"), WINDOW as u32)
             .unwrap();
     }
@@ -371,7 +399,7 @@ fn reference_logits(w: &Weights, tokens: &[u32], spec: &Spec) -> Vec<Vec<f32>> {
     }
     for l in 0..spec.layers() {
         // Gemma 3: layers 0-4 of every 6 see the last WINDOW positions with RoPE base 10,000.
-        let sliding = gemma && l % 6 < 5;
+        let sliding = spec.sliding(l);
         let theta = match (gemma, sliding) {
             (true, true) => 10000.0,
             (true, false) => GEMMA_THETA,
@@ -383,9 +411,21 @@ fn reference_logits(w: &Weights, tokens: &[u32], spec: &Spec) -> Vec<Vec<f32>> {
         let mut qs = Vec::new();
         for (pos, x) in xs.iter().enumerate() {
             let h = rms_norm(x, w.get(&n("attn_norm.weight")));
-            let mut q = matvec(w.get(&n("attn_q.weight")), &h, HEADS * head_dim);
-            let mut k = matvec(w.get(&n("attn_k.weight")), &h, KV_HEADS * head_dim);
-            let mut v = matvec(w.get(&n("attn_v.weight")), &h, KV_HEADS * head_dim);
+            let (mut q, mut k, mut v) = if spec.fused() {
+                let (qd, kvd) = (HEADS * head_dim, KV_HEADS * head_dim);
+                let qkv = matvec(w.get(&n("attn_qkv.weight")), &h, qd + 2 * kvd);
+                (
+                    qkv[..qd].to_vec(),
+                    qkv[qd..qd + kvd].to_vec(),
+                    qkv[qd + kvd..].to_vec(),
+                )
+            } else {
+                (
+                    matvec(w.get(&n("attn_q.weight")), &h, HEADS * head_dim),
+                    matvec(w.get(&n("attn_k.weight")), &h, KV_HEADS * head_dim),
+                    matvec(w.get(&n("attn_v.weight")), &h, KV_HEADS * head_dim),
+                )
+            };
             if qwen2 {
                 for (buf, b) in [
                     (&mut q, "attn_q.bias"),
@@ -439,8 +479,15 @@ fn reference_logits(w: &Weights, tokens: &[u32], spec: &Spec) -> Vec<Vec<f32>> {
             }
             x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
             let h = rms_norm(x, w.get(&n("ffn_norm.weight")));
-            let g = matvec(w.get(&n("ffn_gate.weight")), &h, FFN);
-            let u = matvec(w.get(&n("ffn_up.weight")), &h, FFN);
+            let (g, u) = if spec.fused() {
+                let gu = matvec(w.get(&n("ffn_up.weight")), &h, 2 * FFN);
+                (gu[..FFN].to_vec(), gu[FFN..].to_vec())
+            } else {
+                (
+                    matvec(w.get(&n("ffn_gate.weight")), &h, FFN),
+                    matvec(w.get(&n("ffn_up.weight")), &h, FFN),
+                )
+            };
             let act: Vec<f32> = g
                 .iter()
                 .zip(&u)
@@ -487,7 +534,7 @@ fn every_weight_type_matches_the_reference_forward() {
     };
     let mut report = Vec::new();
     let mut failed = Vec::new();
-    for arch in ["llama", "qwen2", "qwen3", "gemma3"] {
+    for arch in ["llama", "qwen2", "qwen3", "phi3", "gemma3"] {
         for dtype in DType::ALL {
             let spec = Spec { arch, dtype };
             let (file, weights) = build(&spec);

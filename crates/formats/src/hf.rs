@@ -73,12 +73,15 @@ const LAYER_TENSORS: &[(&str, &str)] = &[
     ("attn_k", "self_attn.k_proj"),
     ("attn_v", "self_attn.v_proj"),
     ("attn_output", "self_attn.o_proj"),
+    ("attn_qkv", "self_attn.qkv_proj"),
     ("attn_q_norm", "self_attn.q_norm"),
     ("attn_k_norm", "self_attn.k_norm"),
     ("ffn_norm", "post_attention_layernorm"),
     ("ffn_gate", "mlp.gate_proj"),
     ("ffn_up", "mlp.up_proj"),
     ("ffn_down", "mlp.down_proj"),
+    // Phi-3's fused gate and up projection (llama.cpp keeps it whole as `ffn_up`).
+    ("ffn_up", "mlp.gate_up_proj"),
 ];
 
 /// The row that row `hf_row` of a Hugging Face Q/K projection becomes in llama.cpp's order

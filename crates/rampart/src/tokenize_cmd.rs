@@ -34,9 +34,12 @@ pub struct TokenizeArgs {
     /// With --chat: leave out the assistant turn's opening.
     #[arg(long)]
     pub no_generation_prompt: bool,
-    /// Without --chat: no BOS, and special-token texts stay plain text.
+    /// Without --chat: no BOS.
     #[arg(long)]
     pub no_special_tokens: bool,
+    /// Without --chat: special-token texts stay plain text.
+    #[arg(long)]
+    pub plain: bool,
     /// One JSON object (`count`, `tokens`, `token_strs`), as `/tokenize` answers.
     #[arg(long)]
     pub json: bool,
@@ -59,8 +62,8 @@ pub fn run(args: TokenizeArgs) -> Result<ExitCode> {
     if args.no_generation_prompt && !args.chat {
         bail!("--no-generation-prompt needs --chat");
     }
-    if args.no_special_tokens && args.chat {
-        bail!("--no-special-tokens applies to text without --chat (the template places them)");
+    if (args.no_special_tokens || args.plain) && args.chat {
+        bail!("--no-special-tokens and --plain apply to text without --chat (the template places the special tokens)");
     }
     // Only the tokenizer is used: one thread and a small KV pool.
     let choice = ModelChoice {
@@ -79,10 +82,10 @@ pub fn run(args: TokenizeArgs) -> Result<ExitCode> {
         }
         messages.push(ChatMessage::new("user", &text));
         engine.encode_chat_with(&messages, !args.no_generation_prompt)?
-    } else if args.no_special_tokens {
-        tokenizer.encode_plain(&text, false)?
+    } else if args.plain {
+        tokenizer.encode_plain(&text, !args.no_special_tokens)?
     } else {
-        tokenizer.encode(&text, true)?
+        tokenizer.encode(&text, !args.no_special_tokens)?
     };
     let strs: Vec<String> = tokens.iter().map(|&t| tokenizer.token_text(t)).collect();
     if args.json {

@@ -266,9 +266,11 @@ fn tokenize_prints_the_ids_llama_cpp_computes() {
     if let Some(gemma) = cached_model(models::GEMMA3_GGUF) {
         let j = tokenize(&gemma, &["The capital of France is"]);
         assert_eq!(j["tokens"][0], 2, "{j}");
-        let plain = tokenize(&gemma, &["--no-special-tokens", "<start_of_turn>"]);
-        assert!(plain["count"].as_u64() > Some(1), "{plain}");
+        let plain = tokenize(&gemma, &["--plain", "<start_of_turn>"]);
+        assert!(plain["count"].as_u64() > Some(2), "{plain}");
         let special = tokenize(&gemma, &["<start_of_turn>"]);
         assert_eq!(special["tokens"], serde_json::json!([2, 105]));
+        let no_bos = tokenize(&gemma, &["--no-special-tokens", "<start_of_turn>"]);
+        assert_eq!(no_bos["tokens"], serde_json::json!([105]));
     }
 }

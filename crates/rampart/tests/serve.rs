@@ -234,6 +234,15 @@ fn http_contract_auth_ids_errors_and_metrics() {
         with["count"].as_u64() > without["count"].as_u64(),
         "{with} {without}"
     );
+    // Special-token texts: their tokens by default, plain text on request.
+    let (_, parsed) = post("/tokenize", r#"{"prompt":"<|im_start|>"}"#, Some(KEY));
+    let (_, plain) = post(
+        "/tokenize",
+        r#"{"prompt":"<|im_start|>","parse_special_tokens":false}"#,
+        Some(KEY),
+    );
+    assert_eq!(parsed["count"], 1, "{parsed}");
+    assert!(plain["count"].as_u64() > Some(1), "{plain}");
     let (status, j) = post(
         "/detokenize",
         r#"{"tokens":[504,3575,282,4649,314]}"#,
@@ -246,6 +255,11 @@ fn http_contract_auth_ids_errors_and_metrics() {
     for (path, body, param) in [
         ("/detokenize", r#"{"tokens":[-1]}"#, "tokens"),
         ("/tokenize", "{}", "prompt"),
+        (
+            "/tokenize",
+            r#"{"messages":[{"role":"user","content":"x"}],"parse_special_tokens":false}"#,
+            "parse_special_tokens",
+        ),
         ("/tokenize", r#"{"prompt":"a","messages":[]}"#, "messages"),
         (
             "/tokenize",
@@ -364,8 +378,13 @@ fn small_completion() -> String {
 }
 
 fn stream_request(port: u16, max_tokens: usize) -> TcpStream {
+    stream_request_to(port, MODEL, max_tokens)
+}
+
+/// [`stream_request`] to `model`.
+fn stream_request_to(port: u16, model: &str, max_tokens: usize) -> TcpStream {
     let body = format!(
-        "{{\"model\":\"{MODEL}\",\"prompt\":\"Once upon a time\",\"max_tokens\":{max_tokens},\"temperature\":0,\"ignore_eos\":true,\"stream\":true}}"
+        "{{\"model\":\"{model}\",\"prompt\":\"Once upon a time\",\"max_tokens\":{max_tokens},\"temperature\":0,\"ignore_eos\":true,\"stream\":true}}"
     );
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
@@ -1870,16 +1889,7 @@ fn cold_models_load_on_demand_within_the_budget_and_unload_after_draining() {
     );
     assert_eq!(status, 403);
     // Unloading b waits for its running stream, which finishes whole.
-    let body = r#"{"model":"b","prompt":"Once upon a time","max_tokens":48,"temperature":0,"ignore_eos":true,"stream":true}"#;
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
-    write!(
-        s,
-        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nAuthorization: Bearer {KEY}\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut reader = BufReader::new(s);
+    let mut reader = BufReader::new(stream_request_to(port, "b", 48));
     read_events(&mut reader, 2);
     let (status, _, text) = http(
         port,

@@ -442,34 +442,19 @@ async fn load_route(
     axum::extract::Path(name): axum::extract::Path<String>,
     axum::Extension(principal): axum::Extension<crate::identity::Principal>,
 ) -> axum::response::Response {
-    use axum::response::IntoResponse;
     let result = async {
         let entry = load(&state, &name, "admin").await?;
-        let detail = serde_json::json!({
-            "model": entry.name,
-            "version": entry.version,
-            "memory_bytes": entry.memory_bytes.load(std::sync::atomic::Ordering::Relaxed),
-        });
-        state
-            .act(
-                &principal.0,
-                Some(&name),
-                audit::Action {
-                    name: "model.load".into(),
-                    target: Some(entry.id.clone()),
-                    cause: None,
-                    outcome: "ok".into(),
-                    detail: detail.clone(),
-                },
-            )
-            .await?;
-        Ok::<_, ApiError>(detail)
+        Ok((
+            entry.id.clone(),
+            serde_json::json!({
+                "model": entry.name,
+                "version": entry.version,
+                "memory_bytes": entry.memory_bytes.load(std::sync::atomic::Ordering::Relaxed),
+            }),
+        ))
     }
     .await;
-    match result {
-        Ok(v) => axum::Json(v).into_response(),
-        Err(e) => e.into_response(),
-    }
+    audited(&state, &principal.0, &name, "model.load", result).await
 }
 
 async fn unload_route(
@@ -477,17 +462,31 @@ async fn unload_route(
     axum::extract::Path(name): axum::extract::Path<String>,
     axum::Extension(principal): axum::Extension<crate::identity::Principal>,
 ) -> axum::response::Response {
-    use axum::response::IntoResponse;
     let drain = Duration::from_secs(state.config.shutdown_timeout_s.max(1));
-    let result = async {
-        let detail = unload(&state, &name, drain).await?;
+    let result = unload(&state, &name, drain)
+        .await
+        .map(|detail| (name.clone(), detail));
+    audited(&state, &principal.0, &name, "model.unload", result).await
+}
+
+/// Answers an admin action's result once it is in the audit log (its target and detail).
+async fn audited(
+    state: &AppState,
+    principal: &str,
+    name: &str,
+    action: &str,
+    result: Result<(String, serde_json::Value), ApiError>,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let acted = async {
+        let (target, detail) = result?;
         state
             .act(
-                &principal.0,
-                Some(&name),
+                principal,
+                Some(name),
                 audit::Action {
-                    name: "model.unload".into(),
-                    target: Some(name.clone()),
+                    name: action.into(),
+                    target: Some(target),
                     cause: None,
                     outcome: "ok".into(),
                     detail: detail.clone(),
@@ -497,7 +496,7 @@ async fn unload_route(
         Ok::<_, ApiError>(detail)
     }
     .await;
-    match result {
+    match acted {
         Ok(v) => axum::Json(v).into_response(),
         Err(e) => e.into_response(),
     }

@@ -2,7 +2,8 @@
 //! chat template, without generating. Scope `infer`, like the models they read.
 //!
 //! - `/tokenize` takes a `prompt` (with `add_special_tokens`, default true: BOS when the model
-//!   adds one, and special-token texts as their tokens) or chat `messages` (rendered by the
+//!   adds one; `parse_special_tokens`, default true: special-token texts as their tokens, as
+//!   `/v1/completions` reads them) or chat `messages` (rendered by the
 //!   model's template, with `add_generation_prompt`, default true; message contents never become
 //!   control tokens, as in a chat completion). It answers `count`, `max_model_len` (the served
 //!   context), `tokens`, and with `return_token_strs` each token's text.
@@ -34,9 +35,12 @@ pub struct TokenizeRequest {
     pub prompt: Option<String>,
     /// A chat, rendered with the model's template (or `prompt`).
     pub messages: Option<Vec<ChatMessageIn>>,
-    /// Prompt: add BOS (when the model does) and read special-token texts as their tokens
-    /// (default true). Chat: the template places the special tokens; this adds nothing.
+    /// Prompt: add BOS when the model does (default true). Chat: the template places the
+    /// special tokens; this adds nothing.
     pub add_special_tokens: Option<bool>,
+    /// Prompt: special-token texts become their tokens (default true, as `/v1/completions`
+    /// reads prompts); false: they stay plain text.
+    pub parse_special_tokens: Option<bool>,
     /// Chat: end with the assistant turn's opening (default true).
     pub add_generation_prompt: Option<bool>,
     /// Also answer each token's text.
@@ -159,8 +163,15 @@ async fn tokenize_inner(state: &AppState, body: Body) -> Result<TokenizeResponse
             "add_generation_prompt applies to messages only",
         ));
     }
+    if chat.is_some() && request.parse_special_tokens.is_some() {
+        return Err(ApiError::invalid_param(
+            "parse_special_tokens",
+            "parse_special_tokens applies to prompt only (chat contents are always plain text)",
+        ));
+    }
     let prompt = request.prompt.unwrap_or_default();
-    let special = request.add_special_tokens.unwrap_or(true);
+    let bos = request.add_special_tokens.unwrap_or(true);
+    let parse = request.parse_special_tokens.unwrap_or(true);
     let generation_prompt = request.add_generation_prompt.unwrap_or(true);
     let strs = request.return_token_strs;
     tokio::task::spawn_blocking(move || {
@@ -169,11 +180,11 @@ async fn tokenize_inner(state: &AppState, body: Body) -> Result<TokenizeResponse
             Some(messages) => engine
                 .encode_chat_with(&messages, generation_prompt)
                 .map_err(|e| engine_error("messages", e))?,
-            None if special => tokenizer
-                .encode(&prompt, true)
+            None if parse => tokenizer
+                .encode(&prompt, bos)
                 .map_err(|e| engine_error("prompt", e))?,
             None => tokenizer
-                .encode_plain(&prompt, false)
+                .encode_plain(&prompt, bos)
                 .map_err(|e| engine_error("prompt", e))?,
         };
         let token_strs = strs.then(|| tokens.iter().map(|&t| tokenizer.token_text(t)).collect());

@@ -10,7 +10,8 @@ cd "$(dirname "$0")/.."
 CACHE="${RAMPART_MODEL_CACHE:-$HOME/.cache/rampart/models}"
 export RAMPART_REPO="${RAMPART_REPO:-$PWD/models}"
 
-scripts/fetch-models.sh
+# The models the demo imports (`scripts/fetch-models.sh gemma3` adds Gemma 3 270M, 253 MB).
+scripts/fetch-models.sh smollm2 minilm orientation layout minilm-int8 guard
 cargo build --release --locked -p rampart
 rampart=target/release/rampart
 

@@ -11,6 +11,18 @@ pub enum Activation {
     GeluTanh,
 }
 
+/// The conventions of a family's Hugging Face checkpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HfLayout {
+    /// Llama's names (`post_attention_layernorm` is the norm before the feed-forward block),
+    /// plain RMSNorm weights, an output matrix unless `tie_word_embeddings`.
+    Llama,
+    /// Gemma's: four norms per layer (`post_attention_layernorm` is the norm *after*
+    /// attention), RMSNorm weights stored as offsets from 1 (`x̂ · (1 + w)`; 1 is added at load,
+    /// GGUF files already hold `1 + w`), the output tied unless the configuration says otherwise.
+    Gemma,
+}
+
 /// What distinguishes a family from the llama baseline. Tensors a family may or may not have
 /// (Q/K/V biases, per-head Q/K RMSNorms, norms after attention and after the feed-forward
 /// block) load whenever a file holds them; what cannot be read from the tensors is here.
@@ -38,9 +50,8 @@ pub struct Family {
     /// The RoPE base of the sliding-window layers (Gemma 3: 10,000, unscaled); the global ones use
     /// `rope.freq_base` and the file's scaling.
     pub sliding_rope_theta: Option<f32>,
-    /// Hugging Face checkpoints store RMSNorm weights as offsets from 1 (Gemma computes
-    /// `x̂ · (1 + w)`): 1 is added at load. GGUF files already hold `1 + w`.
-    pub hf_norm_offset: bool,
+    /// How the family's Hugging Face checkpoints are laid out.
+    pub hf_layout: HfLayout,
     /// The chat template to use when a file carries none (Jinja, as `tokenizer.chat_template`).
     pub chat_template: Option<&'static str>,
 }
@@ -81,7 +92,7 @@ pub const LLAMA: Family = Family {
     sliding_pattern: 0,
     fused_projections: false,
     sliding_rope_theta: None,
-    hf_norm_offset: false,
+    hf_layout: HfLayout::Llama,
     chat_template: None,
 };
 
@@ -96,7 +107,7 @@ pub const QWEN2: Family = Family {
     sliding_pattern: 0,
     fused_projections: false,
     sliding_rope_theta: None,
-    hf_norm_offset: false,
+    hf_layout: HfLayout::Llama,
     chat_template: None,
 };
 
@@ -111,7 +122,7 @@ pub const QWEN3: Family = Family {
     sliding_pattern: 0,
     fused_projections: false,
     sliding_rope_theta: None,
-    hf_norm_offset: false,
+    hf_layout: HfLayout::Llama,
     chat_template: None,
 };
 
@@ -127,7 +138,7 @@ pub const PHI3: Family = Family {
     sliding_pattern: 1,
     fused_projections: true,
     sliding_rope_theta: None,
-    hf_norm_offset: false,
+    hf_layout: HfLayout::Llama,
     chat_template: None,
 };
 
@@ -143,7 +154,7 @@ pub const GEMMA3: Family = Family {
     sliding_pattern: 6,
     fused_projections: false,
     sliding_rope_theta: Some(10_000.0),
-    hf_norm_offset: true,
+    hf_layout: HfLayout::Gemma,
     chat_template: Some(GEMMA_TEMPLATE),
 };
 

@@ -22,7 +22,7 @@ use kernels::ops::RopeScaling;
 use serde::Deserialize;
 use serde_json::Value as Json;
 
-use crate::arch::{family, family_of_hf_class, Activation, Family};
+use crate::arch::{family, family_of_hf_class, Activation, Family, HfLayout};
 use crate::error::EngineError;
 use crate::model::ModelConfig;
 use crate::weights::{dtype_of_safetensors, tensor_error, StoredTensor, Weights};
@@ -309,7 +309,8 @@ pub(crate) fn open(dir: &Path) -> Result<Checkpoint, EngineError> {
     let family = hf.family()?;
     let config = hf.model_config(family)?;
     // Gemma ties its output to the embeddings unless the configuration says otherwise.
-    let tied = hf.tie_word_embeddings.unwrap_or(family.scale_embeddings);
+    let gemma = family.hf_layout == HfLayout::Gemma;
+    let tied = hf.tie_word_embeddings.unwrap_or(gemma);
 
     // The files, and for a sharded checkpoint the shard the index assigns each tensor to.
     let index_path = dir.join(INDEX_FILE);
@@ -345,7 +346,7 @@ pub(crate) fn open(dir: &Path) -> Result<Checkpoint, EngineError> {
             if t.name.ends_with(".rotary_emb.inv_freq") {
                 continue;
             }
-            let Some(name) = gguf_tensor_name_of(&t.name, family.hf_norm_offset) else {
+            let Some(name) = gguf_tensor_name_of(&t.name, gemma) else {
                 unused.push(t.name.clone());
                 continue;
             };

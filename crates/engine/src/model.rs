@@ -15,7 +15,7 @@ use kernels::ops::{geglu, swiglu, Rope, RopeScaling};
 use kernels::quant::dequantize_row;
 use kernels::{Backend, Matrix, QueryRow, Scratch};
 
-use crate::arch::{family, Activation, Family};
+use crate::arch::{family, Activation, Family, HfLayout};
 use crate::error::EngineError;
 use crate::kv_store::{KvStore, SequenceCache};
 use crate::weights::{tensor_error, TensorRef, Weights};
@@ -285,7 +285,7 @@ impl Model {
         );
         let (q_dim, kv_dim) = (heads * head_dim, kv_heads * head_dim);
         // Gemma's Hugging Face checkpoints store RMSNorm weights as offsets from 1.
-        let offset = if format == WeightFormat::HuggingFace && family.hf_norm_offset {
+        let offset = if format == WeightFormat::HuggingFace && family.hf_layout == HfLayout::Gemma {
             1.0
         } else {
             0.0

@@ -1020,6 +1020,11 @@ impl GuardOverride {
 pub struct ConfigError(pub String);
 
 impl ServerConfig {
+    /// The `[[models]]` entry of `name`, if it has one.
+    pub fn model(&self, name: &str) -> Option<&ModelConfig> {
+        self.models.iter().find(|m| m.name == name)
+    }
+
     /// Reads a file (when given), then applies `RAMPART_*` environment overrides.
     pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
         let mut config = match path {

@@ -185,7 +185,7 @@ pub struct DegradationView {
 }
 
 fn model_config<'a>(config: &'a ServerConfig, name: &str) -> Option<&'a ModelConfig> {
-    config.models.iter().find(|m| m.name == name)
+    config.model(name)
 }
 
 /// The controller's settings for one model version, its ceilings read from the engine and

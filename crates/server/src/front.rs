@@ -132,6 +132,8 @@ pub fn route(
     };
     record.stage_since("route", began);
     let entry = resolved?;
+    // Least recently used is what the models' budget evicts first (crate::residency).
+    entry.touch(crate::residency::now_ms(state));
     record.record.model = entry.name.clone();
     record.record.version = entry.version.clone();
     record.record.version_digest = entry.digest.clone();

@@ -193,11 +193,14 @@ fn newer(a: &Entry, b: &Entry) -> std::cmp::Ordering {
 }
 
 impl Registry {
-    pub fn add(&self, entry: Entry) {
+    /// Serves `entry` from now on; the shared entry requests will find.
+    pub fn add(&self, entry: Entry) -> Arc<Entry> {
+        let entry = Arc::new(entry);
         self.entries
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .push(Arc::new(entry));
+            .push(Arc::clone(&entry));
+        entry
     }
 
     /// Takes `name@version` out (new requests no longer find it; those in flight keep it

@@ -699,9 +699,7 @@ async fn load_version(
 ) -> Result<crate::registry::Entry, String> {
     let mut model = state
         .config
-        .models
-        .iter()
-        .find(|m| m.name == name)
+        .model(name)
         .cloned()
         .unwrap_or_else(|| crate::config::ModelConfig::named(name));
     model.version = Some(version.to_string());

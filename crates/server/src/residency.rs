@@ -56,7 +56,8 @@ pub struct IndexRow {
     pub busy: usize,
 }
 
-fn since_start_ms(state: &AppState) -> u64 {
+/// Milliseconds since the process started, the clock of [`Entry::touch`].
+pub fn now_ms(state: &AppState) -> u64 {
     state.started.elapsed().as_millis() as u64
 }
 
@@ -81,12 +82,10 @@ pub fn budget_bytes(state: &AppState) -> Option<u64> {
 
 /// What the loaded models take.
 fn in_use(state: &AppState) -> u64 {
-    let mut seen = std::collections::HashSet::new();
     state
         .registry
         .all()
         .iter()
-        .filter(|e| seen.insert(e.id.clone()))
         .map(|e| e.memory_bytes.load(std::sync::atomic::Ordering::Relaxed))
         .sum()
 }
@@ -98,15 +97,10 @@ fn set_gauges(state: &AppState) {
     }
 }
 
-/// The `[[models]]` entry of `name` (configured explicitly), if any.
-fn configured<'a>(state: &'a AppState, name: &str) -> Option<&'a ModelConfig> {
-    state.config.models.iter().find(|m| m.name == name)
-}
-
 /// Whether a request for `model` may load it: a configured cold model that no operator
 /// unloaded.
 fn loads_on_request(state: &AppState, model: &ModelName) -> bool {
-    configured(state, &model.name).is_some_and(|m| {
+    state.config.model(&model.name).is_some_and(|m| {
         m.residency == Kind::Cold
             && model
                 .version
@@ -121,26 +115,20 @@ fn loads_on_request(state: &AppState, model: &ModelName) -> bool {
 }
 
 /// Before a request is routed: a cold model that is not loaded is loaded now (the request
-/// waits; its record gets the `model_load` stage). Nothing happens for loaded or hot models.
+/// waits; its record gets the `model_load` stage). Nothing happens for hot models (no lookup:
+/// the route finds them) or loaded ones; the route marks the entry used.
 pub async fn before_route(
     state: &Arc<AppState>,
     model: &ModelName,
     record: &mut record::RecordBuilder,
 ) -> Result<(), ApiError> {
-    let now = since_start_ms(state);
-    if let Some(entry) = state.registry.find(model) {
-        entry.touch(now);
-        return Ok(());
-    }
-    if !loads_on_request(state, model) {
+    if !loads_on_request(state, model) || state.registry.find(model).is_some() {
         return Ok(());
     }
     let began = Instant::now();
     let loaded = load(state, &model.name, "request").await;
     record.stage_since("model_load", began);
-    let entry = loaded?;
-    entry.touch(since_start_ms(state));
-    Ok(())
+    loaded.map(|_| ())
 }
 
 /// Loads `name` (its configured version, else the newest in the repository) unless it is
@@ -171,7 +159,9 @@ pub async fn load(
     if state.is_draining() {
         return Err(ApiError::draining());
     }
-    let model = configured(state, name)
+    let model = state
+        .config
+        .model(name)
         .cloned()
         .unwrap_or_else(|| ModelConfig::named(name));
     let repository = repo::Repository::open(&state.config.repo);
@@ -216,12 +206,8 @@ pub async fn load(
         drop(entry);
         return Err(e);
     }
-    state.registry.add(entry);
-    let entry = state
-        .registry
-        .find(&ModelName::versioned(name, None))
-        .ok_or_else(|| ApiError::Internal(format!("{name} vanished after loading")))?;
-    entry.touch(since_start_ms(state));
+    let entry = state.registry.add(entry);
+    entry.touch(now_ms(state));
     tracing::info!(target: "rampart::residency", model = %entry.id, cause, load_ms, memory_bytes = memory, residency = ?model.residency, "model loaded on demand");
     counter!("rampart_model_loads_total", "model" => name.to_string(), "cause" => cause)
         .increment(1);
@@ -285,7 +271,7 @@ fn make_room(state: &AppState, loading: &str, needed: u64) -> Result<(), ApiErro
             .memory_bytes
             .load(std::sync::atomic::Ordering::Relaxed);
         free += bytes;
-        let idle_ms = since_start_ms(state).saturating_sub(removed.last_used_ms());
+        let idle_ms = now_ms(state).saturating_sub(removed.last_used_ms());
         tracing::warn!(target: "rampart::residency", model = %removed.id, for_model = loading, bytes, idle_ms, "model evicted: the models' budget needs room");
         counter!("rampart_model_unloads_total", "model" => removed.name.clone(), "cause" => "evicted")
             .increment(1);
@@ -373,7 +359,7 @@ pub fn index(state: &AppState) -> Result<Vec<IndexRow>, ApiError> {
         .clone();
     let mut rows = Vec::new();
     for name in names {
-        let residency = configured(state, &name).map(|m| m.residency);
+        let residency = state.config.model(&name).map(|m| m.residency);
         let versions = repository.versions(&name).unwrap_or_default();
         for version in versions.iter().map(|v| v.version.to_string()) {
             let entry = loaded

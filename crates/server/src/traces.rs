@@ -571,9 +571,18 @@ pub fn build_spans(
     if matches!(op, "chat" | "text_completion") && r.ttft_ms > 0.0 && r.completion_tokens > 0 {
         let ms = |v: f64| Duration::from_secs_f64((v / 1e3).max(0.0));
         let first = ms(r.ttft_ms);
+        // The engine's clock and ours differ a little: prefill never began before the
+        // admission that let the request in.
+        let admitted = timeline
+            .stages
+            .iter()
+            .filter(|s| s.name == "admission" && s.end <= first)
+            .map(|s| s.end)
+            .max()
+            .unwrap_or_default();
         let prefill = Stage {
             name: "prefill",
-            start: first.saturating_sub(ms(r.prefill_ms)),
+            start: first.saturating_sub(ms(r.prefill_ms)).max(admitted),
             end: first,
         };
         let decode = Stage {

@@ -7,6 +7,9 @@ use serde::Serialize;
 pub struct InferenceRecord {
     pub request_id: String,
     pub audit_id: String,
+    /// The response body's `id` (`chatcmpl-…`, `cmpl-…`), where the protocol has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub response_id: Option<String>,
     /// Milliseconds since the Unix epoch when the request arrived.
     pub time_ms: u64,
     pub principal: String,
@@ -170,6 +173,7 @@ impl InferenceRecord {
         Self {
             request_id,
             audit_id: uuid::Uuid::new_v4().to_string(),
+            response_id: None,
             time_ms,
             principal,
             user: None,

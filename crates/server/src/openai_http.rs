@@ -165,6 +165,7 @@ async fn start(
         Endpoint::Completions => "cmpl",
     };
     let id = format!("{prefix}-{}", uuid::Uuid::new_v4().simple());
+    record.record.response_id = Some(id.clone());
     if let Some(t) = record.timeline_mut() {
         t.response_id = Some(id.clone());
     }

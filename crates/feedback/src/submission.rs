@@ -293,6 +293,9 @@ impl Submission {
         };
         let comment = match body.get("comment") {
             None | Some(Value::Null) => None,
+            Some(Value::String(s)) if s.trim().is_empty() => {
+                return Err(wrong("comment", "is empty"))
+            }
             Some(Value::String(s)) if s.len() <= MAX_COMMENT => Some(s.clone()),
             Some(Value::String(_)) => {
                 return Err(wrong(

@@ -5,6 +5,7 @@ mod audit_cmd;
 mod bench_cmd;
 mod doctor_cmd;
 mod engine_args;
+mod feedback_cmd;
 mod generate_cmd;
 mod guard_cmd;
 mod metrics_cmd;
@@ -81,6 +82,9 @@ enum Command {
     /// Releases: start, watch, approve, promote, pause, resume or roll back a model's canary or
     /// A/B release (on a running server with --url, else on the plan file).
     Release(release_cmd::ReleaseArgs),
+    /// The feedback store: per-class error rates, and datasets of corrected examples for
+    /// fine-tuning (chat JSONL, preference pairs, CSV, Parquet).
+    Feedback(feedback_cmd::FeedbackArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -112,6 +116,7 @@ fn main() -> ExitCode {
         Command::Metrics(args) => metrics_cmd::run(args),
         Command::Monitor(args) => monitor_cmd::run(args),
         Command::Release(args) => release_cmd::run(args),
+        Command::Feedback(args) => feedback_cmd::run(args),
     };
     match result {
         Ok(code) => code,

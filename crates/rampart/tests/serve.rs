@@ -1919,3 +1919,157 @@ fn cold_models_load_on_demand_within_the_budget_and_unload_after_draining() {
     let (status, _, body) = complete("b");
     assert_eq!(status, 200, "{body}");
 }
+
+#[test]
+fn feedback_by_key_and_signed_link_reaches_the_class_rates_and_the_datasets() {
+    let Some(python) = python_with_openai() else {
+        assert!(!require_python(), "no Python with the openai package");
+        return;
+    };
+    let link_ttl_s = 8;
+    let Some(server) = start(&format!(
+        "[feedback]\nlink_ttl_s = {link_ttl_s}\nrefresh_s = 1\nmin_samples = 10\n\
+         [feedback.classes]\n\"{MODEL}\" = \"category\"\n"
+    )) else {
+        return;
+    };
+    wait_ready(server.port);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2e/feedback.py");
+    let out = Command::new(&python)
+        .arg(&script)
+        .env("RAMPART_URL", format!("http://127.0.0.1:{}", server.port))
+        .env("RAMPART_KEY", KEY)
+        .env("RAMPART_FEEDBACK_KEY", FEEDBACK_KEY)
+        .env("RAMPART_OUTSIDER_KEY", OUTSIDER_KEY)
+        .env("RAMPART_ADMIN_KEY", ADMIN_KEY)
+        .env("RAMPART_MODEL", MODEL)
+        .env("RAMPART_LINK_TTL_S", link_ttl_s.to_string())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "the feedback checks failed");
+    assert!(stdout.contains("all feedback checks passed"));
+    let summary: serde_json::Value = stdout
+        .lines()
+        .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .expect("the script's summary")["summary"]
+        .clone();
+    let target = summary["target"].as_str().unwrap();
+
+    // The live gauges cross the alert's threshold (refreshed every second).
+    std::thread::sleep(Duration::from_millis(1500));
+    let class = format!("class=\"{target}\"");
+    assert!(
+        metric_labelled(server.port, "rampart_class_error_rate_lower", &class) > 0.05,
+        "the live lower bound of {target}"
+    );
+    assert!(metric_labelled(server.port, "rampart_class_feedback", &class) >= 10.0);
+    assert!(metric(server.port, "rampart_feedback_total") >= 12.0);
+    assert!(
+        metric_labelled(
+            server.port,
+            "rampart_feedback_refused_total",
+            "reason=\"feedback_token_forged\""
+        ) >= 1.0
+    );
+    assert!(
+        metric_labelled(
+            server.port,
+            "rampart_feedback_refused_total",
+            "reason=\"malformed\""
+        ) >= 1000.0
+    );
+
+    // The correction log and the audit log keep every submission.
+    let dir = server._dir.path();
+    let corrections = std::fs::read_to_string(dir.join("feedback/corrections.jsonl")).unwrap();
+    assert!(corrections.lines().count() >= summary["corrections"].as_u64().unwrap() as usize);
+    let audit = Command::new(binary())
+        .current_dir(dir)
+        .args(["audit", "verify"])
+        .output()
+        .unwrap();
+    assert!(
+        audit.status.success(),
+        "{}",
+        String::from_utf8_lossy(&audit.stderr)
+    );
+
+    // Datasets, exported beside the running server, that the consumers' tools read.
+    let export = |format: &str, file: &str| {
+        let out = Command::new(binary())
+            .current_dir(dir)
+            .args([
+                "feedback",
+                "export",
+                "--model",
+                MODEL,
+                "--format",
+                format,
+                "--scrub-pii",
+                "--json",
+                "--out",
+            ])
+            .arg(dir.join(file))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "export {format}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let chat = export("openai-chat-jsonl", "chat.jsonl");
+    let pairs = export("preference-jsonl", "pairs.jsonl");
+    let table = export("parquet", "feedback.parquet");
+    export("csv", "feedback.csv");
+    assert!(chat["rows"].as_u64().unwrap() >= 1);
+    assert!(chat["dataset_version"].as_str().unwrap().starts_with("ds-"));
+    assert!(pairs["rows"].as_u64().unwrap() >= 1);
+    assert!(dir.join("chat.jsonl.manifest.json").exists());
+    let check = format!(
+        r#"
+import json, sys
+import pyarrow.parquet as pq
+d = sys.argv[1]
+# The chat fine-tuning format's rules: messages with known roles and string contents, at least
+# one assistant message, the last message the assistant's.
+n = 0
+for line in open(d + "/chat.jsonl"):
+    ex = json.loads(line)
+    m = ex["messages"]
+    assert isinstance(m, list) and m, ex
+    assert all(x["role"] in ("system", "user", "assistant") and isinstance(x["content"], str) and x["content"] for x in m), ex
+    assert m[-1]["role"] == "assistant", ex
+    json.loads(m[-1]["content"])  # the corrected structured answer
+    n += 1
+assert n == {chat_rows}, n
+for line in open(d + "/pairs.jsonl"):
+    ex = json.loads(line)
+    assert ex["preferred_output"][0]["content"] != ex["non_preferred_output"][0]["content"]
+t = pq.read_table(d + "/feedback.parquet")
+assert t.num_rows == {table_rows}, t.num_rows
+cols = set(t.column_names)
+assert {{"provenance", "audit_id", "class", "label", "rating", "input", "original", "corrected"}} <= cols, cols
+labels = [l for l in t.column("label").to_pylist() if l]
+assert "{other}" in labels, labels
+print("datasets valid", n, t.num_rows)
+"#,
+        chat_rows = chat["rows"],
+        table_rows = table["rows"],
+        other = summary["other"].as_str().unwrap(),
+    );
+    let out = Command::new(&python)
+        .args(["-c", &check])
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

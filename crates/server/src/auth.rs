@@ -89,6 +89,8 @@ impl Scopes {
 #[derive(Debug, Default)]
 pub struct KeyStore {
     by_hash: HashMap<[u8; 32], (String, Scopes)>,
+    /// Keys' tenants (`tenant=NAME`); a key without one is its own tenant.
+    tenants: HashMap<String, String>,
 }
 
 fn hash(key: &str) -> [u8; 32] {
@@ -111,10 +113,21 @@ impl KeyStore {
             let mut words = rest.split_whitespace();
             let key = words.next().unwrap_or_default();
             let mut scopes = 0u8;
+            let mut tenant = None;
             for word in words {
+                if let Some(t) = word.strip_prefix("tenant=") {
+                    if t.is_empty() {
+                        return Err(KeyFileError(format!(
+                            "entry {} (id {id:?}): empty tenant=",
+                            n + 1
+                        )));
+                    }
+                    tenant = Some(t.to_string());
+                    continue;
+                }
                 let scope = Scope::parse(word).ok_or_else(|| {
                     KeyFileError(format!(
-                        "entry {} (id {id:?}): unknown scope {word:?} (scopes: infer, admin, audit, feedback)",
+                        "entry {} (id {id:?}): unknown scope {word:?} (scopes: infer, admin, audit, feedback; or tenant=NAME)",
                         n + 1
                     ))
                 })?;
@@ -136,6 +149,9 @@ impl KeyStore {
                     "entry {}: empty id before ':'",
                     n + 1
                 )));
+            }
+            if let Some(t) = tenant {
+                store.tenants.insert(id.clone(), t);
             }
             if store
                 .by_hash
@@ -164,6 +180,11 @@ impl KeyStore {
 
     pub fn is_empty(&self) -> bool {
         self.by_hash.is_empty()
+    }
+
+    /// The tenant of a key id: its `tenant=`, else the id itself (a key of its own).
+    pub fn tenant<'a>(&'a self, id: &'a str) -> &'a str {
+        self.tenants.get(id).map_or(id, String::as_str)
     }
 
     /// The id of a presented key.
@@ -313,6 +334,22 @@ mod tests {
             err.0.contains("unknown scope") && !err.0.contains("sk-ops"),
             "{err}"
         );
+    }
+
+    #[test]
+    fn keys_of_one_tenant_share_it_and_others_are_their_own() {
+        let store = KeyStore::parse(
+            "app:sk-app-0000001 tenant=acme\nagents:sk-agents-0001 feedback tenant=acme\nsolo:sk-solo-0000001\n",
+            '\n',
+        )
+        .unwrap();
+        assert_eq!(store.tenant("app"), "acme");
+        assert_eq!(store.tenant("agents"), store.tenant("app"));
+        assert_eq!(store.tenant("solo"), "solo");
+        let (_, agents) = store.lookup("sk-agents-0001").unwrap();
+        assert!(agents.has(Scope::Feedback) && !agents.has(Scope::Infer));
+        assert_eq!(store.lookup("sk-app-0000001").unwrap().1, Scopes::DEFAULT);
+        assert!(KeyStore::parse("a:sk-a-00000001 tenant=", '\n').is_err());
     }
 
     #[test]

@@ -68,6 +68,61 @@ impl Default for ReleasesConfig {
     }
 }
 
+/// `[feedback]`: ratings and corrections on served responses, per-class quality, datasets
+/// (docs/feedback.md).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FeedbackConfig {
+    /// Responses are indexed and `POST /v1/feedback` takes feedback.
+    pub enabled: bool,
+    /// The embedded store (`feedback.db`), the link key (`link.key`) and the correction log
+    /// (`corrections.jsonl`) live here.
+    pub dir: PathBuf,
+    /// Hours a response without feedback stays findable (and exportable) before it is pruned.
+    pub retention_hours: u64,
+    /// Keep each response's input and output in the store (exports need them); off: hashes
+    /// only.
+    pub keep_content: bool,
+    /// Each answer carries `X-Rampart-Feedback-Token`, a signed link an end user's client
+    /// rates with, without an API key.
+    pub links: bool,
+    /// How long a feedback link is valid, in seconds.
+    pub link_ttl_s: u64,
+    /// The window of the per-class error rates and the calibration table, in seconds.
+    pub window_s: u64,
+    /// Feedback rows a class needs in the window before its error rate is judged.
+    pub min_samples: u64,
+    /// How often the per-class gauges are refreshed from the store, in seconds.
+    pub refresh_s: u64,
+    /// Append each submission to `corrections.jsonl` in `dir` (the correction log).
+    pub corrections_log: bool,
+    /// How each language model's class is read from its answer: `MODEL = "category"` (a field
+    /// of its JSON answer), `"field:/ticket/kind"` (a JSON pointer) or `"pattern:REGEX"`
+    /// (the first group). Classifiers give their top class themselves.
+    pub classes: std::collections::BTreeMap<String, String>,
+    /// Records the index's lane holds (it waits for room, off the request path).
+    pub lane_capacity: usize,
+}
+
+impl Default for FeedbackConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            dir: PathBuf::from("feedback"),
+            retention_hours: 168,
+            keep_content: true,
+            links: true,
+            link_ttl_s: 86_400,
+            window_s: 3_600,
+            min_samples: 20,
+            refresh_s: 10,
+            corrections_log: true,
+            classes: Default::default(),
+            lane_capacity: 8192,
+        }
+    }
+}
+
 /// Everything `rampart serve` runs with.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -118,6 +173,8 @@ pub struct ServerConfig {
     pub monitor: MonitorConfig,
     /// Canary, A/B and shadow releases (docs/releases.md).
     pub releases: ReleasesConfig,
+    /// The feedback loop (docs/feedback.md).
+    pub feedback: FeedbackConfig,
     /// The degradation controllers: memory watermarks and latency objectives move each
     /// language model's batch limits, prefill budget and admission (docs/resilience.md).
     pub degradation: DegradationConfig,
@@ -154,6 +211,7 @@ impl Default for ServerConfig {
             guard: GuardConfig::default(),
             monitor: MonitorConfig::default(),
             releases: ReleasesConfig::default(),
+            feedback: FeedbackConfig::default(),
             degradation: DegradationConfig::default(),
             memory: MemoryConfig::default(),
             models: Vec::new(),
@@ -1162,6 +1220,17 @@ impl ServerConfig {
             return Err(ConfigError(
                 "admission.max_in_flight must be at least 1".into(),
             ));
+        }
+        let f = &self.feedback;
+        if f.link_ttl_s == 0 || f.window_s == 0 || f.refresh_s == 0 || f.lane_capacity == 0 {
+            return Err(ConfigError(
+                "feedback.link_ttl_s, window_s, refresh_s and lane_capacity must be at least 1"
+                    .into(),
+            ));
+        }
+        for (model, rule) in &f.classes {
+            feedback::ClassRule::parse(rule)
+                .map_err(|e| ConfigError(format!("feedback.classes.{model}: {e}")))?;
         }
         if self.records.lane_capacity == 0 {
             return Err(ConfigError(

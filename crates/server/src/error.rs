@@ -58,6 +58,15 @@ pub enum ApiError {
     /// An exact-key audit lookup found nothing.
     #[error("{0}")]
     AuditEntryNotFound(String),
+    /// Feedback named a response the feedback index does not have.
+    #[error("{0}")]
+    ResponseNotFound(String),
+    /// Feedback on a response another tenant's key asked for.
+    #[error("{0}")]
+    OtherTenant(String),
+    /// A signed feedback link that is malformed, forged or expired.
+    #[error("{message}")]
+    FeedbackToken { message: String, code: &'static str },
     /// The command does not fit the state it would change (a release already under way).
     #[error("{0}")]
     Conflict(String),
@@ -126,7 +135,11 @@ impl ApiError {
             ApiError::Unavailable { .. } | ApiError::AuditUnavailable(_) => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
-            ApiError::AuditEntryNotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::AuditEntryNotFound(_) | ApiError::ResponseNotFound(_) => {
+                StatusCode::NOT_FOUND
+            }
+            ApiError::OtherTenant(_) => StatusCode::FORBIDDEN,
+            ApiError::FeedbackToken { .. } => StatusCode::UNAUTHORIZED,
             ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::Internal(_) | ApiError::InvalidOutput(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -144,7 +157,9 @@ impl ApiError {
             ApiError::ModelNotFound(_) | ApiError::RouteNotFound(_) => "not_found_error",
             ApiError::Overloaded { .. } => "rate_limit_error",
             ApiError::Unavailable { .. } | ApiError::AuditUnavailable(_) => "service_unavailable",
-            ApiError::AuditEntryNotFound(_) => "not_found_error",
+            ApiError::AuditEntryNotFound(_) | ApiError::ResponseNotFound(_) => "not_found_error",
+            ApiError::OtherTenant(_) => "permission_error",
+            ApiError::FeedbackToken { .. } => "authentication_error",
             ApiError::Conflict(_) => "conflict_error",
             ApiError::UnsafeInput { .. } => "unsafe_input",
             ApiError::Internal(_) | ApiError::InvalidOutput(_) => "server_error",
@@ -163,6 +178,9 @@ impl ApiError {
             ApiError::InvalidOutput(_) => Some("structured_output_invalid"),
             ApiError::AuditUnavailable(_) => Some("audit_unavailable"),
             ApiError::AuditEntryNotFound(_) => Some("audit_entry_not_found"),
+            ApiError::ResponseNotFound(_) => Some("response_not_found"),
+            ApiError::OtherTenant(_) => Some("other_tenant"),
+            ApiError::FeedbackToken { code, .. } => Some(code),
             ApiError::Conflict(_) => Some("conflict"),
             ApiError::UnsafeInput { .. } => Some("unsafe_input"),
             _ => None,
@@ -363,7 +381,10 @@ impl ApiError {
             ),
             ApiError::BodyTooLarge(_) => (Status::resource_exhausted(message), None),
             ApiError::Unauthorized(_) => (Status::unauthenticated(message), None),
-            ApiError::Forbidden(_) => (Status::permission_denied(message), None),
+            ApiError::Forbidden(_) | ApiError::OtherTenant(_) => {
+                (Status::permission_denied(message), None)
+            }
+            ApiError::FeedbackToken { .. } => (Status::unauthenticated(message), None),
             ApiError::HumanHandoff {
                 retry_after_s, url, ..
             } => {
@@ -375,7 +396,8 @@ impl ApiError {
             }
             ApiError::ModelNotFound(_)
             | ApiError::RouteNotFound(_)
-            | ApiError::AuditEntryNotFound(_) => (Status::not_found(message), None),
+            | ApiError::AuditEntryNotFound(_)
+            | ApiError::ResponseNotFound(_) => (Status::not_found(message), None),
             ApiError::Conflict(_) => (Status::failed_precondition(message), None),
             ApiError::AuditUnavailable(_) => (
                 Status::unavailable(format!("{message} [audit_unavailable]")),

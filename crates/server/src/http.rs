@@ -145,6 +145,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     let admin_routes = admin::routes()
         .merge(release_api::routes())
         .merge(crate::residency::routes())
+        .merge(crate::feedback_api::admin_routes())
         .layer(middleware::from_fn_with_state(
             (Arc::clone(&state), Some(Scope::Admin)),
             authenticate,
@@ -162,6 +163,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .merge(api)
         .merge(admin_routes)
         .merge(audit_routes)
+        .merge(crate::feedback_api::routes())
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(Arc::clone(&state), identify))
         .with_state(state)

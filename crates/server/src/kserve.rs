@@ -405,6 +405,7 @@ async fn rest_infer(
         .await
         .unwrap_or_else(|e| rest_error(&e));
     front::mark_audit(&mut response, &record.record.audit_id);
+    crate::feedback_api::stamp(&state, &mut response, &record.record.audit_id);
     response
 }
 

@@ -37,6 +37,7 @@ pub mod degradation;
 pub mod doctor;
 pub mod error;
 pub mod faults;
+pub mod feedback_api;
 pub mod front;
 pub mod grpc;
 pub mod handoff;
@@ -167,17 +168,25 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         .enabled
         .then(|| monitors::Monitors::new(config.monitor.clone(), config.repo.clone()));
     let releases = open_releases(&config)?;
+    let feedback = if config.feedback.enabled {
+        Some(feedback_api::FeedbackService::open(&config.feedback).map_err(ServeError::Config)?)
+    } else {
+        None
+    };
     let listening = Listening {
         http: addr,
         grpc: grpc_addr.unwrap_or(config.grpc.listen),
     };
-    let sinks = sinks(
+    let mut sinks = sinks(
         &config,
         audit.as_ref(),
         monitors.as_ref(),
         releases.as_ref(),
         listening,
     )?;
+    if let Some(f) = &feedback {
+        sinks.push(Box::new(f.sink()));
+    }
     let bus = Bus::start(sinks).map_err(|e| ServeError::Config(e.to_string()))?;
     if let Some(log) = &audit {
         spawn_audit(&config, log, &bus)?;
@@ -192,6 +201,11 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
     if let Some(r) = releases {
         let _ = state.releases.set(Arc::clone(&r));
         releases::spawn(Arc::clone(&state), r);
+    }
+    if let Some(f) = feedback {
+        tracing::info!(store = f.store.location(), "feedback store open");
+        let _ = state.feedback.set(f);
+        feedback_api::spawn(Arc::clone(&state));
     }
     tracing::info!(
         listen = %addr,

@@ -108,6 +108,7 @@ async fn generate(
             }
         };
     front::mark_audit(&mut response, &audit_id);
+    crate::feedback_api::stamp(&state, &mut response, &audit_id);
     response
 }
 

@@ -74,6 +74,8 @@ pub struct AppState {
     /// The models' releases (their plans route, judge and steer), when `[releases] enabled`;
     /// set by `serve` before the first request.
     pub releases: std::sync::OnceLock<Arc<crate::releases::Releases>>,
+    /// The feedback store and links, when `[feedback] enabled`.
+    pub feedback: std::sync::OnceLock<Arc<crate::feedback_api::FeedbackService>>,
     /// The input guard, once loaded (the seed rules until then).
     pub guard: std::sync::OnceLock<Arc<crate::screen::GuardService>>,
     /// The host telemetry, opened at the first scrape (`None` inside: `[telemetry]` is off).
@@ -127,6 +129,7 @@ impl AppState {
             guard: std::sync::OnceLock::new(),
             monitors: std::sync::OnceLock::new(),
             releases: std::sync::OnceLock::new(),
+            feedback: std::sync::OnceLock::new(),
             telemetry: std::sync::OnceLock::new(),
             gpu_utilization_bits: std::sync::atomic::AtomicU32::new(f32::NAN.to_bits()),
             degradation: crate::degradation::Degradation::default(),

@@ -181,7 +181,7 @@ pub fn spawn_server_with_env(
     std::fs::write(
         &keys,
         format!(
-            "# test keys\ntester:{KEY}\nops:{ADMIN_KEY} admin infer\nauditor:{AUDIT_KEY} audit\n{GUARD_KEYS}"
+            "# test keys\ntester:{KEY}\nops:{ADMIN_KEY} admin infer\nauditor:{AUDIT_KEY} audit\n{GUARD_KEYS}{FEEDBACK_KEYS}"
         ),
     )
     .unwrap();
@@ -210,6 +210,11 @@ pub fn spawn_server_with_env(
 pub const AUDIT_KEY: &str = "sk-test-audit-0001";
 /// Keys whose ids the guard test gives their own `[guard.keys.<id>]` policies.
 pub const GUARD_KEYS: &str = "flagger:sk-test-flag-0001\nshadower:sk-test-shadow-0001\ncompleter:sk-test-completion-0001\ncutter:sk-test-cut-0001\n";
+/// A feedback key of the tester's tenant (its agents) and one of another tenant.
+pub const FEEDBACK_KEY: &str = "sk-test-feedback-0001";
+pub const OUTSIDER_KEY: &str = "sk-test-outsider-0001";
+pub const FEEDBACK_KEYS: &str =
+    "agents:sk-test-feedback-0001 feedback tenant=tester\noutsider:sk-test-outsider-0001 feedback\n";
 pub const ADMIN_KEY: &str = "sk-test-admin-0001";
 pub const CANNED: &str = "We are improving the service, please try again shortly.";
 

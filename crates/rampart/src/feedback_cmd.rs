@@ -20,6 +20,14 @@ pub struct FeedbackArgs {
         value_name = "DIR"
     )]
     pub dir: PathBuf,
+    /// Read the servers' shared PostgreSQL store instead (`postgresql://user:password@host/db`).
+    #[arg(
+        long,
+        global = true,
+        env = "RAMPART_FEEDBACK_POSTGRES_URL",
+        value_name = "URL"
+    )]
+    pub postgres: Option<String>,
     /// Print JSON.
     #[arg(long, global = true)]
     pub json: bool,
@@ -110,8 +118,10 @@ fn age(t: &str) -> Option<Duration> {
 }
 
 pub fn run(args: FeedbackArgs) -> anyhow::Result<ExitCode> {
-    let path = args.dir.join("feedback.db");
-    let store = Store::open_read_only(&path)?;
+    let store = match &args.postgres {
+        Some(url) if !url.is_empty() => Store::connect(url)?,
+        _ => Store::open_read_only(&args.dir.join("feedback.db"))?,
+    };
     match args.command {
         FeedbackCommand::Export {
             model,

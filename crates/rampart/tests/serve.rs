@@ -1920,83 +1920,69 @@ fn cold_models_load_on_demand_within_the_budget_and_unload_after_draining() {
     assert_eq!(status, 200, "{body}");
 }
 
-#[test]
-fn feedback_by_key_and_signed_link_reaches_the_class_rates_and_the_datasets() {
-    let Some(python) = python_with_openai() else {
-        assert!(!require_python(), "no Python with the openai package");
-        return;
-    };
-    let link_ttl_s = 8;
-    let Some(server) = start(&format!(
-        "[feedback]\nlink_ttl_s = {link_ttl_s}\nrefresh_s = 1\nmin_samples = 10\n\
+/// The feedback settings of the feedback tests (a short link lifetime, gauges every second).
+const FEEDBACK_LINK_TTL_S: u64 = 8;
+
+fn feedback_config(more: &str) -> String {
+    format!(
+        "[feedback]\nlink_ttl_s = {FEEDBACK_LINK_TTL_S}\nrefresh_s = 1\nmin_samples = 10\n{more}\n\
          [feedback.classes]\n\"{MODEL}\" = \"category\"\n"
-    )) else {
-        return;
-    };
-    wait_ready(server.port);
+    )
+}
+
+/// Runs tests/e2e/feedback.py against a server; returns its summary.
+fn feedback_suite(python: &Path, port: u16) -> serde_json::Value {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2e/feedback.py");
-    let out = Command::new(&python)
+    let out = Command::new(python)
         .arg(&script)
-        .env("RAMPART_URL", format!("http://127.0.0.1:{}", server.port))
+        .env("RAMPART_URL", format!("http://127.0.0.1:{port}"))
         .env("RAMPART_KEY", KEY)
         .env("RAMPART_FEEDBACK_KEY", FEEDBACK_KEY)
         .env("RAMPART_OUTSIDER_KEY", OUTSIDER_KEY)
         .env("RAMPART_ADMIN_KEY", ADMIN_KEY)
         .env("RAMPART_MODEL", MODEL)
-        .env("RAMPART_LINK_TTL_S", link_ttl_s.to_string())
+        .env("RAMPART_LINK_TTL_S", FEEDBACK_LINK_TTL_S.to_string())
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "the feedback checks failed");
     assert!(stdout.contains("all feedback checks passed"));
-    let summary: serde_json::Value = stdout
+    let summary = stdout
         .lines()
         .find_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
         .expect("the script's summary")["summary"]
         .clone();
-    let target = summary["target"].as_str().unwrap();
-
     // The live gauges cross the alert's threshold (refreshed every second).
     std::thread::sleep(Duration::from_millis(1500));
-    let class = format!("class=\"{target}\"");
+    let class = format!("class=\"{}\"", summary["target"].as_str().unwrap());
     assert!(
-        metric_labelled(server.port, "rampart_class_error_rate_lower", &class) > 0.05,
-        "the live lower bound of {target}"
+        metric_labelled(port, "rampart_class_error_rate_lower", &class) > 0.05,
+        "the live lower bound of {class}"
     );
-    assert!(metric_labelled(server.port, "rampart_class_feedback", &class) >= 10.0);
-    assert!(metric(server.port, "rampart_feedback_total") >= 12.0);
+    assert!(metric_labelled(port, "rampart_class_feedback", &class) >= 10.0);
+    assert!(metric(port, "rampart_feedback_total") >= 12.0);
     assert!(
         metric_labelled(
-            server.port,
+            port,
             "rampart_feedback_refused_total",
             "reason=\"feedback_token_forged\""
         ) >= 1.0
     );
     assert!(
         metric_labelled(
-            server.port,
+            port,
             "rampart_feedback_refused_total",
             "reason=\"malformed\""
         ) >= 1000.0
     );
+    summary
+}
 
-    // The correction log and the audit log keep every submission.
-    let dir = server._dir.path();
-    let corrections = std::fs::read_to_string(dir.join("feedback/corrections.jsonl")).unwrap();
-    assert!(corrections.lines().count() >= summary["corrections"].as_u64().unwrap() as usize);
-    let audit = Command::new(binary())
-        .current_dir(dir)
-        .args(["audit", "verify"])
-        .output()
-        .unwrap();
-    assert!(
-        audit.status.success(),
-        "{}",
-        String::from_utf8_lossy(&audit.stderr)
-    );
-
-    // Datasets, exported beside the running server, that the consumers' tools read.
+/// Exports the four formats with `rampart feedback export` (`store`: where the store is) into
+/// `dir` and checks them with the consumers' tools: the chat fine-tuning format's rules, and
+/// pyarrow reading the Parquet file.
+fn feedback_datasets(python: &Path, dir: &Path, store: &[&str], summary: &serde_json::Value) {
     let export = |format: &str, file: &str| {
         let out = Command::new(binary())
             .current_dir(dir)
@@ -2012,6 +1998,7 @@ fn feedback_by_key_and_signed_link_reaches_the_class_rates_and_the_datasets() {
                 "--out",
             ])
             .arg(dir.join(file))
+            .args(store)
             .output()
             .unwrap();
         assert!(
@@ -2061,7 +2048,7 @@ print("datasets valid", n, t.num_rows)
         table_rows = table["rows"],
         other = summary["other"].as_str().unwrap(),
     );
-    let out = Command::new(&python)
+    let out = Command::new(python)
         .args(["-c", &check])
         .arg(dir)
         .output()
@@ -2072,4 +2059,127 @@ print("datasets valid", n, t.num_rows)
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+#[test]
+fn feedback_by_key_and_signed_link_reaches_the_class_rates_and_the_datasets() {
+    let Some(python) = python_with_openai() else {
+        assert!(!require_python(), "no Python with the openai package");
+        return;
+    };
+    let Some(server) = start(&feedback_config("")) else {
+        return;
+    };
+    wait_ready(server.port);
+    let summary = feedback_suite(&python, server.port);
+    // The correction log and the audit log keep every submission.
+    let dir = server._dir.path();
+    let corrections = std::fs::read_to_string(dir.join("feedback/corrections.jsonl")).unwrap();
+    assert!(corrections.lines().count() >= summary["corrections"].as_u64().unwrap() as usize);
+    let audit = Command::new(binary())
+        .current_dir(dir)
+        .args(["audit", "verify"])
+        .output()
+        .unwrap();
+    assert!(
+        audit.status.success(),
+        "{}",
+        String::from_utf8_lossy(&audit.stderr)
+    );
+    feedback_datasets(&python, dir, &[], &summary);
+}
+
+#[test]
+fn two_servers_sharing_a_postgresql_store_see_the_same_feedback() {
+    let Some(python) = python_with_openai() else {
+        assert!(!require_python(), "no Python with the openai package");
+        return;
+    };
+    let Some(model) = cached_model(SMOLLM2_GGUF) else {
+        return;
+    };
+    let Some(pg) = testkit::postgres::Postgres::start() else {
+        return;
+    };
+    let url = pg.url();
+    let env = [
+        ("RAMPART_FEEDBACK_POSTGRES_URL", url.as_str()),
+        ("RAMPART_FEEDBACK_SECRET", "a secret both replicas share"),
+    ];
+    let repo_dir = tempfile::tempdir().unwrap();
+    let repo = import_repository(repo_dir.path(), &[(MODEL, "1.0.0", model)]);
+    let config = format!(
+        "shutdown_timeout_s = 5\n{}\n[[models]]\nname = \"{MODEL}\"\ncontext = 2048\nkv_cache_memory = \"128MiB\"\n",
+        feedback_config("")
+    );
+    let servers: Vec<Server> = (0..2)
+        .map(|_| {
+            let dir = tempfile::tempdir().unwrap();
+            let (port, grpc_port) = (free_port(), free_port());
+            let log = dir.path().join("server.log");
+            let child =
+                spawn_server_with_env(dir.path(), &repo, port, grpc_port, &config, &log, &env);
+            Server {
+                child,
+                port,
+                grpc_port,
+                _dir: dir,
+                log,
+            }
+        })
+        .collect();
+    for s in &servers {
+        wait_ready(s.port);
+    }
+    // The whole suite on the first replica.
+    let summary = feedback_suite(&python, servers[0].port);
+    let (a, b) = (servers[0].port, servers[1].port);
+    // The second replica sees the same table …
+    let table = |port| {
+        let (status, _, body) = http(
+            port,
+            "GET",
+            &format!("/admin/feedback/classes?model={MODEL}"),
+            None,
+            Some(ADMIN_KEY),
+        );
+        assert_eq!(status, 200, "{body}");
+        serde_json::from_str::<serde_json::Value>(&body).unwrap()["classes"].clone()
+    };
+    assert_eq!(table(a), table(b));
+    // … takes feedback on the first one's answers, by id and by the first one's link …
+    let chat = format!(
+        r#"{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "Where is my parcel?"}}], "max_tokens": 4, "temperature": 0}}"#
+    );
+    let (status, headers, body) = http(a, "POST", "/v1/chat/completions", Some(&chat), Some(KEY));
+    assert_eq!(status, 200, "{body}");
+    let id = serde_json::from_str::<serde_json::Value>(&body).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let token = header(&headers, "x-rampart-feedback-token")
+        .unwrap()
+        .to_string();
+    let (status, _, body) = http(
+        b,
+        "POST",
+        "/v1/feedback",
+        Some(&format!(
+            r#"{{"response_id": "{id}", "rating": "helpful"}}"#
+        )),
+        Some(FEEDBACK_KEY),
+    );
+    assert_eq!(status, 201, "{body}");
+    let (status, _, body) = http_with_headers(
+        b,
+        "POST",
+        "/v1/feedback",
+        Some(r#"{"rating": 4}"#),
+        &[("X-Rampart-Feedback-Token", &token)],
+    );
+    assert_eq!(status, 201, "a link of A on B: {body}");
+    // … and the datasets come from the shared store.
+    let dir = tempfile::tempdir().unwrap();
+    feedback_datasets(&python, dir.path(), &["--postgres", &url], &summary);
+    drop(servers);
 }

@@ -102,6 +102,10 @@ pub struct FeedbackConfig {
     pub classes: std::collections::BTreeMap<String, String>,
     /// Records the index's lane holds (it waits for room, off the request path).
     pub lane_capacity: usize,
+    /// A PostgreSQL database for the store instead of the embedded file (several replicas
+    /// share feedback): `postgresql://user:password@host:5432/db`. The environment's
+    /// `RAMPART_FEEDBACK_POSTGRES_URL` takes precedence (keeps the password out of the file).
+    pub postgres_url: Option<String>,
 }
 
 impl Default for FeedbackConfig {
@@ -119,6 +123,7 @@ impl Default for FeedbackConfig {
             corrections_log: true,
             classes: Default::default(),
             lane_capacity: 8192,
+            postgres_url: None,
         }
     }
 }

@@ -62,13 +62,23 @@ impl std::fmt::Debug for FeedbackService {
 }
 
 impl FeedbackService {
-    /// Opens the store in `[feedback] dir` (made when missing), its link key
+    /// Opens the store (PostgreSQL when a URL is configured, else `feedback.db` in
+    /// `[feedback] dir`, made when missing; blocking: call it off the async runtime), its link key
     /// (`RAMPART_FEEDBACK_SECRET` when set, so that replicas share it; else `link.key` there,
     /// made once) and the correction log.
     pub fn open(config: &FeedbackConfig) -> Result<Arc<Self>, String> {
         let dir = &config.dir;
-        let store = Store::open(&dir.join("feedback.db"))
-            .map_err(|e| format!("feedback store in {}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir)
+            .map_err(|e| format!("feedback directory {}: {e}", dir.display()))?;
+        let url = std::env::var("RAMPART_FEEDBACK_POSTGRES_URL")
+            .ok()
+            .filter(|u| !u.is_empty())
+            .or_else(|| config.postgres_url.clone());
+        let store = match url {
+            Some(url) => Store::connect(&url).map_err(|e| format!("feedback store: {e}"))?,
+            None => Store::open(&dir.join("feedback.db"))
+                .map_err(|e| format!("feedback store in {}: {e}", dir.display()))?,
+        };
         let key = match std::env::var("RAMPART_FEEDBACK_SECRET") {
             Ok(secret) if secret.len() >= 16 => LinkKey::from_secret(secret.as_bytes()),
             Ok(_) => {

@@ -169,7 +169,12 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         .then(|| monitors::Monitors::new(config.monitor.clone(), config.repo.clone()));
     let releases = open_releases(&config)?;
     let feedback = if config.feedback.enabled {
-        Some(feedback_api::FeedbackService::open(&config.feedback).map_err(ServeError::Config)?)
+        let settings = config.feedback.clone();
+        let opened =
+            tokio::task::spawn_blocking(move || feedback_api::FeedbackService::open(&settings))
+                .await
+                .map_err(|e| ServeError::Config(format!("feedback store: {e}")))?;
+        Some(opened.map_err(ServeError::Config)?)
     } else {
         None
     };
@@ -203,7 +208,11 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         releases::spawn(Arc::clone(&state), r);
     }
     if let Some(f) = feedback {
-        tracing::info!(store = f.store.location(), "feedback store open");
+        tracing::info!(
+            store = f.store.location(),
+            kind = f.store.kind(),
+            "feedback store open"
+        );
         let _ = state.feedback.set(f);
         feedback_api::spawn(Arc::clone(&state));
     }

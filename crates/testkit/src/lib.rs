@@ -63,3 +63,4 @@ pub mod models {
 
 #[cfg(feature = "otlp")]
 pub mod otlp;
+pub mod postgres;

@@ -61,14 +61,40 @@ pub fn try_http(
     body: Option<&str>,
     key: Option<&str>,
 ) -> Option<Exchange> {
+    let auth = key
+        .map(|k| format!("Authorization: Bearer {k}\r\n"))
+        .unwrap_or_default();
+    try_http_with(port, method, path, body, &auth)
+}
+
+/// [`http`] with these headers (`name`, `value`) instead of a key.
+pub fn http_with_headers(
+    port: u16,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    headers: &[(&str, &str)],
+) -> Exchange {
+    let lines: String = headers
+        .iter()
+        .map(|(k, v)| format!("{k}: {v}\r\n"))
+        .collect();
+    try_http_with(port, method, path, body, &lines).expect("the server takes connections")
+}
+
+/// The exchange, `auth` being the extra header lines (each ending in CRLF).
+fn try_http_with(
+    port: u16,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    auth: &str,
+) -> Option<Exchange> {
     let mut stream = TcpStream::connect(("127.0.0.1", port)).ok()?;
     stream
         .set_read_timeout(Some(Duration::from_secs(120)))
         .unwrap();
     let body = body.unwrap_or("");
-    let auth = key
-        .map(|k| format!("Authorization: Bearer {k}\r\n"))
-        .unwrap_or_default();
     // The server may answer (413) and close before it read an oversized body: a failed write
     // is not the test's concern, the response is.
     let _ = write!(

@@ -222,6 +222,27 @@ impl Controller {
         }
     }
 
+    /// Feedback on an answer of `version` given at `answered_ms`: helpful or not. Counts for
+    /// the current step only (answers the step's variants gave), on the stable's or the
+    /// candidate's side by version.
+    pub fn observe_feedback(&mut self, version: &str, answered_ms: u64, helpful: bool) {
+        if !matches!(
+            self.plan.state.phase,
+            Phase::Running | Phase::Holding | Phase::Paused
+        ) || answered_ms < self.window.started_ms()
+        {
+            return;
+        }
+        let variant = if self.plan.candidate.as_deref() == Some(version) {
+            Variant::Candidate
+        } else if self.plan.stable == version {
+            Variant::Stable
+        } else {
+            return;
+        };
+        self.window.push_helpful(variant, helpful);
+    }
+
     /// A monitor's drift alarm on a variant was raised or cleared.
     pub fn set_drift(&mut self, variant: Variant, active: bool, detail: &str) {
         self.window.set_drift(variant, active, detail);

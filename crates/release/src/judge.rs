@@ -344,6 +344,17 @@ impl StepWindow {
         (self.compared, self.agreed)
     }
 
+    /// A rating from the feedback loop on an answer a variant gave during this step: helpful
+    /// or not (the helpful-rate test's samples; they come later than the requests').
+    pub fn push_helpful(&mut self, variant: Variant, helpful: bool) {
+        let side = match variant {
+            Variant::Stable | Variant::Control => &mut self.stable,
+            Variant::Candidate => &mut self.candidate,
+        };
+        side.helpful_answers += 1;
+        side.helpful += u64::from(helpful);
+    }
+
     /// A monitor's drift alarm on a variant was raised (`active`) or cleared.
     pub fn set_drift(&mut self, variant: Variant, active: bool, detail: &str) {
         let drift = active.then(|| detail.to_string());
@@ -351,6 +362,12 @@ impl StepWindow {
             Variant::Stable | Variant::Control => self.stable.drift = drift,
             Variant::Candidate => self.candidate.drift = drift,
         }
+    }
+
+    /// Ratings of a variant's answers in this step: (helpful, rated).
+    pub fn helpful(&self, variant: Variant) -> (u64, u64) {
+        let side = self.side(variant);
+        (side.helpful, side.helpful_answers)
     }
 
     /// Samples of a variant in this step.
@@ -732,7 +749,12 @@ impl Judge {
         }
 
         let long_enough = elapsed_ms >= self.min_step_ms;
-        if long_enough && reference_ready && c.samples >= self.min_samples {
+        // With the helpful-rate test on, a step also waits for ratings of both variants'
+        // answers: they come later than the requests, and a step passed on requests alone
+        // would never be judged on them.
+        let ratings_ready = cfg.helpful_rate_points.is_none()
+            || (c.helpful_answers >= cfg.min_ratings && s.helpful_answers >= cfg.min_ratings);
+        if long_enough && reference_ready && c.samples >= self.min_samples && ratings_ready {
             return Verdict::Pass {
                 summary: summary(metrics),
             };
@@ -759,7 +781,7 @@ impl Judge {
         if elapsed_ms >= self.max_step_ms {
             return Verdict::Inconclusive {
                 reason: format!(
-                    "too few samples after {} s: {} candidate (need {}), {} stable (need {}){}",
+                    "too few samples after {} s: {} candidate (need {}), {} stable (need {}){}{}",
                     elapsed_ms / 1000,
                     c.samples,
                     self.min_samples,
@@ -769,6 +791,14 @@ impl Judge {
                         format!(
                             ", {} control (need {MIN_CONTROL_SAMPLES})",
                             window.control.samples
+                        )
+                    } else {
+                        String::new()
+                    },
+                    if cfg.helpful_rate_points.is_some() {
+                        format!(
+                            "; ratings: {} candidate, {} stable (need {} each)",
+                            c.helpful_answers, s.helpful_answers, cfg.min_ratings
                         )
                     } else {
                         String::new()

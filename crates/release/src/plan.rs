@@ -153,6 +153,9 @@ pub struct JudgeConfig {
     pub confidence_drop: Option<f64>,
     /// Feedback: the helpful rate may drop by at most this many points (off when absent).
     pub helpful_rate_points: Option<f64>,
+    /// With `helpful_rate_points`: ratings (helpful or not) of each variant's answers a step
+    /// needs before it can pass (ratings come after the requests they rate).
+    pub min_ratings: u64,
     /// Shadow mode: the candidate's answers must agree with the control's on at least this share
     /// of the mirrored requests (off when absent: the agreement rate is reported either way). For
     /// a candidate meant to answer as the stable does (a re-quantization, a runtime upgrade).
@@ -171,6 +174,7 @@ impl Default for JudgeConfig {
             entropy_mean_shift: None,
             confidence_drop: None,
             helpful_rate_points: None,
+            min_ratings: 200,
             agreement_min: None,
             drift: true,
         }
@@ -501,6 +505,12 @@ impl ReleasePlan {
             return Err(ReleaseError::invalid(
                 "routing.groups",
                 format!("group {group:?}: a group is served by `stable` or `candidate`"),
+            ));
+        }
+        if j.min_ratings < 10 {
+            return Err(ReleaseError::invalid(
+                "judge.min_ratings",
+                format!("must be at least 10, is {}", j.min_ratings),
             ));
         }
         if let Some(a) = j.agreement_min {

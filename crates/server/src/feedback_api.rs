@@ -368,6 +368,15 @@ async fn submit_inner(
         Submitted::Created(_) => "created",
         Submitted::Updated(_) => "updated",
     };
+    // A new rating is a sample of the release judge's helpful-rate test (a replaced one was
+    // counted when it came).
+    if let (Submitted::Created(_), Some(helpful), Some(releases)) = (
+        &submitted,
+        f.rating.and_then(feedback::Rating::helpful),
+        state.releases.get(),
+    ) {
+        releases.feedback(&f.model, &f.version, response.time_ms, helpful);
+    }
     tracing::info!(
         target: "rampart::feedback",
         request_id,

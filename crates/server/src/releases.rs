@@ -280,6 +280,15 @@ impl Releases {
         }
     }
 
+    /// A rating from the feedback loop on an answer of `name`@`version` given at `answered_ms`
+    /// (the judge's helpful-rate test, `judge.helpful_rate_points`).
+    pub fn feedback(&self, name: &str, version: &str, answered_ms: u64, helpful: bool) {
+        if let Some(m) = self.get(name) {
+            m.controller()
+                .observe_feedback(version, answered_ms, helpful);
+        }
+    }
+
     /// One record into the judge of its model's release.
     pub fn take(&self, record: &InferenceRecord) {
         let Some(variant) = record_variant(record) else {

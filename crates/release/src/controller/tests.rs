@@ -922,3 +922,82 @@ fn a_shadow_release_awaits_approval_or_rolls_back_on_agreement_and_latency() {
     }
     assert_eq!((agreement_rollbacks, latency_rollbacks), (10, 10));
 }
+
+/// A release judged on feedback that arrives a few seconds after the answers (half of them
+/// rated; the stable's found helpful 80 % of the time, the candidate's `candidate_helpful`).
+fn helpful_release(candidate_helpful: f64, seed: u64) -> Vec<Decision> {
+    let users = Users::new(2000);
+    let mut rng = Rng(seed);
+    let mut p = plan(Schedule {
+        steps: vec![20.0, 50.0, 100.0],
+        ..fast_schedule()
+    });
+    p.judge.helpful_rate_points = Some(5.0);
+    // Latency and errors as the stable: only the ratings differ.
+    let mut ctrl = Controller::new(p);
+    start(&mut ctrl, 10_000);
+    // Ratings of answers from before the step, or of another version, do not count.
+    ctrl.observe_feedback("v2", 5_000, false);
+    ctrl.observe_feedback("v0", 12_000, false);
+    assert_eq!(ctrl.window.helpful(Variant::Candidate), (0, 0));
+    assert_eq!(ctrl.window.helpful(Variant::Stable), (0, 0));
+    let mut now = 10_000.0f64;
+    let mut next_tick = 11_000u64;
+    let mut decisions = Vec::new();
+    let mut pending: Vec<(u64, &str, u64, bool)> = Vec::new();
+    while now < 1_200_000.0 && ctrl.plan().state.phase.is_active() {
+        now += rng.exponential(20.0) * 1000.0;
+        while (next_tick as f64) <= now {
+            decisions.extend(ctrl.tick(next_tick));
+            next_tick += 1000;
+        }
+        let t = now as u64;
+        pending.retain(|&(due, version, answered, helpful)| {
+            if due <= t {
+                ctrl.observe_feedback(version, answered, helpful);
+                false
+            } else {
+                true
+            }
+        });
+        let user = &users.0[(rng.next_u64() % users.0.len() as u64) as usize];
+        let r = route(
+            ctrl.plan(),
+            &RoutingKey {
+                user: Some(user),
+                request_id: "r",
+                ..Default::default()
+            },
+        );
+        ctrl.observe(&sample(&mut rng, r.variant, t, NORMAL));
+        if rng.uniform() < 0.5 {
+            let (version, p) = match r.variant {
+                Variant::Candidate => ("v2", candidate_helpful),
+                _ => ("v1", 0.8),
+            };
+            let helpful = rng.uniform() < p;
+            pending.push((t + 3_000, version, t, helpful));
+        }
+    }
+    decisions
+}
+
+/// A candidate its users find less helpful (50 % against 80 %) is rolled back on
+/// `helpful_rate` in its first step; an equally helpful one promotes (each step waits for
+/// `min_ratings` ratings of both variants).
+#[test]
+fn a_less_helpful_candidate_is_rolled_back_on_its_feedback() {
+    for seed in 1..=5 {
+        let decisions = helpful_release(0.5, seed);
+        let last = decisions.last().expect("a decision");
+        assert_eq!(last.action, Action::Rollback, "{decisions:?}");
+        assert_eq!(last.metric.as_deref(), Some("helpful_rate"), "{last:?}");
+        assert_eq!(last.from_weight, 0.2, "in the first step");
+        let same = helpful_release(0.8, seed);
+        assert_eq!(
+            same.last().map(|d| d.action),
+            Some(Action::Promote),
+            "{same:?}"
+        );
+    }
+}

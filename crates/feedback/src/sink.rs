@@ -190,4 +190,14 @@ mod tests {
         assert_eq!(r.classes, [Some("90".to_string())]);
         assert_eq!(r.confidences, [Some(0.7)]);
     }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_index_sink_passes_the_sink_contract() {
+        let store = Arc::new(Store::in_memory().unwrap());
+        let rules = Arc::new(HashMap::new());
+        record::testing::check_sink(|| {
+            IndexSink::new(Arc::clone(&store), Arc::clone(&rules), true, 64)
+        })
+        .await;
+    }
 }

@@ -175,8 +175,33 @@ enum Backend {
     /// Several replicas' shared store (the connection is remade when it breaks).
     Postgres {
         url: String,
-        client: Mutex<Option<Box<postgres::Client>>>,
+        client: Mutex<Option<Box<PgConn>>>,
     },
+}
+
+/// A PostgreSQL connection and its prepared statements (one round trip per query instead of
+/// two).
+struct PgConn {
+    client: postgres::Client,
+    statements: std::collections::HashMap<String, postgres::Statement>,
+}
+
+impl PgConn {
+    fn connect(url: &str) -> Result<Box<PgConn>, FeedbackError> {
+        Ok(Box::new(PgConn {
+            client: pg_connect(url)?,
+            statements: Default::default(),
+        }))
+    }
+
+    fn prepared(&mut self, sql: &str) -> Result<postgres::Statement, postgres::Error> {
+        if let Some(s) = self.statements.get(sql) {
+            return Ok(s.clone());
+        }
+        let s = self.client.prepare(sql)?;
+        self.statements.insert(sql.to_string(), s.clone());
+        Ok(s)
+    }
 }
 
 /// The feedback store.
@@ -327,11 +352,11 @@ impl Store {
     /// Connects to a PostgreSQL database (`postgresql://user:password@host:port/db`) and makes
     /// the schema when it is not there. Blocking: call it off the async runtime.
     pub fn connect(url: &str) -> Result<Store, FeedbackError> {
-        let client = pg_connect(url)?;
+        let client = PgConn::connect(url)?;
         Ok(Store {
             backend: Backend::Postgres {
                 url: url.to_string(),
-                client: Mutex::new(Some(Box::new(client))),
+                client: Mutex::new(Some(client)),
             },
             location: shown_url(url),
         })
@@ -382,19 +407,19 @@ impl Store {
     /// Runs `f` on the PostgreSQL connection, remade once when it broke.
     fn with_pg<T>(
         url: &str,
-        client: &Mutex<Option<Box<postgres::Client>>>,
-        f: impl Fn(&mut postgres::Client) -> Result<T, postgres::Error>,
+        client: &Mutex<Option<Box<PgConn>>>,
+        f: impl Fn(&mut PgConn) -> Result<T, postgres::Error>,
     ) -> Result<T, FeedbackError> {
         let mut guard = client.lock().unwrap_or_else(PoisonError::into_inner);
-        if guard.as_ref().is_none_or(|c| c.is_closed()) {
-            *guard = Some(Box::new(pg_connect(url)?));
+        if guard.as_ref().is_none_or(|c| c.client.is_closed()) {
+            *guard = Some(PgConn::connect(url)?);
         }
         let c = guard.as_mut().expect("connected above");
         match f(c) {
             Ok(v) => Ok(v),
-            Err(e) if c.is_closed() => {
+            Err(e) if c.client.is_closed() => {
                 tracing::warn!(error = %e, "the feedback store's PostgreSQL connection broke; reconnecting");
-                *guard = Some(Box::new(pg_connect(url)?));
+                *guard = Some(PgConn::connect(url)?);
                 Ok(f(guard.as_mut().expect("connected above"))?)
             }
             Err(e) => Err(e.into()),
@@ -424,7 +449,10 @@ impl Store {
                 let params = pg_params(values);
                 let refs: Vec<&(dyn postgres::types::ToSql + Sync)> =
                     params.iter().map(|p| p.as_ref()).collect();
-                let rows = Self::with_pg(url, client, |c| c.query(sql.as_str(), &refs))?;
+                let rows = Self::with_pg(url, client, |c| {
+                    let statement = c.prepared(&sql)?;
+                    c.client.query(&statement, &refs)
+                })?;
                 rows.iter().map(|r| row(r)).collect()
             }
         }
@@ -442,7 +470,10 @@ impl Store {
                 let params = pg_params(values);
                 let refs: Vec<&(dyn postgres::types::ToSql + Sync)> =
                     params.iter().map(|p| p.as_ref()).collect();
-                Self::with_pg(url, client, |c| c.execute(sql.as_str(), &refs))
+                Self::with_pg(url, client, |c| {
+                    let statement = c.prepared(&sql)?;
+                    c.client.execute(&statement, &refs)
+                })
             }
         }
     }
@@ -494,8 +525,8 @@ impl Store {
                 let sql = dollars(INSERT);
                 let params: Vec<_> = rows.iter().map(|r| pg_params(r)).collect();
                 Self::with_pg(url, client, |c| {
-                    let mut tx = c.transaction()?;
-                    let insert = tx.prepare(&sql)?;
+                    let insert = c.prepared(&sql)?;
+                    let mut tx = c.client.transaction()?;
                     for p in &params {
                         let refs: Vec<&(dyn postgres::types::ToSql + Sync)> =
                             p.iter().map(|p| p.as_ref()).collect();

@@ -68,6 +68,61 @@ pub enum FeedbackCommand {
         #[arg(long)]
         include_helpful: bool,
     },
+    /// Close the loop: export the corrected examples, run the team's training command on them,
+    /// import its output as a new version (its lineage names the dataset), and release it as
+    /// an A/B test whose first step is 20 % and whose judge watches the helpful rate.
+    Retrain {
+        /// The model to retrain.
+        #[arg(long)]
+        model: String,
+        /// The training command, run by `sh -c` with RAMPART_DATASET (the file),
+        /// RAMPART_DATASET_VERSION, RAMPART_DATASET_FORMAT, RAMPART_MODEL, RAMPART_BASE_VERSION,
+        /// RAMPART_BASE_DIR (the stable version's folder) and RAMPART_OUTPUT (an empty folder:
+        /// the trained model goes there, as `rampart model import` takes it).
+        #[arg(long, value_name = "COMMAND")]
+        train: String,
+        /// Only the answers the model gave this class.
+        #[arg(long)]
+        class: Option<String>,
+        /// Feedback from this time on (ms, RFC 3339, or an age: 7d).
+        #[arg(long)]
+        since: Option<String>,
+        /// The dataset's format.
+        #[arg(long, default_value = "openai-chat-jsonl", value_parser = clap::builder::PossibleValuesParser::new(Format::NAMES))]
+        format: String,
+        #[arg(long)]
+        scrub_pii: bool,
+        #[arg(long)]
+        include_helpful: bool,
+        /// The new version (default: the next minor version after the newest).
+        #[arg(long)]
+        version: Option<String>,
+        /// The model repository.
+        #[arg(
+            long,
+            env = "RAMPART_REPO",
+            default_value = "models",
+            value_name = "DIR"
+        )]
+        repo: PathBuf,
+        /// A running server to release on (admin key in --key); without it the release is
+        /// written into the plan file, which the servers adopt at their next tick.
+        #[arg(long, env = "RAMPART_URL", value_name = "URL")]
+        url: Option<String>,
+        #[arg(
+            long,
+            env = "RAMPART_API_KEY",
+            value_name = "KEY",
+            hide_env_values = true
+        )]
+        key: Option<String>,
+        /// The first step's share of users, in percent.
+        #[arg(long, default_value_t = 20.0)]
+        first_step: f64,
+        /// The judge's bound on the drop of the helpful rate, in points.
+        #[arg(long, default_value_t = 5.0)]
+        helpful_rate_points: f64,
+    },
     /// Per-class error rates (Wilson 95 % bounds) and helpful rates over a window.
     Classes {
         #[arg(long)]
@@ -115,6 +170,240 @@ fn age(t: &str) -> Option<Duration> {
         _ => return None,
     };
     Some(Duration::from_secs(s))
+}
+
+/// `rampart feedback retrain`.
+struct Retrain<'a> {
+    store: &'a Store,
+    dir: &'a std::path::Path,
+    json: bool,
+}
+
+impl Retrain<'_> {
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        &self,
+        model: &str,
+        train: &str,
+        filter: Filter,
+        format: Format,
+        (scrub_pii, include_helpful): (bool, bool),
+        version: Option<String>,
+        repo_dir: &std::path::Path,
+        server: (Option<&str>, Option<&str>),
+        (first_step, helpful_rate_points): (f64, f64),
+    ) -> anyhow::Result<ExitCode> {
+        let say = |line: String| {
+            if !self.json {
+                eprintln!("{line}");
+            }
+        };
+        // 1. The dataset.
+        let options = export::Options {
+            filter,
+            format,
+            scrub_pii,
+            include_helpful,
+        };
+        let (bytes, summary) = export::export(self.store, &options)?;
+        if summary.rows == 0 {
+            bail!(
+                "nothing to train on: {} feedback rows read, {} without their input, {} with \
+                 nothing {} takes",
+                summary.read,
+                summary.without_content,
+                summary.not_applicable,
+                format.as_str()
+            );
+        }
+        let run_dir = self.dir.join("retrain").join(format!(
+            "{}-{}",
+            summary.dataset_version,
+            feedback::now_ms()
+        ));
+        let output = run_dir.join("output");
+        std::fs::create_dir_all(&output).with_context(|| format!("{}", output.display()))?;
+        let extension = match format {
+            Format::OpenAiChatJsonl | Format::PreferenceJsonl => "jsonl",
+            Format::Csv => "csv",
+            Format::Parquet => "parquet",
+        };
+        let dataset = run_dir.join(format!("{model}.{extension}"));
+        std::fs::write(&dataset, &bytes)?;
+        std::fs::write(
+            run_dir.join(format!("{model}.{extension}.manifest.json")),
+            serde_json::to_vec_pretty(&summary)?,
+        )?;
+        say(format!(
+            "dataset {} ({} rows) → {}",
+            summary.dataset_version,
+            summary.rows,
+            dataset.display()
+        ));
+        // 2. The base: the newest version in the repository.
+        let repository = repo::Repository::open(repo_dir);
+        let base = repository
+            .resolve(&repo::ModelRef {
+                name: model.to_string(),
+                version: None,
+            })
+            .with_context(|| format!("{model} in {}", repo_dir.display()))?;
+        let new_version = match version {
+            Some(v) => v,
+            None => {
+                let mut v = base.version.clone();
+                v.minor += 1;
+                v.patch = 0;
+                v.pre = semver::Prerelease::EMPTY;
+                let taken: Vec<semver::Version> = repository
+                    .versions(model)?
+                    .into_iter()
+                    .map(|m| m.version)
+                    .collect();
+                while taken.contains(&v) {
+                    v.minor += 1;
+                }
+                v.to_string()
+            }
+        };
+        // 3. The team's training.
+        say(format!("training: {train}"));
+        let status = std::process::Command::new("sh")
+            .args(["-c", train])
+            .env("RAMPART_DATASET", &dataset)
+            .env("RAMPART_DATASET_VERSION", &summary.dataset_version)
+            .env("RAMPART_DATASET_FORMAT", format.as_str())
+            .env("RAMPART_MODEL", model)
+            .env("RAMPART_BASE_VERSION", base.version.to_string())
+            .env("RAMPART_BASE_DIR", &base.dir)
+            .env("RAMPART_OUTPUT", &output)
+            .stdout(if self.json {
+                std::process::Stdio::from(std::io::stderr())
+            } else {
+                std::process::Stdio::inherit()
+            })
+            .status()
+            .context("running the training command")?;
+        if !status.success() {
+            bail!("the training command failed ({status}); nothing was imported");
+        }
+        // The output: a folder as `model import` takes it, or the one file inside it.
+        let entries: Vec<PathBuf> = std::fs::read_dir(&output)?
+            .flatten()
+            .map(|e| e.path())
+            .collect();
+        let source = match entries.as_slice() {
+            [] => bail!(
+                "the training command wrote nothing into RAMPART_OUTPUT ({})",
+                output.display()
+            ),
+            [one] if one.is_file() => one.clone(),
+            _ => output.clone(),
+        };
+        // 4. The new version, its lineage naming the dataset.
+        let me = std::env::current_exe().context("the rampart binary")?;
+        let imported = std::process::Command::new(&me)
+            .args(["model", "import"])
+            .arg(&source)
+            .args(["--name", model, "--version", &new_version])
+            .args(["--dataset-version", &summary.dataset_version, "--repo"])
+            .arg(repo_dir)
+            .stdout(std::process::Stdio::null())
+            .status()?;
+        if !imported.success() {
+            bail!(
+                "importing {} as {model}@{new_version} failed",
+                source.display()
+            );
+        }
+        say(format!(
+            "imported {model}@{new_version} (dataset {}, from {model}@{})",
+            summary.dataset_version, base.version
+        ));
+        // 5. The release: A/B, the first step at `first_step` %, the helpful rate judged.
+        let path = release::plan::plan_path(repo_dir, model);
+        let mut plan = if path.is_file() {
+            release::plan::ReleasePlan::load(&path)?
+        } else {
+            release::plan::ReleasePlan::new(base.version.to_string())
+        };
+        if plan.state.phase.is_active() {
+            bail!(
+                "{model} has a release under way ({:?}); {model}@{new_version} is imported, start \
+                 it when that one ends",
+                plan.state.phase
+            );
+        }
+        plan.mode = release::plan::Mode::Ab;
+        let mut steps: Vec<f64> = vec![first_step];
+        steps.extend(
+            plan.schedule
+                .steps
+                .iter()
+                .copied()
+                .filter(|s| *s > first_step),
+        );
+        if steps.last() != Some(&100.0) {
+            steps.push(100.0);
+        }
+        plan.schedule.steps = steps;
+        if plan.judge.helpful_rate_points.is_none() {
+            plan.judge.helpful_rate_points = Some(helpful_rate_points);
+        }
+        plan.save_atomic(&path)?;
+        let gated = !plan.gates.is_empty();
+        let mut release = std::process::Command::new(&me);
+        release.arg("release");
+        match server {
+            (Some(url), key) => {
+                release.args(["--url", url]);
+                if let Some(k) = key {
+                    release.args(["--key", k]);
+                }
+            }
+            (None, _) => {
+                release.arg("--repo").arg(repo_dir);
+            }
+        }
+        if gated && server.0.is_some() {
+            release.args(["gate", model, "--candidate", &new_version, "--start"]);
+        } else {
+            release.args(["start", model, "--candidate", &new_version, "--mode", "ab"]);
+        }
+        if self.json {
+            // Keep stdout for the one JSON document.
+            release.stdout(std::io::stderr());
+        }
+        let started = release.status()?;
+        if !started.success() {
+            bail!("{model}@{new_version} is imported, but its release did not start");
+        }
+        if self.json {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "model": model,
+                    "dataset_version": summary.dataset_version,
+                    "dataset": dataset,
+                    "rows": summary.rows,
+                    "base_version": base.version.to_string(),
+                    "version": new_version,
+                    "gates": gated,
+                    "steps": plan.schedule.steps,
+                    "helpful_rate_points": plan.judge.helpful_rate_points,
+                })
+            );
+        } else {
+            println!(
+                "{model}@{new_version} trained on {} and released: A/B, steps {:?} %, helpful \
+                 rate judged{}",
+                summary.dataset_version,
+                plan.schedule.steps,
+                if gated { ", gates first" } else { "" }
+            );
+        }
+        Ok(ExitCode::SUCCESS)
+    }
 }
 
 pub fn run(args: FeedbackArgs) -> anyhow::Result<ExitCode> {
@@ -180,6 +469,47 @@ pub fn run(args: FeedbackArgs) -> anyhow::Result<ExitCode> {
                     manifest.display()
                 );
             }
+        }
+        FeedbackCommand::Retrain {
+            model,
+            train,
+            class,
+            since,
+            format,
+            scrub_pii,
+            include_helpful,
+            version,
+            repo,
+            url,
+            key,
+            first_step,
+            helpful_rate_points,
+        } => {
+            if !(first_step > 0.0 && first_step < 100.0) {
+                bail!("--first-step must be between 0 and 100 (percent)");
+            }
+            let filter = Filter {
+                model: Some(model.clone()),
+                class,
+                since_ms: time(&since)?,
+                ..Filter::default()
+            };
+            return Retrain {
+                store: &store,
+                dir: &args.dir,
+                json: args.json,
+            }
+            .run(
+                &model,
+                &train,
+                filter,
+                Format::parse(&format).context("format")?,
+                (scrub_pii, include_helpful),
+                version,
+                &repo,
+                (url.as_deref(), key.as_deref()),
+                (first_step, helpful_rate_points),
+            );
         }
         FeedbackCommand::Classes {
             model,

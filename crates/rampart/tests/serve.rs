@@ -2067,11 +2067,14 @@ fn feedback_by_key_and_signed_link_reaches_the_class_rates_and_the_datasets() {
         assert!(!require_python(), "no Python with the openai package");
         return;
     };
-    let Some(server) = start(&feedback_config("")) else {
+    // The retrain hook, run when a class crosses 5 % (its Wilson lower bound).
+    let hook = "[feedback.retrain]\ncommand = 'echo \"$RAMPART_FEEDBACK_TRIGGER $RAMPART_FEEDBACK_MODEL $RAMPART_FEEDBACK_CLASS\" > hook.txt'\n";
+    let Some(server) = start(&feedback_config(hook)) else {
         return;
     };
     wait_ready(server.port);
     let summary = feedback_suite(&python, server.port);
+    let target = summary["target"].as_str().unwrap();
     // The correction log and the audit log keep every submission.
     let dir = server._dir.path();
     let corrections = std::fs::read_to_string(dir.join("feedback/corrections.jsonl")).unwrap();
@@ -2087,6 +2090,118 @@ fn feedback_by_key_and_signed_link_reaches_the_class_rates_and_the_datasets() {
         String::from_utf8_lossy(&audit.stderr)
     );
     feedback_datasets(&python, dir, &[], &summary);
+
+    // The hook ran on the alert.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let hooked = loop {
+        if let Ok(text) = std::fs::read_to_string(dir.join("hook.txt")) {
+            break text;
+        }
+        assert!(Instant::now() < deadline, "the retrain hook did not run");
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(hooked.trim(), format!("alert {MODEL} {target}"));
+    assert!(
+        metric_labelled(
+            server.port,
+            "rampart_feedback_retrains_total",
+            "trigger=\"alert\""
+        ) >= 1.0
+    );
+    // On demand: an admin runs it (202, its log named); a feedback key may not.
+    std::fs::remove_file(dir.join("hook.txt")).unwrap();
+    let ask = format!(r#"{{"model": "{MODEL}", "class": "{target}"}}"#);
+    let (status, _, body) = http(
+        server.port,
+        "POST",
+        "/admin/feedback/retrain",
+        Some(&ask),
+        Some(FEEDBACK_KEY),
+    );
+    assert_eq!(status, 403, "{body}");
+    let (status, _, body) = http(
+        server.port,
+        "POST",
+        "/admin/feedback/retrain",
+        Some(&ask),
+        Some(ADMIN_KEY),
+    );
+    assert_eq!(status, 202, "{body}");
+    assert!(body.contains("hook-"), "{body}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let hooked = loop {
+        if let Ok(text) = std::fs::read_to_string(dir.join("hook.txt")) {
+            if !text.is_empty() {
+                break text;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the retrain hook did not run on demand"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(hooked.trim(), format!("admin {MODEL} {target}"));
+
+    // The loop closed: the corrected examples train a "new" version (a copy of the base here),
+    // imported with the dataset in its lineage and released as an A/B test at 20 %, the
+    // helpful rate judged.
+    let train = r#"cp "$RAMPART_BASE_DIR"/*.gguf "$RAMPART_OUTPUT"/ && wc -l < "$RAMPART_DATASET" > "$RAMPART_OUTPUT/../rows.txt""#;
+    let out = Command::new(binary())
+        .current_dir(dir)
+        .args([
+            "feedback", "retrain", "--model", MODEL, "--train", train, "--json", "--repo",
+        ])
+        .arg(dir.join("models"))
+        .args([
+            "--url",
+            &format!("http://127.0.0.1:{}", server.port),
+            "--key",
+            ADMIN_KEY,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "retrain: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let retrained: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(retrained["version"], "1.1.0");
+    assert_eq!(retrained["base_version"], "1.0.0");
+    let dataset_version = retrained["dataset_version"].as_str().unwrap();
+    let (status, _, body) = http(
+        server.port,
+        "GET",
+        &format!("/admin/releases/{MODEL}"),
+        None,
+        Some(ADMIN_KEY),
+    );
+    assert_eq!(status, 200, "{body}");
+    let release: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let plan = &release["plan"];
+    assert_eq!(plan["candidate"], "1.1.0", "{release}");
+    assert_eq!(plan["mode"], "ab", "{release}");
+    assert_eq!(plan["schedule"]["steps"][0], 20.0, "{release}");
+    assert_eq!(plan["judge"]["helpful_rate_points"], 5.0, "{release}");
+    assert_eq!(plan["state"]["weight"], 0.2, "{release}");
+    let inspect = Command::new(binary())
+        .args([
+            "model",
+            "inspect",
+            &format!("{MODEL}@1.1.0"),
+            "--json",
+            "--repo",
+        ])
+        .arg(dir.join("models"))
+        .output()
+        .unwrap();
+    let inspected = String::from_utf8_lossy(&inspect.stdout);
+    assert!(
+        inspected.contains(dataset_version),
+        "the lineage names the dataset: {inspected}"
+    );
 }
 
 #[test]

@@ -102,6 +102,9 @@ pub struct FeedbackConfig {
     pub classes: std::collections::BTreeMap<String, String>,
     /// Records the index's lane holds (it waits for room, off the request path).
     pub lane_capacity: usize,
+    /// The retrain hook: a command run when a class's error rate crosses its objective (or on
+    /// `POST /admin/feedback/retrain`).
+    pub retrain: RetrainConfig,
     /// A PostgreSQL database for the store instead of the embedded file (several replicas
     /// share feedback): `postgresql://user:password@host:5432/db`. The environment's
     /// `RAMPART_FEEDBACK_POSTGRES_URL` takes precedence (keeps the password out of the file).
@@ -123,7 +126,34 @@ impl Default for FeedbackConfig {
             corrections_log: true,
             classes: Default::default(),
             lane_capacity: 8192,
+            retrain: RetrainConfig::default(),
             postgres_url: None,
+        }
+    }
+}
+
+/// `[feedback.retrain]`: the hook that closes the loop (docs/feedback.md#closing-the-loop).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RetrainConfig {
+    /// Run by `sh -c` with RAMPART_FEEDBACK_MODEL, _VERSION, _CLASS, _ERROR_RATE_LOWER,
+    /// _TRIGGER (`alert` or `admin`), RAMPART_FEEDBACK_DIR, RAMPART_REPO and RAMPART_URL; its
+    /// output goes to `<dir>/retrain/hook-*.log`. Typically `rampart feedback retrain --model
+    /// "$RAMPART_FEEDBACK_MODEL" --train ./train.sh`. None: no hook.
+    pub command: Option<String>,
+    /// A class whose error rate's Wilson lower bound is above this (with `min_samples` rows)
+    /// triggers the hook.
+    pub error_rate: f64,
+    /// Seconds before the hook runs again for the same model.
+    pub cooldown_s: u64,
+}
+
+impl Default for RetrainConfig {
+    fn default() -> Self {
+        Self {
+            command: None,
+            error_rate: 0.05,
+            cooldown_s: 86_400,
         }
     }
 }
@@ -1232,6 +1262,12 @@ impl ServerConfig {
                 "feedback.link_ttl_s, window_s, refresh_s and lane_capacity must be at least 1"
                     .into(),
             ));
+        }
+        if !(f.retrain.error_rate > 0.0 && f.retrain.error_rate < 1.0) {
+            return Err(ConfigError(format!(
+                "feedback.retrain.error_rate = {}: a rate between 0 and 1",
+                f.retrain.error_rate
+            )));
         }
         for (model, rule) in &f.classes {
             feedback::ClassRule::parse(rule)

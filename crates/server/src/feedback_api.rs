@@ -43,6 +43,7 @@ pub mod paths {
     pub const FEEDBACK: &str = "/v1/feedback";
     pub const ADMIN_CLASSES: &str = "/admin/feedback/classes";
     pub const ADMIN_CALIBRATION: &str = "/admin/feedback/calibration";
+    pub const ADMIN_RETRAIN: &str = "/admin/feedback/retrain";
 }
 
 /// The feedback store, the link key and the correction log of a server.
@@ -51,6 +52,8 @@ pub struct FeedbackService {
     key: LinkKey,
     config: FeedbackConfig,
     corrections: Mutex<Option<std::fs::File>>,
+    /// When the retrain hook last ran per model.
+    retrained: Mutex<HashMap<String, std::time::Instant>>,
 }
 
 impl std::fmt::Debug for FeedbackService {
@@ -103,6 +106,7 @@ impl FeedbackService {
             key,
             config: config.clone(),
             corrections: Mutex::new(corrections),
+            retrained: Mutex::new(HashMap::new()),
         }))
     }
 
@@ -176,6 +180,7 @@ pub fn admin_routes() -> Router<Arc<AppState>> {
     Router::new()
         .route(paths::ADMIN_CLASSES, get(classes))
         .route(paths::ADMIN_CALIBRATION, get(calibration))
+        .route(paths::ADMIN_RETRAIN, post(retrain))
 }
 
 fn refused(error: ApiError, request_id: &str, why: &str) -> Response {
@@ -609,11 +614,201 @@ pub fn spawn(state: Arc<AppState>) {
                 }
             }
             match table {
-                Ok(table) => shown = publish(&table, shown),
+                Ok(table) => {
+                    let threshold = service.config.retrain.error_rate;
+                    for q in table
+                        .iter()
+                        .filter(|q| q.enough && q.error_rate_lower > threshold)
+                    {
+                        let why = Trigger {
+                            model: q.model.clone(),
+                            version: Some(q.version.clone()),
+                            class: Some(q.class.clone()),
+                            error_rate_lower: Some(q.error_rate_lower),
+                            by: "alert",
+                        };
+                        let _ = run_hook(&state, &service, why, "rampart").await;
+                    }
+                    shown = publish(&table, shown);
+                }
                 Err(e) => tracing::error!(error = %e, "feedback gauges could not be read"),
             }
         }
     });
+}
+
+/// Why the retrain hook runs.
+struct Trigger {
+    model: String,
+    version: Option<String>,
+    class: Option<String>,
+    error_rate_lower: Option<f64>,
+    /// `alert` (a class crossed `[feedback.retrain] error_rate`) or `admin`.
+    by: &'static str,
+}
+
+/// Runs the retrain hook for a model (once per `cooldown_s`), in the background: its output
+/// goes to `<dir>/retrain/hook-<ms>-<model>.log`; the start and the end are logged, counted and
+/// audited. Returns the log's path, or why it did not run.
+async fn run_hook(
+    state: &Arc<AppState>,
+    service: &Arc<FeedbackService>,
+    why: Trigger,
+    principal: &str,
+) -> Result<std::path::PathBuf, String> {
+    let Some(command) = service.config.retrain.command.clone() else {
+        return Err("no retrain hook is configured ([feedback.retrain] command)".into());
+    };
+    {
+        let mut last = service
+            .retrained
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let cooldown = Duration::from_secs(service.config.retrain.cooldown_s);
+        if let Some(at) = last.get(&why.model) {
+            if at.elapsed() < cooldown && why.by == "alert" {
+                return Err(format!(
+                    "the hook ran for {} {} s ago (cool-down {} s)",
+                    why.model,
+                    at.elapsed().as_secs(),
+                    cooldown.as_secs()
+                ));
+            }
+        }
+        last.insert(why.model.clone(), std::time::Instant::now());
+    }
+    let dir = service.config.dir.join("retrain");
+    std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let safe: String = why
+        .model
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '_' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    let log_path = dir.join(format!("hook-{}-{safe}.log", feedback::now_ms()));
+    let log =
+        std::fs::File::create(&log_path).map_err(|e| format!("{}: {e}", log_path.display()))?;
+    let err = log.try_clone().map_err(|e| e.to_string())?;
+    let listen = state.config.listen;
+    let url = format!("http://{listen}");
+    let mut child = tokio::process::Command::new("sh");
+    child
+        .args(["-c", &command])
+        .env("RAMPART_FEEDBACK_MODEL", &why.model)
+        .env(
+            "RAMPART_FEEDBACK_VERSION",
+            why.version.as_deref().unwrap_or(""),
+        )
+        .env("RAMPART_FEEDBACK_CLASS", why.class.as_deref().unwrap_or(""))
+        .env(
+            "RAMPART_FEEDBACK_ERROR_RATE_LOWER",
+            why.error_rate_lower
+                .map(|r| format!("{r:.4}"))
+                .unwrap_or_default(),
+        )
+        .env("RAMPART_FEEDBACK_TRIGGER", why.by)
+        .env("RAMPART_FEEDBACK_DIR", &service.config.dir)
+        .env("RAMPART_REPO", &state.config.repo)
+        .env("RAMPART_URL", &url)
+        .stdin(std::process::Stdio::null())
+        .stdout(log)
+        .stderr(err)
+        .kill_on_drop(false);
+    let mut running = child
+        .spawn()
+        .map_err(|e| format!("the retrain hook could not start: {e}"))?;
+    tracing::warn!(
+        target: "rampart::feedback",
+        model = %why.model,
+        version = why.version.as_deref().unwrap_or(""),
+        class = why.class.as_deref().unwrap_or(""),
+        error_rate_lower = why.error_rate_lower.unwrap_or(f64::NAN),
+        trigger = why.by,
+        log = %log_path.display(),
+        "retrain hook started"
+    );
+    metrics::counter!("rampart_feedback_retrains_total", "model" => why.model.clone(), "trigger" => why.by, "outcome" => "started").increment(1);
+    let _ = state
+        .act(
+            principal,
+            Some(&why.model),
+            audit::Action {
+                name: "feedback.retrain".into(),
+                target: Some(why.model.clone()),
+                cause: Some(match (&why.class, why.error_rate_lower) {
+                    (Some(c), Some(r)) => {
+                        format!("class {c}: error rate ≥ {r:.3} (Wilson lower bound)")
+                    }
+                    _ => why.by.to_string(),
+                }),
+                outcome: "started".into(),
+                detail: json!({ "command": command, "log": log_path, "trigger": why.by }),
+            },
+        )
+        .await;
+    let model = why.model.clone();
+    let by = why.by;
+    let shown = log_path.clone();
+    tokio::spawn(async move {
+        let outcome = match running.wait().await {
+            Ok(s) if s.success() => "succeeded",
+            Ok(_) | Err(_) => "failed",
+        };
+        let level_ok = outcome == "succeeded";
+        if level_ok {
+            tracing::info!(target: "rampart::feedback", model = %model, log = %shown.display(), "retrain hook succeeded");
+        } else {
+            tracing::error!(target: "rampart::feedback", model = %model, log = %shown.display(), "retrain hook failed");
+        }
+        metrics::counter!("rampart_feedback_retrains_total", "model" => model, "trigger" => by, "outcome" => outcome).increment(1);
+    });
+    Ok(log_path)
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RetrainBody {
+    model: String,
+    class: Option<String>,
+}
+
+/// `POST /admin/feedback/retrain`: runs the hook now (no cool-down).
+async fn retrain(
+    State(state): State<Arc<AppState>>,
+    Extension(identity::Principal(principal)): Extension<identity::Principal>,
+    body: Bytes,
+) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
+    let service = Arc::clone(service(&state)?);
+    let body: RetrainBody = serde_json::from_slice(&body).map_err(|e| {
+        ApiError::invalid_param(
+            "body",
+            format!("{{\"model\": \"…\", \"class\": \"…\"}}: {e}"),
+        )
+    })?;
+    if service.config.retrain.command.is_none() {
+        return Err(ApiError::Conflict(
+            "no retrain hook is configured ([feedback.retrain] command)".into(),
+        ));
+    }
+    let why = Trigger {
+        model: body.model.clone(),
+        version: None,
+        class: body.class.clone(),
+        error_rate_lower: None,
+        by: "admin",
+    };
+    let log = run_hook(&state, &service, why, &principal)
+        .await
+        .map_err(ApiError::Internal)?;
+    Ok((
+        StatusCode::ACCEPTED,
+        Json(json!({ "model": body.model, "status": "started", "log": log })),
+    ))
 }
 
 /// Sets the per-class gauges; classes that left the window drop to no feedback.

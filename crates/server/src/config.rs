@@ -105,6 +105,8 @@ pub struct FeedbackConfig {
     /// The retrain hook: a command run when a class's error rate crosses its objective (or on
     /// `POST /admin/feedback/retrain`).
     pub retrain: RetrainConfig,
+    /// The correction log streamed to NATS JetStream (off without a URL).
+    pub nats: NatsConfig,
     /// A PostgreSQL database for the store instead of the embedded file (several replicas
     /// share feedback): `postgresql://user:password@host:5432/db`. The environment's
     /// `RAMPART_FEEDBACK_POSTGRES_URL` takes precedence (keeps the password out of the file).
@@ -127,6 +129,7 @@ impl Default for FeedbackConfig {
             classes: Default::default(),
             lane_capacity: 8192,
             retrain: RetrainConfig::default(),
+            nats: NatsConfig::default(),
             postgres_url: None,
         }
     }
@@ -155,6 +158,52 @@ impl Default for RetrainConfig {
             error_rate: 0.05,
             cooldown_s: 86_400,
         }
+    }
+}
+
+/// `[feedback.nats]`: each line of the correction log published to a NATS JetStream stream,
+/// acknowledged, in order, resumed after a restart or an outage from a cursor beside the log
+/// (docs/feedback.md#the-correction-stream).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NatsConfig {
+    /// `nats://host:4222` (several, comma-separated; `nats://user:password@host:4222` or
+    /// `nats://token@host:4222` to authenticate). The environment's
+    /// `RAMPART_FEEDBACK_NATS_URL` takes precedence. None: no stream.
+    pub url: Option<String>,
+    /// Messages go to `SUBJECT.MODEL` (the model's name with `.`, `*`, `>` and spaces as `_`).
+    pub subject: String,
+    /// The JetStream stream that takes `SUBJECT.>`.
+    pub stream: String,
+    /// Create the stream when it is missing (file storage, a one-hour duplicate window); off:
+    /// the operator creates it, and the server waits for it.
+    pub create_stream: bool,
+    /// A NATS credentials file (`.creds`: a user JWT and its NKey seed).
+    pub credentials_file: Option<PathBuf>,
+    /// Messages published before their acknowledgements are awaited.
+    pub max_in_flight: usize,
+}
+
+impl Default for NatsConfig {
+    fn default() -> Self {
+        Self {
+            url: None,
+            subject: "rampart.feedback".into(),
+            stream: "RAMPART_FEEDBACK".into(),
+            create_stream: true,
+            credentials_file: None,
+            max_in_flight: 256,
+        }
+    }
+}
+
+impl NatsConfig {
+    /// The URL in effect (the environment's first).
+    pub fn effective_url(&self) -> Option<String> {
+        std::env::var("RAMPART_FEEDBACK_NATS_URL")
+            .ok()
+            .filter(|u| !u.is_empty())
+            .or_else(|| self.url.clone().filter(|u| !u.is_empty()))
     }
 }
 
@@ -1268,6 +1317,42 @@ impl ServerConfig {
                 "feedback.retrain.error_rate = {}: a rate between 0 and 1",
                 f.retrain.error_rate
             )));
+        }
+        if f.nats.effective_url().is_some() {
+            if !f.corrections_log {
+                return Err(ConfigError(
+                    "feedback.nats streams the correction log: feedback.corrections_log must be on"
+                        .into(),
+                ));
+            }
+            let token = |s: &str| {
+                !s.is_empty()
+                    && s.split('.').all(|t| {
+                        !t.is_empty()
+                            && !t.contains(|c: char| c.is_whitespace() || c == '*' || c == '>')
+                    })
+            };
+            if !token(&f.nats.subject) {
+                return Err(ConfigError(format!(
+                    "feedback.nats.subject = {:?}: dot-separated tokens without spaces, `*` or `>`",
+                    f.nats.subject
+                )));
+            }
+            if f.nats.stream.is_empty()
+                || f.nats.stream.contains(|c: char| {
+                    c.is_whitespace() || matches!(c, '.' | '*' | '>' | '/' | '\\')
+                })
+            {
+                return Err(ConfigError(format!(
+                    "feedback.nats.stream = {:?}: a name without spaces, `.`, `*`, `>` or slashes",
+                    f.nats.stream
+                )));
+            }
+            if f.nats.max_in_flight == 0 {
+                return Err(ConfigError(
+                    "feedback.nats.max_in_flight must be at least 1".into(),
+                ));
+            }
         }
         for (model, rule) in &f.classes {
             feedback::ClassRule::parse(rule)

@@ -52,6 +52,8 @@ pub struct FeedbackService {
     key: LinkKey,
     config: FeedbackConfig,
     corrections: Mutex<Option<std::fs::File>>,
+    /// Told of each line appended to the correction log (the NATS stream reads it).
+    appended: Arc<tokio::sync::Notify>,
     /// When the retrain hook last ran per model.
     retrained: Mutex<HashMap<String, std::time::Instant>>,
 }
@@ -106,6 +108,7 @@ impl FeedbackService {
             key,
             config: config.clone(),
             corrections: Mutex::new(corrections),
+            appended: Arc::new(tokio::sync::Notify::new()),
             retrained: Mutex::new(HashMap::new()),
         }))
     }
@@ -145,6 +148,8 @@ impl FeedbackService {
             bytes.push(b'\n');
             if let Err(e) = f.write_all(&bytes) {
                 tracing::error!(error = %e, "the correction log could not be written");
+            } else {
+                self.appended.notify_one();
             }
         }
     }
@@ -569,11 +574,20 @@ async fn calibration(
     })))
 }
 
-/// Refreshes the per-class gauges every `refresh_s` and prunes the index hourly.
+/// Refreshes the per-class gauges every `refresh_s` and prunes the index hourly; streams the
+/// correction log to NATS when `[feedback.nats]` has a URL.
 pub fn spawn(state: Arc<AppState>) {
     let Some(service) = state.feedback.get().cloned() else {
         return;
     };
+    if let Some(url) = service.config.nats.effective_url() {
+        crate::feedback_stream::spawn(
+            service.config.nats.clone(),
+            url,
+            service.config.dir.join("corrections.jsonl"),
+            Arc::clone(&service.appended),
+        );
+    }
     tokio::spawn(async move {
         let mut shown: BTreeSet<(String, String, String)> = BTreeSet::new();
         let mut pruned_at = std::time::Instant::now();

@@ -38,6 +38,7 @@ pub mod doctor;
 pub mod error;
 pub mod faults;
 pub mod feedback_api;
+pub mod feedback_stream;
 pub mod front;
 pub mod grpc;
 pub mod handoff;

@@ -3,6 +3,8 @@
 //! - [`cached_model`]: the real models that `scripts/fetch-models.sh` puts in the model cache,
 //!   skipped with a note when absent, or a failure when `RAMPART_REQUIRE_MODELS=1` (as in CI).
 //! - [`flip_byte`]: tampering with a file, read-only or not, to test digest checks.
+//! - [`nats::Nats`]: a real NATS server with JetStream.
+//! - [`postgres::Postgres`]: a real PostgreSQL.
 //! - `otlp` (feature `otlp`): an OTLP trace receiver (gRPC and HTTP) for the trace tests.
 
 use std::path::{Path, PathBuf};
@@ -61,6 +63,7 @@ pub mod models {
     pub const MINILM_INT8_ONNX: &str = "all-minilm-l6-v2-int8/model.onnx";
 }
 
+pub mod nats;
 #[cfg(feature = "otlp")]
 pub mod otlp;
 pub mod postgres;

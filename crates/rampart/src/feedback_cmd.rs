@@ -352,6 +352,30 @@ impl Retrain<'_> {
         }
         plan.save_atomic(&path)?;
         let gated = !plan.gates.is_empty();
+        // A running server adopts the plan file at its next tick; the gates are read from it.
+        if let Some(url) = server.0 {
+            let api = crate::release_cmd::Api::new(url, server.1.map(str::to_string))?;
+            let want = serde_json::json!(plan.schedule.steps);
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            loop {
+                let (status, release) =
+                    api.call("GET", &format!("/admin/releases/{model}"), None)?;
+                if status == 200
+                    && release["plan"]["mode"] == "ab"
+                    && release["plan"]["schedule"]["steps"] == want
+                {
+                    break;
+                }
+                if std::time::Instant::now() > deadline {
+                    bail!(
+                        "{model}@{new_version} is imported and {} written, but the server at {url} \
+                         did not adopt the plan in 30 s (GET /admin/releases/{model}: {status})",
+                        path.display()
+                    );
+                }
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
         let mut release = std::process::Command::new(&me);
         release.arg("release");
         match server {

@@ -117,7 +117,7 @@ pub fn run(args: ReleaseArgs) -> Result<ExitCode> {
 }
 
 /// A small client of the server's APIs (JSON in, JSON out).
-struct Api {
+pub(crate) struct Api {
     runtime: tokio::runtime::Runtime,
     client: reqwest::Client,
     base: String,
@@ -125,7 +125,7 @@ struct Api {
 }
 
 impl Api {
-    fn new(url: &str, key: Option<String>) -> Result<Self> {
+    pub(crate) fn new(url: &str, key: Option<String>) -> Result<Self> {
         Ok(Self {
             runtime: tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -150,7 +150,7 @@ impl Api {
     }
 
     /// Status and JSON body (`null` when the body is not JSON).
-    fn call(
+    pub(crate) fn call(
         &self,
         method: &str,
         path: &str,

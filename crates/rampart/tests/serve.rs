@@ -2187,8 +2187,23 @@ fn feedback_by_key_and_signed_link_reaches_the_class_rates_and_the_datasets() {
     assert_eq!(hooked.trim(), format!("admin {MODEL} {target}"));
 
     // The loop closed: the corrected examples train a "new" version (a copy of the base here),
-    // imported with the dataset in its lineage and released as an A/B test at 20 %, the
-    // helpful rate judged.
+    // imported with the dataset in its lineage, passed through the model's gates (its golden
+    // set, the eval gate) and released as an A/B test at 20 %, the helpful rate judged.
+    let model_dir = dir.join("models").join(MODEL);
+    std::fs::create_dir_all(model_dir.join("golden")).unwrap();
+    std::fs::write(
+        model_dir.join("golden/cases.jsonl"),
+        concat!(
+            r#"{"id":"count","prompt":"1, 2, 3, 4,","expected":{"regex":"5","label":"count"}}"#,
+            "\n"
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        model_dir.join("release.toml"),
+        "stable = \"1.0.0\"\n\n[gates]\nlatency = false\n",
+    )
+    .unwrap();
     let train = r#"cp "$RAMPART_BASE_DIR"/*.gguf "$RAMPART_OUTPUT"/ && wc -l < "$RAMPART_DATASET" > "$RAMPART_OUTPUT/../rows.txt""#;
     let out = Command::new(binary())
         .current_dir(dir)
@@ -2213,6 +2228,11 @@ fn feedback_by_key_and_signed_link_reaches_the_class_rates_and_the_datasets() {
     let retrained: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(retrained["version"], "1.1.0");
     assert_eq!(retrained["base_version"], "1.0.0");
+    assert_eq!(retrained["gates"], true, "{retrained}");
+    assert!(
+        model_dir.join("gates/1.1.0.json").is_file(),
+        "the gates' results are kept beside the plan"
+    );
     let dataset_version = retrained["dataset_version"].as_str().unwrap();
     let (status, _, body) = http(
         server.port,

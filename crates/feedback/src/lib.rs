@@ -16,6 +16,7 @@ pub mod quality;
 pub mod sink;
 pub mod store;
 pub mod submission;
+pub mod testing;
 
 pub use class::ClassRule;
 pub use store::{Feedback, Response, Store, Submitted};

@@ -798,27 +798,7 @@ pub(crate) mod tests {
     use super::*;
     use serde_json::json;
 
-    pub fn response(audit: &str, class: &str, confidence: f32, time_ms: u64) -> Response {
-        Response {
-            audit_id: audit.into(),
-            request_id: format!("req-{audit}"),
-            response_id: Some(format!("chatcmpl-{audit}")),
-            time_ms,
-            principal: "app".into(),
-            user: None,
-            model: "tickets".into(),
-            version: "1.0.0".into(),
-            endpoint: "chat.completions".into(),
-            classes: vec![Some(class.into())],
-            confidences: vec![Some(confidence)],
-            input_sha256: "i".into(),
-            output_sha256: "o".into(),
-            input: Some(
-                json!({"messages": [{"role": "user", "content": format!("ticket {audit}")}]}),
-            ),
-            output: Some(json!({"choices": [format!("{{\"category\": \"{class}\"}}")]})),
-        }
-    }
+    pub use crate::testing::response;
 
     fn body(v: Value) -> Submission {
         Submission::parse(&v, true).unwrap()

@@ -3,29 +3,11 @@
 //! (two replicas) sharing one database, the same datasets from both backends.
 
 use feedback::export::{self, Format, Options};
-use feedback::store::{Filter, Response, Store};
+use feedback::store::{Filter, Store};
 use feedback::{Submission, Submitted, Target};
 use serde_json::json;
 
-fn response(audit: &str, class: &str, confidence: f32, time_ms: u64) -> Response {
-    Response {
-        audit_id: audit.into(),
-        request_id: format!("req-{audit}"),
-        response_id: Some(format!("chatcmpl-{audit}")),
-        time_ms,
-        principal: "app".into(),
-        user: Some("u1".into()),
-        model: "tickets".into(),
-        version: "1.0.0".into(),
-        endpoint: "chat.completions".into(),
-        classes: vec![Some(class.into())],
-        confidences: vec![Some(confidence)],
-        input_sha256: "i".into(),
-        output_sha256: "o".into(),
-        input: Some(json!({"messages": [{"role": "user", "content": format!("ticket {audit}")}]})),
-        output: Some(json!({"choices": [format!("{{\"category\": \"{class}\"}}")]})),
-    }
-}
+use feedback::testing::response;
 
 fn body(v: serde_json::Value) -> Submission {
     Submission::parse(&v, true).unwrap()

@@ -333,13 +333,17 @@ fn fake_quantize(x: &[f32], block: usize) -> Vec<f32> {
 }
 
 thread_local! {
-    /// Activation block size of the model under test (0 for float weights).
-    static ACT_BLOCK: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// Activation block size of the model under test's row kernels (0 for float weights), and
+    /// whether its type is packed (then every matrix with whole groups of eight rows takes its
+    /// activations in blocks of 32, K-quants too).
+    static ACT_BLOCK: std::cell::Cell<(usize, bool)> = const { std::cell::Cell::new((0, false)) };
 }
 
 /// `y[r] = Σ_c W[r][c] x[c]` for a rows × cols matrix, in f64.
 fn matvec(w: &[f32], x: &[f32], rows: usize) -> Vec<f32> {
-    let x = fake_quantize(x, ACT_BLOCK.with(|b| b.get()));
+    let (block, packable) = ACT_BLOCK.with(|b| b.get());
+    let packed = packable && rows.is_multiple_of(kernels::packed::PACK_ROWS);
+    let x = fake_quantize(x, if packed { kernels::dtype::QK } else { block });
     let cols = x.len();
     (0..rows)
         .map(|r| {
@@ -545,10 +549,13 @@ fn every_weight_type_matches_the_reference_forward() {
             assert_eq!(engine.model().family.name, arch);
             let got = engine.logits(&tokens).unwrap();
             ACT_BLOCK.with(|b| {
-                b.set(match dtype.activation_format() {
-                    kernels::ActFormat::F32 => 0,
-                    f => f.block_size(),
-                })
+                b.set((
+                    match dtype.activation_format() {
+                        kernels::ActFormat::F32 => 0,
+                        f => f.block_size(),
+                    },
+                    kernels::packed::packable(dtype),
+                ))
             });
             let want = reference_logits(&weights, &tokens, &spec);
             let vocab = weights.vocab;

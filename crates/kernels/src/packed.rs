@@ -2,23 +2,40 @@
 //! are interleaved, so one vector instruction multiplies four quants of each of eight weight
 //! rows by the same four activations.
 //!
-//! Layout of one packed block (block `b` of a group of rows `8g..8g+8`, for Q4_0, Q4_1, Q8_0):
+//! Every packed block covers 32 columns of a group of eight rows (block `b` of rows
+//! `8g..8g+8`) and is multiplied with one Q8x32 activation block. Its layout depends on the
+//! weight type:
 //!
-//! - the eight rows' scales `d` (f16 ×8), then for Q4_1 their minimums `m` (f16 ×8);
-//! - the quants in 32-byte chunks: chunk `c` holds bytes `4c..4c+4` of each row's quant bytes,
-//!   row after row (Q4: 4 chunks of packed nibbles, byte `j` holding elements `j` and `j+16`;
-//!   Q8_0: 8 chunks of signed bytes).
+//! | weight types | header | quants |
+//! |---|---|---|
+//! | Q4_0 | `d` f16 ×8 | 4 chunks of nibbles |
+//! | Q4_1 | `d` f16 ×8, `m` f16 ×8 | 4 chunks of nibbles |
+//! | Q8_0 | `d` f16 ×8 | 8 chunks of signed bytes |
+//! | Q4_K | `scale` f32 ×8, `offset` f32 ×8 | 4 chunks of nibbles |
+//! | Q5_0, Q5_1, Q5_K | `scale` f32 ×8, `offset` f32 ×8 | 8 chunks of signed bytes |
+//! | Q3_K, Q6_K | `scale` of elements 0..16 f32 ×8, of elements 16..32 f32 ×8 | 8 chunks of signed bytes |
+//!
+//! Chunk `c` holds bytes `4c..4c+4` of each row's quant bytes, row after row (nibbles: byte `j`
+//! holds elements `j` and `j+16`). The first three keep GGUF's own blocks, interleaved. The others
+//! are unpacked at load to integers with exact f32 scales (`d·sc` of a K-quant sub-block is a
+//! product of an f16 and a 6- or 8-bit integer, exact in f32), so a K-quant or Q5 matrix runs on
+//! the same integer kernel as Q4_1 and Q8_0: Q4_K grows from 4.5 to 6 bits per weight, Q5_x and
+//! the 6-bit and 3-bit types to 10 bits (the trade is in docs/perf.md). Q2_K stays on its row
+//! kernel.
 //!
 //! Each (weight row, activation row) result is computed the same way whatever else is in the
 //! batch: per block the exact integer dot product, then `acc = (d·d_a)·dot + acc` and
 //! `acc = offset·s_a + acc` with fused multiply-adds (`offset` is `-8d` for Q4_0, `m` for
-//! Q4_1). The scalar reference performs the same fused operations, so the SIMD kernel matches it
-//! bit for bit and a sequence's logits do not depend on what it is batched with.
+//! Q4_1, the stored offset for Q4_K and Q5_x; Q3_K and Q6_K add their two half-block dot
+//! products, each with its own scale). The scalar reference performs the same fused operations,
+//! so the SIMD kernel matches it bit for bit and a sequence's logits do not depend on what it is
+//! batched with.
 
 use half::f16;
 
 use crate::dispatch::Isa;
 use crate::dtype::{DType, Q8X32_BLOCK_BYTES, QK};
+use crate::quant::{unpack32, unpack_k};
 
 /// Weight rows per packed group.
 pub const PACK_ROWS: usize = 8;
@@ -26,66 +43,169 @@ pub const PACK_ROWS: usize = 8;
 /// Activation rows one packed kernel call multiplies.
 pub const PACK_ACTS: usize = 4;
 
+/// How a weight type is laid out once packed (see the table in the module's documentation).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Layout {
+    Q4_0,
+    Q4_1,
+    Q8_0,
+    /// Unsigned 4-bit quants with an f32 scale and offset per block (Q4_K).
+    U4F,
+    /// Signed 8-bit quants with an f32 scale and offset per block (Q5_0, Q5_1, Q5_K).
+    I8F,
+    /// Signed 8-bit quants with an f32 scale per half block and no offset (Q3_K, Q6_K).
+    I8H,
+}
+
+/// Bytes of the f32 header (eight scales, then eight offsets or second scales) of the unpacked
+/// layouts.
+const F32_HEADER: usize = 64;
+
+pub(crate) fn layout(dtype: DType) -> Option<Layout> {
+    Some(match dtype {
+        DType::Q4_0 => Layout::Q4_0,
+        DType::Q4_1 => Layout::Q4_1,
+        DType::Q8_0 => Layout::Q8_0,
+        DType::Q4_K => Layout::U4F,
+        DType::Q5_0 | DType::Q5_1 | DType::Q5_K => Layout::I8F,
+        DType::Q3_K | DType::Q6_K => Layout::I8H,
+        _ => return None,
+    })
+}
+
+fn layout_of(dtype: DType) -> Layout {
+    layout(dtype).unwrap_or_else(|| panic!("{dtype} is not packable"))
+}
+
 /// Whether matrices of this type (with rows a multiple of [`PACK_ROWS`]) can be packed.
 pub fn packable(dtype: DType) -> bool {
-    matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0)
+    layout(dtype).is_some()
 }
 
 /// Bytes of one packed block of a group.
 pub fn packed_block_bytes(dtype: DType) -> usize {
-    match dtype {
-        DType::Q4_0 => 16 + 128,
-        DType::Q4_1 => 32 + 128,
-        DType::Q8_0 => 16 + 256,
-        other => panic!("{other} is not packable"),
+    match layout_of(dtype) {
+        Layout::Q4_0 => 16 + 128,
+        Layout::Q4_1 => 32 + 128,
+        Layout::Q8_0 => 16 + 256,
+        Layout::U4F => F32_HEADER + 128,
+        Layout::I8F | Layout::I8H => F32_HEADER + 256,
     }
 }
 
 /// Bytes of the quant header of a GGUF block of `dtype` (before its quant bytes) and the
-/// number of quant bytes.
-fn source_layout(dtype: DType) -> (usize, usize) {
-    match dtype {
-        DType::Q4_0 => (2, 16),
-        DType::Q4_1 => (4, 16),
-        DType::Q8_0 => (2, 32),
-        other => panic!("{other} is not packable"),
+/// number of quant bytes, for the layouts that keep GGUF's blocks.
+fn source_layout(layout: Layout) -> (usize, usize) {
+    match layout {
+        Layout::Q4_0 => (2, 16),
+        Layout::Q4_1 => (4, 16),
+        _ => (2, 32),
     }
 }
 
 /// Packs a `rows × cols` matrix of `dtype` stored row after row (GGUF layout). `None` when the
 /// type has no packed kernel or `rows` is not a multiple of [`PACK_ROWS`].
 pub fn pack(dtype: DType, data: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
-    if !packable(dtype) || !rows.is_multiple_of(PACK_ROWS) || !cols.is_multiple_of(QK) || rows == 0
-    {
+    let layout = layout(dtype)?;
+    if !rows.is_multiple_of(PACK_ROWS) || !cols.is_multiple_of(QK) || rows == 0 {
         return None;
     }
-    let bb = dtype.block_bytes();
-    let row_bytes = cols / QK * bb;
+    let row_bytes = dtype.row_bytes(cols)?;
     if data.len() != rows * row_bytes {
         return None;
     }
     let nb = cols / QK;
     let pbb = packed_block_bytes(dtype);
-    let (header, quant_bytes) = source_layout(dtype);
     let mut out = vec![0u8; rows / PACK_ROWS * nb * pbb];
-    for g in 0..rows / PACK_ROWS {
-        for b in 0..nb {
-            let dst = &mut out[(g * nb + b) * pbb..][..pbb];
-            for r in 0..PACK_ROWS {
-                let src = &data[(g * PACK_ROWS + r) * row_bytes + b * bb..][..bb];
-                dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
-                if dtype == DType::Q4_1 {
-                    dst[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&src[2..4]);
+    if matches!(layout, Layout::Q4_0 | Layout::Q4_1 | Layout::Q8_0) {
+        let bb = dtype.block_bytes();
+        let (header, quant_bytes) = source_layout(layout);
+        for g in 0..rows / PACK_ROWS {
+            for b in 0..nb {
+                let dst = &mut out[(g * nb + b) * pbb..][..pbb];
+                for r in 0..PACK_ROWS {
+                    let src = &data[(g * PACK_ROWS + r) * row_bytes + b * bb..][..bb];
+                    dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
+                    if layout == Layout::Q4_1 {
+                        dst[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&src[2..4]);
+                    }
+                    let quants_at = if layout == Layout::Q4_1 { 32 } else { 16 };
+                    for c in 0..quant_bytes / 4 {
+                        let to = quants_at + 32 * c + 4 * r;
+                        dst[to..to + 4].copy_from_slice(&src[header + 4 * c..header + 4 * c + 4]);
+                    }
                 }
-                let quants_at = if dtype == DType::Q4_1 { 32 } else { 16 };
-                for c in 0..quant_bytes / 4 {
-                    let to = quants_at + 32 * c + 4 * r;
-                    dst[to..to + 4].copy_from_slice(&src[header + 4 * c..header + 4 * c + 4]);
+            }
+        }
+        return Some(out);
+    }
+    let (bs, bb) = (dtype.block_size(), dtype.block_bytes());
+    for g in 0..rows / PACK_ROWS {
+        for r in 0..PACK_ROWS {
+            let row = &data[(g * PACK_ROWS + r) * row_bytes..][..row_bytes];
+            for (s, src) in row.chunks_exact(bb).enumerate() {
+                for (k, block) in unpacked_blocks(dtype, src).iter().enumerate() {
+                    let b = s * (bs / QK) + k;
+                    put_block(layout, &mut out[(g * nb + b) * pbb..][..pbb], r, block);
                 }
             }
         }
     }
     Some(out)
+}
+
+/// One 32-element block as integers: `value[i] = scales[i / 16] · q[i] + offset`.
+struct IntBlock {
+    q: [i8; QK],
+    scales: [f32; 2],
+    offset: f32,
+}
+
+/// The 32-element blocks of one GGUF block of a type packed by unpacking (one for Q5_x, eight
+/// for a K-quant super-block).
+fn unpacked_blocks(dtype: DType, src: &[u8]) -> Vec<IntBlock> {
+    if dtype.block_size() == QK {
+        let u = unpack32(dtype, src);
+        return vec![IntBlock {
+            q: u.q,
+            scales: [u.scale; 2],
+            offset: u.offset,
+        }];
+    }
+    let u = unpack_k(dtype, src);
+    (0..8)
+        .map(|sub| IntBlock {
+            q: std::array::from_fn(|i| u.q[sub * QK + i]),
+            scales: [u.scales[2 * sub], u.scales[2 * sub + 1]],
+            // Q4_K and Q5_K have one minimum per 32 elements; Q3_K and Q6_K none.
+            offset: -u.mins[2 * sub],
+        })
+        .collect()
+}
+
+/// Writes row `r`'s block into a packed block of an unpacked layout.
+fn put_block(layout: Layout, dst: &mut [u8], r: usize, block: &IntBlock) {
+    let second = match layout {
+        Layout::I8H => block.scales[1],
+        _ => block.offset,
+    };
+    dst[4 * r..4 * r + 4].copy_from_slice(&block.scales[0].to_le_bytes());
+    dst[32 + 4 * r..32 + 4 * r + 4].copy_from_slice(&second.to_le_bytes());
+    if layout == Layout::U4F {
+        for c in 0..4 {
+            for k in 0..4 {
+                let j = 4 * c + k;
+                dst[F32_HEADER + 32 * c + 4 * r + k] =
+                    (block.q[j] as u8 & 0x0f) | ((block.q[j + 16] as u8) << 4);
+            }
+        }
+    } else {
+        for c in 0..8 {
+            for k in 0..4 {
+                dst[F32_HEADER + 32 * c + 4 * r + k] = block.q[4 * c + k] as u8;
+            }
+        }
+    }
 }
 
 fn f16_at(bytes: &[u8], at: usize) -> f32 {
@@ -99,6 +219,7 @@ fn f32_at(bytes: &[u8], at: usize) -> f32 {
 /// The scalar reference: one packed group (all its blocks) times one Q8x32 activation row of
 /// `cols` elements; the eight rows' dot products.
 pub fn dot_packed_ref(dtype: DType, group: &[u8], act: &[u8], cols: usize) -> [f32; PACK_ROWS] {
+    let layout = layout_of(dtype);
     let nb = cols / QK;
     let pbb = packed_block_bytes(dtype);
     let mut acc = [0f32; PACK_ROWS];
@@ -108,36 +229,57 @@ pub fn dot_packed_ref(dtype: DType, group: &[u8], act: &[u8], cols: usize) -> [f
         let (da, sa) = (f32_at(a, 0), f32_at(a, 4));
         let aq = |i: usize| i32::from(a[8 + i] as i8);
         for (r, acc) in acc.iter_mut().enumerate() {
-            let d = f16_at(blk, 2 * r);
-            let mut dot = 0i32;
-            match dtype {
-                DType::Q8_0 => {
-                    for c in 0..8 {
-                        for k in 0..4 {
-                            let w = i32::from(blk[16 + 32 * c + 4 * r + k] as i8);
-                            dot += w * aq(4 * c + k);
-                        }
+            // The dot products of elements 0..16 and 16..32 of the bytes chunks (the halves
+            // matter to Q3_K and Q6_K only), or of the whole block of nibbles.
+            let bytes_dot = |at: usize, chunks: std::ops::Range<usize>| {
+                let mut dot = 0i32;
+                for c in chunks {
+                    for k in 0..4 {
+                        dot += i32::from(blk[at + 32 * c + 4 * r + k] as i8) * aq(4 * c + k);
                     }
                 }
-                _ => {
-                    let at = if dtype == DType::Q4_1 { 32 } else { 16 };
-                    for c in 0..4 {
-                        for k in 0..4 {
-                            let byte = blk[at + 32 * c + 4 * r + k];
-                            dot += i32::from(byte & 0x0f) * aq(4 * c + k);
-                            dot += i32::from(byte >> 4) * aq(16 + 4 * c + k);
-                        }
-                    }
-                }
-            }
-            *acc = (d * da).mul_add(dot as f32, *acc);
-            let offset = match dtype {
-                DType::Q4_0 => -8.0 * d,
-                DType::Q4_1 => f16_at(blk, 16 + 2 * r),
-                _ => 0.0,
+                dot
             };
-            if dtype != DType::Q8_0 {
-                *acc = offset.mul_add(sa, *acc);
+            let nibbles_dot = |at: usize| {
+                let mut dot = 0i32;
+                for c in 0..4 {
+                    for k in 0..4 {
+                        let byte = blk[at + 32 * c + 4 * r + k];
+                        dot += i32::from(byte & 0x0f) * aq(4 * c + k);
+                        dot += i32::from(byte >> 4) * aq(16 + 4 * c + k);
+                    }
+                }
+                dot
+            };
+            match layout {
+                Layout::Q4_0 | Layout::Q4_1 | Layout::Q8_0 => {
+                    let d = f16_at(blk, 2 * r);
+                    let dot = match layout {
+                        Layout::Q8_0 => bytes_dot(16, 0..8),
+                        Layout::Q4_1 => nibbles_dot(32),
+                        _ => nibbles_dot(16),
+                    };
+                    *acc = (d * da).mul_add(dot as f32, *acc);
+                    match layout {
+                        Layout::Q4_0 => *acc = (-8.0 * d).mul_add(sa, *acc),
+                        Layout::Q4_1 => *acc = f16_at(blk, 16 + 2 * r).mul_add(sa, *acc),
+                        _ => {}
+                    }
+                }
+                Layout::U4F | Layout::I8F => {
+                    let dot = if layout == Layout::U4F {
+                        nibbles_dot(F32_HEADER)
+                    } else {
+                        bytes_dot(F32_HEADER, 0..8)
+                    };
+                    *acc = (f32_at(blk, 4 * r) * da).mul_add(dot as f32, *acc);
+                    *acc = f32_at(blk, 32 + 4 * r).mul_add(sa, *acc);
+                }
+                Layout::I8H => {
+                    let (lo, hi) = (bytes_dot(F32_HEADER, 0..4), bytes_dot(F32_HEADER, 4..8));
+                    *acc = (f32_at(blk, 4 * r) * da).mul_add(lo as f32, *acc);
+                    *acc = (f32_at(blk, 32 + 4 * r) * da).mul_add(hi as f32, *acc);
+                }
             }
         }
     }
@@ -217,10 +359,38 @@ mod tests {
         out
     }
 
+    /// The exact dot product of a weight row (dequantized) with a Q8x32 activation row
+    /// (dequantized), in f64.
+    fn float_dot(dtype: DType, w: &[u8], a: &[u8], cols: usize) -> (f64, f64) {
+        let mut wf = vec![0f32; cols];
+        crate::quant::dequantize_row(dtype, w, &mut wf);
+        let (mut dot, mut magnitude) = (0f64, 0f64);
+        for (b, block) in a.chunks_exact(Q8X32_BLOCK_BYTES).enumerate() {
+            let da = f64::from(f32_at(block, 0));
+            for i in 0..QK {
+                let p = f64::from(wf[b * QK + i]) * da * f64::from(block[8 + i] as i8);
+                dot += p;
+                magnitude += p.abs();
+            }
+        }
+        (dot, magnitude)
+    }
+
     #[test]
     fn packed_dots_match_the_row_reference_and_are_batch_invariant() {
-        for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
-            for cols in [32usize, 96, 576] {
+        let cases = [
+            (DType::Q4_0, vec![32usize, 96, 576]),
+            (DType::Q4_1, vec![32, 96, 576]),
+            (DType::Q8_0, vec![32, 96, 576]),
+            (DType::Q5_0, vec![32, 96, 576]),
+            (DType::Q5_1, vec![32, 96, 576]),
+            (DType::Q4_K, vec![256, 768]),
+            (DType::Q5_K, vec![256, 768]),
+            (DType::Q6_K, vec![256, 768]),
+            (DType::Q3_K, vec![256, 768]),
+        ];
+        for (dtype, widths) in cases {
+            for cols in widths {
                 let rows = 16;
                 let data: Vec<u8> = (0..rows)
                     .flat_map(|r| random_row(dtype, cols, 40 + r as u64))
@@ -240,11 +410,20 @@ mod tests {
                     for (i, a) in acts.iter().enumerate() {
                         for r in 0..PACK_ROWS {
                             let w = &data[(g * PACK_ROWS + r) * row_bytes..][..row_bytes];
-                            let want = vec_dot_ref(dtype, w, a, cols);
                             let got = reference[i][r];
+                            if dtype.activation_format() == crate::ActFormat::Q8x32 {
+                                let want = vec_dot_ref(dtype, w, a, cols);
+                                assert!(
+                                    (got - want).abs() <= 1e-4 * want.abs().max(1.0),
+                                    "{dtype} cols {cols} g{g} r{r} i{i}: {got} vs {want}"
+                                );
+                            }
+                            // Against the exact product of the dequantized weights and
+                            // activations: only f32 rounding apart.
+                            let (want, magnitude) = float_dot(dtype, w, a, cols);
                             assert!(
-                                (got - want).abs() <= 1e-4 * want.abs().max(1.0),
-                                "{dtype} cols {cols} g{g} r{r} i{i}: {got} vs {want}"
+                                (f64::from(got) - want).abs() <= 1e-5 * magnitude.max(1.0),
+                                "{dtype} cols {cols} g{g} r{r} i{i}: {got} vs exact {want}"
                             );
                         }
                     }
@@ -292,6 +471,9 @@ mod tests {
         assert!(pack(DType::Q4_1, &q.repeat(7), 7, 64).is_none());
         assert!(pack(DType::Q4_1, &q.repeat(8), 8, 64).is_some());
         let k = random_row(DType::Q4_K, 256, 1);
-        assert!(pack(DType::Q4_K, &k.repeat(8), 8, 256).is_none());
+        assert!(pack(DType::Q4_K, &k.repeat(7), 7, 256).is_none());
+        assert!(pack(DType::Q4_K, &k.repeat(8), 8, 256).is_some());
+        let q2 = random_row(DType::Q2_K, 256, 1);
+        assert!(pack(DType::Q2_K, &q2.repeat(8), 8, 256).is_none());
     }
 }

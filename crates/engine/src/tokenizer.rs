@@ -149,12 +149,20 @@ fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper, EngineError> {
     let byte_level = |regex| PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, regex));
     Ok(match pre {
         // GPT-2's own regex, applied by the byte-level step.
-        "default" | "gpt-2" | "gpt2" | "phi-2" | "roberta-bpe" | "starcoder" | "refact" | "olmo" | "mpt" | "jina-es"
+        "default" | "gpt-2" | "gpt2" | "phi-2" | "roberta-bpe" | "olmo" | "mpt" | "jina-es"
         | "jina-de" | "jina-v2-es" | "jina-v2-de" | "jina-v1-en" | "jina-v2-code" => byte_level(true),
-        // Digits one by one, then GPT-2's regex.
-        "smollm" | "codeshell" | "exaone" | "minerva" => PreTokenizerWrapper::Sequence(Sequence::new(vec![
-            PreTokenizerWrapper::Digits(Digits::new(true)),
+        // Digits (every Unicode number, `½` too) one by one, then GPT-2's regex.
+        "smollm" | "starcoder" | "refact" | "command-r" | "codeshell" | "exaone" | "minerva" => {
+            PreTokenizerWrapper::Sequence(Sequence::new(vec![
+                PreTokenizerWrapper::Digits(Digits::new(true)),
+                byte_level(true),
+            ]))
+        }
+        // Runs of punctuation and symbols apart, then GPT-2's regex, then digits in threes.
+        "falcon" => PreTokenizerWrapper::Sequence(Sequence::new(vec![
+            split(r"[\p{P}\$\+<=>\^~\|`]+")?,
             byte_level(true),
+            split("[0-9][0-9][0-9]")?,
         ])),
         "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral" | "smaug-bpe" | "dbrx" => {
             PreTokenizerWrapper::Sequence(Sequence::new(vec![split(LLAMA3_PATTERN)?, byte_level(false)]))
@@ -164,7 +172,7 @@ fn pre_tokenizer(pre: &str) -> Result<PreTokenizerWrapper, EngineError> {
         }
         other => {
             return Err(bad(format!(
-                "pre-tokenizer {other:?} is not supported (supported: gpt-2, smollm, llama3/llama-bpe, qwen2 and their aliases)"
+                "pre-tokenizer {other:?} is not supported (supported: gpt-2, smollm, starcoder, falcon, llama3/llama-bpe, qwen2 and their aliases)"
             )))
         }
     })
@@ -322,8 +330,15 @@ impl Tokenizer {
                     .ok_or_else(|| bad(format!("merge {m:?} is not two tokens")))
             })
             .collect::<Result<Vec<_>, _>>()?;
+        // Llama 3's tokenizer takes a pre-tokenized word that is itself a token whole, without
+        // merging (`ignore_merges`), as llama.cpp does for its family.
+        let ignore_merges = matches!(
+            pre,
+            "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "pixtral"
+        );
         let bpe = BPE::builder()
             .vocab_and_merges(vocab, merge_pairs)
+            .ignore_merges(ignore_merges)
             .build()
             .map_err(|e| bad(format!("building the BPE model: {e}")))?;
         let mut inner = tokenizers::Tokenizer::new(bpe);

@@ -11,7 +11,7 @@ use std::ops::Range;
 use std::path::Path;
 
 use formats::gguf::GgufFile;
-use kernels::ops::{geglu, swiglu, Rope, RopeScaling};
+use kernels::ops::{Rope, RopeScaling};
 use kernels::quant::dequantize_row;
 use kernels::{Backend, Matrix, QueryRow, Scratch};
 
@@ -584,10 +584,8 @@ impl Model {
                     }
                 }
             }
-            match self.family.activation {
-                Activation::Silu => swiglu(gate, up),
-                Activation::GeluTanh => geglu(gate, up),
-            }
+            let gelu = self.family.activation == Activation::GeluTanh;
+            backend.gated_activation(gelu, gate, up);
             backend.matmul(&self.matrix(&layer.w_down), gate, m, o, &mut s.scratch);
             if let Some(norm) = &layer.post_ffn_norm {
                 backend.rms_norm_rows(o, norm, c.norm_eps, h);

@@ -29,6 +29,8 @@ pub trait Backend: Send + Sync {
     );
     /// RMSNorm of each `weight.len()`-sized row of `x` into `out`.
     fn rms_norm_rows(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]);
+    /// `gate[i] = act(gate[i]) · up[i]`: SiLU, or with `gelu` GELU's tanh form.
+    fn gated_activation(&self, gelu: bool, gate: &mut [f32], up: &[f32]);
     /// Causal attention of `q` rows over the key/value cache (see [`crate::ops::attention`]).
     fn attention(&self, shape: AttentionShape, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]);
     /// Attention of `q` rows, each over its own sequence in a paged KV cache (see
@@ -97,6 +99,10 @@ impl Backend for CpuBackend {
         for (row, dst) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
             rms_norm(self.isa, row, weight, eps, dst);
         }
+    }
+
+    fn gated_activation(&self, gelu: bool, gate: &mut [f32], up: &[f32]) {
+        crate::dispatch::gated_activation(self.isa, gelu, gate, up);
     }
 
     fn attention(&self, shape: AttentionShape, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32]) {

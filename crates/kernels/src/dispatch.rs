@@ -69,6 +69,25 @@ pub fn dot_f32(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
+/// `gate[i] = silu(gate[i]) · up[i]` (the SwiGLU of llama-family feed-forward blocks), or with
+/// `gelu` GELU's tanh approximation (Gemma's GeGLU). The AVX2 kernel's exponential is within
+/// 2e-7 of the scalar one.
+pub fn gated_activation(isa: Isa, gelu: bool, gate: &mut [f32], up: &[f32]) {
+    assert_eq!(gate.len(), up.len(), "gate and up have one length");
+    #[cfg(target_arch = "x86_64")]
+    if isa >= Isa::Avx2 {
+        // SAFETY: Isa::Avx2 is only chosen when the CPU has AVX2 and FMA.
+        unsafe { crate::x86::gated_activation(gelu, gate, up) };
+        return;
+    }
+    let _ = isa;
+    if gelu {
+        crate::ops::geglu(gate, up);
+    } else {
+        crate::ops::swiglu(gate, up);
+    }
+}
+
 /// Quantizes an activation row for dot products with weights of type `dtype`.
 pub fn quantize_activations(isa: Isa, format: ActFormat, x: &[f32], out: &mut [u8]) {
     #[cfg(target_arch = "x86_64")]

@@ -128,11 +128,13 @@ pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
-/// GELU, tanh approximation (as GPT-2/BERT exports use).
+/// GELU, tanh approximation (as GPT-2/BERT exports use): `0.5·x·(1 + tanh(u))` with
+/// `u = √(2/π)·(x + 0.044715·x³)`, computed as `x·σ(2u)`, which equals it and keeps its digits
+/// for negative `x` (where `1 + tanh(u)` cancels).
 #[inline]
 pub fn gelu(x: f32) -> f32 {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).tanh())
+    const TWO_SQRT_2_OVER_PI: f32 = 1.595_769_2;
+    x / (1.0 + (-TWO_SQRT_2_OVER_PI * (x + 0.044_715 * x * x * x)).exp())
 }
 
 /// The error function, Abramowitz & Stegun 7.1.26 evaluated in f64 (absolute error below
@@ -513,6 +515,46 @@ pub fn attend(
 mod tests {
     use super::*;
     use crate::testing::random_f32;
+
+    #[test]
+    fn gated_activations_match_the_scalar_functions_on_every_isa() {
+        // Ordinary activations, large ones of both signs (where e^x saturates) and a tail that
+        // is not a multiple of eight.
+        let mut gate: Vec<f32> = random_f32(1003, 11).iter().map(|v| 6.0 * v).collect();
+        gate.extend([
+            0.0, -0.0, 90.0, -90.0, 200.0, -200.0, 1e-30, -1e-30, 20.0, -20.0,
+        ]);
+        let up = random_f32(gate.len(), 12);
+        for gelu in [false, true] {
+            for isa in crate::dispatch::Isa::available() {
+                let mut got = gate.clone();
+                crate::dispatch::gated_activation(isa, gelu, &mut got, &up);
+                for (i, (&x, &u)) in gate.iter().zip(&up).enumerate() {
+                    // Against the functions in f64 (the f32 scalar GELU loses digits to
+                    // cancellation in `1 + tanh` for negative inputs; the kernel's σ form does
+                    // not).
+                    let (x64, u64_) = (f64::from(x), f64::from(u));
+                    let act = if gelu {
+                        let t = (0.797_884_560_802_865_4 * (x64 + 0.044_715 * x64.powi(3))).tanh();
+                        0.5 * x64 * (1.0 + t)
+                    } else {
+                        x64 / (1.0 + (-x64).exp())
+                    };
+                    let want = act * u64_;
+                    assert!(
+                        (f64::from(got[i]) - want).abs() <= 4e-6 * want.abs() + 1e-30,
+                        "gelu {gelu} {isa:?}: act({x}) · {u} = {} (f64 {want}, scalar {})",
+                        got[i],
+                        if gelu { gelu_fn(x) } else { silu(x) } * u
+                    );
+                }
+            }
+        }
+    }
+
+    fn gelu_fn(x: f32) -> f32 {
+        gelu(x)
+    }
 
     #[test]
     fn erf_and_exact_gelu_match_known_values() {

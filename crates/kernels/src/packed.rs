@@ -11,22 +11,25 @@
 //! | Q4_0 | `d` f16 ×8 | 4 chunks of nibbles |
 //! | Q4_1 | `d` f16 ×8, `m` f16 ×8 | 4 chunks of nibbles |
 //! | Q8_0 | `d` f16 ×8 | 8 chunks of signed bytes |
+//! | Q5_0 | `d` f16 ×8, fifth bits u32 ×8 | 4 chunks of nibbles |
+//! | Q5_1 | `d` f16 ×8, `m` f16 ×8, fifth bits u32 ×8 | 4 chunks of nibbles |
 //! | Q4_K | `scale` f32 ×8, `offset` f32 ×8 | 4 chunks of nibbles |
-//! | Q5_0, Q5_1, Q5_K | `scale` f32 ×8, `offset` f32 ×8 | 8 chunks of signed bytes |
+//! | Q5_K | `scale` f32 ×8, `offset` f32 ×8, fifth bits u32 ×8 | 4 chunks of nibbles |
 //! | Q3_K, Q6_K | `scale` of elements 0..16 f32 ×8, of elements 16..32 f32 ×8 | 8 chunks of signed bytes |
 //!
 //! Chunk `c` holds bytes `4c..4c+4` of each row's quant bytes, row after row (nibbles: byte `j`
-//! holds elements `j` and `j+16`). The first three keep GGUF's own blocks, interleaved. The others
-//! are unpacked at load to integers with exact f32 scales (`d·sc` of a K-quant sub-block is a
-//! product of an f16 and a 6- or 8-bit integer, exact in f32), so a K-quant or Q5 matrix runs on
-//! the same integer kernel as Q4_1 and Q8_0: Q4_K grows from 4.5 to 6 bits per weight, Q5_x and
-//! the 6-bit and 3-bit types to 10 bits (the trade is in docs/perf.md). Q2_K stays on its row
-//! kernel.
+//! holds elements `j` and `j+16`; a row's fifth bits are a little-endian u32 with bit `i` for
+//! element `i`, as in GGUF's Q5 blocks). Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 keep GGUF's own blocks,
+//! interleaved, at their own size. The K-quants are unpacked at load to integers with exact f32
+//! scales (`d·sc` of a K-quant sub-block is a product of an f16 and a 6- or 8-bit integer, exact
+//! in f32), so they run on the same integer kernel: Q4_K grows from 4.5 to 6 bits per weight,
+//! Q5_K from 5.5 to 7, Q3_K and Q6_K to 10 (the trade is in docs/engine.md). Q2_K stays on its
+//! row kernel.
 //!
 //! Each (weight row, activation row) result is computed the same way whatever else is in the
 //! batch: per block the exact integer dot product, then `acc = (d·d_a)·dot + acc` and
-//! `acc = offset·s_a + acc` with fused multiply-adds (`offset` is `-8d` for Q4_0, `m` for
-//! Q4_1, the stored offset for Q4_K and Q5_x; Q3_K and Q6_K add their two half-block dot
+//! `acc = offset·s_a + acc` with fused multiply-adds (`offset` is `-8d` for Q4_0, `-16d` for
+//! Q5_0, `m` for Q4_1 and Q5_1, the stored offset for Q4_K and Q5_K; Q3_K and Q6_K add their two half-block dot
 //! products, each with its own scale). The scalar reference performs the same fused operations,
 //! so the SIMD kernel matches it bit for bit and a sequence's logits do not depend on what it is
 //! batched with.
@@ -48,11 +51,13 @@ pub const PACK_ACTS: usize = 4;
 pub(crate) enum Layout {
     Q4_0,
     Q4_1,
+    Q5_0,
+    Q5_1,
     Q8_0,
     /// Unsigned 4-bit quants with an f32 scale and offset per block (Q4_K).
     U4F,
-    /// Signed 8-bit quants with an f32 scale and offset per block (Q5_0, Q5_1, Q5_K).
-    I8F,
+    /// Unsigned 5-bit quants (nibbles and fifth bits) with an f32 scale and offset (Q5_K).
+    U5F,
     /// Signed 8-bit quants with an f32 scale per half block and no offset (Q3_K, Q6_K).
     I8H,
 }
@@ -66,8 +71,10 @@ pub(crate) fn layout(dtype: DType) -> Option<Layout> {
         DType::Q4_0 => Layout::Q4_0,
         DType::Q4_1 => Layout::Q4_1,
         DType::Q8_0 => Layout::Q8_0,
+        DType::Q5_0 => Layout::Q5_0,
+        DType::Q5_1 => Layout::Q5_1,
         DType::Q4_K => Layout::U4F,
-        DType::Q5_0 | DType::Q5_1 | DType::Q5_K => Layout::I8F,
+        DType::Q5_K => Layout::U5F,
         DType::Q3_K | DType::Q6_K => Layout::I8H,
         _ => return None,
     })
@@ -88,17 +95,36 @@ pub fn packed_block_bytes(dtype: DType) -> usize {
         Layout::Q4_0 => 16 + 128,
         Layout::Q4_1 => 32 + 128,
         Layout::Q8_0 => 16 + 256,
+        Layout::Q5_0 => 16 + 32 + 128,
+        Layout::Q5_1 => 32 + 32 + 128,
         Layout::U4F => F32_HEADER + 128,
-        Layout::I8F | Layout::I8H => F32_HEADER + 256,
+        Layout::U5F => F32_HEADER + 32 + 128,
+        Layout::I8H => F32_HEADER + 256,
     }
 }
 
-/// Bytes of the quant header of a GGUF block of `dtype` (before its quant bytes) and the
-/// number of quant bytes, for the layouts that keep GGUF's blocks.
+/// Bytes before a packed block's fifth bits (5-bit layouts) or quants: its scales and offsets.
+pub(crate) fn header_bytes(layout: Layout) -> usize {
+    match layout {
+        Layout::Q4_0 | Layout::Q5_0 | Layout::Q8_0 => 16,
+        Layout::Q4_1 | Layout::Q5_1 => 32,
+        Layout::U4F | Layout::U5F | Layout::I8H => F32_HEADER,
+    }
+}
+
+/// Whether a layout's quants are 5-bit (nibbles plus a u32 of fifth bits per row).
+pub(crate) fn five_bit(layout: Layout) -> bool {
+    matches!(layout, Layout::Q5_0 | Layout::Q5_1 | Layout::U5F)
+}
+
+/// Bytes of the scale header of a GGUF block (before its fifth bits or quants) and the number
+/// of quant bytes, for the layouts that keep GGUF's blocks.
 fn source_layout(layout: Layout) -> (usize, usize) {
     match layout {
         Layout::Q4_0 => (2, 16),
         Layout::Q4_1 => (4, 16),
+        Layout::Q5_0 => (2, 16),
+        Layout::Q5_1 => (4, 16),
         _ => (2, 32),
     }
 }
@@ -117,19 +143,27 @@ pub fn pack(dtype: DType, data: &[u8], rows: usize, cols: usize) -> Option<Vec<u
     let nb = cols / QK;
     let pbb = packed_block_bytes(dtype);
     let mut out = vec![0u8; rows / PACK_ROWS * nb * pbb];
-    if matches!(layout, Layout::Q4_0 | Layout::Q4_1 | Layout::Q8_0) {
+    if dtype.block_size() == QK {
         let bb = dtype.block_bytes();
         let (header, quant_bytes) = source_layout(layout);
+        let five = five_bit(layout);
         for g in 0..rows / PACK_ROWS {
             for b in 0..nb {
                 let dst = &mut out[(g * nb + b) * pbb..][..pbb];
                 for r in 0..PACK_ROWS {
                     let src = &data[(g * PACK_ROWS + r) * row_bytes + b * bb..][..bb];
                     dst[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
-                    if layout == Layout::Q4_1 {
+                    if header == 4 {
                         dst[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&src[2..4]);
                     }
-                    let quants_at = if layout == Layout::Q4_1 { 32 } else { 16 };
+                    let mut quants_at = header_bytes(layout);
+                    let mut header = header;
+                    if five {
+                        dst[quants_at + 4 * r..quants_at + 4 * r + 4]
+                            .copy_from_slice(&src[header..header + 4]);
+                        quants_at += 32;
+                        header += 4;
+                    }
                     for c in 0..quant_bytes / 4 {
                         let to = quants_at + 32 * c + 4 * r;
                         dst[to..to + 4].copy_from_slice(&src[header + 4 * c..header + 4 * c + 4]);
@@ -191,12 +225,19 @@ fn put_block(layout: Layout, dst: &mut [u8], r: usize, block: &IntBlock) {
     };
     dst[4 * r..4 * r + 4].copy_from_slice(&block.scales[0].to_le_bytes());
     dst[32 + 4 * r..32 + 4 * r + 4].copy_from_slice(&second.to_le_bytes());
-    if layout == Layout::U4F {
+    if layout == Layout::U5F {
+        let fifth = (0..QK).fold(0u32, |bits, i| {
+            bits | (u32::from(block.q[i] as u8 >> 4) << i)
+        });
+        dst[F32_HEADER + 4 * r..F32_HEADER + 4 * r + 4].copy_from_slice(&fifth.to_le_bytes());
+    }
+    if matches!(layout, Layout::U4F | Layout::U5F) {
+        let at = header_bytes(layout) + if layout == Layout::U5F { 32 } else { 0 };
         for c in 0..4 {
             for k in 0..4 {
                 let j = 4 * c + k;
-                dst[F32_HEADER + 32 * c + 4 * r + k] =
-                    (block.q[j] as u8 & 0x0f) | ((block.q[j + 16] as u8) << 4);
+                dst[at + 32 * c + 4 * r + k] =
+                    (block.q[j] as u8 & 0x0f) | ((block.q[j + 16] as u8 & 0x0f) << 4);
             }
         }
     } else {
@@ -240,38 +281,46 @@ pub fn dot_packed_ref(dtype: DType, group: &[u8], act: &[u8], cols: usize) -> [f
                 }
                 dot
             };
+            // Nibbles at `at`, with the rows' fifth bits at `at - 32` for the 5-bit layouts.
+            let five = five_bit(layout);
             let nibbles_dot = |at: usize| {
+                let fifth = if five {
+                    f32_at(blk, at - 32 + 4 * r).to_bits()
+                } else {
+                    0
+                };
                 let mut dot = 0i32;
                 for c in 0..4 {
                     for k in 0..4 {
-                        let byte = blk[at + 32 * c + 4 * r + k];
-                        dot += i32::from(byte & 0x0f) * aq(4 * c + k);
-                        dot += i32::from(byte >> 4) * aq(16 + 4 * c + k);
+                        let (j, byte) = (4 * c + k, blk[at + 32 * c + 4 * r + k]);
+                        let lo = (byte & 0x0f) as u32 | ((fifth >> j) & 1) << 4;
+                        let hi = (byte >> 4) as u32 | ((fifth >> (j + 16)) & 1) << 4;
+                        dot += lo as i32 * aq(j);
+                        dot += hi as i32 * aq(16 + j);
                     }
                 }
                 dot
             };
+            let quants = header_bytes(layout) + if five { 32 } else { 0 };
             match layout {
-                Layout::Q4_0 | Layout::Q4_1 | Layout::Q8_0 => {
+                Layout::Q4_0 | Layout::Q4_1 | Layout::Q5_0 | Layout::Q5_1 | Layout::Q8_0 => {
                     let d = f16_at(blk, 2 * r);
                     let dot = match layout {
                         Layout::Q8_0 => bytes_dot(16, 0..8),
-                        Layout::Q4_1 => nibbles_dot(32),
-                        _ => nibbles_dot(16),
+                        _ => nibbles_dot(quants),
                     };
                     *acc = (d * da).mul_add(dot as f32, *acc);
                     match layout {
                         Layout::Q4_0 => *acc = (-8.0 * d).mul_add(sa, *acc),
-                        Layout::Q4_1 => *acc = f16_at(blk, 16 + 2 * r).mul_add(sa, *acc),
+                        Layout::Q5_0 => *acc = (-16.0 * d).mul_add(sa, *acc),
+                        Layout::Q4_1 | Layout::Q5_1 => {
+                            *acc = f16_at(blk, 16 + 2 * r).mul_add(sa, *acc)
+                        }
                         _ => {}
                     }
                 }
-                Layout::U4F | Layout::I8F => {
-                    let dot = if layout == Layout::U4F {
-                        nibbles_dot(F32_HEADER)
-                    } else {
-                        bytes_dot(F32_HEADER, 0..8)
-                    };
+                Layout::U4F | Layout::U5F => {
+                    let dot = nibbles_dot(quants);
                     *acc = (f32_at(blk, 4 * r) * da).mul_add(dot as f32, *acc);
                     *acc = f32_at(blk, 32 + 4 * r).mul_add(sa, *acc);
                 }

@@ -674,6 +674,48 @@ pub unsafe fn exp_ps(x: __m256) -> __m256 {
     _mm256_andnot_ps(underflow, _mm256_mul_ps(p, pow2n))
 }
 
+/// `gate[i] = act(gate[i]) · up[i]` for the gated feed-forward activations, both of the form
+/// `x / (1 + e^(-k))`: SiLU with `k = x`, GELU's tanh form with `k = 2·√(2/π)·(x + 0.044715·x³)`
+/// (`0.5·x·(1 + tanh(u)) = x·σ(2u)`). The tail past a multiple of 8 uses the scalar functions.
+///
+/// # Safety
+/// AVX2 and FMA must be present.
+#[target_feature(enable = "avx2,fma")]
+pub unsafe fn gated_activation(gelu: bool, gate: &mut [f32], up: &[f32]) {
+    let n = gate.len().min(up.len());
+    let (g, u) = (gate.as_mut_ptr(), up.as_ptr());
+    let one = _mm256_set1_ps(1.0);
+    let mut i = 0;
+    while i + 8 <= n {
+        let x = _mm256_loadu_ps(g.add(i));
+        let k = if gelu {
+            // 2·√(2/π)·(x + 0.044715·x³) = x·(c1 + c3·x²)
+            let x2 = _mm256_mul_ps(x, x);
+            let poly = _mm256_fmadd_ps(
+                x2,
+                _mm256_set1_ps(1.595_769_2 * 0.044_715),
+                _mm256_set1_ps(1.595_769_2),
+            );
+            _mm256_mul_ps(x, poly)
+        } else {
+            x
+        };
+        let e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), k));
+        let act = _mm256_div_ps(x, _mm256_add_ps(one, e));
+        _mm256_storeu_ps(g.add(i), _mm256_mul_ps(act, _mm256_loadu_ps(u.add(i))));
+        i += 8;
+    }
+    for j in i..n {
+        let x = *g.add(j);
+        let act = if gelu {
+            crate::ops::gelu(x)
+        } else {
+            crate::ops::silu(x)
+        };
+        *g.add(j) = act * *u.add(j);
+    }
+}
+
 /// One query head attending over `keys` cached positions: `out = softmax(q·Kᵀ·scale)·V`.
 /// `k`/`v` rows are `stride` floats apart, the head's slice starting at `offset`; `head_dim` is
 /// 16, 32, 64, 80, 96 or 128 (other sizes use the scalar reference); `scores` holds at least `keys`
@@ -1248,29 +1290,63 @@ pub unsafe fn dot_packed_span(
     match crate::packed::layout(dtype) {
         Some(Layout::Q4_0) => run!(K_Q4_0),
         Some(Layout::Q4_1) => run!(K_Q4_1),
+        Some(Layout::Q5_0) => run!(K_Q5_0),
+        Some(Layout::Q5_1) => run!(K_Q5_1),
         Some(Layout::Q8_0) => run!(K_Q8_0),
         Some(Layout::U4F) => run!(K_U4F),
-        Some(Layout::I8F) => run!(K_I8F),
+        Some(Layout::U5F) => run!(K_U5F),
         Some(Layout::I8H) => run!(K_I8H),
         None => panic!("no packed kernel for {dtype}"),
     }
 }
 
-// The packed layouts that unpack their weights at load ([`crate::packed`]): 4-bit with f32
-// scale and offset, 8-bit with f32 scale and offset, 8-bit with two f32 half-block scales.
+// The packed layouts that unpack their weights at load ([`crate::packed`]): 4-bit and 5-bit
+// with f32 scale and offset, 8-bit with two f32 half-block scales.
 const K_U4F: u8 = 5;
-const K_I8F: u8 = 6;
+const K_U5F: u8 = 6;
 const K_I8H: u8 = 7;
+
+/// Bytes of a packed block's scales and offsets (before its fifth bits or quants).
+const fn packed_header<const K: u8>() -> usize {
+    match K {
+        K_Q4_0 | K_Q5_0 | K_Q8_0 => 16,
+        K_Q4_1 | K_Q5_1 => 32,
+        _ => 64,
+    }
+}
+
+/// Whether the layout `K` has 5-bit quants (nibbles and a u32 of fifth bits per row).
+const fn five_bit<const K: u8>() -> bool {
+    matches!(K, K_Q5_0 | K_Q5_1 | K_U5F)
+}
 
 /// Bytes of one packed block of the layout `K`.
 const fn packed_block_bytes<const K: u8>() -> usize {
-    match K {
-        K_Q4_0 => 16 + 128,
-        K_Q4_1 => 32 + 128,
-        K_Q8_0 => 16 + 256,
-        K_U4F => 64 + 128,
-        _ => 64 + 256,
-    }
+    let quants = if matches!(K, K_Q8_0 | K_I8H) {
+        256
+    } else {
+        128
+    };
+    packed_header::<K>() + if five_bit::<K>() { 32 } else { 0 } + quants
+}
+
+/// The fifth bits of one chunk of nibbles: byte `4r + k` of the result is 0x10 when bit
+/// `shift + k` of row `r`'s u32 in `fifth` is set.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn fifth_bits_of_chunk(fifth: __m256i, shift: i32) -> __m256i {
+    let moved = _mm256_srl_epi32(fifth, _mm_cvtsi32_si128(shift));
+    // Byte 0 of each row's u32 into its four bytes, then one bit per byte.
+    let spread = _mm256_shuffle_epi8(
+        moved,
+        _mm256_setr_epi8(
+            0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8,
+            12, 12, 12, 12,
+        ),
+    );
+    let select = _mm256_set1_epi32(0x0804_0201);
+    let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+    _mm256_and_si256(set, _mm256_set1_epi8(0x10))
 }
 
 #[inline]
@@ -1320,8 +1396,8 @@ unsafe fn dot_packed_group<const K: u8, const N: usize>(
     let mask = _mm256_set1_epi8(0x0f);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); N];
-    let f32_header = matches!(K, K_U4F | K_I8F | K_I8H);
-    let bytes = matches!(K, K_Q8_0 | K_I8F | K_I8H);
+    let f32_header = matches!(K, K_U4F | K_U5F | K_I8H);
+    let bytes = matches!(K, K_Q8_0 | K_I8H);
     for b in 0..nb {
         let blk = g.add(b * pbb);
         let d = if f32_header {
@@ -1349,26 +1425,39 @@ unsafe fn dot_packed_group<const K: u8, const N: usize>(
                 }
             }
         } else {
-            let qs = blk.add(match K {
-                K_Q4_1 => 32,
-                K_U4F => 64,
-                _ => 16,
-            });
-            // 16-bit sums: 8 products pairs of at most 2·15·127 each stay below 2^15.
+            let five = five_bit::<K>();
+            let fifth = if five {
+                _mm256_loadu_si256(blk.add(packed_header::<K>()) as *const __m256i)
+            } else {
+                _mm256_setzero_si256()
+            };
+            let qs = blk.add(packed_header::<K>() + if five { 32 } else { 0 });
+            // 16-bit sums: 8 products pairs of at most 2·15·127 each stay below 2^15; with
+            // fifth bits (2·31·127) they go to 32 bits every two chunks.
             let mut sums = [_mm256_setzero_si256(); N];
             for c in 0..4 {
                 let raw = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
-                let lo = _mm256_and_si256(raw, mask);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
+                let mut lo = _mm256_and_si256(raw, mask);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
+                if five {
+                    lo = _mm256_or_si256(lo, fifth_bits_of_chunk(fifth, 4 * c as i32));
+                    hi = _mm256_or_si256(hi, fifth_bits_of_chunk(fifth, 16 + 4 * c as i32));
+                }
                 for i in 0..N {
                     let y_lo = broadcast_i32(ab[i].add(8 + 4 * c));
                     let y_hi = broadcast_i32(ab[i].add(8 + 16 + 4 * c));
                     sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(lo, y_lo));
                     sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(hi, y_hi));
                 }
+                if five && c == 1 {
+                    for i in 0..N {
+                        dots[i] = _mm256_madd_epi16(sums[i], ones);
+                        sums[i] = _mm256_setzero_si256();
+                    }
+                }
             }
             for i in 0..N {
-                dots[i] = _mm256_madd_epi16(sums[i], ones);
+                dots[i] = _mm256_add_epi32(dots[i], _mm256_madd_epi16(sums[i], ones));
             }
         }
         // The second f32 row of the header: offsets (Q4_K, Q5_x) or second scales (Q3_K, Q6_K).
@@ -1379,8 +1468,9 @@ unsafe fn dot_packed_group<const K: u8, const N: usize>(
         };
         let offset = match K {
             K_Q4_0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
-            K_Q4_1 => _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i)),
-            K_U4F | K_I8F => second,
+            K_Q5_0 => _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
+            K_Q4_1 | K_Q5_1 => _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i)),
+            K_U4F | K_U5F => second,
             _ => _mm256_setzero_ps(),
         };
         for i in 0..N {

@@ -107,3 +107,23 @@ fn completes_few_shot_prompts_and_counts_past_the_window() {
     let (_, text) = greedy(&engine, Prompt::Text(prompt), 9);
     assert!(text.starts_with(" 151, 152"), "{text:?}");
 }
+
+#[test]
+fn perplexity_matches_llama_cpp() {
+    let Some(engine) = engine() else { return };
+    let text = include_str!("data/declaration.txt");
+    let report = engine::bench::perplexity(&engine, text, 256, 0).unwrap();
+    // `llama-perplexity -c 256 -t 2` on the same file and GGUF (llama.cpp of llama-cpp-python
+    // 0.3.36): PPL = 9.1679 over 7 chunks.
+    assert_eq!(report.chunks, 7);
+    eprintln!(
+        "perplexity {:.4} over {} chunks",
+        report.perplexity, report.chunks
+    );
+    let reference = 9.1679;
+    assert!(
+        (report.perplexity - reference).abs() / reference < 0.01,
+        "perplexity {} vs llama.cpp {reference}",
+        report.perplexity
+    );
+}

@@ -70,6 +70,12 @@ fn cases(dir: &Path, name: &str) -> BTreeMap<String, Vec<u32>> {
         .collect()
 }
 
+/// The fetched vocabularies' folder (`None`: not fetched, the test is skipped).
+fn vocab_dir() -> Option<std::path::PathBuf> {
+    testkit::cached_model("llama-vocabs/ggml-vocab-qwen2.gguf")
+        .and_then(|p| p.parent().map(Path::to_path_buf))
+}
+
 fn load(dir: &Path, name: &str) -> Result<Tokenizer, String> {
     let bytes = std::fs::read(dir.join(format!("ggml-vocab-{name}.gguf"))).unwrap();
     let gguf = Gguf::parse(&bytes).map_err(|e| e.to_string())?;
@@ -78,11 +84,7 @@ fn load(dir: &Path, name: &str) -> Result<Tokenizer, String> {
 
 #[test]
 fn every_supported_family_tokenizes_like_llama_cpp() {
-    let Some(dir) = testkit::cached_model("llama-vocabs/ggml-vocab-qwen2.gguf")
-        .and_then(|p| p.parent().map(Path::to_path_buf))
-    else {
-        return;
-    };
+    let Some(dir) = vocab_dir() else { return };
     let mut report = Vec::new();
     let mut failures = Vec::new();
     for name in SUPPORTED {
@@ -139,11 +141,7 @@ fn every_supported_family_tokenizes_like_llama_cpp() {
 
 #[test]
 fn unsupported_families_are_refused_clearly() {
-    let Some(dir) = testkit::cached_model("llama-vocabs/ggml-vocab-qwen2.gguf")
-        .and_then(|p| p.parent().map(Path::to_path_buf))
-    else {
-        return;
-    };
+    let Some(dir) = vocab_dir() else { return };
     for (name, word) in REFUSED {
         match load(&dir, name) {
             Ok(_) => panic!("{name} loaded; it should be refused"),

@@ -81,10 +81,15 @@ FORMAT = {
     "json_schema": {"name": "ticket", "schema": TICKET_SCHEMA, "strict": True},
 }
 
+# The schema bounds an answer (three reasons of at most 80 characters): at worst about 300
+# tokens, so no answer is cut by max_tokens and every one must end with "stop". (200 was too
+# tight: a greedy SmolLM2 can fill every reason with one- or two-character tokens.)
+MAX_TOKENS = 320
+
 # Non-streaming: every ticket gives a valid object.
 for i, ticket in enumerate(TICKETS):
     r = client.chat.completions.create(
-        model=MODEL, messages=messages(ticket), temperature=0, max_tokens=200, response_format=FORMAT
+        model=MODEL, messages=messages(ticket), temperature=0, max_tokens=MAX_TOKENS, response_format=FORMAT
     )
     content = r.choices[0].message.content
     obj = json.loads(content)
@@ -98,7 +103,7 @@ for i, ticket in enumerate(TICKETS[:3]):
         messages=messages(ticket),
         temperature=0.8,
         seed=i,
-        max_tokens=200,
+        max_tokens=MAX_TOKENS,
         response_format=FORMAT,
         stream=True,
     )
@@ -119,7 +124,7 @@ class Ticket(pydantic.BaseModel):
 
 
 parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
-parsed = parse(model=MODEL, messages=messages(TICKETS[0]), temperature=0, max_tokens=200, response_format=Ticket)
+parsed = parse(model=MODEL, messages=messages(TICKETS[0]), temperature=0, max_tokens=MAX_TOKENS, response_format=Ticket)
 ticket = parsed.choices[0].message.parsed
 check("the client's parse helper gets a Ticket", isinstance(ticket, Ticket) and ticket.category in CATEGORIES, parsed)
 

@@ -285,7 +285,7 @@ pub fn dot_packed_ref(dtype: DType, group: &[u8], act: &[u8], cols: usize) -> [f
             let five = five_bit(layout);
             let nibbles_dot = |at: usize| {
                 let fifth = if five {
-                    f32_at(blk, at - 32 + 4 * r).to_bits()
+                    u32::from_le_bytes(blk[at - 32 + 4 * r..at - 28 + 4 * r].try_into().unwrap())
                 } else {
                     0
                 };

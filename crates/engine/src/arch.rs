@@ -30,8 +30,11 @@ pub enum HfLayout {
 pub struct Family {
     /// `general.architecture` in GGUF, `model_type` in a Hugging Face `config.json`.
     pub name: &'static str,
-    /// The `architectures` entry of a Hugging Face `config.json` for this family.
-    pub hf_class: &'static str,
+    /// The `architectures` entries of Hugging Face `config.json` files this family reads, the
+    /// family's own first (Mistral's checkpoints are llama's network with a sliding window).
+    pub hf_classes: &'static [&'static str],
+    /// Other `model_type` values of those checkpoints (besides `name`).
+    pub hf_model_types: &'static [&'static str],
     /// In GGUF files: RoPE pairs `(i, i + d/2)` (NeoX) instead of `(2i, 2i+1)`. Llama GGUFs store
     /// Q/K permuted for the pairwise layout; Qwen and Gemma keep the Hugging Face layout and
     /// rotate NeoX-style. Hugging Face checkpoints of every family keep the original layout and
@@ -42,7 +45,8 @@ pub struct Family {
     pub scale_embeddings: bool,
     /// Sliding-window attention: of every `n` layers the first `n − 1` attend over the window
     /// (`attention.sliding_window`) and the `n`-th over the whole context (Gemma 3: 6); 1:
-    /// every layer is windowed (Phi-3, when the file gives a window); 0: no layer is.
+    /// every layer is windowed (llama/Mistral and Phi-3, when the file gives a window); 0: no
+    /// layer is.
     pub sliding_pattern: usize,
     /// Q, K and V come from one fused projection (`attn_qkv`, rows q then k then v), and gate
     /// and up from one (`ffn_up` of 2 × ffn rows, gate first): Phi-3.
@@ -82,14 +86,19 @@ impl Family {
     }
 }
 
-/// Llama 2/3, Mistral, SmolLM: GQA, tied or separate output.
+/// Llama 2/3, Mistral, SmolLM: GQA, tied or separate output. Every layer attends over
+/// `attention.sliding_window` when the file gives one: Mistral 7B v0.1's checkpoints
+/// (`MistralForCausalLM`, `sliding_window` 4096; later versions give `null`). llama.cpp converts
+/// them to `llama` GGUFs without the window; a GGUF that carries `llama.attention.sliding_window`
+/// (as `rampart model quantize` writes) is windowed.
 pub const LLAMA: Family = Family {
     name: "llama",
-    hf_class: "LlamaForCausalLM",
+    hf_classes: &["LlamaForCausalLM", "MistralForCausalLM"],
+    hf_model_types: &["mistral"],
     rope_neox: false,
     activation: Activation::Silu,
     scale_embeddings: false,
-    sliding_pattern: 0,
+    sliding_pattern: 1,
     fused_projections: false,
     sliding_rope_theta: None,
     hf_layout: HfLayout::Llama,
@@ -100,7 +109,8 @@ pub const LLAMA: Family = Family {
 /// bias tensor present in a file.
 pub const QWEN2: Family = Family {
     name: "qwen2",
-    hf_class: "Qwen2ForCausalLM",
+    hf_classes: &["Qwen2ForCausalLM"],
+    hf_model_types: &[],
     rope_neox: true,
     activation: Activation::Silu,
     scale_embeddings: false,
@@ -115,7 +125,8 @@ pub const QWEN2: Family = Family {
 /// (`attn_q_norm`, `attn_k_norm`) and an explicit head size (`attention.key_length`).
 pub const QWEN3: Family = Family {
     name: "qwen3",
-    hf_class: "Qwen3ForCausalLM",
+    hf_classes: &["Qwen3ForCausalLM"],
+    hf_model_types: &[],
     rope_neox: true,
     activation: Activation::Silu,
     scale_embeddings: false,
@@ -131,7 +142,8 @@ pub const QWEN3: Family = Family {
 /// Hugging Face model's `sliding_window`). LongRoPE (the 128k variants) is refused at load.
 pub const PHI3: Family = Family {
     name: "phi3",
-    hf_class: "Phi3ForCausalLM",
+    hf_classes: &["Phi3ForCausalLM"],
+    hf_model_types: &[],
     rope_neox: true,
     activation: Activation::Silu,
     scale_embeddings: false,
@@ -147,7 +159,8 @@ pub const PHI3: Family = Family {
 /// GELU-tanh gated feed-forward, embeddings scaled by √hidden and tied to the output.
 pub const GEMMA3: Family = Family {
     name: "gemma3",
-    hf_class: "Gemma3ForCausalLM",
+    hf_classes: &["Gemma3ForCausalLM"],
+    hf_model_types: &[],
     rope_neox: true,
     activation: Activation::GeluTanh,
     scale_embeddings: true,
@@ -168,5 +181,16 @@ pub fn family(architecture: &str) -> Option<&'static Family> {
 
 /// The family of a Hugging Face `architectures` entry (`LlamaForCausalLM`, ...).
 pub fn family_of_hf_class(class: &str) -> Option<&'static Family> {
-    FAMILIES.iter().copied().find(|f| f.hf_class == class)
+    FAMILIES
+        .iter()
+        .copied()
+        .find(|f| f.hf_classes.contains(&class))
+}
+
+/// The family of a Hugging Face `model_type` (`llama`, `mistral`, ...).
+pub fn family_of_model_type(model_type: &str) -> Option<&'static Family> {
+    FAMILIES
+        .iter()
+        .copied()
+        .find(|f| f.name == model_type || f.hf_model_types.contains(&model_type))
 }

@@ -340,6 +340,10 @@ pub fn quantize_hf(
     ] {
         metadata.push((format!("{arch}.{key}"), value));
     }
+    if let Some(window) = c.sliding_window {
+        // Mistral 7B v0.1's window (llama.cpp's converter drops it; the engine reads it back).
+        metadata.push((format!("{arch}.attention.sliding_window"), u(window)));
+    }
     if c.head_dim * c.heads != c.hidden {
         metadata.push((format!("{arch}.attention.key_length"), u(c.head_dim)));
         metadata.push((format!("{arch}.attention.value_length"), u(c.head_dim)));
@@ -826,6 +830,11 @@ rules = [
             (TinyArchitecture::Llama, TinyFloat::F16, true),
             (TinyArchitecture::Llama, TinyFloat::BF16, false),
             (TinyArchitecture::Qwen2, TinyFloat::F32, false),
+            (
+                TinyArchitecture::Mistral { sliding_window: 3 },
+                TinyFloat::BF16,
+                true,
+            ),
         ]
         .into_iter()
         .enumerate()
@@ -858,6 +867,10 @@ rules = [
             );
             assert!(h.tensor("blk.1.attn_q.weight").is_some());
             assert_eq!(h.tensor("output.weight").is_some(), !tied);
+            assert_eq!(
+                h.get_u64("llama.attention.sliding_window").ok().flatten(),
+                architecture.sliding_window().map(u64::from)
+            );
             assert_eq!(h.get_str("tokenizer.ggml.model").unwrap(), Some("gpt2"));
             assert!(h.get_str("tokenizer.chat_template").unwrap().is_some());
             // The converted GGUF computes what the folder computes.

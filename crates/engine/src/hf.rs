@@ -22,7 +22,7 @@ use kernels::ops::RopeScaling;
 use serde::Deserialize;
 use serde_json::Value as Json;
 
-use crate::arch::{family, family_of_hf_class, Activation, Family, HfLayout};
+use crate::arch::{family_of_hf_class, family_of_model_type, Activation, Family, HfLayout};
 use crate::error::EngineError;
 use crate::model::ModelConfig;
 use crate::weights::{dtype_of_safetensors, tensor_error, StoredTensor, Weights};
@@ -100,7 +100,7 @@ impl HfConfig {
             return Ok(f);
         }
         if self.architectures.is_empty() {
-            if let Some(f) = self.model_type.as_deref().and_then(family) {
+            if let Some(f) = self.model_type.as_deref().and_then(family_of_model_type) {
                 return Ok(f);
             }
         }
@@ -186,8 +186,10 @@ impl HfConfig {
         }
         let block_count = need(self.num_hidden_layers, "num_hidden_layers")?;
         let sliding_window = if family.sliding_pattern == 1 {
-            // Every layer windowed when the configuration gives a window (Phi-3).
-            self.sliding_window.filter(|&w| w > 0)
+            // Every layer windowed when the configuration gives a window (Mistral 7B v0.1,
+            // Phi-3) and does not switch it off.
+            self.sliding_window
+                .filter(|&w| w > 0 && self.use_sliding_window != Some(false))
         } else if family.sliding_pattern > 1 {
             let window = need(self.sliding_window, "sliding_window")?;
             // The layer pattern the decoder implements must be the checkpoint's.
@@ -488,6 +490,40 @@ mod tests {
     }
 
     #[test]
+    fn mistral_is_llama_with_a_window_on_every_layer() {
+        let base = r#""hidden_size":64,"intermediate_size":128,"num_hidden_layers":2,
+            "num_attention_heads":4,"num_key_value_heads":2,"max_position_embeddings":32768,
+            "vocab_size":10,"rope_theta":1000000.0"#;
+        for (extra, window) in [
+            (
+                r#""architectures":["MistralForCausalLM"],"sliding_window":4096"#,
+                Some(4096),
+            ),
+            (
+                r#""architectures":["MistralForCausalLM"],"sliding_window":null"#,
+                None,
+            ),
+            (
+                r#""model_type":"mistral","sliding_window":4096"#,
+                Some(4096),
+            ),
+            (
+                r#""model_type":"mistral","sliding_window":4096,"use_sliding_window":false"#,
+                None,
+            ),
+            // Llama configurations carry no window.
+            (r#""model_type":"llama""#, None),
+        ] {
+            let c = config(&format!("{{{base},{extra}}}"));
+            let family = c.family().unwrap();
+            assert_eq!(family.name, "llama", "{extra}");
+            let m = c.model_config(family).unwrap();
+            assert_eq!(m.sliding_window, window, "{extra}");
+            assert!((0..2).all(|l| family.is_sliding(l)));
+        }
+    }
+
+    #[test]
     fn reads_llama3_rope_scaling_and_an_explicit_head_dim() {
         let c = config(
             r#"{"architectures":["LlamaForCausalLM"],"hidden_size":64,"intermediate_size":128,
@@ -515,8 +551,8 @@ mod tests {
             "num_attention_heads":2,"max_position_embeddings":256,"vocab_size":10"#;
         for (extra, needle) in [
             (
-                r#""architectures":["MistralForCausalLM"]"#,
-                "\"MistralForCausalLM\" is not supported",
+                r#""architectures":["MixtralForCausalLM"]"#,
+                "\"MixtralForCausalLM\" is not supported",
             ),
             (r#""architectures":[]"#, "names no architectures"),
             (

@@ -1,4 +1,4 @@
-//! Tiny llama, qwen2, qwen3, phi3 and gemma3 GGUFs with every supported weight type, run by the engine
+//! Tiny llama, mistral (a llama GGUF with a sliding window), qwen2, qwen3, phi3 and gemma3 GGUFs with every supported weight type, run by the engine
 //! and by an independent, naive f32 reference forward pass over the dequantized weights.
 //!
 //! The engine quantizes the input of every quantized matmul to 8 bits per block (as llama.cpp
@@ -67,13 +67,21 @@ impl Spec {
     fn sliding(&self, l: usize) -> bool {
         match self.arch {
             "gemma3" => l % 6 < 5,
-            "phi3" => true,
+            "phi3" | "mistral" => true,
             _ => false,
         }
     }
 
     fn neox(&self) -> bool {
-        self.arch != "llama"
+        !matches!(self.arch, "llama" | "mistral")
+    }
+
+    /// `general.architecture`: Mistral's files are llama GGUFs with a window.
+    fn gguf_arch(&self) -> &'static str {
+        match self.arch {
+            "mistral" => "llama",
+            a => a,
+        }
     }
 }
 
@@ -251,7 +259,7 @@ fn build(spec: &Spec) -> (Vec<u8>, Weights) {
         matrix("output.weight".into(), vocab, HIDDEN, d, &mut tensors);
     }
 
-    let arch = spec.arch;
+    let arch = spec.gguf_arch();
     let mut w = GgufWriter::new();
     w.metadata("general.architecture", arch).unwrap();
     for (key, value) in [
@@ -273,7 +281,7 @@ fn build(spec: &Spec) -> (Vec<u8>, Weights) {
                 .unwrap();
         }
     }
-    if spec.gemma() || spec.fused() {
+    if spec.gemma() || spec.fused() || spec.arch == "mistral" {
         w.metadata(&format!("{arch}.attention.sliding_window"), WINDOW as u32)
             .unwrap();
     }
@@ -538,7 +546,7 @@ fn every_weight_type_matches_the_reference_forward() {
     };
     let mut report = Vec::new();
     let mut failed = Vec::new();
-    for arch in ["llama", "qwen2", "qwen3", "phi3", "gemma3"] {
+    for arch in ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3"] {
         for dtype in DType::ALL {
             let spec = Spec { arch, dtype };
             let (file, weights) = build(&spec);
@@ -546,7 +554,7 @@ fn every_weight_type_matches_the_reference_forward() {
             std::fs::write(&path, file).unwrap();
             let engine = engine::Engine::load(&path, &options)
                 .unwrap_or_else(|e| panic!("{arch} {dtype}: {e}"));
-            assert_eq!(engine.model().family.name, arch);
+            assert_eq!(engine.model().family.name, spec.gguf_arch());
             let got = engine.logits(&tokens).unwrap();
             ACT_BLOCK.with(|b| {
                 b.set((

@@ -71,6 +71,13 @@ fn tiny_hf_folders_match_their_gguf_twins() {
         (TinyArchitecture::Llama, TinyFloat::BF16, 3, false),
         (TinyArchitecture::Qwen2, TinyFloat::F16, 2, false),
         (TinyArchitecture::Qwen2, TinyFloat::BF16, 1, true),
+        // Every layer attends over the last 3 positions: shorter than the prompt.
+        (
+            TinyArchitecture::Mistral { sliding_window: 3 },
+            TinyFloat::BF16,
+            2,
+            true,
+        ),
     ] {
         let model = TinyLlama {
             architecture: arch,
@@ -78,7 +85,7 @@ fn tiny_hf_folders_match_their_gguf_twins() {
             tied_embeddings: tied,
             ..TinyLlama::default()
         };
-        let case = format!("{}-{weight_type:?}-{shards}-{tied}", arch.name());
+        let case = format!("{}-{weight_type:?}-{shards}-{tied}", arch.model_type());
         let (gguf, hf) = write_twins(&tmp.path().join(&case), &model, shards);
         let from_gguf = Engine::load(&gguf, &options(64)).unwrap();
         let from_hf = Engine::load(&hf, &options(64)).unwrap_or_else(|e| panic!("{case}: {e}"));
@@ -88,6 +95,11 @@ fn tiny_hf_folders_match_their_gguf_twins() {
             engine::model::WeightFormat::HuggingFace
         );
         assert_eq!(from_hf.config(), from_gguf.config(), "{case}");
+        assert_eq!(
+            from_hf.config().sliding_window,
+            arch.sliding_window().map(|w| w as usize),
+            "{case}"
+        );
         let (a, b) = (
             from_gguf.logits(&tokens).unwrap(),
             from_hf.logits(&tokens).unwrap(),
@@ -96,6 +108,23 @@ fn tiny_hf_folders_match_their_gguf_twins() {
         let range = a.iter().fold(0f32, |m, v| m.max(v.abs()));
         report.push(format!("{case}: {diff:.2e} (logits up to {range:.2})"));
         assert!(diff <= 1e-4, "{case}: logits differ by {diff}");
+        if arch.sliding_window().is_some() {
+            // The window is in force: the same weights attending over everything differ.
+            let unwindowed = TinyLlama {
+                architecture: TinyArchitecture::Llama,
+                ..model.clone()
+            };
+            let (plain, _) = write_twins(&tmp.path().join(format!("{case}-plain")), &unwindowed, 1);
+            let c = Engine::load(&plain, &options(64))
+                .unwrap()
+                .logits(&tokens)
+                .unwrap();
+            let moved = max_abs_diff(&a, &c);
+            assert!(
+                moved > 1e-2,
+                "{case}: the window changed logits by only {moved}"
+            );
+        }
         assert_eq!(
             greedy(&from_gguf, &tokens, 16),
             greedy(&from_hf, &tokens, 16),
@@ -265,9 +294,9 @@ fn broken_folders_are_clear_errors() {
 
     let dir = fresh(1);
     edit_json(&dir.join("config.json"), |c| {
-        c["architectures"] = serde_json::json!(["MistralForCausalLM"]);
+        c["architectures"] = serde_json::json!(["MixtralForCausalLM"]);
     });
-    assert_load_error(&dir, "\"MistralForCausalLM\" is not supported");
+    assert_load_error(&dir, "\"MixtralForCausalLM\" is not supported");
 
     let dir = fresh(1);
     edit_json(&dir.join("config.json"), |c| {

@@ -50,14 +50,26 @@ pub enum TinyArchitecture {
     Llama,
     /// Qwen2: Q/K/V biases, Hugging Face row order in both formats.
     Qwen2,
+    /// Mistral: llama's network with every layer attending over the last `sliding_window`
+    /// positions (`MistralForCausalLM` folders; a `llama` GGUF with `attention.sliding_window`).
+    Mistral { sliding_window: u32 },
 }
 
 impl TinyArchitecture {
-    /// `general.architecture` / `model_type`.
+    /// `general.architecture` of the GGUF.
     pub fn name(self) -> &'static str {
+        match self {
+            TinyArchitecture::Llama | TinyArchitecture::Mistral { .. } => "llama",
+            TinyArchitecture::Qwen2 => "qwen2",
+        }
+    }
+
+    /// `model_type` of the Hugging Face folder.
+    pub fn model_type(self) -> &'static str {
         match self {
             TinyArchitecture::Llama => "llama",
             TinyArchitecture::Qwen2 => "qwen2",
+            TinyArchitecture::Mistral { .. } => "mistral",
         }
     }
 
@@ -66,6 +78,15 @@ impl TinyArchitecture {
         match self {
             TinyArchitecture::Llama => "LlamaForCausalLM",
             TinyArchitecture::Qwen2 => "Qwen2ForCausalLM",
+            TinyArchitecture::Mistral { .. } => "MistralForCausalLM",
+        }
+    }
+
+    /// The attention window of every layer, if the family has one.
+    pub fn sliding_window(self) -> Option<u32> {
+        match self {
+            TinyArchitecture::Mistral { sliding_window } => Some(sliding_window),
+            _ => None,
         }
     }
 }
@@ -346,8 +367,11 @@ impl TinyLlama {
                 self.head_dim() as u32,
             )?
             .metadata(&format!("{arch}.attention.layer_norm_rms_epsilon"), 1e-5f32)?
-            .metadata(&format!("{arch}.vocab_size"), vocab as u32)?
-            .metadata("tokenizer.ggml.model", "gpt2")?
+            .metadata(&format!("{arch}.vocab_size"), vocab as u32)?;
+        if let Some(window) = self.architecture.sliding_window() {
+            w.metadata(&format!("{arch}.attention.sliding_window"), window)?;
+        }
+        w.metadata("tokenizer.ggml.model", "gpt2")?
             .metadata("tokenizer.ggml.pre", "smollm")?
             .metadata("tokenizer.ggml.tokens", Array::String(self.tokens.clone()))?;
         let token_types: Vec<i32> = self
@@ -401,11 +425,11 @@ impl TinyLlama {
             } else {
                 1
             };
-            let values = match (self.architecture, t.name.rsplit('.').nth(1)) {
-                (TinyArchitecture::Llama, Some("attn_q")) => unpermute_qk(&t.values, heads, cols),
-                (TinyArchitecture::Llama, Some("attn_k")) => {
-                    unpermute_qk(&t.values, kv_heads, cols)
-                }
+            // llama GGUFs (Mistral's too) store Q/K rows permuted for pairwise RoPE.
+            let permuted = self.architecture.name() == "llama";
+            let values = match t.name.rsplit('.').nth(1) {
+                Some("attn_q") if permuted => unpermute_qk(&t.values, heads, cols),
+                Some("attn_k") if permuted => unpermute_qk(&t.values, kv_heads, cols),
                 _ => t.values,
             };
             let shape: Vec<u64> = t.dims.iter().rev().copied().collect();
@@ -445,12 +469,9 @@ impl TinyLlama {
                 &json!({"metadata": {"total_size": total_size}, "weight_map": weight_map}),
             )?;
         }
-        write_json(
-            dir,
-            "config.json",
-            &json!({
+        let mut config = json!({
                 "architectures": [self.architecture.hf_class()],
-                "model_type": self.architecture.name(),
+                "model_type": self.architecture.model_type(),
                 "hidden_size": self.embedding_length,
                 "intermediate_size": self.feed_forward_length,
                 "num_attention_heads": self.head_count,
@@ -467,9 +488,12 @@ impl TinyLlama {
                 "torch_dtype": self.weight_type.torch_name(),
                 "bos_token_id": self.bos_token_id,
                 "eos_token_id": self.eos_token_id,
-                "_name_or_path": format!("tiny-{}", self.architecture.name()),
-            }),
-        )?;
+                "_name_or_path": format!("tiny-{}", self.architecture.model_type()),
+        });
+        if let Some(window) = self.architecture.sliding_window() {
+            config["sliding_window"] = json!(window);
+        }
+        write_json(dir, "config.json", &config)?;
         write_json(
             dir,
             "tokenizer.json",

@@ -384,6 +384,24 @@ pub fn quantize_hf(
             Some("attn_k") => Some(c.kv_heads),
             _ => None,
         };
+        // Gemma's checkpoints store RMSNorm weights as offsets from 1; its GGUFs hold 1 + w.
+        if checkpoint.family.hf_layout == crate::arch::HfLayout::Gemma
+            && name.ends_with("norm.weight")
+        {
+            let mut values = vec![0f32; t.shape.iter().product()];
+            kernels::quant::dequantize_row(dtype, raw, &mut values);
+            let bytes: Vec<u8> = values
+                .iter()
+                .flat_map(|v| (v + 1.0).to_le_bytes())
+                .collect();
+            sources.push(SourceTensor {
+                name: name.to_string(),
+                dims,
+                dtype: DType::F32,
+                data: std::borrow::Cow::Owned(bytes),
+            });
+            continue;
+        }
         let data = match heads {
             Some(h) if !checkpoint.family.rope_neox => {
                 let cols = if t.shape.len() == 2 { t.shape[1] } else { 1 };

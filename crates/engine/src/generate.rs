@@ -395,6 +395,11 @@ impl Executor for ModelExecutor {
             .forward_batch(self.core.backend.as_ref(), batch, store, &mut self.state)?;
         Ok(&mut self.state.logits)
     }
+
+    fn threads(&self) -> crate::scheduler::ForEach {
+        let core = Arc::clone(&self.core);
+        Arc::new(move |items, task| core.backend.for_each(items, task))
+    }
 }
 
 /// Memory the OS reports as available, in bytes (`None` off Linux).

@@ -139,7 +139,6 @@ pub struct Sampler {
     generated: HashMap<u32, u32>,
     /// Tokens of the prompt and output so far (repetition penalty).
     seen: std::collections::HashSet<u32>,
-    logprobs: Vec<f32>,
     candidates: Vec<(u32, f32)>,
     isa: kernels::Isa,
 }
@@ -161,7 +160,6 @@ impl Sampler {
             params,
             rng: SplitMix64::new(seed),
             generated: HashMap::new(),
-            logprobs: Vec::new(),
             candidates: Vec::new(),
             isa: kernels::Isa::detect(),
         }
@@ -202,28 +200,33 @@ impl Sampler {
             }
         }
 
-        // Log-softmax and entropy of the full distribution (one vectorized exp per token).
-        let entropy = kernels::ops::log_softmax_entropy(self.isa, logits, &mut self.logprobs);
+        // The partition function and entropy of the full distribution (one vectorized exp per
+        // token); log-probabilities are computed for the tokens reported only.
+        let stats = kernels::ops::softmax_stats(self.isa, logits);
 
         let (temperature, top_logprobs) = (p.temperature, p.top_logprobs);
         let id = if temperature == 0.0 {
-            argmax(logits)
+            // The first maximum (index 0 when every logit is NaN).
+            kernels::ops::position_of(self.isa, logits, stats.max).unwrap_or(0) as u32
         } else {
-            self.sample_tempered(logits)
+            self.sample_tempered(logits, stats.max)
         };
-        let top = top_n(&self.logprobs, top_logprobs);
+        let top = top_n(logits, top_logprobs)
+            .into_iter()
+            .map(|(i, logit)| (i, stats.logprob(logit)))
+            .collect();
         TokenChoice {
             id,
-            logprob: self.logprobs[id as usize],
-            entropy,
+            logprob: stats.logprob(logits[id as usize]),
+            entropy: stats.entropy,
             top,
         }
     }
 
-    fn sample_tempered(&mut self, logits: &[f32]) -> u32 {
+    /// Draws a token at the temperature from `logits`, whose largest value is `max`.
+    fn sample_tempered(&mut self, logits: &[f32], max: f32) -> u32 {
         let p = &self.params;
         let inv_t = 1.0 / p.temperature;
-        let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
         // Unnormalized probabilities at the temperature; min-p prunes relative to the maximum (1).
         self.candidates.clear();
         let floor = if p.min_p > 0.0 { p.min_p } else { 0.0 };

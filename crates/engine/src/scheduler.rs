@@ -39,7 +39,7 @@ use crate::generate::{Event, FinishReason, Finished, StopMatcher, TokenEvent};
 use crate::kv_store::KvStore;
 use crate::kv_tier::{KvTier, TierStats};
 use crate::model::Batch;
-use crate::sampler::Sampler;
+use crate::sampler::{Sampler, TokenChoice};
 use crate::tokenizer::{Detokenizer, Tokenizer};
 
 /// The limits a step works under; adjustable while running (the degradation controller's
@@ -251,7 +251,16 @@ impl SchedulerSnapshot {
 /// logits of the batch's `logit_rows` (`rows × vocab`).
 pub trait Executor: Send {
     fn forward(&mut self, batch: &Batch, store: &mut KvStore) -> Result<&mut [f32], EngineError>;
+
+    /// Runs tasks over the executor's threads (the sampling of a step's sequences), usable
+    /// while the logits of a forward pass are borrowed. By default one after the other.
+    fn threads(&self) -> ForEach {
+        Arc::new(|items, task| (0..items).for_each(task))
+    }
 }
+
+/// Runs `task(i)` for every `i < items` (see [`Executor::threads`]).
+pub type ForEach = Arc<dyn Fn(usize, &(dyn Fn(usize) + Sync)) + Send + Sync>;
 
 /// A request handed to the scheduler.
 pub struct NewSequence {
@@ -587,6 +596,7 @@ impl Scheduler {
                 seq.constraint.take().map(|c| (i, c, mask))
             })
             .collect();
+        let threads = executor.threads();
         let (result, computed) = if masks.is_empty() {
             (executor.forward(&self.batch, &mut self.store), Vec::new())
         } else {
@@ -663,14 +673,13 @@ impl Scheduler {
         for &(i, _) in &scheduled {
             register_full_blocks(&mut self.pool, &mut self.running[i]);
         }
+        let choices = sample_rows(&threads, &mut self.running, &samplers, logits, vocab);
         let mut finished = Vec::new();
         // (arrival for a first token, milliseconds)
         let mut gaps: Vec<(Option<Instant>, f32)> = Vec::with_capacity(samplers.len());
-        for (row, &i) in samplers.iter().enumerate() {
-            let row_logits = &mut logits[row * vocab..(row + 1) * vocab];
+        for (&i, choice) in samplers.iter().zip(choices) {
             let seq = &mut self.running[i];
-            if let Some(reason) = emit_token(seq, row_logits, &self.tokenizer, self.config.context)
-            {
+            if let Some(reason) = emit_token(seq, choice, &self.tokenizer, self.config.context) {
                 finished.push((i, reason));
             }
             if let Some(first) = seq.first_token {
@@ -1245,26 +1254,89 @@ fn register_full_blocks(pool: &mut BlockPool, seq: &mut Sequence) {
     seq.registered = full;
 }
 
-/// Samples the next token of a sequence from its logits and sends it; the finish reason when
-/// the sequence ends with it.
+/// The next token of each sampled sequence (`samplers[row]` indexes `running`, its logits are
+/// row `row`), chosen on the executor's threads: each choice is a log-softmax and entropy over
+/// the whole vocabulary (262,144 logits for Gemma 3), so sixteen sequences sampled one after
+/// the other would leave the other threads idle between forward passes. `None` for a sequence
+/// whose structured-output mask failed.
+fn sample_rows(
+    threads: &ForEach,
+    running: &mut [Sequence],
+    samplers: &[usize],
+    logits: &mut [f32],
+    vocab: usize,
+) -> Vec<Option<TokenChoice>> {
+    // One job per row: the sequence's sampler and mask, its logits, and the choice.
+    type Job<'a> = (&'a mut Sampler, Option<&'a TokenMask>, &'a mut [f32]);
+    let mut row_of = vec![usize::MAX; running.len()];
+    for (row, &i) in samplers.iter().enumerate() {
+        row_of[i] = row;
+    }
+    let mut rows: Vec<Option<&mut [f32]>> = logits.chunks_mut(vocab.max(1)).map(Some).collect();
+    let mut jobs: Vec<Option<Job<'_>>> = (0..samplers.len()).map(|_| None).collect();
+    for (i, seq) in running.iter_mut().enumerate() {
+        let row = row_of[i];
+        if row == usize::MAX {
+            continue;
+        }
+        let constrained = seq.constraint.is_some();
+        let mask = match &seq.mask {
+            Err(_) => continue,
+            Ok(mask) => constrained.then_some(mask),
+        };
+        if let Some(logits) = rows.get_mut(row).and_then(Option::take) {
+            jobs[row] = Some((&mut seq.sampler, mask, logits));
+        }
+    }
+    let jobs: Vec<Mutex<(Option<Job<'_>>, Option<TokenChoice>)>> = jobs
+        .into_iter()
+        .map(|job| Mutex::new((job, None)))
+        .collect();
+    let choose = |row: usize| {
+        // Each row is locked by the one task that takes it: the lock is never contended.
+        let mut slot = jobs[row].lock().unwrap_or_else(|e| e.into_inner());
+        let (job, choice) = &mut *slot;
+        if let Some((sampler, mask, logits)) = job {
+            if let Some(mask) = mask {
+                mask.apply(logits);
+            }
+            *choice = Some(sampler.sample(logits));
+        }
+    };
+    if jobs.len() > 1 {
+        threads(jobs.len(), &choose);
+    } else {
+        (0..jobs.len()).for_each(choose);
+    }
+    jobs.into_iter()
+        .map(|slot| slot.into_inner().unwrap_or_else(|e| e.into_inner()).1)
+        .collect()
+}
+
+/// Sends the token chosen for a sequence (`None`: its structured-output mask failed); the
+/// finish reason when the sequence ends with it.
 fn emit_token(
     seq: &mut Sequence,
-    logits: &mut [f32],
+    choice: Option<TokenChoice>,
     tokenizer: &Tokenizer,
     context: usize,
 ) -> Option<FinishReason> {
-    match &seq.mask {
-        Err(e) => {
+    let choice = match (choice, &seq.mask) {
+        (Some(choice), Ok(_)) => choice,
+        (_, Err(e)) => {
             let _ = seq
                 .events
                 .send(Event::Failed(format!("structured output: {e}")));
             // The stream already has its final event.
             return Some(FinishReason::Cancelled);
         }
-        Ok(mask) if seq.constraint.is_some() => mask.apply(logits),
-        Ok(_) => {}
-    }
-    let choice = seq.sampler.sample(logits);
+        (None, Ok(_)) => {
+            let _ = seq
+                .events
+                .send(Event::Failed("no token was sampled".into()));
+            return Some(FinishReason::Cancelled);
+        }
+    };
     seq.sampler.accept(choice.id);
     seq.tokens.push(choice.id);
     seq.first_token.get_or_insert_with(Instant::now);

@@ -27,6 +27,11 @@ pub trait Backend: Send + Sync {
         outs: &mut [&mut [f32]],
         scratch: &mut Scratch,
     );
+    /// Runs `task(i)` for every `i < items`, on the backend's threads where it has them (work
+    /// beside the forward pass, such as sampling many sequences).
+    fn for_each(&self, items: usize, task: &(dyn Fn(usize) + Sync)) {
+        (0..items).for_each(task);
+    }
     /// RMSNorm of each `weight.len()`-sized row of `x` into `out`.
     fn rms_norm_rows(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]);
     /// `gate[i] = act(gate[i]) · up[i]`: SiLU, or with `gelu` GELU's tanh form.
@@ -92,6 +97,10 @@ impl Backend for CpuBackend {
         scratch: &mut Scratch,
     ) {
         matmul_many(&self.pool, self.isa, ws, x, m, outs, scratch);
+    }
+
+    fn for_each(&self, items: usize, task: &(dyn Fn(usize) + Sync)) {
+        self.pool.for_each(items, task);
     }
 
     fn rms_norm_rows(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {

@@ -148,6 +148,17 @@ pub fn matmul(
 /// Most weight matrices one [`matmul_many`] call fuses.
 pub const MAX_FUSED: usize = 4;
 
+/// Packed weights one claimed tile of a batched matmul covers at most: long runs for the
+/// hardware prefetchers (a thread's tiles are not adjacent), small enough to balance threads.
+const TILE_BYTES: usize = 512 << 10;
+/// Packed weights every activation row passes over before the next span: they stay in L2.
+const SPAN_BYTES: usize = 48 << 10;
+
+/// Bytes of one group of PACK_ROWS packed rows.
+fn packed_group_bytes(w: &Matrix<'_>) -> usize {
+    (w.cols / crate::dtype::QK) * packed_block_bytes(w.dtype)
+}
+
 /// Several matrices applied to the same activations (Q/K/V, gate/up): the activations are
 /// quantized once and the tiles of all matrices share one parallel loop. Matrices whose weight
 /// types need different activation formats run as separate groups.
@@ -217,6 +228,12 @@ pub fn matmul_many(
                 // Decode streams the weights: one long contiguous run per thread keeps the
                 // hardware prefetchers ahead.
                 units.div_ceil(threads).max(1)
+            } else if w.packed.is_some() {
+                // Runs of up to TILE_BYTES of weights (spans of SPAN_BYTES inside, see below):
+                // long enough to stream from memory, enough of them to balance the threads.
+                let group = packed_group_bytes(w);
+                let span = (SPAN_BYTES / group).max(1);
+                (units / (threads * 4)).clamp(span, (TILE_BYTES / group).max(span))
             } else {
                 (units / (threads * 4)).clamp(1, 64usize.div_ceil(unit))
             };
@@ -233,26 +250,36 @@ pub fn matmul_many(
         let act = |i: usize| &acts[i * act_row..(i + 1) * act_row];
         if let Some(packed) = w.packed {
             let (g0, g1) = (r0 / PACK_ROWS, r1 / PACK_ROWS);
-            let mut i = 0;
-            while i < m {
-                let n = (m - i).min(PACK_ACTS);
-                let rows_in: [&[u8]; PACK_ACTS] = std::array::from_fn(|k| act(i + k.min(n - 1)));
-                // SAFETY: this tile alone writes columns 8·g0..8·g1 of output rows i..i + n,
-                // all inside the m × rows output.
-                unsafe {
-                    dot_packed_span(
-                        isa,
-                        w.dtype,
-                        packed,
-                        g0,
-                        g1 - g0,
-                        &rows_in[..n],
-                        cols,
-                        out_ptr.get().add(i * rows),
-                        rows,
-                    )
-                };
-                i += n;
+            // Spans that stay in cache while every activation row (PACK_ACTS at a time) passes
+            // over them; each span's passes prefetch the next span.
+            let span = (SPAN_BYTES / packed_group_bytes(w)).max(1);
+            let mut s0 = g0;
+            while s0 < g1 {
+                let s1 = (s0 + span).min(g1);
+                let mut i = 0;
+                while i < m {
+                    let n = (m - i).min(PACK_ACTS);
+                    let rows_in: [&[u8]; PACK_ACTS] =
+                        std::array::from_fn(|k| act(i + k.min(n - 1)));
+                    // SAFETY: this tile alone writes columns 8·s0..8·s1 of output rows
+                    // i..i + n, all inside the m × rows output.
+                    unsafe {
+                        dot_packed_span(
+                            isa,
+                            w.dtype,
+                            packed,
+                            s0,
+                            s1 - s0,
+                            &rows_in[..n],
+                            cols,
+                            out_ptr.get().add(i * rows),
+                            rows,
+                            g1,
+                        )
+                    };
+                    i += n;
+                }
+                s0 = s1;
             }
             return;
         }
@@ -326,16 +353,17 @@ mod tests {
     #[test]
     fn packed_matmuls_match_row_kernels_and_do_not_depend_on_the_batch() {
         let pool = ThreadPool::new(3);
-        let rows = 48;
-        for (dtype, cols) in [
-            (DType::Q4_0, 160),
-            (DType::Q4_1, 160),
-            (DType::Q8_0, 160),
-            (DType::Q5_1, 160),
-            (DType::Q4_K, 512),
-            (DType::Q5_K, 512),
-            (DType::Q6_K, 512),
-            (DType::Q3_K, 512),
+        for (dtype, cols, rows) in [
+            // Wide rows: a group is more than SPAN_BYTES, so a tile holds several spans.
+            (DType::Q8_0, 6144, 208),
+            (DType::Q4_0, 160, 48),
+            (DType::Q4_1, 160, 48),
+            (DType::Q8_0, 160, 48),
+            (DType::Q5_1, 160, 48),
+            (DType::Q4_K, 512, 48),
+            (DType::Q5_K, 512, 48),
+            (DType::Q6_K, 512, 48),
+            (DType::Q3_K, 512, 48),
         ] {
             // K-quants' row kernels take Q8xK activations (blocks of 256), their packed kernel
             // Q8x32: the two differ by the activations' rounding.

@@ -75,15 +75,60 @@ pub fn softmax(x: &mut [f32]) {
     }
 }
 
-/// Log-softmax of `logits` into `logprobs`, and the entropy of the distribution in nats
-/// (`H = ln S − Σ e·s / S` with `s = x − max`, `e = exp(s)`, `S = Σ e`: one exp per value).
-/// Values of −∞ (masked tokens) get a log-probability of −∞ and add nothing to the entropy.
-pub fn log_softmax_entropy(isa: Isa, logits: &[f32], logprobs: &mut Vec<f32>) -> f32 {
-    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+/// The largest value of `x`, NaN values ignored (−∞ when there is none).
+pub fn max_value(isa: Isa, x: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if isa >= Isa::Avx2 {
+        // SAFETY: AVX2 is present.
+        return unsafe { crate::x86::max_value(x) };
+    }
+    let _ = isa;
+    x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v))
+}
+
+/// The first index whose value equals `value` (`==`: never for NaN).
+pub fn position_of(isa: Isa, x: &[f32], value: f32) -> Option<usize> {
+    #[cfg(target_arch = "x86_64")]
+    if isa >= Isa::Avx2 {
+        // SAFETY: AVX2 is present.
+        return unsafe { crate::x86::position_of(x, value) };
+    }
+    let _ = isa;
+    x.iter().position(|&v| v == value)
+}
+
+/// What sampling needs of a distribution given by logits, without writing its log-softmax out:
+/// the largest logit, the log of the partition function and the entropy in nats.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SoftmaxStats {
+    pub max: f32,
+    /// `ln Σ exp(x)`; +∞ when no logit is finite or one is +∞.
+    pub log_z: f32,
+    pub entropy: f32,
+}
+
+impl SoftmaxStats {
+    /// The log-probability of a token whose logit is `logit`.
+    pub fn logprob(&self, logit: f32) -> f32 {
+        if self.log_z == f32::INFINITY {
+            f32::NEG_INFINITY
+        } else {
+            logit - self.log_z
+        }
+    }
+}
+
+/// [`SoftmaxStats`] of `logits` (`H = ln S − Σ e·s / S` with `s = x − max`, `e = exp(s)`,
+/// `S = Σ e`: one exp per value, two passes over the logits). Values of −∞ (masked tokens) add
+/// nothing.
+pub fn softmax_stats(isa: Isa, logits: &[f32]) -> SoftmaxStats {
+    let max = max_value(isa, logits);
     if !max.is_finite() {
-        logprobs.clear();
-        logprobs.resize(logits.len(), f32::NEG_INFINITY);
-        return 0.0;
+        return SoftmaxStats {
+            max,
+            log_z: f32::INFINITY,
+            entropy: 0.0,
+        };
     }
     let (sum_e, sum_es) = {
         #[cfg(target_arch = "x86_64")]
@@ -97,15 +142,25 @@ pub fn log_softmax_entropy(isa: Isa, logits: &[f32], logprobs: &mut Vec<f32>) ->
         }
         #[cfg(not(target_arch = "x86_64"))]
         {
-            let _ = isa;
             exp_moments_scalar(logits, max)
         }
     };
     let log_sum = sum_e.ln();
-    let log_z = max + log_sum as f32;
+    SoftmaxStats {
+        max,
+        log_z: max + log_sum as f32,
+        entropy: (log_sum - sum_es / sum_e).max(0.0) as f32,
+    }
+}
+
+/// Log-softmax of `logits` into `logprobs`, and the entropy of the distribution in nats
+/// (`H = ln S − Σ e·s / S` with `s = x − max`, `e = exp(s)`, `S = Σ e`: one exp per value).
+/// Values of −∞ (masked tokens) get a log-probability of −∞ and add nothing to the entropy.
+pub fn log_softmax_entropy(isa: Isa, logits: &[f32], logprobs: &mut Vec<f32>) -> f32 {
+    let stats = softmax_stats(isa, logits);
     logprobs.clear();
-    logprobs.extend(logits.iter().map(|&v| v - log_z));
-    (log_sum - sum_es / sum_e).max(0.0) as f32
+    logprobs.extend(logits.iter().map(|&v| stats.logprob(v)));
+    stats.entropy
 }
 
 fn exp_moments_scalar(logits: &[f32], max: f32) -> (f64, f64) {
@@ -685,6 +740,34 @@ mod tests {
                     );
                 }
             }
+        }
+    }
+
+    #[test]
+    fn max_and_position_match_the_scalar_definitions() {
+        for n in [0usize, 1, 7, 8, 9, 33, 262_147] {
+            let mut x: Vec<f32> = random_f32(n, 5 + n as u64);
+            if n > 20 {
+                x[3] = f32::NAN;
+                x[n - 2] = 7.0;
+                x[n - 1] = 7.0;
+                x[11] = f32::NAN;
+            }
+            let want = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            for isa in Isa::available() {
+                let got = max_value(isa, &x);
+                assert_eq!(got.to_bits(), want.to_bits(), "{isa:?} n{n}");
+                assert_eq!(
+                    position_of(isa, &x, got),
+                    x.iter().position(|&v| v == want),
+                    "{isa:?} n{n}"
+                );
+                assert_eq!(position_of(isa, &x, f32::NAN), None);
+            }
+        }
+        let all_nan = [f32::NAN; 13];
+        for isa in Isa::available() {
+            assert_eq!(max_value(isa, &all_nan), f32::NEG_INFINITY);
         }
     }
 

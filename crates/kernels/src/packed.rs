@@ -337,7 +337,8 @@ pub fn dot_packed_ref(dtype: DType, group: &[u8], act: &[u8], cols: usize) -> [f
 
 /// Groups `first_group..first_group + n_groups` of a packed matrix against `acts.len()`
 /// (1..=[`PACK_ACTS`]) activation rows: the eight results of group `g` for activation row `i`
-/// are written to `out[i·out_stride + 8g ..][..8]`.
+/// are written to `out[i·out_stride + 8g ..][..8]`. Groups up to `prefetch_end` (at least the
+/// span's end) may be prefetched while the span runs: the next span of the caller's tile.
 ///
 /// # Safety
 /// `out` must be valid for writes of every element named above, and no other thread may access
@@ -353,6 +354,7 @@ pub unsafe fn dot_packed_span(
     cols: usize,
     out: *mut f32,
     out_stride: usize,
+    prefetch_end: usize,
 ) {
     let nb = cols / QK;
     let group_bytes = nb * packed_block_bytes(dtype);
@@ -360,7 +362,8 @@ pub unsafe fn dot_packed_span(
         (1..=PACK_ACTS).contains(&acts.len()),
         "1..={PACK_ACTS} activation rows"
     );
-    let groups = &packed[first_group * group_bytes..(first_group + n_groups) * group_bytes];
+    let prefetch_end = prefetch_end.clamp(first_group + n_groups, packed.len() / group_bytes);
+    let groups = &packed[first_group * group_bytes..prefetch_end * group_bytes];
     assert!(
         acts.iter().all(|a| a.len() >= nb * Q8X32_BLOCK_BYTES),
         "activation row too short"
@@ -383,6 +386,7 @@ pub unsafe fn dot_packed_span(
         return;
     }
     let _ = isa;
+    let groups = &groups[..n_groups * group_bytes];
     for g in 0..n_groups {
         let group = &groups[g * group_bytes..(g + 1) * group_bytes];
         for (i, a) in acts.iter().enumerate() {
@@ -430,7 +434,8 @@ mod tests {
         let cases = [
             (DType::Q4_0, vec![32usize, 96, 576]),
             (DType::Q4_1, vec![32, 96, 576]),
-            (DType::Q8_0, vec![32, 96, 576]),
+            // 4,160: a wide row (130 blocks).
+            (DType::Q8_0, vec![32, 96, 576, 4160]),
             (DType::Q5_0, vec![32, 96, 576]),
             (DType::Q5_1, vec![32, 96, 576]),
             (DType::Q4_K, vec![256, 768]),
@@ -496,6 +501,7 @@ mod tests {
                                         cols,
                                         out.as_mut_ptr(),
                                         rows,
+                                        g + 1,
                                     )
                                 };
                                 for k in 0..n {

@@ -1222,6 +1222,49 @@ pub unsafe fn softmax_numerators(scores: &mut [f32]) -> f32 {
     sum
 }
 
+/// The largest value of `x`, NaN values ignored (−∞ when there is none).
+///
+/// # Safety
+/// AVX2 must be present.
+#[target_feature(enable = "avx2")]
+pub unsafe fn max_value(x: &[f32]) -> f32 {
+    let mut acc = [_mm256_set1_ps(f32::NEG_INFINITY); 4];
+    let mut i = 0;
+    while i + 32 <= x.len() {
+        for (k, a) in acc.iter_mut().enumerate() {
+            // maxps returns its second operand when either is NaN: the running maximum.
+            *a = _mm256_max_ps(_mm256_loadu_ps(x.as_ptr().add(i + 8 * k)), *a);
+        }
+        i += 32;
+    }
+    let mut lanes = [0f32; 8];
+    let m = _mm256_max_ps(_mm256_max_ps(acc[0], acc[1]), _mm256_max_ps(acc[2], acc[3]));
+    _mm256_storeu_ps(lanes.as_mut_ptr(), m);
+    lanes
+        .iter()
+        .chain(&x[i..])
+        .fold(f32::NEG_INFINITY, |m, &v| m.max(v))
+}
+
+/// The first index of `x` whose value equals `value`.
+///
+/// # Safety
+/// AVX2 must be present.
+#[target_feature(enable = "avx2")]
+pub unsafe fn position_of(x: &[f32], value: f32) -> Option<usize> {
+    let target = _mm256_set1_ps(value);
+    let mut i = 0;
+    while i + 8 <= x.len() {
+        let equal = _mm256_cmp_ps::<_CMP_EQ_OQ>(_mm256_loadu_ps(x.as_ptr().add(i)), target);
+        let bits = _mm256_movemask_ps(equal);
+        if bits != 0 {
+            return Some(i + bits.trailing_zeros() as usize);
+        }
+        i += 8;
+    }
+    x[i..].iter().position(|&v| v == value).map(|p| i + p)
+}
+
 /// `(Σ e, Σ e·s)` with `s = x − max` and `e = exp(s)` over `x` (the moments a log-softmax and
 /// its entropy need). Partial sums of 1,024 values are added in f64.
 #[target_feature(enable = "avx2,fma")]
@@ -1263,8 +1306,9 @@ pub unsafe fn exp_moments(x: &[f32], max: f32) -> (f64, f64) {
 /// `g` for activation row `i` go to `out[i·out_stride + 8g ..]`.
 ///
 /// # Safety
-/// AVX2, FMA and F16C must be present; `groups` holds `n_groups` groups of `nb` packed blocks,
-/// every activation row `nb` Q8x32 blocks, and `out` is valid for every element written.
+/// AVX2, FMA and F16C must be present; `groups` holds at least `n_groups` groups of `nb`
+/// packed blocks (those past `n_groups` are only prefetched), every activation row `nb` Q8x32
+/// blocks, and `out` is valid for every element written.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_packed_span(
     dtype: DType,
@@ -1276,13 +1320,19 @@ pub unsafe fn dot_packed_span(
     out_stride: usize,
 ) {
     let g = groups.as_ptr();
+    let pbb = match crate::packed::layout(dtype) {
+        Some(_) => crate::packed::packed_block_bytes(dtype),
+        None => panic!("no packed kernel for {dtype}"),
+    };
+    let ahead = groups.len() / (nb * pbb).max(1);
+    debug_assert!(ahead >= n_groups);
     macro_rules! run {
         ($k:expr) => {
             match acts.len() {
-                1 => dot_packed_n::<$k, 1>(g, n_groups, acts, nb, out, out_stride),
-                2 => dot_packed_n::<$k, 2>(g, n_groups, acts, nb, out, out_stride),
-                3 => dot_packed_n::<$k, 3>(g, n_groups, acts, nb, out, out_stride),
-                4 => dot_packed_n::<$k, 4>(g, n_groups, acts, nb, out, out_stride),
+                1 => dot_packed_n::<$k, 1>(g, n_groups, ahead, acts, nb, out, out_stride),
+                2 => dot_packed_n::<$k, 2>(g, n_groups, ahead, acts, nb, out, out_stride),
+                3 => dot_packed_n::<$k, 3>(g, n_groups, ahead, acts, nb, out, out_stride),
+                4 => dot_packed_n::<$k, 4>(g, n_groups, ahead, acts, nb, out, out_stride),
                 n => panic!("no packed kernel for {n} activation rows"),
             }
         };
@@ -1356,9 +1406,11 @@ unsafe fn broadcast_i32(p: *const u8) -> __m256i {
 }
 
 #[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 unsafe fn dot_packed_n<const K: u8, const N: usize>(
     groups: *const u8,
     n_groups: usize,
+    prefetch_groups: usize,
     acts: &[&[u8]],
     nb: usize,
     out: *mut f32,
@@ -1369,8 +1421,9 @@ unsafe fn dot_packed_n<const K: u8, const N: usize>(
     let group_bytes = nb * pbb;
     for group in 0..n_groups {
         let g = groups.add(group * group_bytes);
-        // Two groups ahead, a few lines per block: the weights stream from memory in decode.
-        if group + 2 < n_groups {
+        // Two groups ahead, a few lines per block: the weights stream from memory (also past the
+        // span's end, into the groups the caller runs next).
+        if group + 2 < prefetch_groups {
             let ahead = g.add(2 * group_bytes);
             let mut line = 0;
             while line < group_bytes {

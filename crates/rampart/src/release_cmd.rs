@@ -75,6 +75,15 @@ pub enum ReleaseCommand {
         /// LLMs: tokens generated per case (greedy).
         #[arg(long, default_value_t = 64)]
         max_tokens: u32,
+        /// The candidate's training data for the data-quality gate: a .jsonl or .csv file, or a
+        /// folder of them (default: the dataset version the candidate's lineage names, in
+        /// <repo>/<model>/datasets/).
+        #[arg(long, value_name = "PATH")]
+        dataset: Option<PathBuf>,
+        /// The dataset the stable was trained on, for the label distribution (default: the
+        /// version the stable's lineage names).
+        #[arg(long, value_name = "PATH")]
+        previous_dataset: Option<PathBuf>,
         /// Start the release with the results.
         #[arg(long)]
         start: bool,
@@ -380,6 +389,98 @@ fn feature_consistency(
     ))
 }
 
+/// The data-quality gate ([`release::gates::data_quality_gate`]) on the candidate's dataset
+/// version (`dataset`, else the one its lineage names, found in `<repo>/<model>/datasets/`)
+/// against the stable's (`previous`, else its lineage's). None when nothing asks for it: the
+/// plan does not declare it (`declared`), no dataset is given and no dataset version the
+/// candidate's lineage names is in the repository. Declared but not found, or unreadable: the
+/// gate refuses, saying why.
+fn data_quality(
+    repo_dir: &Path,
+    model: &str,
+    (stable, candidate): (&str, &str),
+    (dataset, previous): (Option<&Path>, Option<&Path>),
+    settings: &release::gates::GateSettings,
+    declared: bool,
+) -> Result<Option<release::gates::GateReport>> {
+    const GATE: &str = "data_quality";
+    let repository = repo::Repository::open(repo_dir);
+    // The dataset version a version's lineage names (None for a version imported without).
+    let named = |version: &str| -> Option<String> {
+        let found = repository
+            .resolve(&repo::ModelRef {
+                name: model.to_string(),
+                version: Some(repo::model_ref::parse_version(version).ok()?),
+            })
+            .ok()?;
+        repository.lineage(&found).ok()?.dataset_version
+    };
+    let datasets = repo_dir.join(model).join(release::gates::DATASETS_DIR);
+    let refused = |reason: String| Ok(Some(release::gates::GateReport::refused(GATE, reason)));
+    let current = match (dataset, named(candidate)) {
+        (Some(path), _) => path.to_path_buf(),
+        (None, Some(version)) => {
+            match release::gates::dataset_in_repository(repo_dir, model, &version) {
+                Some(path) => path,
+                // Only a plan that asks for the gate makes the dataset's absence a refusal.
+                None if !declared => return Ok(None),
+                None => {
+                    return refused(format!(
+                        "{model}@{candidate} was trained on dataset version {version}, which is                          not in {} (as {version}/, {version}.jsonl or {version}.csv); give it                          with --dataset",
+                        datasets.display()
+                    ))
+                }
+            }
+        }
+        (None, None) if declared => {
+            return refused(format!(
+                "the plan declares [gates.data_quality] but {model}@{candidate}'s lineage names                  no dataset version (`rampart model import --dataset-version`) and --dataset                  was not given"
+            ))
+        }
+        (None, None) => return Ok(None),
+    };
+    let mut notes = Vec::new();
+    let previous = match (previous, named(stable)) {
+        (Some(path), _) => Some(path.to_path_buf()),
+        (None, Some(version)) => {
+            let found = release::gates::dataset_in_repository(repo_dir, model, &version);
+            if found.is_none() {
+                notes.push(format!(
+                    "the stable's dataset version {version} is not in {}",
+                    datasets.display()
+                ));
+            }
+            found
+        }
+        (None, None) => None,
+    };
+    let dq = &settings.data_quality;
+    let load = |path: &Path| {
+        release::gates::DatasetStats::load(path, dq)
+            .map_err(|e| format!("reading the dataset {}: {e}", path.display()))
+    };
+    let current_stats = match load(&current) {
+        Ok(stats) => stats,
+        Err(reason) => return refused(reason),
+    };
+    let previous_stats = match previous.as_deref().map(load).transpose() {
+        Ok(stats) => stats,
+        Err(reason) => return refused(reason),
+    };
+    let mut report =
+        release::gates::data_quality_gate(settings, &current_stats, previous_stats.as_ref());
+    report.notes.push(format!(
+        "dataset {}{}",
+        current.display(),
+        previous
+            .as_ref()
+            .map(|p| format!(" against {}", p.display()))
+            .unwrap_or_default()
+    ));
+    report.notes.extend(notes);
+    Ok(Some(report))
+}
+
 /// `rampart release gate`.
 fn gate(args: &ReleaseArgs, url: &str) -> Result<ExitCode> {
     let ReleaseCommand::Gate {
@@ -387,6 +488,8 @@ fn gate(args: &ReleaseArgs, url: &str) -> Result<ExitCode> {
         candidate,
         golden,
         max_tokens,
+        dataset,
+        previous_dataset,
         start,
     } = &args.command
     else {
@@ -463,6 +566,19 @@ fn gate(args: &ReleaseArgs, url: &str) -> Result<ExitCode> {
             &dir,
             &settings,
         )?);
+    }
+    // The data-quality gate, on the candidate's dataset version against the stable's: when the
+    // plan declares `[gates.data_quality]`, a dataset is given, or the candidate's lineage names
+    // one.
+    if let Some(report) = data_quality(
+        &args.repo,
+        model,
+        (&stable, candidate),
+        (dataset.as_deref(), previous_dataset.as_deref()),
+        &settings,
+        table.contains_key("data_quality"),
+    )? {
+        reports.push(report);
     }
     let passed = release::gates::all_passed(&reports);
     let summary = reports

@@ -358,7 +358,9 @@ impl GateReport {
         }
     }
 
-    fn refused(gate: &str, reason: String) -> GateReport {
+    /// A gate that refuses for a reason found before it could measure anything (its input is
+    /// missing or unreadable).
+    pub fn refused(gate: &str, reason: String) -> GateReport {
         let mut report = GateReport::new(gate, GateMetrics::Unavailable);
         report.refuse(reason);
         report
@@ -1270,6 +1272,32 @@ fn as_dimension(value: Option<&serde_json::Value>) -> Option<u32> {
         .then_some(number as u32)
 }
 
+/// The folder of a model's dataset versions in the repository: `<repo>/<model>/datasets`.
+pub const DATASETS_DIR: &str = "datasets";
+
+/// Where dataset version `version` of `model` lies in the repository: the folder
+/// `<repo>/<model>/datasets/<version>` (of `.jsonl`/`.csv` files), or the file
+/// `<version>.jsonl` or `<version>.csv` there. None when none exists, or the version is not a
+/// plain name.
+pub fn dataset_in_repository(repo: &Path, model: &str, version: &str) -> Option<PathBuf> {
+    let plain = !version.is_empty()
+        && !version.starts_with('.')
+        && version
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '+'));
+    if !plain {
+        return None;
+    }
+    let dir = repo.join(model).join(DATASETS_DIR);
+    [
+        dir.join(version),
+        dir.join(format!("{version}.jsonl")),
+        dir.join(format!("{version}.csv")),
+    ]
+    .into_iter()
+    .find(|p| p.exists())
+}
+
 impl DatasetStats {
     /// Stats of rows (JSON objects); the label, width and height columns are named in settings.
     /// A missing cell is an absent key (that other rows have), `null` or a blank string.
@@ -1534,8 +1562,14 @@ pub fn data_quality_gate(
         (None, _) => report
             .notes
             .push("no previous dataset version: the label distribution was not compared".into()),
+        (Some(p), None) if current.label_counts.is_empty() && p.label_counts.is_empty() => {
+            report.notes.push(format!(
+                "neither version has `{}` values: the label distribution was not compared",
+                dq.label_column
+            ))
+        }
         (Some(_), None) => report.refuse(format!(
-            "the label distribution cannot be compared: a version has no `{}` values",
+            "the label distribution cannot be compared: one version has no `{}` values",
             dq.label_column
         )),
         (Some(_), Some(kl)) => report.check(
@@ -2197,6 +2231,59 @@ mod tests {
         std::fs::write(&bad_csv, "label,width\ncat\n").unwrap();
         let err = DatasetStats::load(&bad_csv, &settings).unwrap_err();
         assert!(err.to_string().contains("bad.csv:2:"), "{err}");
+    }
+
+    #[test]
+    fn dataset_versions_are_found_in_the_repository() {
+        let repo = tempfile::tempdir().unwrap();
+        let datasets = repo.path().join("clf").join(DATASETS_DIR);
+        std::fs::create_dir_all(datasets.join("v3")).unwrap();
+        std::fs::write(datasets.join("v1.csv"), "label\na\n").unwrap();
+        std::fs::write(datasets.join("ds-0123.jsonl"), "{}\n").unwrap();
+        let found = |v: &str| dataset_in_repository(repo.path(), "clf", v);
+        assert_eq!(found("v1"), Some(datasets.join("v1.csv")));
+        assert_eq!(found("ds-0123"), Some(datasets.join("ds-0123.jsonl")));
+        assert_eq!(found("v3"), Some(datasets.join("v3")));
+        for absent in ["v2", "", "../clf/datasets/v1.csv", ".hidden", "a/b"] {
+            assert_eq!(found(absent), None, "{absent}");
+        }
+    }
+
+    #[test]
+    fn datasets_without_labels_are_not_refused_for_it() {
+        let settings = GateSettings::default();
+        let rows = |n: usize| -> Vec<serde_json::Map<String, serde_json::Value>> {
+            (0..n)
+                .map(|i| {
+                    serde_json::json!({"messages": format!("chat {i}")})
+                        .as_object()
+                        .unwrap()
+                        .clone()
+                })
+                .collect()
+        };
+        let dq = &settings.data_quality;
+        let (current, previous) = (
+            DatasetStats::from_rows(&rows(20), dq),
+            DatasetStats::from_rows(&rows(10), dq),
+        );
+        let report = data_quality_gate(&settings, &current, Some(&previous));
+        assert!(report.passed, "{:?}", report.reasons);
+        assert!(
+            report.notes.iter().any(|n| n.contains("neither version")),
+            "{:?}",
+            report.notes
+        );
+        // One version with labels, the other without: that cannot be judged.
+        let labelled = DatasetStats::from_rows(
+            &[serde_json::json!({"label": "a"})
+                .as_object()
+                .unwrap()
+                .clone()],
+            dq,
+        );
+        let report = data_quality_gate(&settings, &labelled, Some(&previous));
+        assert!(!report.passed);
     }
 
     /// A tiny separable resizer with PIL-style antialiasing (the kernel widens by the scale when

@@ -384,41 +384,32 @@ pub fn quantize_hf(
             Some("attn_k") => Some(c.kv_heads),
             _ => None,
         };
-        // Gemma's checkpoints store RMSNorm weights as offsets from 1; its GGUFs hold 1 + w.
-        if checkpoint.family.hf_layout == crate::arch::HfLayout::Gemma
-            && name.ends_with("norm.weight")
-        {
+        let gemma_norm = checkpoint.family.hf_layout == crate::arch::HfLayout::Gemma
+            && name.ends_with("norm.weight");
+        let permute = heads.filter(|_| !checkpoint.family.rope_neox);
+        if gemma_norm || permute.is_some() {
+            // Rewritten as f32: Gemma's checkpoints store RMSNorm weights as offsets from 1
+            // (its GGUFs hold 1 + w); llama's Q/K rows are permuted for pairwise RoPE.
             let mut values = vec![0f32; t.shape.iter().product()];
             kernels::quant::dequantize_row(dtype, raw, &mut values);
-            let bytes: Vec<u8> = values
-                .iter()
-                .flat_map(|v| (v + 1.0).to_le_bytes())
-                .collect();
+            if gemma_norm {
+                values.iter_mut().for_each(|v| *v += 1.0);
+            }
+            if let Some(h) = permute {
+                let cols = if t.shape.len() == 2 { t.shape[1] } else { 1 };
+                values = formats::hf::permute_qk(&values, h, cols);
+            }
             sources.push(SourceTensor {
                 name: name.to_string(),
                 dims,
                 dtype: DType::F32,
-                data: std::borrow::Cow::Owned(bytes),
+                data: std::borrow::Cow::Owned(
+                    values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+                ),
             });
             continue;
         }
-        let data = match heads {
-            Some(h) if !checkpoint.family.rope_neox => {
-                let cols = if t.shape.len() == 2 { t.shape[1] } else { 1 };
-                let mut values = vec![0f32; t.shape.iter().product()];
-                kernels::quant::dequantize_row(dtype, raw, &mut values);
-                let permuted = formats::hf::permute_qk(&values, h, cols);
-                let bytes: Vec<u8> = permuted.iter().flat_map(|v| v.to_le_bytes()).collect();
-                sources.push(SourceTensor {
-                    name: name.to_string(),
-                    dims,
-                    dtype: DType::F32,
-                    data: std::borrow::Cow::Owned(bytes),
-                });
-                continue;
-            }
-            _ => std::borrow::Cow::Borrowed(raw),
-        };
+        let data = std::borrow::Cow::Borrowed(raw);
         sources.push(SourceTensor {
             name: name.to_string(),
             dims,

@@ -845,37 +845,25 @@ fn the_gates_refuse_a_classifier_whose_labels_were_mixed_up() {
         .unwrap();
     assert!(imported.success());
     let previous_arg = previous.display().to_string();
-    let (code, table) = gate(
-        server.port,
-        &repo,
-        &[
+    let gate_on = |extra: &[&str]| {
+        let mut args = vec![
             name,
             "--candidate",
             "1.3.0",
             "--previous-dataset",
             &previous_arg,
-        ],
-    );
+        ];
+        args.extend_from_slice(extra);
+        gate(server.port, &repo, &args)
+    };
+    let (code, table) = gate_on(&[]);
     assert_eq!(code, Some(3), "{table}");
     assert!(table.contains("data_quality gate: REFUSED"), "{table}");
     assert!(table.contains("label distribution moved"), "{table}");
     assert!(table.contains("cells are missing"), "{table}");
     assert!(table.contains("orient-v2.csv"), "{table}");
     // The same data for both: nothing moved, nothing is missing.
-    let same = previous_arg.clone();
-    let (code, table) = gate(
-        server.port,
-        &repo,
-        &[
-            name,
-            "--candidate",
-            "1.3.0",
-            "--dataset",
-            &same,
-            "--previous-dataset",
-            &same,
-        ],
-    );
+    let (code, table) = gate_on(&["--dataset", &previous_arg]);
     assert!(table.contains("data_quality gate: PASSED"), "{table}");
     // (Five golden cases are too few for the latency gate, which refuses for want of samples.)
     assert_eq!(code, Some(3), "{table}");

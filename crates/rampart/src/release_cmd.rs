@@ -54,10 +54,6 @@ pub enum ReleaseCommand {
         /// `canary` (default), `ab` or `shadow`.
         #[arg(long)]
         mode: Option<String>,
-        /// Without a server: the candidate's tokenizer differs from the stable's (a server
-        /// compares them itself).
-        #[arg(long)]
-        tokenizer_changed: bool,
     },
     /// Run the gates before any traffic: the model's golden set (`<repo>/<model>/golden/*.jsonl`)
     /// through the server's stable and the candidate (loaded for it), the eval gate (accuracy,
@@ -781,26 +777,34 @@ fn local(args: &ReleaseArgs) -> Result<ExitCode> {
             return Ok(ExitCode::SUCCESS);
         }
         ReleaseCommand::Start {
-            candidate,
-            mode: m,
-            tokenizer_changed,
-            ..
+            candidate, mode: m, ..
         } => {
-            let version = semver::Version::parse(candidate)
-                .with_context(|| format!("candidate {candidate:?}"))?;
             let repository = repo::Repository::open(&args.repo);
-            repository
-                .resolve(&repo::ModelRef {
-                    name: model.clone(),
-                    version: Some(version),
-                })
-                .with_context(|| {
-                    format!("{model}@{candidate} is not in {}", args.repo.display())
-                })?;
+            let version = |v: &str| -> Result<repo::ModelVersion> {
+                let parsed = semver::Version::parse(v).with_context(|| format!("version {v:?}"))?;
+                repository
+                    .resolve(&repo::ModelRef {
+                        name: model.clone(),
+                        version: Some(parsed),
+                    })
+                    .with_context(|| format!("{model}@{v} is not in {}", args.repo.display()))
+            };
+            let (stable, new) = (version(&plan.stable)?, version(candidate)?);
+            // The same comparison as `rampart model diff` and the server's start: a changed
+            // tokenizer needs the plan's approval.
+            let tokenizer_change = repo::diff::diff(
+                &repository,
+                &stable,
+                &new,
+                repo::diff::DEFAULT_TOKENIZER_THRESHOLD_PCT,
+                &repo::NoProgress,
+            )
+            .with_context(|| format!("comparing {model}@{} with {candidate}", plan.stable))?
+            .tokenizer_change();
             Command::Start {
                 candidate: candidate.clone(),
                 mode: mode(m.as_deref())?,
-                tokenizer_changed: *tokenizer_changed,
+                tokenizer_change,
                 gates_passed: Some(true),
             }
         }

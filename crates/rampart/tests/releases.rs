@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use testkit::cached_model;
-use testkit::models::SMOLLM2_GGUF;
+use testkit::models::{GEMMA3_GGUF, SMOLLM2_GGUF};
 
 /// A server on a repository holding SmolLM2 as 1.0.0 and 1.1.0, with `config` lines before its
 /// `[[models]]` table (which serves `version`, or the plan's versions when `None`).
@@ -867,4 +867,79 @@ fn the_gates_refuse_a_classifier_whose_labels_were_mixed_up() {
     assert!(table.contains("data_quality gate: PASSED"), "{table}");
     // (Five golden cases are too few for the latency gate, which refuses for want of samples.)
     assert_eq!(code, Some(3), "{table}");
+}
+
+/// A candidate whose tokenizer is another one (Gemma 3's under SmolLM2's name: the ids of every
+/// text change) is refused by `rampart release start`, on the file and on the server, with what
+/// changed and the approval that lets it through; the plan's approval starts it.
+#[test]
+fn a_candidate_with_another_tokenizer_waits_for_an_explicit_approval() {
+    let (Some(stable), Some(candidate)) = (cached_model(SMOLLM2_GGUF), cached_model(GEMMA3_GGUF))
+    else {
+        return;
+    };
+    let server = release_server_of(stable, candidate, "", Some("1.0.0"), None);
+    let repo = repo_of(&server);
+    let plan_file = repo.join(MODEL).join("release.toml");
+
+    // `rampart model diff` blocks on it.
+    let out = Command::new(binary())
+        .args([
+            "model",
+            "diff",
+            &format!("{MODEL}@1.0.0"),
+            &format!("{MODEL}@1.1.0"),
+            "--repo",
+        ])
+        .arg(&repo)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(text.contains("tokenizer model changed"), "{text}");
+
+    // On the file, without a server: refused, nothing written.
+    let (ok, text) = cli(&["start", MODEL, "--candidate", "1.1.0"], &repo, None);
+    assert!(!ok, "{text}");
+    assert!(
+        text.contains("tokenizer differs") && text.contains("tokenizer_change_approved"),
+        "{text}"
+    );
+    assert!(
+        text.contains("tokenizer model changed"),
+        "the reason is named: {text}"
+    );
+    assert!(!plan_file.exists());
+
+    // On the server: 409 with the same reason, the release stays idle.
+    let (status, text) = command(server.port, "start", r#"{"candidate":"1.1.0"}"#, ADMIN_KEY);
+    assert_eq!(status, 409, "{text}");
+    assert!(
+        text.contains("tokenizer model changed") && text.contains("tokenizer_change_approved"),
+        "{text}"
+    );
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    assert!(
+        log.contains("the candidate's tokenizer differs from the stable's"),
+        "the refusal is in the log"
+    );
+
+    // The approval in the plan lets it start (the server adopts the file at its next tick).
+    std::fs::write(
+        &plan_file,
+        "stable = \"1.0.0\"\n[approval]\ntokenizer_change_approved = true\n",
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let started = loop {
+        let (status, text) = command(server.port, "start", r#"{"candidate":"1.1.0"}"#, ADMIN_KEY);
+        if status == 200 || Instant::now() > deadline {
+            break (status, text);
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    };
+    assert_eq!(started.0, 200, "{}", started.1);
+    let r = release(server.port);
+    assert_eq!(r["plan"]["candidate"], "1.1.0", "{r:#}");
+    assert_ne!(r["status"]["phase"], "idle", "{r:#}");
+    assert!(actions(&r["plan"]).contains(&"start".to_string()), "{r:#}");
 }

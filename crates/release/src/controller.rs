@@ -91,13 +91,13 @@ impl Decision {
 /// An operator's (or the server's) command.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Command {
-    /// Start releasing `candidate`. `tokenizer_changed` is computed by the server (the candidate's
-    /// tokenizer digest differs); `gates_passed` is the gates' result when already known (`None`:
+    /// Start releasing `candidate`. `tokenizer_change` says how the candidate's tokenizer differs
+    /// from the stable's (`rampart model diff`), `None` when it does not; `gates_passed` is the gates' result when already known (`None`:
     /// the release waits in `gating` for `GateResult`).
     Start {
         candidate: String,
         mode: Option<Mode>,
-        tokenizer_changed: bool,
+        tokenizer_change: Option<String>,
         gates_passed: Option<bool>,
     },
     /// The gates' result for a release in `gating`.
@@ -478,7 +478,7 @@ impl Controller {
             Command::Start {
                 candidate,
                 mode,
-                tokenizer_changed,
+                tokenizer_change,
                 gates_passed,
             } => {
                 if phase.is_active() {
@@ -499,12 +499,17 @@ impl Controller {
                         ),
                     ));
                 }
-                if *tokenizer_changed && !self.plan.approval.tokenizer_change_approved {
-                    return Err(Self::refuse(
-                        &cmd,
-                        "the candidate's tokenizer differs from the stable's; set \
-                         approval.tokenizer_change_approved = true in release.toml to release it",
-                    ));
+                if let Some(why) = tokenizer_change {
+                    if !self.plan.approval.tokenizer_change_approved {
+                        return Err(Self::refuse(
+                            &cmd,
+                            format!(
+                                "the candidate's tokenizer differs from the stable's ({why}); \
+                                 set approval.tokenizer_change_approved = true in release.toml \
+                                 to release it"
+                            ),
+                        ));
+                    }
                 }
                 if let Some(m) = mode {
                     self.plan.mode = *m;

@@ -12,6 +12,15 @@ fn the_example_plans_and_golden_sets_parse() {
         let settings = release::gates::GateSettings::from_table(&plan.gates).unwrap();
         let golden = release::golden::GoldenSet::load_dir(&dir.join("golden")).unwrap();
         assert!(golden.len() >= 8, "{}", dir.display());
+        // Image cases name files inside the golden folder.
+        for case in golden.cases() {
+            if let release::golden::CaseInput::Input(input) = &case.input {
+                if let Some(image) = input["image"].as_str() {
+                    let path = dir.join("golden").join(image);
+                    assert!(path.is_file(), "{}: {}", case.id, path.display());
+                }
+            }
+        }
         for class in settings.recall_floors.keys() {
             assert!(
                 golden

@@ -44,6 +44,48 @@ pub struct VersionDiff {
     pub blocking: Vec<String>,
 }
 
+impl VersionDiff {
+    /// Why releasing the new version over the old one needs an explicit approval: its tokenizer
+    /// differs in anything that changes the ids a text becomes or how a chat is rendered (the
+    /// blocking reasons when there are any, else what changed). `None` when the tokenizers are
+    /// the same.
+    pub fn tokenizer_change(&self) -> Option<String> {
+        let changed = self.tokenizer_present.0 != self.tokenizer_present.1
+            || self.tokenizer.as_ref().is_some_and(|t| !t.is_unchanged());
+        if !changed {
+            return None;
+        }
+        if !self.blocking.is_empty() {
+            return Some(self.blocking.join("; "));
+        }
+        let Some(t) = &self.tokenizer else {
+            return Some("the tokenizer changed".into());
+        };
+        let mut parts = Vec::new();
+        let tokens = t.tokens_added + t.tokens_removed + t.tokens_renumbered;
+        if tokens > 0 {
+            parts.push(format!(
+                "{} tokens added, {} removed, {} renumbered",
+                t.tokens_added, t.tokens_removed, t.tokens_renumbered
+            ));
+        }
+        let merges = t.merges_added + t.merges_removed + t.merges_reordered;
+        if merges > 0 {
+            parts.push(format!(
+                "{} merges added, {} removed, {} reordered",
+                t.merges_added, t.merges_removed, t.merges_reordered
+            ));
+        }
+        if t.chat_template_changed {
+            parts.push("the chat template changed".into());
+        }
+        if parts.is_empty() {
+            parts.push("the tokenizer changed".into());
+        }
+        Some(parts.join("; "))
+    }
+}
+
 fn flatten(prefix: &str, value: &toml::Value, out: &mut BTreeMap<String, String>) {
     match value {
         toml::Value::Table(table) => {

@@ -280,7 +280,7 @@ async fn start_command(
     Ok(Command::Start {
         candidate,
         mode: body.mode,
-        tokenizer_changed: tokenizer.is_some(),
+        tokenizer_change: tokenizer,
         // With results, the start waits in `gating` for them (the next command).
         gates_passed: if body.gates.is_some() {
             None
@@ -349,24 +349,7 @@ async fn tokenizer_change(
             &repo::NoProgress,
         )
         .map_err(|e| ApiError::Internal(e.to_string()))?;
-        let changed = d.tokenizer_present.0 != d.tokenizer_present.1
-            || d.tokenizer.as_ref().is_some_and(|t| {
-                t.kind.0 != t.kind.1
-                    || t.pre.0 != t.pre.1
-                    || t.tokens_added + t.tokens_removed + t.tokens_renumbered > 0
-                    || t.merges_added + t.merges_removed + t.merges_reordered > 0
-                    || !t.special_changes.is_empty()
-                    || t.add_bos.0 != t.add_bos.1
-                    || t.add_eos.0 != t.add_eos.1
-                    || t.chat_template_changed
-            });
-        Ok(changed.then(|| {
-            if d.blocking.is_empty() {
-                "the tokenizer changed".to_string()
-            } else {
-                d.blocking.join("; ")
-            }
-        }))
+        Ok(d.tokenizer_change())
     })
     .await
     .map_err(|e| ApiError::Internal(e.to_string()))?

@@ -70,7 +70,7 @@ fn start(ctrl: &mut Controller, now_ms: u64) {
         Command::Start {
             candidate: "v2".to_string(),
             mode: None,
-            tokenizer_changed: false,
+            tokenizer_change: None,
             gates_passed: Some(true),
         },
         now_ms,
@@ -521,16 +521,17 @@ fn time_from_regression_onset_to_weight_zero_at_10_percent_and_20_rps() {
 #[test]
 fn commands_are_checked() {
     let mut ctrl = Controller::new(ReleasePlan::new("v1"));
-    let start_cmd = |tokenizer_changed| Command::Start {
+    let start_cmd = |changed: bool| Command::Start {
         candidate: "v2".to_string(),
         mode: None,
-        tokenizer_changed,
+        tokenizer_change: changed.then(|| "tokenizer model changed: gpt2 → llama".to_string()),
         gates_passed: None,
     };
     // A tokenizer change needs an explicit approval in the plan.
     let err = ctrl.command(start_cmd(true), 0, "alice").unwrap_err();
     assert!(
-        err.to_string().contains("tokenizer_change_approved"),
+        err.to_string().contains("tokenizer_change_approved")
+            && err.to_string().contains("gpt2 → llama"),
         "{err}"
     );
     assert_eq!(ctrl.plan().state.phase, Phase::Idle);
@@ -614,7 +615,7 @@ fn commands_are_checked() {
             Command::Start {
                 candidate: "v3".to_string(),
                 mode: Some(Mode::Shadow),
-                tokenizer_changed: false,
+                tokenizer_change: None,
                 gates_passed: Some(false),
             },
             8,
@@ -643,7 +644,7 @@ fn approvals_gate_the_start_and_the_promotion() {
             Command::Start {
                 candidate: "v2".to_string(),
                 mode: None,
-                tokenizer_changed: true,
+                tokenizer_change: Some("3 tokens added, 0 removed, 0 renumbered".into()),
                 gates_passed: Some(true),
             },
             0,

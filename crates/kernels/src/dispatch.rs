@@ -12,18 +12,23 @@ pub enum Isa {
     Scalar,
     /// x86_64 with AVX2, FMA and F16C.
     Avx2,
+    /// AVX2 and a 256-bit VNNI (`vpdpbusd`: AVX-VNNI, or AVX512-VNNI with AVX512-VL): the
+    /// packed quantized matmul multiplies and accumulates bytes in one instruction.
+    Vnni,
 }
 
 impl Isa {
-    /// The best level this CPU supports. `RAMPART_ISA=scalar` forces the reference kernels
-    /// (for comparisons and benchmarks).
+    /// The best level this CPU supports. `RAMPART_ISA=scalar` forces the reference kernels,
+    /// `RAMPART_ISA=avx2` the AVX2 ones without VNNI (for comparisons and benchmarks).
     pub fn detect() -> Isa {
         static DETECTED: OnceLock<Isa> = OnceLock::new();
         *DETECTED.get_or_init(|| {
-            if std::env::var("RAMPART_ISA").is_ok_and(|v| v.eq_ignore_ascii_case("scalar")) {
-                return Isa::Scalar;
+            let best = Self::best_supported();
+            match std::env::var("RAMPART_ISA").map(|v| v.to_ascii_lowercase()) {
+                Ok(v) if v == "scalar" => Isa::Scalar,
+                Ok(v) if v == "avx2" => best.min(Isa::Avx2),
+                _ => best,
             }
-            Self::best_supported()
         })
     }
 
@@ -35,6 +40,9 @@ impl Isa {
                 && is_x86_feature_detected!("fma")
                 && is_x86_feature_detected!("f16c")
             {
+                if crate::x86::vnni_flavour().is_some() {
+                    return Isa::Vnni;
+                }
                 return Isa::Avx2;
             }
         }
@@ -44,7 +52,7 @@ impl Isa {
     /// Every level this CPU can run, for tests that compare them.
     pub fn available() -> Vec<Isa> {
         let best = Self::best_supported();
-        [Isa::Scalar, Isa::Avx2]
+        [Isa::Scalar, Isa::Avx2, Isa::Vnni]
             .into_iter()
             .filter(|i| *i <= best)
             .collect()
@@ -54,6 +62,7 @@ impl Isa {
         match self {
             Isa::Scalar => "scalar",
             Isa::Avx2 => "avx2",
+            Isa::Vnni => "avx2+vnni",
         }
     }
 }

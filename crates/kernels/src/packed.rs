@@ -388,6 +388,7 @@ pub unsafe fn dot_packed_span(
         // above, the output's by the caller.
         unsafe {
             crate::x86::dot_packed_span(
+                isa >= Isa::Vnni,
                 dtype,
                 groups,
                 n_groups,

@@ -1310,7 +1310,9 @@ pub unsafe fn exp_moments(x: &[f32], max: f32) -> (f64, f64) {
 /// packed blocks (those past `n_groups` are only prefetched), every activation row `nb` Q8x32
 /// blocks, and `out` is valid for every element written.
 #[target_feature(enable = "avx2,fma,f16c")]
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn dot_packed_span(
+    vnni: bool,
     dtype: DType,
     groups: &[u8],
     n_groups: usize,
@@ -1326,14 +1328,24 @@ pub unsafe fn dot_packed_span(
     };
     let ahead = groups.len() / (nb * pbb).max(1);
     debug_assert!(ahead >= n_groups);
+    let flavour = if vnni { vnni_flavour() } else { None };
+    macro_rules! run_with {
+        ($f:ident, $k:expr) => {
+            match acts.len() {
+                1 => $f::<$k, 1>(g, n_groups, ahead, acts, nb, out, out_stride),
+                2 => $f::<$k, 2>(g, n_groups, ahead, acts, nb, out, out_stride),
+                3 => $f::<$k, 3>(g, n_groups, ahead, acts, nb, out, out_stride),
+                4 => $f::<$k, 4>(g, n_groups, ahead, acts, nb, out, out_stride),
+                n => panic!("no packed kernel for {n} activation rows"),
+            }
+        };
+    }
     macro_rules! run {
         ($k:expr) => {
-            match acts.len() {
-                1 => dot_packed_n::<$k, 1>(g, n_groups, ahead, acts, nb, out, out_stride),
-                2 => dot_packed_n::<$k, 2>(g, n_groups, ahead, acts, nb, out, out_stride),
-                3 => dot_packed_n::<$k, 3>(g, n_groups, ahead, acts, nb, out, out_stride),
-                4 => dot_packed_n::<$k, 4>(g, n_groups, ahead, acts, nb, out, out_stride),
-                n => panic!("no packed kernel for {n} activation rows"),
+            match flavour {
+                Some(Vnni::Avx) => run_with!(dot_packed_n_avxvnni, $k),
+                Some(Vnni::Avx512) => run_with!(dot_packed_n_avx512vnni, $k),
+                None => run_with!(dot_packed_n, $k),
             }
         };
     }
@@ -1424,164 +1436,246 @@ unsafe fn broadcast_i32(p: *const u8) -> __m256i {
     _mm256_set1_epi32(std::ptr::read_unaligned(p as *const i32))
 }
 
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::too_many_arguments)]
-unsafe fn dot_packed_n<const K: u8, const N: usize>(
-    groups: *const u8,
-    n_groups: usize,
-    prefetch_groups: usize,
-    acts: &[&[u8]],
-    nb: usize,
-    out: *mut f32,
-    out_stride: usize,
-) {
-    let a: [*const u8; N] = std::array::from_fn(|i| acts[i].as_ptr());
-    let pbb = packed_block_bytes::<K>();
-    let group_bytes = nb * pbb;
-    for group in 0..n_groups {
-        let g = groups.add(group * group_bytes);
-        // Two groups ahead, a few lines per block: the weights stream from memory (also past the
-        // span's end, into the groups the caller runs next).
-        if group + 2 < prefetch_groups {
-            let ahead = g.add(2 * group_bytes);
-            let mut line = 0;
-            while line < group_bytes {
-                _mm_prefetch::<_MM_HINT_T0>(ahead.add(line) as *const i8);
-                line += 64;
-            }
-        }
-        let acc = dot_packed_group::<K, N>(g, &a, nb, pbb);
-        for (i, v) in acc.iter().enumerate() {
-            _mm256_storeu_ps(out.add(i * out_stride + 8 * group), *v);
-        }
+/// Which 256-bit VNNI this CPU has: `vpdpbusd` on ymm registers from AVX-VNNI, or from
+/// AVX512-VNNI with AVX512-VL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Vnni {
+    Avx,
+    Avx512,
+}
+
+pub(crate) fn vnni_flavour() -> Option<Vnni> {
+    if is_x86_feature_detected!("avxvnni") {
+        Some(Vnni::Avx)
+    } else if is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl") {
+        Some(Vnni::Avx512)
+    } else {
+        None
     }
 }
 
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_packed_group<const K: u8, const N: usize>(
-    g: *const u8,
-    a: &[*const u8; N],
-    nb: usize,
-    pbb: usize,
-) -> [__m256; N] {
-    let mask = _mm256_set1_epi8(0x0f);
-    let ones = _mm256_set1_epi16(1);
-    let mut acc = [_mm256_setzero_ps(); N];
-    let f32_header = matches!(K, K_U4F | K_U5F | K_U6H);
-    let bytes = matches!(K, K_Q8_0 | K_U6H);
-    for b in 0..nb {
-        let blk = g.add(b * pbb);
-        let d = if f32_header {
-            _mm256_loadu_ps(blk as *const f32)
-        } else {
-            _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i))
-        };
-        let ab: [*const u8; N] = std::array::from_fn(|i| a[i].add(b * Q8X32_BLOCK_BYTES));
-        // Q3_K and Q6_K: the dot products of elements 0..16 (chunks 0..4) and 16..32 apart.
-        let mut dots = [_mm256_setzero_si256(); N];
-        let mut dots_hi = [_mm256_setzero_si256(); N];
-        if K == K_U6H {
-            // Bytes `q + 32` (0..=63) times signed activation bytes need no sign step, and two
-            // chunks' pair sums (at most 2·2·63·127 = 32,004) still fit 16 bits: one widening
-            // per two chunks. The bias comes off each half with the activation's sums.
-            let qs = blk.add(64);
-            for h in 0..2 {
-                for pair in 0..2 {
-                    let c = 4 * h + 2 * pair;
-                    let w0 = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
-                    let w1 = _mm256_loadu_si256(qs.add(32 * (c + 1)) as *const __m256i);
+/// The packed kernel, three times: with AVX2 alone (`vpmaddubsw` then `vpmaddwd` into 32
+/// bits) and with either VNNI (`vpdpbusd`: the four byte products of each lane added to it in
+/// one instruction, exactly, with no 16-bit stage). The integers are the same, so the results
+/// are too.
+macro_rules! packed_kernel {
+    ($n:ident, $group:ident, $features:tt, $vnni:expr, $dpbusd:path) => {
+        #[target_feature(enable = $features)]
+        #[allow(clippy::too_many_arguments)]
+        unsafe fn $n<const K: u8, const N: usize>(
+            groups: *const u8,
+            n_groups: usize,
+            prefetch_groups: usize,
+            acts: &[&[u8]],
+            nb: usize,
+            out: *mut f32,
+            out_stride: usize,
+        ) {
+            let a: [*const u8; N] = std::array::from_fn(|i| acts[i].as_ptr());
+            let pbb = packed_block_bytes::<K>();
+            let group_bytes = nb * pbb;
+            for group in 0..n_groups {
+                let g = groups.add(group * group_bytes);
+                // Two groups ahead, a few lines per block: the weights stream from memory (also
+                // past the span's end, into the groups the caller runs next).
+                if group + 2 < prefetch_groups {
+                    let ahead = g.add(2 * group_bytes);
+                    let mut line = 0;
+                    while line < group_bytes {
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.add(line) as *const i8);
+                        line += 64;
+                    }
+                }
+                let acc = $group::<K, N>(g, &a, nb, pbb);
+                for (i, v) in acc.iter().enumerate() {
+                    _mm256_storeu_ps(out.add(i * out_stride + 8 * group), *v);
+                }
+            }
+        }
+
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn $group<const K: u8, const N: usize>(
+            g: *const u8,
+            a: &[*const u8; N],
+            nb: usize,
+            pbb: usize,
+        ) -> [__m256; N] {
+            let mask = _mm256_set1_epi8(0x0f);
+            let ones = _mm256_set1_epi16(1);
+            let mut acc = [_mm256_setzero_ps(); N];
+            let f32_header = matches!(K, K_U4F | K_U5F | K_U6H);
+            let bytes = matches!(K, K_Q8_0 | K_U6H);
+            for b in 0..nb {
+                let blk = g.add(b * pbb);
+                let d = if f32_header {
+                    _mm256_loadu_ps(blk as *const f32)
+                } else {
+                    _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i))
+                };
+                let ab: [*const u8; N] = std::array::from_fn(|i| a[i].add(b * Q8X32_BLOCK_BYTES));
+                // Q3_K and Q6_K: the dot products of elements 0..16 (chunks 0..4) and 16..32 apart.
+                let mut dots = [_mm256_setzero_si256(); N];
+                let mut dots_hi = [_mm256_setzero_si256(); N];
+                if K == K_U6H {
+                    // Bytes `q + 32` (0..=63) times signed activation bytes need no sign step,
+                    // and two chunks' pair sums (at most 2·2·63·127 = 32,004) still fit 16 bits:
+                    // one widening per two chunks (none with VNNI). The bias comes off each half
+                    // with the activation's sums.
+                    let qs = blk.add(64);
+                    for h in 0..2 {
+                        for pair in 0..2 {
+                            let c = 4 * h + 2 * pair;
+                            let w0 = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
+                            let w1 = _mm256_loadu_si256(qs.add(32 * (c + 1)) as *const __m256i);
+                            for i in 0..N {
+                                let (y0, y1) = (
+                                    broadcast_i32(ab[i].add(8 + 4 * c)),
+                                    broadcast_i32(ab[i].add(8 + 4 * (c + 1))),
+                                );
+                                let acc = if h == 0 {
+                                    &mut dots[i]
+                                } else {
+                                    &mut dots_hi[i]
+                                };
+                                if $vnni {
+                                    *acc = $dpbusd(*acc, w0, y0);
+                                    *acc = $dpbusd(*acc, w1, y1);
+                                } else {
+                                    let p0 = _mm256_maddubs_epi16(w0, y0);
+                                    let p1 = _mm256_maddubs_epi16(w1, y1);
+                                    let pairs = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones);
+                                    *acc = _mm256_add_epi32(*acc, pairs);
+                                }
+                            }
+                        }
+                    }
                     for i in 0..N {
-                        let p0 = _mm256_maddubs_epi16(w0, broadcast_i32(ab[i].add(8 + 4 * c)));
-                        let p1 =
-                            _mm256_maddubs_epi16(w1, broadcast_i32(ab[i].add(8 + 4 * (c + 1))));
-                        let pairs = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones);
-                        if h == 0 {
-                            dots[i] = _mm256_add_epi32(dots[i], pairs);
-                        } else {
-                            dots_hi[i] = _mm256_add_epi32(dots_hi[i], pairs);
+                        let (lo, hi) = half_block_sums(ab[i].add(8));
+                        dots[i] = _mm256_sub_epi32(dots[i], _mm256_slli_epi32::<5>(lo));
+                        dots_hi[i] = _mm256_sub_epi32(dots_hi[i], _mm256_slli_epi32::<5>(hi));
+                    }
+                } else if bytes {
+                    let qs = blk.add(16);
+                    for c in 0..8 {
+                        let w = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
+                        let abs_w = _mm256_sign_epi8(w, w);
+                        for i in 0..N {
+                            let y = _mm256_sign_epi8(broadcast_i32(ab[i].add(8 + 4 * c)), w);
+                            if $vnni {
+                                dots[i] = $dpbusd(dots[i], abs_w, y);
+                            } else {
+                                let pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(abs_w, y), ones);
+                                dots[i] = _mm256_add_epi32(dots[i], pairs);
+                            }
+                        }
+                    }
+                } else {
+                    let five = five_bit::<K>();
+                    let fifth = if five {
+                        _mm256_loadu_si256(blk.add(packed_header::<K>()) as *const __m256i)
+                    } else {
+                        _mm256_setzero_si256()
+                    };
+                    let qs = blk.add(packed_header::<K>() + if five { 32 } else { 0 });
+                    // 16-bit sums: 8 products pairs of at most 2·15·127 each stay below 2^15;
+                    // with fifth bits (2·31·127) they go to 32 bits every two chunks. VNNI
+                    // adds into 32 bits directly.
+                    let mut sums = [_mm256_setzero_si256(); N];
+                    for c in 0..4 {
+                        let raw = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
+                        let mut lo = _mm256_and_si256(raw, mask);
+                        let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
+                        if five {
+                            lo = _mm256_or_si256(lo, fifth_bits_of_chunk(fifth, 4 * c as i32));
+                            hi = _mm256_or_si256(hi, fifth_bits_of_chunk(fifth, 16 + 4 * c as i32));
+                        }
+                        for i in 0..N {
+                            let y_lo = broadcast_i32(ab[i].add(8 + 4 * c));
+                            let y_hi = broadcast_i32(ab[i].add(8 + 16 + 4 * c));
+                            if $vnni {
+                                dots[i] = $dpbusd(dots[i], lo, y_lo);
+                                dots[i] = $dpbusd(dots[i], hi, y_hi);
+                            } else {
+                                sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(lo, y_lo));
+                                sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(hi, y_hi));
+                            }
+                        }
+                        if five && c == 1 && !$vnni {
+                            for i in 0..N {
+                                dots[i] = _mm256_madd_epi16(sums[i], ones);
+                                sums[i] = _mm256_setzero_si256();
+                            }
+                        }
+                    }
+                    if !$vnni {
+                        for i in 0..N {
+                            dots[i] = _mm256_add_epi32(dots[i], _mm256_madd_epi16(sums[i], ones));
                         }
                     }
                 }
-            }
-            for i in 0..N {
-                let (lo, hi) = half_block_sums(ab[i].add(8));
-                dots[i] = _mm256_sub_epi32(dots[i], _mm256_slli_epi32::<5>(lo));
-                dots_hi[i] = _mm256_sub_epi32(dots_hi[i], _mm256_slli_epi32::<5>(hi));
-            }
-        } else if bytes {
-            let qs = blk.add(16);
-            for c in 0..8 {
-                let w = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
-                let abs_w = _mm256_sign_epi8(w, w);
+                // The second f32 row of the header: offsets (Q4_K, Q5_x) or second scales (Q3_K,
+                // Q6_K).
+                let second = if f32_header {
+                    _mm256_loadu_ps(blk.add(32) as *const f32)
+                } else {
+                    _mm256_setzero_ps()
+                };
+                let offset = match K {
+                    K_Q4_0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
+                    K_Q5_0 => _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
+                    K_Q4_1 | K_Q5_1 => {
+                        _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i))
+                    }
+                    K_U4F | K_U5F => second,
+                    _ => _mm256_setzero_ps(),
+                };
                 for i in 0..N {
-                    let y = _mm256_sign_epi8(broadcast_i32(ab[i].add(8 + 4 * c)), w);
-                    let pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(abs_w, y), ones);
-                    dots[i] = _mm256_add_epi32(dots[i], pairs);
-                }
-            }
-        } else {
-            let five = five_bit::<K>();
-            let fifth = if five {
-                _mm256_loadu_si256(blk.add(packed_header::<K>()) as *const __m256i)
-            } else {
-                _mm256_setzero_si256()
-            };
-            let qs = blk.add(packed_header::<K>() + if five { 32 } else { 0 });
-            // 16-bit sums: 8 products pairs of at most 2·15·127 each stay below 2^15; with
-            // fifth bits (2·31·127) they go to 32 bits every two chunks.
-            let mut sums = [_mm256_setzero_si256(); N];
-            for c in 0..4 {
-                let raw = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
-                let mut lo = _mm256_and_si256(raw, mask);
-                let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
-                if five {
-                    lo = _mm256_or_si256(lo, fifth_bits_of_chunk(fifth, 4 * c as i32));
-                    hi = _mm256_or_si256(hi, fifth_bits_of_chunk(fifth, 16 + 4 * c as i32));
-                }
-                for i in 0..N {
-                    let y_lo = broadcast_i32(ab[i].add(8 + 4 * c));
-                    let y_hi = broadcast_i32(ab[i].add(8 + 16 + 4 * c));
-                    sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(lo, y_lo));
-                    sums[i] = _mm256_add_epi16(sums[i], _mm256_maddubs_epi16(hi, y_hi));
-                }
-                if five && c == 1 {
-                    for i in 0..N {
-                        dots[i] = _mm256_madd_epi16(sums[i], ones);
-                        sums[i] = _mm256_setzero_si256();
+                    let da = _mm256_set1_ps(f32_load(ab[i]));
+                    acc[i] =
+                        _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(dots[i]), acc[i]);
+                    if K == K_U6H {
+                        let scale_hi = _mm256_mul_ps(second, da);
+                        acc[i] = _mm256_fmadd_ps(scale_hi, _mm256_cvtepi32_ps(dots_hi[i]), acc[i]);
+                    } else if K != K_Q8_0 {
+                        acc[i] =
+                            _mm256_fmadd_ps(offset, _mm256_set1_ps(f32_load(ab[i].add(4))), acc[i]);
                     }
                 }
             }
-            for i in 0..N {
-                dots[i] = _mm256_add_epi32(dots[i], _mm256_madd_epi16(sums[i], ones));
-            }
+            acc
         }
-        // The second f32 row of the header: offsets (Q4_K, Q5_x) or second scales (Q3_K, Q6_K).
-        let second = if f32_header {
-            _mm256_loadu_ps(blk.add(32) as *const f32)
-        } else {
-            _mm256_setzero_ps()
-        };
-        let offset = match K {
-            K_Q4_0 => _mm256_mul_ps(d, _mm256_set1_ps(-8.0)),
-            K_Q5_0 => _mm256_mul_ps(d, _mm256_set1_ps(-16.0)),
-            K_Q4_1 | K_Q5_1 => _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i)),
-            K_U4F | K_U5F => second,
-            _ => _mm256_setzero_ps(),
-        };
-        for i in 0..N {
-            let da = _mm256_set1_ps(f32_load(ab[i]));
-            acc[i] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(dots[i]), acc[i]);
-            if K == K_U6H {
-                let scale_hi = _mm256_mul_ps(second, da);
-                acc[i] = _mm256_fmadd_ps(scale_hi, _mm256_cvtepi32_ps(dots_hi[i]), acc[i]);
-            } else if K != K_Q8_0 {
-                acc[i] = _mm256_fmadd_ps(offset, _mm256_set1_ps(f32_load(ab[i].add(4))), acc[i]);
-            }
-        }
-    }
-    acc
+    };
 }
+
+/// Stands in for `vpdpbusd` in the AVX2 copy, which never calls it.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn no_dpbusd(_: __m256i, _: __m256i, _: __m256i) -> __m256i {
+    unreachable!("the AVX2 packed kernel has no VNNI")
+}
+
+packed_kernel!(
+    dot_packed_n,
+    dot_packed_group,
+    "avx2,fma,f16c",
+    false,
+    no_dpbusd
+);
+packed_kernel!(
+    dot_packed_n_avxvnni,
+    dot_packed_group_avxvnni,
+    "avx2,fma,f16c,avxvnni",
+    true,
+    _mm256_dpbusd_avx_epi32
+);
+packed_kernel!(
+    dot_packed_n_avx512vnni,
+    dot_packed_group_avx512vnni,
+    "avx2,fma,f16c,avx512vnni,avx512vl",
+    true,
+    _mm256_dpbusd_epi32
+);
 
 /// erf for 8 lanes: Eigen's rational approximation on [-4, 4] (±1 beyond, where f32 cannot
 /// tell erf from ±1). Absolute error below 5e-7.

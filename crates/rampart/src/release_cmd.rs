@@ -792,15 +792,8 @@ fn local(args: &ReleaseArgs) -> Result<ExitCode> {
             let (stable, new) = (version(&plan.stable)?, version(candidate)?);
             // The same comparison as `rampart model diff` and the server's start: a changed
             // tokenizer needs the plan's approval.
-            let tokenizer_change = repo::diff::diff(
-                &repository,
-                &stable,
-                &new,
-                repo::diff::DEFAULT_TOKENIZER_THRESHOLD_PCT,
-                &repo::NoProgress,
-            )
-            .with_context(|| format!("comparing {model}@{} with {candidate}", plan.stable))?
-            .tokenizer_change();
+            let tokenizer_change = repo::diff::tokenizer_change(&repository, &stable, &new)
+                .with_context(|| format!("comparing {model}@{} with {candidate}", plan.stable))?;
             Command::Start {
                 candidate: candidate.clone(),
                 mode: mode(m.as_deref())?,

@@ -135,6 +135,23 @@ pub fn manifest_changes(old: &Manifest, new: &Manifest) -> Result<Vec<FieldChang
         .collect())
 }
 
+/// How the new version's tokenizer differs from the old one's ([`VersionDiff::tokenizer_change`]),
+/// with the default threshold: what a release needs an explicit approval for.
+pub fn tokenizer_change(
+    repo: &Repository,
+    old: &ModelVersion,
+    new: &ModelVersion,
+) -> Result<Option<String>, RepoError> {
+    let d = diff(
+        repo,
+        old,
+        new,
+        DEFAULT_TOKENIZER_THRESHOLD_PCT,
+        &crate::progress::NoProgress,
+    )?;
+    Ok(d.tokenizer_change())
+}
+
 /// Compares two versions (usually of one model). `threshold_pct` bounds the share of tokenizer
 /// merges/vocabulary that may change before the diff is blocking.
 ///

@@ -352,15 +352,8 @@ async fn tokenizer_change(
             ApiError::ModelNotFound(why) => ApiError::invalid_param("candidate", why),
             e => e,
         })?;
-        let d = repo::diff::diff(
-            &repository,
-            &old,
-            &new,
-            repo::diff::DEFAULT_TOKENIZER_THRESHOLD_PCT,
-            &repo::NoProgress,
-        )
-        .map_err(|e| ApiError::Internal(e.to_string()))?;
-        Ok(d.tokenizer_change())
+        repo::diff::tokenizer_change(&repository, &old, &new)
+            .map_err(|e| ApiError::Internal(e.to_string()))
     })
     .await
     .map_err(|e| ApiError::Internal(e.to_string()))?

@@ -561,6 +561,8 @@ impl Embedder {
 
     /// The pooled (not yet normalized) vectors of one packed batch.
     fn forward(&self, batch: &[&[u32]]) -> Vec<Vec<f32>> {
+        // One turn on the shared threads for the whole pass (see `kernels::pool`).
+        let _turn = self.backend.pool().turn();
         let h = self.config.hidden_size;
         let heads = self.config.num_attention_heads;
         let eps = self.config.layer_norm_eps as f32;

@@ -390,6 +390,7 @@ struct ModelExecutor {
 impl Executor for ModelExecutor {
     fn forward(&mut self, batch: &Batch, store: &mut KvStore) -> Result<&mut [f32], EngineError> {
         let _compute = self.core.compute.lock().unwrap_or_else(|e| e.into_inner());
+        let _turn = self.core.backend.turn();
         self.core
             .model
             .forward_batch(self.core.backend.as_ref(), batch, store, &mut self.state)?;
@@ -870,6 +871,7 @@ impl Engine {
     ) -> T {
         self.with_solo(|solo| {
             let _compute = self.core.compute.lock().unwrap_or_else(|e| e.into_inner());
+            let _turn = self.core.backend.turn();
             f(
                 &self.core.model,
                 self.core.backend.as_ref(),

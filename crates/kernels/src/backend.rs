@@ -9,7 +9,9 @@ use crate::dispatch::Isa;
 use crate::matmul::{matmul, matmul_many, Matrix, Scratch};
 use crate::ops::{attention, rms_norm, AttentionShape};
 use crate::paged::{paged_attention, PagedKv, QueryRow};
-use crate::pool::ThreadPool;
+use std::sync::Arc;
+
+use crate::pool::{ThreadPool, Turn};
 
 /// The operations of a transformer forward pass.
 pub trait Backend: Send + Sync {
@@ -32,6 +34,12 @@ pub trait Backend: Send + Sync {
     fn for_each(&self, items: usize, task: &(dyn Fn(usize) + Sync)) {
         (0..items).for_each(task);
     }
+    /// Exclusive use of the backend's threads until dropped (a forward pass takes one, so
+    /// that engines sharing the threads take turns per pass, not per kernel); `None` where
+    /// the backend has no shared threads.
+    fn turn(&self) -> Option<Turn<'_>> {
+        None
+    }
     /// RMSNorm of each `weight.len()`-sized row of `x` into `out`.
     fn rms_norm_rows(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]);
     /// `gate[i] = act(gate[i]) · up[i]`: SiLU, or with `gelu` GELU's tanh form.
@@ -50,10 +58,12 @@ pub trait Backend: Send + Sync {
     );
 }
 
-/// The CPU backend: the best SIMD level of this CPU and a fixed thread pool.
+/// The CPU backend: the best SIMD level of this CPU and the process's pool of this many
+/// threads (shared with every other backend of the same thread count; see
+/// [`ThreadPool::shared`]).
 #[derive(Debug)]
 pub struct CpuBackend {
-    pool: ThreadPool,
+    pool: Arc<ThreadPool>,
     isa: Isa,
 }
 
@@ -65,7 +75,7 @@ impl CpuBackend {
 
     pub fn with_isa(threads: usize, isa: Isa) -> Self {
         Self {
-            pool: ThreadPool::new(threads),
+            pool: ThreadPool::shared(threads),
             isa,
         }
     }
@@ -101,6 +111,10 @@ impl Backend for CpuBackend {
 
     fn for_each(&self, items: usize, task: &(dyn Fn(usize) + Sync)) {
         self.pool.for_each(items, task);
+    }
+
+    fn turn(&self) -> Option<Turn<'_>> {
+        Some(self.pool.turn())
     }
 
     fn rms_norm_rows(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {

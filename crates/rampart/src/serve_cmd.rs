@@ -32,7 +32,7 @@ pub struct ServeArgs {
     /// Serve without keys on a non-loopback address.
     #[arg(long)]
     pub insecure_no_auth: bool,
-    /// Compute threads per model (default: physical cores).
+    /// Compute threads (default: physical cores), shared by the models, one forward pass at a time.
     #[arg(long, short = 't')]
     pub threads: Option<usize>,
     /// Log format: json (default) or text.

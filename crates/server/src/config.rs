@@ -225,7 +225,7 @@ pub struct ServerConfig {
     pub shutdown_timeout_s: u64,
     /// Readiness fails when sequences are running and no token came for this many seconds.
     pub stall_timeout_s: u64,
-    /// Compute threads per model (default: physical cores).
+    /// Compute threads (default: physical cores), shared by the models, one forward pass at a time.
     pub threads: Option<usize>,
     pub limits: Limits,
     pub admission: Admission,

@@ -11,7 +11,10 @@
 
 use crate::dispatch::{prefetch, quantize_activations, vec_dot, vec_dot_rows, Isa, DOT_ROWS};
 use crate::dtype::DType;
-use crate::packed::{dot_packed_span, packable, packed_block_bytes, PACK_ACTS, PACK_ROWS};
+use crate::packed::{
+    act_block_sums, dot_packed_span, needs_act_sums, packable, packed_block_bytes, PACK_ACTS,
+    PACK_ROWS,
+};
 use crate::pool::ThreadPool;
 
 /// A weight matrix in its stored layout, and optionally the same weights packed for the
@@ -93,17 +96,18 @@ impl<'a> Matrix<'a> {
 pub struct Scratch {
     /// u32-backed so f32 activation rows are aligned.
     words: Vec<u32>,
+    /// The activation blocks' sums, where a packed kernel needs them.
+    sums: Vec<i32>,
 }
 
-impl Scratch {
-    fn bytes(&mut self, len: usize) -> &mut [u8] {
-        let words = len.div_ceil(4);
-        if self.words.len() < words {
-            self.words.resize(words, 0);
-        }
-        // SAFETY: u32 storage reinterpreted as bytes, within its length.
-        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr() as *mut u8, len) }
+/// `len` bytes of u32-backed storage.
+fn bytes_of(words: &mut Vec<u32>, len: usize) -> &mut [u8] {
+    let n = len.div_ceil(4);
+    if words.len() < n {
+        words.resize(n, 0);
     }
+    // SAFETY: u32 storage reinterpreted as bytes, within its length.
+    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u8, len) }
 }
 
 /// A raw output pointer shared by the workers of one parallel loop, each writing disjoint
@@ -189,7 +193,8 @@ pub fn matmul_many(
         assert_eq!(out.len(), m * w.rows, "output must be m × rows");
     }
     let act_row = format.row_bytes(cols);
-    let acts = scratch.bytes(act_row * m);
+    let Scratch { words, sums } = scratch;
+    let acts = bytes_of(words, act_row * m);
     if m >= 4 {
         let acts_out = SharedOut::new(acts.as_mut_ptr() as *mut f32);
         pool.for_each(m, &|i| {
@@ -213,6 +218,20 @@ pub fn matmul_many(
         }
     }
     let acts: &[u8] = acts;
+    // Per activation row, its blocks' sums (Q8_0 packed unsigned takes them off).
+    let nb = cols / crate::dtype::QK;
+    let sums: &[i32] = if ws
+        .iter()
+        .any(|w| w.packed.is_some() && needs_act_sums(w.dtype))
+    {
+        sums.resize(m * nb, 0);
+        for (i, row) in sums.chunks_exact_mut(nb).enumerate() {
+            act_block_sums(&acts[i * act_row..(i + 1) * act_row], cols, row);
+        }
+        sums
+    } else {
+        &[]
+    };
 
     // Enough tiles to balance the threads, few enough that each is worth a hand-off.
     let threads = pool.threads();
@@ -261,6 +280,10 @@ pub fn matmul_many(
                     let n = (m - i).min(PACK_ACTS);
                     let rows_in: [&[u8]; PACK_ACTS] =
                         std::array::from_fn(|k| act(i + k.min(n - 1)));
+                    let sums_in: [&[i32]; PACK_ACTS] = std::array::from_fn(|k| {
+                        let at = (i + k.min(n - 1)) * nb;
+                        sums.get(at..at + nb).unwrap_or(&[])
+                    });
                     // SAFETY: this tile alone writes columns 8·s0..8·s1 of output rows
                     // i..i + n, all inside the m × rows output.
                     unsafe {
@@ -270,7 +293,7 @@ pub fn matmul_many(
                             packed,
                             s0,
                             s1 - s0,
-                            &rows_in[..n],
+                            (&rows_in[..n], &sums_in[..n]),
                             cols,
                             out_ptr.get().add(i * rows),
                             rows,

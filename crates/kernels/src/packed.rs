@@ -10,7 +10,7 @@
 //! |---|---|---|
 //! | Q4_0 | `d` f16 ×8 | 4 chunks of nibbles |
 //! | Q4_1 | `d` f16 ×8, `m` f16 ×8 | 4 chunks of nibbles |
-//! | Q8_0 | `d` f16 ×8 | 8 chunks of signed bytes |
+//! | Q8_0 | `d` f16 ×8 | 8 chunks of signed bytes, or with VNNI of bytes `q + 128` |
 //! | Q5_0 | `d` f16 ×8, fifth bits u32 ×8 | 4 chunks of nibbles |
 //! | Q5_1 | `d` f16 ×8, `m` f16 ×8, fifth bits u32 ×8 | 4 chunks of nibbles |
 //! | Q4_K | `scale` f32 ×8, `offset` f32 ×8 | 4 chunks of nibbles |
@@ -27,6 +27,16 @@
 //! in f32), so they run on the same integer kernel: Q4_K grows from 4.5 to 6 bits per weight,
 //! Q5_K from 5.5 to 7, Q3_K and Q6_K to 10 (the trade is in docs/engine.md). Q2_K stays on its
 //! row kernel.
+//!
+//! With VNNI (`vpdpbusd` multiplies unsigned by signed bytes) Q8_0 is packed as `q + 128`
+//! ([`Layout::U8`]): the kernel multiplies the activations without the sign step that signed
+//! weights need (two instructions of five per chunk and activation row), and the bias comes off
+//! the block's integer dot product as 128 times the activation block's sum (from
+//! [`act_block_sums`], once per matmul), so the result is Q8_0's, bit for bit. (An offset
+//! of `-128·d` applied in f32, as Q4_0's `-8·d` is, lost half a logit on Gemma 3, whose
+//! activations make the two terms large and nearly cancelling.) Without VNNI the 16-bit pair
+//! sums of `vpmaddubsw` could saturate on such bytes, so Q8_0 keeps its signed bytes there;
+//! which one a process packs follows [`Isa::detect`].
 //!
 //! Each (weight row, activation row) result is computed the same way whatever else is in the
 //! batch: per block the exact integer dot product, then `acc = (d·d_a)·dot + acc` and
@@ -56,6 +66,8 @@ pub(crate) enum Layout {
     Q5_0,
     Q5_1,
     Q8_0,
+    /// Q8_0's bytes plus 128 (unsigned; packed so with VNNI).
+    U8,
     /// Unsigned 4-bit quants with an f32 scale and offset per block (Q4_K).
     U4F,
     /// Unsigned 5-bit quants (nibbles and fifth bits) with an f32 scale and offset (Q5_K).
@@ -72,10 +84,17 @@ pub(crate) const U6H_BIAS: i32 = 32;
 /// layouts.
 const F32_HEADER: usize = 64;
 
+/// The layout this process packs `dtype` in (Q8_0's depends on [`Isa::detect`]).
 pub(crate) fn layout(dtype: DType) -> Option<Layout> {
+    layout_for(dtype, Isa::detect())
+}
+
+/// The layout `dtype` is packed in for kernels of level `isa`.
+pub(crate) fn layout_for(dtype: DType, isa: Isa) -> Option<Layout> {
     Some(match dtype {
         DType::Q4_0 => Layout::Q4_0,
         DType::Q4_1 => Layout::Q4_1,
+        DType::Q8_0 if isa >= Isa::Vnni => Layout::U8,
         DType::Q8_0 => Layout::Q8_0,
         DType::Q5_0 => Layout::Q5_0,
         DType::Q5_1 => Layout::Q5_1,
@@ -97,10 +116,15 @@ pub fn packable(dtype: DType) -> bool {
 
 /// Bytes of one packed block of a group.
 pub fn packed_block_bytes(dtype: DType) -> usize {
-    match layout_of(dtype) {
+    layout_block_bytes(layout_of(dtype))
+}
+
+/// Bytes of one packed block of `layout`.
+pub(crate) fn layout_block_bytes(layout: Layout) -> usize {
+    match layout {
         Layout::Q4_0 => 16 + 128,
         Layout::Q4_1 => 32 + 128,
-        Layout::Q8_0 => 16 + 256,
+        Layout::Q8_0 | Layout::U8 => 16 + 256,
         Layout::Q5_0 => 16 + 32 + 128,
         Layout::Q5_1 => 32 + 32 + 128,
         Layout::U4F => F32_HEADER + 128,
@@ -112,7 +136,7 @@ pub fn packed_block_bytes(dtype: DType) -> usize {
 /// Bytes before a packed block's fifth bits (5-bit layouts) or quants: its scales and offsets.
 pub(crate) fn header_bytes(layout: Layout) -> usize {
     match layout {
-        Layout::Q4_0 | Layout::Q5_0 | Layout::Q8_0 => 16,
+        Layout::Q4_0 | Layout::Q5_0 | Layout::Q8_0 | Layout::U8 => 16,
         Layout::Q4_1 | Layout::Q5_1 => 32,
         Layout::U4F | Layout::U5F | Layout::U6H => F32_HEADER,
     }
@@ -138,7 +162,17 @@ fn source_layout(layout: Layout) -> (usize, usize) {
 /// Packs a `rows × cols` matrix of `dtype` stored row after row (GGUF layout). `None` when the
 /// type has no packed kernel or `rows` is not a multiple of [`PACK_ROWS`].
 pub fn pack(dtype: DType, data: &[u8], rows: usize, cols: usize) -> Option<Vec<u8>> {
-    let layout = layout(dtype)?;
+    pack_as(layout(dtype)?, dtype, data, rows, cols)
+}
+
+/// [`pack`] in a given layout of `dtype`'s.
+pub(crate) fn pack_as(
+    layout: Layout,
+    dtype: DType,
+    data: &[u8],
+    rows: usize,
+    cols: usize,
+) -> Option<Vec<u8>> {
     if !rows.is_multiple_of(PACK_ROWS) || !cols.is_multiple_of(QK) || rows == 0 {
         return None;
     }
@@ -173,6 +207,10 @@ pub fn pack(dtype: DType, data: &[u8], rows: usize, cols: usize) -> Option<Vec<u
                     for c in 0..quant_bytes / 4 {
                         let to = quants_at + 32 * c + 4 * r;
                         dst[to..to + 4].copy_from_slice(&src[header + 4 * c..header + 4 * c + 4]);
+                        if layout == Layout::U8 {
+                            // `q + 128` of a signed byte is the byte with its top bit flipped.
+                            dst[to..to + 4].iter_mut().for_each(|q| *q ^= 0x80);
+                        }
                     }
                 }
             }
@@ -268,7 +306,17 @@ fn f32_at(bytes: &[u8], at: usize) -> f32 {
 /// The scalar reference: one packed group (all its blocks) times one Q8x32 activation row of
 /// `cols` elements; the eight rows' dot products.
 pub fn dot_packed_ref(dtype: DType, group: &[u8], act: &[u8], cols: usize) -> [f32; PACK_ROWS] {
-    let layout = layout_of(dtype);
+    dot_packed_ref_as(layout_of(dtype), dtype, group, act, cols)
+}
+
+/// [`dot_packed_ref`] of a group packed in `layout`.
+pub(crate) fn dot_packed_ref_as(
+    layout: Layout,
+    dtype: DType,
+    group: &[u8],
+    act: &[u8],
+    cols: usize,
+) -> [f32; PACK_ROWS] {
     let nb = cols / QK;
     let pbb = packed_block_bytes(dtype);
     let mut acc = [0f32; PACK_ROWS];
@@ -288,6 +336,7 @@ pub fn dot_packed_ref(dtype: DType, group: &[u8], act: &[u8], cols: usize) -> [f
                         let byte = blk[at + 32 * c + 4 * r + k];
                         let q = match layout {
                             Layout::U6H => i32::from(byte) - U6H_BIAS,
+                            Layout::U8 => i32::from((byte ^ 0x80) as i8),
                             _ => i32::from(byte as i8),
                         };
                         dot += q * aq(4 * c + k);
@@ -317,10 +366,15 @@ pub fn dot_packed_ref(dtype: DType, group: &[u8], act: &[u8], cols: usize) -> [f
             };
             let quants = header_bytes(layout) + if five { 32 } else { 0 };
             match layout {
-                Layout::Q4_0 | Layout::Q4_1 | Layout::Q5_0 | Layout::Q5_1 | Layout::Q8_0 => {
+                Layout::Q4_0
+                | Layout::Q4_1
+                | Layout::Q5_0
+                | Layout::Q5_1
+                | Layout::Q8_0
+                | Layout::U8 => {
                     let d = f16_at(blk, 2 * r);
                     let dot = match layout {
-                        Layout::Q8_0 => bytes_dot(16, 0..8),
+                        Layout::Q8_0 | Layout::U8 => bytes_dot(16, 0..8),
                         _ => nibbles_dot(quants),
                     };
                     *acc = (d * da).mul_add(dot as f32, *acc);
@@ -349,10 +403,30 @@ pub fn dot_packed_ref(dtype: DType, group: &[u8], act: &[u8], cols: usize) -> [f
     acc
 }
 
+/// Whether the packed kernel for `dtype` needs the activation blocks' sums
+/// ([`act_block_sums`]): Q8_0 packed unsigned.
+pub fn needs_act_sums(dtype: DType) -> bool {
+    layout(dtype) == Some(Layout::U8)
+}
+
+/// 128 times the sum of each Q8x32 activation block's 32 quants (what Q8_0 packed unsigned
+/// takes off its dot products), for `cols` columns.
+pub fn act_block_sums(act: &[u8], cols: usize, sums: &mut [i32]) {
+    for (sum, block) in sums
+        .iter_mut()
+        .zip(act.chunks_exact(Q8X32_BLOCK_BYTES))
+        .take(cols / QK)
+    {
+        *sum = 128 * block[8..].iter().map(|&q| i32::from(q as i8)).sum::<i32>();
+    }
+}
+
 /// Groups `first_group..first_group + n_groups` of a packed matrix against `acts.len()`
 /// (1..=[`PACK_ACTS`]) activation rows: the eight results of group `g` for activation row `i`
 /// are written to `out[i·out_stride + 8g ..][..8]`. Groups up to `prefetch_end` (at least the
 /// span's end) may be prefetched while the span runs: the next span of the caller's tile.
+/// `sums` holds each activation row's [`act_block_sums`] where [`needs_act_sums`] says so
+/// (else it may be empty).
 ///
 /// # Safety
 /// `out` must be valid for writes of every element named above, and no other thread may access
@@ -364,11 +438,43 @@ pub unsafe fn dot_packed_span(
     packed: &[u8],
     first_group: usize,
     n_groups: usize,
-    acts: &[&[u8]],
+    (acts, sums): (&[&[u8]], &[&[i32]]),
     cols: usize,
     out: *mut f32,
     out_stride: usize,
     prefetch_end: usize,
+) {
+    let layout = layout_of(dtype);
+    // SAFETY: the caller's guarantees, passed on.
+    unsafe {
+        dot_packed_span_as(
+            isa,
+            layout,
+            dtype,
+            (packed, first_group, n_groups, prefetch_end),
+            (acts, sums),
+            cols,
+            out,
+            out_stride,
+        )
+    }
+}
+
+/// [`dot_packed_span`] of a matrix packed in `layout` (`packed`, the first group, the number of
+/// groups and the prefetch end).
+///
+/// # Safety
+/// As for [`dot_packed_span`].
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn dot_packed_span_as(
+    isa: Isa,
+    layout: Layout,
+    dtype: DType,
+    (packed, first_group, n_groups, prefetch_end): (&[u8], usize, usize, usize),
+    (acts, sums): (&[&[u8]], &[&[i32]]),
+    cols: usize,
+    out: *mut f32,
+    out_stride: usize,
 ) {
     let nb = cols / QK;
     let group_bytes = nb * packed_block_bytes(dtype);
@@ -382,6 +488,10 @@ pub unsafe fn dot_packed_span(
         acts.iter().all(|a| a.len() >= nb * Q8X32_BLOCK_BYTES),
         "activation row too short"
     );
+    assert!(
+        layout != Layout::U8 || (sums.len() >= acts.len() && sums.iter().all(|s| s.len() >= nb)),
+        "Q8_0 packed unsigned needs the activation blocks' sums"
+    );
     #[cfg(target_arch = "x86_64")]
     if isa >= Isa::Avx2 {
         // SAFETY: AVX2, FMA and F16C are present; group and activation extents were checked
@@ -389,10 +499,11 @@ pub unsafe fn dot_packed_span(
         unsafe {
             crate::x86::dot_packed_span(
                 isa >= Isa::Vnni,
-                dtype,
+                layout,
                 groups,
                 n_groups,
                 acts,
+                sums,
                 nb,
                 out.add(8 * first_group),
                 out_stride,
@@ -405,7 +516,7 @@ pub unsafe fn dot_packed_span(
     for g in 0..n_groups {
         let group = &groups[g * group_bytes..(g + 1) * group_bytes];
         for (i, a) in acts.iter().enumerate() {
-            let values = dot_packed_ref(dtype, group, a, cols);
+            let values = dot_packed_ref_as(layout, dtype, group, a, cols);
             let at = i * out_stride + 8 * (first_group + g);
             // SAFETY: the caller vouches for these elements.
             unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), out.add(at), PACK_ROWS) };
@@ -458,13 +569,25 @@ mod tests {
             (DType::Q6_K, vec![256, 768]),
             (DType::Q3_K, vec![256, 768]),
         ];
-        for (dtype, widths) in cases {
+        // Q8_0 in both its layouts, whatever this CPU packs it in.
+        let layouts = |dtype: DType| {
+            let mut all = vec![layout_for(dtype, Isa::Avx2).unwrap()];
+            let vnni = layout_for(dtype, Isa::Vnni).unwrap();
+            if !all.contains(&vnni) {
+                all.push(vnni);
+            }
+            all
+        };
+        for (dtype, layout, widths) in cases
+            .into_iter()
+            .flat_map(|(d, w)| layouts(d).into_iter().map(move |l| (d, l, w.clone())))
+        {
             for cols in widths {
                 let rows = 16;
                 let data: Vec<u8> = (0..rows)
                     .flat_map(|r| random_row(dtype, cols, 40 + r as u64))
                     .collect();
-                let packed = pack(dtype, &data, rows, cols).unwrap();
+                let packed = pack_as(layout, dtype, &data, rows, cols).unwrap();
                 let group_bytes = cols / QK * packed_block_bytes(dtype);
                 let acts: Vec<Vec<u8>> = (0..PACK_ACTS)
                     .map(|i| act_row(cols, 70 + i as u64))
@@ -474,7 +597,7 @@ mod tests {
                     let group = &packed[g * group_bytes..(g + 1) * group_bytes];
                     let reference: Vec<[f32; PACK_ROWS]> = acts
                         .iter()
-                        .map(|a| dot_packed_ref(dtype, group, a, cols))
+                        .map(|a| dot_packed_ref_as(layout, dtype, group, a, cols))
                         .collect();
                     for (i, a) in acts.iter().enumerate() {
                         for r in 0..PACK_ROWS {
@@ -484,7 +607,7 @@ mod tests {
                                 let want = vec_dot_ref(dtype, w, a, cols);
                                 assert!(
                                     (got - want).abs() <= 1e-4 * want.abs().max(1.0),
-                                    "{dtype} cols {cols} g{g} r{r} i{i}: {got} vs {want}"
+                                    "{dtype} {layout:?} cols {cols} g{g} r{r} i{i}: {got} vs {want}"
                                 );
                             }
                             // Against the exact product of the dequantized weights and
@@ -492,7 +615,7 @@ mod tests {
                             let (want, magnitude) = float_dot(dtype, w, a, cols);
                             assert!(
                                 (f64::from(got) - want).abs() <= 1e-5 * magnitude.max(1.0),
-                                "{dtype} cols {cols} g{g} r{r} i{i}: {got} vs exact {want}"
+                                "{dtype} {layout:?} cols {cols} g{g} r{r} i{i}: {got} vs exact {want}"
                             );
                         }
                     }
@@ -503,20 +626,27 @@ mod tests {
                                     .iter()
                                     .map(|a| a.as_slice())
                                     .collect();
+                                let sums: Vec<Vec<i32>> = rows_in
+                                    .iter()
+                                    .map(|a| {
+                                        let mut s = vec![0; cols / QK];
+                                        act_block_sums(a, cols, &mut s);
+                                        s
+                                    })
+                                    .collect();
+                                let sums: Vec<&[i32]> = sums.iter().map(Vec::as_slice).collect();
                                 let mut out = vec![0f32; n * rows];
                                 // SAFETY: out is n × rows, the span writes group g of each row.
                                 unsafe {
-                                    dot_packed_span(
+                                    dot_packed_span_as(
                                         isa,
+                                        layout,
                                         dtype,
-                                        &packed,
-                                        g,
-                                        1,
-                                        &rows_in,
+                                        (&packed, g, 1, g + 1),
+                                        (&rows_in, &sums),
                                         cols,
                                         out.as_mut_ptr(),
                                         rows,
-                                        g + 1,
                                     )
                                 };
                                 for k in 0..n {
@@ -524,7 +654,7 @@ mod tests {
                                     assert_eq!(
                                         got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                                         reference[start + k].map(f32::to_bits).to_vec(),
-                                        "{dtype} cols {cols} {isa:?} n{n}: bit-identical"
+                                        "{dtype} {layout:?} cols {cols} {isa:?} n{n}: bit-identical"
                                     );
                                 }
                             }

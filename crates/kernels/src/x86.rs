@@ -1313,29 +1313,27 @@ pub unsafe fn exp_moments(x: &[f32], max: f32) -> (f64, f64) {
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn dot_packed_span(
     vnni: bool,
-    dtype: DType,
+    layout: Layout,
     groups: &[u8],
     n_groups: usize,
     acts: &[&[u8]],
+    sums: &[&[i32]],
     nb: usize,
     out: *mut f32,
     out_stride: usize,
 ) {
     let g = groups.as_ptr();
-    let pbb = match crate::packed::layout(dtype) {
-        Some(_) => crate::packed::packed_block_bytes(dtype),
-        None => panic!("no packed kernel for {dtype}"),
-    };
+    let pbb = crate::packed::layout_block_bytes(layout);
     let ahead = groups.len() / (nb * pbb).max(1);
     debug_assert!(ahead >= n_groups);
     let flavour = if vnni { vnni_flavour() } else { None };
     macro_rules! run_with {
         ($f:ident, $k:expr) => {
             match acts.len() {
-                1 => $f::<$k, 1>(g, n_groups, ahead, acts, nb, out, out_stride),
-                2 => $f::<$k, 2>(g, n_groups, ahead, acts, nb, out, out_stride),
-                3 => $f::<$k, 3>(g, n_groups, ahead, acts, nb, out, out_stride),
-                4 => $f::<$k, 4>(g, n_groups, ahead, acts, nb, out, out_stride),
+                1 => $f::<$k, 1>(g, n_groups, ahead, acts, sums, nb, out, out_stride),
+                2 => $f::<$k, 2>(g, n_groups, ahead, acts, sums, nb, out, out_stride),
+                3 => $f::<$k, 3>(g, n_groups, ahead, acts, sums, nb, out, out_stride),
+                4 => $f::<$k, 4>(g, n_groups, ahead, acts, sums, nb, out, out_stride),
                 n => panic!("no packed kernel for {n} activation rows"),
             }
         };
@@ -1349,16 +1347,16 @@ pub unsafe fn dot_packed_span(
             }
         };
     }
-    match crate::packed::layout(dtype) {
-        Some(Layout::Q4_0) => run!(K_Q4_0),
-        Some(Layout::Q4_1) => run!(K_Q4_1),
-        Some(Layout::Q5_0) => run!(K_Q5_0),
-        Some(Layout::Q5_1) => run!(K_Q5_1),
-        Some(Layout::Q8_0) => run!(K_Q8_0),
-        Some(Layout::U4F) => run!(K_U4F),
-        Some(Layout::U5F) => run!(K_U5F),
-        Some(Layout::U6H) => run!(K_U6H),
-        None => panic!("no packed kernel for {dtype}"),
+    match layout {
+        Layout::Q4_0 => run!(K_Q4_0),
+        Layout::Q4_1 => run!(K_Q4_1),
+        Layout::Q5_0 => run!(K_Q5_0),
+        Layout::Q5_1 => run!(K_Q5_1),
+        Layout::Q8_0 => run!(K_Q8_0),
+        Layout::U8 => run!(K_U8),
+        Layout::U4F => run!(K_U4F),
+        Layout::U5F => run!(K_U5F),
+        Layout::U6H => run!(K_U6H),
     }
 }
 
@@ -1367,11 +1365,13 @@ pub unsafe fn dot_packed_span(
 const K_U4F: u8 = 5;
 const K_U5F: u8 = 6;
 const K_U6H: u8 = 7;
+/// Q8_0 packed as `q + 128`.
+const K_U8: u8 = 8;
 
 /// Bytes of a packed block's scales and offsets (before its fifth bits or quants).
 const fn packed_header<const K: u8>() -> usize {
     match K {
-        K_Q4_0 | K_Q5_0 | K_Q8_0 => 16,
+        K_Q4_0 | K_Q5_0 | K_Q8_0 | K_U8 => 16,
         K_Q4_1 | K_Q5_1 => 32,
         _ => 64,
     }
@@ -1384,7 +1384,7 @@ const fn five_bit<const K: u8>() -> bool {
 
 /// Bytes of one packed block of the layout `K`.
 const fn packed_block_bytes<const K: u8>() -> usize {
-    let quants = if matches!(K, K_Q8_0 | K_U6H) {
+    let quants = if matches!(K, K_Q8_0 | K_U6H | K_U8) {
         256
     } else {
         128
@@ -1467,11 +1467,20 @@ macro_rules! packed_kernel {
             n_groups: usize,
             prefetch_groups: usize,
             acts: &[&[u8]],
+            sums: &[&[i32]],
             nb: usize,
             out: *mut f32,
             out_stride: usize,
         ) {
             let a: [*const u8; N] = std::array::from_fn(|i| acts[i].as_ptr());
+            // The activation blocks' sums, for Q8_0 packed unsigned.
+            let s: [*const i32; N] = std::array::from_fn(|i| {
+                if K == K_U8 {
+                    sums[i].as_ptr()
+                } else {
+                    std::ptr::null()
+                }
+            });
             let pbb = packed_block_bytes::<K>();
             let group_bytes = nb * pbb;
             for group in 0..n_groups {
@@ -1486,7 +1495,7 @@ macro_rules! packed_kernel {
                         line += 64;
                     }
                 }
-                let acc = $group::<K, N>(g, &a, nb, pbb);
+                let acc = $group::<K, N>(g, &a, &s, nb, pbb);
                 for (i, v) in acc.iter().enumerate() {
                     _mm256_storeu_ps(out.add(i * out_stride + 8 * group), *v);
                 }
@@ -1498,6 +1507,7 @@ macro_rules! packed_kernel {
         unsafe fn $group<const K: u8, const N: usize>(
             g: *const u8,
             a: &[*const u8; N],
+            s: &[*const i32; N],
             nb: usize,
             pbb: usize,
         ) -> [__m256; N] {
@@ -1505,7 +1515,7 @@ macro_rules! packed_kernel {
             let ones = _mm256_set1_epi16(1);
             let mut acc = [_mm256_setzero_ps(); N];
             let f32_header = matches!(K, K_U4F | K_U5F | K_U6H);
-            let bytes = matches!(K, K_Q8_0 | K_U6H);
+            let bytes = matches!(K, K_Q8_0 | K_U6H | K_U8);
             for b in 0..nb {
                 let blk = g.add(b * pbb);
                 let d = if f32_header {
@@ -1554,6 +1564,36 @@ macro_rules! packed_kernel {
                         let (lo, hi) = half_block_sums(ab[i].add(8));
                         dots[i] = _mm256_sub_epi32(dots[i], _mm256_slli_epi32::<5>(lo));
                         dots_hi[i] = _mm256_sub_epi32(dots_hi[i], _mm256_slli_epi32::<5>(hi));
+                    }
+                } else if K == K_U8 {
+                    let qs = blk.add(16);
+                    if $vnni {
+                        // Unsigned weight bytes times signed activation bytes, as they are;
+                        // then 128 times the activation block's sum off: Q8_0's exact integer.
+                        for c in 0..8 {
+                            let w = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
+                            for i in 0..N {
+                                let y = broadcast_i32(ab[i].add(8 + 4 * c));
+                                dots[i] = $dpbusd(dots[i], w, y);
+                            }
+                        }
+                        for i in 0..N {
+                            dots[i] = _mm256_sub_epi32(dots[i], _mm256_set1_epi32(*s[i].add(b)));
+                        }
+                    } else {
+                        // Without VNNI (only when a process packed for VNNI runs the AVX2
+                        // kernel, as the tests do): the signed bytes back, as for Q8_0.
+                        let flip = _mm256_set1_epi8(-128);
+                        for c in 0..8 {
+                            let raw = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
+                            let w = _mm256_xor_si256(raw, flip);
+                            let abs_w = _mm256_sign_epi8(w, w);
+                            for i in 0..N {
+                                let y = _mm256_sign_epi8(broadcast_i32(ab[i].add(8 + 4 * c)), w);
+                                let pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(abs_w, y), ones);
+                                dots[i] = _mm256_add_epi32(dots[i], pairs);
+                            }
+                        }
                     }
                 } else if bytes {
                     let qs = blk.add(16);
@@ -1637,7 +1677,7 @@ macro_rules! packed_kernel {
                     if K == K_U6H {
                         let scale_hi = _mm256_mul_ps(second, da);
                         acc[i] = _mm256_fmadd_ps(scale_hi, _mm256_cvtepi32_ps(dots_hi[i]), acc[i]);
-                    } else if K != K_Q8_0 {
+                    } else if K != K_Q8_0 && K != K_U8 {
                         acc[i] =
                             _mm256_fmadd_ps(offset, _mm256_set1_ps(f32_load(ab[i].add(4))), acc[i]);
                     }

@@ -11,17 +11,19 @@
 //! | Q4_0 | `d` f16 ×8 | 4 chunks of nibbles |
 //! | Q4_1 | `d` f16 ×8, `m` f16 ×8 | 4 chunks of nibbles |
 //! | Q8_0 | `d` f16 ×8 | 8 chunks of signed bytes, or with VNNI of bytes `q + 128` |
-//! | Q5_0 | `d` f16 ×8, fifth bits u32 ×8 | 4 chunks of nibbles |
-//! | Q5_1 | `d` f16 ×8, `m` f16 ×8, fifth bits u32 ×8 | 4 chunks of nibbles |
+//! | Q5_0 | `d` f16 ×8, fifth bits 32 bytes | 4 chunks of nibbles |
+//! | Q5_1 | `d` f16 ×8, `m` f16 ×8, fifth bits 32 bytes | 4 chunks of nibbles |
 //! | Q4_K | `scale` f32 ×8, `offset` f32 ×8 | 4 chunks of nibbles |
-//! | Q5_K | `scale` f32 ×8, `offset` f32 ×8, fifth bits u32 ×8 | 4 chunks of nibbles |
+//! | Q5_K | `scale` f32 ×8, `offset` f32 ×8, fifth bits 32 bytes | 4 chunks of nibbles |
 //! | Q3_K, Q6_K | `scale` of elements 0..16 f32 ×8, of elements 16..32 f32 ×8 | 8 chunks of bytes `q + 32` |
 //!
 //! Chunk `c` holds bytes `4c..4c+4` of each row's quant bytes, row after row (nibbles: byte `j`
 //! holds elements `j` and `j+16`; Q3_K's and Q6_K's bytes are their quants plus 32, 0..=63, so
 //! that they multiply the signed activation bytes without a sign step and the bias comes off
-//! with the activation's half-block sums; a row's fifth bits are a little-endian u32 with bit `i` for
-//! element `i`, as in GGUF's Q5 blocks). Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 keep GGUF's own blocks,
+//! with the activation's half-block sums). The fifth bits are laid out like a chunk: byte
+//! `4r + k` holds row `r`'s fifth bits of elements `4c + k` (bit `c`) and `16 + 4c + k` (bit
+//! `4 + c`) for the four chunks `c`, so a chunk's are one shift and one mask away in registers
+//! (a little-endian u32 per row, as GGUF stores them, took five instructions per chunk). Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 keep GGUF's own blocks,
 //! interleaved, at their own size. The K-quants are unpacked at load to integers with exact f32
 //! scales (`d·sc` of a K-quant sub-block is a product of an f16 and a 6- or 8-bit integer, exact
 //! in f32), so they run on the same integer kernel: Q4_K grows from 4.5 to 6 bits per weight,
@@ -142,9 +144,22 @@ pub(crate) fn header_bytes(layout: Layout) -> usize {
     }
 }
 
-/// Whether a layout's quants are 5-bit (nibbles plus a u32 of fifth bits per row).
+/// Whether a layout's quants are 5-bit (nibbles plus 32 bytes of fifth bits, see
+/// [`fifth_bit_bytes`]).
 pub(crate) fn five_bit(layout: Layout) -> bool {
     matches!(layout, Layout::Q5_0 | Layout::Q5_1 | Layout::U5F)
+}
+
+/// A row's four bytes of fifth bits in a packed block, from GGUF's u32 (bit `i` for element
+/// `i`): byte `k` has bit `c` for element `4c + k` and bit `4 + c` for element `16 + 4c + k`.
+pub(crate) fn fifth_bit_bytes(fifth: u32) -> [u8; 4] {
+    std::array::from_fn(|k| {
+        (0..4).fold(0u8, |byte, c| {
+            let lo = ((fifth >> (4 * c + k)) & 1) as u8;
+            let hi = ((fifth >> (16 + 4 * c + k)) & 1) as u8;
+            byte | lo << c | hi << (4 + c)
+        })
+    })
 }
 
 /// Bytes of the scale header of a GGUF block (before its fifth bits or quants) and the number
@@ -199,8 +214,9 @@ pub(crate) fn pack_as(
                     let mut quants_at = header_bytes(layout);
                     let mut header = header;
                     if five {
+                        let fifth = u32::from_le_bytes(src[header..header + 4].try_into().unwrap());
                         dst[quants_at + 4 * r..quants_at + 4 * r + 4]
-                            .copy_from_slice(&src[header..header + 4]);
+                            .copy_from_slice(&fifth_bit_bytes(fifth));
                         quants_at += 32;
                         header += 4;
                     }
@@ -273,7 +289,7 @@ fn put_block(layout: Layout, dst: &mut [u8], r: usize, block: &IntBlock) {
         let fifth = (0..QK).fold(0u32, |bits, i| {
             bits | (u32::from(block.q[i] as u8 >> 4) << i)
         });
-        dst[F32_HEADER + 4 * r..F32_HEADER + 4 * r + 4].copy_from_slice(&fifth.to_le_bytes());
+        dst[F32_HEADER + 4 * r..F32_HEADER + 4 * r + 4].copy_from_slice(&fifth_bit_bytes(fifth));
     }
     if matches!(layout, Layout::U4F | Layout::U5F) {
         let at = header_bytes(layout) + if layout == Layout::U5F { 32 } else { 0 };
@@ -347,17 +363,17 @@ pub(crate) fn dot_packed_ref_as(
             // Nibbles at `at`, with the rows' fifth bits at `at - 32` for the 5-bit layouts.
             let five = five_bit(layout);
             let nibbles_dot = |at: usize| {
-                let fifth = if five {
-                    u32::from_le_bytes(blk[at - 32 + 4 * r..at - 28 + 4 * r].try_into().unwrap())
-                } else {
-                    0
-                };
                 let mut dot = 0i32;
                 for c in 0..4 {
                     for k in 0..4 {
                         let (j, byte) = (4 * c + k, blk[at + 32 * c + 4 * r + k]);
-                        let lo = (byte & 0x0f) as u32 | ((fifth >> j) & 1) << 4;
-                        let hi = (byte >> 4) as u32 | ((fifth >> (j + 16)) & 1) << 4;
+                        let fifth = if five {
+                            u32::from(blk[at - 32 + 4 * r + k])
+                        } else {
+                            0
+                        };
+                        let lo = (byte & 0x0f) as u32 | ((fifth >> c) & 1) << 4;
+                        let hi = (byte >> 4) as u32 | ((fifth >> (4 + c)) & 1) << 4;
                         dot += lo as i32 * aq(j);
                         dot += hi as i32 * aq(16 + j);
                     }

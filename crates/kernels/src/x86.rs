@@ -1392,23 +1392,23 @@ const fn packed_block_bytes<const K: u8>() -> usize {
     packed_header::<K>() + if five_bit::<K>() { 32 } else { 0 } + quants
 }
 
-/// The fifth bits of one chunk of nibbles: byte `4r + k` of the result is 0x10 when bit
-/// `shift + k` of row `r`'s u32 in `fifth` is set.
+/// The fifth bits of chunk `c`'s low (`bit = c`) or high (`bit = 4 + c`) nibbles, as 0x10 in
+/// each byte, from the block's 32 bytes of fifth bits (see [`crate::packed::fifth_bit_bytes`]).
+/// Shifts of 16-bit lanes by at most 4 move bit `bit` of every byte to bit 4 of the same byte.
 #[inline]
 #[target_feature(enable = "avx2")]
-unsafe fn fifth_bits_of_chunk(fifth: __m256i, shift: i32) -> __m256i {
-    let moved = _mm256_srl_epi32(fifth, _mm_cvtsi32_si128(shift));
-    // Byte 0 of each row's u32 into its four bytes, then one bit per byte.
-    let spread = _mm256_shuffle_epi8(
-        moved,
-        _mm256_setr_epi8(
-            0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8,
-            12, 12, 12, 12,
-        ),
-    );
-    let select = _mm256_set1_epi32(0x0804_0201);
-    let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
-    _mm256_and_si256(set, _mm256_set1_epi8(0x10))
+unsafe fn fifth_bits_of_chunk(fifth: __m256i, bit: usize) -> __m256i {
+    let moved = match bit {
+        0 => _mm256_slli_epi16::<4>(fifth),
+        1 => _mm256_slli_epi16::<3>(fifth),
+        2 => _mm256_slli_epi16::<2>(fifth),
+        3 => _mm256_slli_epi16::<1>(fifth),
+        4 => fifth,
+        5 => _mm256_srli_epi16::<1>(fifth),
+        6 => _mm256_srli_epi16::<2>(fifth),
+        _ => _mm256_srli_epi16::<3>(fifth),
+    };
+    _mm256_and_si256(moved, _mm256_set1_epi8(0x10))
 }
 
 /// The sums of a 32-byte activation block's elements 0..16 and 16..32, each in all eight lanes.
@@ -1627,8 +1627,8 @@ macro_rules! packed_kernel {
                         let mut lo = _mm256_and_si256(raw, mask);
                         let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask);
                         if five {
-                            lo = _mm256_or_si256(lo, fifth_bits_of_chunk(fifth, 4 * c as i32));
-                            hi = _mm256_or_si256(hi, fifth_bits_of_chunk(fifth, 16 + 4 * c as i32));
+                            lo = _mm256_or_si256(lo, fifth_bits_of_chunk(fifth, c));
+                            hi = _mm256_or_si256(hi, fifth_bits_of_chunk(fifth, 4 + c));
                         }
                         for i in 0..N {
                             let y_lo = broadcast_i32(ab[i].add(8 + 4 * c));

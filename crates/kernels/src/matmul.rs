@@ -272,12 +272,24 @@ pub fn matmul_many(
             // Spans that stay in cache while every activation row (PACK_ACTS at a time) passes
             // over them; each span's passes prefetch the next span.
             let span = (SPAN_BYTES / packed_group_bytes(w)).max(1);
+            let passes = m.div_ceil(PACK_ACTS);
             let mut s0 = g0;
             while s0 < g1 {
                 let s1 = (s0 + span).min(g1);
+                // With several passes over this span, each brings a share of the next one into
+                // L2 (and reads ahead within the span only); a single pass streams two groups
+                // ahead, into the next span too.
+                let next = s1..(s1 + span).min(g1);
                 let mut i = 0;
                 while i < m {
                     let n = (m - i).min(PACK_ACTS);
+                    let pass = i / PACK_ACTS;
+                    let prefetch = if passes == 1 {
+                        (g1, 0..0)
+                    } else {
+                        let share = |p: usize| next.start + next.len() * p / passes;
+                        (s1, share(pass)..share(pass + 1))
+                    };
                     let rows_in: [&[u8]; PACK_ACTS] =
                         std::array::from_fn(|k| act(i + k.min(n - 1)));
                     let sums_in: [&[i32]; PACK_ACTS] = std::array::from_fn(|k| {
@@ -297,7 +309,7 @@ pub fn matmul_many(
                             cols,
                             out_ptr.get().add(i * rows),
                             rows,
-                            g1,
+                            prefetch,
                         )
                     };
                     i += n;

@@ -440,7 +440,9 @@ pub fn act_block_sums(act: &[u8], cols: usize, sums: &mut [i32]) {
 /// Groups `first_group..first_group + n_groups` of a packed matrix against `acts.len()`
 /// (1..=[`PACK_ACTS`]) activation rows: the eight results of group `g` for activation row `i`
 /// are written to `out[i·out_stride + 8g ..][..8]`. Groups up to `prefetch_end` (at least the
-/// span's end) may be prefetched while the span runs: the next span of the caller's tile.
+/// span's end) may be prefetched while the span runs, two groups ahead into L1; the groups in
+/// `spread` are prefetched into L2 evenly over the span (a share of the next span on each pass
+/// of several activation rows over this one, so its first pass need not wait on memory).
 /// `sums` holds each activation row's [`act_block_sums`] where [`needs_act_sums`] says so
 /// (else it may be empty).
 ///
@@ -458,7 +460,7 @@ pub unsafe fn dot_packed_span(
     cols: usize,
     out: *mut f32,
     out_stride: usize,
-    prefetch_end: usize,
+    (prefetch_end, spread): (usize, std::ops::Range<usize>),
 ) {
     let layout = layout_of(dtype);
     // SAFETY: the caller's guarantees, passed on.
@@ -467,7 +469,7 @@ pub unsafe fn dot_packed_span(
             isa,
             layout,
             dtype,
-            (packed, first_group, n_groups, prefetch_end),
+            (packed, first_group, n_groups, prefetch_end, spread),
             (acts, sums),
             cols,
             out,
@@ -477,7 +479,7 @@ pub unsafe fn dot_packed_span(
 }
 
 /// [`dot_packed_span`] of a matrix packed in `layout` (`packed`, the first group, the number of
-/// groups and the prefetch end).
+/// groups, the prefetch end and the groups to spread into L2).
 ///
 /// # Safety
 /// As for [`dot_packed_span`].
@@ -486,7 +488,13 @@ pub(crate) unsafe fn dot_packed_span_as(
     isa: Isa,
     layout: Layout,
     dtype: DType,
-    (packed, first_group, n_groups, prefetch_end): (&[u8], usize, usize, usize),
+    (packed, first_group, n_groups, prefetch_end, spread): (
+        &[u8],
+        usize,
+        usize,
+        usize,
+        std::ops::Range<usize>,
+    ),
     (acts, sums): (&[&[u8]], &[&[i32]]),
     cols: usize,
     out: *mut f32,
@@ -500,6 +508,9 @@ pub(crate) unsafe fn dot_packed_span_as(
     );
     let prefetch_end = prefetch_end.clamp(first_group + n_groups, packed.len() / group_bytes);
     let groups = &packed[first_group * group_bytes..prefetch_end * group_bytes];
+    let all_groups = packed.len() / group_bytes;
+    let (s0, s1) = (spread.start.min(all_groups), spread.end.min(all_groups));
+    let spread = &packed[s0 * group_bytes..s1.max(s0) * group_bytes];
     assert!(
         acts.iter().all(|a| a.len() >= nb * Q8X32_BLOCK_BYTES),
         "activation row too short"
@@ -518,6 +529,7 @@ pub(crate) unsafe fn dot_packed_span_as(
                 layout,
                 groups,
                 n_groups,
+                spread,
                 acts,
                 sums,
                 nb,
@@ -658,7 +670,7 @@ mod tests {
                                         isa,
                                         layout,
                                         dtype,
-                                        (&packed, g, 1, g + 1),
+                                        (&packed, g, 1, g + 1, 0..0),
                                         (&rows_in, &sums),
                                         cols,
                                         out.as_mut_ptr(),

@@ -1316,6 +1316,7 @@ pub unsafe fn dot_packed_span(
     layout: Layout,
     groups: &[u8],
     n_groups: usize,
+    spread: &[u8],
     acts: &[&[u8]],
     sums: &[&[i32]],
     nb: usize,
@@ -1330,10 +1331,10 @@ pub unsafe fn dot_packed_span(
     macro_rules! run_with {
         ($f:ident, $k:expr) => {
             match acts.len() {
-                1 => $f::<$k, 1>(g, n_groups, ahead, acts, sums, nb, out, out_stride),
-                2 => $f::<$k, 2>(g, n_groups, ahead, acts, sums, nb, out, out_stride),
-                3 => $f::<$k, 3>(g, n_groups, ahead, acts, sums, nb, out, out_stride),
-                4 => $f::<$k, 4>(g, n_groups, ahead, acts, sums, nb, out, out_stride),
+                1 => $f::<$k, 1>(g, n_groups, ahead, spread, acts, sums, nb, out, out_stride),
+                2 => $f::<$k, 2>(g, n_groups, ahead, spread, acts, sums, nb, out, out_stride),
+                3 => $f::<$k, 3>(g, n_groups, ahead, spread, acts, sums, nb, out, out_stride),
+                4 => $f::<$k, 4>(g, n_groups, ahead, spread, acts, sums, nb, out, out_stride),
                 n => panic!("no packed kernel for {n} activation rows"),
             }
         };
@@ -1466,12 +1467,15 @@ macro_rules! packed_kernel {
             groups: *const u8,
             n_groups: usize,
             prefetch_groups: usize,
+            spread: &[u8],
             acts: &[&[u8]],
             sums: &[&[i32]],
             nb: usize,
             out: *mut f32,
             out_stride: usize,
         ) {
+            // Lines of `spread` into L2, an equal share per group.
+            let share = spread.len().div_ceil(n_groups.max(1)).next_multiple_of(64);
             let a: [*const u8; N] = std::array::from_fn(|i| acts[i].as_ptr());
             // The activation blocks' sums, for Q8_0 packed unsigned.
             let s: [*const i32; N] = std::array::from_fn(|i| {
@@ -1494,6 +1498,11 @@ macro_rules! packed_kernel {
                         _mm_prefetch::<_MM_HINT_T0>(ahead.add(line) as *const i8);
                         line += 64;
                     }
+                }
+                let mut line = group * share;
+                while line < spread.len().min((group + 1) * share) {
+                    _mm_prefetch::<_MM_HINT_T1>(spread.as_ptr().add(line) as *const i8);
+                    line += 64;
                 }
                 let acc = $group::<K, N>(g, &a, &s, nb, pbb);
                 for (i, v) in acc.iter().enumerate() {

@@ -694,6 +694,70 @@ mod tests {
     }
 
     #[test]
+    fn spans_of_many_groups_equal_the_reference_group_by_group() {
+        // Five groups, every level, 1..=4 activation rows, in one call.
+        let (rows, cols) = (40, 640);
+        let nb = cols / QK;
+        for (dtype, layout) in [
+            (DType::Q8_0, Layout::U8),
+            (DType::Q8_0, Layout::Q8_0),
+            (DType::Q5_0, Layout::Q5_0),
+            (DType::Q4_K, Layout::U4F),
+        ] {
+            let cols = if dtype == DType::Q4_K { 768 } else { cols };
+            let nb = if dtype == DType::Q4_K { cols / QK } else { nb };
+            let data: Vec<u8> = (0..rows)
+                .flat_map(|r| random_row(dtype, cols, 90 + r as u64))
+                .collect();
+            let packed = pack_as(layout, dtype, &data, rows, cols).unwrap();
+            let group_bytes = nb * layout_block_bytes(layout);
+            let acts: Vec<Vec<u8>> = (0..PACK_ACTS)
+                .map(|i| act_row(cols, 300 + i as u64))
+                .collect();
+            let sums: Vec<Vec<i32>> = acts
+                .iter()
+                .map(|a| {
+                    let mut s = vec![0; nb];
+                    act_block_sums(a, cols, &mut s);
+                    s
+                })
+                .collect();
+            for isa in Isa::available() {
+                for n in 1..=PACK_ACTS {
+                    let rows_in: Vec<&[u8]> = acts[..n].iter().map(|a| a.as_slice()).collect();
+                    let sums_in: Vec<&[i32]> = sums[..n].iter().map(|s| s.as_slice()).collect();
+                    let mut out = vec![0f32; n * rows];
+                    // SAFETY: out is n × rows, the span writes every group of each row.
+                    unsafe {
+                        dot_packed_span_as(
+                            isa,
+                            layout,
+                            dtype,
+                            (&packed, 0, rows / PACK_ROWS, rows / PACK_ROWS, 0..0),
+                            (&rows_in, &sums_in),
+                            cols,
+                            out.as_mut_ptr(),
+                            rows,
+                        )
+                    };
+                    for g in 0..rows / PACK_ROWS {
+                        let group = &packed[g * group_bytes..(g + 1) * group_bytes];
+                        for (i, a) in rows_in.iter().enumerate() {
+                            let want = dot_packed_ref_as(layout, dtype, group, a, cols);
+                            let got = &out[i * rows + g * PACK_ROWS..][..PACK_ROWS];
+                            assert_eq!(
+                                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                                want.map(f32::to_bits).to_vec(),
+                                "{dtype} {layout:?} {isa:?} n{n} group {g}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
     fn only_whole_groups_of_supported_types_pack() {
         let q = random_row(DType::Q4_1, 64, 1);
         assert!(pack(DType::Q4_1, &q.repeat(7), 7, 64).is_none());

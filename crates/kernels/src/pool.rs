@@ -55,6 +55,8 @@ struct Shared {
     sleeping: AtomicUsize,
     sleep_lock: Mutex<()>,
     wake: Condvar,
+    /// The first panic of an item of the current loop, raised on the caller's thread.
+    panic: Mutex<Option<Box<dyn std::any::Any + Send>>>,
 }
 
 /// Claims and runs items of loop `generation` until none is left (or another loop began).
@@ -65,8 +67,9 @@ fn run_items(shared: &Shared, generation: u64) {
             return;
         }
         let item = c & 0xffff_ffff;
-        // Read after the claim word of this generation: at least this loop's count (a later
-        // loop's would fail the exchange below, the generation having moved on).
+        // Read after the claim word of this generation: this loop's count (the next loop
+        // closes this one's claims before it changes the count, so a later count fails the
+        // exchange below).
         let items = shared.items.load(Ordering::Acquire) as u64;
         if item >= items {
             return;
@@ -83,7 +86,14 @@ fn run_items(shared: &Shared, generation: u64) {
         // inside `for_each` (it returns once every item ran) and the task it published before
         // the claim word stays alive until `done` counts this item.
         let task: &Task = unsafe { *ptr };
-        task(item as usize);
+        // A panicking item still counts as run (the loop must not wait for it forever, and the
+        // worker must survive it); the caller raises the panic once the loop is over.
+        if let Err(payload) =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| task(item as usize)))
+        {
+            let mut first = shared.panic.lock().unwrap_or_else(|e| e.into_inner());
+            first.get_or_insert(payload);
+        }
         shared.done.fetch_add(1, Ordering::AcqRel);
     }
 }
@@ -248,6 +258,7 @@ impl ThreadPool {
             sleeping: AtomicUsize::new(0),
             sleep_lock: Mutex::new(()),
             wake: Condvar::new(),
+            panic: Mutex::new(None),
         });
         let workers = (1..threads)
             .map(|i| {
@@ -332,8 +343,15 @@ impl ThreadPool {
         );
         let _turn = self.turn();
         let shared = &*self.shared;
-        let generation = (self.generation.load(Ordering::Relaxed) + 1) & 0xffff_ffff;
+        let last = self.generation.load(Ordering::Relaxed);
+        let generation = (last + 1) & 0xffff_ffff;
         self.generation.store(generation, Ordering::Relaxed);
+        // Close the last loop's claims before its count and task change: a worker that read its
+        // final claim word could otherwise pair it with this loop's larger count and claim an
+        // item past the last loop's end (running this loop's item twice, or a task that is
+        // gone). With the index at its maximum, no claim of the last loop succeeds, and its
+        // workers keep waiting for this loop's generation.
+        shared.claim.store(tag(last, 0xffff_ffff), Ordering::SeqCst);
         let task_ref: &(dyn Fn(usize) + Sync) = task;
         // The pointer's lifetime is erased here and restored by the workers (see `run_items`).
         shared.task.store(
@@ -356,6 +374,15 @@ impl ThreadPool {
             } else {
                 std::thread::yield_now();
             }
+        }
+        let panicked = shared
+            .panic
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(payload) = panicked {
+            drop(_turn);
+            std::panic::resume_unwind(payload);
         }
     }
 }
@@ -469,5 +496,46 @@ mod tests {
         drop(inner);
         pool.for_each(3, &|_| {});
         drop(outer);
+    }
+
+    #[test]
+    fn a_late_worker_never_claims_an_item_of_the_next_loop() {
+        // Loops of alternating sizes: a worker that read the last claim of a short loop must not
+        // claim past its end once the next, longer loop has published its count (it would run
+        // an item of the next loop twice, or the finished loop's task).
+        let pool = ThreadPool::new(3);
+        for round in 0..200_000 {
+            let items = if round % 2 == 0 { 2 } else { 9 };
+            let counts: [AtomicUsize; 9] = std::array::from_fn(|_| AtomicUsize::new(0));
+            pool.for_each(items, &|i| {
+                counts[i].fetch_add(1, Ordering::Relaxed);
+            });
+            for (i, c) in counts.iter().enumerate() {
+                let want = usize::from(i < items);
+                assert_eq!(c.load(Ordering::Relaxed), want, "round {round}, item {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_panicking_item_reaches_the_caller_and_the_pool_keeps_its_workers() {
+        let pool = ThreadPool::new(3);
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.for_each(64, &|i| {
+                if i == 40 {
+                    panic!("item {i} failed");
+                }
+            });
+        }));
+        let message = caught.unwrap_err();
+        assert_eq!(message.downcast_ref::<String>().unwrap(), "item 40 failed");
+        // The pool still runs every item of the next loops, its turn released.
+        let total = AtomicUsize::new(0);
+        for _ in 0..100 {
+            pool.for_each(10, &|i| {
+                total.fetch_add(i, Ordering::Relaxed);
+            });
+        }
+        assert_eq!(total.load(Ordering::Relaxed), 100 * 45);
     }
 }

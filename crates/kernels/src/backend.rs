@@ -5,12 +5,12 @@
 //! backend (CUDA through dynamically loaded libraries) will keep weights and the KV cache resident
 //! and extend the interface with buffer handles, which the CPU backend maps to slices.
 
+use std::sync::Arc;
+
 use crate::dispatch::Isa;
 use crate::matmul::{matmul, matmul_many, Matrix, Scratch};
 use crate::ops::{attention, rms_norm, AttentionShape};
 use crate::paged::{paged_attention, PagedKv, QueryRow};
-use std::sync::Arc;
-
 use crate::pool::{ThreadPool, Turn};
 
 /// The operations of a transformer forward pass.

@@ -1574,40 +1574,30 @@ macro_rules! packed_kernel {
                         dots[i] = _mm256_sub_epi32(dots[i], _mm256_slli_epi32::<5>(lo));
                         dots_hi[i] = _mm256_sub_epi32(dots_hi[i], _mm256_slli_epi32::<5>(hi));
                     }
-                } else if K == K_U8 {
-                    let qs = blk.add(16);
-                    if $vnni {
-                        // Unsigned weight bytes times signed activation bytes, as they are;
-                        // then 128 times the activation block's sum off: Q8_0's exact integer.
-                        for c in 0..8 {
-                            let w = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
-                            for i in 0..N {
-                                let y = broadcast_i32(ab[i].add(8 + 4 * c));
-                                dots[i] = $dpbusd(dots[i], w, y);
-                            }
-                        }
-                        for i in 0..N {
-                            dots[i] = _mm256_sub_epi32(dots[i], _mm256_set1_epi32(*s[i].add(b)));
-                        }
-                    } else {
-                        // Without VNNI (only when a process packed for VNNI runs the AVX2
-                        // kernel, as the tests do): the signed bytes back, as for Q8_0.
-                        let flip = _mm256_set1_epi8(-128);
-                        for c in 0..8 {
-                            let raw = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
-                            let w = _mm256_xor_si256(raw, flip);
-                            let abs_w = _mm256_sign_epi8(w, w);
-                            for i in 0..N {
-                                let y = _mm256_sign_epi8(broadcast_i32(ab[i].add(8 + 4 * c)), w);
-                                let pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(abs_w, y), ones);
-                                dots[i] = _mm256_add_epi32(dots[i], pairs);
-                            }
-                        }
-                    }
-                } else if bytes {
+                } else if K == K_U8 && $vnni {
+                    // Unsigned weight bytes times signed activation bytes, as they are; then
+                    // 128 times the activation block's sum off: Q8_0's exact integer.
                     let qs = blk.add(16);
                     for c in 0..8 {
                         let w = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
+                        for i in 0..N {
+                            let y = broadcast_i32(ab[i].add(8 + 4 * c));
+                            dots[i] = $dpbusd(dots[i], w, y);
+                        }
+                    }
+                    for i in 0..N {
+                        dots[i] = _mm256_sub_epi32(dots[i], _mm256_set1_epi32(*s[i].add(b)));
+                    }
+                } else if bytes {
+                    // Signed bytes (Q8_0; Q8_0 packed `q + 128` without VNNI, which happens only
+                    // when a process packed for VNNI runs the AVX2 kernel, as the tests do, gets
+                    // its signed bytes back by flipping the top bit).
+                    let qs = blk.add(16);
+                    for c in 0..8 {
+                        let mut w = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
+                        if K == K_U8 {
+                            w = _mm256_xor_si256(w, _mm256_set1_epi8(-128));
+                        }
                         let abs_w = _mm256_sign_epi8(w, w);
                         for i in 0..N {
                             let y = _mm256_sign_epi8(broadcast_i32(ab[i].add(8 + 4 * c)), w);

@@ -10,7 +10,8 @@
 #
 # RAMPART_TTFT_MS sets the objective (default 800); RAMPART_TEST_PYTHON a Python with `openai`;
 # RAMPART_BENCH_LOGS a folder to keep the servers' logs in; RAMPART_SLO_EXTRA more lines for
-# the objective's [models.slo] (e.g. `itl_p99_ms = 1000`).
+# the objective's [models.slo] (e.g. `itl_p99_ms = 1000`); RAMPART_SEED_OFFSET shifts the
+# rounds' prompt seeds (round N uses seed N + offset).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin="$1" clients="${2:-48}" seconds="${3:-120}" rounds="${4:-1}"
@@ -57,7 +58,7 @@ for round in $(seq 1 "$rounds"); do
       sleep 0.2
     done
     result=$("$python" scripts/bench_slo.py --url "http://127.0.0.1:$port/v1" --model smollm2-135m \
-      --clients "$clients" --duration "$seconds" --seed "$round")
+      --clients "$clients" --duration "$seconds" --seed "$((round + ${RAMPART_SEED_OFFSET:-0}))")
     changes=$(grep -c '"degradation: limit' "$work/server-$side.log" || true)
     limit=$(curl -fs "http://127.0.0.1:$port/admin/degradation" |
       python3 -c 'import json,sys; m=json.load(sys.stdin)["models"]; print(m[0]["limits"]["max_in_flight"] if m else "-")' 2>/dev/null || echo -)

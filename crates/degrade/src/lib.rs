@@ -20,9 +20,10 @@
 //! 3. **The first-token gate** (`first_token_gate_ms`), then **admission** (`max_in_flight`):
 //!    with a time-to-first-token (TTFT) objective the engine refuses at once (429 with
 //!    Retry-After) a prompt it predicts to be read later than the gate allows (0.9 × the
-//!    objective to start with). When TTFT p99 is still above the objective, the gate tightens
-//!    (its prediction misses the time outside the engine's queue and prompts that overtake);
-//!    only with the gate at its floor are fewer requests let in at once. A cut that did not
+//!    objective to start with). When TTFT p99 is above 0.9 × the objective (the target: a p99
+//!    held right at the objective is above it half the time), the gate tightens (its prediction
+//!    misses the time outside the engine); only with the gate at its floor and p99 above the
+//!    objective are fewer requests let in at once. A cut that did not
 //!    lower TTFT p99 is undone and held: the prompts' own prefill dominates, not the queue.
 //! 4. **Saturation**: at the saturation watermark of memory or of the KV pool, no new prefill
 //!    starts and admission takes nobody new, so running sequences are never preempted for
@@ -122,10 +123,19 @@ pub struct Settings {
     /// Fewest samples a p99 is judged on.
     pub min_ttft_samples: usize,
     pub min_itl_samples: usize,
+    /// Fewest first-token samples (of requests let in since the TTFT levers last moved) that
+    /// let admission or the first-token gate grow. A cut may follow a few slow samples; growth
+    /// needs more: the largest of five samples is below the true p99 95% of the time, so a
+    /// "healthy" p99 on five samples is no evidence, and growing on it pushed p99 over the
+    /// objective again and again.
+    pub min_ttft_growth_samples: usize,
 }
 
 /// The healthy band: a latency below this share of its objective lets its lever grow.
 pub const HEALTHY_SHARE: f64 = 0.8;
+/// The first-token gate aims TTFT p99 at this share of the objective: a p99 held right at the
+/// objective is above it half the time, and the objective is judged over whole periods.
+pub const TTFT_TARGET_SHARE: f64 = 0.9;
 /// The prefill budget grows only when the step it makes is predicted below this share of the
 /// ITL objective.
 pub const PREDICTED_SHARE: f64 = 0.95;
@@ -171,6 +181,7 @@ impl Settings {
             horizon_windows: 10,
             min_ttft_samples: 5,
             min_itl_samples: 20,
+            min_ttft_growth_samples: 30,
         }
     }
 }
@@ -720,7 +731,8 @@ impl Controller {
         // Time to first token: the first-token gate, then admission.
         let mut ttft_healthy = true;
         if let (Some(objective), Some(observed)) = (s.ttft_p99_ms, signals.ttft_p99_ms) {
-            if observed > objective && w < self.ttft_hold_until {
+            let target = objective * TTFT_TARGET_SHARE;
+            if observed > target && w < self.ttft_hold_until {
                 ttft_healthy = false;
             } else if let Some((lever, before, before_p99)) = self
                 .ttft_cut
@@ -743,18 +755,16 @@ impl Controller {
                 self.ttft_cut = None;
                 self.ttft_moved = w;
                 self.ttft_hold_until = w + horizon;
-            } else if observed > objective
-                && self.limits.first_token_gate_ms > f.first_token_gate_ms
-            {
+            } else if observed > target && self.limits.first_token_gate_ms > f.first_token_gate_ms {
                 // The gate first: it refuses only the prompts predicted to be read late, where
                 // admission refuses whoever comes and thins the batch. Its prediction misses
                 // what happens outside the engine's queue and prompts that overtake; the
                 // measured p99 corrects it.
                 ttft_healthy = false;
                 let gate = self.limits.first_token_gate_ms;
-                let to = scaled_down(gate, objective, observed, f.first_token_gate_ms);
+                let to = scaled_down(gate, target, observed, f.first_token_gate_ms);
                 let detail = format!(
-                    "time to first token p99 {observed:.0} ms above the objective {objective:.0} ms: prompts predicted to wait more than {to} ms to be read are refused"
+                    "time to first token p99 {observed:.0} ms above {target:.0} ms ({TTFT_TARGET_SHARE} x the objective {objective:.0} ms): prompts predicted to wait more than {to} ms to be read are refused"
                 );
                 let before = changes.len();
                 self.set(Lever::FirstTokenGate, to, Cause::Ttft, detail, &mut changes);
@@ -866,7 +876,14 @@ impl Controller {
             }
             // Under traffic, an objective needs a measured p99 below its band to grow (no
             // samples yet after a cut is not a healthy sign).
-            let ttft_measured = s.ttft_p99_ms.is_none() || signals.ttft_p99_ms.is_some();
+            let ttft_measured = s.ttft_p99_ms.is_none()
+                || (signals.ttft_p99_ms.is_some()
+                    && self
+                        .ttft
+                        .iter()
+                        .filter(|(_, arrived, _)| *arrived > self.ttft_moved)
+                        .count()
+                        >= s.min_ttft_growth_samples.max(s.min_ttft_samples));
             if ttft_healthy && ((obs.shed > 0 && ttft_measured) || idle) {
                 let to = (self.limits.max_in_flight + s.growth.max_in_flight).min(c.max_in_flight);
                 // The next growth waits for first tokens of requests let in after this one:

@@ -348,13 +348,36 @@ fn a_first_token_gate_that_predicts_too_little_tightens_until_the_objective_hold
     // Not tighter than needed: (800 - 150) / 1.6 = 406 ms meets it exactly.
     assert!(*lo >= 300, "{trace:?}");
     assert_eq!(c.level(), 1);
-    // The prediction comes right (less traffic ahead): the gate grows back to its ceiling.
-    for _ in 0..30 {
+    // The prediction comes right (less traffic ahead): the gate grows back to its ceiling,
+    // a step per 30 first tokens of prompts let in after the last step (three windows here).
+    for _ in 0..40 {
         let obs = gate_plant(&c.limits(), 0.6, 100.0);
         c.observe(&obs);
     }
     assert_eq!(c.limits().first_token_gate_ms, 720);
     assert_eq!(c.level(), 0);
+}
+
+#[test]
+fn the_gate_grows_back_only_on_enough_first_tokens() {
+    let mut c = Controller::new(gate_settings());
+    // Cut the gate once: first tokens at 1.2 s.
+    let mut obs = gate_plant(&c.limits(), 0.0, 1200.0);
+    c.observe(&obs);
+    let cut = c.limits().first_token_gate_ms;
+    assert!(cut < 720);
+    // Then fast first tokens, but three a window: a "healthy" p99 on three, six, ... samples.
+    let mut grown_at = None;
+    for w in 1..=20 {
+        obs = gate_plant(&c.limits(), 0.0, 300.0);
+        obs.ttft_ms.truncate(3);
+        c.observe(&obs);
+        if grown_at.is_none() && c.limits().first_token_gate_ms > cut {
+            grown_at = Some(w);
+        }
+    }
+    // The tenth window brings the 30th sample of prompts let in after the cut.
+    assert_eq!(grown_at, Some(10));
 }
 
 #[test]
@@ -376,8 +399,9 @@ fn a_gate_cut_that_does_not_help_is_undone_and_admission_is_left_alone() {
         assert_eq!(d.limits.max_in_flight, 64);
     }
     assert!(undone >= 1, "{gates:?}");
-    // Cut once per hold at most: mostly at the ceiling, never below one cut.
-    assert!(gates.iter().all(|g| *g >= 540), "{gates:?}");
+    // Cut once per hold at most: mostly at the ceiling, never below one cut (720 x the target
+    // 720 over p99 1,020: 508).
+    assert!(gates.iter().all(|g| *g >= 500), "{gates:?}");
     assert!(
         gates.iter().filter(|g| **g == 720).count() >= 30,
         "{gates:?}"

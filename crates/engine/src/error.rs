@@ -31,9 +31,10 @@ pub enum EngineError {
     PoolTooSmall { tokens: usize, pool_tokens: usize },
     #[error("the engine's waiting queue is full ({limit} requests); retry later")]
     QueueFull { limit: usize },
-    #[error("the first token would come too late: {predicted_ms:.0} ms predicted to read {backlog_tokens} prompt tokens ahead and this one at {tokens_per_second:.0} tokens/s, above {max_wait_ms} ms; retry later")]
+    #[error("the first token would come too late: {predicted_ms:.0} ms predicted to read {backlog_tokens} prompt tokens ahead and this one at {tokens_per_second:.0} tokens/s, plus a {margin_ms:.0} ms margin (how much later than predicted first tokens came lately, 99th percentile), above {max_wait_ms} ms; retry later")]
     Shedding {
         predicted_ms: f64,
+        margin_ms: f64,
         max_wait_ms: u64,
         backlog_tokens: usize,
         tokens_per_second: f64,

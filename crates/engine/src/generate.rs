@@ -735,17 +735,22 @@ impl Engine {
                 limit: self.max_waiting,
             });
         }
-        if let Err(refused) = self.limits.admit_prompt(tokens.len()) {
-            self.queued.fetch_sub(1, Ordering::AcqRel);
-            let over_s = (refused.predicted_ms - refused.max_wait_ms as f64) / 1e3;
-            return Err(EngineError::Shedding {
-                predicted_ms: refused.predicted_ms,
-                max_wait_ms: refused.max_wait_ms,
-                backlog_tokens: refused.backlog_tokens,
-                tokens_per_second: refused.tokens_per_second,
-                retry_after_s: over_s.ceil().clamp(1.0, 60.0) as u64,
-            });
-        }
+        let predicted_read_ms = match self.limits.admit_prompt(tokens.len()) {
+            Ok(predicted) => predicted,
+            Err(refused) => {
+                self.queued.fetch_sub(1, Ordering::AcqRel);
+                let over_s =
+                    (refused.predicted_ms + refused.margin_ms - refused.max_wait_ms as f64) / 1e3;
+                return Err(EngineError::Shedding {
+                    predicted_ms: refused.predicted_ms,
+                    margin_ms: refused.margin_ms,
+                    max_wait_ms: refused.max_wait_ms,
+                    backlog_tokens: refused.backlog_tokens,
+                    tokens_per_second: refused.tokens_per_second,
+                    retry_after_s: over_s.ceil().clamp(1.0, 60.0) as u64,
+                });
+            }
+        };
         let constraint = match &request.constraint {
             Some(c) => match c.0.start() {
                 Ok(state) => Some(state),
@@ -770,6 +775,7 @@ impl Engine {
             events,
             cancel: Arc::clone(&cancel),
             arrived: Instant::now(),
+            predicted_read_ms,
         };
         let sent = self
             .commands

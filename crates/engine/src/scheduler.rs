@@ -64,12 +64,26 @@ pub struct SchedulerLimits {
     prefill_rate_read: AtomicUsize,
     /// Prompts the gate refused so far.
     gate_refusals: AtomicU64,
+    /// How much later first tokens came than predicted at submission (ms): the latest
+    /// [`MARGIN_SAMPLES`] of them.
+    first_token_misses: Mutex<VecDeque<f32>>,
+    /// Their 99th percentile (f64 bits; 0 until [`MIN_MARGIN_SAMPLES`] were seen): the gate
+    /// adds it to every prediction.
+    first_token_margin: AtomicU64,
 }
+
+/// First tokens the gate's margin is measured on.
+pub const MARGIN_SAMPLES: usize = 256;
+/// First tokens seen before the margin applies.
+pub const MIN_MARGIN_SAMPLES: usize = 20;
 
 /// Why the first-token gate refused a prompt.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct GateRefusal {
+    /// Predicted time to read the prompts ahead and this one.
     pub predicted_ms: f64,
+    /// The measured margin added to it (see [`SchedulerLimits::first_token_margin_ms`]).
+    pub margin_ms: f64,
     pub max_wait_ms: u64,
     pub backlog_tokens: usize,
     pub tokens_per_second: f64,
@@ -89,6 +103,8 @@ impl SchedulerLimits {
             prefill_rate: AtomicU64::new(0),
             prefill_rate_read: AtomicUsize::new(0),
             gate_refusals: AtomicU64::new(0),
+            first_token_misses: Mutex::new(VecDeque::with_capacity(MARGIN_SAMPLES)),
+            first_token_margin: AtomicU64::new(0),
         }
     }
 
@@ -128,18 +144,55 @@ impl SchedulerLimits {
         self.gate_refusals.load(Ordering::Relaxed)
     }
 
+    /// The gate's margin (ms): the 99th percentile of how much later than predicted the
+    /// latest [`MARGIN_SAMPLES`] first tokens came (0 before [`MIN_MARGIN_SAMPLES`]). The
+    /// prediction counts prompt tokens; it misses the step in progress when a prompt arrives,
+    /// a last chunk read beside other prompts, prompts that overtake in the fair order, and
+    /// the rate's own error. Measured, not modelled: the gate adds it to every prediction.
+    pub fn first_token_margin_ms(&self) -> f64 {
+        f64::from_bits(self.first_token_margin.load(Ordering::Relaxed))
+    }
+
+    /// A first token came `ttft_ms` after its prompt arrived, against `predicted_ms` at
+    /// submission.
+    pub fn record_first_token(&self, predicted_ms: f32, ttft_ms: f32) {
+        let mut misses = self
+            .first_token_misses
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if misses.len() == MARGIN_SAMPLES {
+            misses.pop_front();
+        }
+        misses.push_back(ttft_ms - predicted_ms);
+        if misses.len() >= MIN_MARGIN_SAMPLES {
+            let mut sorted: Vec<f32> = misses.iter().copied().collect();
+            sorted.sort_unstable_by(f32::total_cmp);
+            let rank = ((sorted.len() as f64) * 0.99).ceil() as usize;
+            let margin = f64::from(sorted[rank.clamp(1, sorted.len()) - 1]).max(0.0);
+            self.first_token_margin
+                .store(margin.to_bits(), Ordering::Relaxed);
+        }
+    }
+
     /// Checks a new prompt of `tokens` against the gate and, when it passes, counts it in
-    /// the backlog.
-    pub fn admit_prompt(&self, tokens: usize) -> Result<(), GateRefusal> {
+    /// the backlog. Returns the predicted time to read it (the prompt tokens ahead and its
+    /// own over the measured rate; none before the rate is measured), whether the gate is on
+    /// or not, so that the first token can tell how far off it was.
+    ///
+    /// With nothing ahead a prompt always passes: refusing it would not make it faster, and
+    /// it would be refused again on every retry.
+    pub fn admit_prompt(&self, tokens: usize) -> Result<Option<f32>, GateRefusal> {
         let max_wait_ms = self.max_prefill_wait_ms();
         let rate = self.prefill_rate();
         let backlog = self.prefill_backlog();
-        if max_wait_ms > 0 && rate > 0.0 && backlog > 0 {
-            let predicted_ms = (backlog + tokens) as f64 / rate * 1e3;
-            if predicted_ms > max_wait_ms as f64 {
+        let predicted_ms = (rate > 0.0).then(|| (backlog + tokens) as f64 / rate * 1e3);
+        if let Some(predicted_ms) = predicted_ms.filter(|_| max_wait_ms > 0 && backlog > 0) {
+            let margin_ms = self.first_token_margin_ms();
+            if predicted_ms + margin_ms > max_wait_ms as f64 {
                 self.gate_refusals.fetch_add(1, Ordering::Relaxed);
                 return Err(GateRefusal {
                     predicted_ms,
+                    margin_ms,
                     max_wait_ms,
                     backlog_tokens: backlog,
                     tokens_per_second: rate,
@@ -147,7 +200,7 @@ impl SchedulerLimits {
             }
         }
         self.prefill_backlog.fetch_add(tokens, Ordering::Relaxed);
-        Ok(())
+        Ok(predicted_ms.map(|p| p as f32))
     }
 
     /// Most prompt tokens in one step, after every running stream's decode token: a smaller
@@ -274,6 +327,8 @@ pub struct NewSequence {
     pub events: UnboundedSender<Event>,
     pub cancel: Arc<AtomicBool>,
     pub arrived: Instant,
+    /// The first-token gate's prediction at submission (ms), to learn its margin from.
+    pub predicted_read_ms: Option<f32>,
 }
 
 struct Sequence {
@@ -300,6 +355,7 @@ struct Sequence {
     events: UnboundedSender<Event>,
     cancel: Arc<AtomicBool>,
     arrived: Instant,
+    predicted_read_ms: Option<f32>,
     /// Its place in the prefill order: the prompt clock when it arrived plus its prompt's
     /// length, the moment its prompt would be read if it had the engine alone (weighted fair
     /// queueing, with prompt tokens read as the clock). Prompts of one length go first come
@@ -524,6 +580,7 @@ impl Scheduler {
             events: new.events,
             cancel: new.cancel,
             arrived: new.arrived,
+            predicted_read_ms: new.predicted_read_ms,
             tag: self.prompt_clock + prompt_len as u64,
             first_scheduled: None,
             first_token: None,
@@ -685,10 +742,13 @@ impl Scheduler {
             if let Some(first) = seq.first_token {
                 let now = Instant::now();
                 gaps.push(match seq.last_token.replace(now) {
-                    None => (
-                        Some(seq.arrived),
-                        first.saturating_duration_since(seq.arrived).as_secs_f32() * 1e3,
-                    ),
+                    None => {
+                        let ttft = first.saturating_duration_since(seq.arrived).as_secs_f32() * 1e3;
+                        if let Some(predicted) = seq.predicted_read_ms {
+                            self.limits.record_first_token(predicted, ttft);
+                        }
+                        (Some(seq.arrived), ttft)
+                    }
                     Some(before) => (
                         None,
                         now.saturating_duration_since(before).as_secs_f32() * 1e3,
@@ -1436,6 +1496,7 @@ mod tests {
         let refused = limits.admit_prompt(100).unwrap_err();
         assert_eq!(refused.backlog_tokens, 2000);
         assert!((refused.predicted_ms - 2100.0).abs() < 1e-6);
+        assert_eq!(refused.margin_ms, 0.0);
         assert_eq!(limits.prefill_backlog(), 2000, "a refusal is not counted");
         limits.prefill_backlog.store(300, Ordering::Relaxed);
         limits.admit_prompt(400).unwrap();
@@ -1446,5 +1507,42 @@ mod tests {
         assert!((limits.prefill_rate() - 500.0).abs() < 1e-9);
         limits.set_max_prefill_wait_ms(0);
         limits.admit_prompt(10_000).unwrap();
+    }
+
+    #[test]
+    fn the_gate_adds_the_measured_margin_to_its_prediction() {
+        let limits = SchedulerLimits::new(8, 512);
+        limits.set_max_prefill_wait_ms(800);
+        limits
+            .prefill_rate
+            .store(1000f64.to_bits(), Ordering::Relaxed);
+        limits.prefill_backlog.store(300, Ordering::Relaxed);
+        // The prediction is handed back: 300 ahead plus 200 at 1,000 a second.
+        let predicted = limits.admit_prompt(200).unwrap().unwrap();
+        assert!((predicted - 500.0).abs() < 1e-3);
+        // First tokens 100-199 ms later than predicted: no margin before 20 of them.
+        for i in 0..MIN_MARGIN_SAMPLES - 1 {
+            limits.record_first_token(500.0, 600.0 + i as f32 * 5.0);
+        }
+        assert_eq!(limits.first_token_margin_ms(), 0.0);
+        for i in 0..81 {
+            limits.record_first_token(500.0, 600.0 + (i % 20) as f32 * 5.0);
+        }
+        // 100 misses of 100-195 ms: the 99th percentile is 195 ms.
+        assert!((limits.first_token_margin_ms() - 195.0).abs() < 1e-3);
+        // 500 ahead plus 100: 600 ms predicted, 795 with the margin: in; 110 more: out.
+        limits.prefill_backlog.store(500, Ordering::Relaxed);
+        limits.admit_prompt(100).unwrap();
+        limits.prefill_backlog.store(500, Ordering::Relaxed);
+        let refused = limits.admit_prompt(110).unwrap_err();
+        assert!((refused.margin_ms - 195.0).abs() < 1e-3);
+        // Nothing ahead: in, whatever the margin.
+        limits.prefill_backlog.store(0, Ordering::Relaxed);
+        limits.admit_prompt(5000).unwrap();
+        // Early first tokens make no negative margin; only the latest 256 count.
+        for _ in 0..MARGIN_SAMPLES {
+            limits.record_first_token(500.0, 300.0);
+        }
+        assert_eq!(limits.first_token_margin_ms(), 0.0);
     }
 }

@@ -204,6 +204,7 @@ impl Harness {
             events,
             cancel: Arc::clone(&cancel),
             arrived: Instant::now(),
+            predicted_read_ms: None,
         });
         self.requests.push(Request {
             prompt,
@@ -854,6 +855,7 @@ fn constraints_mask_every_sampled_token_off_the_engine_thread() {
             events,
             cancel: Arc::new(AtomicBool::new(false)),
             arrived: Instant::now(),
+            predicted_read_ms: None,
         });
         runs.push((step, fail_at, committed, mask_threads, receiver));
     }

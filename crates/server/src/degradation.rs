@@ -142,6 +142,9 @@ pub struct GateView {
     pub max_wait_ms: u64,
     pub backlog_tokens: usize,
     pub prompt_tokens_per_second: f64,
+    /// Added to every prediction: how much later than predicted the latest first tokens came
+    /// (99th percentile of the last 256; 0 before 20).
+    pub margin_ms: f64,
     /// Prompts it refused since the engine started.
     pub refused: u64,
 }
@@ -438,6 +441,7 @@ impl Degradation {
                 max_wait_ms: gate.max_prefill_wait_ms(),
                 backlog_tokens: gate.prefill_backlog(),
                 prompt_tokens_per_second: gate.prefill_rate(),
+                margin_ms: gate.first_token_margin_ms(),
                 refused: gate.gate_refusals(),
             });
         }

@@ -11,7 +11,8 @@
 # RAMPART_TTFT_MS sets the objective (default 800); RAMPART_TEST_PYTHON a Python with `openai`;
 # RAMPART_BENCH_LOGS a folder to keep the servers' logs in; RAMPART_SLO_EXTRA more lines for
 # the objective's [models.slo] (e.g. `itl_p99_ms = 1000`); RAMPART_SEED_OFFSET shifts the
-# rounds' prompt seeds (round N uses seed N + offset).
+# rounds' prompt seeds (round N uses seed N + offset); RAMPART_SLO_SIDES=objective runs only
+# the server with the objective.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin="$1" clients="${2:-48}" seconds="${3:-120}" rounds="${4:-1}"
@@ -50,7 +51,7 @@ $slo
 TOML
 done
 for round in $(seq 1 "$rounds"); do
-  for side in unconstrained objective; do
+  for side in ${RAMPART_SLO_SIDES:-unconstrained objective}; do
     (cd "$work" && exec "$bin" serve --config "$work/$side.toml" --no-grpc >/dev/null 2>&1) &
     pid=$!
     for _ in $(seq 1 600); do

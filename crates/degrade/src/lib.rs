@@ -20,11 +20,11 @@
 //! 3. **The first-token gate** (`first_token_gate_ms`), then **admission** (`max_in_flight`):
 //!    with a time-to-first-token (TTFT) objective the engine refuses at once (429 with
 //!    Retry-After) a prompt it predicts to be read later than the gate allows (0.9 × the
-//!    objective to start with). When TTFT p99 is above 0.9 × the objective (the target: a p99
-//!    held right at the objective is above it half the time), the gate tightens (its prediction
-//!    misses the time outside the engine); only with the gate at its floor and p99 above the
-//!    objective are fewer requests let in at once. A cut that did not
-//!    lower TTFT p99 is undone and held: the prompts' own prefill dominates, not the queue.
+//!    objective to start with, plus a margin it measures: how much later than predicted first
+//!    tokens came). When TTFT p99 is still above the objective, the gate tightens (its
+//!    prediction misses the time outside the engine); only with the gate at its floor are fewer
+//!    requests let in at once. A cut that did not lower TTFT p99 is undone and held: the
+//!    prompts' own prefill dominates, not the queue.
 //! 4. **Saturation**: at the saturation watermark of memory or of the KV pool, no new prefill
 //!    starts and admission takes nobody new, so running sequences are never preempted for
 //!    newcomers.
@@ -133,9 +133,6 @@ pub struct Settings {
 
 /// The healthy band: a latency below this share of its objective lets its lever grow.
 pub const HEALTHY_SHARE: f64 = 0.8;
-/// The first-token gate aims TTFT p99 at this share of the objective: a p99 held right at the
-/// objective is above it half the time, and the objective is judged over whole periods.
-pub const TTFT_TARGET_SHARE: f64 = 0.9;
 /// The prefill budget grows only when the step it makes is predicted below this share of the
 /// ITL objective.
 pub const PREDICTED_SHARE: f64 = 0.95;
@@ -731,8 +728,7 @@ impl Controller {
         // Time to first token: the first-token gate, then admission.
         let mut ttft_healthy = true;
         if let (Some(objective), Some(observed)) = (s.ttft_p99_ms, signals.ttft_p99_ms) {
-            let target = objective * TTFT_TARGET_SHARE;
-            if observed > target && w < self.ttft_hold_until {
+            if observed > objective && w < self.ttft_hold_until {
                 ttft_healthy = false;
             } else if let Some((lever, before, before_p99)) = self
                 .ttft_cut
@@ -755,16 +751,18 @@ impl Controller {
                 self.ttft_cut = None;
                 self.ttft_moved = w;
                 self.ttft_hold_until = w + horizon;
-            } else if observed > target && self.limits.first_token_gate_ms > f.first_token_gate_ms {
+            } else if observed > objective
+                && self.limits.first_token_gate_ms > f.first_token_gate_ms
+            {
                 // The gate first: it refuses only the prompts predicted to be read late, where
                 // admission refuses whoever comes and thins the batch. Its prediction misses
                 // what happens outside the engine's queue and prompts that overtake; the
                 // measured p99 corrects it.
                 ttft_healthy = false;
                 let gate = self.limits.first_token_gate_ms;
-                let to = scaled_down(gate, target, observed, f.first_token_gate_ms);
+                let to = scaled_down(gate, objective, observed, f.first_token_gate_ms);
                 let detail = format!(
-                    "time to first token p99 {observed:.0} ms above {target:.0} ms ({TTFT_TARGET_SHARE} x the objective {objective:.0} ms): prompts predicted to wait more than {to} ms to be read are refused"
+                    "time to first token p99 {observed:.0} ms above the objective {objective:.0} ms: prompts predicted to wait more than {to} ms to be read are refused"
                 );
                 let before = changes.len();
                 self.set(Lever::FirstTokenGate, to, Cause::Ttft, detail, &mut changes);

@@ -399,9 +399,8 @@ fn a_gate_cut_that_does_not_help_is_undone_and_admission_is_left_alone() {
         assert_eq!(d.limits.max_in_flight, 64);
     }
     assert!(undone >= 1, "{gates:?}");
-    // Cut once per hold at most: mostly at the ceiling, never below one cut (720 x the target
-    // 720 over p99 1,020: 508).
-    assert!(gates.iter().all(|g| *g >= 500), "{gates:?}");
+    // Cut once per hold at most: mostly at the ceiling, never below one cut.
+    assert!(gates.iter().all(|g| *g >= 540), "{gates:?}");
     assert!(
         gates.iter().filter(|g| **g == 720).count() >= 30,
         "{gates:?}"

@@ -12,7 +12,9 @@
 # RAMPART_BENCH_LOGS a folder to keep the servers' logs in; RAMPART_SLO_EXTRA more lines for
 # the objective's [models.slo] (e.g. `itl_p99_ms = 1000`); RAMPART_SEED_OFFSET shifts the
 # rounds' prompt seeds (round N uses seed N + offset); RAMPART_SLO_SIDES=objective runs only
-# the server with the objective.
+# the server with the objective; RAMPART_SLO_OBJECTIVE replaces the objective's [models.slo]
+# lines; RAMPART_SLO_MAX_NUM_SEQS sets max_num_seqs (default 64); RAMPART_SLO_CLIENT adds
+# arguments to bench_slo.py (scripts/bench-long-documents.sh uses these).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin="$1" clients="${2:-48}" seconds="${3:-120}" rounds="${4:-1}"
@@ -31,7 +33,7 @@ for side in unconstrained objective; do
     slo=""
   else
     extra=""
-    slo=$'[models.slo]\n'"ttft_p99_ms = $ttft"$'\n'"${RAMPART_SLO_EXTRA:-}"
+    slo=$'[models.slo]\n'"${RAMPART_SLO_OBJECTIVE:-ttft_p99_ms = $ttft}"$'\n'"${RAMPART_SLO_EXTRA:-}"
   fi
   cat >"$work/$side.toml" <<TOML
 listen = "127.0.0.1:$port"
@@ -46,7 +48,7 @@ $extra
 [[models]]
 name = "smollm2-135m"
 context = 4096
-max_num_seqs = 64
+max_num_seqs = ${RAMPART_SLO_MAX_NUM_SEQS:-64}
 $slo
 TOML
 done
@@ -59,7 +61,7 @@ for round in $(seq 1 "$rounds"); do
       sleep 0.2
     done
     result=$("$python" scripts/bench_slo.py --url "http://127.0.0.1:$port/v1" --model smollm2-135m \
-      --clients "$clients" --duration "$seconds" --seed "$((round + ${RAMPART_SEED_OFFSET:-0}))")
+      --clients "$clients" --duration "$seconds" --seed "$((round + ${RAMPART_SEED_OFFSET:-0}))" ${RAMPART_SLO_CLIENT:-})
     changes=$(grep -c '"degradation: limit' "$work/server-$side.log" || true)
     limit=$(curl -fs "http://127.0.0.1:$port/admin/degradation" |
       python3 -c 'import json,sys; m=json.load(sys.stdin)["models"]; print(m[0]["limits"]["max_in_flight"] if m else "-")' 2>/dev/null || echo -)

@@ -494,10 +494,30 @@ async fn find(
     }
     if state.bus.depth(SINK) > 0 {
         state.bus.caught_up(SINK, Duration::from_secs(2)).await;
-        return lookup(target.clone()).await;
+        if let Some(r) = lookup(target.clone()).await? {
+            return Ok(Some(r));
+        }
+    }
+    // A shared store: the replica that answered may still be writing the response (its record
+    // sink writes after the answer). Look again for up to REPLICA_GRACE before a 404, so that
+    // feedback sent to another replica right after the answer is not refused.
+    if service.store.kind() == "postgres" {
+        let deadline = tokio::time::Instant::now() + REPLICA_GRACE;
+        let mut pause = Duration::from_millis(50);
+        while tokio::time::Instant::now() + pause <= deadline {
+            tokio::time::sleep(pause).await;
+            if let Some(r) = lookup(target.clone()).await? {
+                return Ok(Some(r));
+            }
+            pause = (pause * 2).min(Duration::from_millis(500));
+        }
     }
     Ok(None)
 }
+
+/// How long feedback on a response not (yet) in a shared store waits for another replica to
+/// write it before the answer is 404.
+const REPLICA_GRACE: Duration = Duration::from_secs(2);
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

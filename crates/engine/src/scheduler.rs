@@ -165,19 +165,20 @@ impl SchedulerLimits {
         }
         misses.push_back(ttft_ms - predicted_ms);
         if misses.len() >= MIN_MARGIN_SAMPLES {
-            let mut sorted: Vec<f32> = misses.iter().copied().collect();
-            sorted.sort_unstable_by(f32::total_cmp);
-            let rank = ((sorted.len() as f64) * 0.99).ceil() as usize;
-            let margin = f64::from(sorted[rank.clamp(1, sorted.len()) - 1]).max(0.0);
+            let mut values: Vec<f32> = misses.iter().copied().collect();
+            let rank = ((values.len() as f64) * 0.99).ceil() as usize;
+            let nth = rank.clamp(1, values.len()) - 1;
+            let (_, p99, _) = values.select_nth_unstable_by(nth, f32::total_cmp);
+            let margin = f64::from(*p99).max(0.0);
             self.first_token_margin
                 .store(margin.to_bits(), Ordering::Relaxed);
         }
     }
 
     /// Checks a new prompt of `tokens` against the gate and, when it passes, counts it in
-    /// the backlog. Returns the predicted time to read it (the prompt tokens ahead and its
-    /// own over the measured rate; none before the rate is measured), whether the gate is on
-    /// or not, so that the first token can tell how far off it was.
+    /// the backlog. With the gate on, returns the predicted time to read it (the prompt tokens
+    /// ahead and its own over the measured rate; none before the rate is measured), so that
+    /// the first token can tell how far off it was; with the gate off nothing is learned.
     ///
     /// With nothing ahead a prompt always passes: refusing it would not make it faster, and
     /// it would be refused again on every retry.
@@ -185,8 +186,9 @@ impl SchedulerLimits {
         let max_wait_ms = self.max_prefill_wait_ms();
         let rate = self.prefill_rate();
         let backlog = self.prefill_backlog();
-        let predicted_ms = (rate > 0.0).then(|| (backlog + tokens) as f64 / rate * 1e3);
-        if let Some(predicted_ms) = predicted_ms.filter(|_| max_wait_ms > 0 && backlog > 0) {
+        let predicted_ms =
+            (max_wait_ms > 0 && rate > 0.0).then(|| (backlog + tokens) as f64 / rate * 1e3);
+        if let Some(predicted_ms) = predicted_ms.filter(|_| backlog > 0) {
             let margin_ms = self.first_token_margin_ms();
             if predicted_ms + margin_ms > max_wait_ms as f64 {
                 self.gate_refusals.fetch_add(1, Ordering::Relaxed);

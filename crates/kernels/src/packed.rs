@@ -25,8 +25,8 @@
 //! `4 + c`) for the four chunks `c`, so a chunk's are one shift and one mask away in registers
 //! (a little-endian u32 per row, as GGUF stores them, took five instructions per chunk). Q4_0,
 //! Q4_1, Q5_0, Q5_1 and Q8_0 keep their GGUF blocks' sizes, interleaved. The K-quants are
-//! unpacked at load to integers with exact f32 scales (`d·sc` of a K-quant sub-block is a product of an f16 and a 6- or 8-bit integer, exact
-//! in f32), so they run on the same integer kernel: Q4_K grows from 4.5 to 6 bits per weight,
+//! unpacked at load to integers with exact f32 scales (`d·sc` of a K-quant sub-block is a
+//! product of an f16 and a 6- or 8-bit integer, exact in f32), so they run on the same integer kernel: Q4_K grows from 4.5 to 6 bits per weight,
 //! Q5_K from 5.5 to 7, Q3_K and Q6_K to 10 (the trade is in docs/engine.md). Q2_K stays on its
 //! row kernel.
 //!

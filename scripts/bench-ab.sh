@@ -61,7 +61,10 @@ served() {
     'index($1, "rampart_requests_total{") == 1 && index($1, m) { s += $2 } END { print s + 0 }'
 }
 for round in $(seq 1 "$rounds"); do
-  for side in old new; do
+  # ABBA order: the side that runs first alternates, so a drift of the host over the run
+  # does not favour one side.
+  order="old new"; (( round % 2 == 0 )) && order="new old"
+  for side in $order; do
     bin="$old"; [[ $side == new ]] && bin="$new"
     (cd "$work" && exec "$bin" serve --config "$work/bench-$side.toml" --no-grpc >/dev/null 2>&1) &
     pid=$!
@@ -111,12 +114,15 @@ def metrics(r):
 by_side = {"old": [], "new": []}
 for r in rows:
     by_side[r["side"]].append(metrics(r))
-print(f"{'metric':<24} {'old (median)':>14} {'new (median)':>14} {'new/old':>8}   per round old | new")
+# Besides the medians of each side, the median of the paired ratios (round by round, the two
+# sides ran back to back): a slow phase of the host moves both sides of a pair alike.
+print(f"{'metric':<24} {'old (median)':>14} {'new (median)':>14} {'new/old':>8} {'paired':>8}   per round old | new")
 for key in by_side["old"][0]:
     o = [m[key] for m in by_side["old"]]
     n = [m[key] for m in by_side["new"]]
     mo, mn = statistics.median(o), statistics.median(n)
+    paired = statistics.median(b / a for a, b in zip(o, n) if a)
     rounds = " ".join(f"{v:.1f}" for v in o) + " | " + " ".join(f"{v:.1f}" for v in n)
-    print(f"{key:<24} {mo:>14.2f} {mn:>14.2f} {mn / mo:>8.3f}   {rounds}")
+    print(f"{key:<24} {mo:>14.2f} {mn:>14.2f} {mn / mo:>8.3f} {paired:>8.3f}   {rounds}")
 PY
 cp "$results" "${BENCH_AB_RESULTS:-/tmp/bench-ab.jsonl}"

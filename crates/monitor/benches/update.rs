@@ -96,6 +96,22 @@ fn main() {
         "image features ({w}x{h}, sampled grid): {:.1} us per image",
         started.elapsed().as_secs_f64() * 1e6 / rounds as f64
     );
+    // A classifier's input tensor, [1, 3, 224, 224] f32: every value is read.
+    let tensor: Vec<f32> = (0..3 * 224 * 224)
+        .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+        .collect();
+    let started = Instant::now();
+    for _ in 0..rounds {
+        black_box(monitor::features::tensor(
+            "input",
+            black_box(&tensor),
+            f64::from,
+        ));
+    }
+    println!(
+        "tensor features ([1, 3, 224, 224] f32, every value): {:.1} us per tensor",
+        started.elapsed().as_secs_f64() * 1e6 / rounds as f64
+    );
     let prompt: String = "Please summarise the attached quarterly report, région par région. "
         .repeat(30)
         .chars()

@@ -66,32 +66,116 @@ pub fn image(pixels: &[u8], width: usize, height: usize, original: (usize, usize
     o
 }
 
-/// Mean, standard deviation, minimum and maximum of a numeric input tensor, as
-/// `input.<name>.mean` and so on.
-pub fn tensor(name: &str, values: impl Iterator<Item = f64>) -> Observation {
-    let (mut n, mut sum, mut sq) = (0u64, 0f64, 0f64);
-    let (mut lo, mut hi) = (f64::INFINITY, f64::NEG_INFINITY);
-    for v in values {
-        if !v.is_finite() {
-            continue;
+/// Lanes of [`tensor`]'s running statistics.
+const LANES: usize = 4;
+
+/// [`tensor`]'s running count, sum, sum of squares, minimum and maximum, in [`LANES`]
+/// independent lanes: one running sum would chain each addition on the one before (0.3 ms for
+/// a 150,528-value image tensor, 2 % of a small classifier's request), lanes let the compiler
+/// keep them in vector registers.
+struct Lanes {
+    n: [f64; LANES],
+    sum: [f64; LANES],
+    sq: [f64; LANES],
+    lo: [f64; LANES],
+    hi: [f64; LANES],
+}
+
+impl Default for Lanes {
+    fn default() -> Self {
+        Self {
+            n: [0.0; LANES],
+            sum: [0.0; LANES],
+            sq: [0.0; LANES],
+            lo: [f64::INFINITY; LANES],
+            hi: [f64::NEG_INFINITY; LANES],
         }
-        n += 1;
-        sum += v;
-        sq += v * v;
-        lo = lo.min(v);
-        hi = hi.max(v);
     }
+}
+
+impl Lanes {
+    /// Adds one value per lane, all of them: the loop without a test per value, which the
+    /// compiler vectorizes. A NaN or an infinity makes the sum non-finite (see [`tensor`]).
+    #[inline(always)]
+    fn add_all(&mut self, v: [f64; LANES]) {
+        for (k, x) in v.into_iter().enumerate() {
+            self.n[k] += 1.0;
+            self.sum[k] += x;
+            self.sq[k] += x * x;
+            self.lo[k] = if x < self.lo[k] { x } else { self.lo[k] };
+            self.hi[k] = if x > self.hi[k] { x } else { self.hi[k] };
+        }
+    }
+
+    /// Adds the finite values.
+    fn add_finite(&mut self, v: [f64; LANES]) {
+        for (k, x) in v.into_iter().enumerate() {
+            if x.is_finite() {
+                self.add_one(k, x);
+            }
+        }
+    }
+
+    fn add_one(&mut self, k: usize, x: f64) {
+        self.n[k] += 1.0;
+        self.sum[k] += x;
+        self.sq[k] += x * x;
+        self.lo[k] = self.lo[k].min(x);
+        self.hi[k] = self.hi[k].max(x);
+    }
+
+    fn finite(&self) -> bool {
+        self.sum.iter().chain(&self.sq).all(|s| s.is_finite())
+    }
+}
+
+/// Mean, standard deviation, minimum and maximum of a numeric input tensor, as
+/// `input.<name>.mean` and so on; non-finite values are left out. `to_f64` converts an element.
+/// Every element is read (a tensor's extremes are its point), in [`Lanes`]: first all of them
+/// without a test each; only when that sum is not finite (a NaN, an infinity, or squares beyond
+/// f64) again, leaving out the non-finite ones.
+pub fn tensor<T: Copy>(name: &str, values: &[T], to_f64: impl Fn(T) -> f64) -> Observation {
+    let chunks = values.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    let mut lanes = Lanes::default();
+    for chunk in chunks.clone() {
+        lanes.add_all(std::array::from_fn(|k| to_f64(chunk[k])));
+    }
+    for (k, &v) in rest.iter().enumerate() {
+        lanes.add_one(k, to_f64(v));
+    }
+    if !lanes.finite() {
+        lanes = Lanes::default();
+        for chunk in chunks {
+            lanes.add_finite(std::array::from_fn(|k| to_f64(chunk[k])));
+        }
+        for (k, &v) in rest.iter().enumerate() {
+            let x = to_f64(v);
+            if x.is_finite() {
+                lanes.add_one(k, x);
+            }
+        }
+    }
+    let Lanes { n, sum, sq, lo, hi } = lanes;
+    let n: f64 = n.iter().sum();
     let mut o = Observation::default();
-    if n > 0 {
-        let c = n as f64;
-        let mean = sum / c;
+    if n > 0.0 {
+        let c = n;
+        let mean = sum.iter().sum::<f64>() / c;
+        let sq = sq.iter().sum::<f64>();
         o.num(format!("input.{name}.mean"), mean);
         o.num(
             format!("input.{name}.std"),
             (sq / c - mean * mean).max(0.0).sqrt(),
         );
-        o.num(format!("input.{name}.min"), lo);
-        o.num(format!("input.{name}.max"), hi);
+        o.num(
+            format!("input.{name}.min"),
+            lo.iter().copied().fold(f64::INFINITY, f64::min),
+        );
+        o.num(
+            format!("input.{name}.max"),
+            hi.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+        );
     }
     o
 }
@@ -231,6 +315,36 @@ mod tests {
         match o.get(k) {
             Some(Value::Num(v)) => *v,
             other => panic!("{k}: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn tensor_statistics_skip_non_finite_values_at_any_length() {
+        for len in [0usize, 1, 7, 8, 9, 1001] {
+            let mut v: Vec<f32> = (0..len).map(|i| (i % 13) as f32 - 6.0).collect();
+            if len > 2 {
+                v[1] = f32::NAN;
+                v[len - 1] = f32::INFINITY;
+            }
+            let o = tensor("x", &v, f64::from);
+            let kept: Vec<f64> = v
+                .iter()
+                .map(|&x| f64::from(x))
+                .filter(|x| x.is_finite())
+                .collect();
+            if kept.is_empty() {
+                assert!(o.is_empty());
+                continue;
+            }
+            let c = kept.len() as f64;
+            let mean = kept.iter().sum::<f64>() / c;
+            let var = kept.iter().map(|x| x * x).sum::<f64>() / c - mean * mean;
+            assert!((num(&o, "input.x.mean") - mean).abs() < 1e-9, "{len}");
+            assert!((num(&o, "input.x.std") - var.max(0.0).sqrt()).abs() < 1e-9);
+            let lo = kept.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = kept.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            assert_eq!(num(&o, "input.x.min"), lo);
+            assert_eq!(num(&o, "input.x.max"), hi);
         }
     }
 

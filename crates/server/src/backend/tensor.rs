@@ -144,16 +144,12 @@ fn tensor_observation(inputs: &[Tensor]) -> Option<monitor::Observation> {
     for t in inputs {
         let cap = 1 << 20;
         let part = match &t.data {
-            Data::F32(v) => {
-                monitor::features::tensor(&t.name, v.iter().take(cap).map(|&x| f64::from(x)))
-            }
-            Data::F64(v) => monitor::features::tensor(&t.name, v.iter().take(cap).copied()),
+            Data::F32(v) => monitor::features::tensor(&t.name, &v[..v.len().min(cap)], f64::from),
+            Data::F64(v) => monitor::features::tensor(&t.name, &v[..v.len().min(cap)], |x| x),
             Data::I64(v) => {
-                monitor::features::tensor(&t.name, v.iter().take(cap).map(|&x| x as f64))
+                monitor::features::tensor(&t.name, &v[..v.len().min(cap)], |x| x as f64)
             }
-            Data::I32(v) => {
-                monitor::features::tensor(&t.name, v.iter().take(cap).map(|&x| f64::from(x)))
-            }
+            Data::I32(v) => monitor::features::tensor(&t.name, &v[..v.len().min(cap)], f64::from),
             _ => continue,
         };
         o.extend(part);

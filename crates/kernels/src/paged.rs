@@ -361,7 +361,15 @@ fn attend_group(
             (slots - 1) * row_bytes + head_bytes,
         )
     });
+    // A sequence's blocks lie anywhere in the pool, so the hardware prefetcher cannot see the
+    // next one coming: each block's keys are asked for while the one before is scored, its
+    // values into L2 for the second loop, and there the next block's values into L1.
+    let mut ahead = runs.clone().skip(1);
     for (first, slots, at, len) in runs.clone() {
+        if let Some((_, next_slots, next_at, _)) = ahead.next() {
+            prefetch_rows(kv.k, next_at, next_slots, row_bytes, head_bytes, true);
+        }
+        prefetch_rows(kv.v, at, slots, row_bytes, head_bytes, false);
         key_scores(
             isa,
             kv.dtype,
@@ -379,7 +387,11 @@ fn attend_group(
         *sum = softmax_numerators(isa, head_scores);
     }
     out.fill(0.0);
+    let mut ahead = runs.clone().skip(1);
     for (first, slots, at, len) in runs {
+        if let Some((_, next_slots, next_at, _)) = ahead.next() {
+            prefetch_rows(kv.v, next_at, next_slots, row_bytes, head_bytes, true);
+        }
         value_sums(
             isa,
             kv.dtype,
@@ -396,6 +408,45 @@ fn attend_group(
         let inv = 1.0 / sum;
         head_out.iter_mut().for_each(|o| *o *= inv);
     }
+}
+
+/// Asks the caches for `slots` rows of `head_bytes` bytes, `stride` apart from byte `at` of
+/// `data` (into L1 when `near`, else into L2). A prefetch is a hint: it never faults and
+/// changes no result. Nothing on other architectures.
+#[inline]
+fn prefetch_rows(
+    data: &[u8],
+    at: usize,
+    slots: usize,
+    stride: usize,
+    head_bytes: usize,
+    near: bool,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
+        const LINE: usize = 64;
+        for s in 0..slots {
+            let start = at + s * stride;
+            let end = (start + head_bytes).min(data.len());
+            let mut line = start - start % LINE;
+            while line < end {
+                let p = data[line.max(start)..].as_ptr().cast::<i8>();
+                // SAFETY: prefetching reads nothing and cannot fault; the address is inside
+                // `data` anyway.
+                unsafe {
+                    if near {
+                        _mm_prefetch::<_MM_HINT_T0>(p);
+                    } else {
+                        _mm_prefetch::<_MM_HINT_T1>(p);
+                    }
+                }
+                line += LINE;
+            }
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (data, at, slots, stride, head_bytes, near);
 }
 
 /// Whether the SIMD kernels handle heads of `head_dim` values (whole 8-lane vectors).

@@ -4,7 +4,9 @@
 //! Encoding: spaces become `▁` (and one is prepended when the model asks for it), the text is
 //! split into characters, and the adjacent pair whose concatenation is the highest-scoring piece
 //! of the vocabulary is merged until no pair forms a piece. Characters that are not pieces fall
-//! back to their UTF-8 bytes as `<0xXX>` tokens. Special-token texts in the input become their ids.
+//! back to their UTF-8 bytes as `<0xXX>` tokens. Control-token texts in the input become their ids
+//! (in [`SentencePiece::encode`], the path for rendered templates); user-defined tokens (Gemma's
+//! runs of newlines, spaces and tabs) are matched whole in any text, as llama.cpp tokenizes.
 
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
@@ -19,9 +21,42 @@ pub struct SentencePiece {
     scores: Vec<f32>,
     byte_tokens: [Option<u32>; 256],
     unk: Option<u32>,
-    /// Texts of special tokens, longest first, matched whole in the input.
-    specials: Vec<(String, u32)>,
+    /// Control and user-defined tokens, matched whole (leftmost, longest) by [`Self::encode`].
+    specials: Matcher,
+    /// User-defined tokens only, matched whole by [`Self::encode_plain_text`] too.
+    user_defined: Matcher,
     add_space_prefix: bool,
+}
+
+/// Token texts matched whole in input, leftmost and longest first.
+#[derive(Debug, Clone, Default)]
+struct Matcher {
+    automaton: Option<aho_corasick::AhoCorasick>,
+    /// The token of each pattern, in pattern order.
+    ids: Vec<u32>,
+}
+
+impl Matcher {
+    fn new(tokens: Vec<(String, u32)>) -> Self {
+        let automaton = if tokens.is_empty() {
+            None
+        } else {
+            aho_corasick::AhoCorasick::builder()
+                .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+                .build(tokens.iter().map(|t| t.0.as_str()))
+                .ok()
+        };
+        Self {
+            automaton,
+            ids: tokens.into_iter().map(|t| t.1).collect(),
+        }
+    }
+
+    /// The first match in `text`: (start, end, token).
+    fn find(&self, text: &str) -> Option<(usize, usize, u32)> {
+        let m = self.automaton.as_ref()?.find(text)?;
+        Some((m.start(), m.end(), self.ids[m.pattern().as_usize()]))
+    }
 }
 
 #[derive(Debug, PartialEq)]
@@ -67,23 +102,31 @@ pub fn byte_piece(piece: &str) -> Option<u8> {
 }
 
 impl SentencePiece {
-    /// `tokens` by id with their `scores`; `special[i]` marks control and user-defined tokens.
+    /// `tokens` by id with their `scores`; `control[i]` and `user_defined[i]` mark the tokens
+    /// matched whole rather than merged.
     pub fn new(
         tokens: &[String],
         scores: Vec<f32>,
-        special: &[bool],
+        control: &[bool],
+        user_defined: &[bool],
         unk: Option<u32>,
         add_space_prefix: bool,
     ) -> Self {
         let mut pieces = HashMap::with_capacity(tokens.len());
         let mut byte_tokens = [None; 256];
-        let mut specials = Vec::new();
+        let (mut specials, mut users) = (Vec::new(), Vec::new());
         for (id, t) in tokens.iter().enumerate() {
             let id = id as u32;
             if let Some(b) = byte_piece(t) {
                 byte_tokens[b as usize] = Some(id);
             }
-            if special.get(id as usize).copied().unwrap_or(false) {
+            let is = |marks: &[bool]| marks.get(id as usize).copied().unwrap_or(false);
+            if is(user_defined) {
+                if !t.is_empty() {
+                    specials.push((t.clone(), id));
+                    users.push((t.clone(), id));
+                }
+            } else if is(control) {
                 if !t.is_empty() {
                     specials.push((t.clone(), id));
                 }
@@ -91,52 +134,59 @@ impl SentencePiece {
                 pieces.entry(t.clone()).or_insert(id);
             }
         }
-        specials.sort_by_key(|s| std::cmp::Reverse(s.0.len()));
         Self {
             pieces,
             scores,
             byte_tokens,
             unk,
-            specials,
+            specials: Matcher::new(specials),
+            user_defined: Matcher::new(users),
             add_space_prefix,
         }
     }
 
-    /// Token ids of `text`.
+    /// Token ids of `text`, control-token texts in it included.
     pub fn encode(&self, text: &str) -> Vec<u32> {
         let mut out = Vec::new();
+        self.encode_split(text, &self.specials, self.add_space_prefix, &mut out);
+        out
+    }
+
+    /// Token ids of `text` with no control-token matching (their texts become ordinary pieces;
+    /// user-defined tokens are still matched whole); the space prefix only when `space_prefix`
+    /// and the vocabulary wants one.
+    pub fn encode_plain_text(&self, text: &str, space_prefix: bool, out: &mut Vec<u32>) {
+        self.encode_split(
+            text,
+            &self.user_defined,
+            space_prefix && self.add_space_prefix,
+            out,
+        );
+    }
+
+    /// `text` split at the tokens `whole` matches (each becomes its id), the segments between
+    /// them merged. The first segment gets the space prefix when `space_prefix`; every segment
+    /// after a matched token gets it when the vocabulary wants one (as llama.cpp tokenizes).
+    fn encode_split(&self, text: &str, whole: &Matcher, space_prefix: bool, out: &mut Vec<u32>) {
         let mut rest = text;
-        // Every plain segment starts the text or follows a special token; either way it gets the
-        // space prefix (as llama.cpp tokenizes).
+        let mut prefix = space_prefix;
         while !rest.is_empty() {
-            // The earliest special token (longest at that position).
-            let next_special = self
-                .specials
-                .iter()
-                .filter_map(|(s, id)| rest.find(s.as_str()).map(|at| (at, s.len(), *id)))
-                .min_by(|a, b| a.0.cmp(&b.0).then(b.1.cmp(&a.1)));
-            let (plain, special) = match next_special {
-                Some((at, len, id)) => (&rest[..at], Some((len, id))),
+            let (plain, matched) = match whole.find(rest) {
+                Some((start, end, id)) => (&rest[..start], Some((end, id))),
                 None => (rest, None),
             };
             if !plain.is_empty() {
-                self.encode_plain(plain, self.add_space_prefix, &mut out);
+                self.encode_plain(plain, prefix, out);
             }
-            match special {
-                Some((len, id)) => {
+            match matched {
+                Some((end, id)) => {
                     out.push(id);
-                    rest = &rest[plain.len() + len..];
+                    rest = &rest[end..];
+                    prefix = self.add_space_prefix;
                 }
                 None => break,
             }
         }
-        out
-    }
-
-    /// Token ids of `text` with no special-token matching (special-token texts become ordinary
-    /// pieces); the space prefix only when `space_prefix` and the vocabulary wants one.
-    pub fn encode_plain_text(&self, text: &str, space_prefix: bool, out: &mut Vec<u32>) {
-        self.encode_plain(text, space_prefix && self.add_space_prefix, out);
     }
 
     fn encode_plain(&self, text: &str, space_prefix: bool, out: &mut Vec<u32>) {
@@ -255,7 +305,7 @@ mod tests {
     #[test]
     fn merges_by_score_and_falls_back_to_bytes() {
         let (tokens, scores, special) = vocab();
-        let spm = SentencePiece::new(&tokens, scores, &special, Some(0), true);
+        let spm = SentencePiece::new(&tokens, scores, &special, &[], Some(0), true);
         assert_eq!(
             spm.encode("the cat"),
             [id(&tokens, "▁the"), id(&tokens, "▁cat")]
@@ -278,6 +328,35 @@ mod tests {
             [2, id(&tokens, "▁the")],
             "special tokens match whole"
         );
+    }
+
+    /// User-defined tokens (Gemma's newline runs) are matched whole in plain text as in
+    /// templates; control tokens only in templates.
+    #[test]
+    fn user_defined_tokens_match_in_plain_text_control_tokens_do_not() {
+        let (mut tokens, mut scores, mut control) = vocab();
+        tokens.push("\n\n".into());
+        scores.push(0.0);
+        control.push(false);
+        let newlines = tokens.len() as u32 - 1;
+        let user: Vec<bool> = (0..tokens.len()).map(|i| i as u32 == newlines).collect();
+        let spm = SentencePiece::new(&tokens, scores, &control, &user, Some(0), true);
+        let the = id(&tokens, "▁the");
+        let mut plain = Vec::new();
+        spm.encode_plain_text("the\n\nthe", true, &mut plain);
+        assert_eq!(
+            plain,
+            [the, newlines, the],
+            "the space prefix follows the token"
+        );
+        assert_eq!(spm.encode("the\n\nthe"), [the, newlines, the]);
+        let mut plain = Vec::new();
+        spm.encode_plain_text("</s>", false, &mut plain);
+        assert!(!plain.contains(&2), "{plain:?}");
+        // One newline is no token of its own here: its byte.
+        let mut plain = Vec::new();
+        spm.encode_plain_text("\n", false, &mut plain);
+        assert_eq!(plain, [id(&tokens, "<0x0A>")]);
     }
 
     #[test]

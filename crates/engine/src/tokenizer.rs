@@ -100,10 +100,15 @@ impl Protected {
 /// A model's tokenizer.
 pub struct Tokenizer {
     inner: Encoder,
-    /// Bytes of each token (control tokens: their text).
+    /// Bytes of each token (control and user-defined tokens: their text).
     token_bytes: Vec<Vec<u8>>,
-    /// Control and user-defined tokens: matched whole in input, not shown in output by default.
+    /// Control tokens (the special tokens): matched whole in templates, never made from text a
+    /// client wrote, not shown in output by default.
     special: Vec<bool>,
+    /// User-defined tokens (Gemma's runs of newlines, spaces and tabs, MPT's runs of spaces):
+    /// ordinary text, matched whole in any input before the vocabulary's own pieces, shown in
+    /// output, as llama.cpp and `tokenizers` (added tokens that are not special) treat them.
+    user_defined: Vec<bool>,
     pub bos: Option<u32>,
     pub eos: Option<u32>,
     /// Tokens that end generation: EOS, EOT and EOM.
@@ -210,14 +215,13 @@ impl Tokenizer {
                 .ok_or_else(|| bad("tokenizer.ggml.token_type is not integers"))?,
             None => vec![1; tokens.len()],
         };
-        let special: Vec<bool> = (0..tokens.len())
-            .map(|i| {
-                matches!(
-                    types.get(i),
-                    Some(&TOKEN_CONTROL) | Some(&TOKEN_USER_DEFINED)
-                )
-            })
-            .collect();
+        let of_type = |kind: i64| -> Vec<bool> {
+            (0..tokens.len())
+                .map(|i| types.get(i) == Some(&kind))
+                .collect()
+        };
+        let special = of_type(TOKEN_CONTROL);
+        let user_defined = of_type(TOKEN_USER_DEFINED);
         let pre = g
             .get_str("tokenizer.ggml.pre")
             .map_err(meta)?
@@ -270,17 +274,20 @@ impl Tokenizer {
                 .map_err(meta)?
                 .unwrap_or(true);
             let unk = id("tokenizer.ggml.unknown_token_id")?;
-            let token_bytes = byte_table(tokens, &special, SentencePiece::piece_bytes);
+            let literal = either(&special, &user_defined);
+            let token_bytes = byte_table(tokens, &literal, SentencePiece::piece_bytes);
             return Ok(Self {
                 inner: Encoder::SentencePiece(Box::new(SentencePiece::new(
                     tokens,
                     scores,
                     &special,
+                    &user_defined,
                     unk,
                     add_space_prefix,
                 ))),
                 token_bytes,
                 special,
+                user_defined,
                 bos,
                 eos,
                 stop_tokens,
@@ -296,6 +303,7 @@ impl Tokenizer {
             tokens,
             merges,
             special,
+            user_defined,
             pre,
             bos,
             eos,
@@ -310,6 +318,7 @@ impl Tokenizer {
         tokens: &[String],
         merges: &[String],
         special: Vec<bool>,
+        user_defined: Vec<bool>,
         pre: &str,
         bos: Option<u32>,
         eos: Option<u32>,
@@ -343,16 +352,20 @@ impl Tokenizer {
             .map_err(|e| bad(format!("building the BPE model: {e}")))?;
         let mut inner = tokenizers::Tokenizer::new(bpe);
         inner.with_pre_tokenizer(Some(pre_tokenizer(pre)?));
-        let added: Vec<AddedToken> = tokens
-            .iter()
-            .zip(&special)
-            .filter(|(_, &s)| s)
-            .map(|(t, _)| AddedToken::from(t.clone(), true))
-            .collect();
-        inner.add_special_tokens(&added);
+        let added = |marks: &[bool], special: bool| -> Vec<AddedToken> {
+            tokens
+                .iter()
+                .zip(marks)
+                .filter(|(_, &s)| s)
+                .map(|(t, _)| AddedToken::from(t.clone(), special))
+                .collect()
+        };
+        inner.add_special_tokens(&added(&special, true));
+        // Not special: the plain pipeline (special-token matching off) still matches them.
+        inner.add_tokens(&added(&user_defined, false));
 
         let table = char_to_byte();
-        let token_bytes = byte_table(tokens, &special, |t| {
+        let token_bytes = byte_table(tokens, &either(&special, &user_defined), |t| {
             // Characters outside the byte alphabet (never in a well-formed vocabulary) decode as
             // their UTF-8.
             let mut out = Vec::with_capacity(t.len());
@@ -368,6 +381,7 @@ impl Tokenizer {
             inner: Encoder::tokenizers(inner),
             token_bytes,
             special,
+            user_defined,
             bos,
             eos,
             stop_tokens,
@@ -384,8 +398,9 @@ impl Tokenizer {
     /// `tokenizers` crate, padding and truncation off), `tokenizer_config.json` (BOS/EOS tokens,
     /// `add_bos_token`, the chat template), `special_tokens_map.json`, `generation_config.json`
     /// (`eos_token_id`, one or a list) and `chat_template.jinja`/`chat_template.json` when
-    /// present. Added tokens are special (matched whole in input, hidden in output by default),
-    /// as the GGUF conversion of such a folder marks them. Stop tokens: EOS, every
+    /// present. Added tokens are matched whole in input; those marked `special` are control
+    /// tokens (hidden in output by default, never made from a client's text), the others
+    /// user-defined (ordinary text), as the GGUF conversion of such a folder marks them. Stop tokens: EOS, every
     /// `generation_config.json` EOS, and end-of-turn tokens such as `<|im_end|>`.
     pub fn from_hf_folder(dir: &Path) -> Result<Self, EngineError> {
         let path = dir.join("tokenizer.json");
@@ -422,20 +437,27 @@ impl Tokenizer {
         let size = vocab.values().map(|&id| id as usize + 1).max().unwrap_or(0);
         let mut tokens = vec![String::new(); size];
         let mut special = vec![true; size];
+        let mut user_defined = vec![false; size];
         for (text, &id) in &vocab {
             tokens[id as usize] = text.clone();
             special[id as usize] = false;
         }
-        for id in inner.get_added_tokens_decoder().keys() {
-            if let Some(s) = special.get_mut(*id as usize) {
-                *s = true;
+        for (id, added) in inner.get_added_tokens_decoder() {
+            if let (Some(s), Some(u)) = (
+                special.get_mut(id as usize),
+                user_defined.get_mut(id as usize),
+            ) {
+                let control = added.special || looks_special(&added.content);
+                *s = control;
+                *u = !control;
             }
         }
+        let literal = either(&special, &user_defined);
         let mentions = |part: &str, kind: &str| contains_type(&json[part], kind);
         let token_bytes =
             if mentions("pre_tokenizer", "ByteLevel") || mentions("decoder", "ByteLevel") {
                 let table = char_to_byte();
-                byte_table(&tokens, &special, |t| {
+                byte_table(&tokens, &literal, |t| {
                     let mut out = Vec::with_capacity(t.len());
                     for c in t.chars() {
                         match table.get(&c) {
@@ -450,7 +472,7 @@ impl Tokenizer {
                 || mentions("decoder", "Metaspace")
                 || mentions("pre_tokenizer", "Metaspace")
             {
-                byte_table(&tokens, &special, SentencePiece::piece_bytes)
+                byte_table(&tokens, &literal, SentencePiece::piece_bytes)
             } else {
                 return Err(bad(format!(
                 "{}: neither byte-level BPE nor a SentencePiece-style vocabulary (no ByteLevel, \
@@ -548,6 +570,7 @@ impl Tokenizer {
             inner: Encoder::tokenizers(inner),
             token_bytes,
             special,
+            user_defined,
             bos,
             eos,
             stop_tokens,
@@ -567,6 +590,7 @@ impl Tokenizer {
         if size > self.token_bytes.len() {
             self.token_bytes.resize(size, Vec::new());
             self.special.resize(size, true);
+            self.user_defined.resize(size, false);
         }
     }
 
@@ -791,7 +815,8 @@ impl Tokenizer {
         let mut byte_token = vec![None; 256];
         for (id, bytes) in self.token_bytes.iter().enumerate() {
             if let [b] = bytes.as_slice() {
-                if !self.special[id] && byte_token[*b as usize].is_none() {
+                let plain = !self.special[id] && !self.user_defined[id];
+                if plain && byte_token[*b as usize].is_none() {
                     byte_token[*b as usize] = Some(id as u32);
                 }
             }
@@ -828,6 +853,8 @@ impl Tokenizer {
         String::from_utf8_lossy(self.token_bytes(id)).into_owned()
     }
 
+    /// A control token: hidden in output by default, never made from a client's text.
+    /// User-defined tokens are not special: they are text.
     pub fn is_special(&self, id: u32) -> bool {
         self.special.get(id as usize).copied().unwrap_or(false)
     }
@@ -892,16 +919,31 @@ fn contains_type(component: &Json, kind: &str) -> bool {
     }
 }
 
-/// The bytes of every token: special tokens stand for their own text, the others for what
-/// `decode` makes of their vocabulary entry.
+/// An added token that some tokenizers leave unmarked but that is a control token: `<|...|>`
+/// and `<｜...｜>` (DeepSeek) turn markers, Gemma's `<unused...>`, `<pad>`, `<mask>`. Such a text
+/// must not become a token when a client writes it (llama.cpp's converter marks them the same).
+fn looks_special(text: &str) -> bool {
+    matches!(text, "<pad>" | "<mask>" | "<2mass>" | "[@BOS@]")
+        || (text.starts_with("<|") && text.ends_with("|>"))
+        || (text.starts_with("<｜") && text.ends_with("｜>"))
+        || (text.starts_with("<unused") && text.ends_with('>'))
+}
+
+/// Tokens marked in `a` or in `b`.
+fn either(a: &[bool], b: &[bool]) -> Vec<bool> {
+    a.iter().zip(b).map(|(x, y)| *x || *y).collect()
+}
+
+/// The bytes of every token: `literal` tokens (control and user-defined) stand for their own
+/// text, the others for what `decode` makes of their vocabulary entry.
 fn byte_table(
     tokens: &[String],
-    special: &[bool],
+    literal: &[bool],
     decode: impl Fn(&str) -> Vec<u8>,
 ) -> Vec<Vec<u8>> {
     tokens
         .iter()
-        .zip(special)
+        .zip(literal)
         .map(|(t, &s)| if s { t.as_bytes().to_vec() } else { decode(t) })
         .collect()
 }
@@ -962,11 +1004,12 @@ pub fn gguf_metadata_from_hf(
         };
         if let Some(slot) = tokens.get_mut(id as usize) {
             *slot = Some(content.to_string());
-            types[id as usize] = if added["special"].as_bool().unwrap_or(false) {
-                3 // control
-            } else {
-                4 // user-defined
-            };
+            types[id as usize] =
+                if added["special"].as_bool().unwrap_or(false) || looks_special(content) {
+                    3 // control
+                } else {
+                    4 // user-defined
+                };
         }
     }
     let tokens: Vec<String> = tokens

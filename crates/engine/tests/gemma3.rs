@@ -91,6 +91,35 @@ fn renders_chats_in_gemmas_turn_format() {
     assert!(engine.tokenizer().stop_tokens.contains(&106));
 }
 
+/// Gemma's vocabulary spells newlines, runs of spaces and tabs with user-defined tokens: they are
+/// text, so a client's newlines and indentation become those tokens (as llama.cpp tokenizes, not
+/// byte tokens the model rarely saw), in chat content too, and generated ones show in the output.
+#[test]
+fn newlines_and_indentation_are_text() {
+    let Some(engine) = engine() else { return };
+    let t = engine.tokenizer();
+    let ids = t.encode_plain("a\nb\n\nc    d", false).unwrap();
+    assert_eq!(
+        ids,
+        [236746, 107, 236763, 108, 236755, 140, 236753],
+        "{ids:?}"
+    );
+    assert!(!ids.iter().any(|&id| t.is_special(id)));
+    let chat = engine
+        .encode_chat(&[ChatMessage::new("user", "a\nb")])
+        .unwrap();
+    assert!(
+        chat.windows(3).any(|w| w == [236746, 107, 236763]),
+        "{chat:?}"
+    );
+    // A client cannot write a control token.
+    let ids = t.encode_plain("<start_of_turn>", false).unwrap();
+    assert!(!ids.contains(&105), "{ids:?}");
+    let (ids, text) = greedy(&engine, Prompt::Text("def fibonacci(n):".into()), 6);
+    assert_eq!(ids[..2], [107, 140], "a newline, then four spaces: {ids:?}");
+    assert!(text.starts_with("\n    if"), "{text:?}");
+}
+
 /// Text completion beyond the golden's few positions: a few-shot prompt, and a count longer
 /// than the 512-token window of the sliding-window layers (the global layers see it all).
 #[test]

@@ -16,6 +16,7 @@
 #             cgroup's peak usage against its limit, admitted TTFT, refusals, every
 #             degradation step and the recovery from the server's log.
 # Prints a JSON line per phase. Needs root and a writable memory cgroup (v1 or v2).
+# RAMPART_SOAK_LOG=FILE keeps the soak server's log; RAMPART_SOAK_SKIP_OFF=1 skips the off phase.
 # RAMPART_TEST_PYTHON: a Python with `openai`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -123,7 +124,8 @@ p99=$(echo "$unloaded" | python3 -c 'import json,sys; print(json.load(sys.stdin)
 objective=$(python3 -c "print(max(100, int(2 * $p99)))")
 echo "{\"phase\": \"unloaded\", \"ttft_objective_ms\": $objective, \"result\": $unloaded}"
 
-# Off: does the limit bite?
+# Off: does the limit bite? (RAMPART_SOAK_SKIP_OFF=1 skips this phase.)
+if [[ "${RAMPART_SOAK_SKIP_OFF:-0}" != 1 ]]; then
 config off $'[degradation]\nenabled = false' ""
 start off
 echo 0 >"$work/usage-top"
@@ -137,6 +139,7 @@ peak=$(cat "$peak_file" 2>/dev/null || cat "$work/usage-top")
 stop
 wait "$watcher" 2>/dev/null || true
 echo "{\"phase\": \"off\", \"limit_mib\": $limit_mib, \"server_alive_at_end\": $alive, \"oom_kills\": $kills, \"peak_mib\": $((peak >> 20)), \"result\": $off}"
+fi
 
 # Soak with the controller and the objective.
 config soak "" $'[models.slo]\n'"ttft_p99_ms = $objective"

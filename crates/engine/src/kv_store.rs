@@ -291,4 +291,49 @@ mod tests {
         store.read(0, 5, 3, &mut k, &mut v);
         assert_eq!(k, row(9, 9));
     }
+
+    /// A layer's block of 1.5 pages (SmolLM2's shape in f16): released alone it keeps the pages
+    /// it shares with its neighbours; released in a run with its free neighbours, it goes whole.
+    #[test]
+    fn blocks_smaller_than_pages_go_back_with_their_free_neighbours() {
+        if !cfg!(target_os = "linux") {
+            return;
+        }
+        let layout = KvLayout {
+            layers: 1,
+            kv_heads: 3,
+            head_dim: 64,
+            block_tokens: 16,
+            dtype: KvDType::F16,
+        };
+        assert_eq!(layout.layer_block_bytes(), 6144);
+        let mut store = KvStore::new(layout, 64);
+        let ones = vec![1.0f32; 192];
+        for b in 0..64u32 {
+            for s in 0..16 {
+                store.write(0, b, s, &ones, &ones);
+            }
+        }
+        let (mut k, mut v) = (vec![0.0; 192], vec![0.0; 192]);
+        let zeros = |store: &KvStore, b: u32, k: &mut Vec<f32>, v: &mut Vec<f32>| -> usize {
+            (0..16)
+                .filter(|&s| {
+                    store.read(0, b, s, k, v);
+                    k.iter().chain(v.iter()).all(|&x| x == 0.0)
+                })
+                .count()
+        };
+        // Released one by one, block 11 keeps a page it shares with 10 or 12 (block
+        // boundaries are 1.5 pages apart, so one of its two is inside a page).
+        for b in [10, 11, 12] {
+            store.release(&[b]);
+        }
+        assert!(zeros(&store, 11, &mut k, &mut v) < 16);
+        // The run of the three: the shared pages go too.
+        assert!(store.release(&[10, 11, 12]) > 0);
+        assert_eq!(zeros(&store, 11, &mut k, &mut v), 16);
+        // Their used neighbours keep every row.
+        assert_eq!(zeros(&store, 9, &mut k, &mut v), 0);
+        assert_eq!(zeros(&store, 13, &mut k, &mut v), 0);
+    }
 }

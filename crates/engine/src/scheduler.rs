@@ -1039,16 +1039,20 @@ impl Scheduler {
     /// the pages of every free block back to the system. Returns the bytes given back.
     pub fn release_memory(&mut self) -> usize {
         self.pool.drop_cached();
-        let free: Vec<BlockId> = self
-            .pool
-            .free_blocks()
-            .filter(|&b| self.resident[b as usize])
-            .collect();
-        let bytes = self.store.release(&free);
-        for &b in &free {
+        let mut free = vec![false; self.resident.len()];
+        for b in self.pool.free_blocks() {
+            free[b as usize] = true;
+        }
+        let release = release_runs(&free, &self.resident);
+        let newly = release
+            .iter()
+            .filter(|&&b| self.resident[b as usize])
+            .count();
+        let bytes = self.store.release(&release);
+        for &b in &release {
             self.resident[b as usize] = false;
         }
-        self.stats.blocks_resident -= free.len();
+        self.stats.blocks_resident -= newly;
         self.stats.kv_released_bytes += bytes as u64;
         self.stats.kv_releases += 1;
         self.publish();
@@ -1477,9 +1481,48 @@ fn finish(seq: &mut Sequence, reason: FinishReason) {
     let _ = seq.events.send(Event::Finished(done));
 }
 
+/// The blocks [`Scheduler::release_memory`] hands back: every run of consecutive free blocks
+/// that holds a block still resident, whole. A layer's slice of one block is rarely a whole
+/// number of pages (SmolLM2's is 1.5 pages), so a block released alone keeps the pages it
+/// shares with its neighbours; releasing the whole free run around it takes those too, and a
+/// neighbour released earlier loses its remaining pages when this one goes.
+fn release_runs(free: &[bool], resident: &[bool]) -> Vec<BlockId> {
+    let mut out = Vec::new();
+    let mut b = 0;
+    while b < free.len() {
+        if !free[b] {
+            b += 1;
+            continue;
+        }
+        let start = b;
+        let mut any_resident = false;
+        while b < free.len() && free[b] {
+            any_resident |= resident[b];
+            b += 1;
+        }
+        if any_resident {
+            out.extend(start as BlockId..b as BlockId);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn memory_goes_back_in_whole_free_runs() {
+        //              0      1      2     3      4      5      6
+        let free = [true, true, false, true, true, true, false];
+        let resident = [false, true, true, false, false, false, true];
+        // Blocks 0-1 hold a resident block: the run goes whole (block 0's pages shared with 1
+        // too); 3-5 were all given back before: nothing to do there.
+        assert_eq!(release_runs(&free, &resident), [0, 1]);
+        let resident = [false, false, true, false, true, false, true];
+        assert_eq!(release_runs(&free, &resident), [3, 4, 5]);
+        assert!(release_runs(&free, &[false; 7]).is_empty());
+    }
 
     #[test]
     fn the_first_token_gate_refuses_a_prompt_predicted_to_be_read_too_late() {

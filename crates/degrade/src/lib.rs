@@ -605,24 +605,44 @@ impl Controller {
         }
 
         // Memory above the scaling watermark: first give back what nobody uses, and judge the
-        // batch only on the next window's reading, after the release.
-        let releasing =
-            mem_high && obs.kv_resident_blocks >= obs.kv_held_blocks + MIN_RELEASE_BLOCKS;
+        // batch only on the next window's reading, after the release. Idle with limits below
+        // their ceilings and memory between the recovery band and the watermark, the limits
+        // could never grow back (growth needs memory below the band, and the prefix cache keeps
+        // its pages while nothing runs): the same release, as a recovery step.
+        let idle = obs.running == 0 && obs.waiting == 0 && obs.in_flight_peak == 0;
+        let worth = obs.kv_resident_blocks >= obs.kv_held_blocks + MIN_RELEASE_BLOCKS;
+        let idle_release = idle && !mem_high && !mem_healthy && self.level() > 0;
+        let releasing = (mem_high || idle_release) && worth;
         if releasing {
+            let (cause, detail) = if mem_high {
+                (
+                    if mem_saturated {
+                        Cause::MemorySaturated
+                    } else {
+                        Cause::Memory
+                    },
+                    format!(
+                        "memory at {:.3} of its limit, scaling watermark {:.2}: free and cached KV pages go back",
+                        mem.unwrap_or(0.0),
+                        s.scaling
+                    ),
+                )
+            } else {
+                (
+                    Cause::Recovery,
+                    format!(
+                        "idle, memory at {:.3} of its limit, limits grow back below {:.2}: free and cached KV pages go back",
+                        mem.unwrap_or(0.0),
+                        s.scaling - MEMORY_HYSTERESIS
+                    ),
+                )
+            };
             changes.push(Change {
                 lever: Lever::KvResidentBlocks,
                 from: obs.kv_resident_blocks,
                 to: obs.kv_held_blocks,
-                cause: if mem_saturated {
-                    Cause::MemorySaturated
-                } else {
-                    Cause::Memory
-                },
-                detail: format!(
-                    "memory at {:.3} of its limit, scaling watermark {:.2}: free and cached KV pages go back",
-                    mem.unwrap_or(0.0),
-                    s.scaling
-                ),
+                cause,
+                detail,
             });
         }
 
@@ -803,7 +823,6 @@ impl Controller {
         }
 
         // Growth: only when nothing moved down this window and every signal is healthy.
-        let idle = obs.running == 0 && obs.waiting == 0 && obs.in_flight_peak == 0;
         if changes.is_empty() && mem_healthy && kv_healthy && self.limits.admit_prefills {
             let detail = |what: &str| {
                 format!(

@@ -197,6 +197,52 @@ fn memory_held_by_free_kv_pages_goes_back_and_admission_recovers() {
         .all(|ch| ch.lever != Lever::KvResidentBlocks));
 }
 
+/// After a load, idle, memory below the scaling watermark but above the recovery band (the
+/// prefix cache's pages): the cache goes back, then the limits grow back to their ceilings.
+#[test]
+fn idle_memory_in_the_hysteresis_band_is_given_back_so_limits_recover() {
+    let settings = itl_settings();
+    let mut c = Controller::new(settings.clone());
+    // Load cut the prefill budget (level 1).
+    c.observe(&Observation {
+        itl_ms: vec![900.0; 100],
+        running: 8,
+        in_flight_peak: 8,
+        ..Observation::default()
+    });
+    assert!(c.level() > 0, "{c:?}");
+    let mut resident = 800usize;
+    let mut released = 0;
+    for _ in 0..(settings.horizon_windows as usize + 40) {
+        let memory = 0.45 + 0.0004 * resident as f64; // 0.77 with 800 blocks resident
+        let d = c.observe(&Observation {
+            memory_ratio: Some(memory),
+            kv_resident_blocks: resident,
+            kv_held_blocks: 0,
+            ..Observation::default()
+        });
+        for ch in d
+            .changes
+            .iter()
+            .filter(|ch| ch.lever == Lever::KvResidentBlocks)
+        {
+            assert_eq!(ch.cause, Cause::Recovery);
+            assert!(ch.detail.starts_with("idle"), "{}", ch.detail);
+            released += 1;
+            resident = 0;
+        }
+    }
+    assert_eq!(released, 1);
+    assert_eq!(c.level(), 0, "{c:?}");
+    // Idle at level 0, or below the band: nothing to do.
+    let d = c.observe(&Observation {
+        memory_ratio: Some(0.77),
+        kv_resident_blocks: 800,
+        ..Observation::default()
+    });
+    assert!(d.changes.is_empty(), "{:?}", d.changes);
+}
+
 #[test]
 fn memory_pressure_from_psi_alone_counts_as_the_scaling_watermark() {
     let mut c = Controller::new(Settings::new(ceilings()));

@@ -400,8 +400,9 @@ impl Tokenizer {
     /// (`eos_token_id`, one or a list) and `chat_template.jinja`/`chat_template.json` when
     /// present. Added tokens are matched whole in input; those marked `special` are control
     /// tokens (hidden in output by default, never made from a client's text), the others
-    /// user-defined (ordinary text), as the GGUF conversion of such a folder marks them. Stop tokens: EOS, every
-    /// `generation_config.json` EOS, and end-of-turn tokens such as `<|im_end|>`.
+    /// user-defined (ordinary text), as the GGUF conversion of such a folder marks them. Stop
+    /// tokens: EOS, every `generation_config.json` EOS, and end-of-turn tokens such as
+    /// `<|im_end|>`.
     pub fn from_hf_folder(dir: &Path) -> Result<Self, EngineError> {
         let path = dir.join("tokenizer.json");
         if !path.is_file() {

@@ -107,15 +107,6 @@ impl Lanes {
         }
     }
 
-    /// Adds the finite values.
-    fn add_finite(&mut self, v: [f64; LANES]) {
-        for (k, x) in v.into_iter().enumerate() {
-            if x.is_finite() {
-                self.add_one(k, x);
-            }
-        }
-    }
-
     fn add_one(&mut self, k: usize, x: f64) {
         self.n[k] += 1.0;
         self.sum[k] += x;
@@ -138,21 +129,19 @@ pub fn tensor<T: Copy>(name: &str, values: &[T], to_f64: impl Fn(T) -> f64) -> O
     let chunks = values.chunks_exact(LANES);
     let rest = chunks.remainder();
     let mut lanes = Lanes::default();
-    for chunk in chunks.clone() {
+    for chunk in chunks {
         lanes.add_all(std::array::from_fn(|k| to_f64(chunk[k])));
     }
     for (k, &v) in rest.iter().enumerate() {
         lanes.add_one(k, to_f64(v));
     }
     if !lanes.finite() {
+        // Value i went to lane i % LANES above too.
         lanes = Lanes::default();
-        for chunk in chunks {
-            lanes.add_finite(std::array::from_fn(|k| to_f64(chunk[k])));
-        }
-        for (k, &v) in rest.iter().enumerate() {
+        for (i, &v) in values.iter().enumerate() {
             let x = to_f64(v);
             if x.is_finite() {
-                lanes.add_one(k, x);
+                lanes.add_one(i % LANES, x);
             }
         }
     }
@@ -160,13 +149,12 @@ pub fn tensor<T: Copy>(name: &str, values: &[T], to_f64: impl Fn(T) -> f64) -> O
     let n: f64 = n.iter().sum();
     let mut o = Observation::default();
     if n > 0.0 {
-        let c = n;
-        let mean = sum.iter().sum::<f64>() / c;
+        let mean = sum.iter().sum::<f64>() / n;
         let sq = sq.iter().sum::<f64>();
         o.num(format!("input.{name}.mean"), mean);
         o.num(
             format!("input.{name}.std"),
-            (sq / c - mean * mean).max(0.0).sqrt(),
+            (sq / n - mean * mean).max(0.0).sqrt(),
         );
         o.num(
             format!("input.{name}.min"),

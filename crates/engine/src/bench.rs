@@ -222,6 +222,15 @@ fn drain(
                         break;
                     }
                     Event::Failed(e) => return Err(EngineError::Failed(e)),
+                    Event::Shed {
+                        waited_ms,
+                        retry_after_s,
+                    } => {
+                        return Err(EngineError::Saturated {
+                            waited_ms,
+                            retry_after_s,
+                        })
+                    }
                 }
             }
         }
@@ -325,6 +334,15 @@ pub fn prefix_reuse(
             match event {
                 Event::Finished(f) => return Ok(f),
                 Event::Failed(e) => return Err(EngineError::Failed(e)),
+                Event::Shed {
+                    waited_ms,
+                    retry_after_s,
+                } => {
+                    return Err(EngineError::Saturated {
+                        waited_ms,
+                        retry_after_s,
+                    })
+                }
                 Event::Token(_) => {}
             }
         }

@@ -40,6 +40,8 @@ pub enum EngineError {
         tokens_per_second: f64,
         retry_after_s: u64,
     },
+    #[error("memory is saturated: new prompts are not started until it eases, and this one waited {waited_ms} ms without starting; retry later")]
+    Saturated { waited_ms: u64, retry_after_s: u64 },
     #[error("the engine has stopped")]
     Stopped,
     #[error("generation failed: {0}")]

@@ -261,6 +261,12 @@ pub enum Event {
     Token(TokenEvent),
     Finished(Finished),
     Failed(String),
+    /// Refused before it started: new prompts were stopped (memory saturated) and it waited
+    /// the engine's `saturation_wait_ms` without starting. Nothing was computed for it.
+    Shed {
+        waited_ms: u64,
+        retry_after_s: u64,
+    },
 }
 
 /// A request checked and tokenized, ready to run.
@@ -833,6 +839,15 @@ impl Engine {
                     return Ok(done);
                 }
                 Event::Failed(message) => return Err(EngineError::Failed(message)),
+                Event::Shed {
+                    waited_ms,
+                    retry_after_s,
+                } => {
+                    return Err(EngineError::Saturated {
+                        waited_ms,
+                        retry_after_s,
+                    })
+                }
             }
         }
         Err(EngineError::Stopped)

@@ -28,7 +28,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::UnboundedSender;
 
@@ -64,6 +64,11 @@ pub struct SchedulerLimits {
     prefill_rate_read: AtomicUsize,
     /// Prompts the gate refused so far.
     gate_refusals: AtomicU64,
+    /// While new prefills are stopped: how long (ms) a sequence that never started may wait
+    /// before it is refused ([`Event::Shed`]); 0 = it waits for the saturation to end.
+    saturation_wait_ms: AtomicU64,
+    /// Sequences refused that way so far.
+    saturation_refusals: AtomicU64,
     /// How much later first tokens came than predicted at submission (ms): the latest
     /// [`MARGIN_SAMPLES`] of them.
     first_token_misses: Mutex<VecDeque<f32>>,
@@ -103,6 +108,8 @@ impl SchedulerLimits {
             prefill_rate: AtomicU64::new(0),
             prefill_rate_read: AtomicUsize::new(0),
             gate_refusals: AtomicU64::new(0),
+            saturation_wait_ms: AtomicU64::new(0),
+            saturation_refusals: AtomicU64::new(0),
             first_token_misses: Mutex::new(VecDeque::with_capacity(MARGIN_SAMPLES)),
             first_token_margin: AtomicU64::new(0),
         }
@@ -142,6 +149,23 @@ impl SchedulerLimits {
     /// Prompts the gate has refused since the engine started.
     pub fn gate_refusals(&self) -> u64 {
         self.gate_refusals.load(Ordering::Relaxed)
+    }
+
+    /// While new prefills are stopped (saturation), how long (ms) a sequence that never
+    /// started may wait, counted from its arrival or from the saturation's onset, whichever
+    /// is later, before it is refused with a retry hint; 0 = it waits for the saturation to
+    /// end (and may meet its caller's first-token timeout instead).
+    pub fn saturation_wait_ms(&self) -> u64 {
+        self.saturation_wait_ms.load(Ordering::Relaxed)
+    }
+
+    pub fn set_saturation_wait_ms(&self, value: u64) {
+        self.saturation_wait_ms.store(value, Ordering::Relaxed);
+    }
+
+    /// Sequences refused after waiting [`Self::saturation_wait_ms`] at saturation.
+    pub fn saturation_refusals(&self) -> u64 {
+        self.saturation_refusals.load(Ordering::Relaxed)
     }
 
     /// The gate's margin (ms): the 99th percentile of how much later than predicted the
@@ -475,6 +499,8 @@ pub struct Scheduler {
     budget_bound: bool,
     /// Per block: whether its pages are mapped (written since last given back).
     resident: Vec<bool>,
+    /// Since when new prefills have been stopped (none while they are admitted).
+    saturated_since: Option<Instant>,
 }
 
 impl std::fmt::Debug for Scheduler {
@@ -530,6 +556,7 @@ impl Scheduler {
             prompt_clock: 0,
             budget_bound: false,
             resident: vec![false; blocks],
+            saturated_since: None,
         };
         scheduler.publish();
         scheduler
@@ -613,6 +640,7 @@ impl Scheduler {
     pub fn step(&mut self, executor: &mut dyn Executor) -> usize {
         let started = Instant::now();
         self.drop_cancelled();
+        self.shed_unstarted(started);
         let scheduled = self.schedule();
         if scheduled.is_empty() {
             self.publish();
@@ -839,6 +867,45 @@ impl Scheduler {
             } else {
                 i += 1;
             }
+        }
+    }
+
+    /// While new prefills are stopped (memory saturated), refuses every sequence that never
+    /// started and has waited [`SchedulerLimits::saturation_wait_ms`] since it arrived or
+    /// since the saturation began, whichever is later: [`Event::Shed`], with a retry hint.
+    /// It has lost nothing (no token was computed for it), and its caller can answer at once
+    /// (429 + Retry-After) instead of holding it until a first-token timeout. Sequences that
+    /// started and were preempted keep their place: they resume before anyone new.
+    fn shed_unstarted(&mut self, now: Instant) {
+        if self.limits.admit_prefills() {
+            self.saturated_since = None;
+            return;
+        }
+        let since = *self.saturated_since.get_or_insert(now);
+        let wait_ms = self.limits.saturation_wait_ms();
+        if wait_ms == 0 {
+            return;
+        }
+        let wait = Duration::from_millis(wait_ms);
+        let retry_after_s = wait_ms.div_ceil(1000).max(1);
+        let mut i = 0;
+        while i < self.waiting.len() {
+            let seq = &self.waiting[i];
+            let from = seq.arrived.max(since);
+            if seq.first_scheduled.is_some() || now.saturating_duration_since(from) < wait {
+                i += 1;
+                continue;
+            }
+            let mut seq = self.waiting.remove(i).expect("index in range");
+            let waited_ms = now.saturating_duration_since(seq.arrived).as_millis() as u64;
+            let _ = seq.events.send(Event::Shed {
+                waited_ms,
+                retry_after_s,
+            });
+            self.free_sequence(&mut seq);
+            self.limits
+                .saturation_refusals
+                .fetch_add(1, Ordering::Relaxed);
         }
     }
 

@@ -75,6 +75,7 @@ fn collect(stream: engine::Stream) -> Vec<u32> {
             Event::Token(t) => ids.push(t.id),
             Event::Finished(_) => return ids,
             Event::Failed(e) => panic!("{e}"),
+            Event::Shed { waited_ms, .. } => panic!("shed after {waited_ms} ms"),
         }
     }
     panic!("the stream ended without Finished")
@@ -175,6 +176,70 @@ fn dropping_a_stream_frees_its_blocks() {
         before.kv_slots_allocated
     );
     drop(keep);
+}
+
+/// At saturation (new prefills stopped) a request that never started is refused after the
+/// engine's `saturation_wait_ms`, with a retry hint, instead of waiting for the saturation to
+/// end; a running stream goes on untouched; once prefills are admitted again, new requests run.
+#[test]
+fn at_saturation_an_unstarted_request_is_shed_after_the_wait_and_a_running_one_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut opts = options(KvDType::F32, 8);
+    opts.context = Some(4096);
+    let engine = Engine::load(&long_tiny_model(dir.path()), &opts).unwrap();
+    let mut running = engine.generate(request("Once upon a time", 4000)).unwrap();
+    assert!(matches!(running.blocking_next(), Some(Event::Token(_))));
+    engine.limits().set_saturation_wait_ms(300);
+    engine.limits().set_admit_prefills(false);
+    let submitted = std::time::Instant::now();
+    let mut waiting = engine.generate(request("The quick brown fox", 8)).unwrap();
+    let first = loop {
+        if let Some(event) = waiting.try_next() {
+            break Some(event);
+        }
+        if submitted.elapsed() > std::time::Duration::from_secs(5) {
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    };
+    match first {
+        Some(Event::Shed {
+            waited_ms,
+            retry_after_s,
+        }) => {
+            assert!(waited_ms >= 300, "{waited_ms}");
+            assert_eq!(retry_after_s, 1);
+        }
+        other => panic!("expected the waiting request to be shed, got {other:?}"),
+    }
+    let elapsed = submitted.elapsed();
+    assert!(
+        elapsed >= std::time::Duration::from_millis(300),
+        "{elapsed:?}"
+    );
+    assert!(elapsed < std::time::Duration::from_secs(5), "{elapsed:?}");
+    assert_eq!(engine.limits().saturation_refusals(), 1);
+    // The refused request's queue slot and blocks are back; the running stream keeps going.
+    for _ in 0..3 {
+        assert!(matches!(running.blocking_next(), Some(Event::Token(_))));
+    }
+    let s = snapshot_where(&engine, |s| s.waiting == 0 && s.running == 1);
+    assert_eq!((s.waiting, s.running), (0, 1), "{s:?}");
+    // The wait counts from the saturation's onset for requests that arrived before it.
+    engine.limits().set_admit_prefills(true);
+    drop(running);
+    assert_eq!(
+        collect(engine.generate(request("Hello", 4)).unwrap()).len(),
+        4
+    );
+    // With no wait configured, a request waits for the saturation to end.
+    engine.limits().set_saturation_wait_ms(0);
+    engine.limits().set_admit_prefills(false);
+    let mut patient = engine.generate(request("The quick brown fox", 4)).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    assert!(patient.try_next().is_none());
+    engine.limits().set_admit_prefills(true);
+    assert!(matches!(patient.blocking_next(), Some(Event::Token(_))));
 }
 
 #[test]

@@ -251,6 +251,7 @@ impl Harness {
                         r.finished = Some(f.reason);
                     }
                     Event::Failed(e) => panic!("failed: {e}"),
+                    Event::Shed { .. } => panic!("shed"),
                 }
             }
         }
@@ -876,6 +877,7 @@ fn constraints_mask_every_sampled_token_off_the_engine_thread() {
                 Event::Token(t) => got.push(t.id),
                 Event::Finished(f) => end = Some(Ok(f.reason)),
                 Event::Failed(e) => end = Some(Err(e)),
+                Event::Shed { .. } => end = Some(Err("shed".to_string())),
             }
         }
         assert!(

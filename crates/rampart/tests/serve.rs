@@ -1653,6 +1653,100 @@ fn a_baseline_from_a_reference_set_is_the_one_the_server_watches() {
     assert!(!watched.contains(&"text.script"), "{watched:?}");
 }
 
+/// At saturation (a memory limit far below the process's RSS) the controller stops new
+/// prefills; the requests admission still lets in are refused after `saturation_wait_ms` with
+/// 429 `shedding` and `Retry-After` (they lost nothing) instead of waiting for the model's
+/// first-token timeout; the rest are shed at admission at once. Counted, and shown at
+/// `/admin/degradation`.
+#[test]
+fn at_saturation_requests_that_cannot_start_are_refused_promptly() {
+    let Some(model) = cached_model(SMOLLM2_GGUF) else {
+        return;
+    };
+    let config = format!(
+        r#"
+[memory]
+limit = "16MiB"
+[degradation]
+window_ms = 200
+saturation_wait_ms = 400
+[admission]
+max_in_flight = 8
+[[models]]
+name = "{MODEL}"
+context = 512
+kv_cache_memory = "32MiB"
+max_num_seqs = 4
+first_token_timeout_ms = 30000
+"#
+    );
+    let server = start_repository(&[(MODEL, "1.0.0", model)], &config);
+    wait_ready(server.port);
+    let port = server.port;
+    let view = || -> serde_json::Value {
+        let (status, _, body) = http(port, "GET", "/admin/degradation", None, Some(ADMIN_KEY));
+        assert_eq!(status, 200, "{body}");
+        serde_json::from_str(&body).unwrap()
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while view()["models"][0]["level"] != 3 {
+        assert!(Instant::now() < deadline, "never saturated: {}", view());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let clients: Vec<_> = (0..6)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let body =
+                    format!(r#"{{"model":"{MODEL}","prompt":"Count to {i}","max_tokens":8}}"#);
+                let started = Instant::now();
+                let (status, headers, text) =
+                    http(port, "POST", "/v1/completions", Some(&body), Some(KEY));
+                let retry_after = header(&headers, "retry-after").map(str::to_string);
+                (status, retry_after, text, started.elapsed())
+            })
+        })
+        .collect();
+    let mut in_engine = 0;
+    for client in clients {
+        let (status, retry_after, text, took) = client.join().unwrap();
+        assert_eq!(status, 429, "{text}");
+        let body: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(body["error"]["code"], "shedding", "{text}");
+        assert!(retry_after.expect("Retry-After").parse::<u64>().unwrap() >= 1);
+        assert!(took < Duration::from_secs(10), "{took:?}: {text}");
+        if text.contains("memory is saturated") {
+            in_engine += 1;
+            assert!(took >= Duration::from_millis(400), "{took:?}");
+        }
+    }
+    assert!(
+        in_engine >= 1,
+        "admission lets at least one request in at saturation"
+    );
+    // The view is refreshed once per window.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let m = loop {
+        let m = view()["models"][0].clone();
+        if m["saturation_refused"].as_u64().unwrap() >= in_engine || Instant::now() > deadline {
+            break m;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert_eq!(m["saturation_wait_ms"], 400, "{m}");
+    assert!(
+        m["saturation_refused"].as_u64().unwrap() >= in_engine,
+        "{m}"
+    );
+    let (_, _, metrics) = http(port, "GET", "/metrics", None, None);
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("rampart_rejected_requests_total{")
+                && l.contains("reason=\"shedding\"")),
+        "the refusals are counted as shedding"
+    );
+}
+
 /// The degradation controller on the real engine: objectives no CPU can keep (1 ms) make it
 /// trim the prefill budget (ITL) and shed at admission (TTFT) within a few windows; the
 /// refusals are 429 `shedding` with `Retry-After`; every change is logged, counted and shown

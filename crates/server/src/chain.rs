@@ -469,7 +469,7 @@ async fn try_backend(
         return Ok((answer, slot));
     };
     let g = with_fault(g, strike);
-    match commit(g, deadline, streaming, entry).await {
+    match commit(g, deadline, streaming, entry, record).await {
         Ok((g, first_token, complete)) => {
             let g = if complete {
                 call.succeeded(first_token);
@@ -490,7 +490,15 @@ async fn try_backend(
             Ok((Answer::Generation(g), slot))
         }
         Err(m) => {
-            call.failed();
+            match &m {
+                // Refused before its first token and before any compute of its own (the
+                // engine shed it at saturation): the backend is not at fault.
+                Miss::Trigger {
+                    trigger: Trigger::Overloaded,
+                    ..
+                } => call.neutral(),
+                _ => call.failed(),
+            }
             Err(m)
         }
     }
@@ -547,6 +555,7 @@ async fn commit(
     deadline: tokio::time::Instant,
     streaming: bool,
     entry: &Entry,
+    record: &mut RecordBuilder,
 ) -> Result<(Generation, Duration, bool), Miss> {
     let (stall, backend) = (entry.policy.stall_timeout, &entry.id);
     let began = Instant::now();
@@ -585,9 +594,15 @@ async fn commit(
         };
         match &event.1 {
             Generated::Failed(e) => {
+                if let BackendError::Overloaded { code, .. } = e {
+                    // Shed before it started (memory saturated): a refusal like the
+                    // admission's, counted by its reason.
+                    record.refuse(code);
+                }
                 let error: ApiError = e.clone().into();
                 let trigger = match e.class() {
                     FailureClass::Timeout => Trigger::StallTimeout,
+                    FailureClass::Overload => Trigger::Overloaded,
                     _ => Trigger::Error,
                 };
                 return Err(miss(trigger, error));

@@ -611,6 +611,11 @@ pub struct DegradationConfig {
     pub psi_some_avg10: f64,
     /// Windows of latency samples the p99s look at.
     pub horizon_windows: u64,
+    /// While new prefills are stopped (saturation), how long (milliseconds) a request that
+    /// has not started may wait, from its arrival or the saturation's onset, before it is
+    /// refused with 429 `shedding` and `Retry-After`; 0: it waits for the saturation to end
+    /// (and may reach the model's `first_token_timeout_ms`).
+    pub saturation_wait_ms: u64,
 }
 
 impl Default for DegradationConfig {
@@ -622,6 +627,7 @@ impl Default for DegradationConfig {
             saturation: 0.95,
             psi_some_avg10: 10.0,
             horizon_windows: 10,
+            saturation_wait_ms: 2000,
         }
     }
 }

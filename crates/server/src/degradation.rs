@@ -134,6 +134,12 @@ pub struct ModelView {
     /// The first-token gate (with a TTFT objective): prompts predicted to wait longer than
     /// `max_wait_ms` to be read are refused at submission.
     pub first_token_gate: Option<GateView>,
+    /// While new prefills are stopped, a request that has not started is refused (429
+    /// `shedding`) after this many milliseconds (`[degradation] saturation_wait_ms`; 0: it
+    /// waits for the saturation to end).
+    pub saturation_wait_ms: u64,
+    /// Requests refused that way since the engine started.
+    pub saturation_refused: u64,
 }
 
 /// The engine's first-token gate and what it predicts from.
@@ -359,6 +365,9 @@ impl Degradation {
                 engine
                     .limits()
                     .set_max_prefill_wait_ms(ceilings.first_token_gate_ms as u64);
+                engine
+                    .limits()
+                    .set_saturation_wait_ms(config.degradation.saturation_wait_ms);
                 ModelState {
                     controller: Controller::new(settings),
                     engine: Arc::clone(&engine),
@@ -375,6 +384,8 @@ impl Degradation {
                         window: 0,
                         recent: VecDeque::new(),
                         first_token_gate: None,
+                        saturation_wait_ms: config.degradation.saturation_wait_ms,
+                        saturation_refused: 0,
                     },
                 }
             });
@@ -444,6 +455,7 @@ impl Degradation {
                 margin_ms: gate.first_token_margin_ms(),
                 refused: gate.gate_refusals(),
             });
+            state.view.saturation_refused = gate.saturation_refusals();
         }
         // Versions no longer served: their controllers go; limits die with their engines.
         models.retain(|id, _| live.contains(id));

@@ -274,6 +274,11 @@ impl From<EngineError> for BackendError {
                 retry_after_s,
                 code: "shedding",
             },
+            e @ EngineError::Saturated { retry_after_s, .. } => BackendError::Overloaded {
+                message: e.to_string(),
+                retry_after_s,
+                code: "shedding",
+            },
             EngineError::Stopped => BackendError::Unavailable {
                 message: "the engine has stopped (the server is shutting down)".into(),
                 retry_after_s: 5,

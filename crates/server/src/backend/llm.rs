@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use engine::tokenizer::Tokenizer;
-use engine::{Engine, Event, Prompt, TokenEvent};
+use engine::{Engine, EngineError, Event, Prompt, TokenEvent};
 use futures_util::stream::{self, SelectAll, StreamExt};
 use record::{RecordBuilder, StructuredRecord};
 use tracing::Instrument;
@@ -184,6 +184,16 @@ fn resolve(event: Event, tokenizer: &Tokenizer, logprobs: bool) -> Generated {
         Event::Failed(message) => Generated::Failed(BackendError::Failed(format!(
             "generation failed: {message}"
         ))),
+        Event::Shed {
+            waited_ms,
+            retry_after_s,
+        } => Generated::Failed(
+            EngineError::Saturated {
+                waited_ms,
+                retry_after_s,
+            }
+            .into(),
+        ),
     }
 }
 

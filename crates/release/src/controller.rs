@@ -250,6 +250,12 @@ impl Controller {
 
     pub fn status(&self) -> Status {
         let p = &self.plan;
+        // An ended release's step ended with its last decision, not at this tick.
+        let step_ended_ms = if p.state.phase.is_active() {
+            self.last_tick_ms
+        } else {
+            p.history.last().map_or(self.last_tick_ms, |d| d.time_ms)
+        };
         Status {
             stable: p.stable.clone(),
             candidate: p.candidate.clone(),
@@ -265,7 +271,7 @@ impl Controller {
             samples_candidate: self.window.samples(Variant::Candidate),
             errors_stable: self.window.errors(Variant::Stable),
             errors_candidate: self.window.errors(Variant::Candidate),
-            time_in_step_ms: self.last_tick_ms.saturating_sub(p.state.step_started_ms),
+            time_in_step_ms: step_ended_ms.saturating_sub(p.state.step_started_ms),
             reason: p.state.reason.clone(),
             last_verdict: self.last_verdict.clone(),
         }

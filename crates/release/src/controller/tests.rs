@@ -205,6 +205,11 @@ fn a_slower_candidate_is_rolled_back_inside_the_first_step_within_a_minute() {
             assert!(d.e_value.unwrap() > 1.0 / 0.01 && d.p_value.unwrap() < 0.01);
             assert_eq!(ctrl.plan().state.weight, 0.0);
             assert_eq!(ctrl.plan().state.phase, Phase::RolledBack);
+            // The ended step's time stops at the decision, however long the server ticks on.
+            let step_ms = ctrl.status().time_in_step_ms;
+            assert_eq!(step_ms, d.time_ms - ctrl.plan().state.step_started_ms);
+            ctrl.tick(end + 30_000);
+            assert_eq!(ctrl.status().time_in_step_ms, step_ms);
             times.push((end, d.samples_candidate));
         }
         times.sort();

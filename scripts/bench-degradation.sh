@@ -10,7 +10,8 @@
 #   scripts/bench-degradation.sh RAMPART_BIN LLAMA_SERVER [ROUNDS] [CONCURRENCY]
 #
 # RAMPART_ITL_MS sets the objective (default 120); RAMPART_DEGRADE_TOML adds settings to the
-# controlled server's [[models]] table.
+# controlled server's [[models]] table; RAMPART_DEGRADE_SIDES picks the servers (default
+# "off on llama"; without llama, LLAMA_SERVER is not used).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin="$1" llama="$2" rounds="${3:-3}" levels="${4:-16,32}"
@@ -57,7 +58,7 @@ wait_ready() {
 }
 results="$work/results.jsonl"
 for round in $(seq 1 "$rounds"); do
-  for side in off on llama; do
+  for side in ${RAMPART_DEGRADE_SIDES:-off on llama}; do
     if [[ $side == llama ]]; then
       "$llama" -m "$gguf" -t 2 -c 12288 -np 32 --port "$port" --host 127.0.0.1 >/dev/null 2>&1 &
       pid=$!

@@ -36,6 +36,7 @@ pub mod model;
 pub mod sampler;
 pub mod scheduler;
 pub mod sentencepiece;
+pub mod step_cost;
 pub mod tokenizer;
 pub mod weights;
 

@@ -40,6 +40,7 @@ use crate::kv_store::KvStore;
 use crate::kv_tier::{KvTier, TierStats};
 use crate::model::Batch;
 use crate::sampler::{Sampler, TokenChoice};
+use crate::step_cost::StepCost;
 use crate::tokenizer::{Detokenizer, Tokenizer};
 
 /// The limits a step works under; adjustable while running (the degradation controller's
@@ -301,6 +302,10 @@ pub struct SchedulerSnapshot {
     pub generated_tokens: u64,
     pub last_step_tokens: usize,
     pub last_step_seconds: f64,
+    /// Attended positions that cost as much as one token's matrix products, fitted to the
+    /// steps run: a prompt token at depth `d` counts `1 + d / this` against the prefill
+    /// budget (none before the fit is trusted: one each).
+    pub prefill_depth_equivalent: Option<f64>,
     pub max_num_seqs: usize,
     pub max_num_batched_tokens: usize,
     pub max_prefill_tokens: usize,
@@ -501,6 +506,9 @@ pub struct Scheduler {
     resident: Vec<bool>,
     /// Since when new prefills have been stopped (none while they are admitted).
     saturated_since: Option<Instant>,
+    /// What a prompt token costs deep in its context (the prefill budget counts depth-0
+    /// tokens), fitted to the steps run.
+    step_cost: StepCost,
 }
 
 impl std::fmt::Debug for Scheduler {
@@ -557,6 +565,7 @@ impl Scheduler {
             budget_bound: false,
             resident: vec![false; blocks],
             saturated_since: None,
+            step_cost: StepCost::default(),
         };
         scheduler.publish();
         scheduler
@@ -648,10 +657,12 @@ impl Scheduler {
         }
         self.batch.clear();
         let mut samplers = Vec::new();
+        let mut positions = 0u64;
         for &(i, n) in &scheduled {
             let seq = &mut self.running[i];
             seq.first_scheduled.get_or_insert(started);
             let from = seq.computed;
+            positions += (n * from + n * (n + 1) / 2) as u64;
             self.batch
                 .push_sequence(&seq.table, &seq.tokens[from..from + n], from, false);
             if from + n == seq.tokens.len() {
@@ -825,6 +836,9 @@ impl Scheduler {
         self.stats.steps += 1;
         self.stats.last_step_tokens = tokens;
         self.stats.last_step_seconds = started.elapsed().as_secs_f64();
+        self.step_cost
+            .observe(tokens, positions, self.stats.last_step_seconds);
+        self.stats.prefill_depth_equivalent = self.step_cost.depth();
         if read > 0 && self.budget_bound && self.stats.last_step_seconds > 0.0 {
             // How fast prompts are read beside this step's streams (what a new prompt's wait
             // is predicted from): a moving average over the steps that read as many prompt
@@ -868,6 +882,12 @@ impl Scheduler {
                 i += 1;
             }
         }
+    }
+
+    /// Replaces the learned cost of a prompt token deep in its context (see
+    /// [`crate::step_cost`]) with a given one.
+    pub fn set_step_cost(&mut self, cost: StepCost) {
+        self.step_cost = cost;
     }
 
     /// While new prefills are stopped (memory saturated), refuses every sequence that never
@@ -938,7 +958,7 @@ impl Scheduler {
             let n = if pending <= 1 {
                 pending.min(budget)
             } else {
-                running_share[i].min(budget).min(prefill)
+                running_share[i].min(budget)
             };
             if n == 0 {
                 held = true;
@@ -968,7 +988,8 @@ impl Scheduler {
             scheduled.push((i, n));
             budget -= n;
             if pending > 1 {
-                prefill -= n;
+                let from = self.running[i].computed;
+                prefill = prefill.saturating_sub(self.step_cost.chunk(from, n));
                 held |= n < pending;
             }
             i += 1;
@@ -1011,7 +1032,13 @@ impl Scheduler {
                 }
             }
             let pending = seq.tokens.len() - seq.computed;
-            let n = pending.min(budget).min(prefill).min(share.max(1));
+            // Its share was priced at its depth before the prefix cache was looked up: a hit
+            // makes its tokens dearer.
+            let affordable = self
+                .step_cost
+                .affordable(seq.computed, pending, prefill)
+                .max(1);
+            let n = pending.min(budget).min(share.max(1)).min(affordable);
             let need = self
                 .blocks_for(seq.computed + n)
                 .saturating_sub(seq.table.len());
@@ -1034,10 +1061,11 @@ impl Scheduler {
                 self.queued.fetch_sub(1, Ordering::Relaxed);
                 self.stats.prefix_cached_tokens += seq.cached_tokens as u64;
             }
+            let cost = self.step_cost.chunk(seq.computed, n);
             self.running.push(seq);
             scheduled.push((self.running.len() - 1, n));
             budget -= n;
-            prefill -= n;
+            prefill = prefill.saturating_sub(cost);
             held |= n < pending;
         }
         held |= prefill == 0
@@ -1060,22 +1088,31 @@ impl Scheduler {
         admit_new: bool,
     ) -> (Vec<usize>, Vec<(u64, usize)>) {
         let mut running_share = vec![0; self.running.len()];
-        // (tag, id, running, index, pending): ties go in arrival order.
-        let mut contenders: Vec<(u64, u64, bool, usize, usize)> = self
+        // (tag, id, running, index, (computed, pending)): ties go in arrival order.
+        type Contender = (u64, u64, bool, usize, (usize, usize));
+        let mut contenders: Vec<Contender> = self
             .running
             .iter()
             .enumerate()
             .filter_map(|(i, s)| {
                 let pending = s.tokens.len() - s.computed;
-                (pending > 1).then_some((s.tag, s.id, true, i, pending))
+                (pending > 1).then_some((s.tag, s.id, true, i, (s.computed, pending)))
             })
             .collect();
-        let mut waiting: Vec<(u64, u64, bool, usize, usize)> = self
+        let mut waiting: Vec<Contender> = self
             .waiting
             .iter()
             .enumerate()
             .filter(|(_, s)| s.admitted || admit_new)
-            .map(|(i, s)| (s.tag, s.id, false, i, s.tokens.len() - s.computed))
+            .map(|(i, s)| {
+                (
+                    s.tag,
+                    s.id,
+                    false,
+                    i,
+                    (s.computed, s.tokens.len() - s.computed),
+                )
+            })
             .collect();
         // At most as many new ones as the cap has room for: the earliest tags.
         let room = max_seqs.saturating_sub(self.running.len());
@@ -1085,14 +1122,23 @@ impl Scheduler {
         }
         contenders.append(&mut waiting);
         contenders.sort_unstable_by_key(|c| (c.0, c.1));
+        // The budget counts depth-0 tokens: a chunk deep in a document pays for the positions
+        // its tokens attend to (see `step_cost`). The first in line always gets a token, so a
+        // document deeper than the whole budget still progresses.
         let mut left = prefill;
         let mut order = Vec::new();
-        for (_, id, running, i, pending) in contenders {
+        for (_, id, running, i, (computed, pending)) in contenders {
             if left == 0 {
                 break;
             }
-            let n = pending.min(left);
-            left -= n;
+            let mut n = self.step_cost.affordable(computed, pending, left);
+            if n == 0 {
+                if left < prefill {
+                    break;
+                }
+                n = 1;
+            }
+            left = left.saturating_sub(self.step_cost.chunk(computed, n));
             if running {
                 running_share[i] = n;
             } else {

@@ -645,6 +645,48 @@ fn a_short_prompt_is_not_held_behind_a_long_document_being_read() {
     h.run_to_end();
 }
 
+/// The prefill budget counts depth-0 tokens: a token at depth d costs 1 + d / D (here D = 100
+/// positions, fixed; the engine fits it to its steps). A document's chunks shrink as it gets
+/// deeper, so a step carrying one costs what a step carrying a short prompt's chunk does; the
+/// first in line still gets a token when one costs more than the whole budget.
+#[test]
+fn the_prefill_budget_prices_a_prompt_token_by_its_depth() {
+    let mut h = Harness::new(roomy(400, 8, 64));
+    h.scheduler
+        .set_step_cost(engine::step_cost::StepCost::fixed(100.0));
+    h.limits.set_max_prefill_tokens(32);
+    h.submit((3..600).collect(), 2);
+    let mut read = Vec::new();
+    while h.requests[0].got.is_empty() {
+        h.step();
+        read.push(h.snapshot.lock().unwrap().last_step_tokens);
+    }
+    // 27 tokens from depth 0 cost 27 + ceil(378 / 100) = 31; 28 would cost 33.
+    assert_eq!(read[0], 27, "{read:?}");
+    // Deeper, fewer: at depth 500 and beyond a chunk is at most 5 tokens (5 + 26 = 31).
+    let mut depth = 0;
+    for &n in &read {
+        if depth >= 500 {
+            assert!(
+                (1..=5).contains(&n),
+                "at depth {depth}: {n} tokens; {read:?}"
+            );
+        }
+        depth += n;
+    }
+    assert!(read.windows(2).all(|w| w[1] <= w[0]), "{read:?}");
+    // A budget below one deep token's cost still reads one token a step.
+    h.limits.set_max_prefill_tokens(1);
+    h.submit((3..300).rev().collect(), 2);
+    for _ in 0..3 {
+        h.step();
+    }
+    let s = h.snapshot.lock().unwrap().clone();
+    // The second prompt's first step read one token; the first one decodes.
+    assert!(s.last_step_tokens <= 2, "{s:?}");
+    h.run_to_end();
+}
+
 #[test]
 fn a_burst_of_equal_prompts_is_read_first_come_first_served() {
     let mut h = Harness::new(roomy(400, 16, 64));

@@ -140,6 +140,10 @@ pub struct ModelView {
     pub saturation_wait_ms: u64,
     /// Requests refused that way since the engine started.
     pub saturation_refused: u64,
+    /// The prefill budget counts depth-0 tokens: a prompt token at depth `d` costs
+    /// `1 + d / prefill_depth_equivalent`, fitted to the engine's steps (none before the fit is
+    /// trusted: one each).
+    pub prefill_depth_equivalent: Option<f64>,
 }
 
 /// The engine's first-token gate and what it predicts from.
@@ -386,6 +390,7 @@ impl Degradation {
                         first_token_gate: None,
                         saturation_wait_ms: config.degradation.saturation_wait_ms,
                         saturation_refused: 0,
+                        prefill_depth_equivalent: None,
                     },
                 }
             });
@@ -456,6 +461,7 @@ impl Degradation {
                 refused: gate.gate_refusals(),
             });
             state.view.saturation_refused = gate.saturation_refusals();
+            state.view.prefill_depth_equivalent = snapshot.prefill_depth_equivalent;
         }
         // Versions no longer served: their controllers go; limits die with their engines.
         models.retain(|id, _| live.contains(id));

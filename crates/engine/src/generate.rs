@@ -516,6 +516,7 @@ impl Engine {
         let handles = SchedulerHandles::new(sched.max_num_seqs, sched.max_num_batched_tokens);
         if let Some(prefill) = sched.max_prefill_tokens {
             handles.limits.set_max_prefill_tokens(prefill);
+            handles.limits.set_prefill_ceiling(prefill);
         }
         let (commands, inbox) = channel::<Command>();
         let thread = {

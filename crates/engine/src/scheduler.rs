@@ -65,6 +65,9 @@ pub struct SchedulerLimits {
     prefill_rate_read: AtomicUsize,
     /// Prompts the gate refused so far.
     gate_refusals: AtomicU64,
+    /// The prefill budget as configured: below it (trimmed for the streams' pace) prompt
+    /// tokens are priced by their depth.
+    prefill_ceiling: AtomicUsize,
     /// While new prefills are stopped: how long (ms) a sequence that never started may wait
     /// before it is refused ([`Event::Shed`]); 0 = it waits for the saturation to end.
     saturation_wait_ms: AtomicU64,
@@ -109,6 +112,7 @@ impl SchedulerLimits {
             prefill_rate: AtomicU64::new(0),
             prefill_rate_read: AtomicUsize::new(0),
             gate_refusals: AtomicU64::new(0),
+            prefill_ceiling: AtomicUsize::new(max_num_batched_tokens.max(1)),
             saturation_wait_ms: AtomicU64::new(0),
             saturation_refusals: AtomicU64::new(0),
             first_token_misses: Mutex::new(VecDeque::with_capacity(MARGIN_SAMPLES)),
@@ -239,6 +243,23 @@ impl SchedulerLimits {
     pub fn set_max_prefill_tokens(&self, value: usize) {
         self.max_prefill_tokens
             .store(value.max(1), Ordering::Relaxed);
+    }
+
+    /// The prefill budget as configured (the engine's start): while the budget is below it,
+    /// trimmed so that steps keep the streams' pace, a prompt token costs `1 + depth / D`
+    /// depth-0 tokens (see [`crate::step_cost`]); at it, one each, so that a prompt that fits
+    /// the configured budget is read in one step as configured.
+    pub fn prefill_ceiling(&self) -> usize {
+        self.prefill_ceiling.load(Ordering::Relaxed)
+    }
+
+    pub fn set_prefill_ceiling(&self, value: usize) {
+        self.prefill_ceiling.store(value.max(1), Ordering::Relaxed);
+    }
+
+    /// Whether prompt tokens are priced by their depth now (the budget is trimmed).
+    pub fn prefill_priced(&self) -> bool {
+        self.max_prefill_tokens() < self.prefill_ceiling()
     }
 
     /// Whether new sequences may start (false at saturation: running ones go on, sequences
@@ -948,7 +969,14 @@ impl Scheduler {
         // The prefill budget goes to prompts in the order of their tags (see `Sequence::tag`):
         // first come first served among prompts of one length, a short prompt ahead of a long
         // document that arrived shortly before it.
-        let (running_share, waiting_order) = self.prefill_shares(prefill, max_seqs, admit_new);
+        // Trimmed, the budget counts depth-0 tokens; at its configured size, plain tokens.
+        let pricing = if self.limits.prefill_priced() {
+            self.step_cost.clone()
+        } else {
+            StepCost::default()
+        };
+        let (running_share, waiting_order) =
+            self.prefill_shares(&pricing, prefill, max_seqs, admit_new);
         let mut held = false;
         let mut scheduled = Vec::new();
         let mut preempted = false;
@@ -989,7 +1017,7 @@ impl Scheduler {
             budget -= n;
             if pending > 1 {
                 let from = self.running[i].computed;
-                prefill = prefill.saturating_sub(self.step_cost.chunk(from, n));
+                prefill = prefill.saturating_sub(pricing.chunk(from, n));
                 held |= n < pending;
             }
             i += 1;
@@ -1034,10 +1062,7 @@ impl Scheduler {
             let pending = seq.tokens.len() - seq.computed;
             // Its share was priced at its depth before the prefix cache was looked up: a hit
             // makes its tokens dearer.
-            let affordable = self
-                .step_cost
-                .affordable(seq.computed, pending, prefill)
-                .max(1);
+            let affordable = pricing.affordable(seq.computed, pending, prefill).max(1);
             let n = pending.min(budget).min(share.max(1)).min(affordable);
             let need = self
                 .blocks_for(seq.computed + n)
@@ -1061,7 +1086,7 @@ impl Scheduler {
                 self.queued.fetch_sub(1, Ordering::Relaxed);
                 self.stats.prefix_cached_tokens += seq.cached_tokens as u64;
             }
-            let cost = self.step_cost.chunk(seq.computed, n);
+            let cost = pricing.chunk(seq.computed, n);
             self.running.push(seq);
             scheduled.push((self.running.len() - 1, n));
             budget -= n;
@@ -1083,6 +1108,7 @@ impl Scheduler {
     /// waiting ones to start, as `(id, share)` in tag order.
     fn prefill_shares(
         &self,
+        pricing: &StepCost,
         prefill: usize,
         max_seqs: usize,
         admit_new: bool,
@@ -1131,14 +1157,14 @@ impl Scheduler {
             if left == 0 {
                 break;
             }
-            let mut n = self.step_cost.affordable(computed, pending, left);
+            let mut n = pricing.affordable(computed, pending, left);
             if n == 0 {
                 if left < prefill {
                     break;
                 }
                 n = 1;
             }
-            left = left.saturating_sub(self.step_cost.chunk(computed, n));
+            left = left.saturating_sub(pricing.chunk(computed, n));
             if running {
                 running_share[i] = n;
             } else {

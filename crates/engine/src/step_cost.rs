@@ -5,8 +5,9 @@
 //! cores with SmolLM2-135M a prompt token at depth 3,000 costs about six times one at depth 0,
 //! so a prefill budget counted in tokens lets a document's deep chunk stall every running stream
 //! where a short prompt's chunk of the same size does not. The scheduler counts prompt tokens
-//! in **depth-0 equivalents** instead: a token at depth `d` costs `1 + d / D`, where `D` is the
-//! number of attended positions that cost as much as one token's matrix products.
+//! in **depth-0 equivalents** instead, while the budget is trimmed below its configured size
+//! (see `SchedulerLimits::prefill_ceiling`): a token at depth `d` costs `1 + d / D`, where `D` is
+//! the number of attended positions that cost as much as one token's matrix products.
 //!
 //! `D` is fitted online to the steps the engine actually runs: `seconds ≈ c0 + c1 · tokens +
 //! c2 · positions`, by exponentially weighted least squares, and `D = c1 / c2`. It depends on the

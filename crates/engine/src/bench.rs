@@ -222,15 +222,7 @@ fn drain(
                         break;
                     }
                     Event::Failed(e) => return Err(EngineError::Failed(e)),
-                    Event::Shed {
-                        waited_ms,
-                        retry_after_s,
-                    } => {
-                        return Err(EngineError::Saturated {
-                            waited_ms,
-                            retry_after_s,
-                        })
-                    }
+                    Event::Shed(shed) => return Err(shed.into()),
                 }
             }
         }
@@ -334,15 +326,7 @@ pub fn prefix_reuse(
             match event {
                 Event::Finished(f) => return Ok(f),
                 Event::Failed(e) => return Err(EngineError::Failed(e)),
-                Event::Shed {
-                    waited_ms,
-                    retry_after_s,
-                } => {
-                    return Err(EngineError::Saturated {
-                        waited_ms,
-                        retry_after_s,
-                    })
-                }
+                Event::Shed(shed) => return Err(shed.into()),
                 Event::Token(_) => {}
             }
         }

@@ -263,10 +263,24 @@ pub enum Event {
     Failed(String),
     /// Refused before it started: new prompts were stopped (memory saturated) and it waited
     /// the engine's `saturation_wait_ms` without starting. Nothing was computed for it.
-    Shed {
-        waited_ms: u64,
-        retry_after_s: u64,
-    },
+    Shed(Shed),
+}
+
+/// A sequence refused at saturation before it started (see [`Event::Shed`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Shed {
+    pub waited_ms: u64,
+    /// When a retry could be let in, in seconds.
+    pub retry_after_s: u64,
+}
+
+impl From<Shed> for EngineError {
+    fn from(shed: Shed) -> Self {
+        EngineError::Saturated {
+            waited_ms: shed.waited_ms,
+            retry_after_s: shed.retry_after_s,
+        }
+    }
 }
 
 /// A request checked and tokenized, ready to run.
@@ -840,15 +854,7 @@ impl Engine {
                     return Ok(done);
                 }
                 Event::Failed(message) => return Err(EngineError::Failed(message)),
-                Event::Shed {
-                    waited_ms,
-                    retry_after_s,
-                } => {
-                    return Err(EngineError::Saturated {
-                        waited_ms,
-                        retry_after_s,
-                    })
-                }
+                Event::Shed(shed) => return Err(shed.into()),
             }
         }
         Err(EngineError::Stopped)

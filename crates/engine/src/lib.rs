@@ -46,7 +46,7 @@ pub use constraint::{Constraint, ConstraintFactory, TokenConstraint, TokenMask};
 pub use error::EngineError;
 pub use generate::{
     Engine, EngineOptions, Event, FinishReason, Finished, GenerateRequest, KvMemory, KvOptions,
-    Prompt, SchedulerOptions, Stream, TokenEvent,
+    Prompt, SchedulerOptions, Shed, Stream, TokenEvent,
 };
 pub use kernels::KvDType;
 pub use sampler::SamplingParams;

@@ -35,7 +35,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::block_pool::{block_hash, BlockHash, BlockId, BlockPool, PrefixStats, ROOT_HASH};
 use crate::constraint::{TokenConstraint, TokenMask};
 use crate::error::EngineError;
-use crate::generate::{Event, FinishReason, Finished, StopMatcher, TokenEvent};
+use crate::generate::{Event, FinishReason, Finished, Shed, StopMatcher, TokenEvent};
 use crate::kv_store::KvStore;
 use crate::kv_tier::{KvTier, TierStats};
 use crate::model::Batch;
@@ -939,10 +939,10 @@ impl Scheduler {
             }
             let mut seq = self.waiting.remove(i).expect("index in range");
             let waited_ms = now.saturating_duration_since(seq.arrived).as_millis() as u64;
-            let _ = seq.events.send(Event::Shed {
+            let _ = seq.events.send(Event::Shed(Shed {
                 waited_ms,
                 retry_after_s,
-            });
+            }));
             self.free_sequence(&mut seq);
             self.limits
                 .saturation_refusals

@@ -75,7 +75,7 @@ fn collect(stream: engine::Stream) -> Vec<u32> {
             Event::Token(t) => ids.push(t.id),
             Event::Finished(_) => return ids,
             Event::Failed(e) => panic!("{e}"),
-            Event::Shed { waited_ms, .. } => panic!("shed after {waited_ms} ms"),
+            Event::Shed(shed) => panic!("shed after {} ms", shed.waited_ms),
         }
     }
     panic!("the stream ended without Finished")
@@ -203,10 +203,10 @@ fn at_saturation_an_unstarted_request_is_shed_after_the_wait_and_a_running_one_g
         std::thread::sleep(std::time::Duration::from_millis(5));
     };
     match first {
-        Some(Event::Shed {
+        Some(Event::Shed(engine::Shed {
             waited_ms,
             retry_after_s,
-        }) => {
+        })) => {
             assert!(waited_ms >= 300, "{waited_ms}");
             assert_eq!(retry_after_s, 1);
         }

@@ -31,7 +31,7 @@ fn greedy(engine: &Engine, prompt: Prompt, max_tokens: usize) -> (Vec<u32>, Stri
                 }
                 Event::Finished(f) => text.push_str(&f.trailing_text),
                 Event::Failed(e) => panic!("{e}"),
-                Event::Shed { .. } => panic!("shed"),
+                Event::Shed(_) => panic!("shed"),
             }
             true
         })

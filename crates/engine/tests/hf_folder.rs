@@ -43,7 +43,7 @@ fn greedy(engine: &Engine, prompt: &[u32], n: usize) -> Vec<u32> {
             match e {
                 Event::Token(t) => ids.push(t.id),
                 Event::Failed(e) => panic!("{e}"),
-                Event::Shed { .. } => panic!("shed"),
+                Event::Shed(_) => panic!("shed"),
                 Event::Finished(_) => {}
             }
             true

@@ -251,7 +251,7 @@ impl Harness {
                         r.finished = Some(f.reason);
                     }
                     Event::Failed(e) => panic!("failed: {e}"),
-                    Event::Shed { .. } => panic!("shed"),
+                    Event::Shed(_) => panic!("shed"),
                 }
             }
         }
@@ -919,7 +919,7 @@ fn constraints_mask_every_sampled_token_off_the_engine_thread() {
                 Event::Token(t) => got.push(t.id),
                 Event::Finished(f) => end = Some(Ok(f.reason)),
                 Event::Failed(e) => end = Some(Err(e)),
-                Event::Shed { .. } => end = Some(Err("shed".to_string())),
+                Event::Shed(_) => end = Some(Err("shed".to_string())),
             }
         }
         assert!(

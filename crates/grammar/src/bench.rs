@@ -172,15 +172,7 @@ pub fn run_mode(
                         }
                     }
                     Event::Failed(e) => return Err(EngineError::Failed(e)),
-                    Event::Shed {
-                        waited_ms,
-                        retry_after_s,
-                    } => {
-                        return Err(EngineError::Saturated {
-                            waited_ms,
-                            retry_after_s,
-                        })
-                    }
+                    Event::Shed(shed) => return Err(shed.into()),
                 }
             }
         }

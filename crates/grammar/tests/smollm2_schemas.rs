@@ -186,7 +186,7 @@ fn run_all(engine: &Engine, requests: Vec<GenerateRequest>) -> Vec<Run> {
                         run.reason = Some(f.reason);
                     }
                     Event::Failed(e) => run.failed = Some(e),
-                    Event::Shed { .. } => run.failed = Some("shed".into()),
+                    Event::Shed(_) => run.failed = Some("shed".into()),
                 }
             }
             run

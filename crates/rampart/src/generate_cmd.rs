@@ -121,8 +121,11 @@ pub fn run(args: GenerateArgs) -> Result<ExitCode> {
                 eprintln!("[finish: {}]", f.reason.as_str());
             }
             Event::Failed(e) => bail!("generation failed: {e}"),
-            Event::Shed { waited_ms, .. } => {
-                bail!("refused: memory is saturated (waited {waited_ms} ms without starting)")
+            Event::Shed(shed) => {
+                bail!(
+                    "refused: memory is saturated (waited {} ms without starting)",
+                    shed.waited_ms
+                )
             }
         }
     }

@@ -1653,6 +1653,21 @@ fn a_baseline_from_a_reference_set_is_the_one_the_server_watches() {
     assert!(!watched.contains(&"text.script"), "{watched:?}");
 }
 
+/// `GET /admin/degradation`.
+fn degradation_view(port: u16) -> serde_json::Value {
+    let (status, _, body) = http(port, "GET", "/admin/degradation", None, Some(ADMIN_KEY));
+    assert_eq!(status, 200, "{body}");
+    serde_json::from_str(&body).unwrap()
+}
+
+/// Whether `/metrics` counts refusals with reason `shedding`.
+fn counts_shedding(port: u16) -> bool {
+    let (_, _, metrics) = http(port, "GET", "/metrics", None, None);
+    metrics.lines().any(|l| {
+        l.starts_with("rampart_rejected_requests_total{") && l.contains("reason=\"shedding\"")
+    })
+}
+
 /// At saturation (a memory limit far below the process's RSS) the controller stops new
 /// prefills; the requests admission still lets in are refused after `saturation_wait_ms` with
 /// 429 `shedding` and `Retry-After` (they lost nothing) instead of waiting for the model's
@@ -1683,11 +1698,7 @@ first_token_timeout_ms = 30000
     let server = start_repository(&[(MODEL, "1.0.0", model)], &config);
     wait_ready(server.port);
     let port = server.port;
-    let view = || -> serde_json::Value {
-        let (status, _, body) = http(port, "GET", "/admin/degradation", None, Some(ADMIN_KEY));
-        assert_eq!(status, 200, "{body}");
-        serde_json::from_str(&body).unwrap()
-    };
+    let view = || degradation_view(port);
     let deadline = Instant::now() + Duration::from_secs(30);
     while view()["models"][0]["level"] != 3 {
         assert!(Instant::now() < deadline, "never saturated: {}", view());
@@ -1737,12 +1748,8 @@ first_token_timeout_ms = 30000
         m["saturation_refused"].as_u64().unwrap() >= in_engine,
         "{m}"
     );
-    let (_, _, metrics) = http(port, "GET", "/metrics", None, None);
     assert!(
-        metrics
-            .lines()
-            .any(|l| l.starts_with("rampart_rejected_requests_total{")
-                && l.contains("reason=\"shedding\"")),
+        counts_shedding(port),
         "the refusals are counted as shedding"
     );
 }
@@ -1790,11 +1797,7 @@ ttft_p99_ms = 1
             .collect();
         clients.into_iter().map(|c| c.join().unwrap()).collect()
     };
-    let view = || -> serde_json::Value {
-        let (status, _, body) = http(port, "GET", "/admin/degradation", None, Some(ADMIN_KEY));
-        assert_eq!(status, 200, "{body}");
-        serde_json::from_str(&body).unwrap()
-    };
+    let view = || degradation_view(port);
     // Load until both levers moved and somebody was shed. (A TTFT cut that does not help is
     // undone, so the current limit may be back at its ceiling when looked at: the changes say
     // what happened.)
@@ -1843,12 +1846,8 @@ ttft_p99_ms = 1
     }
     assert!(metric(port, "rampart_degradation_changes_total") >= 2.0);
     assert!(metric(port, "rampart_batch_limit{") > 0.0);
-    let (_, _, metrics) = http(port, "GET", "/metrics", None, None);
     assert!(
-        metrics
-            .lines()
-            .any(|l| l.starts_with("rampart_rejected_requests_total{")
-                && l.contains("reason=\"shedding\"")),
+        counts_shedding(port),
         "the refusals are counted as shedding"
     );
     // The log says each change with its cause.

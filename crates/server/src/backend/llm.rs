@@ -184,16 +184,7 @@ fn resolve(event: Event, tokenizer: &Tokenizer, logprobs: bool) -> Generated {
         Event::Failed(message) => Generated::Failed(BackendError::Failed(format!(
             "generation failed: {message}"
         ))),
-        Event::Shed {
-            waited_ms,
-            retry_after_s,
-        } => Generated::Failed(
-            EngineError::Saturated {
-                waited_ms,
-                retry_after_s,
-            }
-            .into(),
-        ),
+        Event::Shed(shed) => Generated::Failed(EngineError::from(shed).into()),
     }
 }
 

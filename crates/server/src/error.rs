@@ -269,12 +269,10 @@ impl From<EngineError> for BackendError {
                 retry_after_s: 1,
                 code: "queue_full",
             },
-            e @ EngineError::Shedding { retry_after_s, .. } => BackendError::Overloaded {
-                message: e.to_string(),
-                retry_after_s,
-                code: "shedding",
-            },
-            e @ EngineError::Saturated { retry_after_s, .. } => BackendError::Overloaded {
+            // The first-token gate's refusal and the saturation's: both the degradation
+            // controller shedding load before any compute.
+            e @ (EngineError::Shedding { retry_after_s, .. }
+            | EngineError::Saturated { retry_after_s, .. }) => BackendError::Overloaded {
                 message: e.to_string(),
                 retry_after_s,
                 code: "shedding",

@@ -66,6 +66,41 @@ fn an_itl_spike_shrinks_the_prefill_budget_within_ten_windows_and_holds_there() 
     assert!(c.limits().max_prefill_tokens >= 16);
 }
 
+/// The 28-page case's overshoot: every normal stream waiting for its first token behind two
+/// documents, so a window or two without a single inter-token gap. Growing the budget then (no
+/// p99 measured reads as healthy) made the steps the streams next decoded in stall them.
+#[test]
+fn under_traffic_windows_without_inter_token_gaps_do_not_grow_the_prefill_budget() {
+    let mut c = Controller::new(itl_settings());
+    for _ in 0..20 {
+        let obs = itl_plant(&c.limits(), 512, 40.0);
+        c.observe(&obs);
+    }
+    let trimmed = c.limits().max_prefill_tokens;
+    assert!(trimmed < 512);
+    // Held at the margin: each window's p99 at most the target share of the objective.
+    let obs = itl_plant(&c.limits(), 512, 40.0);
+    let p99 = p99_of(obs.itl_ms.clone(), 1).unwrap();
+    assert!(p99 <= 150.0 * ITL_ACT_SHARE, "{p99}");
+    for w in 0..10 {
+        let obs = Observation {
+            running: 16,
+            waiting: 4,
+            in_flight_peak: 20,
+            prefill_held: true,
+            ..Observation::default()
+        };
+        let d = c.observe(&obs);
+        assert!(d.changes.is_empty(), "window {w}: {:?}", d.changes);
+    }
+    assert_eq!(c.limits().max_prefill_tokens, trimmed);
+    // Idle, it grows back.
+    for _ in 0..40 {
+        c.observe(&Observation::default());
+    }
+    assert_eq!(c.limits().max_prefill_tokens, 512);
+}
+
 #[test]
 fn the_prefill_budget_grows_back_when_the_spike_ends() {
     let mut c = Controller::new(itl_settings());

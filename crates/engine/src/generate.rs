@@ -655,6 +655,19 @@ impl Engine {
             .drain()
     }
 
+    /// A gap between two tokens of one response, measured where the server hands them to the
+    /// client (milliseconds). The degradation controller keeps its inter-token objective on
+    /// these when there are any: they add the way out of the process to the engine's steps.
+    pub fn record_delivered_gap(&self, ms: f32) {
+        let mut samples = self.latency.lock().unwrap_or_else(|e| e.into_inner());
+        let LatencySamples {
+            delivered_itl_ms,
+            dropped,
+            ..
+        } = &mut *samples;
+        LatencySamples::push(delivered_itl_ms, dropped, ms);
+    }
+
     /// The scheduler's state after its latest step.
     pub fn snapshot(&self) -> SchedulerSnapshot {
         self.snapshot

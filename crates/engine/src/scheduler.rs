@@ -446,6 +446,10 @@ pub struct LatencySamples {
     /// When each of `ttft_ms`'s requests arrived.
     pub ttft_arrived: Vec<Instant>,
     pub itl_ms: Vec<f32>,
+    /// The same gaps where the server hands the tokens to its clients (pushed by the server,
+    /// [`crate::Engine::record_delivered_gap`]): the step's time plus the way out of the
+    /// process, as the clients and the server's own latency metrics see it.
+    pub delivered_itl_ms: Vec<f32>,
     /// Whole sequences, arrival to the last token.
     pub e2e_ms: Vec<f32>,
     pub dropped: u64,
@@ -454,7 +458,7 @@ pub struct LatencySamples {
 impl LatencySamples {
     pub const CAPACITY: usize = 16_384;
 
-    fn push(list: &mut Vec<f32>, dropped: &mut u64, value: f32) {
+    pub(crate) fn push(list: &mut Vec<f32>, dropped: &mut u64, value: f32) {
         if list.len() < Self::CAPACITY {
             list.push(value);
         } else {

@@ -1828,6 +1828,11 @@ ttft_p99_ms = 1
     };
     assert_eq!(model_view["backend"], format!("{MODEL}@1.0.0"));
     assert_eq!(model_view["objectives"]["itl_p99_ms"], 1);
+    // The gaps it keeps the objective on are measured where the tokens leave for the client.
+    assert_eq!(
+        model_view["itl_window"]["source"], "delivered",
+        "{model_view}"
+    );
     assert!(
         model_view["limits"]["max_prefill_tokens"].as_u64()
             < model_view["ceilings"]["max_prefill_tokens"].as_u64(),

@@ -144,14 +144,18 @@ impl RecordBuilder {
         self.observations.push(o);
     }
 
-    pub fn token(&mut self, entropy: f32) {
+    /// Returns the gap since the previous token in seconds (none for the first).
+    pub fn token(&mut self, entropy: f32) -> Option<f64> {
         let now = Instant::now();
         if self.first_token.is_none() {
             self.first_token = Some(now);
             self.record.ttft_ms = now.duration_since(self.started).as_secs_f64() * 1e3;
         }
-        if let Some(last) = self.last_token {
-            self.gaps.push(now.duration_since(last).as_secs_f64());
+        let gap = self
+            .last_token
+            .map(|last| now.duration_since(last).as_secs_f64());
+        if let Some(g) = gap {
+            self.gaps.push(g);
         }
         self.last_token = Some(now);
         if entropy.is_finite() {
@@ -160,6 +164,7 @@ impl RecordBuilder {
             self.entropy_min = self.entropy_min.min(entropy);
             self.entropies.push(entropy);
         }
+        gap
     }
 
     /// The request failed with this status, error type and (where there is one) error code.

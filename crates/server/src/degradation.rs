@@ -144,6 +144,21 @@ pub struct ModelView {
     /// `1 + d / prefill_depth_equivalent`, fitted to the engine's steps (none before the fit is
     /// trusted: one each).
     pub prefill_depth_equivalent: Option<f64>,
+    /// Where the latest window's inter-token gaps were measured, and their p99 at both places.
+    pub itl_window: ItlWindow,
+}
+
+/// The inter-token gaps of one window. The controller keeps its objective on the gaps measured
+/// where the server hands tokens to its clients (`delivered`: the step plus the way out of the
+/// process, what the clients and `rampart_inter_token_latency_seconds` see); on the engine's
+/// own gaps only when no response was delivered in the window (a backend that serves the
+/// front no single-choice stream).
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
+pub struct ItlWindow {
+    /// `delivered` or `engine`; empty before the first gap.
+    pub source: &'static str,
+    pub engine_p99_ms: Option<f64>,
+    pub delivered_p99_ms: Option<f64>,
 }
 
 /// The engine's first-token gate and what it predicts from.
@@ -338,6 +353,17 @@ fn gauges(entry: &Entry, d: &Decision) {
     .set(f64::from(d.level));
 }
 
+/// The 99th percentile (nearest rank) of one window's samples.
+fn window_p99(samples: &[f32]) -> Option<f64> {
+    if samples.is_empty() {
+        return None;
+    }
+    let mut v = samples.to_vec();
+    let rank = ((v.len() as f64 * 0.99).ceil() as usize).clamp(1, v.len()) - 1;
+    let (_, p, _) = v.select_nth_unstable_by(rank, f32::total_cmp);
+    Some((f64::from(*p) * 10.0).round() / 10.0)
+}
+
 fn to_f64(samples: &[f32]) -> Vec<f64> {
     samples.iter().map(|&v| f64::from(v)).collect()
 }
@@ -391,6 +417,7 @@ impl Degradation {
                         saturation_wait_ms: config.degradation.saturation_wait_ms,
                         saturation_refused: 0,
                         prefill_depth_equivalent: None,
+                        itl_window: ItlWindow::default(),
                     },
                 }
             });
@@ -411,7 +438,11 @@ impl Degradation {
                     .then(|| snapshot.blocks_used as f64 / snapshot.blocks_total as f64),
                 ttft_ms: to_f64(&latency.ttft_ms),
                 ttft_arrived_windows_ago,
-                itl_ms: to_f64(&latency.itl_ms),
+                itl_ms: to_f64(if latency.delivered_itl_ms.is_empty() {
+                    &latency.itl_ms
+                } else {
+                    &latency.delivered_itl_ms
+                }),
                 e2e_ms: to_f64(&latency.e2e_ms),
                 running: snapshot.running,
                 waiting: snapshot.waiting,
@@ -421,6 +452,18 @@ impl Degradation {
                 prefill_held: snapshot.prefill_held_steps > state.held_steps,
                 kv_resident_blocks: snapshot.blocks_resident,
                 kv_held_blocks: snapshot.blocks_used,
+            };
+            let itl_window = ItlWindow {
+                source: match (
+                    latency.delivered_itl_ms.is_empty(),
+                    latency.itl_ms.is_empty(),
+                ) {
+                    (false, _) => "delivered",
+                    (true, false) => "engine",
+                    (true, true) => state.view.itl_window.source,
+                },
+                engine_p99_ms: window_p99(&latency.itl_ms),
+                delivered_p99_ms: window_p99(&latency.delivered_itl_ms),
             };
             state.held_steps = snapshot.prefill_held_steps;
             state.gate_refusals = gate_refusals;
@@ -462,6 +505,7 @@ impl Degradation {
             });
             state.view.saturation_refused = gate.saturation_refusals();
             state.view.prefill_depth_equivalent = snapshot.prefill_depth_equivalent;
+            state.view.itl_window = itl_window;
         }
         // Versions no longer served: their controllers go; limits die with their engines.
         models.retain(|id, _| live.contains(id));

@@ -170,8 +170,14 @@ async fn start(
     if let Some(t) = record.timeline_mut() {
         t.response_id = Some(id.clone());
     }
+    let delivered_to = if g.choices == 1 {
+        admitted.entry.backend.engine()
+    } else {
+        None
+    };
     Ok(Reply {
         g,
+        delivered_to,
         entry: admitted.entry,
         ticket: admitted.ticket,
         fallback: admitted.fallback,
@@ -395,6 +401,9 @@ struct Shape {
 struct Reply {
     g: Generation,
     entry: Arc<Entry>,
+    /// The engine that generates it, told how far apart the tokens reach the client (a
+    /// single-choice language-model response only: the gaps of several choices interleave).
+    delivered_to: Option<Arc<engine::Engine>>,
     /// Held until the response ends.
     ticket: Ticket,
     /// The fallback that answered, if the model asked for did not.
@@ -451,6 +460,14 @@ pub(crate) fn record_finished(record: &mut RecordBuilder, finished: &[Finished])
 }
 
 impl Reply {
+    /// Tells the engine the gap since the response's previous token, as it leaves for the
+    /// client.
+    fn delivered(&self, gap_s: Option<f64>) {
+        if let (Some(engine), Some(gap)) = (&self.delivered_to, gap_s) {
+            engine.record_delivered_gap((gap * 1e3) as f32);
+        }
+    }
+
     fn fingerprint(&self) -> String {
         format!("{}@{}", self.entry.name, self.entry.version)
     }
@@ -518,7 +535,8 @@ async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Respon
         };
         match event {
             Generated::Token(t) => {
-                record.token(t.entropy);
+                let gap = record.token(t.entropy);
+                reply.delivered(gap);
                 record.token_note(
                     || t.text.clone(),
                     t.logprobs.as_ref().map(|l| l.logprob),
@@ -742,7 +760,8 @@ impl Streaming {
     }
 
     fn on_token(&mut self, i: usize, t: Token) {
-        self.record.token(t.entropy);
+        let gap = self.record.token(t.entropy);
+        self.reply.delivered(gap);
         self.record.token_note(
             || t.text.clone(),
             t.logprobs.as_ref().map(|l| l.logprob),

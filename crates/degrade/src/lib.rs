@@ -377,7 +377,8 @@ fn p99(samples: &VecDeque<(u64, f64)>, after: u64, min: usize) -> Option<f64> {
     )
 }
 
-fn p99_of(values: Vec<f64>, min: usize) -> Option<f64> {
+/// The 99th percentile (nearest rank) of the finite values; none with fewer than `min`.
+pub fn p99_of(values: Vec<f64>, min: usize) -> Option<f64> {
     let mut values: Vec<f64> = values.into_iter().filter(|v| v.is_finite()).collect();
     if values.len() < min.max(1) {
         return None;

@@ -78,7 +78,7 @@ fn under_traffic_windows_without_inter_token_gaps_do_not_grow_the_prefill_budget
     }
     let trimmed = c.limits().max_prefill_tokens;
     assert!(trimmed < 512);
-    // Held at the margin: each window's p99 at most the target share of the objective.
+    // Held at the margin: the window's p99 below the share of the objective that cuts.
     let obs = itl_plant(&c.limits(), 512, 40.0);
     let p99 = p99_of(obs.itl_ms.clone(), 1).unwrap();
     assert!(p99 <= 150.0 * ITL_ACT_SHARE, "{p99}");

@@ -40,6 +40,12 @@ pub enum EngineError {
         tokens_per_second: f64,
         retry_after_s: u64,
     },
+    #[error("the engine just started and has not measured how fast it reads prompts yet: {backlog_tokens} prompt tokens are ahead of this one, and no more than {limit_tokens} are let in before the first step measures it; retry later")]
+    Warming {
+        backlog_tokens: usize,
+        limit_tokens: usize,
+        retry_after_s: u64,
+    },
     #[error("memory is saturated: new prompts are not started until it eases, and this one waited {waited_ms} ms without starting; retry later")]
     Saturated { waited_ms: u64, retry_after_s: u64 },
     #[error("the engine has stopped")]

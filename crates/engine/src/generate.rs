@@ -773,6 +773,13 @@ impl Engine {
             Ok(predicted) => predicted,
             Err(refused) => {
                 self.queued.fetch_sub(1, Ordering::AcqRel);
+                if let Some(limit_tokens) = refused.unmeasured_limit_tokens {
+                    return Err(EngineError::Warming {
+                        backlog_tokens: refused.backlog_tokens,
+                        limit_tokens,
+                        retry_after_s: 1,
+                    });
+                }
                 let over_s =
                     (refused.predicted_ms + refused.margin_ms - refused.max_wait_ms as f64) / 1e3;
                 return Err(EngineError::Shedding {
@@ -790,6 +797,7 @@ impl Engine {
                 Ok(state) => Some(state),
                 Err(e) => {
                     self.queued.fetch_sub(1, Ordering::AcqRel);
+                    self.limits.withdraw_prompt(tokens.len());
                     return Err(EngineError::InvalidRequest(format!(
                         "structured output: {e}"
                     )));
@@ -811,6 +819,7 @@ impl Engine {
             arrived: Instant::now(),
             predicted_read_ms,
         };
+        let prompt_tokens = new.tokens.len();
         let sent = self
             .commands
             .lock()
@@ -818,6 +827,7 @@ impl Engine {
             .send(Command::Submit(Box::new(new)));
         if sent.is_err() {
             self.queued.fetch_sub(1, Ordering::AcqRel);
+            self.limits.withdraw_prompt(prompt_tokens);
             return Err(EngineError::Stopped);
         }
         Ok(Stream {

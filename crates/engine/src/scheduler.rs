@@ -12,7 +12,10 @@
 //! alone, on a clock of prompt tokens read. So prompts of one length are served first come
 //! first served (a burst's first arrivals get their first token first, instead of everybody
 //! waiting for the whole burst), a short prompt goes ahead of a long document that arrived
-//! shortly before it, and the document is never starved. Waiting sequences start in that order
+//! shortly before it, and the document is never starved. Under a time-to-first-token objective,
+//! prompts short enough to be read within it go in arrival order instead (earliest deadline
+//! first: the fair order lets later short prompts push the long ones past the objective), and
+//! longer ones keep their fair place. Waiting sequences start in that order
 //! while the budgets, the cap and the pool (keeping a watermark of free blocks for the running
 //! ones) allow, and while new prefills are admitted at all (not at saturation).
 //!
@@ -53,9 +56,15 @@ pub struct SchedulerLimits {
     admit_prefills: AtomicBool,
     /// The first-token gate: most predicted wait (ms) for a new prompt to be read; 0 = off.
     max_prefill_wait_ms: AtomicU64,
-    /// Prompt tokens still to read (waiting and running sequences), refreshed every step and
-    /// raised by each submission in between.
+    /// Prompt tokens still to read by the scheduler's sequences (waiting and running),
+    /// refreshed every step and raised as each new sequence joins in between.
     prefill_backlog: AtomicUsize,
+    /// Prompt tokens of prompts admitted but not yet taken in by the scheduler (on their way
+    /// through the engine's inbox, which it reads between steps): without them, a prompt
+    /// submitted during a step would be missing from the backlog from that step's end until
+    /// the next one's, and the gate would let in whoever came meanwhile as if nothing were
+    /// ahead.
+    inbox_tokens: AtomicUsize,
     /// Prompt tokens read per second by steps that read their whole prefill budget (a moving
     /// average over such steps: what the engine can read, not what a short queue asked of it),
     /// as f64 bits; 0 before the first.
@@ -79,6 +88,9 @@ pub struct SchedulerLimits {
     /// Their 99th percentile (f64 bits; 0 until [`MIN_MARGIN_SAMPLES`] were seen): the gate
     /// adds it to every prediction.
     first_token_margin: AtomicU64,
+    /// The model's time-to-first-token objective (ms; 0: none): prompts that can be read
+    /// within it are read in arrival order (see [`SchedulerLimits::ttft_objective_ms`]).
+    ttft_objective_ms: AtomicU64,
 }
 
 /// First tokens the gate's margin is measured on.
@@ -96,6 +108,10 @@ pub struct GateRefusal {
     pub max_wait_ms: u64,
     pub backlog_tokens: usize,
     pub tokens_per_second: f64,
+    /// Before the reading rate is measured (the engine just started, nothing to predict
+    /// from): the most prompt tokens let in ahead of a step that measures it, two prefill
+    /// budgets; the prediction's fields are 0 then.
+    pub unmeasured_limit_tokens: Option<usize>,
 }
 
 impl SchedulerLimits {
@@ -109,6 +125,7 @@ impl SchedulerLimits {
             admit_prefills: AtomicBool::new(true),
             max_prefill_wait_ms: AtomicU64::new(0),
             prefill_backlog: AtomicUsize::new(0),
+            inbox_tokens: AtomicUsize::new(0),
             prefill_rate: AtomicU64::new(0),
             prefill_rate_read: AtomicUsize::new(0),
             gate_refusals: AtomicU64::new(0),
@@ -117,7 +134,32 @@ impl SchedulerLimits {
             saturation_refusals: AtomicU64::new(0),
             first_token_misses: Mutex::new(VecDeque::with_capacity(MARGIN_SAMPLES)),
             first_token_margin: AtomicU64::new(0),
+            ttft_objective_ms: AtomicU64::new(0),
         }
+    }
+
+    /// The time-to-first-token objective the prefill order serves (ms; 0: none). With one,
+    /// a prompt that the engine can read within it (its length over the measured reading
+    /// rate) takes the budget in arrival order, earliest deadline first: among prompts under
+    /// one objective that order keeps the latest first token earliest, where the fair order
+    /// lets every shorter prompt that arrives while a long one waits go first and pushes the
+    /// long ones (the tail of the p99) past it. A prompt too long to be read within the
+    /// objective keeps its fair-queueing place (arrival plus length), so a document still
+    /// goes after the prompts that arrive while it is read and is never starved.
+    pub fn ttft_objective_ms(&self) -> u64 {
+        self.ttft_objective_ms.load(Ordering::Relaxed)
+    }
+
+    pub fn set_ttft_objective_ms(&self, value: u64) {
+        self.ttft_objective_ms.store(value, Ordering::Relaxed);
+    }
+
+    /// The most prompt tokens read within the objective at the measured rate (none without
+    /// an objective or before the rate is measured): shorter prompts go in arrival order.
+    fn deadline_tokens(&self) -> Option<u64> {
+        let objective = self.ttft_objective_ms();
+        let rate = self.prefill_rate();
+        (objective > 0 && rate > 0.0).then(|| (rate * objective as f64 / 1e3) as u64)
     }
 
     /// The first-token gate (0: off): a new prompt whose predicted wait to be read, the
@@ -131,9 +173,20 @@ impl SchedulerLimits {
         self.max_prefill_wait_ms.store(value, Ordering::Relaxed);
     }
 
-    /// Prompt tokens still to read.
+    /// Prompt tokens still to read: the scheduler's sequences' and those of prompts admitted
+    /// on their way to it.
     pub fn prefill_backlog(&self) -> usize {
-        self.prefill_backlog.load(Ordering::Relaxed)
+        self.prefill_backlog.load(Ordering::Relaxed) + self.inbox_tokens.load(Ordering::Relaxed)
+    }
+
+    /// A prompt admitted by [`Self::admit_prompt`] that will not reach the scheduler after
+    /// all (its request failed before it was handed over): its tokens leave the backlog.
+    pub fn withdraw_prompt(&self, tokens: usize) {
+        let _ = self
+            .inbox_tokens
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| {
+                Some(t.saturating_sub(tokens))
+            });
     }
 
     /// Prompt tokens the engine reads per second beside its running streams under today's
@@ -217,6 +270,23 @@ impl SchedulerLimits {
         let backlog = self.prefill_backlog();
         let predicted_ms =
             (max_wait_ms > 0 && rate > 0.0).then(|| (backlog + tokens) as f64 / rate * 1e3);
+        if max_wait_ms > 0 && rate <= 0.0 && backlog > 0 {
+            // Nothing measured yet: a burst on an engine that just started would queue
+            // unjudged (seconds to a first token). Two prefill budgets are let in, so that the
+            // first step reads a whole one and measures the rate; the rest retry after it.
+            let limit = 2 * self.max_prefill_tokens().min(self.max_num_batched_tokens());
+            if backlog + tokens > limit {
+                self.gate_refusals.fetch_add(1, Ordering::Relaxed);
+                return Err(GateRefusal {
+                    predicted_ms: 0.0,
+                    margin_ms: 0.0,
+                    max_wait_ms,
+                    backlog_tokens: backlog,
+                    tokens_per_second: 0.0,
+                    unmeasured_limit_tokens: Some(limit),
+                });
+            }
+        }
         if let Some(predicted_ms) = predicted_ms.filter(|_| backlog > 0) {
             let margin_ms = self.first_token_margin_ms();
             if predicted_ms + margin_ms > max_wait_ms as f64 {
@@ -227,10 +297,11 @@ impl SchedulerLimits {
                     max_wait_ms,
                     backlog_tokens: backlog,
                     tokens_per_second: rate,
+                    unmeasured_limit_tokens: None,
                 });
             }
         }
-        self.prefill_backlog.fetch_add(tokens, Ordering::Relaxed);
+        self.inbox_tokens.fetch_add(tokens, Ordering::Relaxed);
         Ok(predicted_ms.map(|p| p as f32))
     }
 
@@ -349,6 +420,16 @@ impl SchedulerSnapshot {
         } else {
             1.0 - self.kv_slots_used as f64 / self.kv_slots_allocated as f64
         }
+    }
+}
+
+/// A prompt's place in the prefill order: its tag (arrival on the prompt clock plus its
+/// length, the fair order), or, when a TTFT objective lets prompts of up to `deadline_tokens`
+/// be read within it and this one is such, its arrival alone (earliest deadline first).
+fn prefill_key(tag: u64, prompt_len: usize, deadline_tokens: Option<u64>) -> u64 {
+    match deadline_tokens {
+        Some(fits) if prompt_len as u64 <= fits => tag.saturating_sub(prompt_len as u64),
+        _ => tag,
     }
 }
 
@@ -624,6 +705,11 @@ impl Scheduler {
         let block_tokens = self.pool.block_tokens();
         let sampler = new.sampler;
         let prompt_len = new.tokens.len();
+        // From the inbox to the queue: still in the backlog until the step's end recounts it.
+        self.limits.withdraw_prompt(prompt_len);
+        self.limits
+            .prefill_backlog
+            .fetch_add(prompt_len, Ordering::Relaxed);
         let seq = Sequence {
             id: self.next_id,
             prompt_len,
@@ -1118,7 +1204,11 @@ impl Scheduler {
         admit_new: bool,
     ) -> (Vec<usize>, Vec<(u64, usize)>) {
         let mut running_share = vec![0; self.running.len()];
-        // (tag, id, running, index, (computed, pending)): ties go in arrival order.
+        // With a TTFT objective, a prompt that can be read within it is ordered by its
+        // arrival on the prompt clock (earliest deadline first), a longer one by its tag.
+        let deadline_tokens = self.limits.deadline_tokens();
+        let key = |s: &Sequence| prefill_key(s.tag, s.prompt_len, deadline_tokens);
+        // (key, id, running, index, (computed, pending)): ties go in arrival order.
         type Contender = (u64, u64, bool, usize, (usize, usize));
         let mut contenders: Vec<Contender> = self
             .running
@@ -1126,7 +1216,7 @@ impl Scheduler {
             .enumerate()
             .filter_map(|(i, s)| {
                 let pending = s.tokens.len() - s.computed;
-                (pending > 1).then_some((s.tag, s.id, true, i, (s.computed, pending)))
+                (pending > 1).then_some((key(s), s.id, true, i, (s.computed, pending)))
             })
             .collect();
         let mut waiting: Vec<Contender> = self
@@ -1136,7 +1226,7 @@ impl Scheduler {
             .filter(|(_, s)| s.admitted || admit_new)
             .map(|(i, s)| {
                 (
-                    s.tag,
+                    key(s),
                     s.id,
                     false,
                     i,
@@ -1654,6 +1744,12 @@ fn release_runs(free: &[bool], resident: &[bool]) -> Vec<BlockId> {
 mod tests {
     use super::*;
 
+    /// Prompt tokens ahead, all of them already in the scheduler's queue.
+    fn set_backlog(limits: &SchedulerLimits, tokens: usize) {
+        limits.prefill_backlog.store(tokens, Ordering::Relaxed);
+        limits.inbox_tokens.store(0, Ordering::Relaxed);
+    }
+
     #[test]
     fn memory_goes_back_in_whole_free_runs() {
         //              0      1      2     3      4      5      6
@@ -1675,10 +1771,17 @@ mod tests {
         assert_eq!(limits.prefill_backlog(), 400);
         limits.set_max_prefill_wait_ms(800);
         limits.admit_prompt(400).unwrap();
+        // Before the rate is measured, two budgets (1,024 tokens) are let in, no more.
+        let refused = limits.admit_prompt(300).unwrap_err();
+        assert_eq!(refused.unmeasured_limit_tokens, Some(1024));
+        assert_eq!(refused.backlog_tokens, 800);
+        limits.admit_prompt(224).unwrap();
+        assert_eq!(limits.gate_refusals(), 1);
+        limits.gate_refusals.store(0, Ordering::Relaxed);
         limits
             .prefill_rate
             .store(1000f64.to_bits(), Ordering::Relaxed);
-        limits.prefill_backlog.store(0, Ordering::Relaxed);
+        set_backlog(&limits, 0);
         limits.admit_prompt(2000).unwrap();
         // 2,000 tokens ahead at 1,000 a second: 2.1 s predicted for 100 more, above 800 ms.
         let refused = limits.admit_prompt(100).unwrap_err();
@@ -1686,7 +1789,7 @@ mod tests {
         assert!((refused.predicted_ms - 2100.0).abs() < 1e-6);
         assert_eq!(refused.margin_ms, 0.0);
         assert_eq!(limits.prefill_backlog(), 2000, "a refusal is not counted");
-        limits.prefill_backlog.store(300, Ordering::Relaxed);
+        set_backlog(&limits, 300);
         limits.admit_prompt(400).unwrap();
         assert!(limits.admit_prompt(200).is_err());
         assert_eq!(limits.gate_refusals(), 2);
@@ -1698,13 +1801,39 @@ mod tests {
     }
 
     #[test]
+    fn with_a_ttft_objective_prompts_read_within_it_go_in_arrival_order() {
+        let limits = SchedulerLimits::new(8, 512);
+        limits
+            .prefill_rate
+            .store(1000f64.to_bits(), Ordering::Relaxed);
+        // No objective: the fair order.
+        assert_eq!(limits.deadline_tokens(), None);
+        limits.set_ttft_objective_ms(700);
+        // 700 prompt tokens are read within 700 ms at 1,000 a second.
+        let fits = limits.deadline_tokens();
+        assert_eq!(fits, Some(700));
+        // A 400-token prompt that arrived at clock 1,000 goes before a 60-token one that
+        // arrived at 1,300: fair tags 1,400 against 1,360, arrival 1,000 against 1,300.
+        assert!(prefill_key(1400, 400, None) > prefill_key(1360, 60, None));
+        assert!(prefill_key(1400, 400, fits) < prefill_key(1360, 60, fits));
+        // A 3,000-token document that arrived at clock 1,000 keeps its fair tag: prompts
+        // arriving until 3,000 prompt tokens were read after it still go first, then it does.
+        assert_eq!(prefill_key(4000, 3000, fits), 4000);
+        assert!(prefill_key(4000, 3000, fits) > prefill_key(3999 + 60, 60, fits));
+        assert!(prefill_key(4000, 3000, fits) < prefill_key(4001 + 60, 60, fits));
+        // Unknown rate: nothing to judge by, the fair order.
+        limits.prefill_rate.store(0, Ordering::Relaxed);
+        assert_eq!(limits.deadline_tokens(), None);
+    }
+
+    #[test]
     fn the_gate_adds_the_measured_margin_to_its_prediction() {
         let limits = SchedulerLimits::new(8, 512);
         limits.set_max_prefill_wait_ms(800);
         limits
             .prefill_rate
             .store(1000f64.to_bits(), Ordering::Relaxed);
-        limits.prefill_backlog.store(300, Ordering::Relaxed);
+        set_backlog(&limits, 300);
         // The prediction is handed back: 300 ahead plus 200 at 1,000 a second.
         let predicted = limits.admit_prompt(200).unwrap().unwrap();
         assert!((predicted - 500.0).abs() < 1e-3);
@@ -1719,13 +1848,13 @@ mod tests {
         // 100 misses of 100-195 ms: the 99th percentile is 195 ms.
         assert!((limits.first_token_margin_ms() - 195.0).abs() < 1e-3);
         // 500 ahead plus 100: 600 ms predicted, 795 with the margin: in; 110 more: out.
-        limits.prefill_backlog.store(500, Ordering::Relaxed);
+        set_backlog(&limits, 500);
         limits.admit_prompt(100).unwrap();
-        limits.prefill_backlog.store(500, Ordering::Relaxed);
+        set_backlog(&limits, 500);
         let refused = limits.admit_prompt(110).unwrap_err();
         assert!((refused.margin_ms - 195.0).abs() < 1e-3);
         // Nothing ahead: in, whatever the margin.
-        limits.prefill_backlog.store(0, Ordering::Relaxed);
+        set_backlog(&limits, 0);
         limits.admit_prompt(5000).unwrap();
         // Early first tokens make no negative margin; only the latest 256 count.
         for _ in 0..MARGIN_SAMPLES {

@@ -290,6 +290,17 @@ impl Harness {
         assert!(s.kv_slots_used <= s.kv_slots_allocated);
     }
 
+    /// Steps until request `i` has its first token; returns how many.
+    fn steps_to_first_token(&mut self, i: usize) -> usize {
+        let mut steps = 0;
+        while self.requests[i].got.is_empty() {
+            self.step();
+            steps += 1;
+            assert!(steps <= 10_000, "request {i} never got a token");
+        }
+        steps
+    }
+
     fn run_to_end(&mut self) {
         let mut steps = 0;
         while self.scheduler.has_work() {
@@ -632,16 +643,36 @@ fn a_short_prompt_is_not_held_behind_a_long_document_being_read() {
         h.step();
     }
     h.submit(vec![9; 20], 2);
-    let mut steps = 0;
-    while h.requests[1].got.is_empty() {
-        h.step();
-        steps += 1;
-    }
+    let steps = h.steps_to_first_token(1);
     // The short prompt's tag (96 prompt tokens read + 20) is before the document's (597): it
     // takes the budget and has its first token after one step, while the document still has
     // hundreds of tokens to read.
     assert_eq!(steps, 1);
     assert!(h.requests[0].got.is_empty());
+    h.run_to_end();
+}
+
+#[test]
+fn with_a_ttft_objective_a_long_prompt_is_not_overtaken_by_later_short_ones() {
+    let mut h = Harness::new(roomy(400, 8, 64));
+    h.limits.set_max_prefill_tokens(32);
+    // The reading rate is measured on steps that read a whole budget.
+    h.submit((3..100).collect(), 1);
+    h.run_to_end();
+    assert!(h.limits.prefill_rate() > 0.0);
+    // An objective the fake model reads any of these prompts within: arrival order.
+    h.limits.set_ttft_objective_ms(60_000);
+    h.submit((3..200).rev().collect(), 2);
+    h.step();
+    h.submit(vec![9; 20], 2);
+    h.step();
+    // In the fair order the short prompt's tag (32 read + 20) is before the long one's (197)
+    // and it would have its first token now; by arrival it waits.
+    assert!(h.requests[2].got.is_empty());
+    // The long prompt's 197 tokens, 32 a step: its first token after 7 steps (2 before this
+    // loop); the short one's in the same step (the budget's rest) or the next.
+    assert_eq!(h.steps_to_first_token(1), 5);
+    assert!(h.steps_to_first_token(2) <= 1);
     h.run_to_end();
 }
 
@@ -786,6 +817,20 @@ fn the_backlog_and_the_reading_rate_follow_the_steps() {
     // 32 of 300 prompt tokens read.
     assert_eq!(h.limits.prefill_backlog(), 268);
     assert!(h.limits.prefill_rate() > 0.0);
+    // A prompt admitted while a step runs is on its way through the engine's inbox when the
+    // step ends and recounts the backlog: it stays counted, then and once it is queued.
+    h.limits.admit_prompt(50).unwrap();
+    assert_eq!(h.limits.prefill_backlog(), 318);
+    h.step();
+    assert_eq!(h.limits.prefill_backlog(), 286);
+    h.submit(vec![8; 50], 2);
+    assert_eq!(h.limits.prefill_backlog(), 286);
+    h.step();
+    assert_eq!(h.limits.prefill_backlog(), 254);
+    // Admitted and then failed before it was handed over: out of the backlog.
+    h.limits.admit_prompt(40).unwrap();
+    h.limits.withdraw_prompt(40);
+    assert_eq!(h.limits.prefill_backlog(), 254);
     h.run_to_end();
     assert_eq!(h.limits.prefill_backlog(), 0);
 }

@@ -392,6 +392,10 @@ impl Degradation {
                 engine
                     .limits()
                     .set_saturation_wait_ms(config.degradation.saturation_wait_ms);
+                // Prompts read within the TTFT objective are read earliest deadline first.
+                engine
+                    .limits()
+                    .set_ttft_objective_ms(objectives.ttft_p99_ms.unwrap_or(0));
                 ModelState {
                     controller: Controller::new(settings),
                     engine: Arc::clone(&engine),

@@ -272,6 +272,7 @@ impl From<EngineError> for BackendError {
             // The first-token gate's refusal and the saturation's: both the degradation
             // controller shedding load before any compute.
             e @ (EngineError::Shedding { retry_after_s, .. }
+            | EngineError::Warming { retry_after_s, .. }
             | EngineError::Saturated { retry_after_s, .. }) => BackendError::Overloaded {
                 message: e.to_string(),
                 retry_after_s,

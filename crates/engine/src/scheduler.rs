@@ -1766,7 +1766,7 @@ mod tests {
     #[test]
     fn the_first_token_gate_refuses_a_prompt_predicted_to_be_read_too_late() {
         let limits = SchedulerLimits::new(8, 512);
-        // Off, or nothing measured yet, or nothing ahead: everybody passes and is counted.
+        // Off: everybody passes and is counted.
         limits.admit_prompt(400).unwrap();
         assert_eq!(limits.prefill_backlog(), 400);
         limits.set_max_prefill_wait_ms(800);

@@ -1906,6 +1906,69 @@ ttft_p99_ms = 1
     assert!(raised >= 2);
 }
 
+/// A burst on a server that just became ready meets the first-token gate at once, not at the
+/// controller's first window: before the engine has measured how fast it reads prompts, two
+/// prefill budgets of prompt tokens are let in and the rest get 429 `shedding` with
+/// `Retry-After: 1`. (The window here is a minute: the controller sees the model only then.)
+#[test]
+fn a_burst_on_a_server_that_just_started_meets_the_first_token_gate() {
+    let Some(model) = cached_model(SMOLLM2_GGUF) else {
+        return;
+    };
+    let config = format!(
+        r#"
+[degradation]
+window_ms = 60000
+[admission]
+max_in_flight = 16
+[[models]]
+name = "{MODEL}"
+context = 2048
+kv_cache_memory = "256MiB"
+max_num_seqs = 16
+max_num_batched_tokens = 256
+[models.slo]
+ttft_p99_ms = 20000
+"#
+    );
+    let server = start_repository(&[(MODEL, "1.0.0", model)], &config);
+    wait_ready(server.port);
+    let port = server.port;
+    // Ten prompts of ~200 tokens at once: 512 prompt tokens (two budgets of 256) are let in
+    // before the first step that reads a whole budget, which takes far longer than the burst.
+    let prompt = "the quick brown fox jumps over the lazy dog ".repeat(20);
+    let clients: Vec<_> = (0..10)
+        .map(|i| {
+            let prompt = format!("{i} {prompt}");
+            std::thread::spawn(move || {
+                let body = format!(
+                    r#"{{"model":"{MODEL}","prompt":"{prompt}","max_tokens":4,"ignore_eos":true}}"#
+                );
+                let (status, headers, text) =
+                    http(port, "POST", "/v1/completions", Some(&body), Some(KEY));
+                (
+                    status,
+                    header(&headers, "retry-after").map(str::to_string),
+                    text,
+                )
+            })
+        })
+        .collect();
+    let answers: Vec<_> = clients.into_iter().map(|c| c.join().unwrap()).collect();
+    let admitted = answers.iter().filter(|a| a.0 == 200).count();
+    let warming: Vec<_> = answers
+        .iter()
+        .filter(|(status, _, text)| *status == 429 && text.contains("has not measured"))
+        .collect();
+    assert!((1..=3).contains(&admitted), "{answers:?}");
+    assert_eq!(admitted + warming.len(), answers.len(), "{answers:?}");
+    for (_, retry_after, text) in &warming {
+        assert_eq!(retry_after.as_deref(), Some("1"), "{text}");
+        let body: serde_json::Value = serde_json::from_str(text).unwrap();
+        assert_eq!(body["error"]["code"], "shedding", "{text}");
+    }
+}
+
 /// Many models, one memory budget (the KServe v2 repository API): two cold copies of SmolLM2
 /// where the budget holds one. Nothing loads at start; each first request loads its model and
 /// the other, idle, is evicted; an unload waits for a running stream to finish; an unloaded

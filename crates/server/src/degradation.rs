@@ -362,6 +362,32 @@ fn to_f64(samples: &[f32]) -> Vec<f64> {
     samples.iter().map(|&v| f64::from(v)).collect()
 }
 
+/// What the engine enforces per request before the controller's first window: the
+/// first-token gate at its ceiling, the saturation wait and the TTFT objective the prefill
+/// order serves.
+fn arm_engine(config: &ServerConfig, engine: &Engine, ceilings: &Limits, objectives: &Objectives) {
+    let limits = engine.limits();
+    limits.set_max_prefill_wait_ms(ceilings.first_token_gate_ms as u64);
+    limits.set_saturation_wait_ms(config.degradation.saturation_wait_ms);
+    // Prompts read within the TTFT objective are read earliest deadline first.
+    limits.set_ttft_objective_ms(objectives.ttft_p99_ms.unwrap_or(0));
+}
+
+/// Arms a language model's engine as its version is added to the registry, before its first
+/// request (with `[degradation] enabled`). The controller's task creates the model's state
+/// at its next window, up to `window_ms` later; a burst in between (a server that just became
+/// ready, a model loaded on demand, a release's candidate) would otherwise be let in with no
+/// first-token gate at all, seconds to a first token for the whole burst.
+pub fn arm(config: &ServerConfig, entry: &Entry) {
+    if !config.degradation.enabled {
+        return;
+    }
+    if let Some(engine) = entry.backend.engine() {
+        let (settings, objectives) = settings(config, entry, &engine);
+        arm_engine(config, &engine, &settings.ceilings, &objectives);
+    }
+}
+
 impl Degradation {
     /// Judges one window for every language model in the registry.
     pub fn tick(&self, config: &ServerConfig, entries: &[Arc<Entry>], memory: MemoryReading) {
@@ -386,16 +412,7 @@ impl Degradation {
             let state = models.entry(entry.id.clone()).or_insert_with(|| {
                 let (settings, objectives) = settings(config, entry, &engine);
                 let ceilings = settings.ceilings;
-                engine
-                    .limits()
-                    .set_max_prefill_wait_ms(ceilings.first_token_gate_ms as u64);
-                engine
-                    .limits()
-                    .set_saturation_wait_ms(config.degradation.saturation_wait_ms);
-                // Prompts read within the TTFT objective are read earliest deadline first.
-                engine
-                    .limits()
-                    .set_ttft_objective_ms(objectives.ttft_p99_ms.unwrap_or(0));
+                arm_engine(config, &engine, &ceilings, &objectives);
                 ModelState {
                     controller: Controller::new(settings),
                     engine: Arc::clone(&engine),

@@ -475,7 +475,7 @@ pub fn load_models(state: &AppState) {
         }
         match state::load(&state.config, &repository, &model) {
             Ok(entry) => {
-                state.registry.add(entry);
+                state.serve(entry);
             }
             Err(e) => state.refuse(e),
         }

@@ -695,7 +695,7 @@ pub async fn ensure_loaded(
     }
     let entry = load_version(state, name, version).await?;
     tracing::info!(target: "rampart::release", model = name, version, "candidate loaded for its release");
-    state.registry.add(entry);
+    state.serve(entry);
     Ok(())
 }
 

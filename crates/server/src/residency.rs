@@ -206,7 +206,7 @@ pub async fn load(
         drop(entry);
         return Err(e);
     }
-    let entry = state.registry.add(entry);
+    let entry = state.serve(entry);
     entry.touch(now_ms(state));
     tracing::info!(target: "rampart::residency", model = %entry.id, cause, load_ms, memory_bytes = memory, residency = ?model.residency, "model loaded on demand");
     counter!("rampart_model_loads_total", "model" => name.to_string(), "cause" => cause)

@@ -251,6 +251,14 @@ impl AppState {
         self.draining.load(Ordering::Relaxed)
     }
 
+    /// A loaded model version goes into service: its engine is armed for the degradation
+    /// controller (the first-token gate holds from its first request), then it is added to
+    /// the registry, where requests find it.
+    pub fn serve(&self, entry: crate::registry::Entry) -> Arc<crate::registry::Entry> {
+        crate::degradation::arm(&self.config, &entry);
+        self.registry.add(entry)
+    }
+
     /// Loading is over (whatever loaded): readiness can follow.
     pub fn loaded(&self) {
         *self.loading.lock().unwrap_or_else(|e| e.into_inner()) = Loading::Done;

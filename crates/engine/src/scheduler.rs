@@ -190,7 +190,8 @@ impl SchedulerLimits {
     }
 
     /// Prompt tokens the engine reads per second beside its running streams under today's
-    /// prefill budget (0 before the first step that read a whole budget).
+    /// prefill budget (0 before the first step that read a whole budget, or at least half of
+    /// one).
     pub fn prefill_rate(&self) -> f64 {
         let rate = f64::from_bits(self.prefill_rate.load(Ordering::Relaxed));
         let measured_at = self.prefill_rate_read.load(Ordering::Relaxed);
@@ -950,7 +951,16 @@ impl Scheduler {
         self.step_cost
             .observe(tokens, positions, self.stats.last_step_seconds);
         self.stats.prefill_depth_equivalent = self.step_cost.depth();
-        if read > 0 && self.budget_bound && self.stats.last_step_seconds > 0.0 {
+        // Before any step read a whole budget, one that read at least half of one gives a
+        // first rate (its fixed cost spread over fewer tokens: somewhat low, which errs on
+        // the side of refusing). Without it, a start-up burst of less than two budgets, read
+        // in smaller steps, left the rate unmeasured and the gate at its start-up limit.
+        let budget = self
+            .limits
+            .max_prefill_tokens()
+            .min(self.limits.max_num_batched_tokens());
+        let first_measure = self.limits.prefill_rate() <= 0.0 && 2 * read >= budget;
+        if read > 0 && (self.budget_bound || first_measure) && self.stats.last_step_seconds > 0.0 {
             // How fast prompts are read beside this step's streams (what a new prompt's wait
             // is predicted from): a moving average over the steps that read as many prompt
             // tokens as the budget allowed (a step that read a short queue says nothing of

@@ -802,6 +802,28 @@ fn free_blocks_are_reused_last_freed_first_and_their_pages_given_back() {
 }
 
 #[test]
+fn before_any_whole_budget_step_a_step_that_read_half_a_budget_gives_the_rate() {
+    let mut h = Harness::new(roomy(400, 8, 64));
+    h.limits.set_max_prefill_tokens(32);
+    // 15 tokens read alone: less than half the budget, nothing measured.
+    h.submit(vec![9; 15], 1);
+    h.step();
+    assert_eq!(h.limits.prefill_rate(), 0.0);
+    h.run_to_end();
+    // 20 tokens read alone (the whole queue, not the budget): a first measure.
+    h.submit((3..23).collect(), 1);
+    h.step();
+    let first = h.limits.prefill_rate();
+    assert!(first > 0.0);
+    h.run_to_end();
+    // Once measured, only steps that read a whole budget move it.
+    h.submit((30..50).collect(), 1);
+    h.step();
+    assert_eq!(h.limits.prefill_rate(), first);
+    h.run_to_end();
+}
+
+#[test]
 fn the_backlog_and_the_reading_rate_follow_the_steps() {
     let mut h = Harness::new(roomy(400, 8, 64));
     // A prompt shorter than the budget: read in one step, which says nothing of how fast a

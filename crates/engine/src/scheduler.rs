@@ -189,13 +189,18 @@ impl SchedulerLimits {
             });
     }
 
+    /// Prompt tokens a step may read: the prefill budget within the batch's token budget.
+    fn prefill_budget(&self) -> usize {
+        self.max_prefill_tokens().min(self.max_num_batched_tokens())
+    }
+
     /// Prompt tokens the engine reads per second beside its running streams under today's
     /// prefill budget (0 before the first step that read a whole budget, or at least half of
     /// one).
     pub fn prefill_rate(&self) -> f64 {
         let rate = f64::from_bits(self.prefill_rate.load(Ordering::Relaxed));
         let measured_at = self.prefill_rate_read.load(Ordering::Relaxed);
-        let budget = self.max_prefill_tokens().min(self.max_num_batched_tokens());
+        let budget = self.prefill_budget();
         if measured_at > budget && budget > 0 {
             // Fewer prompt tokens per step now than when it was measured: at most that much
             // slower (steps get shorter too, so this errs on the side of refusing).
@@ -273,9 +278,10 @@ impl SchedulerLimits {
             (max_wait_ms > 0 && rate > 0.0).then(|| (backlog + tokens) as f64 / rate * 1e3);
         if max_wait_ms > 0 && rate <= 0.0 && backlog > 0 {
             // Nothing measured yet: a burst on an engine that just started would queue
-            // unjudged (seconds to a first token). Two prefill budgets are let in, so that the
-            // first step reads a whole one and measures the rate; the rest retry after it.
-            let limit = 2 * self.max_prefill_tokens().min(self.max_num_batched_tokens());
+            // unjudged (seconds to a first token). Two prefill budgets are let in, so that a
+            // step reads a whole one (or half of one) and measures the rate; the rest retry
+            // after it.
+            let limit = 2 * self.prefill_budget();
             if backlog + tokens > limit {
                 self.gate_refusals.fetch_add(1, Ordering::Relaxed);
                 return Err(GateRefusal {
@@ -955,11 +961,8 @@ impl Scheduler {
         // first rate (its fixed cost spread over fewer tokens: somewhat low, which errs on
         // the side of refusing). Without it, a start-up burst of less than two budgets, read
         // in smaller steps, left the rate unmeasured and the gate at its start-up limit.
-        let budget = self
-            .limits
-            .max_prefill_tokens()
-            .min(self.limits.max_num_batched_tokens());
-        let first_measure = self.limits.prefill_rate() <= 0.0 && 2 * read >= budget;
+        let first_measure =
+            self.limits.prefill_rate() <= 0.0 && 2 * read >= self.limits.prefill_budget();
         if read > 0 && (self.budget_bound || first_measure) && self.stats.last_step_seconds > 0.0 {
             // How fast prompts are read beside this step's streams (what a new prompt's wait
             // is predicted from): a moving average over the steps that read as many prompt

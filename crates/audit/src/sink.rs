@@ -63,6 +63,12 @@ impl Sink for AuditSink {
         true
     }
 
+    /// Refusals before authentication reach the log as one summary per interval (the
+    /// server's `unauthenticated` tally), never one fsync'd entry each.
+    fn takes_refused_before_auth(&self) -> bool {
+        false
+    }
+
     fn max_batch(&self) -> usize {
         self.max_batch
     }

@@ -56,6 +56,16 @@ fn refused<T: std::fmt::Debug>(outcome: Result<T, S3Error>, what: &str) -> S3Err
     }
 }
 
+/// Asserts the refusal Object Lock promises (docs/audit.md, as on AWS): 403 `AccessDenied`,
+/// not merely any 4xx (a 400 for a malformed request would pass [`refused`] while the lock
+/// was never consulted).
+fn denied<T: std::fmt::Debug>(outcome: Result<T, S3Error>, what: &str) -> S3Error {
+    let err = refused(outcome, what);
+    assert_eq!(err.status(), Some(403), "{what}: {err}");
+    assert_eq!(err.code(), Some("AccessDenied"), "{what}: {err}");
+    err
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn object_lock_is_enforced_by_a_real_s3() {
     let Some(mut weed) = SeaweedFs::start() else {
@@ -124,12 +134,12 @@ async fn object_lock_is_enforced_by_a_real_s3() {
     assert_same_second(retention.retain_until, retain_until);
 
     // WORM: the version cannot be deleted, nor its retention shortened or downgraded.
-    let err = refused(
+    let err = denied(
         client.delete_object(key, Some(&first_version)).await,
         "deleting a COMPLIANCE-locked version must be refused",
     );
     eprintln!("delete of a locked version: {err}");
-    let err = refused(
+    let err = denied(
         client
             .put_retention(
                 key,
@@ -143,7 +153,7 @@ async fn object_lock_is_enforced_by_a_real_s3() {
         "shortening a COMPLIANCE retention must be refused",
     );
     eprintln!("shortening a COMPLIANCE retention: {err}");
-    refused(
+    denied(
         client
             .put_retention(
                 key,
@@ -202,7 +212,7 @@ async fn object_lock_is_enforced_by_a_real_s3() {
         .expect("the old version is still there");
     assert_eq!(old.len, first_body.len() as u64);
     assert_eq!(old.lock_mode, Some(LockMode::Compliance));
-    refused(
+    denied(
         client.delete_object(key, Some(&first_version)).await,
         "the overwritten version is still locked",
     );
@@ -247,7 +257,7 @@ async fn object_lock_is_enforced_by_a_real_s3() {
         .expect("head")
         .expect("exists");
     assert_eq!(meta.lock_mode, Some(LockMode::Governance));
-    refused(
+    denied(
         client
             .put_retention(
                 governed,
@@ -260,7 +270,7 @@ async fn object_lock_is_enforced_by_a_real_s3() {
             .await,
         "shortening a GOVERNANCE retention without bypass must be refused",
     );
-    refused(
+    denied(
         client
             .delete_object(governed, Some(&governed_version))
             .await,
@@ -287,7 +297,7 @@ async fn object_lock_is_enforced_by_a_real_s3() {
         .expect("exists");
     assert_eq!(meta.legal_hold, Some(true));
     tokio::time::sleep(Duration::from_secs(4)).await;
-    refused(
+    denied(
         client.delete_object(held, Some(&held_version)).await,
         "a legal hold must keep the version after its retention ran out",
     );
@@ -344,7 +354,7 @@ async fn object_lock_is_enforced_by_a_real_s3() {
         .expect("still retained");
     assert_eq!(retention.mode, LockMode::Compliance);
     assert_same_second(retention.retain_until, extended);
-    refused(
+    denied(
         client.delete_object(key, Some(&first_version)).await,
         "a COMPLIANCE-locked version is still locked after a restart",
     );

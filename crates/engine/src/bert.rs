@@ -406,6 +406,9 @@ impl Embedder {
             .with_truncation(None)
             .map_err(|e| load_error(&tokenizer_path, e))?;
         tokenizer.with_padding(None);
+        // Client text never makes special tokens: a `[CLS]` or `[SEP]` written in an input is
+        // text (split like any word); only the post-processor adds the real ones.
+        tokenizer.set_encode_special_tokens(true);
         let sep_token = tokenizer.token_to_id("[SEP]");
 
         let (pooling, normalize, folder_limit) = read_modules(dir)?;
@@ -460,7 +463,8 @@ impl Embedder {
         self.backend.describe()
     }
 
-    /// Token ids of a text, with the `[CLS]`/`[SEP]` the tokenizer adds.
+    /// Token ids of a text, with the `[CLS]`/`[SEP]` the tokenizer adds (special-token texts
+    /// inside `text` are plain text).
     pub fn tokenize(&self, text: &str) -> Result<Vec<u32>, EngineError> {
         let encoding = self
             .tokenizer
@@ -970,6 +974,13 @@ mod tests {
         assert_eq!(
             embedder.tokenize("movies foods!").expect("tokenize"),
             vec![2, 14, 18, 9, 18, 1, 3]
+        );
+        // Special-token texts in client text stay text: no [SEP] (3) or [CLS] (2) inside.
+        let ids = embedder.tokenize("a [SEP] man [CLS]").expect("tokenize");
+        assert_eq!((ids[0], ids[ids.len() - 1]), (2, 3), "{ids:?}");
+        assert!(
+            !ids[1..ids.len() - 1].iter().any(|&id| id == 2 || id == 3),
+            "{ids:?}"
         );
         let vectors = embedder.embed(&TEXTS).expect("embed");
         for v in &vectors {

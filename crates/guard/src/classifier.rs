@@ -9,6 +9,7 @@
 //! The embedder is the caller's ([`Embed`]): this crate holds no model runtime.
 
 use std::path::Path;
+use std::sync::Arc;
 
 /// What the classifier needs of an embedding model.
 pub trait Embed: Send + Sync {
@@ -249,36 +250,35 @@ fn windows<'a>(s: &'a str, max_tokens: usize, count: &dyn Fn(&str) -> usize) -> 
     out
 }
 
-/// Segment scores already computed, by the segment's hash: a conversation's earlier turns come
-/// back with every request, and each is embedded once.
+/// Segment scores already computed, by the segment's text: a conversation's earlier turns come
+/// back with every request, and each is embedded once. The key is the whole text (compared,
+/// not only hashed, and hashed with the process's random keys), so no tenant can plant a score
+/// for another's text by finding a colliding hash.
 #[derive(Debug, Default)]
 struct ScoreCache {
-    scores: std::collections::HashMap<u64, f32>,
-    order: std::collections::VecDeque<u64>,
+    scores: std::collections::HashMap<Arc<str>, f32>,
+    order: std::collections::VecDeque<Arc<str>>,
 }
 
-/// Segments whose scores are kept.
+/// Segments whose scores are kept (each at most `segment_tokens` tokens of text: about 2.5 MB
+/// at 128 tokens).
 const CACHED_SEGMENTS: usize = 4096;
 
-fn segment_key(segment: &str) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    segment.hash(&mut h);
-    h.finish()
-}
-
 impl ScoreCache {
-    fn get(&self, key: u64) -> Option<f32> {
-        self.scores.get(&key).copied()
+    fn get(&self, segment: &str) -> Option<f32> {
+        self.scores.get(segment).copied()
     }
 
-    fn put(&mut self, key: u64, score: f32) {
-        if self.scores.insert(key, score).is_none() {
-            self.order.push_back(key);
-            if self.order.len() > CACHED_SEGMENTS {
-                if let Some(old) = self.order.pop_front() {
-                    self.scores.remove(&old);
-                }
+    fn put(&mut self, segment: &str, score: f32) {
+        if self.scores.contains_key(segment) {
+            return;
+        }
+        let key: Arc<str> = Arc::from(segment);
+        self.scores.insert(Arc::clone(&key), score);
+        self.order.push_back(key);
+        if self.order.len() > CACHED_SEGMENTS {
+            if let Some(old) = self.order.pop_front() {
+                self.scores.remove(&old);
             }
         }
     }
@@ -327,9 +327,35 @@ impl Classifier {
 
     /// Scores several texts in one embedding call: per text, its most suspicious segment.
     pub fn score(&self, texts: &[&str]) -> Result<Vec<Scored>, String> {
+        Ok(self
+            .score_within(texts, usize::MAX)?
+            .into_iter()
+            .map(|s| {
+                s.unwrap_or(Scored {
+                    score: 0.0,
+                    segment: String::new(),
+                    segments: 0,
+                })
+            })
+            .collect())
+    }
+
+    /// [`Classifier::score`] with a budget of segments to embed (those found in the cache cost
+    /// nothing): texts are taken in the order given, and once the next text's new segments
+    /// would go past the budget, it and every text after it are left unscored (`None`). The
+    /// caller orders the texts by how much they matter. The tokenizer still reads each text
+    /// taken, so a caller bounds the bytes too.
+    pub fn score_within(
+        &self,
+        texts: &[&str],
+        budget: usize,
+    ) -> Result<Vec<Option<Scored>>, String> {
         let count = |t: &str| self.embedder.count_tokens(t);
         let mut all: Vec<&str> = Vec::new();
         let mut owners: Vec<usize> = Vec::new();
+        let mut scores: Vec<Option<f32>> = Vec::new();
+        let mut to_embed = 0usize;
+        let mut taken = 0usize;
         for (i, text) in texts.iter().enumerate() {
             let mut segs = segments(text, self.segment_tokens, &count);
             if segs.len() > self.max_segments {
@@ -337,15 +363,21 @@ impl Classifier {
                 let keep = self.max_segments.max(2);
                 segs = (0..keep).map(|k| segs[k * (n - 1) / (keep - 1)]).collect();
             }
+            // Only the segments not scored before are embedded.
+            let cached: Vec<Option<f32>> = {
+                let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
+                segs.iter().map(|s| cache.get(s)).collect()
+            };
+            let new = cached.iter().filter(|c| c.is_none()).count();
+            if to_embed.saturating_add(new) > budget {
+                break;
+            }
+            to_embed += new;
+            taken = i + 1;
             owners.extend(std::iter::repeat_n(i, segs.len()));
             all.extend(segs);
+            scores.extend(cached);
         }
-        // Only the segments not scored before are embedded.
-        let keys: Vec<u64> = all.iter().map(|s| segment_key(s)).collect();
-        let mut scores: Vec<Option<f32>> = {
-            let cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-            keys.iter().map(|k| cache.get(*k)).collect()
-        };
         let missing: Vec<usize> = (0..all.len()).filter(|&i| scores[i].is_none()).collect();
         if !missing.is_empty() {
             let texts: Vec<&str> = missing.iter().map(|&i| all[i]).collect();
@@ -360,12 +392,11 @@ impl Classifier {
             let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
             for (&i, embedding) in missing.iter().zip(&embeddings) {
                 let score = self.head.score(embedding)?;
-                cache.put(keys[i], score);
+                cache.put(all[i], score);
                 scores[i] = Some(score);
             }
         }
-        let mut out: Vec<Scored> = texts
-            .iter()
+        let mut out: Vec<Scored> = (0..taken)
             .map(|_| Scored {
                 score: 0.0,
                 segment: String::new(),
@@ -381,16 +412,18 @@ impl Classifier {
                 best.segment = segment.chars().take(160).collect();
             }
         }
+        let mut out: Vec<Option<Scored>> = out.into_iter().map(Some).collect();
+        out.resize(texts.len(), None);
         Ok(out)
     }
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     /// A head whose output is `sigmoid(4·x[0] − 2)` on a 4-wide embedding.
-    fn tiny_head() -> Vec<u8> {
+    pub(crate) fn tiny_head() -> Vec<u8> {
         let tensors: Vec<(&str, Vec<usize>, Vec<f32>)> = vec![
             (
                 "w_h1",
@@ -426,7 +459,7 @@ mod tests {
         safetensors::serialize(views, None).unwrap()
     }
 
-    struct Letters;
+    pub(crate) struct Letters;
 
     impl Embed for Letters {
         /// x[0] = share of the letter 'x' among letters.
@@ -499,6 +532,39 @@ mod tests {
         let again = c.score(&["turn one", "turn two", "turn three xx"]).unwrap();
         assert_eq!(first[0], again[0]);
         assert_eq!(embedded.load(std::sync::atomic::Ordering::Relaxed), 3);
+    }
+
+    #[test]
+    fn the_budget_bounds_what_one_call_embeds() {
+        let embedded = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let c = Classifier::new(
+            Head::from_safetensors(&tiny_head()).unwrap(),
+            Box::new(Counting(embedded.clone())),
+        );
+        let texts: Vec<String> = (0..1000).map(|i| format!("message number {i}")).collect();
+        let refs: Vec<&str> = texts.iter().map(String::as_str).collect();
+        let scored = c.score_within(&refs, 16).unwrap();
+        assert_eq!(scored.len(), 1000);
+        assert_eq!(scored.iter().filter(|s| s.is_some()).count(), 16);
+        assert!(scored[..16].iter().all(Option::is_some), "taken in order");
+        assert_eq!(embedded.load(std::sync::atomic::Ordering::Relaxed), 16);
+        // Cached segments cost nothing: the same 16 and 16 more fit a budget of 16.
+        let again = c.score_within(&refs[..32], 16).unwrap();
+        assert!(again.iter().all(Option::is_some));
+        assert_eq!(embedded.load(std::sync::atomic::Ordering::Relaxed), 32);
+    }
+
+    #[test]
+    fn the_cache_compares_the_text() {
+        let c = Classifier::new(
+            Head::from_safetensors(&tiny_head()).unwrap(),
+            Box::new(Letters),
+        );
+        let mut cache = c.cache.lock().unwrap();
+        cache.put("benign words", 0.01);
+        assert_eq!(cache.get("benign words"), Some(0.01));
+        assert_eq!(cache.get("benign words "), None);
+        assert_eq!(cache.get("xxxx"), None);
     }
 
     #[test]

@@ -157,7 +157,28 @@ pub struct Policy {
     /// The classifier's score decides alone only from here up (the head is not calibrated for
     /// every channel and language: below it, its score counts at a tenth, as evidence).
     pub classifier_threshold: f32,
+    /// Segments the classifier may embed for one request (cached ones are free). Views are
+    /// taken untrusted channels first (user, tool, prompt, then assistant, then system),
+    /// newest first; what is left past the budget is judged by the rules alone and marked
+    /// `budget.classifier_skipped`.
+    pub classifier_budget: usize,
+    /// What a request with views past the budget gets.
+    pub over_budget: OverBudget,
 }
+
+/// What a request whose texts outrun the classifier's budget gets (the rules still read all).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum OverBudget {
+    /// Served, marked `flag` with the reason `budget.classifier_skipped` (counted, logged).
+    #[default]
+    Flag,
+    /// Refused like a hit (under `mode = "block"`).
+    Block,
+}
+
+/// Segments the classifier embeds for one request by default.
+pub const DEFAULT_CLASSIFIER_BUDGET: usize = 64;
 
 impl Default for Policy {
     fn default() -> Self {
@@ -168,6 +189,8 @@ impl Default for Policy {
             special_tokens: SpecialTokens::Flag,
             classifier: true,
             classifier_threshold: DEFAULT_CLASSIFIER_THRESHOLD,
+            classifier_budget: DEFAULT_CLASSIFIER_BUDGET,
+            over_budget: OverBudget::Flag,
         }
     }
 }
@@ -183,9 +206,9 @@ pub struct Input<'a> {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Finding {
     /// `rules.<label>`, `classifier.injection`, `special_tokens.control_token`,
-    /// `normalise.zero_width|bidi|homoglyphs`.
+    /// `normalise.zero_width|bidi|homoglyphs`, `budget.classifier_skipped`.
     pub code: String,
-    /// `normalise`, `special_tokens`, `rules` or `classifier`.
+    /// `normalise`, `special_tokens`, `rules`, `classifier` or `budget`.
     pub tier: &'static str,
     pub channel: Channel,
     /// The view it was found in (`text`, `base64`, …).
@@ -445,6 +468,7 @@ impl Guard {
             });
         }
         let mut error = None;
+        let mut over_budget = false;
         if let (Some(classifier), true) = (&self.classifier, policy.classifier) {
             // Rules that already decide every input spare the embedding (cheapest first).
             let decided = |i: usize| {
@@ -452,11 +476,44 @@ impl Guard {
                 judged[i].findings.iter().any(|f| f.score >= t)
             };
             to_classify.retain(|(i, _, text)| !decided(*i) && !text.trim().is_empty());
+            // What the budget leaves out should be what matters least: untrusted channels
+            // first, the newest turn first (the sort is stable: a text's views keep their order).
+            to_classify.sort_by_key(|(i, _, _)| {
+                let rank = match judged[*i].channel {
+                    Channel::User | Channel::Tool | Channel::Prompt => 0,
+                    Channel::Assistant => 1,
+                    Channel::System => 2,
+                };
+                (rank, std::cmp::Reverse(*i))
+            });
             if !to_classify.is_empty() {
                 let texts: Vec<&str> = to_classify.iter().map(|(_, _, t)| t.as_str()).collect();
-                match classifier.score(&texts) {
+                match classifier.score_within(&texts, policy.classifier_budget) {
                     Ok(scored) => {
+                        let skipped = scored.iter().filter(|s| s.is_none()).count();
                         for ((i, kind, _), s) in to_classify.iter().zip(scored) {
+                            let Some(s) = s else {
+                                // One reason for the request (on the first text left out),
+                                // not one per text: it must not crowd out the others.
+                                if !std::mem::replace(&mut over_budget, true) {
+                                    let channel = judged[*i].channel;
+                                    judged[*i].findings.push(Finding {
+                                        code: "budget.classifier_skipped".into(),
+                                        tier: "budget",
+                                        channel,
+                                        view: kind,
+                                        score: match policy.over_budget {
+                                            OverBudget::Block => 1.0,
+                                            OverBudget::Flag => 0.0,
+                                        },
+                                        evidence: format!(
+                                            "{skipped} views of this request past the classifier's budget of {} segments",
+                                            policy.classifier_budget
+                                        ),
+                                    });
+                                }
+                                continue;
+                            };
                             {
                                 let channel = judged[*i].channel;
                                 let score = if s.score >= policy.classifier_threshold {
@@ -498,7 +555,7 @@ impl Guard {
                 Mode::Flag => Verdict::Flag,
                 Mode::Shadow => Verdict::Shadow,
             }
-        } else if special_found {
+        } else if special_found || over_budget {
             match policy.mode {
                 Mode::Shadow => Verdict::Shadow,
                 _ => Verdict::Flag,
@@ -512,7 +569,7 @@ impl Guard {
             .flat_map(|j| {
                 let t = policy.thresholds.of(j.channel);
                 j.findings.into_iter().filter(move |f| match f.tier {
-                    "special_tokens" | "normalise" => true,
+                    "special_tokens" | "normalise" | "budget" => true,
                     _ => f.score >= REPORT_FLOOR.min(t),
                 })
             })
@@ -546,6 +603,59 @@ mod tests {
 
     fn judge(text: &str, channel: Channel) -> Decision {
         Guard::seed().check(&[Input { channel, text }], &Policy::default(), &none)
+    }
+
+    /// A guard whose classifier scores the share of 'x' letters (sigmoid(4x - 2)).
+    fn with_letters_classifier() -> Guard {
+        use crate::classifier::tests::{tiny_head, Letters};
+        Guard::seed().with_classifier(Classifier::new(
+            crate::Head::from_safetensors(&tiny_head()).unwrap(),
+            Box::new(Letters),
+        ))
+    }
+
+    #[test]
+    fn a_request_past_the_classifier_budget_is_flagged_or_refused() {
+        let guard = with_letters_classifier();
+        let texts: Vec<String> = (0..200).map(|i| format!("calm note {i}")).collect();
+        let mut inputs: Vec<Input<'_>> = texts
+            .iter()
+            .map(|t| Input {
+                channel: Channel::User,
+                text: t,
+            })
+            .collect();
+        let policy = Policy {
+            classifier_budget: 8,
+            // The tiny head tops out at 0.88: let its score decide from 0.5.
+            classifier_threshold: 0.5,
+            ..Policy::default()
+        };
+        let d = guard.check(&inputs, &policy, &none);
+        assert_eq!(d.verdict, Verdict::Flag, "{d:?}");
+        assert!(
+            d.codes().iter().any(|c| c == "budget.classifier_skipped"),
+            "{d:?}"
+        );
+        let strict = Policy {
+            over_budget: OverBudget::Block,
+            ..policy.clone()
+        };
+        assert_eq!(guard.check(&inputs, &strict, &none).verdict, Verdict::Block);
+        // The newest user turn is classified first: an attack there is still caught.
+        inputs.push(Input {
+            channel: Channel::User,
+            text: "xxxx xxxx xxxx",
+        });
+        let d = guard.check(&inputs, &policy, &none);
+        assert_eq!(d.verdict, Verdict::Block, "{d:?}");
+        assert!(
+            d.codes().iter().any(|c| c == "classifier.injection"),
+            "{d:?}"
+        );
+        // Within the budget nothing is marked.
+        let d = guard.check(&inputs[..4], &policy, &none);
+        assert_eq!(d.verdict, Verdict::Allow, "{d:?}");
     }
 
     #[test]

@@ -16,7 +16,7 @@ pub mod rules;
 
 pub use classifier::{Classifier, Embed, Head, HeadError};
 pub use injection::{
-    Channel, Decision, Finding, Guard, Input, Mode, OnError, Policy, SpecialTokens, Thresholds,
-    Verdict, SEED_RULES,
+    Channel, Decision, Finding, Guard, Input, Mode, OnError, OverBudget, Policy, SpecialTokens,
+    Thresholds, Verdict, SEED_RULES,
 };
 pub use rules::{Classification, LabelScore, Reason, RulesEngine, RulesError, RulesFile};

@@ -1,5 +1,12 @@
 //! Runtime CPU dispatch: the best instruction set this CPU has, detected once.
+//!
+//! The kernels' safe functions take an [`Isa`] chosen by the caller (a benchmark may ask for
+//! the scalar reference). Every dispatch goes through [`Isa::runs`], which also asks the CPU
+//! (detected once, then one relaxed load): a caller that passes a level the CPU lacks gets the
+//! best level it has, never an illegal instruction, so no safe call can reach undefined
+//! behaviour through its `isa` argument.
 
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::OnceLock;
 
 use crate::dtype::{ActFormat, DType};
@@ -7,17 +14,43 @@ use crate::quant;
 
 /// An instruction-set level the kernels are written for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[repr(u8)]
 pub enum Isa {
     /// Portable Rust, the reference for every other level.
-    Scalar,
+    Scalar = 0,
     /// x86_64 with AVX2, FMA and F16C.
-    Avx2,
+    Avx2 = 1,
     /// AVX2 and a 256-bit VNNI (`vpdpbusd`: AVX-VNNI, or AVX512-VNNI with AVX512-VL): the
     /// packed quantized matmul multiplies and accumulates bytes in one instruction.
-    Vnni,
+    Vnni = 2,
 }
 
+/// [`Isa::best_supported`], cached (`u8::MAX`: not read yet).
+static SUPPORTED: AtomicU8 = AtomicU8::new(u8::MAX);
+
 impl Isa {
+    /// Whether the kernels of `level` run for a caller that asked for `self`: at most what the
+    /// caller asked, and at most what this CPU has. Every dispatch to SIMD code asks this.
+    #[inline]
+    pub fn runs(self, level: Isa) -> bool {
+        self >= level && Self::supported() >= level
+    }
+
+    /// The best level this CPU has (detected once).
+    #[inline]
+    fn supported() -> Isa {
+        match SUPPORTED.load(Ordering::Relaxed) {
+            0 => Isa::Scalar,
+            1 => Isa::Avx2,
+            2 => Isa::Vnni,
+            _ => {
+                let best = Self::best_supported();
+                SUPPORTED.store(best as u8, Ordering::Relaxed);
+                best
+            }
+        }
+    }
+
     /// The best level this CPU supports. `RAMPART_ISA=scalar` forces the reference kernels,
     /// `RAMPART_ISA=avx2` the AVX2 ones without VNNI (for comparisons and benchmarks).
     pub fn detect() -> Isa {
@@ -70,7 +103,7 @@ impl Isa {
 /// `Σ a[i]·b[i]`.
 pub fn dot_f32(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if isa >= Isa::Avx2 {
+    if isa.runs(Isa::Avx2) {
         // SAFETY: Isa::Avx2 is only chosen when the CPU has AVX2 and FMA.
         return unsafe { crate::x86::dot_f32(a, b) };
     }
@@ -84,7 +117,7 @@ pub fn dot_f32(isa: Isa, a: &[f32], b: &[f32]) -> f32 {
 pub fn gated_activation(isa: Isa, gelu: bool, gate: &mut [f32], up: &[f32]) {
     assert_eq!(gate.len(), up.len(), "gate and up have one length");
     #[cfg(target_arch = "x86_64")]
-    if isa >= Isa::Avx2 {
+    if isa.runs(Isa::Avx2) {
         // SAFETY: Isa::Avx2 is only chosen when the CPU has AVX2 and FMA.
         unsafe { crate::x86::gated_activation(gelu, gate, up) };
         return;
@@ -100,7 +133,7 @@ pub fn gated_activation(isa: Isa, gelu: bool, gate: &mut [f32], up: &[f32]) {
 /// Quantizes an activation row for dot products with weights of type `dtype`.
 pub fn quantize_activations(isa: Isa, format: ActFormat, x: &[f32], out: &mut [u8]) {
     #[cfg(target_arch = "x86_64")]
-    if isa >= Isa::Avx2 && format == ActFormat::Q8x32 {
+    if isa.runs(Isa::Avx2) && format == ActFormat::Q8x32 {
         assert_eq!(out.len(), format.row_bytes(x.len()), "output buffer size");
         // SAFETY: AVX2 and FMA are present (see Isa::detect).
         unsafe { crate::x86::quantize_q8x32(x, out) };
@@ -114,7 +147,7 @@ pub fn quantize_activations(isa: Isa, format: ActFormat, x: &[f32], out: &mut [u
 /// [`quantize_activations`] into `dtype.activation_format()` (f32 bytes for float weights).
 pub fn vec_dot(isa: Isa, dtype: DType, w: &[u8], a: &[u8], n: usize) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if isa >= Isa::Avx2 {
+    if isa.runs(Isa::Avx2) {
         // SAFETY: AVX2, FMA and F16C are present (see Isa::detect); the kernels check lengths.
         unsafe {
             match dtype {
@@ -155,7 +188,7 @@ pub fn vec_dot_rows(
     n: usize,
 ) -> [f32; DOT_ROWS] {
     #[cfg(target_arch = "x86_64")]
-    if isa >= Isa::Avx2
+    if isa.runs(Isa::Avx2)
         && matches!(
             dtype,
             DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0
@@ -202,4 +235,31 @@ pub fn as_f32(bytes: &[u8], n: usize) -> &[f32] {
 pub fn f32_bytes(x: &[f32]) -> &[u8] {
     // SAFETY: any f32 slice is a valid byte slice of 4× its length.
     unsafe { std::slice::from_raw_parts(x.as_ptr() as *const u8, std::mem::size_of_val(x)) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A caller may name any level: the dispatch runs at most what this CPU has, so the safe
+    /// functions never execute an instruction the CPU lacks (on a CPU without AVX2, naming
+    /// `Isa::Vnni` once ran AVX2 code).
+    #[test]
+    fn any_level_a_caller_names_runs_what_this_cpu_has() {
+        let a: Vec<f32> = (0..37).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let reference = dot_f32(Isa::Scalar, &a, &a);
+        let best = Isa::best_supported();
+        for isa in [Isa::Scalar, Isa::Avx2, Isa::Vnni] {
+            let got = dot_f32(isa, &a, &a);
+            assert!((got - reference).abs() <= 1e-3 * reference.abs(), "{isa:?}");
+            for level in [Isa::Avx2, Isa::Vnni] {
+                assert_eq!(
+                    isa.runs(level),
+                    isa >= level && best >= level,
+                    "{isa:?} {level:?}"
+                );
+            }
+            assert!(isa.runs(Isa::Scalar));
+        }
+    }
 }

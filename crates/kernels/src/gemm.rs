@@ -255,7 +255,7 @@ type TileKernel = unsafe fn(&Tile);
 
 fn tile_kernel(isa: Isa) -> TileKernel {
     #[cfg(target_arch = "x86_64")]
-    if isa >= Isa::Avx2 {
+    if isa.runs(Isa::Avx2) {
         return crate::x86::gemm_tile;
     }
     let _ = isa;

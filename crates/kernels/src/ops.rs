@@ -50,7 +50,7 @@ pub fn layer_norm_rows(
             // SAFETY: row r of out is written by this item only; in bounds as out is rows × n.
             let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(r * n), n) };
             #[cfg(target_arch = "x86_64")]
-            if isa >= Isa::Avx2 {
+            if isa.runs(Isa::Avx2) {
                 // SAFETY: AVX2 and FMA are present (see Isa::detect).
                 unsafe { crate::x86::layer_norm(src, weight, bias, eps, dst) };
                 continue;
@@ -78,7 +78,7 @@ pub fn softmax(x: &mut [f32]) {
 /// The largest value of `x`, NaN values ignored (−∞ when there is none).
 pub fn max_value(isa: Isa, x: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if isa >= Isa::Avx2 {
+    if isa.runs(Isa::Avx2) {
         // SAFETY: AVX2 is present.
         return unsafe { crate::x86::max_value(x) };
     }
@@ -89,7 +89,7 @@ pub fn max_value(isa: Isa, x: &[f32]) -> f32 {
 /// The first index whose value equals `value` (`==`: never for NaN).
 pub fn position_of(isa: Isa, x: &[f32], value: f32) -> Option<usize> {
     #[cfg(target_arch = "x86_64")]
-    if isa >= Isa::Avx2 {
+    if isa.runs(Isa::Avx2) {
         // SAFETY: AVX2 is present.
         return unsafe { crate::x86::position_of(x, value) };
     }
@@ -133,7 +133,7 @@ pub fn softmax_stats(isa: Isa, logits: &[f32]) -> SoftmaxStats {
     let (sum_e, sum_es) = {
         #[cfg(target_arch = "x86_64")]
         {
-            if isa >= Isa::Avx2 {
+            if isa.runs(Isa::Avx2) {
                 // SAFETY: AVX2 and FMA are present.
                 unsafe { crate::x86::exp_moments(logits, max) }
             } else {
@@ -466,7 +466,7 @@ pub fn attention_within_sequences(
             #[cfg(target_arch = "x86_64")]
             // SAFETY: AVX2 and FMA are present; the sequence's rows lie inside qkv and out (the
             // asserts above) and this item alone writes its head's slice of them.
-            if isa >= Isa::Avx2
+            if isa.runs(Isa::Avx2)
                 && unsafe {
                     crate::x86::attend_sequence(
                         qkv.as_ptr().add(first + h * head_dim),
@@ -538,7 +538,7 @@ pub fn attend(
     #[cfg(target_arch = "x86_64")]
     // SAFETY: AVX2 and FMA are present; the kernel checks its bounds and declines head sizes it
     // has no variant for.
-    if isa >= Isa::Avx2
+    if isa.runs(Isa::Avx2)
         && unsafe { crate::x86::attend(q, k, v, keys, stride, offset, scale, scores, out) }
     {
         return;

@@ -96,7 +96,7 @@ pub(crate) fn layout_for(dtype: DType, isa: Isa) -> Option<Layout> {
     Some(match dtype {
         DType::Q4_0 => Layout::Q4_0,
         DType::Q4_1 => Layout::Q4_1,
-        DType::Q8_0 if isa >= Isa::Vnni => Layout::U8,
+        DType::Q8_0 if isa.runs(Isa::Vnni) => Layout::U8,
         DType::Q8_0 => Layout::Q8_0,
         DType::Q5_0 => Layout::Q5_0,
         DType::Q5_1 => Layout::Q5_1,
@@ -520,12 +520,12 @@ pub(crate) unsafe fn dot_packed_span_as(
         "Q8_0 packed unsigned needs the activation blocks' sums"
     );
     #[cfg(target_arch = "x86_64")]
-    if isa >= Isa::Avx2 {
+    if isa.runs(Isa::Avx2) {
         // SAFETY: AVX2, FMA and F16C are present; group and activation extents were checked
         // above, the output's by the caller.
         unsafe {
             crate::x86::dot_packed_span(
-                isa >= Isa::Vnni,
+                isa.runs(Isa::Vnni),
                 layout,
                 groups,
                 n_groups,

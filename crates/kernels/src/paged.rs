@@ -452,7 +452,7 @@ fn prefetch_rows(
 /// Whether the SIMD kernels handle heads of `head_dim` values (whole 8-lane vectors).
 #[cfg(target_arch = "x86_64")]
 fn simd_head(isa: Isa, head_dim: usize) -> bool {
-    isa >= Isa::Avx2 && head_dim.is_multiple_of(8)
+    isa.runs(Isa::Avx2) && head_dim.is_multiple_of(8)
 }
 
 /// `scores[g·score_stride + s] = q_g · K_s · scale` for the query heads `q` (`group ×
@@ -505,7 +505,7 @@ fn key_scores(
 /// Replaces `scores` by `exp(score - max)` and returns their sum.
 fn softmax_numerators(isa: Isa, scores: &mut [f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if isa >= Isa::Avx2 {
+    if isa.runs(Isa::Avx2) {
         // SAFETY: Isa::Avx2 is only chosen when the CPU has AVX2 and FMA.
         return unsafe { crate::x86::softmax_numerators(scores) };
     }

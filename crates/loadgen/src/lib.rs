@@ -8,6 +8,8 @@
 //! English words so that prompt lengths in tokens are approximate.
 //!
 //! It is not a correctness checker (it never looks at the generated text) and not a server.
+//! [`abuse`] is its other job: `rampart bench abuse`, the hostile traffic a server must refuse
+//! while an honest client keeps being served.
 //!
 //! ```no_run
 //! use loadgen::{Benchmark, BenchmarkConfig};
@@ -21,6 +23,7 @@
 //! # Ok::<(), loadgen::LoadgenError>(())
 //! ```
 
+pub mod abuse;
 mod benchmark;
 mod error;
 pub mod openai;

@@ -178,6 +178,67 @@ pub enum BenchCommand {
     /// streaming requests; report throughput and TTFT, TPOT, ITL and end-to-end latency per
     /// concurrency level (like vLLM's benchmark_serving.py).
     Serve(ServeArgs),
+    /// Attack a running Rampart as a holder of an ordinary key (or of none) would: floods of
+    /// unauthenticated requests, lying and oversized tensor bodies, guard-cost bombs, feedback
+    /// replays, name traversal on every route, slow and idle connections, tokenize floods —
+    /// while an honest client keeps asking. Judges the honest client's p99 (against the idle
+    /// server's), its 5xx, the server's RSS, the audit log and readiness; exit 1 when any
+    /// promise broke (docs/security.md).
+    Abuse(AbuseArgs),
+}
+
+#[derive(Debug, clap::Args)]
+pub struct AbuseArgs {
+    /// The server's base URL.
+    #[arg(long, default_value = "http://127.0.0.1:8080")]
+    url: String,
+    /// The language model the honest client and the guard bombs ask.
+    #[arg(long)]
+    model: String,
+    /// The honest client's key (scope infer).
+    #[arg(long, env = "RAMPART_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// The attacker's ordinary key [default: the honest client's].
+    #[arg(long)]
+    attacker_key: Option<String>,
+    /// A key with the admin and audit scopes: name traversal on the admin routes, and every
+    /// honest answer looked up in the audit log afterwards.
+    #[arg(long)]
+    admin_key: Option<String>,
+    /// A tensor model for the lying and oversized KServe bodies (none: skipped).
+    #[arg(long)]
+    tensor_model: Option<String>,
+    /// Which attacks (comma-separated): unauthenticated, tensor, guard, feedback, traversal,
+    /// slowloris, tokenize [default: all].
+    #[arg(long, value_delimiter = ',')]
+    attacks: Vec<String>,
+    /// Workers per flooding attack.
+    #[arg(long, default_value_t = 4, value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
+    concurrency: usize,
+    /// Seconds the attacks run.
+    #[arg(long, default_value_t = 30)]
+    duration_s: u64,
+    /// Honest requests on the idle server first (the p99 reference).
+    #[arg(long, default_value_t = 10)]
+    baseline_requests: usize,
+    /// Milliseconds between the honest client's requests.
+    #[arg(long, default_value_t = 500)]
+    honest_interval_ms: u64,
+    /// The server's process id, for its resident memory.
+    #[arg(long)]
+    server_pid: Option<u32>,
+    /// The most resident memory the server may reach (MiB), with --server-pid.
+    #[arg(long)]
+    rss_limit_mb: Option<u64>,
+    /// The honest p99 under attack may be at most this times the idle one.
+    #[arg(long, default_value_t = 2.0)]
+    max_latency_ratio: f64,
+    /// Seconds within which the server must close a slow or idle connection.
+    #[arg(long, default_value_t = 60)]
+    slow_close_limit_s: u64,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Debug, Clone, Copy, clap::ValueEnum)]
@@ -249,6 +310,7 @@ pub struct ServeArgs {
 pub fn run(command: BenchCommand) -> Result<ExitCode> {
     match command {
         BenchCommand::Serve(args) => return serve(args),
+        BenchCommand::Abuse(args) => return abuse(args),
         BenchCommand::Engine {
             model,
             prompt_tokens,
@@ -472,6 +534,87 @@ pub fn run(command: BenchCommand) -> Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn abuse(args: AbuseArgs) -> Result<ExitCode> {
+    use loadgen::abuse::{self, AbuseConfig, Attack};
+    let attacks = if args.attacks.is_empty() {
+        Attack::ALL.to_vec()
+    } else {
+        args.attacks
+            .iter()
+            .map(|a| {
+                Attack::parse(a.trim()).with_context(|| {
+                    format!(
+                        "--attacks: {a:?} is not one of {}",
+                        Attack::ALL.map(Attack::as_str).join(", ")
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>>>()?
+    };
+    let report = abuse::run(AbuseConfig {
+        base_url: args
+            .url
+            .trim_end_matches('/')
+            .trim_end_matches("/v1")
+            .to_string(),
+        key: args.api_key,
+        attacker_key: args.attacker_key,
+        admin_key: args.admin_key,
+        model: args.model,
+        tensor_model: args.tensor_model,
+        attacks,
+        concurrency: args.concurrency,
+        duration: Duration::from_secs(args.duration_s.max(1)),
+        baseline_requests: args.baseline_requests.max(1),
+        honest_interval: Duration::from_millis(args.honest_interval_ms),
+        server_pid: args.server_pid,
+        rss_limit_bytes: args.rss_limit_mb.map(|m| m << 20),
+        max_latency_ratio: args.max_latency_ratio,
+        slow_close_limit: Duration::from_secs(args.slow_close_limit_s.max(1)),
+        ..AbuseConfig::default()
+    })?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        let ms = |s: Option<loadgen::Summary>| {
+            s.map_or_else(
+                || "-".to_string(),
+                |s| format!("p50 {:.0} ms, p99 {:.0} ms", s.p50 * 1e3, s.p99 * 1e3),
+            )
+        };
+        println!("abuse     {} for {:.0} s", report.url, report.duration_s);
+        println!("honest    idle: {}", ms(report.idle_latency));
+        println!("          under attack: {}", ms(report.attacked_latency));
+        for (attack, r) in &report.attacks {
+            println!(
+                "{:<9} {} requests {:?}{}",
+                attack.as_str(),
+                r.requests,
+                r.statuses,
+                if r.notes.is_empty() {
+                    String::new()
+                } else {
+                    format!(" {:?}", r.notes)
+                }
+            );
+        }
+        println!();
+        for c in &report.checks {
+            println!(
+                "{} {:<24} {}",
+                if c.passed { "pass" } else { "FAIL" },
+                c.name,
+                c.detail
+            );
+        }
+    }
+    Ok(if report.passed() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
 }
 
 fn serve(args: ServeArgs) -> Result<ExitCode> {

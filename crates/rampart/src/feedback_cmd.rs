@@ -321,7 +321,7 @@ impl Retrain<'_> {
             summary.dataset_version, base.version
         ));
         // 5. The release: A/B, the first step at `first_step` %, the helpful rate judged.
-        let path = release::plan::plan_path(repo_dir, model);
+        let path = release::plan::plan_path(repo_dir, model)?;
         let mut plan = if path.is_file() {
             release::plan::ReleasePlan::load(&path)?
         } else {

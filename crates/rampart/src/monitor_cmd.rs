@@ -162,7 +162,7 @@ fn baseline(args: BaselineArgs) -> Result<ExitCode> {
     let run = run?;
     let path = match &args.out {
         Some(p) => p.clone(),
-        None => server::monitors::baseline_path(&monitor_cfg, &repo_dir, &name, &run.version),
+        None => server::monitors::baseline_path(&monitor_cfg, &repo_dir, &name, &run.version)?,
     };
     if args.out.is_none() && path.exists() && !args.force {
         bail!(

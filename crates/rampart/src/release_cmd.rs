@@ -745,7 +745,7 @@ fn local(args: &ReleaseArgs) -> Result<ExitCode> {
         | ReleaseCommand::Start { model: m, .. } => m.clone(),
         ReleaseCommand::Gate { .. } => unreachable!("gate needs a server"),
     };
-    let path = plan_path(&args.repo, &model);
+    let path = plan_path(&args.repo, &model)?;
     let plan = if path.is_file() {
         ReleasePlan::load(&path)?
     } else if let ReleaseCommand::Start { candidate, .. } = &args.command {
@@ -849,7 +849,7 @@ fn local_status_all(args: &ReleaseArgs) -> Result<ExitCode> {
     let repository = repo::Repository::open(&args.repo);
     let mut all = Vec::new();
     for name in repository.models().unwrap_or_default() {
-        let path = plan_path(&args.repo, &name);
+        let path = plan_path(&args.repo, &name)?;
         if path.is_file() {
             let plan = ReleasePlan::load(&path)?;
             all.push((name, serde_json::to_value(Controller::new(plan).status())?));

@@ -234,13 +234,14 @@ fn http_contract_auth_ids_errors_and_metrics() {
         with["count"].as_u64() > without["count"].as_u64(),
         "{with} {without}"
     );
-    // Special-token texts: their tokens by default, plain text on request.
-    let (_, parsed) = post("/tokenize", r#"{"prompt":"<|im_start|>"}"#, Some(KEY));
-    let (_, plain) = post(
+    // Special-token texts: plain text by default (as /v1/completions reads prompts of a model
+    // that does not opt in to control tokens), their tokens on request.
+    let (_, parsed) = post(
         "/tokenize",
-        r#"{"prompt":"<|im_start|>","parse_special_tokens":false}"#,
+        r#"{"prompt":"<|im_start|>","parse_special_tokens":true}"#,
         Some(KEY),
     );
+    let (_, plain) = post("/tokenize", r#"{"prompt":"<|im_start|>"}"#, Some(KEY));
     assert_eq!(parsed["count"], 1, "{parsed}");
     assert!(plain["count"].as_u64() > Some(1), "{plain}");
     let (status, j) = post(

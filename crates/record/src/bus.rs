@@ -83,6 +83,14 @@ pub trait Sink: Send + 'static {
     fn wants_timeline(&self) -> bool {
         false
     }
+    /// Whether the sink receives records of requests refused before authentication (a
+    /// missing or invalid key). Anyone can send those, at any rate: a sink whose per-record
+    /// cost is real (an fsync'd audit entry, a log line, a span) says no and the server
+    /// summarises them per interval instead, so a flood cannot crowd out the records of
+    /// authenticated requests.
+    fn takes_refused_before_auth(&self) -> bool {
+        true
+    }
     fn write<'a>(&'a mut self, envelope: &'a Envelope) -> SinkFuture<'a>;
     /// The most records the bus hands to [`Sink::write_batch`] at once (1: one at a time).
     fn max_batch(&self) -> usize {
@@ -198,6 +206,7 @@ struct Lane {
     name: &'static str,
     delivery: Delivery,
     wants_payload: bool,
+    takes_refused_before_auth: bool,
     /// `None` once the bus shut down.
     sender: RwLock<Option<mpsc::Sender<Item>>>,
     /// Lossless lanes: the waiter tasks allowed at once.
@@ -327,6 +336,7 @@ impl Bus {
                 name,
                 delivery,
                 wants_payload: sink.wants_payload(),
+                takes_refused_before_auth: sink.takes_refused_before_auth(),
                 sender: RwLock::new(Some(sender)),
                 waiters: Arc::new(Semaphore::new(delivery.capacity())),
                 written: AtomicU64::new(0),
@@ -364,6 +374,7 @@ impl Bus {
             return receipt;
         }
         let payload = envelope.payload.take().filter(|_| self.wants_payload);
+        let before_auth = envelope.record.refused_before_auth();
         let bare = Arc::new(envelope);
         let full = payload.map(|p| {
             let mut with = (*bare).clone();
@@ -371,6 +382,9 @@ impl Bus {
             Arc::new(with)
         });
         for lane in &self.lanes {
+            if before_auth && !lane.takes_refused_before_auth {
+                continue;
+            }
             let envelope = match (&full, lane.wants_payload) {
                 (Some(full), true) => Arc::clone(full),
                 _ => Arc::clone(&bare),

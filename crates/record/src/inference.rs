@@ -164,6 +164,13 @@ pub struct Envelope {
 }
 
 impl InferenceRecord {
+    /// Refused before any key was accepted (missing or invalid key): traffic anyone can send,
+    /// which sinks that write per record (the audit log, the log, traces) leave to a summary
+    /// ([`crate::Sink::takes_refused_before_auth`]).
+    pub fn refused_before_auth(&self) -> bool {
+        self.refusal == Some("unauthorized")
+    }
+
     /// An empty record of a request that just arrived.
     pub fn new(request_id: String, principal: String, endpoint: &'static str) -> Self {
         let time_ms = std::time::SystemTime::now()

@@ -1285,7 +1285,9 @@ pub fn dataset_in_repository(repo: &Path, model: &str, version: &str) -> Option<
         && version
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.' | '+'));
-    if !plain {
+    let plain_model =
+        !model.is_empty() && !model.starts_with('.') && !model.contains(['/', '\\', '\0']);
+    if !plain || !plain_model {
         return None;
     }
     let dir = repo.join(model).join(DATASETS_DIR);

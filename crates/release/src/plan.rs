@@ -23,9 +23,22 @@ use crate::controller::Decision;
 /// The plan's file name, beside the model's versions in the repository.
 pub const PLAN_FILE: &str = "release.toml";
 
-/// Where `model`'s plan lives in the repository `repo`.
-pub fn plan_path(repo: &Path, model: &str) -> std::path::PathBuf {
-    repo.join(model).join(PLAN_FILE)
+/// Where `model`'s plan lives in the repository `repo`. The name must be one folder name (no
+/// separator, NUL, `.` or `..`, at most 64 bytes): a name from a route or a command can never
+/// place the plan outside the repository.
+pub fn plan_path(repo: &Path, model: &str) -> Result<std::path::PathBuf, ReleaseError> {
+    let plain = !model.is_empty()
+        && model.len() <= 64
+        && model != "."
+        && model != ".."
+        && !model.contains(['/', '\\', '\0']);
+    if !plain {
+        return Err(ReleaseError::invalid(
+            "model",
+            format!("{model:?} is not a model name"),
+        ));
+    }
+    Ok(repo.join(model).join(PLAN_FILE))
 }
 
 /// How many decisions the plan file keeps (the oldest are dropped first).

@@ -59,6 +59,25 @@ pub struct ModelRef {
     pub version: Option<semver::Version>,
 }
 
+impl ModelRef {
+    /// A checked reference from a name and an optional version text (a route's path parts, a
+    /// command's arguments): the name is a safe folder name ([`validate_name`]), the version a
+    /// semver version without build metadata ([`parse_version`]). Everything that reaches the
+    /// file system from outside goes through here or [`FromStr`].
+    pub fn new(name: &str, version: Option<&str>) -> Result<Self, RepoError> {
+        validate_name(name)?;
+        Ok(Self {
+            name: name.to_string(),
+            version: version.map(parse_version).transpose()?,
+        })
+    }
+
+    /// The version as its canonical text, for file names (`None` for a name alone).
+    pub fn version_text(&self) -> Option<String> {
+        self.version.as_ref().map(ToString::to_string)
+    }
+}
+
 impl FromStr for ModelRef {
     type Err = RepoError;
 
@@ -121,6 +140,22 @@ mod tests {
             assert!(bad.parse::<ModelRef>().is_err(), "{bad:?} accepted");
         }
         assert!(validate_name(&"a".repeat(65)).is_err());
+        for (name, version) in [
+            ("..", None),
+            ("/etc", None),
+            ("a\0b", None),
+            ("a", Some("../1.0.0")),
+            ("a", Some("1.0.0/..")),
+            ("a", Some("1.0.0-a/b")),
+            ("a", Some("/abs")),
+        ] {
+            assert!(
+                ModelRef::new(name, version).is_err(),
+                "{name:?}@{version:?} accepted"
+            );
+        }
+        let r = ModelRef::new("m", Some("1.2.3-rc.1")).unwrap();
+        assert_eq!(r.version_text().as_deref(), Some("1.2.3-rc.1"));
         assert!(validate_name("rapid-orientation_v2.onnx").is_ok());
     }
 }

@@ -22,6 +22,7 @@ use crate::faults::{self, Fault, FaultRequest};
 use crate::handoff::HandoffView;
 use crate::http::paths;
 use crate::identity::Principal;
+use crate::model_path::ModelPath;
 use crate::registry::Entry;
 use crate::state::AppState;
 
@@ -95,9 +96,13 @@ async fn monitors(
 async fn replace_baseline(
     State(state): State<Arc<AppState>>,
     Extension(principal): Extension<Principal>,
-    Path((name, version)): Path<(String, String)>,
+    model: ModelPath,
     body: axum::body::Bytes,
 ) -> Response {
+    let (name, version) = (
+        model.name().to_string(),
+        model.version().unwrap_or_default(),
+    );
     let m = match changing_monitors(&state) {
         Ok(m) => m,
         Err(e) => return e.into_response(),
@@ -114,8 +119,17 @@ async fn replace_baseline(
         "columns": baseline.columns,
         "categorical": baseline.categorical.keys().collect::<Vec<_>>(),
     });
-    if let Err(e) = m.replace_baseline(&name, &version, baseline) {
-        return ApiError::invalid(format!("baseline refused: {e}")).into_response();
+    // The baseline is written to disk: off the async workers.
+    let replaced = {
+        let (m, name, version) = (Arc::clone(m), name.clone(), version.clone());
+        tokio::task::spawn_blocking(move || m.replace_baseline(&name, &version, baseline)).await
+    };
+    match replaced {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return ApiError::invalid(format!("baseline refused: {e}")).into_response(),
+        Err(e) => {
+            return ApiError::Internal(format!("the baseline task stopped: {e}")).into_response()
+        }
     }
     let target = format!("{name}@{version}");
     if let Err(e) = note(
@@ -139,15 +153,26 @@ async fn replace_baseline(
 async fn recapture_baseline(
     State(state): State<Arc<AppState>>,
     Extension(principal): Extension<Principal>,
-    Path((name, version)): Path<(String, String)>,
+    model: ModelPath,
 ) -> Response {
+    let (name, version) = (
+        model.name().to_string(),
+        model.version().unwrap_or_default(),
+    );
     let m = match changing_monitors(&state) {
         Ok(m) => m,
         Err(e) => return e.into_response(),
     };
-    let found = match m.recapture(&name, &version) {
-        Ok(found) => found,
-        Err(e) => return ApiError::Internal(e.to_string()).into_response(),
+    let recaptured = {
+        let (m, name, version) = (Arc::clone(m), name.clone(), version.clone());
+        tokio::task::spawn_blocking(move || m.recapture(&name, &version)).await
+    };
+    let found = match recaptured {
+        Ok(Ok(found)) => found,
+        Ok(Err(e)) => return ApiError::Internal(e.to_string()).into_response(),
+        Err(e) => {
+            return ApiError::Internal(format!("the baseline task stopped: {e}")).into_response()
+        }
     };
     let target = format!("{name}@{version}");
     let detail = serde_json::json!({ "found": found });
@@ -307,9 +332,10 @@ struct HandoffAction {
 async fn handoff(
     State(state): State<Arc<AppState>>,
     Extension(principal): Extension<Principal>,
-    Path(name): Path<String>,
+    model: ModelPath,
     body: axum::body::Bytes,
 ) -> Response {
+    let name = model.name().to_string();
     let action: HandoffAction = match serde_json::from_slice(&body) {
         Ok(a) => a,
         Err(e) => {

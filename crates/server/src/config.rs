@@ -221,6 +221,10 @@ pub struct ServerConfig {
     pub insecure_no_auth: bool,
     /// Whether `/metrics` needs a key (when keys are configured).
     pub metrics_require_auth: bool,
+    /// Requests refused before authentication (missing or invalid key) are counted and
+    /// summarised every this many seconds: one log line and one `auth.refused` audit entry,
+    /// never one entry each (`crate::unauthenticated`).
+    pub unauthenticated_summary_s: u64,
     /// Seconds in-flight requests get to finish after SIGTERM/SIGINT before they are cancelled.
     pub shutdown_timeout_s: u64,
     /// Readiness fails when sequences are running and no token came for this many seconds.
@@ -276,6 +280,7 @@ impl Default for ServerConfig {
             api_keys_file: None,
             insecure_no_auth: false,
             metrics_require_auth: false,
+            unauthenticated_summary_s: 60,
             shutdown_timeout_s: 30,
             stall_timeout_s: 60,
             threads: None,
@@ -334,6 +339,13 @@ pub struct Limits {
     pub max_tensor_body_bytes: usize,
     /// Most elements one input tensor may hold (after image pre-processing).
     pub max_tensor_elements: usize,
+    /// `/tokenize` and `/detokenize` requests worked on at once, server-wide (each takes a
+    /// blocking thread while it tokenizes).
+    pub tokenize_in_flight: usize,
+    /// Those requests waiting for a place; beyond it they are refused at once (429
+    /// `queue_full`), and one that waits longer than `tokenize_timeout_ms` gets 503.
+    pub tokenize_waiting: usize,
+    pub tokenize_timeout_ms: u64,
 }
 
 impl Default for Limits {
@@ -352,6 +364,9 @@ impl Default for Limits {
             max_embedding_inputs: 2048,
             max_tensor_body_bytes: 100 << 20,
             max_tensor_elements: 64 << 20,
+            tokenize_in_flight: 4,
+            tokenize_waiting: 32,
+            tokenize_timeout_ms: 5_000,
         }
     }
 }
@@ -941,18 +956,16 @@ pub struct ModelConfig {
     pub latency_objective_ms: Option<u64>,
     /// This model's hand-off, instead of the server's `[handoff]`.
     pub handoff: Option<HandoffConfig>,
-    /// `/v1/completions` prompts: special-token texts become control tokens (what raw-prompt
-    /// clients expect); a request's `parse_special_tokens` overrides it. Chat content is always
-    /// plain text.
-    #[serde(default = "default_true")]
+    /// `/v1/completions` prompts may carry control tokens (raw templated prompts): off by
+    /// default, so special-token texts in a prompt stay plain text, token-id prompts holding
+    /// control ids (but a leading BOS) are refused, and a request's `parse_special_tokens: true`
+    /// is refused. On: special-token texts become control tokens unless the request says
+    /// `false`. Chat content is always plain text.
+    #[serde(default)]
     pub parse_special_tokens: bool,
     /// This model's guard settings over the server's `[guard]`.
     #[serde(default)]
     pub guard: GuardOverride,
-}
-
-fn default_true() -> bool {
-    true
 }
 
 fn default_first_token_timeout_ms() -> u64 {
@@ -986,7 +999,7 @@ impl ModelConfig {
             stall_timeout_ms: default_stall_timeout_ms(),
             latency_objective_ms: None,
             handoff: None,
-            parse_special_tokens: true,
+            parse_special_tokens: false,
             guard: GuardOverride::default(),
         }
     }
@@ -1043,6 +1056,21 @@ pub struct GuardConfig {
     pub max_segments: usize,
     /// Compute threads of the classifier's embedder.
     pub threads: Option<usize>,
+    /// The guard's budget per request (docs/guard.md#cost): most texts (messages and
+    /// prompts) and bytes one request may bring to the guard; beyond either, the request is
+    /// refused (400 `guard_budget_exceeded`) before any guard work.
+    pub max_texts: usize,
+    pub max_bytes: usize,
+    /// Segments the classifier embeds for one request (cached ones are free); the views past
+    /// it are judged by the rules alone and the request gets `over_budget`.
+    pub classifier_budget: usize,
+    pub over_budget: guard::OverBudget,
+    /// Requests judged at once (each on a blocking thread): the guard's whole CPU bound.
+    pub workers: usize,
+    /// Requests waiting for a worker; beyond it 429 `queue_full` at once, and 503 after
+    /// `queue_timeout_ms` of waiting.
+    pub queue: usize,
+    pub queue_timeout_ms: u64,
     /// The policy for every model and key (unset fields: the defaults): the fields of
     /// [`GuardOverride`], spelled out because serde cannot flatten a struct into one that denies
     /// unknown fields ([`GuardConfig::policy`] gathers them).
@@ -1068,6 +1096,13 @@ impl Default for GuardConfig {
             segment_tokens: 128,
             max_segments: 8,
             threads: None,
+            max_texts: 256,
+            max_bytes: 1 << 20,
+            classifier_budget: guard::injection::DEFAULT_CLASSIFIER_BUDGET,
+            over_budget: guard::OverBudget::Flag,
+            workers: 2,
+            queue: 64,
+            queue_timeout_ms: 5_000,
             enabled: None,
             mode: None,
             thresholds: Default::default(),
@@ -1249,6 +1284,17 @@ impl ServerConfig {
             .validate()
             .map_err(|e| ConfigError(e.to_string()))?;
         self.guard.policy().validate("guard")?;
+        for (name, v) in [
+            ("max_texts", self.guard.max_texts),
+            ("max_bytes", self.guard.max_bytes),
+            ("workers", self.guard.workers),
+        ] {
+            if v == 0 {
+                return Err(ConfigError(format!(
+                    "guard.{name} = 0: at least 1 (the guard needs room to judge anything)"
+                )));
+            }
+        }
         self.monitor
             .drift
             .validate()

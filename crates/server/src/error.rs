@@ -25,6 +25,9 @@ pub enum ApiError {
     ContextLengthExceeded(String),
     #[error("{0}")]
     BodyTooLarge(String),
+    /// The request brings the guard more texts or bytes than its per-request budget.
+    #[error("{0}")]
+    GuardBudget(String),
     #[error("{0}")]
     Unauthorized(String),
     /// The key lacks the scope the route needs.
@@ -125,7 +128,8 @@ impl ApiError {
         match self {
             ApiError::InvalidRequest { .. }
             | ApiError::ContextLengthExceeded(_)
-            | ApiError::UnsafeInput { .. } => StatusCode::BAD_REQUEST,
+            | ApiError::UnsafeInput { .. }
+            | ApiError::GuardBudget(_) => StatusCode::BAD_REQUEST,
             ApiError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
@@ -150,7 +154,8 @@ impl ApiError {
         match self {
             ApiError::InvalidRequest { .. }
             | ApiError::ContextLengthExceeded(_)
-            | ApiError::BodyTooLarge(_) => "invalid_request_error",
+            | ApiError::BodyTooLarge(_)
+            | ApiError::GuardBudget(_) => "invalid_request_error",
             ApiError::Unauthorized(_) => "authentication_error",
             ApiError::Forbidden(_) => "permission_error",
             ApiError::HumanHandoff { .. } => "service_unavailable",
@@ -170,6 +175,7 @@ impl ApiError {
         match self {
             ApiError::ContextLengthExceeded(_) => Some("context_length_exceeded"),
             ApiError::BodyTooLarge(_) => Some("request_too_large"),
+            ApiError::GuardBudget(_) => Some("guard_budget_exceeded"),
             ApiError::Unauthorized(_) => Some("invalid_api_key"),
             ApiError::Forbidden(_) => Some("insufficient_scope"),
             ApiError::HumanHandoff { .. } => Some("human_handoff"),
@@ -373,9 +379,9 @@ impl ApiError {
         use tonic::Status;
         let message = self.to_string();
         let (mut status, retry_after) = match self {
-            ApiError::InvalidRequest { .. } | ApiError::ContextLengthExceeded(_) => {
-                (Status::invalid_argument(message), None)
-            }
+            ApiError::InvalidRequest { .. }
+            | ApiError::ContextLengthExceeded(_)
+            | ApiError::GuardBudget(_) => (Status::invalid_argument(message), None),
             ApiError::UnsafeInput { reasons, .. } => (
                 Status::invalid_argument(format!(
                     "{message} [unsafe_input: {}]",

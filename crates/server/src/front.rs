@@ -1,7 +1,9 @@
 //! The front: the one pipeline every protocol calls once it has decoded its wire format.
 //!
-//! drain check → route → guard → hand-off → rate limit → backend chain (each step: breaker,
-//! admission, backend; see [`crate::chain`]). Each protocol's handler is decode → [`serve`] →
+//! drain check → rate limit → route → guard → hand-off → backend chain (each step: breaker,
+//! admission, backend; see [`crate::chain`]). The key's rate limit comes before anything that
+//! costs (an on-demand load at the route, the guard's rules and classifier), so a key past its
+//! limit burns no CPU. Each protocol's handler is decode → [`serve`] →
 //! encode; nothing below this line knows the protocol, nothing above it knows the model. The
 //! record of the request is filled on the way (model, version, digest, queue time, the refusal
 //! and its reason, the attempts and the fallback that answered) and settled once by [`settle`].
@@ -70,9 +72,28 @@ pub async fn serve(
     if state.is_draining() {
         return Err(ApiError::draining());
     }
+    // A refusal before the route is counted under the model asked for.
+    record.record.model = model.name.clone();
+    rate_limit(state, principal, record)?;
     crate::residency::before_route(state, model, record).await?;
     let entry = route(state, model, work.kind(), record)?;
-    serve_routed(state, principal, entry, work, record).await
+    serve_entry(state, principal, entry, work, record).await
+}
+
+/// The key's request bucket and token budget (`[rate_limit]`): the first costly step's gate.
+fn rate_limit(
+    state: &AppState,
+    principal: &str,
+    record: &mut RecordBuilder,
+) -> Result<(), ApiError> {
+    state.rate_limiter.admit(principal).map_err(|wait| {
+        record.refuse("rate_limited");
+        ApiError::Overloaded {
+            message: format!("rate limit of key {principal:?} reached; retry in {wait} s"),
+            retry_after_s: wait,
+            code: "rate_limited",
+        }
+    })
 }
 
 /// The route: the entry that answers `work` for `model`. A model named without a version
@@ -171,9 +192,21 @@ fn release_route(
     releases.route(&model.name, &key)
 }
 
-/// The pipeline after the route (for protocols that route first): drain check, hand-off,
-/// rate limit, then the backend chain.
+/// The pipeline after the route (for protocols that route first): rate limit, drain check,
+/// guard, hand-off, then the backend chain.
 pub async fn serve_routed(
+    state: &Arc<AppState>,
+    principal: &str,
+    entry: Arc<Entry>,
+    work: Work,
+    record: &mut RecordBuilder,
+) -> Result<Admitted, ApiError> {
+    rate_limit(state, principal, record)?;
+    serve_entry(state, principal, entry, work, record).await
+}
+
+/// After the rate limit and the route: drain check, guard, hand-off, the backend chain.
+async fn serve_entry(
     state: &Arc<AppState>,
     principal: &str,
     entry: Arc<Entry>,
@@ -194,7 +227,8 @@ pub async fn serve_routed(
         work = work.kind().as_str()
     );
     async move {
-        // The guard: before hand-off, rate limit and the chain, so no fallback bypasses it.
+        // The guard: after the rate limit, before hand-off and the chain, so no fallback
+        // bypasses it.
         let mut work = work;
         let mut watch = None;
         if let Work::Generate(plan) = &mut work {
@@ -225,14 +259,6 @@ pub async fn serve_routed(
                 message: refusal.message,
                 url: refusal.url,
                 retry_after_s: refusal.retry_after_s,
-            });
-        }
-        if let Err(wait) = state.rate_limiter.admit(principal) {
-            record.refuse("rate_limited");
-            return Err(ApiError::Overloaded {
-                message: format!("rate limit of key {principal:?} reached; retry in {wait} s"),
-                retry_after_s: wait,
-                code: "rate_limited",
             });
         }
         // Shadow releases: a share of what the stable answers is also answered, on its own

@@ -346,9 +346,23 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         .as_ref()
         .map(|h| h.render())
         .unwrap_or_default();
-    if let Some(telemetry) = state.telemetry() {
-        let utilization = crate::telemetry::render(telemetry, &mut body);
-        state.set_gpu_utilization(utilization);
+    // The host and GPU telemetry read /proc, /sys and NVML (opened on the first scrape): off
+    // the async workers.
+    let sampled = {
+        let state = Arc::clone(&state);
+        tokio::task::spawn_blocking(move || {
+            let mut telemetry_text = String::new();
+            if let Some(telemetry) = state.telemetry() {
+                let utilization = crate::telemetry::render(telemetry, &mut telemetry_text);
+                state.set_gpu_utilization(utilization);
+            }
+            telemetry_text
+        })
+        .await
+    };
+    match sampled {
+        Ok(text) => body.push_str(&text),
+        Err(e) => tracing::error!(error = %e, "the host telemetry could not be read for /metrics"),
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
 }

@@ -152,6 +152,9 @@ pub fn authenticate(
         (Some(_), _) => "invalid API key",
     };
     let error = ApiError::Unauthorized(message.into());
+    state
+        .unauthenticated
+        .note(endpoint, transport, presented.is_some(), request_id);
     let mut record = state.record(request_id.to_string(), "unauthenticated".into(), endpoint);
     record.refuse("unauthorized");
     error.record(&mut record);

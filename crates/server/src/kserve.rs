@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
@@ -24,6 +24,7 @@ use crate::backend::{
 use crate::error::ApiError;
 use crate::front;
 use crate::identity::{self, Principal, RequestId};
+use crate::model_path::ModelPath;
 use crate::registry::{Entry, ModelName};
 use crate::state::AppState;
 
@@ -305,31 +306,28 @@ pub async fn health_ready(State(state): State<Arc<AppState>>) -> StatusCode {
     }
 }
 
-pub async fn model_metadata(
-    State(state): State<Arc<AppState>>,
-    Path(name): Path<String>,
-) -> Response {
-    rest_result(find(&state, &name, None).map(|s| Json(metadata(&state, &s)).into_response()))
+pub async fn model_metadata(State(state): State<Arc<AppState>>, model: ModelPath) -> Response {
+    rest_result(
+        find(&state, model.name(), None).map(|s| Json(metadata(&state, &s)).into_response()),
+    )
 }
 
 pub async fn model_version_metadata(
     State(state): State<Arc<AppState>>,
-    Path((name, version)): Path<(String, String)>,
+    model: ModelPath,
 ) -> Response {
     rest_result(
-        find(&state, &name, Some(&version)).map(|s| Json(metadata(&state, &s)).into_response()),
+        find(&state, model.name(), model.version().as_deref())
+            .map(|s| Json(metadata(&state, &s)).into_response()),
     )
 }
 
-pub async fn model_ready(State(state): State<Arc<AppState>>, Path(name): Path<String>) -> Response {
-    rest_result(ready_of(&state, &name, None))
+pub async fn model_ready(State(state): State<Arc<AppState>>, model: ModelPath) -> Response {
+    rest_result(ready_of(&state, model.name(), None))
 }
 
-pub async fn model_version_ready(
-    State(state): State<Arc<AppState>>,
-    Path((name, version)): Path<(String, String)>,
-) -> Response {
-    rest_result(ready_of(&state, &name, Some(&version)))
+pub async fn model_version_ready(State(state): State<Arc<AppState>>, model: ModelPath) -> Response {
+    rest_result(ready_of(&state, model.name(), model.version().as_deref()))
 }
 
 fn ready_of(state: &AppState, name: &str, version: Option<&str>) -> Result<Response, ApiError> {
@@ -351,10 +349,11 @@ pub async fn model_infer(
     State(state): State<Arc<AppState>>,
     Extension(id): Extension<RequestId>,
     Extension(principal): Extension<Principal>,
-    Path(name): Path<String>,
+    model: ModelPath,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
+    let name = model.name().to_string();
     rest_infer(state, id, principal, name, None, headers, body).await
 }
 
@@ -362,11 +361,12 @@ pub async fn model_version_infer(
     State(state): State<Arc<AppState>>,
     Extension(id): Extension<RequestId>,
     Extension(principal): Extension<Principal>,
-    Path((name, version)): Path<(String, String)>,
+    model: ModelPath,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    rest_infer(state, id, principal, name, Some(version), headers, body).await
+    let (name, version) = (model.name().to_string(), model.version());
+    rest_infer(state, id, principal, name, version, headers, body).await
 }
 
 /// Content types of the raw-image input.

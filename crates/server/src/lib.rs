@@ -45,6 +45,7 @@ pub mod handoff;
 pub mod http;
 pub mod identity;
 pub mod kserve;
+pub mod model_path;
 pub mod monitors;
 pub mod observe;
 pub mod openai;
@@ -60,6 +61,7 @@ pub mod state;
 pub mod telemetry;
 pub mod tokenize;
 pub mod traces;
+pub mod unauthenticated;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -222,6 +224,11 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         grpc = %grpc_addr.map_or_else(|| "off".to_string(), |a| a.to_string()),
         auth = state.keys.as_ref().map_or(0, KeyStore::len),
         "rampart serving (models loading)"
+    );
+    unauthenticated::spawn_summaries(
+        Arc::clone(&state.unauthenticated),
+        state.audit.clone(),
+        std::time::Duration::from_secs(state.config.unauthenticated_summary_s.max(1)),
     );
     spawn_loading(Arc::clone(&state));
     spawn_readiness(Arc::clone(&state));

@@ -92,12 +92,12 @@ impl Monitors {
     }
 
     /// Where a version's baseline is kept.
-    pub fn baseline_path(&self, model: &str, version: &str) -> PathBuf {
+    pub fn baseline_path(&self, model: &str, version: &str) -> Result<PathBuf, MonitorError> {
         baseline_path(&self.cfg, &self.repo, model, version)
     }
 
     fn load_baseline(&self, model: &str, version: &str) -> Option<Baseline> {
-        let path = self.baseline_path(model, version);
+        let path = self.baseline_path(model, version).ok()?;
         let text = std::fs::read_to_string(&path).ok()?;
         match serde_json::from_str::<Baseline>(&text)
             .map_err(|e| e.to_string())
@@ -112,7 +112,7 @@ impl Monitors {
     }
 
     fn save_baseline(&self, model: &str, version: &str, b: &Baseline) -> Result<(), MonitorError> {
-        write_baseline(&self.baseline_path(model, version), b)
+        write_baseline(&self.baseline_path(model, version)?, b)
     }
 
     fn fresh(&self, model: &str, version: &str) -> VersionMonitors {
@@ -144,7 +144,9 @@ impl Monitors {
             .map(|((model, version), v)| MonitorView {
                 model: model.clone(),
                 version: version.clone(),
-                baseline_path: self.baseline_path(model, version).display().to_string(),
+                baseline_path: self
+                    .baseline_path(model, version)
+                    .map_or_else(|e| e.to_string(), |p| p.display().to_string()),
                 drift: v.drift.view(),
                 outputs: v.outputs.iter().map(OutputMonitor::view).collect(),
             })
@@ -179,7 +181,7 @@ impl Monitors {
 
     /// Forgets a version's baseline: the next requests become the new one.
     pub fn recapture(&self, model: &str, version: &str) -> Result<bool, MonitorError> {
-        let path = self.baseline_path(model, version);
+        let path = self.baseline_path(model, version)?;
         let existed = match std::fs::remove_file(&path) {
             Ok(()) => true,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
@@ -311,18 +313,22 @@ impl Monitors {
 }
 
 /// Where a version's baseline is kept: `<repo>/<model>/monitors/<version>.json`, or
-/// `<dir>/<model>/<version>.json` under `[monitor] dir`.
+/// `<dir>/<model>/<version>.json` under `[monitor] dir`. The name and version are checked as
+/// a repository reference first ([`repo::ModelRef::new`]): nothing from a route or a command
+/// can name a file outside those folders.
 pub fn baseline_path(
     cfg: &MonitorConfig,
     repo: &std::path::Path,
     model: &str,
     version: &str,
-) -> PathBuf {
-    let file = format!("{version}.json");
-    match &cfg.dir {
-        Some(dir) => dir.join(model).join(file),
-        None => repo.join(model).join("monitors").join(file),
-    }
+) -> Result<PathBuf, MonitorError> {
+    let checked = repo::ModelRef::new(model, Some(version))
+        .map_err(|e| MonitorError(format!("no baseline path for {model:?}@{version:?}: {e}")))?;
+    let file = format!("{}.json", checked.version_text().unwrap_or_default());
+    Ok(match &cfg.dir {
+        Some(dir) => dir.join(&checked.name).join(file),
+        None => repo.join(&checked.name).join("monitors").join(file),
+    })
 }
 
 /// Writes a baseline file whole or not at all (a temporary file renamed over it).
@@ -501,11 +507,35 @@ impl Sink for MonitorSink {
         }
     }
 
+    /// Records arrive in batches and are taken on a blocking thread: a version's first record
+    /// reads its baseline file, a finished capture writes one, and the features cost CPU; none
+    /// of it runs on the async workers.
+    fn max_batch(&self) -> usize {
+        MONITOR_BATCH
+    }
+
     fn write<'a>(&'a mut self, envelope: &'a Envelope) -> SinkFuture<'a> {
-        self.monitors.take(envelope);
-        Box::pin(std::future::ready(Ok(())))
+        let envelopes = [Arc::new(envelope.clone())];
+        Box::pin(async move { self.write_batch(&envelopes).await })
+    }
+
+    fn write_batch<'a>(&'a mut self, envelopes: &'a [Arc<Envelope>]) -> SinkFuture<'a> {
+        let monitors = Arc::clone(&self.monitors);
+        let envelopes = envelopes.to_vec();
+        Box::pin(async move {
+            tokio::task::spawn_blocking(move || {
+                for e in &envelopes {
+                    monitors.take(e);
+                }
+            })
+            .await
+            .map_err(|e| record::SinkError(format!("the monitors' task stopped: {e}")))
+        })
     }
 }
+
+/// Records the monitors' lane hands over at once.
+const MONITOR_BATCH: usize = 64;
 
 #[cfg(test)]
 mod tests {
@@ -563,7 +593,7 @@ mod tests {
                 e,
             ));
         }
-        let path = m.baseline_path("m", "1.0.0");
+        let path = m.baseline_path("m", "1.0.0").unwrap();
         assert!(path.is_file(), "{}", path.display());
         let views = m.views();
         assert_eq!(views[0].drift.phase, "watching");

@@ -116,6 +116,7 @@ pub static METRICS: &[MetricInfo] = &[
     recorded("rampart_prompt_tokens_total", MetricKind::Counter, &["model"], "Prompt tokens of finished requests."),
     recorded("rampart_generated_tokens_total", MetricKind::Counter, &["model"], "Tokens generated for finished requests."),
     recorded("rampart_rejected_requests_total", MetricKind::Counter, &["model", "reason"], "Requests refused before any compute, by reason."),
+    recorded("rampart_tokenize_rejected_total", MetricKind::Counter, &["reason"], "/tokenize and /detokenize requests refused before their body was read, by reason (rate_limited, queue_full, shedding, timeout)."),
     recorded("rampart_abnormal_requests_total", MetricKind::Counter, &["model"], "Requests whose mean token entropy fell outside the model's band."),
     recorded("rampart_queue_depth", MetricKind::Gauge, &["model"], "Requests waiting for an admission slot."),
     recorded("rampart_requests_in_flight", MetricKind::Gauge, &["model"], "Requests holding an admission slot."),
@@ -342,6 +343,11 @@ impl LogSink {
 impl Sink for LogSink {
     fn name(&self) -> &'static str {
         "log"
+    }
+
+    /// One summary line per interval instead (crate::unauthenticated).
+    fn takes_refused_before_auth(&self) -> bool {
+        false
     }
 
     fn delivery(&self) -> Delivery {

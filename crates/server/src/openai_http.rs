@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -22,6 +22,7 @@ use crate::chain::{Fallback, FALLBACK_HEADER};
 use crate::error::{ApiError, ErrorBody};
 use crate::front::{self, Ticket};
 use crate::identity::{self, Principal, RequestId};
+use crate::model_path::ModelPath;
 use crate::openai::*;
 use crate::registry::{Entry, ModelName};
 use crate::screen;
@@ -354,11 +355,9 @@ pub async fn list_models(State(state): State<Arc<AppState>>) -> Json<ModelList> 
 /// One model (`name` or `name@version`) and its status.
 #[utoipa::path(get, path = "/v1/models/{id}", params(("id" = String, Path, description = "name or name@version")),
     responses((status = 200, body = ModelCard), (status = 404, body = ErrorBody)))]
-pub async fn get_model(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
-    match state
-        .registry
-        .resolve(&ModelName::parse(&id), WorkKind::Generate)
-    {
+pub async fn get_model(State(state): State<Arc<AppState>>, model: ModelPath) -> Response {
+    let name = ModelName::versioned(model.name(), model.version().as_deref());
+    match state.registry.resolve(&name, WorkKind::Generate) {
         Ok(e) => Json(card(&e)).into_response(),
         Err(e) => e.into_response(),
     }

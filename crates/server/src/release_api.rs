@@ -16,6 +16,7 @@ use serde::Deserialize;
 use crate::error::ApiError;
 use crate::http::paths;
 use crate::identity::Principal;
+use crate::model_path::ModelPath;
 use crate::releases::{CommandError, Releases};
 use crate::state::AppState;
 
@@ -43,12 +44,13 @@ async fn list(State(state): State<Arc<AppState>>) -> Response {
 }
 
 /// `GET /admin/releases/{name}`: the plan (settings, state, history) and the judge's status.
-async fn show(State(state): State<Arc<AppState>>, Path(name): Path<String>) -> Response {
+async fn show(State(state): State<Arc<AppState>>, model: ModelPath) -> Response {
+    let name = model.name();
     let r = match releases_of(&state) {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
-    let Some(m) = r.get(&name) else {
+    let Some(m) = r.get(name) else {
         return ApiError::ModelNotFound(format!(
             "the model {name:?} has no release plan (start one with POST /admin/releases/{name}/start)"
         ))
@@ -93,10 +95,12 @@ struct GateSubmission {
 async fn act(
     State(state): State<Arc<AppState>>,
     Extension(principal): Extension<Principal>,
-    Path((name, action)): Path<(String, String)>,
+    model: ModelPath,
+    Path(params): Path<std::collections::HashMap<String, String>>,
     body: axum::body::Bytes,
 ) -> Response {
-    match act_inner(&state, &principal.0, &name, &action, &body).await {
+    let action = params.get("action").map_or("", String::as_str);
+    match act_inner(&state, &principal.0, model.name(), action, &body).await {
         Ok(v) => Json(v).into_response(),
         Err(e) => e.into_response(),
     }

@@ -195,7 +195,7 @@ impl Releases {
     ) -> Result<Self, release::plan::ReleaseError> {
         let mut models = BTreeMap::new();
         for name in names {
-            let path = plan_path(&repo, name);
+            let path = plan_path(&repo, name)?;
             if !path.is_file() {
                 continue;
             }
@@ -224,7 +224,7 @@ impl Releases {
     /// The versions a plan wants served: its stable, and its candidate while a release of it
     /// is under way. `None` without a plan.
     pub fn versions_wanted(repo: &Path, name: &str) -> Option<(String, Option<String>)> {
-        let plan = ReleasePlan::load(&plan_path(repo, name)).ok()?;
+        let plan = ReleasePlan::load(&plan_path(repo, name).ok()?).ok()?;
         let candidate = plan
             .candidate
             .clone()
@@ -332,7 +332,7 @@ impl Releases {
                 "no version of it is served".into(),
             ));
         };
-        let path = plan_path(&self.repo, name);
+        let path = plan_path(&self.repo, name)?;
         let plan = if path.is_file() {
             ReleasePlan::load(&path)?
         } else {
@@ -370,7 +370,9 @@ impl Releases {
             if self.get(name).is_some() {
                 continue;
             }
-            let path = plan_path(&self.repo, name);
+            let Ok(path) = plan_path(&self.repo, name) else {
+                continue;
+            };
             if !path.is_file() {
                 continue;
             }

@@ -425,9 +425,10 @@ async fn index_route(
 
 async fn load_route(
     axum::extract::State(state): axum::extract::State<Arc<AppState>>,
-    axum::extract::Path(name): axum::extract::Path<String>,
+    model: crate::model_path::ModelPath,
     axum::Extension(principal): axum::Extension<crate::identity::Principal>,
 ) -> axum::response::Response {
+    let name = model.name().to_string();
     let result = async {
         let entry = load(&state, &name, "admin").await?;
         Ok((
@@ -445,9 +446,10 @@ async fn load_route(
 
 async fn unload_route(
     axum::extract::State(state): axum::extract::State<Arc<AppState>>,
-    axum::extract::Path(name): axum::extract::Path<String>,
+    model: crate::model_path::ModelPath,
     axum::Extension(principal): axum::Extension<crate::identity::Principal>,
 ) -> axum::response::Response {
+    let name = model.name().to_string();
     let drain = Duration::from_secs(state.config.shutdown_timeout_s.max(1));
     let result = unload(&state, &name, drain)
         .await

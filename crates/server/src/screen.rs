@@ -6,6 +6,13 @@
 //! `[guard.keys.<id>]`. Each decision is a record (`guard_verdict`, `guard_reasons`,
 //! `guard_score`, `guard_ms`), a metric (`rampart_guard_decisions_total`,
 //! `rampart_guard_seconds`) and, when it is not `allow`, a log line with its reasons.
+//!
+//! The guard's cost is bounded per request and in all (docs/guard.md#cost): a request bringing
+//! more than `[guard] max_texts` texts or `max_bytes` bytes is refused before any guard work
+//! (400 `guard_budget_exceeded`); the classifier embeds at most `classifier_budget` segments of
+//! one request (the rest: `over_budget`); and every judgement, rules and classifier, runs on a
+//! blocking thread under one of `[guard] workers` places (`queue` waiting, 429 beyond), never
+//! on the async workers. The key's rate limit is taken before the guard (crate::front).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -72,6 +79,8 @@ pub struct GuardService {
     /// Why the configured rules or classifier could not be loaded (the guard then runs the
     /// seed rules alone, and a fail-closed policy refuses every request it would screen).
     pub load_error: Option<String>,
+    /// The places where requests are judged (`[guard] workers`, `queue`).
+    pool: Arc<crate::admission::Admission>,
 }
 
 impl std::fmt::Debug for GuardService {
@@ -182,6 +191,11 @@ impl GuardService {
             rules_source: "seed".into(),
             classifier_source: None,
             load_error: None,
+            pool: crate::admission::Admission::new(crate::config::Admission {
+                max_in_flight: config.guard.workers.max(1),
+                max_waiting: config.guard.queue,
+                queue_timeout_ms: config.guard.queue_timeout_ms,
+            }),
         }
     }
 
@@ -271,6 +285,8 @@ impl GuardService {
                 classifier_threshold: o
                     .classifier_threshold
                     .unwrap_or(guard::injection::DEFAULT_CLASSIFIER_THRESHOLD),
+                classifier_budget: self.config.classifier_budget,
+                over_budget: self.config.over_budget,
             },
             refusal: o.refusal.unwrap_or_default(),
             canary: o.canary.unwrap_or_default(),
@@ -302,7 +318,7 @@ impl GuardService {
 }
 
 /// A generation's texts by channel: chat messages by role, completion prompts as `prompt`
-/// (token-id prompts carry no text to judge).
+/// (token-id prompts need the model's vocabulary to read: [`screen`] adds them).
 pub fn texts(plan: &GeneratePlan) -> Vec<(Channel, String)> {
     let mut out = Vec::new();
     for p in &plan.prompts {
@@ -319,6 +335,26 @@ pub fn texts(plan: &GeneratePlan) -> Vec<(Channel, String)> {
         }
     }
     out
+}
+
+/// Refuses a request that brings the guard more texts or bytes than `[guard] max_texts` and
+/// `max_bytes` allow (the texts are counted, not read).
+fn within_budget(config: &GuardConfig, texts: &[(Channel, String)]) -> Result<(), ApiError> {
+    let bytes: usize = texts.iter().map(|(_, t)| t.len()).sum();
+    if texts.len() > config.max_texts {
+        return Err(ApiError::GuardBudget(format!(
+            "the request brings {} texts (messages and prompts) to the input guard, more than its budget of {} per request ([guard] max_texts)",
+            texts.len(),
+            config.max_texts
+        )));
+    }
+    if bytes > config.max_bytes {
+        return Err(ApiError::GuardBudget(format!(
+            "the request brings {bytes} bytes of text to the input guard, more than its budget of {} per request ([guard] max_bytes)",
+            config.max_bytes
+        )));
+    }
+    Ok(())
 }
 
 /// The guard's view of [`texts`].
@@ -456,10 +492,42 @@ pub async fn screen(
     if !effective.enabled {
         return Ok((Screened::Pass, None));
     }
-    let texts = texts(plan);
+    let mut texts = texts(plan);
+    // Token-id prompts are judged as the text they spell (control ids among them are the
+    // backend's to refuse unless the model opts in).
+    for p in &plan.prompts {
+        if let engine::Prompt::Tokens(ids) = p {
+            if let Some(text) = backend.prompt_text(ids) {
+                texts.push((Channel::Prompt, text));
+            }
+        }
+    }
+    within_budget(&service.config, &texts).inspect_err(|_| {
+        record.refuse("guard_budget");
+    })?;
     let started = Instant::now();
-    let decision = if service.guard.has_classifier() && effective.policy.classifier {
-        // The classifier embeds: off the async workers.
+    let _place = service.pool.acquire().await.map_err(|e| {
+        record.refuse("guard_busy");
+        let (judging, waiting) = (service.config.workers, service.config.queue);
+        match e {
+            ApiError::Overloaded { retry_after_s, .. } => ApiError::Overloaded {
+                message: format!(
+                    "the input guard is at capacity ({judging} requests judged at once, {waiting} waiting); retry later"
+                ),
+                retry_after_s,
+                code: "queue_full",
+            },
+            _ => ApiError::Unavailable {
+                message: format!(
+                    "no place to judge the input within {} ms; retry later",
+                    service.config.queue_timeout_ms
+                ),
+                retry_after_s: 1,
+            },
+        }
+    })?;
+    let decision = {
+        // Rules and classifier alike: off the async workers, one of `workers` at a time.
         let service = Arc::clone(service);
         let backend = Arc::clone(backend);
         let policy = effective.policy.clone();
@@ -481,10 +549,6 @@ pub async fn screen(
             reasons: Vec::new(),
             ms: started.elapsed().as_secs_f64() * 1e3,
             error: Some(format!("the guard task failed: {e}")),
-        })
-    } else {
-        service.check(&as_inputs(&texts), &effective.policy, &|t| {
-            backend.special_token_spans(t)
         })
     };
     record_decision(record, model, &decision);

@@ -59,6 +59,10 @@ pub struct AppState {
     pub draining: AtomicBool,
     pub keys: Option<KeyStore>,
     pub rate_limiter: RateLimiter,
+    /// Requests refused before authentication, summarised per interval.
+    pub unauthenticated: Arc<crate::unauthenticated::Tally>,
+    /// The places of `/tokenize` and `/detokenize` (`[limits] tokenize_in_flight`).
+    pub tokenizing: Arc<crate::admission::Admission>,
     pub metrics: Option<PrometheusHandle>,
     /// Where every request's record goes.
     pub bus: Arc<Bus>,
@@ -116,6 +120,12 @@ impl AppState {
         Arc::new(Self {
             audit,
             rate_limiter: RateLimiter::new(config.rate_limit.clone()),
+            unauthenticated: Arc::default(),
+            tokenizing: crate::admission::Admission::new(crate::config::Admission {
+                max_in_flight: config.limits.tokenize_in_flight.max(1),
+                max_waiting: config.limits.tokenize_waiting,
+                queue_timeout_ms: config.limits.tokenize_timeout_ms,
+            }),
             handoffs: Handoffs::new(&config),
             faults: Faults::new(config.faults.clone()),
             config,

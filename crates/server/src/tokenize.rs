@@ -2,8 +2,9 @@
 //! chat template, without generating. Scope `infer`, like the models they read.
 //!
 //! - `/tokenize` takes a `prompt` (with `add_special_tokens`, default true: BOS when the model
-//!   adds one; `parse_special_tokens`, default true: special-token texts as their tokens, as
-//!   `/v1/completions` reads them) or chat `messages` (rendered by the
+//!   adds one; `parse_special_tokens`, default the model's `parse_special_tokens` (false unless
+//!   it opts in), as `/v1/completions` reads prompts: true reads special-token texts as their
+//!   tokens) or chat `messages` (rendered by the
 //!   model's template, with `add_generation_prompt`, default true; message contents never become
 //!   control tokens, as in a chat completion). It answers `count`, `max_model_len` (the served
 //!   context), `tokens`, and with `return_token_strs` each token's text.
@@ -11,18 +12,26 @@
 //!
 //! `model` names a served language model (`name` or `name@version`); it may be left out when the
 //! server serves exactly one. The work runs off the async workers (a long text takes a while).
+//!
+//! Both routes cost CPU without generating, so they are bounded like inference: the key's rate
+//! limit is taken first (one request from its bucket, 429 `rate_limited`), then a place among
+//! `[limits] tokenize_in_flight` server-wide (waiting at most `tokenize_waiting` deep, 429
+//! `queue_full` beyond it, 503 after `tokenize_timeout_ms`), and only then is the body read.
 
 use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use axum::Json;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+use crate::admission::Slot;
 use crate::backend::{Kind, WorkKind};
 use crate::error::ApiError;
+use crate::identity::Principal;
 use crate::openai::{engine_messages, ChatMessageIn};
 use crate::registry::ModelName;
 use crate::state::AppState;
@@ -38,8 +47,8 @@ pub struct TokenizeRequest {
     /// Prompt: add BOS when the model does (default true). Chat: the template places the
     /// special tokens; this adds nothing.
     pub add_special_tokens: Option<bool>,
-    /// Prompt: special-token texts become their tokens (default true, as `/v1/completions`
-    /// reads prompts); false: they stay plain text.
+    /// Prompt: special-token texts become their tokens; false: they stay plain text (default:
+    /// the model's `parse_special_tokens`, as `/v1/completions` reads prompts).
     pub parse_special_tokens: Option<bool>,
     /// Chat: end with the assistant turn's opening (default true).
     pub add_generation_prompt: Option<bool>,
@@ -70,8 +79,12 @@ pub struct DetokenizeResponse {
     pub prompt: String,
 }
 
-/// The engine of the named model (or of the only language model served).
-fn engine_of(state: &AppState, model: Option<&str>) -> Result<Arc<engine::Engine>, ApiError> {
+/// The engine of the named model (or of the only language model served), and whether its
+/// completion prompts read special-token texts as control tokens by default.
+fn engine_of(
+    state: &AppState,
+    model: Option<&str>,
+) -> Result<(Arc<engine::Engine>, bool), ApiError> {
     let entry = match model {
         Some(name) => state
             .registry
@@ -100,7 +113,13 @@ fn engine_of(state: &AppState, model: Option<&str>) -> Result<Arc<engine::Engine
             }
         }
     };
-    entry.backend.engine().ok_or_else(|| {
+    let raw = state
+        .config
+        .models
+        .iter()
+        .find(|m| m.name == entry.name)
+        .is_some_and(|m| m.parse_special_tokens);
+    let engine = entry.backend.engine().ok_or_else(|| {
         ApiError::invalid_param(
             "model",
             format!(
@@ -108,6 +127,27 @@ fn engine_of(state: &AppState, model: Option<&str>) -> Result<Arc<engine::Engine
                 entry.id
             ),
         )
+    })?;
+    Ok((engine, raw))
+}
+
+/// The key's rate limit, then a place in the tokenizing pool: before the body is read.
+async fn admit(state: &AppState, principal: &str) -> Result<Slot, ApiError> {
+    if let Err(wait) = state.rate_limiter.admit(principal) {
+        metrics::counter!("rampart_tokenize_rejected_total", "reason" => "rate_limited")
+            .increment(1);
+        return Err(ApiError::Overloaded {
+            message: format!("rate limit of key {principal:?} reached; retry in {wait} s"),
+            retry_after_s: wait,
+            code: "rate_limited",
+        });
+    }
+    state.tokenizing.acquire().await.inspect_err(|e| {
+        let reason = match e {
+            ApiError::Overloaded { code, .. } => *code,
+            _ => "timeout",
+        };
+        metrics::counter!("rampart_tokenize_rejected_total", "reason" => reason).increment(1);
     })
 }
 
@@ -131,7 +171,15 @@ fn engine_error(param: &str, e: engine::EngineError) -> ApiError {
 #[utoipa::path(post, path = "/tokenize", request_body = TokenizeRequest, responses(
     (status = 200, body = TokenizeResponse), (status = 400, body = crate::error::ErrorBody),
     (status = 401, body = crate::error::ErrorBody), (status = 404, body = crate::error::ErrorBody)))]
-pub async fn tokenize(State(state): State<Arc<AppState>>, body: Body) -> Response {
+pub async fn tokenize(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    body: Body,
+) -> Response {
+    let _slot = match admit(&state, &principal.0).await {
+        Ok(slot) => slot,
+        Err(e) => return e.into_response(),
+    };
     match tokenize_inner(&state, body).await {
         Ok(r) => Json(r).into_response(),
         Err(e) => e.into_response(),
@@ -140,7 +188,7 @@ pub async fn tokenize(State(state): State<Arc<AppState>>, body: Body) -> Respons
 
 async fn tokenize_inner(state: &AppState, body: Body) -> Result<TokenizeResponse, ApiError> {
     let request: TokenizeRequest = read_json(state, body).await?;
-    let engine = engine_of(state, request.model.as_deref())?;
+    let (engine, raw) = engine_of(state, request.model.as_deref())?;
     let chat = match (&request.prompt, &request.messages) {
         (Some(_), Some(_)) => {
             return Err(ApiError::invalid_param(
@@ -171,7 +219,7 @@ async fn tokenize_inner(state: &AppState, body: Body) -> Result<TokenizeResponse
     }
     let prompt = request.prompt.unwrap_or_default();
     let bos = request.add_special_tokens.unwrap_or(true);
-    let parse = request.parse_special_tokens.unwrap_or(true);
+    let parse = request.parse_special_tokens.unwrap_or(raw);
     let generation_prompt = request.add_generation_prompt.unwrap_or(true);
     let strs = request.return_token_strs;
     tokio::task::spawn_blocking(move || {
@@ -202,7 +250,15 @@ async fn tokenize_inner(state: &AppState, body: Body) -> Result<TokenizeResponse
 #[utoipa::path(post, path = "/detokenize", request_body = DetokenizeRequest, responses(
     (status = 200, body = DetokenizeResponse), (status = 400, body = crate::error::ErrorBody),
     (status = 401, body = crate::error::ErrorBody), (status = 404, body = crate::error::ErrorBody)))]
-pub async fn detokenize(State(state): State<Arc<AppState>>, body: Body) -> Response {
+pub async fn detokenize(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    body: Body,
+) -> Response {
+    let _slot = match admit(&state, &principal.0).await {
+        Ok(slot) => slot,
+        Err(e) => return e.into_response(),
+    };
     match detokenize_inner(&state, body).await {
         Ok(r) => Json(r).into_response(),
         Err(e) => e.into_response(),
@@ -211,7 +267,7 @@ pub async fn detokenize(State(state): State<Arc<AppState>>, body: Body) -> Respo
 
 async fn detokenize_inner(state: &AppState, body: Body) -> Result<DetokenizeResponse, ApiError> {
     let request: DetokenizeRequest = read_json(state, body).await?;
-    let engine = engine_of(state, request.model.as_deref())?;
+    let (engine, _) = engine_of(state, request.model.as_deref())?;
     let vocab = engine.tokenizer().vocab_size();
     let mut ids = Vec::with_capacity(request.tokens.len());
     for (i, &t) in request.tokens.iter().enumerate() {

@@ -283,6 +283,12 @@ impl Sink for TraceSink {
         TRACES_SINK
     }
 
+    /// No span for a request refused before authentication: anyone can send those at any
+    /// rate (they are counted in the metrics and summarised in the log and audit log).
+    fn takes_refused_before_auth(&self) -> bool {
+        false
+    }
+
     fn delivery(&self) -> Delivery {
         Delivery::Lossy {
             capacity: self.capacity,

@@ -20,12 +20,29 @@ pub fn model_cache() -> Option<PathBuf> {
 
 /// A fetched model file or folder, by its path inside the cache. `None` (with a note on stderr)
 /// when it is not fetched; panics instead when `RAMPART_REQUIRE_MODELS=1`.
+/// With no cache folder at all (neither `RAMPART_MODEL_CACHE` nor `HOME`), the same: a
+/// required model cannot be found, so the test fails rather than passing without its check.
 pub fn cached_model(relative: &str) -> Option<PathBuf> {
-    let path = model_cache()?.join(relative);
+    let required = std::env::var("RAMPART_REQUIRE_MODELS").is_ok_and(|v| v == "1");
+    cached_in(model_cache(), relative, required)
+}
+
+/// [`cached_model`] over a given cache folder and requirement.
+fn cached_in(cache: Option<PathBuf>, relative: &str, required: bool) -> Option<PathBuf> {
+    let Some(cache) = cache else {
+        if required {
+            panic!(
+                "{relative} is required but there is no model cache: set RAMPART_MODEL_CACHE or HOME"
+            );
+        }
+        eprintln!("skipping: {relative}: no model cache (RAMPART_MODEL_CACHE or HOME is unset)");
+        return None;
+    };
+    let path = cache.join(relative);
     if path.exists() {
         return Some(path);
     }
-    if std::env::var("RAMPART_REQUIRE_MODELS").is_ok_and(|v| v == "1") {
+    if required {
         panic!("{} is missing: run scripts/fetch-models.sh", path.display());
     }
     eprintln!(
@@ -67,3 +84,19 @@ pub mod nats;
 #[cfg(feature = "otlp")]
 pub mod otlp;
 pub mod postgres;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[should_panic(expected = "no model cache")]
+    fn a_required_model_without_any_cache_fails() {
+        cached_in(None, "smollm2-135m/model.gguf", true);
+    }
+
+    #[test]
+    fn an_optional_model_without_any_cache_is_skipped() {
+        assert_eq!(cached_in(None, "smollm2-135m/model.gguf", false), None);
+    }
+}

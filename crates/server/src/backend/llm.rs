@@ -27,8 +27,10 @@ pub struct LlmBackend {
     stall: Duration,
     /// Generated-token counter and when it last moved.
     progress: Mutex<(u64, Instant)>,
-    /// Completion prompts' special-token texts become control tokens unless the request says
-    /// otherwise (`[models] parse_special_tokens`).
+    /// Whether completion prompts may carry control tokens (`[models] parse_special_tokens`,
+    /// off by default): special-token texts become control tokens unless the request says
+    /// otherwise, and token-id prompts may hold control ids. Off, both stay out of client input
+    /// and a request asking for them is refused.
     parse_special_tokens: bool,
 }
 
@@ -47,11 +49,11 @@ impl LlmBackend {
             default_max_tokens,
             stall,
             progress: Mutex::new((0, Instant::now())),
-            parse_special_tokens: true,
+            parse_special_tokens: false,
         }
     }
 
-    /// Whether completion prompts' special-token texts become control tokens by default.
+    /// Whether completion prompts may carry control tokens (the model's opt-in).
     pub fn with_parse_special_tokens(mut self, parse: bool) -> Self {
         self.parse_special_tokens = parse;
         self
@@ -81,13 +83,14 @@ impl LlmBackend {
         let compiler = Arc::clone(&self.grammar);
         let default_cap = self.default_max_tokens;
         let mut prepare_plan = plan.clone();
-        if !plan
-            .parse_special_tokens
-            .unwrap_or(self.parse_special_tokens)
-        {
+        let raw = control_tokens_allowed(plan.parse_special_tokens, self.parse_special_tokens)?;
+        if !raw {
+            let tokenizer = self.engine.tokenizer();
             for p in &mut prepare_plan.prompts {
-                if let Prompt::Text(t) = p {
-                    *p = Prompt::PlainText(std::mem::take(t));
+                match p {
+                    Prompt::Text(t) => *p = Prompt::PlainText(std::mem::take(t)),
+                    Prompt::Tokens(ids) => no_control_ids(ids, tokenizer)?,
+                    _ => {}
                 }
             }
         }
@@ -255,6 +258,16 @@ impl InferenceBackend for LlmBackend {
         self.engine.tokenizer().find_special(text)
     }
 
+    fn prompt_text(&self, ids: &[u32]) -> Option<String> {
+        let vocab = self.engine.tokenizer().vocab_size();
+        let known: Vec<u32> = ids
+            .iter()
+            .copied()
+            .filter(|&id| (id as usize) < vocab)
+            .collect();
+        Some(self.engine.tokenizer().decode(&known))
+    }
+
     fn entropy_band(&self) -> Option<[f32; 2]> {
         self.entropy_band
     }
@@ -265,5 +278,56 @@ impl InferenceBackend for LlmBackend {
 
     fn engine(&self) -> Option<Arc<Engine>> {
         Some(Arc::clone(&self.engine))
+    }
+}
+
+/// Whether a completion's prompts may carry control tokens: only where the model opts in
+/// (`[models] parse_special_tokens = true`), and then unless the request says `false`. A
+/// request asking for them from a model that does not opt in is refused, not quietly served.
+fn control_tokens_allowed(requested: Option<bool>, model: bool) -> Result<bool, BackendError> {
+    match (requested, model) {
+        (Some(true), false) => Err(BackendError::invalid_param(
+            "parse_special_tokens",
+            "this model does not take control tokens in client prompts (an operator can allow raw templated prompts with [models] parse_special_tokens = true)",
+        )),
+        (requested, model) => Ok(requested.unwrap_or(model)),
+    }
+}
+
+/// Refuses a token-id prompt that holds a control token (a BOS at the start is allowed: it is
+/// what the model reads first anyway).
+fn no_control_ids(
+    ids: &[u32],
+    tokenizer: &engine::tokenizer::Tokenizer,
+) -> Result<(), BackendError> {
+    let bos = tokenizer.bos;
+    for (i, &id) in ids.iter().enumerate() {
+        if i == 0 && Some(id) == bos {
+            continue;
+        }
+        if tokenizer.is_special(id) {
+            return Err(BackendError::invalid_param(
+                "prompt",
+                format!(
+                    "prompt token {i} is the control token {id} ({:?}); this model does not take control tokens in client prompts (an operator can allow raw templated prompts with [models] parse_special_tokens = true)",
+                    tokenizer.token_text(id)
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod control_token_tests {
+    use super::*;
+
+    #[test]
+    fn control_tokens_need_the_models_opt_in() {
+        assert!(!control_tokens_allowed(None, false).unwrap());
+        assert!(!control_tokens_allowed(Some(false), false).unwrap());
+        assert!(control_tokens_allowed(Some(true), false).is_err());
+        assert!(control_tokens_allowed(None, true).unwrap());
+        assert!(!control_tokens_allowed(Some(false), true).unwrap());
     }
 }

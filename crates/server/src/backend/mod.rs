@@ -391,6 +391,12 @@ pub trait InferenceBackend: Send + Sync + 'static {
         Vec::new()
     }
 
+    /// The text a token-id prompt spells, for the guard to judge like any prompt; none for
+    /// backends without a vocabulary.
+    fn prompt_text(&self, _ids: &[u32]) -> Option<String> {
+        None
+    }
+
     fn entropy_band(&self) -> Option<[f32; 2]> {
         None
     }

@@ -1,0 +1,156 @@
+//! Requests refused before authentication (a missing or invalid key), counted and summarised.
+//!
+//! Anyone who can reach the port can send them, at any rate. Their records still reach the
+//! metrics (`rampart_rejected_requests_total{reason="unauthorized"}`), but the sinks whose cost
+//! is per record — the audit log (an fsync'd entry, an index row kept in memory), the log (a
+//! line) and traces (a span) — leave them out ([`record::Sink::takes_refused_before_auth`]).
+//! Instead this tally counts them, by endpoint and transport, with the first few request ids as
+//! a sample, and every `unauthenticated_summary_s` seconds that saw any, one `auth.refused`
+//! action goes to the audit log and one warning line to the log. A flood therefore costs one
+//! entry per interval, and never takes a place in the audit lane from an authenticated request.
+//! Not here: refusals of a valid key that lacks a scope (`insufficient_scope`): the key is
+//! known and accountable, so each is audited like any request.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::identity::Transport;
+
+/// Request ids kept per interval as a sample (to find the requests in a proxy's logs).
+const SAMPLE: usize = 8;
+
+/// The refusals since the last summary.
+#[derive(Debug, Default, Clone, Serialize, PartialEq, Eq)]
+pub struct Summary {
+    pub refused: u64,
+    /// By the record's endpoint (`chat.completions`, `kserve_infer`, `admin`, ...).
+    pub by_endpoint: BTreeMap<&'static str, u64>,
+    /// `http` or `grpc`.
+    pub by_transport: BTreeMap<&'static str, u64>,
+    /// Requests that sent a key no one has (the rest sent none).
+    pub invalid_key: u64,
+    pub first_ms: u64,
+    pub last_ms: u64,
+    /// The first request ids of the interval.
+    pub sample_request_ids: Vec<String>,
+}
+
+/// The tally the front door adds to; a task drains it every interval.
+#[derive(Debug, Default)]
+pub struct Tally {
+    current: Mutex<Summary>,
+}
+
+impl Tally {
+    /// Counts one refusal: constant work and memory whatever the rate.
+    pub fn note(&self, endpoint: &'static str, transport: Transport, key_sent: bool, id: &str) {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let mut s = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        if s.refused == 0 {
+            s.first_ms = now;
+        }
+        s.refused += 1;
+        s.last_ms = now;
+        *s.by_endpoint.entry(endpoint).or_default() += 1;
+        let transport = match transport {
+            Transport::Http => "http",
+            Transport::Grpc => "grpc",
+        };
+        *s.by_transport.entry(transport).or_default() += 1;
+        if key_sent {
+            s.invalid_key += 1;
+        }
+        if s.sample_request_ids.len() < SAMPLE {
+            s.sample_request_ids.push(id.chars().take(64).collect());
+        }
+    }
+
+    /// What was counted since the last call (`None`: nothing), and a fresh count.
+    pub fn take(&self) -> Option<Summary> {
+        let mut s = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        (s.refused > 0).then(|| std::mem::take(&mut *s))
+    }
+}
+
+/// Every `interval`, the refusals since the last one become one log line and, with the audit
+/// log on, one `auth.refused` action. Runs until the runtime stops.
+pub fn spawn_summaries(tally: Arc<Tally>, audit: Option<Arc<audit::AuditLog>>, interval: Duration) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            let Some(summary) = tally.take() else {
+                continue;
+            };
+            keep(&summary, audit.as_ref(), interval).await;
+        }
+    });
+}
+
+/// Logs and audits one summary.
+pub async fn keep(summary: &Summary, audit: Option<&Arc<audit::AuditLog>>, interval: Duration) {
+    tracing::warn!(
+        target: "rampart::auth",
+        refused = summary.refused,
+        invalid_key = summary.invalid_key,
+        by_endpoint = ?summary.by_endpoint,
+        by_transport = ?summary.by_transport,
+        interval_s = interval.as_secs(),
+        "requests refused before authentication (missing or invalid API key)"
+    );
+    let Some(log) = audit else {
+        return;
+    };
+    let action = audit::Action {
+        name: "auth.refused".into(),
+        target: None,
+        cause: Some(format!(
+            "{} requests refused before authentication in {} s (missing or invalid API key)",
+            summary.refused,
+            interval.as_secs()
+        )),
+        outcome: "refused".into(),
+        detail: serde_json::to_value(summary).unwrap_or_default(),
+    };
+    if let Err(e) =
+        audit::sink::append_action(log, Some("rampart".into()), None, None, action).await
+    {
+        tracing::error!(target: "rampart::auth", error = %e, "the summary of refused requests could not be kept in the audit log");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_flood_is_one_summary_of_constant_size() {
+        let tally = Tally::default();
+        for i in 0..100_000 {
+            let endpoint = if i % 2 == 0 {
+                "chat.completions"
+            } else {
+                "admin"
+            };
+            tally.note(endpoint, Transport::Http, i % 4 == 0, &format!("req-{i}"));
+        }
+        tally.note("kserve_infer", Transport::Grpc, false, "last");
+        let s = tally.take().unwrap();
+        assert_eq!(s.refused, 100_001);
+        assert_eq!(s.invalid_key, 25_000);
+        assert_eq!(s.by_endpoint["chat.completions"], 50_000);
+        assert_eq!(s.by_endpoint["admin"], 50_000);
+        assert_eq!(s.by_transport["grpc"], 1);
+        assert_eq!(s.sample_request_ids.len(), SAMPLE);
+        assert_eq!(s.sample_request_ids[0], "req-0");
+        assert!(s.first_ms <= s.last_ms);
+        assert_eq!(tally.take(), None, "the tally starts over");
+    }
+}

@@ -942,7 +942,10 @@ fn a_candidate_with_another_tokenizer_waits_for_an_explicit_approval() {
     // Refused before the candidate was loaded.
     // With a key: the loaded versions are listed to keys only.
     let (_, _, ready) = http(server.port, "GET", "/health/ready", None, Some(KEY));
-    assert!(ready.contains("1.0.0") && !ready.contains("1.1.0"), "{ready}");
+    assert!(
+        ready.contains("1.0.0") && !ready.contains("1.1.0"),
+        "{ready}"
+    );
 
     // The approval in the plan lets it start (the server adopts the file at its next tick).
     std::fs::write(

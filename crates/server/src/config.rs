@@ -1781,7 +1781,10 @@ mod tests {
         for (bad, says) in [
             ("cert_file = \"s.pem\"", "go together"),
             ("key_file = \"k.pem\"", "go together"),
-            ("client_auth = \"optional\"\nclient_ca_file = \"ca.pem\"", "need cert_file"),
+            (
+                "client_auth = \"optional\"\nclient_ca_file = \"ca.pem\"",
+                "need cert_file",
+            ),
             (
                 "cert_file = \"s.pem\"\nkey_file = \"k.pem\"\nclient_auth = \"required\"",
                 "needs client_ca_file",
@@ -1814,6 +1817,9 @@ mod tests {
         })
         .unwrap();
         assert!(c.tls.enabled());
-        assert_eq!(c.tls.key_file.as_deref(), Some(Path::new("/run/tls/tls.key")));
+        assert_eq!(
+            c.tls.key_file.as_deref(),
+            Some(Path::new("/run/tls/tls.key"))
+        );
     }
 }

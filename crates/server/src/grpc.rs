@@ -683,7 +683,9 @@ pub async fn serve(
             let incoming = tonic::transport::server::TcpIncoming::from(listener)
                 .with_nodelay(Some(true))
                 .with_keepalive(seconds(config.tcp_keepalive_s));
-            router.serve_with_incoming_shutdown(incoming, shutdown).await
+            router
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await
         }
         Some(certificates) => {
             let how = crate::tls::Accepting {

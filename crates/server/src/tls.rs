@@ -292,13 +292,12 @@ fn build(
     files: &Files,
 ) -> Result<(Arc<ServerConfig>, Arc<ServerConfig>), TlsError> {
     let path = |p: &Option<PathBuf>| p.clone().unwrap_or_default();
-    let pem_error = |setting: &'static str, p: &Option<PathBuf>, e: &dyn std::fmt::Display| {
-        TlsError::Pem {
+    let pem_error =
+        |setting: &'static str, p: &Option<PathBuf>, e: &dyn std::fmt::Display| TlsError::Pem {
             setting,
             path: path(p),
             message: e.to_string(),
-        }
-    };
+        };
     let chain = CertificateDer::pem_slice_iter(&files.cert)
         .collect::<Result<Vec<_>, _>>()
         .map_err(|e| pem_error("cert_file", &config.cert_file, &e))?;
@@ -441,7 +440,10 @@ fn prepare(tcp: &TcpStream, keepalive: Option<Duration>) {
 /// `client_certificate` (none presented where one is required, or one the CA did not sign),
 /// else `protocol`.
 fn failure_reason(e: &io::Error) -> &'static str {
-    match e.get_ref().and_then(|inner| inner.downcast_ref::<rustls::Error>()) {
+    match e
+        .get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+    {
         Some(rustls::Error::NoCertificatesPresented | rustls::Error::InvalidCertificate(_)) => {
             "client_certificate"
         }
@@ -709,14 +711,20 @@ mod tests {
             Reload::Failed(TlsError::Read { setting, .. }) => assert_eq!(setting, "key_file"),
             other => panic!("{other:?}"),
         }
-        assert_eq!(presented(&connect(port, &ca, None).await.unwrap()), second.der);
+        assert_eq!(
+            presented(&connect(port, &ca, None).await.unwrap()),
+            second.der
+        );
         // Both files right again: taken.
         third.write(
             f.config.cert_file.as_deref().unwrap(),
             f.config.key_file.as_deref().unwrap(),
         );
         assert!(matches!(certificates.reload(), Reload::Reloaded));
-        assert_eq!(presented(&connect(port, &ca, None).await.unwrap()), third.der);
+        assert_eq!(
+            presented(&connect(port, &ca, None).await.unwrap()),
+            third.der
+        );
         drop(f.dir);
     }
 
@@ -752,11 +760,17 @@ mod tests {
         let f = files(&ca, &ca.server(1), ClientAuth::Required);
         std::fs::write(f.config.client_ca_file.as_deref().unwrap(), "").unwrap();
         let e = Certificates::load(&f.config).unwrap_err().to_string();
-        assert!(e.contains("client_ca_file") && e.contains("no certificate"), "{e}");
+        assert!(
+            e.contains("client_ca_file") && e.contains("no certificate"),
+            "{e}"
+        );
         let mut missing = f.config.clone();
         missing.cert_file = Some(f.dir.path().join("absent.crt"));
         let e = Certificates::load(&missing).unwrap_err().to_string();
-        assert!(e.contains("tls.cert_file") && e.contains("absent.crt"), "{e}");
+        assert!(
+            e.contains("tls.cert_file") && e.contains("absent.crt"),
+            "{e}"
+        );
         std::fs::write(f.config.key_file.as_deref().unwrap(), "no key here").unwrap();
         let e = Certificates::load(&f.config).unwrap_err().to_string();
         assert!(e.contains("tls.key_file"), "{e}");

@@ -28,7 +28,9 @@ impl TestCa {
         let mut params = CertificateParams::new(Vec::<String>::new()).expect("no names is valid");
         params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
         params.distinguished_name.push(DnType::CommonName, name);
-        let cert = params.self_signed(&key).expect("a CA certificate is signed");
+        let cert = params
+            .self_signed(&key)
+            .expect("a CA certificate is signed");
         Self { key, cert }
     }
 
@@ -46,7 +48,9 @@ impl TestCa {
             CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])
                 .expect("the names are valid");
         params.serial_number = Some(SerialNumber::from(serial));
-        params.distinguished_name.push(DnType::CommonName, "localhost");
+        params
+            .distinguished_name
+            .push(DnType::CommonName, "localhost");
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
         self.issue(params)
     }

@@ -32,6 +32,12 @@ pub struct ServeArgs {
     /// Serve without keys on a non-loopback address.
     #[arg(long)]
     pub insecure_no_auth: bool,
+    /// Serve HTTPS and gRPC over TLS with this certificate chain (PEM; over `[tls] cert_file`).
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The TLS certificate's private key (PEM; over `[tls] key_file`).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
     /// Compute threads (default: physical cores), shared by the models, one forward pass at a time.
     #[arg(long, short = 't')]
     pub threads: Option<usize>,
@@ -60,6 +66,10 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
     }
     if args.insecure_no_auth {
         config.insecure_no_auth = true;
+    }
+    if let (Some(cert), Some(key)) = (args.tls_cert, args.tls_key) {
+        config.tls.cert_file = Some(cert);
+        config.tls.key_file = Some(key);
     }
     if let Some(threads) = args.threads {
         config.threads = Some(threads);

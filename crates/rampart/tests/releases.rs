@@ -940,8 +940,12 @@ fn a_candidate_with_another_tokenizer_waits_for_an_explicit_approval() {
         "the refusal is in the log"
     );
     // Refused before the candidate was loaded.
-    let (_, _, ready) = http(server.port, "GET", "/health/ready", None, None);
-    assert!(!ready.contains("1.1.0"), "{ready}");
+    // With a key: the loaded versions are listed to keys only.
+    let (_, _, ready) = http(server.port, "GET", "/health/ready", None, Some(KEY));
+    assert!(
+        ready.contains("1.0.0") && !ready.contains("1.1.0"),
+        "{ready}"
+    );
 
     // The approval in the plan lets it start (the server adopts the file at its next tick).
     std::fs::write(

@@ -1997,7 +1997,8 @@ fn cold_models_load_on_demand_within_the_budget_and_unload_after_draining() {
     let port = server.port;
     wait_ready(port);
     let ready = |port| {
-        let (status, _, body) = http(port, "GET", "/health/ready", None, None);
+        // The loaded versions are listed to a key only.
+        let (status, _, body) = http(port, "GET", "/health/ready", None, Some(KEY));
         assert_eq!(status, 200, "{body}");
         serde_json::from_str::<serde_json::Value>(&body).unwrap()["loaded"].clone()
     };

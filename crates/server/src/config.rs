@@ -243,6 +243,8 @@ pub struct ServerConfig {
     pub tensor: TensorConfig,
     /// The KServe v2 gRPC endpoint.
     pub grpc: GrpcConfig,
+    /// HTTPS and gRPC over TLS (rustls); off unless a certificate is given.
+    pub tls: TlsConfig,
     /// The record bus: the lanes that carry each request's record to its sinks.
     pub records: RecordsConfig,
     /// The circuit breaker every backend has (docs/resilience.md).
@@ -292,6 +294,7 @@ impl Default for ServerConfig {
             telemetry: TelemetryConfig::default(),
             tensor: TensorConfig::default(),
             grpc: GrpcConfig::default(),
+            tls: TlsConfig::default(),
             records: RecordsConfig::default(),
             breaker: BreakerSettings::default(),
             handoff: HandoffConfig::default(),
@@ -401,6 +404,103 @@ impl Default for GrpcConfig {
             keepalive_timeout_s: 20,
             tcp_keepalive_s: 60,
             max_concurrent_streams: 256,
+        }
+    }
+}
+
+/// `[tls]`: both front doors (HTTP and gRPC) serve TLS with rustls when `cert_file` and
+/// `key_file` are given; the files are polled and a changed pair is taken for new connections
+/// without a restart (docs/configuration.md#tls).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TlsConfig {
+    /// The server's certificate chain (PEM, leaf first). None: no TLS.
+    pub cert_file: Option<PathBuf>,
+    /// Its private key (PEM: PKCS#8, PKCS#1 or SEC1).
+    pub key_file: Option<PathBuf>,
+    /// The CA (PEM, one or more certificates) that client certificates must chain to.
+    pub client_ca_file: Option<PathBuf>,
+    /// Client certificates: `off` (none asked), `optional` (one that is presented must chain to
+    /// `client_ca_file`), `required` (a client without one is refused at the handshake).
+    pub client_auth: ClientAuth,
+    /// Seconds between checks of the files for change (0: read once, at start).
+    pub reload_interval_s: u64,
+    /// A connection's TLS handshake must finish within this (else it is closed).
+    pub handshake_timeout_ms: u64,
+    /// Handshakes in progress at once, per listener; more connections wait to be accepted.
+    pub max_pending_handshakes: usize,
+}
+
+impl Default for TlsConfig {
+    fn default() -> Self {
+        Self {
+            cert_file: None,
+            key_file: None,
+            client_ca_file: None,
+            client_auth: ClientAuth::Off,
+            reload_interval_s: 5,
+            handshake_timeout_ms: 10_000,
+            max_pending_handshakes: 1024,
+        }
+    }
+}
+
+impl TlsConfig {
+    /// Whether the front doors serve TLS.
+    pub fn enabled(&self) -> bool {
+        self.cert_file.is_some()
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.cert_file.is_some() != self.key_file.is_some() {
+            return Err(ConfigError(
+                "tls: cert_file and key_file go together (both, or neither for no TLS)".into(),
+            ));
+        }
+        let asks_clients = self.client_auth != ClientAuth::Off;
+        if !self.enabled() && (asks_clients || self.client_ca_file.is_some()) {
+            return Err(ConfigError(
+                "tls: client_auth and client_ca_file need cert_file and key_file (TLS is off without them)"
+                    .into(),
+            ));
+        }
+        if asks_clients && self.client_ca_file.is_none() {
+            return Err(ConfigError(format!(
+                "tls.client_auth = {:?} needs client_ca_file (the CA client certificates chain to)",
+                self.client_auth.as_str()
+            )));
+        }
+        if !asks_clients && self.client_ca_file.is_some() {
+            return Err(ConfigError(
+                "tls.client_ca_file is set but client_auth is \"off\": set client_auth to \"optional\" or \"required\""
+                    .into(),
+            ));
+        }
+        if self.handshake_timeout_ms == 0 || self.max_pending_handshakes == 0 {
+            return Err(ConfigError(
+                "tls.handshake_timeout_ms and tls.max_pending_handshakes must be at least 1".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Whether TLS clients present certificates (`[tls] client_auth`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum ClientAuth {
+    #[default]
+    Off,
+    Optional,
+    Required,
+}
+
+impl ClientAuth {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClientAuth::Off => "off",
+            ClientAuth::Optional => "optional",
+            ClientAuth::Required => "required",
         }
     }
 }
@@ -1226,7 +1326,7 @@ impl ServerConfig {
     /// Environment overrides (`RAMPART_LISTEN`, `RAMPART_REPO`, `RAMPART_API_KEYS_FILE`,
     /// `RAMPART_SHUTDOWN_TIMEOUT_S`, `RAMPART_LOG_FORMAT`, `RAMPART_MAX_IN_FLIGHT`,
     /// `RAMPART_MAX_WAITING`, `RAMPART_GRPC_LISTEN`, `RAMPART_GRPC_ENABLED`,
-    /// `RAMPART_GUARD_CLASSIFIER`).
+    /// `RAMPART_TLS_CERT_FILE`, `RAMPART_TLS_KEY_FILE`, `RAMPART_GUARD_CLASSIFIER`).
     pub fn apply_env(&mut self, get: impl Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
         fn parse<T: std::str::FromStr>(key: &str, value: &str) -> Result<T, ConfigError>
         where
@@ -1259,6 +1359,12 @@ impl ServerConfig {
         }
         if let Some(v) = get("RAMPART_GRPC_ENABLED") {
             self.grpc.enabled = parse("RAMPART_GRPC_ENABLED", &v)?;
+        }
+        if let Some(v) = get("RAMPART_TLS_CERT_FILE") {
+            self.tls.cert_file = (!v.is_empty()).then(|| PathBuf::from(v));
+        }
+        if let Some(v) = get("RAMPART_TLS_KEY_FILE") {
+            self.tls.key_file = (!v.is_empty()).then(|| PathBuf::from(v));
         }
         if let Some(v) = get("RAMPART_GUARD_CLASSIFIER") {
             self.guard.classifier = (!v.is_empty()).then_some(v);
@@ -1410,6 +1516,7 @@ impl ServerConfig {
             feedback::ClassRule::parse(rule)
                 .map_err(|e| ConfigError(format!("feedback.classes.{model}: {e}")))?;
         }
+        self.tls.validate()?;
         if self.records.lane_capacity == 0 {
             return Err(ConfigError(
                 "records.lane_capacity must be at least 1".into(),
@@ -1701,5 +1808,64 @@ mod tests {
         )
         .unwrap_err();
         assert!(err.to_string().contains("unknown variant"), "{err}");
+    }
+
+    #[test]
+    fn tls_is_off_by_default_and_its_settings_are_checked() {
+        let c = ServerConfig::default();
+        assert!(!c.tls.enabled());
+        assert_eq!(c.tls.client_auth, ClientAuth::Off);
+        assert_eq!(c.tls.reload_interval_s, 5);
+        c.validate().unwrap();
+        let c: ServerConfig = toml::from_str(
+            "[tls]\ncert_file = \"s.pem\"\nkey_file = \"k.pem\"\nclient_ca_file = \"ca.pem\"\nclient_auth = \"required\"\nreload_interval_s = 0\n",
+        )
+        .unwrap();
+        c.validate().unwrap();
+        assert!(c.tls.enabled());
+        assert_eq!(c.tls.client_auth, ClientAuth::Required);
+        for (bad, says) in [
+            ("cert_file = \"s.pem\"", "go together"),
+            ("key_file = \"k.pem\"", "go together"),
+            (
+                "client_auth = \"optional\"\nclient_ca_file = \"ca.pem\"",
+                "need cert_file",
+            ),
+            (
+                "cert_file = \"s.pem\"\nkey_file = \"k.pem\"\nclient_auth = \"required\"",
+                "needs client_ca_file",
+            ),
+            (
+                "cert_file = \"s.pem\"\nkey_file = \"k.pem\"\nclient_ca_file = \"ca.pem\"",
+                "client_auth is \"off\"",
+            ),
+            (
+                "cert_file = \"s.pem\"\nkey_file = \"k.pem\"\nhandshake_timeout_ms = 0",
+                "at least 1",
+            ),
+            (
+                "cert_file = \"s.pem\"\nkey_file = \"k.pem\"\nmax_pending_handshakes = 0",
+                "at least 1",
+            ),
+        ] {
+            let c: ServerConfig = toml::from_str(&format!("[tls]\n{bad}\n")).unwrap();
+            let err = c.validate().unwrap_err().to_string();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
+        for unknown in ["client_auth = \"sometimes\"", "certificate = \"s.pem\""] {
+            assert!(toml::from_str::<ServerConfig>(&format!("[tls]\n{unknown}\n")).is_err());
+        }
+        let mut c = ServerConfig::default();
+        c.apply_env(|k| match k {
+            "RAMPART_TLS_CERT_FILE" => Some("/run/tls/tls.crt".into()),
+            "RAMPART_TLS_KEY_FILE" => Some("/run/tls/tls.key".into()),
+            _ => None,
+        })
+        .unwrap();
+        assert!(c.tls.enabled());
+        assert_eq!(
+            c.tls.key_file.as_deref(),
+            Some(Path::new("/run/tls/tls.key"))
+        );
     }
 }

@@ -660,28 +660,44 @@ pub async fn bind(config: &GrpcConfig) -> std::io::Result<TcpListener> {
     TcpListener::bind(config.listen).await
 }
 
-/// Serves the protocol on `listener` until `shutdown` resolves; then finishes the calls in
-/// progress (graceful shutdown), as the HTTP server does.
+/// Serves the protocol on `listener` (over TLS with `certificates`) until `shutdown` resolves;
+/// then finishes the calls in progress (graceful shutdown), as the HTTP server does.
 pub async fn serve(
     state: Arc<AppState>,
     listener: TcpListener,
+    certificates: Option<Arc<crate::tls::Certificates>>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), tonic::transport::Error> {
     let config = state.config.grpc.clone();
     let seconds = |s: u64| (s > 0).then(|| Duration::from_secs(s));
-    let incoming = tonic::transport::server::TcpIncoming::from(listener)
-        .with_nodelay(Some(true))
-        .with_keepalive(seconds(config.tcp_keepalive_s));
     let service = GrpcInferenceServiceServer::new(Inference::new(state))
         .max_decoding_message_size(config.max_message_bytes)
         .max_encoding_message_size(config.max_message_bytes);
-    tonic::transport::Server::builder()
+    let router = tonic::transport::Server::builder()
         .http2_keepalive_interval(seconds(config.keepalive_interval_s))
         .http2_keepalive_timeout(seconds(config.keepalive_timeout_s))
         .max_concurrent_streams(config.max_concurrent_streams)
-        .add_service(service)
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await
+        .add_service(service);
+    match certificates {
+        None => {
+            let incoming = tonic::transport::server::TcpIncoming::from(listener)
+                .with_nodelay(Some(true))
+                .with_keepalive(seconds(config.tcp_keepalive_s));
+            router
+                .serve_with_incoming_shutdown(incoming, shutdown)
+                .await
+        }
+        Some(certificates) => {
+            let how = crate::tls::Accepting {
+                door: crate::tls::Door::Grpc,
+                tcp_keepalive: seconds(config.tcp_keepalive_s),
+            };
+            let tls = crate::tls::listen(listener, certificates, how);
+            router
+                .serve_with_incoming_shutdown(tls.into_incoming(), shutdown)
+                .await
+        }
+    }
 }
 
 #[cfg(test)]

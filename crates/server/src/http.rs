@@ -274,7 +274,8 @@ struct Health {
     #[serde(skip_serializing_if = "Vec::is_empty")]
     models: Vec<String>,
     /// Every loaded model version (`name@version`), whatever its kind; cold models that are
-    /// not loaded are not in it and do not make the server unready.
+    /// not loaded are not in it and do not make the server unready. `models` and `loaded` are
+    /// left out for a readiness caller without a valid key.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     loaded: Vec<String>,
 }
@@ -291,26 +292,37 @@ async fn live() -> impl IntoResponse {
 }
 
 /// Readiness: every configured model is loaded, the engines make progress, not draining.
+/// Anyone gets the status and the reason (probes send no key); the model lists only a caller
+/// with a valid key (any scope), or anyone when no keys are configured.
 #[utoipa::path(get, path = "/health/ready", responses(
     (status = 200, description = "Ready to serve"),
     (status = 503, description = "Loading, draining, a model failed to load, or an engine stalled")
 ))]
-async fn ready(State(state): State<Arc<AppState>>) -> Response {
-    let models = state
-        .registry
-        .all()
-        .iter()
-        .filter(|e| e.kind() == crate::backend::Kind::Llm)
-        .map(|e| format!("{}@{}", e.name, e.version))
-        .collect();
-    let mut loaded: Vec<String> = state
-        .registry
-        .all()
-        .iter()
-        .map(|e| format!("{}@{}", e.name, e.version))
-        .collect();
-    loaded.sort();
-    loaded.dedup();
+async fn ready(State(state): State<Arc<AppState>>, request: Request) -> Response {
+    let authorization = request
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    let (models, loaded) = if may_list_models(&state, authorization) {
+        let models = state
+            .registry
+            .all()
+            .iter()
+            .filter(|e| e.kind() == crate::backend::Kind::Llm)
+            .map(|e| format!("{}@{}", e.name, e.version))
+            .collect();
+        let mut loaded: Vec<String> = state
+            .registry
+            .all()
+            .iter()
+            .map(|e| format!("{}@{}", e.name, e.version))
+            .collect();
+        loaded.sort();
+        loaded.dedup();
+        (models, loaded)
+    } else {
+        (Vec::new(), Vec::new())
+    };
     match state.not_ready_reason() {
         None => Json(Health {
             status: "ready",
@@ -329,6 +341,19 @@ async fn ready(State(state): State<Arc<AppState>>) -> Response {
             }),
         )
             .into_response(),
+    }
+}
+
+/// Whether a readiness caller sees which versions are loaded: with a valid key of any scope,
+/// or when the server has no keys. A missing or wrong key is not refused (a probe sends none):
+/// the answer just leaves the lists out.
+fn may_list_models(state: &AppState, authorization: Option<&str>) -> bool {
+    match &state.keys {
+        None => true,
+        Some(keys) => authorization
+            .and_then(crate::auth::bearer)
+            .and_then(|key| keys.lookup(key))
+            .is_some(),
     }
 }
 

@@ -5,6 +5,7 @@
 //!   [`openai_http`] and [`kserve`] (REST); [`grpc`] (KServe v2 over gRPC on its own port):
 //!   each decodes its wire format ([`openai`] holds the OpenAI types and their validation), calls
 //!   the front, and encodes the answer;
+//! - [`tls`]: with `[tls]`, both doors serve TLS (rustls), the certificate reloaded on change;
 //! - [`identity`]: request ids, API keys and body limits, once for HTTP and gRPC;
 //! - [`front`]: the one pipeline (drain check → guard → route → admission → backend);
 //! - [`registry`]: every served model in one list with one lookup; [`backend`]: the seam that
@@ -59,6 +60,7 @@ pub mod screen;
 pub mod shadow;
 pub mod state;
 pub mod telemetry;
+pub mod tls;
 pub mod tokenize;
 pub mod traces;
 pub mod unauthenticated;
@@ -93,6 +95,8 @@ pub enum ServeError {
         addr: std::net::SocketAddr,
         source: std::io::Error,
     },
+    #[error("{0}")]
+    Tls(#[from] tls::TlsError),
     #[error("server: {0}")]
     Io(#[from] std::io::Error),
 }
@@ -138,6 +142,11 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
             config.grpc.listen
         )));
     }
+    let certificates = config
+        .tls
+        .enabled()
+        .then(|| tls::Certificates::load(&config.tls))
+        .transpose()?;
     let metrics = match observe::install_metrics() {
         Ok(handle) => Some(handle),
         Err(e) => {
@@ -222,6 +231,7 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
     tracing::info!(
         listen = %addr,
         grpc = %grpc_addr.map_or_else(|| "off".to_string(), |a| a.to_string()),
+        tls = if certificates.is_some() { state.config.tls.client_auth.as_str() } else { "none" },
         auth = state.keys.as_ref().map_or(0, KeyStore::len),
         "rampart serving (models loading)"
     );
@@ -240,18 +250,36 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         let stop = Arc::clone(&stop);
         async move { stop.notified().await }
     };
-    let server = tokio::spawn(async move {
-        axum::serve(listener, app)
-            .with_graceful_shutdown(graceful)
-            .await
-    });
+    let server = match &certificates {
+        None => tokio::spawn(async move {
+            axum::serve(listener, app)
+                .with_graceful_shutdown(graceful)
+                .await
+        }),
+        Some(certificates) => {
+            certificates.spawn_reloader();
+            let how = tls::Accepting {
+                door: tls::Door::Http,
+                tcp_keepalive: None,
+            };
+            let listener = tls::listen(listener, Arc::clone(certificates), how);
+            tokio::spawn(async move {
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(graceful)
+                    .await
+            })
+        }
+    };
     // gRPC stops with HTTP: its own notifier, since `notify_one` wakes one waiter.
     let grpc_stop = Arc::new(Notify::new());
     let grpc_server = grpc_listener.map(|listener| {
         let stop = Arc::clone(&grpc_stop);
-        tokio::spawn(grpc::serve(Arc::clone(&state), listener, async move {
-            stop.notified().await
-        }))
+        tokio::spawn(grpc::serve(
+            Arc::clone(&state),
+            listener,
+            certificates.clone(),
+            async move { stop.notified().await },
+        ))
     });
     shutdown_signal().await;
     // Drain: readiness fails and new inference requests get 503 at once, while the requests

@@ -177,6 +177,8 @@ pub static METRICS: &[MetricInfo] = &[
     recorded("rampart_audit_ship_lag_seconds", MetricKind::Gauge, &[], "Age of the oldest sealed audit segment not yet shipped and verified on S3."),
     recorded("rampart_audit_ship_failures_total", MetricKind::Counter, &[], "Audit shipping rounds that failed (retried with backoff; the local copy stays)."),
     recorded("rampart_audit_s3_retries_total", MetricKind::Counter, &[], "S3 requests retried after a transport error or a 5xx."),
+    recorded("rampart_tls_reloads_total", MetricKind::Counter, &["result"], "TLS certificate reloads ([tls]), by result: ok (new connections get the new files), error (they did not build: the previous certificate stays; each broken set of files counted once)."),
+    recorded("rampart_tls_handshake_failures_total", MetricKind::Counter, &["door", "reason"], "TLS handshakes that failed, by port (http, grpc) and reason: client_certificate (none where one is required, or one the client CA did not sign), timeout (handshake_timeout_ms), protocol (anything else)."),
     recorded("rampart_trace_spans_exported_total", MetricKind::Counter, &[], "Spans the trace sink exported over OTLP ([tracing] on)."),
     recorded("rampart_trace_spans_dropped_total", MetricKind::Counter, &["reason"], "Spans the trace sink dropped, by reason (export_failed, timeout); records its lane dropped are in rampart_record_dropped_total{sink=\"traces\"}."),
     recorded("gen_ai_server_request_duration_seconds", MetricKind::Histogram, &["gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_request_model", "gen_ai_response_model", "error_type"], "GenAI semantic conventions' gen_ai.server.request.duration: time to the last byte of the response, per generation or embedding request."),

@@ -6,6 +6,7 @@
 //! - [`nats::Nats`]: a real NATS server with JetStream.
 //! - [`postgres::Postgres`]: a real PostgreSQL.
 //! - `otlp` (feature `otlp`): an OTLP trace receiver (gRPC and HTTP) for the trace tests.
+//! - `tls` (feature `tls`): a test CA and the certificates it signs.
 
 use std::path::{Path, PathBuf};
 
@@ -84,6 +85,8 @@ pub mod nats;
 #[cfg(feature = "otlp")]
 pub mod otlp;
 pub mod postgres;
+#[cfg(feature = "tls")]
+pub mod tls;
 
 #[cfg(test)]
 mod tests {

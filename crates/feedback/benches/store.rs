@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use feedback::export::{self, Format, Options};
 use feedback::store::{Filter, Response, Store};
-use feedback::{Submission, Target};
+use feedback::{Rater, Submission, Target};
 use serde_json::json;
 
 fn response(i: usize) -> Response {
@@ -85,9 +85,7 @@ fn run(store: &Store, rows: usize) {
             .submit(
                 &found,
                 &s,
-                "agent",
-                "ops",
-                "key",
+                &Rater::key("agent", "ops"),
                 1_800_000_000_000 + i as u64,
             )
             .unwrap();
@@ -106,7 +104,12 @@ fn run(store: &Store, rows: usize) {
             let r = response(i);
             let s = Submission::parse(&json!({"rating": "not_helpful", "label": "refunds", "correction": "{\"category\": \"refunds\"}"}), true).unwrap();
             store
-                .submit(&r, &s, "agent", "ops", "key", 1_800_000_000_000 + i as u64)
+                .submit(
+                    &r,
+                    &s,
+                    &Rater::key("agent", "ops"),
+                    1_800_000_000_000 + i as u64,
+                )
                 .unwrap();
         }
     }

@@ -553,7 +553,7 @@ impl Scrubber {
 mod tests {
     use super::*;
     use crate::store::tests::response;
-    use crate::Submission;
+    use crate::{Rater, Submission};
 
     fn store() -> Store {
         let store = Store::in_memory().unwrap();
@@ -568,9 +568,7 @@ mod tests {
                 &a,
                 &s(json!({"rating": "not_helpful", "label": "customs",
                 "correction": "{\"category\": \"customs\"} mail me at jo@example.com"})),
-                "agent",
-                "ops",
-                "key",
+                &Rater::key("agent", "ops"),
                 10,
             )
             .unwrap();
@@ -579,9 +577,7 @@ mod tests {
             .submit(
                 &a,
                 &s(json!({"correction": "{\"category\": \"customs\"} mail me at jo@example.com"})),
-                "lead",
-                "ops",
-                "key",
+                &Rater::key("lead", "ops"),
                 11,
             )
             .unwrap();
@@ -589,14 +585,17 @@ mod tests {
             .submit(
                 &b,
                 &s(json!({"rating": "helpful"})),
-                "agent",
-                "ops",
-                "key",
+                &Rater::key("agent", "ops"),
                 12,
             )
             .unwrap();
         store
-            .submit(&c, &s(json!({"rating": 1})), "agent", "ops", "key", 13)
+            .submit(
+                &c,
+                &s(json!({"rating": 1})),
+                &Rater::key("agent", "ops"),
+                13,
+            )
             .unwrap();
         store
     }

@@ -4,10 +4,10 @@
 //! request path): its ids (request, audit, response), model, version, the class it gave and its
 //! confidence, and its input and output for the retention window. `POST /v1/feedback` joins a
 //! rating, a label correction or a text correction to that response ([`store::Store::submit`]),
-//! idempotent per (response, item, rater). From the store come the per-class error rates with
-//! their Wilson bounds ([`quality`]), the calibration table, and the datasets a fine-tuning job
-//! takes ([`export`]). [`link`] signs the per-response tokens that let an end user's client rate
-//! without an API key.
+//! idempotent per (response, item, rater), a signed link being one rater per response. From the
+//! store come the per-class error rates with their Wilson bounds ([`quality`]), the calibration
+//! table, and the datasets a fine-tuning job takes ([`export`]). [`link`] signs the
+//! per-response tokens that let an end user's client rate without an API key.
 
 pub mod class;
 pub mod export;
@@ -19,7 +19,7 @@ pub mod submission;
 pub mod testing;
 
 pub use class::ClassRule;
-pub use store::{Feedback, Response, Store, Submitted};
+pub use store::{Feedback, Rater, Response, Store, Submitted};
 pub use submission::{Correction, Rating, Submission, Target};
 
 /// What went wrong in the feedback store.
@@ -27,6 +27,9 @@ pub use submission::{Correction, Rating, Submission, Target};
 pub enum FeedbackError {
     #[error("feedback store: {0}")]
     Store(String),
+    /// A key's rater named like a link (`link`, `link:…`): those names are the links'.
+    #[error("the rater name {0:?} is reserved for signed feedback links")]
+    ReservedRater(String),
     #[error("feedback export: {0}")]
     Export(String),
     #[error("{0}")]

@@ -4,6 +4,11 @@
 //! Two tables: `responses` (every served response, its ids, class and content, kept for the
 //! retention window unless it has feedback) and `feedback` (one row per response, item and
 //! rater; a second submission by the same rater replaces the first).
+//!
+//! Who rated is a [`Rater`]: a key's rater (its `rater`, `X-Operator-Id` or key id; each keeps
+//! its row) or the answer's signed link, which is one rater whatever its client claims: one row
+//! per (answer, item) for links, enforced by the database itself (a partial unique index) as
+//! well as by the rater name `link` that only links have.
 
 use std::path::Path;
 use std::sync::{Mutex, PoisonError};
@@ -69,6 +74,44 @@ pub struct Feedback {
 
 fn correction_json<S: serde::Serializer>(c: &Option<Correction>, s: S) -> Result<S::Ok, S::Error> {
     c.as_ref().map(Correction::to_json).serialize(s)
+}
+
+/// Who gives a submission.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Rater {
+    /// The answer's signed feedback link: one rater per answer (the end user it was given to),
+    /// whatever `rater` or `X-Operator-Id` its client sends. Its rows' rater is [`LINK_RATER`].
+    Link,
+    /// A key with the `feedback` scope: `rater` (the body's, else `X-Operator-Id`, else the
+    /// key's id) keeps its own row; `principal` is the key's id.
+    Key { rater: String, principal: String },
+}
+
+/// The rater (and principal) of every row a signed link gave; a key's rater may not be it, nor
+/// start with `link:` (the raters links had before one link was one rater).
+pub const LINK_RATER: &str = "link";
+
+impl Rater {
+    /// A key's rater.
+    pub fn key(rater: impl Into<String>, principal: impl Into<String>) -> Rater {
+        Rater::Key {
+            rater: rater.into(),
+            principal: principal.into(),
+        }
+    }
+
+    /// Whether a key may rate under this name (links' names are reserved).
+    pub fn reserved(name: &str) -> bool {
+        name == LINK_RATER || name.starts_with("link:")
+    }
+
+    /// (rater, principal, via) as the row keeps them.
+    fn columns(&self) -> (&str, &str, &'static str) {
+        match self {
+            Rater::Link => (LINK_RATER, LINK_RATER, "link"),
+            Rater::Key { rater, principal } => (rater, principal, "key"),
+        }
+    }
 }
 
 /// What a submission did.
@@ -168,6 +211,24 @@ CREATE INDEX IF NOT EXISTS feedback_model_time ON feedback(model, time_ms);
 CREATE INDEX IF NOT EXISTS feedback_time ON feedback(time_ms);
 ";
 
+/// The index that makes a link one rater: one row per (answer, item) of those links gave.
+const LINK_INDEX: &str = "feedback_one_per_link";
+
+/// Makes a store written before a link was one rater (its links' rows were `link:<rater>`, one
+/// per claimed rater) hold one link row per (answer, item), then adds [`LINK_INDEX`]: keeps the
+/// latest link row of each (answer, item), names it `link`, drops the others. Runs once, when
+/// the index is missing, in the SQL both backends take.
+const LINK_MIGRATION: &str = "
+DELETE FROM feedback WHERE via = 'link' AND EXISTS (SELECT 1 FROM feedback g
+    WHERE g.via = 'link' AND g.audit_id = feedback.audit_id AND g.item = feedback.item
+    AND (g.time_ms > feedback.time_ms OR (g.time_ms = feedback.time_ms AND g.id > feedback.id)));
+UPDATE feedback SET rater = 'link', principal = 'link' WHERE via = 'link' AND rater <> 'link'
+    AND NOT EXISTS (SELECT 1 FROM feedback k WHERE k.audit_id = feedback.audit_id
+    AND k.item = feedback.item AND k.rater = 'link');
+CREATE UNIQUE INDEX IF NOT EXISTS feedback_one_per_link ON feedback(audit_id, item)
+    WHERE via = 'link';
+";
+
 /// Where the rows live.
 enum Backend {
     /// The embedded default: one SQLite file.
@@ -223,6 +284,19 @@ fn setup(conn: &Connection) -> Result<(), FeedbackError> {
     conn.pragma_update(None, "journal_mode", "WAL")?;
     conn.pragma_update(None, "synchronous", "NORMAL")?;
     conn.execute_batch(SCHEMA)?;
+    migrate_sqlite(conn)
+}
+
+/// [`LINK_MIGRATION`] on SQLite, when the index is missing.
+fn migrate_sqlite(conn: &Connection) -> Result<(), FeedbackError> {
+    let present: i64 = conn.query_row(
+        "SELECT COUNT(*) FROM sqlite_master WHERE type = 'index' AND name = ?1",
+        [LINK_INDEX],
+        |r| r.get(0),
+    )?;
+    if present == 0 {
+        conn.execute_batch(&format!("BEGIN; {LINK_MIGRATION} COMMIT;"))?;
+    }
     Ok(())
 }
 
@@ -319,6 +393,13 @@ fn pg_connect(url: &str) -> Result<postgres::Client, FeedbackError> {
     let mut tx = client.transaction()?;
     tx.execute("SELECT pg_advisory_xact_lock(7227010001)", &[])?;
     tx.batch_execute(SCHEMA)?;
+    let present = tx.query_one(
+        "SELECT COUNT(*) FROM pg_indexes WHERE schemaname = current_schema() AND indexname = $1",
+        &[&LINK_INDEX],
+    )?;
+    if present.get::<_, i64>(0) == 0 {
+        tx.batch_execute(LINK_MIGRATION)?;
+    }
     tx.commit()?;
     Ok(client)
 }
@@ -386,6 +467,7 @@ impl Store {
     pub fn in_memory() -> Result<Store, FeedbackError> {
         let conn = Connection::open_in_memory()?;
         conn.execute_batch(SCHEMA)?;
+        migrate_sqlite(&conn)?;
         Ok(Store {
             backend: Backend::Sqlite(Mutex::new(conn)),
             location: ":memory:".into(),
@@ -553,16 +635,19 @@ impl Store {
         Ok(self.query(&sql, &[text(id)], |r| response_row(r, 0))?.pop())
     }
 
-    /// Joins a submission to its response: a new row, or the rater's earlier row replaced.
+    /// Joins a submission to its response: a new row, or the rater's earlier row replaced (a
+    /// link's earlier row on that item, whoever its client said it was).
     pub fn submit(
         &self,
         response: &Response,
         s: &Submission,
-        rater: &str,
-        principal: &str,
-        via: &str,
+        by: &Rater,
         time_ms: u64,
     ) -> Result<Submitted, FeedbackError> {
+        let (rater, principal, via) = by.columns();
+        if via == "key" && Rater::reserved(rater) {
+            return Err(FeedbackError::ReservedRater(rater.to_string()));
+        }
         let class = response.classes.get(s.item).cloned().flatten();
         let confidence = response.confidences.get(s.item).copied().flatten();
         let wrong_label =
@@ -586,7 +671,9 @@ impl Store {
             comment: s.comment.clone(),
             error,
         };
-        // One statement: the row's id comes back, the new one or the rater's earlier one.
+        // One statement: the row's id comes back, the new one or the rater's earlier one. A row
+        // of the other kind under the same name (a key rater called `link` from before the
+        // name was reserved) is not taken over: nothing comes back.
         let kept = self.query(
             "INSERT INTO feedback (id, audit_id, item, rater, principal, via, time_ms, model, \
              version, class, confidence, rating, helpful, label, correction, comment, error) \
@@ -595,7 +682,7 @@ impl Store {
              via = excluded.via, time_ms = excluded.time_ms, rating = excluded.rating, \
              helpful = excluded.helpful, label = excluded.label, \
              correction = excluded.correction, comment = excluded.comment, error = excluded.error \
-             RETURNING id",
+             WHERE feedback.via = excluded.via RETURNING id",
             &[
                 text(&f.id),
                 text(&f.audit_id),
@@ -628,6 +715,23 @@ impl Store {
         } else {
             Submitted::Updated(f)
         })
+    }
+
+    /// What an answer's latest rating says (helpful or not), over all its raters and items;
+    /// `None` when no row of it rates it either way. The release judge counts this, once per
+    /// answer, whoever rated it and however often.
+    pub fn answer_rating(&self, audit_id: &str) -> Result<Option<bool>, FeedbackError> {
+        Ok(self
+            .query(
+                "SELECT helpful FROM feedback WHERE audit_id = ?1 AND helpful IS NOT NULL \
+                 ORDER BY time_ms DESC, id DESC LIMIT 1",
+                &[text(audit_id)],
+                |r| r.int(0),
+            )?
+            .into_iter()
+            .next()
+            .flatten()
+            .map(|h| h != 0))
     }
 
     /// Feedback counts per (model, version, class) of the rows the filter takes.
@@ -821,9 +925,7 @@ pub(crate) mod tests {
             .submit(
                 &r,
                 &body(json!({"rating": "helpful"})),
-                "agent",
-                "ops",
-                "key",
+                &Rater::key("agent", "ops"),
                 2_000,
             )
             .unwrap();
@@ -833,9 +935,7 @@ pub(crate) mod tests {
             .submit(
                 &r,
                 &body(json!({"label": "customs"})),
-                "agent",
-                "ops",
-                "key",
+                &Rater::key("agent", "ops"),
                 3_000,
             )
             .unwrap();
@@ -845,14 +945,7 @@ pub(crate) mod tests {
         assert_eq!(f.id, first.feedback().id, "the rater's row keeps its id");
         assert!(f.error, "a label other than the class is an error");
         store
-            .submit(
-                &r,
-                &body(json!({"rating": 5})),
-                "other",
-                "ops",
-                "link",
-                3_500,
-            )
+            .submit(&r, &body(json!({"rating": 5})), &Rater::Link, 3_500)
             .unwrap();
         assert_eq!(store.counts().unwrap(), (1, 2));
         let stats = store.class_stats(&Filter::default()).unwrap();
@@ -880,6 +973,135 @@ pub(crate) mod tests {
     }
 
     #[test]
+    fn a_link_is_one_rater_per_item_whatever_its_client_says() {
+        let store = Store::in_memory().unwrap();
+        let mut r = response("a1", "logistics", 0.9, 1_000);
+        r.classes.push(Some("refunds".into()));
+        r.confidences.push(Some(0.4));
+        store.index(std::slice::from_ref(&r)).unwrap();
+        // 50 submissions of one link, each claiming another rater: one row, replaced.
+        let mut ids = std::collections::BTreeSet::new();
+        for i in 0..50u64 {
+            let rating = if i % 2 == 0 { "helpful" } else { "not_helpful" };
+            let s = body(json!({"rating": rating, "rater": format!("user-{i}")}));
+            let done = store.submit(&r, &s, &Rater::Link, 2_000 + i).unwrap();
+            assert_eq!(matches!(done, Submitted::Created(_)), i == 0, "{i}");
+            assert_eq!(done.feedback().rater, LINK_RATER);
+            ids.insert(done.feedback().id.clone());
+        }
+        assert_eq!(ids.len(), 1, "one row, kept by every replacement");
+        assert_eq!(store.counts().unwrap(), (1, 1));
+        assert_eq!(
+            store.answer_rating("a1").unwrap(),
+            Some(false),
+            "the last one"
+        );
+        // The link rates each item of a batch answer once.
+        let second = body(json!({"rating": 5, "item": 1}));
+        assert!(matches!(
+            store.submit(&r, &second, &Rater::Link, 3_000).unwrap(),
+            Submitted::Created(_)
+        ));
+        assert_eq!(store.answer_rating("a1").unwrap(), Some(true));
+        // Keys' raters keep their own rows beside the link's, and may not pose as a link.
+        let agent = Rater::key("agent-7", "agents");
+        store
+            .submit(&r, &body(json!({"rating": 1})), &agent, 3_100)
+            .unwrap();
+        assert_eq!(store.counts().unwrap(), (1, 3));
+        assert_eq!(store.answer_rating("a1").unwrap(), Some(false));
+        for name in ["link", "link:user-1"] {
+            let posing = Rater::key(name, "agents");
+            assert!(matches!(
+                store.submit(&r, &body(json!({"rating": 5})), &posing, 3_200),
+                Err(FeedbackError::ReservedRater(_))
+            ));
+        }
+        // A comment alone takes the link's rating away; the answer's latest rating is then the
+        // agent's.
+        store
+            .submit(&r, &body(json!({"comment": "hm"})), &Rater::Link, 3_300)
+            .unwrap();
+        store
+            .submit(
+                &r,
+                &body(json!({"comment": "hm", "item": 1})),
+                &Rater::Link,
+                3_301,
+            )
+            .unwrap();
+        assert_eq!(store.answer_rating("a1").unwrap(), Some(false));
+        assert_eq!(store.answer_rating("nobody").unwrap(), None);
+    }
+
+    /// A store file as the server wrote it before a link was one rater: the schema without the
+    /// link index, and one link row per rater its client claimed.
+    fn old_store(path: &Path, links: u64) {
+        let conn = Connection::open(path).unwrap();
+        conn.execute_batch(SCHEMA).unwrap();
+        let insert = "INSERT INTO feedback (id, audit_id, item, rater, principal, via, time_ms, \
+                      model, version, error, helpful) VALUES (?1, ?2, 0, ?3, ?4, ?5, ?6, 'm', '1', 0, ?7)";
+        for i in 0..links {
+            conn.execute(
+                insert,
+                rusqlite::params![
+                    format!("f{i}"),
+                    "a1",
+                    format!("link:user-{i}"),
+                    "link",
+                    "link",
+                    100 + i as i64,
+                    (i % 2) as i64
+                ],
+            )
+            .unwrap();
+        }
+        conn.execute(
+            insert,
+            rusqlite::params!["k", "a1", "agent", "agents", "key", 50, 1],
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn an_old_store_keeps_the_latest_link_row_of_each_answer_and_enforces_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("feedback.db");
+        old_store(&path, 40);
+        let store = Store::open(&path).unwrap();
+        assert_eq!(
+            store.counts().unwrap(),
+            (0, 2),
+            "the latest link row and the key's"
+        );
+        let rows = store.query(
+            "SELECT id, rater, principal FROM feedback WHERE via = 'link'",
+            &[],
+            |r| Ok((r.string(0)?, r.string(1)?, r.string(2)?)),
+        );
+        assert_eq!(
+            rows.unwrap(),
+            [(
+                "f39".to_string(),
+                LINK_RATER.to_string(),
+                LINK_RATER.to_string()
+            )]
+        );
+        drop(store);
+        // The database itself refuses a second link row on the answer's item (an older replica
+        // still writing `link:<rater>` rows), and opening again changes nothing.
+        let conn = Connection::open(&path).unwrap();
+        let second = conn.execute(
+            "INSERT INTO feedback (id, audit_id, item, rater, principal, via, time_ms, model, \
+             version, error) VALUES ('x', 'a1', 0, 'link:someone', 'link', 'link', 1, 'm', '1', 0)",
+            [],
+        );
+        assert!(second.is_err(), "one link row per answer and item");
+        drop(conn);
+        assert_eq!(Store::open(&path).unwrap().counts().unwrap(), (0, 2));
+    }
+
+    #[test]
     fn pruning_keeps_responses_with_feedback() {
         let store = Store::in_memory().unwrap();
         let old = response("old", "a", 0.5, 10);
@@ -887,7 +1109,12 @@ pub(crate) mod tests {
         let new = response("new", "a", 0.5, 5_000);
         store.index(&[old, rated.clone(), new]).unwrap();
         store
-            .submit(&rated, &body(json!({"rating": 1})), "r", "p", "key", 20)
+            .submit(
+                &rated,
+                &body(json!({"rating": 1})),
+                &Rater::key("r", "p"),
+                20,
+            )
             .unwrap();
         assert_eq!(store.prune(1_000).unwrap(), 1);
         assert_eq!(store.counts().unwrap(), (2, 1));
@@ -904,9 +1131,7 @@ pub(crate) mod tests {
             .submit(
                 &r,
                 &body(json!({"rating": "not_helpful"})),
-                "r",
-                "p",
-                "key",
+                &Rater::key("r", "p"),
                 2,
             )
             .unwrap();

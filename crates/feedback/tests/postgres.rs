@@ -4,7 +4,7 @@
 
 use feedback::export::{self, Format, Options};
 use feedback::store::{Filter, Store};
-use feedback::{Submission, Submitted, Target};
+use feedback::{Rater, Submission, Submitted, Target};
 use serde_json::json;
 
 use feedback::testing::response;
@@ -22,15 +22,13 @@ fn fill(store: &Store) {
         .index(&[a.clone(), b.clone(), a.clone(), old])
         .unwrap();
     store
-        .submit(&a, &body(json!({"rating": "not_helpful", "label": "customs", "correction": "{\"category\": \"customs\"}"})), "agent", "ops", "key", 2_000)
+        .submit(&a, &body(json!({"rating": "not_helpful", "label": "customs", "correction": "{\"category\": \"customs\"}"})), &Rater::key("agent", "ops"), 2_000)
         .unwrap();
     store
         .submit(
             &b,
             &body(json!({"rating": 5})),
-            "agent",
-            "ops",
-            "key",
+            &Rater::key("agent", "ops"),
             2_001,
         )
         .unwrap();
@@ -38,9 +36,7 @@ fn fill(store: &Store) {
         .submit(
             &b,
             &body(json!({"rating": 2, "comment": "slow"})),
-            "link:u1",
-            "link",
-            "link",
+            &Rater::Link,
             2_002,
         )
         .unwrap();
@@ -79,9 +75,7 @@ fn the_store_on_postgresql_matches_sqlite_and_replicas_share_it() {
         .submit(
             &a,
             &body(json!({"rating": "helpful"})),
-            "agent",
-            "ops",
-            "key",
+            &Rater::key("agent", "ops"),
             3_000,
         )
         .unwrap();
@@ -89,9 +83,7 @@ fn the_store_on_postgresql_matches_sqlite_and_replicas_share_it() {
         .submit(
             &a,
             &body(json!({"rating": "helpful"})),
-            "agent",
-            "ops",
-            "key",
+            &Rater::key("agent", "ops"),
             3_000,
         )
         .unwrap();
@@ -153,4 +145,80 @@ fn the_store_on_postgresql_matches_sqlite_and_replicas_share_it() {
     // Pruning keeps what has feedback.
     assert_eq!(one.prune(1_500).unwrap(), 1);
     assert_eq!(two.counts().unwrap(), (2, 3));
+}
+
+/// The feedback table as servers made it before a link was one rater (no link index).
+const OLD_FEEDBACK_TABLE: &str = "CREATE TABLE feedback (
+    id TEXT PRIMARY KEY, audit_id TEXT NOT NULL, item BIGINT NOT NULL, rater TEXT NOT NULL,
+    principal TEXT NOT NULL, via TEXT NOT NULL, time_ms BIGINT NOT NULL, model TEXT NOT NULL,
+    version TEXT NOT NULL, class TEXT, confidence DOUBLE PRECISION, rating TEXT, helpful BIGINT,
+    label TEXT, correction TEXT, comment TEXT, error BIGINT NOT NULL,
+    UNIQUE (audit_id, item, rater))";
+
+#[test]
+fn on_postgresql_a_link_is_one_rater_and_an_old_store_is_converted() {
+    let Some(pg) = testkit::postgres::Postgres::start() else {
+        return;
+    };
+    // A store an older server filled: one link row per rater its client claimed.
+    let mut raw = postgres::Client::connect(&pg.url(), postgres::NoTls).unwrap();
+    raw.batch_execute(OLD_FEEDBACK_TABLE).unwrap();
+    for i in 0..30i64 {
+        raw.execute(
+            "INSERT INTO feedback (id, audit_id, item, rater, principal, via, time_ms, model, \
+             version, error, helpful) VALUES ($1, 'a', 0, $2, 'link', 'link', $3, 'tickets', \
+             '1.0.0', 0, $4)",
+            &[
+                &format!("f{i:02}"),
+                &format!("link:user-{i}"),
+                &(100 + i),
+                &(i % 2),
+            ],
+        )
+        .unwrap();
+    }
+    let one = Store::connect(&pg.url()).unwrap();
+    let two = Store::connect(&pg.url()).unwrap();
+    assert_eq!(one.counts().unwrap(), (0, 1), "the latest link row is kept");
+    assert_eq!(one.answer_rating("a").unwrap(), Some(true), "f29's");
+
+    // Two replicas take the same link's replays: one row, replaced.
+    let b = response("b", "refunds", 0.55, 1_001);
+    one.index(std::slice::from_ref(&b)).unwrap();
+    let mut ids = std::collections::BTreeSet::new();
+    for i in 0..20u64 {
+        let store = if i % 2 == 0 { &one } else { &two };
+        let s = body(json!({"rating": if i % 2 == 0 { 1 } else { 5 }, "rater": format!("u{i}")}));
+        let done = store.submit(&b, &s, &Rater::Link, 2_000 + i).unwrap();
+        assert_eq!(matches!(done, Submitted::Created(_)), i == 0);
+        ids.insert(done.feedback().id.clone());
+    }
+    assert_eq!(ids.len(), 1);
+    assert_eq!(two.answer_rating("b").unwrap(), Some(true));
+    // Keys' raters keep theirs, and may not be named like a link.
+    two.submit(
+        &b,
+        &body(json!({"rating": 2})),
+        &Rater::key("agent", "ops"),
+        3_000,
+    )
+    .unwrap();
+    assert!(two
+        .submit(
+            &b,
+            &body(json!({"rating": 2})),
+            &Rater::key("link", "ops"),
+            3_001
+        )
+        .is_err());
+    assert_eq!(one.counts().unwrap(), (1, 3));
+    // The database refuses a second link row on an answer's item, as an older replica would
+    // write it.
+    let second = raw.execute(
+        "INSERT INTO feedback (id, audit_id, item, rater, principal, via, time_ms, model, \
+         version, error) VALUES ('x', 'b', 0, 'link:other', 'link', 'link', 1, 'tickets', \
+         '1.0.0', 0)",
+        &[],
+    );
+    assert!(second.is_err(), "one link row per answer and item");
 }

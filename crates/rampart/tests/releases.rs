@@ -967,3 +967,178 @@ fn a_candidate_with_another_tokenizer_waits_for_an_explicit_approval() {
     assert_ne!(r["status"]["phase"], "idle", "{r:#}");
     assert!(actions(&r["plan"]).contains(&"start".to_string()), "{r:#}");
 }
+
+/// One end user's signed feedback link replayed 50 times, each time claiming another rater
+/// (the body's `rater`, `X-Operator-Id`): one row for its answer, the release judge's rated
+/// answers move by one, and past the link's limit (`[feedback] submissions_per_minute_per_link`,
+/// 6 by default) the replays are refused with 429, `Retry-After` and a JSON body, and neither
+/// stored nor audited. Operators rating the same answer with a key keep their own rows; the
+/// judge still counts the answer once.
+#[test]
+fn a_replayed_feedback_link_is_one_rating_of_its_answer_and_is_rate_limited() {
+    let _load = beside_others();
+    // A long first step judged on ratings too, so that the release stays in it.
+    let plan = "stable = \"1.0.0\"\nmode = \"ab\"\n\n[schedule]\nsteps = [50.0, 100.0]\nmin_step_secs = 3600\nmax_step_secs = 7200\nstall_secs = 3600\n\n[judge]\nhelpful_rate_points = 5\n";
+    let Some(server) = release_server("", None, Some(plan)) else {
+        return;
+    };
+    let port = server.port;
+    let (ok, text) = cli(
+        &["start", MODEL, "--candidate", "1.1.0"],
+        &repo_of(&server),
+        None,
+    );
+    assert!(ok, "{text}");
+    let r = wait_release(port, Duration::from_secs(60), |r| {
+        r["status"]["phase"] == "running"
+    });
+    assert_eq!(r["status"]["phase"], "running", "{r}");
+    let rated = |r: &serde_json::Value| {
+        let s = &r["status"];
+        (
+            s["ratings_stable"].as_u64().unwrap_or(0)
+                + s["ratings_candidate"].as_u64().unwrap_or(0),
+            s["helpful_stable"].as_u64().unwrap_or(0)
+                + s["helpful_candidate"].as_u64().unwrap_or(0),
+        )
+    };
+    // An answer given during the step, with its link (1.1.0 may still be loading at first).
+    let chat = format!(
+        r#"{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "Where is my parcel?"}}], "max_tokens": 4, "temperature": 0, "user": "end-user-1"}}"#
+    );
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let (headers, audit_id) = loop {
+        let (status, headers, body) =
+            http(port, "POST", "/v1/chat/completions", Some(&chat), Some(KEY));
+        if status == 200 {
+            let audit_id = header(&headers, "x-rampart-audit-id").unwrap().to_string();
+            break (headers, audit_id);
+        }
+        assert!(Instant::now() < deadline, "no answer: {status} {body}");
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    let token = header(&headers, "x-rampart-feedback-token")
+        .expect("the answer's feedback link")
+        .to_string();
+    let before = rated(&release(port));
+    let table_rows = || -> u64 {
+        let (status, _, body) = http(
+            port,
+            "GET",
+            &format!("/admin/feedback/classes?model={MODEL}"),
+            None,
+            Some(ADMIN_KEY),
+        );
+        assert_eq!(status, 200, "{body}");
+        serde_json::from_str::<serde_json::Value>(&body).unwrap()["classes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["feedback"].as_u64().unwrap_or(0))
+            .sum()
+    };
+    let refused_before = metric_labelled(
+        port,
+        "rampart_feedback_refused_total",
+        "reason=\"rate_limited\"",
+    );
+
+    // The replay: 50 submissions of one link, each claiming to be someone else.
+    let mut statuses = Vec::new();
+    let mut ids = std::collections::BTreeSet::new();
+    for i in 0..50 {
+        let rating = if i % 2 == 0 { "not_helpful" } else { "helpful" };
+        let body = format!(r#"{{"rating": "{rating}", "rater": "user-{i}"}}"#);
+        let operator = format!("operator-{i}");
+        let (status, headers, text) = http_with_headers(
+            port,
+            "POST",
+            "/v1/feedback",
+            Some(&body),
+            &[
+                ("X-Rampart-Feedback-Token", &token),
+                ("X-Operator-Id", &operator),
+            ],
+        );
+        let v: serde_json::Value =
+            serde_json::from_str(&text).unwrap_or_else(|_| panic!("a JSON body: {status} {text}"));
+        match status {
+            201 | 200 => {
+                assert_eq!(v["rater"], "link", "the link is the rater: {v}");
+                ids.insert(v["id"].as_str().unwrap().to_string());
+            }
+            429 => {
+                assert_eq!(v["error"]["code"], "rate_limited", "{v}");
+                assert_eq!(v["error"]["type"], "rate_limit_error", "{v}");
+                let wait: u64 = header(&headers, "retry-after")
+                    .expect("Retry-After")
+                    .parse()
+                    .unwrap();
+                assert!((1..=60).contains(&wait), "Retry-After {wait}");
+            }
+            _ => panic!("replay {i}: {status} {text}"),
+        }
+        statuses.push(status);
+    }
+    eprintln!("replayed link: {statuses:?}");
+    assert_eq!(statuses[0], 201, "{statuses:?}");
+    assert!(
+        statuses[1..6].iter().all(|&s| s == 200),
+        "replays within the link's limit replace its rating: {statuses:?}"
+    );
+    assert!(
+        statuses[6..].iter().all(|&s| s == 429),
+        "past the link's limit, refused: {statuses:?}"
+    );
+    assert_eq!(ids.len(), 1, "one row, replaced: {ids:?}");
+    assert_eq!(table_rows(), 1, "one feedback row for the answer");
+    assert!(
+        metric_labelled(
+            port,
+            "rampart_feedback_refused_total",
+            "reason=\"rate_limited\""
+        ) - refused_before
+            >= 44.0
+    );
+    // The judge's rated answers moved by one, with the last accepted rating (the 6th,
+    // `helpful`).
+    let after = rated(&release(port));
+    assert_eq!(after.0, before.0 + 1, "{before:?} -> {after:?}");
+    assert_eq!(after.1, before.1 + 1, "{before:?} -> {after:?}");
+
+    // Operators rate the same answer with a key: each keeps a row, the judge counts the answer
+    // once (its latest rating).
+    for (i, rating) in ["not_helpful", "helpful", "not_helpful"].iter().enumerate() {
+        let (status, _, text) = http_with_headers(
+            port,
+            "POST",
+            "/v1/feedback",
+            Some(&format!(
+                r#"{{"audit_id": "{audit_id}", "rating": "{rating}"}}"#
+            )),
+            &[
+                ("Authorization", &format!("Bearer {FEEDBACK_KEY}")),
+                ("X-Operator-Id", &format!("agent-{i}")),
+            ],
+        );
+        assert_eq!(status, 201, "{text}");
+    }
+    let (status, _, text) = http_with_headers(
+        port,
+        "POST",
+        "/v1/feedback",
+        Some(&format!(
+            r#"{{"audit_id": "{audit_id}", "rating": "helpful", "rater": "link"}}"#
+        )),
+        &[("Authorization", &format!("Bearer {FEEDBACK_KEY}"))],
+    );
+    assert_eq!(status, 400, "a key may not pose as the link: {text}");
+    assert_eq!(table_rows(), 4, "the link's row and three operators'");
+    let operators = rated(&release(port));
+    assert_eq!(
+        operators,
+        (before.0 + 1, before.1),
+        "the latest: not helpful"
+    );
+    drop(server);
+}

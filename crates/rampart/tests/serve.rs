@@ -2098,12 +2098,13 @@ fn cold_models_load_on_demand_within_the_budget_and_unload_after_draining() {
     assert_eq!(status, 200, "{body}");
 }
 
-/// The feedback settings of the feedback tests (a short link lifetime, gauges every second).
+/// The feedback settings of the feedback tests (a short link lifetime, gauges every second,
+/// and room for the suite's thousand malformed bodies from one key within seconds).
 const FEEDBACK_LINK_TTL_S: u64 = 8;
 
 fn feedback_config(more: &str) -> String {
     format!(
-        "[feedback]\nlink_ttl_s = {FEEDBACK_LINK_TTL_S}\nrefresh_s = 1\nmin_samples = 10\n{more}\n\
+        "[feedback]\nlink_ttl_s = {FEEDBACK_LINK_TTL_S}\nrefresh_s = 1\nmin_samples = 10\nsubmissions_per_minute_per_principal = 100000\n{more}\n\
          [feedback.classes]\n\"{MODEL}\" = \"category\"\n"
     )
 }

@@ -153,6 +153,12 @@ pub struct Status {
     pub samples_candidate: u64,
     pub errors_stable: u64,
     pub errors_candidate: u64,
+    /// Answers of each variant rated in this step (each counted once, with its latest
+    /// rating), and how many of them helpful: the helpful-rate test's samples.
+    pub ratings_stable: u64,
+    pub ratings_candidate: u64,
+    pub helpful_stable: u64,
+    pub helpful_candidate: u64,
     pub time_in_step_ms: u64,
     pub reason: Option<String>,
     /// The judge's last verdict (with per-metric statistics), if a tick judged.
@@ -222,10 +228,17 @@ impl Controller {
         }
     }
 
-    /// Feedback on an answer of `version` given at `answered_ms`: helpful or not. Counts for
-    /// the current step only (answers the step's variants gave), on the stable's or the
-    /// candidate's side by version.
-    pub fn observe_feedback(&mut self, version: &str, answered_ms: u64, helpful: bool) {
+    /// The rating of `answer` (its audit id), an answer of `version` given at `answered_ms`:
+    /// helpful or not, or `None` when nothing rates it either way any more. Counts for the
+    /// current step only (answers the step's variants gave), on the stable's or the candidate's
+    /// side by version, once per answer: a new rating of the same answer replaces its old one.
+    pub fn observe_feedback(
+        &mut self,
+        version: &str,
+        answered_ms: u64,
+        answer: &str,
+        helpful: Option<bool>,
+    ) {
         if !matches!(
             self.plan.state.phase,
             Phase::Running | Phase::Holding | Phase::Paused
@@ -240,7 +253,7 @@ impl Controller {
         } else {
             return;
         };
-        self.window.push_helpful(variant, helpful);
+        self.window.rate(variant, answer, helpful);
     }
 
     /// A monitor's drift alarm on a variant was raised or cleared.
@@ -271,6 +284,10 @@ impl Controller {
             samples_candidate: self.window.samples(Variant::Candidate),
             errors_stable: self.window.errors(Variant::Stable),
             errors_candidate: self.window.errors(Variant::Candidate),
+            ratings_stable: self.window.helpful(Variant::Stable).1,
+            ratings_candidate: self.window.helpful(Variant::Candidate).1,
+            helpful_stable: self.window.helpful(Variant::Stable).0,
+            helpful_candidate: self.window.helpful(Variant::Candidate).0,
             time_in_step_ms: step_ended_ms.saturating_sub(p.state.step_started_ms),
             reason: p.state.reason.clone(),
             last_verdict: self.last_verdict.clone(),

@@ -42,6 +42,9 @@
 //!   to ~0) fails as soon as that many samples are in.
 //! - **Entropy mean** (optional, nats), **confidence** (optional drop), **helpful rate** (optional
 //!   points): the same normal mixture on the difference of means (rates) beyond the threshold.
+//!   The helpful rate's samples are answers, not ratings: each rated answer counts once, with
+//!   its latest rating ([`StepWindow::rate`]), so rating one answer again and again moves it by
+//!   at most one sample.
 //! - **Agreement** (optional, shadow mode): the candidate's and the control's answers to the same
 //!   mirrored request (same input, same seed) are compared; H0 "they disagree on at most
 //!   `1 − agreement_min` of the requests", a Bernoulli betting e-process on the disagreements,
@@ -77,6 +80,8 @@
 //! Counts, errors and moments are exact over the whole step. The latency values kept for quantiles
 //! are a reservoir of at most `WINDOW_CAP` per variant and metric (a uniform sample of the step,
 //! replacement positions from a deterministic hash of the count, so runs are reproducible).
+
+use std::collections::HashMap;
 
 use serde::Serialize;
 
@@ -286,6 +291,9 @@ pub struct StepWindow {
     /// of those answers agreed.
     compared: u64,
     agreed: u64,
+    /// The rating each rated answer (by audit id) counts with in the helpful-rate test, and on
+    /// which side: an answer counts once, with its latest rating, however often it is rated.
+    ratings: HashMap<String, (Variant, bool)>,
 }
 
 impl StepWindow {
@@ -297,6 +305,7 @@ impl StepWindow {
             candidate: Side::default(),
             compared: 0,
             agreed: 0,
+            ratings: HashMap::new(),
         }
     }
 
@@ -344,15 +353,29 @@ impl StepWindow {
         (self.compared, self.agreed)
     }
 
-    /// A rating from the feedback loop on an answer a variant gave during this step: helpful
-    /// or not (the helpful-rate test's samples; they come later than the requests').
-    pub fn push_helpful(&mut self, variant: Variant, helpful: bool) {
-        let side = match variant {
+    /// The feedback loop's rating of `answer` (its audit id), an answer a variant gave during
+    /// this step: helpful or not, or `None` when it no longer rates it either way (the
+    /// helpful-rate test's samples; they come later than the requests'). An answer is one
+    /// sample: rated again, its new rating replaces its old one (it does not add a second).
+    pub fn rate(&mut self, variant: Variant, answer: &str, helpful: Option<bool>) {
+        if let Some((was, old)) = self.ratings.remove(answer) {
+            let side = self.rated_side(was);
+            side.helpful_answers = side.helpful_answers.saturating_sub(1);
+            side.helpful = side.helpful.saturating_sub(u64::from(old));
+        }
+        if let Some(helpful) = helpful {
+            let side = self.rated_side(variant);
+            side.helpful_answers += 1;
+            side.helpful += u64::from(helpful);
+            self.ratings.insert(answer.to_string(), (variant, helpful));
+        }
+    }
+
+    fn rated_side(&mut self, variant: Variant) -> &mut Side {
+        match variant {
             Variant::Stable | Variant::Control => &mut self.stable,
             Variant::Candidate => &mut self.candidate,
-        };
-        side.helpful_answers += 1;
-        side.helpful += u64::from(helpful);
+        }
     }
 
     /// A monitor's drift alarm on a variant was raised (`active`) or cleared.

@@ -1,5 +1,10 @@
 //! API keys and per-key rate limits.
 //!
+//! [`RateLimiter`]: the inference APIs' request and token buckets per principal.
+//! [`SubmissionLimiter`]: one bucket per key of any kind (a principal, a feedback link), for
+//! routes whose writes must stay bounded per sender (`POST /v1/feedback`); its table forgets
+//! full buckets, so it holds only the keys that sent within the last minute.
+//!
 //! Keys come from a file (one per line, `id:key` or just `key`, then optionally the key's
 //! scopes separated by spaces; `#` comments) or from the `RAMPART_API_KEYS` variable (the same
 //! lines separated by commas). Only their sha256 hashes are kept; a presented key is hashed and
@@ -290,9 +295,111 @@ impl RateLimiter {
     }
 }
 
+/// Submissions per minute per key: a bucket of `per_minute` (the burst), refilled at
+/// `per_minute` a minute. 0 turns it off.
+#[derive(Debug)]
+pub struct SubmissionLimiter {
+    per_minute: u32,
+    table: Mutex<SubmissionTable>,
+}
+
+#[derive(Debug, Default)]
+struct SubmissionTable {
+    buckets: HashMap<String, Bucket>,
+    /// The table is swept of full buckets when it grows past this (twice what the last sweep
+    /// kept, at least `SWEEP_FLOOR`): amortised constant time, and a size bounded by the keys
+    /// that sent within the last minute.
+    sweep_at: usize,
+}
+
+/// The smallest table that is swept.
+const SWEEP_FLOOR: usize = 1024;
+
+impl SubmissionLimiter {
+    pub fn new(per_minute: u32) -> Self {
+        Self {
+            per_minute,
+            table: Mutex::new(SubmissionTable {
+                buckets: HashMap::new(),
+                sweep_at: SWEEP_FLOOR,
+            }),
+        }
+    }
+
+    /// Takes one submission from `key`'s bucket; the whole seconds to wait when there is none.
+    pub fn admit(&self, key: &str) -> Result<(), u64> {
+        self.admit_at(key, Instant::now())
+    }
+
+    fn admit_at(&self, key: &str, now: Instant) -> Result<(), u64> {
+        if self.per_minute == 0 {
+            return Ok(());
+        }
+        let capacity = f64::from(self.per_minute);
+        let rate = capacity / 60.0;
+        let mut table = self.table.lock().unwrap_or_else(|e| e.into_inner());
+        if table.buckets.len() >= table.sweep_at {
+            // A bucket refilled to the brim says no more than a missing one.
+            table.buckets.retain(|_, b| {
+                b.refill(rate, capacity, now);
+                b.level < capacity
+            });
+            table.sweep_at = (table.buckets.len() * 2).max(SWEEP_FLOOR);
+        }
+        let bucket = table.buckets.entry(key.to_string()).or_insert(Bucket {
+            level: capacity,
+            updated: now,
+        });
+        bucket.refill(rate, capacity, now);
+        if bucket.level < 1.0 {
+            return Err(((1.0 - bucket.level) / rate).ceil().max(1.0) as u64);
+        }
+        bucket.level -= 1.0;
+        Ok(())
+    }
+
+    /// Keys the table holds (tests, and the bound in docs/feedback.md).
+    pub fn tracked(&self) -> usize {
+        self.table
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .buckets
+            .len()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn submissions_are_limited_per_key_and_the_table_forgets_full_buckets() {
+        let limiter = SubmissionLimiter::new(6);
+        let t0 = Instant::now();
+        for _ in 0..6 {
+            assert!(limiter.admit_at("link-a", t0).is_ok(), "the burst");
+        }
+        assert_eq!(limiter.admit_at("link-a", t0), Err(10), "one a 10 s");
+        assert!(limiter.admit_at("link-b", t0).is_ok(), "per key");
+        let later = t0 + std::time::Duration::from_secs(10);
+        assert!(limiter.admit_at("link-a", later).is_ok(), "refilled by one");
+        assert!(limiter.admit_at("link-a", later).is_err());
+        // Thousands of keys that sent once: their buckets refill within the minute and the
+        // table is swept of them as it grows.
+        for i in 0..5 * SWEEP_FLOOR {
+            let at = t0 + std::time::Duration::from_secs(61 * (i / SWEEP_FLOOR + 1) as u64);
+            limiter.admit_at(&format!("link-{i}"), at).unwrap();
+        }
+        assert!(
+            limiter.tracked() <= 2 * SWEEP_FLOOR,
+            "{} keys tracked",
+            limiter.tracked()
+        );
+        let off = SubmissionLimiter::new(0);
+        for _ in 0..1000 {
+            assert!(off.admit("x").is_ok());
+        }
+    }
 
     #[test]
     fn keys_parse_with_and_without_ids() {

@@ -102,6 +102,12 @@ pub struct FeedbackConfig {
     pub classes: std::collections::BTreeMap<String, String>,
     /// Records the index's lane holds (it waits for room, off the request path).
     pub lane_capacity: usize,
+    /// Submissions of one signed link (one answer) a minute, the burst included (a bucket
+    /// refilled at this rate); beyond it `429 rate_limited` with `Retry-After`, before the body
+    /// is read, nothing stored or audited. 0: no limit.
+    pub submissions_per_minute_per_link: u32,
+    /// Submissions of one key (principal) a minute, the same way. 0: no limit.
+    pub submissions_per_minute_per_principal: u32,
     /// The retrain hook: a command run when a class's error rate crosses its objective (or on
     /// `POST /admin/feedback/retrain`).
     pub retrain: RetrainConfig,
@@ -128,6 +134,8 @@ impl Default for FeedbackConfig {
             corrections_log: true,
             classes: Default::default(),
             lane_capacity: 8192,
+            submissions_per_minute_per_link: 6,
+            submissions_per_minute_per_principal: 600,
             retrain: RetrainConfig::default(),
             nats: NatsConfig::default(),
             postgres_url: None,

@@ -3,7 +3,12 @@
 //! - `POST /v1/feedback`: a rating, label or text correction on a served response, named by its
 //!   `response_id`, `request_id` or `audit_id`; with a key that has the `feedback` scope, or
 //!   with the response's signed `X-Rampart-Feedback-Token` (no key). 201 when new, 200 when
-//!   the rater's earlier feedback on that item was replaced.
+//!   the rater's earlier feedback on that item was replaced. A link is one rater (`link`),
+//!   whatever `rater` or `X-Operator-Id` its client sends: it rates its answer once per item,
+//!   a later rating replacing the earlier. Submissions are limited per link and per key
+//!   (`[feedback] submissions_per_minute_per_link` / `_per_principal`) before the body is
+//!   read; a refused one is counted (`rampart_feedback_refused_total{reason="rate_limited"}`),
+//!   not stored, not audited.
 //! - `GET /admin/feedback/classes`: per (model, version, class) error rates over the window,
 //!   with Wilson bounds (scope `admin`).
 //! - `GET /admin/feedback/calibration`: helpful rate and accuracy per confidence bucket.
@@ -24,11 +29,11 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use feedback::link::{LinkError, LinkKey};
 use feedback::store::Filter;
-use feedback::{ClassRule, Store, Submission, Submitted, Target};
+use feedback::{ClassRule, Rater, Store, Submission, Submitted, Target};
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::auth::Scope;
+use crate::auth::{Scope, SubmissionLimiter};
 use crate::config::FeedbackConfig;
 use crate::error::ApiError;
 use crate::identity::{self, RequestId, Transport};
@@ -56,6 +61,10 @@ pub struct FeedbackService {
     appended: Arc<tokio::sync::Notify>,
     /// When the retrain hook last ran per model.
     retrained: Mutex<HashMap<String, std::time::Instant>>,
+    /// Submissions per signed link (keyed by the answer's audit id).
+    per_link: SubmissionLimiter,
+    /// Submissions per key (principal).
+    per_principal: SubmissionLimiter,
 }
 
 impl std::fmt::Debug for FeedbackService {
@@ -110,6 +119,8 @@ impl FeedbackService {
             corrections: Mutex::new(corrections),
             appended: Arc::new(tokio::sync::Notify::new()),
             retrained: Mutex::new(HashMap::new()),
+            per_link: SubmissionLimiter::new(config.submissions_per_minute_per_link),
+            per_principal: SubmissionLimiter::new(config.submissions_per_minute_per_principal),
         }))
     }
 
@@ -189,13 +200,18 @@ pub fn admin_routes() -> Router<Arc<AppState>> {
 }
 
 fn refused(error: ApiError, request_id: &str, why: &str) -> Response {
-    tracing::warn!(
-        target: "rampart::feedback",
-        request_id,
-        reason = why,
-        error = %error,
-        "feedback refused"
-    );
+    // A flood is counted, not written out line by line.
+    if why == "rate_limited" {
+        tracing::debug!(target: "rampart::feedback", request_id, error = %error, "feedback refused");
+    } else {
+        tracing::warn!(
+            target: "rampart::feedback",
+            request_id,
+            reason = why,
+            error = %error,
+            "feedback refused"
+        );
+    }
     metrics::counter!("rampart_feedback_refused_total", "reason" => why.to_string()).increment(1);
     error.into_response()
 }
@@ -243,7 +259,12 @@ async fn submit_inner(
                         code,
                     )
                 })?;
-            (Some(audit_id), "link".to_string(), None)
+            admit(&service.per_link, &audit_id, "this feedback link")?;
+            (
+                Some(audit_id),
+                feedback::store::LINK_RATER.to_string(),
+                None,
+            )
         }
         None => {
             let (principal, scopes) = identity::authenticate(
@@ -255,6 +276,11 @@ async fn submit_inner(
                 Some(Scope::Feedback),
             )
             .map_err(|e| (e, "unauthorized"))?;
+            admit(
+                &service.per_principal,
+                &principal,
+                &format!("key {principal:?}"),
+            )?;
             (None, principal, Some(scopes))
         }
     };
@@ -269,7 +295,15 @@ async fn submit_inner(
     let target = match (&linked, &submission.target) {
         (Some(audit_id), _) => Target::Audit(audit_id.clone()),
         (None, Some(t)) => t.clone(),
-        (None, None) => unreachable!("parse requires a target without a link"),
+        (None, None) => {
+            return Err((
+                ApiError::invalid_param(
+                    "response_id",
+                    "name the response: response_id, request_id or audit_id",
+                ),
+                "malformed",
+            ))
+        }
     };
     let found = find(state, service, &target)
         .await
@@ -325,27 +359,41 @@ async fn submit_inner(
             "malformed",
         ));
     }
-    let operator = header("x-operator-id").map(str::to_string);
-    let via = if linked.is_some() { "link" } else { "key" };
-    let rater = submission
-        .rater
-        .clone()
-        .or_else(|| operator.clone())
-        .unwrap_or_else(|| principal.clone());
-    let rater = if linked.is_some() {
-        format!("link:{rater}")
+    // Who rated: a link is one rater, its answer's end user, whatever its client claims (the
+    // body's `rater` and `X-Operator-Id` are a key's to give); a key's rater is the body's
+    // `rater`, else `X-Operator-Id`, else the key's id, and may not be a link's name.
+    let (by, operator) = if linked.is_some() {
+        (Rater::Link, None)
     } else {
-        rater
+        let operator = header("x-operator-id").map(str::to_string);
+        let rater = submission
+            .rater
+            .clone()
+            .or_else(|| operator.clone())
+            .unwrap_or_else(|| principal.clone());
+        if Rater::reserved(&rater) {
+            return Err((
+                ApiError::invalid_param(
+                    "rater",
+                    format!(
+                        "the rater name {rater:?} is reserved for signed feedback links; name \
+                         the rater (`rater`, or X-Operator-Id)"
+                    ),
+                ),
+                "malformed",
+            ));
+        }
+        (Rater::key(rater, principal.clone()), operator)
     };
+    let via = if linked.is_some() { "link" } else { "key" };
     let store = Arc::clone(&service.store);
-    let (resp, sub, rater_c, principal_c) = (
-        response.clone(),
-        submission.clone(),
-        rater.clone(),
-        principal.clone(),
-    );
-    let submitted = tokio::task::spawn_blocking(move || {
-        store.submit(&resp, &sub, &rater_c, &principal_c, via, feedback::now_ms())
+    let (resp, sub) = (response.clone(), submission.clone());
+    // The row, then what the answer's latest rating now says (the release judge counts that,
+    // once per answer).
+    let (submitted, rating) = tokio::task::spawn_blocking(move || {
+        let submitted = store.submit(&resp, &sub, &by, feedback::now_ms())?;
+        let rating = store.answer_rating(&resp.audit_id)?;
+        Ok::<_, feedback::FeedbackError>((submitted, rating))
     })
     .await
     .map_err(|e| (ApiError::Internal(format!("feedback task: {e}")), "store"))?
@@ -378,14 +426,17 @@ async fn submit_inner(
         Submitted::Created(_) => "created",
         Submitted::Updated(_) => "updated",
     };
-    // A new rating is a sample of the release judge's helpful-rate test (a replaced one was
-    // counted when it came).
-    if let (Submitted::Created(_), Some(helpful), Some(releases)) = (
-        &submitted,
-        f.rating.and_then(feedback::Rating::helpful),
-        state.releases.get(),
-    ) {
-        releases.feedback(&f.model, &f.version, response.time_ms, helpful);
+    // The answer is one sample of the release judge's helpful-rate test, with its latest
+    // rating: a replaced rating replaces its sample, and a row without a rating (a comment, a
+    // label) replacing one takes it away unless another rater's rating is later.
+    if let Some(releases) = state.releases.get() {
+        releases.feedback(
+            &f.model,
+            &f.version,
+            response.time_ms,
+            &response.audit_id,
+            rating,
+        );
     }
     tracing::info!(
         target: "rampart::feedback",
@@ -463,6 +514,23 @@ async fn submit_inner(
         })),
     )
         .into_response())
+}
+
+/// One submission from `key`'s bucket, or `429 rate_limited` with `Retry-After`.
+fn admit(limiter: &SubmissionLimiter, key: &str, who: &str) -> Result<(), Refusal> {
+    limiter.admit(key).map_err(|wait| {
+        (
+            ApiError::Overloaded {
+                message: format!(
+                    "feedback rate limit of {who} reached; retry in {wait} s \
+                     ([feedback] submissions_per_minute_per_link / _per_principal)"
+                ),
+                retry_after_s: wait,
+                code: "rate_limited",
+            },
+            "rate_limited",
+        )
+    })
 }
 
 fn describe(t: &Target) -> String {

@@ -280,12 +280,21 @@ impl Releases {
         }
     }
 
-    /// A rating from the feedback loop on an answer of `name`@`version` given at `answered_ms`
-    /// (the judge's helpful-rate test, `judge.helpful_rate_points`).
-    pub fn feedback(&self, name: &str, version: &str, answered_ms: u64, helpful: bool) {
+    /// What the feedback loop's ratings of an answer of `name`@`version` (given at
+    /// `answered_ms`, audit id `answer`) say now: its latest rating, or `None` when none rates
+    /// it either way (the judge's helpful-rate test, `judge.helpful_rate_points`). The judge
+    /// counts each answer once, whoever rated it and however often.
+    pub fn feedback(
+        &self,
+        name: &str,
+        version: &str,
+        answered_ms: u64,
+        answer: &str,
+        helpful: Option<bool>,
+    ) {
         if let Some(m) = self.get(name) {
             m.controller()
-                .observe_feedback(version, answered_ms, helpful);
+                .observe_feedback(version, answered_ms, answer, helpful);
         }
     }
 

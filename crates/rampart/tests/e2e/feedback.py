@@ -120,6 +120,10 @@ status, body = post({"rating": "helpful", "comment": "quick and right"}, token=a
 check("a signed link rates without a key (201)", status == 201, f"{status} {body}")
 check("the link's feedback names its response", body["response_id"] == a["id"] and body["via"] == "link", body)
 check("the class is the answer's category", body["class"] == a["category"], body)
+link_id = body["id"]
+status, again = post({"rating": "helpful", "rater": "someone-else"}, token=a["token"])
+check("the same link again replaces its rating, whoever it claims to be (200, same id, rater link)",
+      status == 200 and again["status"] == "updated" and again["id"] == link_id and again["rater"] == "link", f"{status} {again}")
 forged = a["token"][:-2] + ("AA" if not a["token"].endswith("AA") else "BB")
 status, body = post({"rating": "not_helpful"}, token=forged)
 check("a forged link is refused (401 feedback_token_forged)", status == 401 and body["error"]["code"] == "feedback_token_forged", f"{status} {body}")

@@ -943,14 +943,15 @@ fn helpful_release(candidate_helpful: f64, seed: u64) -> Vec<Decision> {
     let mut ctrl = Controller::new(p);
     start(&mut ctrl, 10_000);
     // Ratings of answers from before the step, or of another version, do not count.
-    ctrl.observe_feedback("v2", 5_000, false);
-    ctrl.observe_feedback("v0", 12_000, false);
+    ctrl.observe_feedback("v2", 5_000, "early", Some(false));
+    ctrl.observe_feedback("v0", 12_000, "other", Some(false));
     assert_eq!(ctrl.window.helpful(Variant::Candidate), (0, 0));
     assert_eq!(ctrl.window.helpful(Variant::Stable), (0, 0));
     let mut now = 10_000.0f64;
     let mut next_tick = 11_000u64;
     let mut decisions = Vec::new();
     let mut pending: Vec<(u64, &str, u64, bool)> = Vec::new();
+    let mut answers = 0u64;
     while now < 1_200_000.0 && ctrl.plan().state.phase.is_active() {
         now += rng.exponential(20.0) * 1000.0;
         while (next_tick as f64) <= now {
@@ -960,7 +961,8 @@ fn helpful_release(candidate_helpful: f64, seed: u64) -> Vec<Decision> {
         let t = now as u64;
         pending.retain(|&(due, version, answered, helpful)| {
             if due <= t {
-                ctrl.observe_feedback(version, answered, helpful);
+                answers += 1;
+                ctrl.observe_feedback(version, answered, &format!("a{answers}"), Some(helpful));
                 false
             } else {
                 true
@@ -1006,4 +1008,47 @@ fn a_less_helpful_candidate_is_rolled_back_on_its_feedback() {
             "{same:?}"
         );
     }
+}
+
+/// An answer is one sample of the helpful-rate test: rated again and again (one signed link
+/// replayed, or several raters of one answer), it counts once, with its latest rating; a
+/// rating taken away takes its sample with it.
+#[test]
+fn an_answer_rated_again_and_again_counts_once_with_its_latest_rating() {
+    let mut p = plan(fast_schedule());
+    p.judge.helpful_rate_points = Some(5.0);
+    let mut ctrl = Controller::new(p);
+    start(&mut ctrl, 10_000);
+    for i in 0..1000 {
+        ctrl.observe_feedback("v2", 11_000, "answer-1", Some(i % 3 == 0));
+    }
+    assert_eq!(
+        ctrl.window.helpful(Variant::Candidate),
+        (1, 1),
+        "999 % 3 == 0"
+    );
+    ctrl.observe_feedback("v2", 11_000, "answer-1", Some(false));
+    assert_eq!(ctrl.window.helpful(Variant::Candidate), (0, 1));
+    // Another answer is another sample; the stable's side is its own.
+    ctrl.observe_feedback("v2", 11_500, "answer-2", Some(true));
+    ctrl.observe_feedback("v1", 11_500, "answer-3", Some(true));
+    ctrl.observe_feedback("v1", 11_500, "answer-3", Some(true));
+    assert_eq!(ctrl.window.helpful(Variant::Candidate), (1, 2));
+    assert_eq!(ctrl.window.helpful(Variant::Stable), (1, 1));
+    // Taken away (a replacement without a rating): the sample goes.
+    ctrl.observe_feedback("v2", 11_000, "answer-1", None);
+    assert_eq!(ctrl.window.helpful(Variant::Candidate), (1, 1));
+    let status = ctrl.status();
+    assert_eq!(
+        (
+            status.ratings_candidate,
+            status.helpful_candidate,
+            status.ratings_stable,
+            status.helpful_stable
+        ),
+        (1, 1, 1, 1)
+    );
+    // A new step's window starts without the old step's ratings.
+    let next = StepWindow::next(20_000, &ctrl.window);
+    assert_eq!(next.helpful(Variant::Candidate), (0, 0));
 }

@@ -86,8 +86,11 @@ pub struct AbuseConfig {
     /// The attacker's ordinary key (default: the honest client's: a shared key is the hardest
     /// case for per-key limits, a key of its own shows them).
     pub attacker_key: Option<String>,
-    /// A key with `admin` (name traversal on the admin routes) and `audit` (the audit check).
+    /// A key with `admin`: name traversal on the admin routes.
     pub admin_key: Option<String>,
+    /// A key with `audit`: every honest answer looked up in the audit log afterwards (default:
+    /// the admin key).
+    pub audit_key: Option<String>,
     /// The language model the honest client and the guard bombs ask.
     pub model: String,
     /// A tensor model for the tensor attacks (none: they are skipped).
@@ -119,6 +122,7 @@ impl Default for AbuseConfig {
             key: None,
             attacker_key: None,
             admin_key: None,
+            audit_key: None,
             model: String::new(),
             tensor_model: None,
             attacks: Attack::ALL.to_vec(),
@@ -297,7 +301,7 @@ async fn run_async(config: AbuseConfig) -> Result<AbuseReport, LoadgenError> {
         .await
         .map(|r| r.status().as_u16())
         .unwrap_or(0);
-    let audit = match &config.admin_key {
+    let audit = match config.audit_key.as_ref().or(config.admin_key.as_ref()) {
         Some(key) => Some(audit_found(&client, &config.base_url, key, &idle, &attacked).await),
         None => None,
     };
@@ -886,12 +890,19 @@ async fn slowloris(config: &AbuseConfig, deadline: Instant, report: &mut AttackR
         return;
     };
     let limit = config.slow_close_limit;
+    // The trickled body carries a key, so the server reads it (a refusal before auth would
+    // close the connection without reading).
+    let key = config
+        .attacker_key
+        .clone()
+        .or_else(|| config.key.clone())
+        .unwrap_or_default();
     let mut tasks = Vec::new();
     for (kind, n) in [("headers", 16), ("idle", 16), ("body", 16)] {
         for _ in 0..n {
-            let addr = addr.clone();
+            let (addr, key) = (addr.clone(), key.clone());
             tasks.push(tokio::spawn(async move {
-                (kind, slow_connection(&addr, kind, limit).await)
+                (kind, slow_connection(&addr, kind, &key, limit).await)
             }));
         }
     }
@@ -926,14 +937,22 @@ async fn slowloris(config: &AbuseConfig, deadline: Instant, report: &mut AttackR
 
 /// Opens one slow connection; `Ok(after)` once the server closed it, `Err` if it was still
 /// open after `limit`.
-async fn slow_connection(addr: &str, kind: &str, limit: Duration) -> Result<Duration, String> {
+async fn slow_connection(
+    addr: &str,
+    kind: &str,
+    key: &str,
+    limit: Duration,
+) -> Result<Duration, String> {
     let began = Instant::now();
     let mut stream = tokio::net::TcpStream::connect(addr)
         .await
         .map_err(|e| format!("connect: {e}"))?;
+    let body_head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{{"
+    );
     let head: &[u8] = match kind {
         "headers" => b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ",
-        "body" => b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{",
+        "body" => body_head.as_bytes(),
         _ => b"",
     };
     let mut buf = [0u8; 1024];

@@ -201,10 +201,13 @@ pub struct AbuseArgs {
     /// The attacker's ordinary key [default: the honest client's].
     #[arg(long)]
     attacker_key: Option<String>,
-    /// A key with the admin and audit scopes: name traversal on the admin routes, and every
-    /// honest answer looked up in the audit log afterwards.
+    /// A key with the admin scope: name traversal on the admin routes.
     #[arg(long)]
     admin_key: Option<String>,
+    /// A key with the audit scope: every honest answer looked up in the audit log afterwards
+    /// [default: --admin-key].
+    #[arg(long)]
+    audit_key: Option<String>,
     /// A tensor model for the lying and oversized KServe bodies (none: skipped).
     #[arg(long)]
     tensor_model: Option<String>,
@@ -562,6 +565,7 @@ fn abuse(args: AbuseArgs) -> Result<ExitCode> {
         key: args.api_key,
         attacker_key: args.attacker_key,
         admin_key: args.admin_key,
+        audit_key: args.audit_key,
         model: args.model,
         tensor_model: args.tensor_model,
         attacks,

@@ -371,8 +371,12 @@ fn completions_take_control_tokens_only_where_the_model_opts_in() {
             .extend(extra.as_object().unwrap().clone());
         body.to_string()
     };
+    // Raw templated prompts hold role markers, which the seed rules refuse in client text: the
+    // raw prompts go with a key whose guard policy flags (the attack with the blocking key).
+    const FLAG_KEY: &str = "sk-test-flag-0001";
+    let flagger = "[guard.keys.flagger]\nmode = \"flag\"";
     // Off by default: texts stay plain, asking is refused, control ids are refused.
-    let Some((server, _)) = serve("", "", "") else {
+    let Some((server, _)) = serve(flagger, "", "") else {
         return;
     };
     let port = server.port;
@@ -392,7 +396,7 @@ fn completions_take_control_tokens_only_where_the_model_opts_in() {
         "POST",
         "/v1/completions",
         Some(&completion(raw.into(), serde_json::json!({}))),
-        Some(KEY),
+        Some(FLAG_KEY),
     );
     assert_eq!(status, 200, "{body}");
     let plain_tokens = json(&body)["usage"]["prompt_tokens"].as_u64().unwrap();
@@ -408,7 +412,7 @@ fn completions_take_control_tokens_only_where_the_model_opts_in() {
             raw.into(),
             serde_json::json!({"parse_special_tokens": true}),
         )),
-        Some(KEY),
+        Some(FLAG_KEY),
     );
     assert_eq!(status, 400, "{body}");
     assert_eq!(
@@ -424,7 +428,7 @@ fn completions_take_control_tokens_only_where_the_model_opts_in() {
             serde_json::json!([28, control, 28]),
             serde_json::json!({}),
         )),
-        Some(KEY),
+        Some(FLAG_KEY),
     );
     assert_eq!(status, 400, "{body}");
     assert!(
@@ -451,7 +455,7 @@ fn completions_take_control_tokens_only_where_the_model_opts_in() {
     drop(server);
 
     // A model that opts in reads raw templated prompts, token ids included.
-    let Some((server, _)) = serve("", "parse_special_tokens = true", "") else {
+    let Some((server, _)) = serve(flagger, "parse_special_tokens = true", "") else {
         return;
     };
     let port = server.port;
@@ -460,7 +464,7 @@ fn completions_take_control_tokens_only_where_the_model_opts_in() {
         "POST",
         "/v1/completions",
         Some(&completion(raw.into(), serde_json::json!({}))),
-        Some(KEY),
+        Some(FLAG_KEY),
     );
     assert_eq!(status, 200, "{body}");
     let raw_tokens = json(&body)["usage"]["prompt_tokens"].as_u64().unwrap();
@@ -473,7 +477,7 @@ fn completions_take_control_tokens_only_where_the_model_opts_in() {
             serde_json::json!([28, control, 28]),
             serde_json::json!({}),
         )),
-        Some(KEY),
+        Some(FLAG_KEY),
     );
     assert_eq!(status, 200, "{body}");
 }
@@ -481,7 +485,7 @@ fn completions_take_control_tokens_only_where_the_model_opts_in() {
 #[test]
 fn the_abuse_suite_passes_against_a_hardened_server() {
     let Some((server, _)) = serve(
-        "[rate_limit]\nrequests_per_second = 20",
+        "[limits]\nheader_read_timeout_ms = 2000\nbody_read_timeout_ms = 3000\n[rate_limit]\nrequests_per_second = 20",
         "",
         "[audit]\nenabled = true\nmode = \"fail_closed\"\ndir = \"audit\"",
     ) else {
@@ -492,7 +496,8 @@ fn the_abuse_suite_passes_against_a_hardened_server() {
         .args(["bench", "abuse", "--url"])
         .arg(format!("http://127.0.0.1:{}", server.port))
         .args(["--model", MODEL, "--api-key", KEY, "--admin-key", ADMIN_KEY])
-        .args(["--attacker-key", OUTSIDER_KEY])
+        .args(["--audit-key", AUDIT_KEY])
+        .args(["--attacker-key", "sk-test-flag-0001"])
         .args([
             "--duration-s",
             "20",
@@ -503,8 +508,9 @@ fn the_abuse_suite_passes_against_a_hardened_server() {
         ])
         .args([
             "--attacks",
-            "unauthenticated,guard,traversal,tokenize,feedback",
+            "unauthenticated,guard,traversal,tokenize,feedback,slowloris",
         ])
+        .args(["--slow-close-limit-s", "10"])
         .args([
             "--server-pid",
             &server.child.id().to_string(),

@@ -357,6 +357,12 @@ pub struct Limits {
     /// `queue_full`), and one that waits longer than `tokenize_timeout_ms` gets 503.
     pub tokenize_waiting: usize,
     pub tokenize_timeout_ms: u64,
+    /// A connection must send a request's headers within this long of starting to wait for
+    /// them (new or kept alive); slower or silent connections are closed (crate::connections).
+    pub header_read_timeout_ms: u64,
+    /// A request's body must arrive whole within this long of its headers (a deadline, not an
+    /// idle timer): 408 `request_timeout` after it.
+    pub body_read_timeout_ms: u64,
 }
 
 impl Default for Limits {
@@ -378,6 +384,8 @@ impl Default for Limits {
             tokenize_in_flight: 4,
             tokenize_waiting: 32,
             tokenize_timeout_ms: 5_000,
+            header_read_timeout_ms: 10_000,
+            body_read_timeout_ms: 60_000,
         }
     }
 }

@@ -25,6 +25,9 @@ pub enum ApiError {
     ContextLengthExceeded(String),
     #[error("{0}")]
     BodyTooLarge(String),
+    /// The request body did not arrive within `[limits] body_read_timeout_ms`.
+    #[error("{0}")]
+    RequestTimeout(String),
     /// The request brings the guard more texts or bytes than its per-request budget.
     #[error("{0}")]
     GuardBudget(String),
@@ -131,6 +134,7 @@ impl ApiError {
             | ApiError::UnsafeInput { .. }
             | ApiError::GuardBudget(_) => StatusCode::BAD_REQUEST,
             ApiError::BodyTooLarge(_) => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
             ApiError::Forbidden(_) => StatusCode::FORBIDDEN,
             ApiError::HumanHandoff { .. } => StatusCode::SERVICE_UNAVAILABLE,
@@ -155,6 +159,7 @@ impl ApiError {
             ApiError::InvalidRequest { .. }
             | ApiError::ContextLengthExceeded(_)
             | ApiError::BodyTooLarge(_)
+            | ApiError::RequestTimeout(_)
             | ApiError::GuardBudget(_) => "invalid_request_error",
             ApiError::Unauthorized(_) => "authentication_error",
             ApiError::Forbidden(_) => "permission_error",
@@ -176,6 +181,7 @@ impl ApiError {
             ApiError::ContextLengthExceeded(_) => Some("context_length_exceeded"),
             ApiError::BodyTooLarge(_) => Some("request_too_large"),
             ApiError::GuardBudget(_) => Some("guard_budget_exceeded"),
+            ApiError::RequestTimeout(_) => Some("request_timeout"),
             ApiError::Unauthorized(_) => Some("invalid_api_key"),
             ApiError::Forbidden(_) => Some("insufficient_scope"),
             ApiError::HumanHandoff { .. } => Some("human_handoff"),
@@ -390,6 +396,7 @@ impl ApiError {
                 None,
             ),
             ApiError::BodyTooLarge(_) => (Status::resource_exhausted(message), None),
+            ApiError::RequestTimeout(_) => (Status::deadline_exceeded(message), None),
             ApiError::Unauthorized(_) => (Status::unauthenticated(message), None),
             ApiError::Forbidden(_) | ApiError::OtherTenant(_) => {
                 (Status::permission_denied(message), None)

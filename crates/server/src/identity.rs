@@ -168,7 +168,11 @@ pub async fn read_body(
     limit: usize,
     record: &mut RecordBuilder,
 ) -> Result<Bytes, ApiError> {
-    axum::body::to_bytes(body, limit).await.map_err(|_| {
+    axum::body::to_bytes(body, limit).await.map_err(|e| {
+        if crate::connections::timed_out(&e) {
+            record.refuse("body_timeout");
+            return ApiError::RequestTimeout(e.to_string());
+        }
         record.refuse("body_too_large");
         ApiError::BodyTooLarge(format!(
             "the request body exceeds the limit of {limit} bytes"

@@ -33,6 +33,7 @@ pub mod backend;
 pub mod breaker;
 pub mod chain;
 pub mod config;
+pub mod connections;
 pub mod decisions;
 pub mod degradation;
 pub mod doctor;
@@ -250,12 +251,12 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         let stop = Arc::clone(&stop);
         async move { stop.notified().await }
     };
+    let timeouts = connections::Timeouts {
+        header_read: Duration::from_millis(state.config.limits.header_read_timeout_ms.max(1)),
+        body_read: Duration::from_millis(state.config.limits.body_read_timeout_ms.max(1)),
+    };
     let server = match &certificates {
-        None => tokio::spawn(async move {
-            axum::serve(listener, app)
-                .with_graceful_shutdown(graceful)
-                .await
-        }),
+        None => tokio::spawn(connections::serve(listener, app, graceful, timeouts)),
         Some(certificates) => {
             certificates.spawn_reloader();
             let how = tls::Accepting {
@@ -263,11 +264,7 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
                 tcp_keepalive: None,
             };
             let listener = tls::listen(listener, Arc::clone(certificates), how);
-            tokio::spawn(async move {
-                axum::serve(listener, app)
-                    .with_graceful_shutdown(graceful)
-                    .await
-            })
+            tokio::spawn(connections::serve(listener, app, graceful, timeouts))
         }
     };
     // gRPC stops with HTTP: its own notifier, since `notify_one` wakes one waiter.
@@ -324,8 +321,7 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         }
     }
     match tokio::time::timeout(Duration::from_secs(2), server).await {
-        Ok(Ok(Ok(()))) => tracing::info!("drained; exiting"),
-        Ok(Ok(Err(e))) => return Err(ServeError::Io(e)),
+        Ok(Ok(())) => tracing::info!("drained; exiting"),
         Ok(Err(e)) => tracing::error!(error = %e, "server task failed"),
         Err(_) => tracing::warn!("connections still open after the drain; closing them"),
     }

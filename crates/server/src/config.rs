@@ -334,6 +334,11 @@ pub struct Limits {
     pub max_tensor_body_bytes: usize,
     /// Most elements one input tensor may hold (after image pre-processing).
     pub max_tensor_elements: usize,
+    /// Most bytes the typed tensors of one KServe v2 request decode to, all inputs together
+    /// (checked against the declared shapes before any buffer is made; a `BYTES` element
+    /// counts its bytes and a 24-byte header). With the body limit it bounds what one request
+    /// holds while it decodes: its body plus this.
+    pub max_tensor_decoded_bytes: usize,
 }
 
 impl Default for Limits {
@@ -352,6 +357,7 @@ impl Default for Limits {
             max_embedding_inputs: 2048,
             max_tensor_body_bytes: 100 << 20,
             max_tensor_elements: 64 << 20,
+            max_tensor_decoded_bytes: 100 << 20,
         }
     }
 }
@@ -1275,6 +1281,12 @@ impl ServerConfig {
         if l.max_body_bytes < 1024 || l.max_tokens == 0 || l.max_n == 0 || l.max_prompts == 0 {
             return Err(ConfigError(
                 "limits.max_body_bytes must be at least 1024 and max_tokens, max_n, max_prompts at least 1"
+                    .into(),
+            ));
+        }
+        if l.max_tensor_body_bytes < 1024 || l.max_tensor_decoded_bytes < 1024 {
+            return Err(ConfigError(
+                "limits.max_tensor_body_bytes and max_tensor_decoded_bytes must be at least 1024"
                     .into(),
             ));
         }

@@ -2,8 +2,10 @@
 //!
 //! drain check → route → guard → hand-off → rate limit → backend chain (each step: breaker,
 //! admission, backend; see [`crate::chain`]). Each protocol's handler is decode → [`serve`] →
-//! encode; nothing below this line knows the protocol, nothing above it knows the model. The
-//! record of the request is filled on the way (model, version, digest, queue time, the refusal
+//! encode; the KServe bindings, whose decode is the costly part, route from the URL (or the
+//! message) first, [`reserve`] (drain, hand-off, rate limit, the model's admission slot), then
+//! decode in that slot and go on with [`serve_reserved`]. Nothing below this line knows the
+//! protocol, nothing above it knows the model. The record of the request is filled on the way (model, version, digest, queue time, the refusal
 //! and its reason, the attempts and the fallback that answered) and settled once by [`settle`].
 //!
 //! The guard ([`crate::screen`]: injection rules and classifier) judges every generation after
@@ -171,6 +173,89 @@ fn release_route(
     releases.route(&model.name, &key)
 }
 
+/// A request's place on its routed model, taken before its decode by [`reserve`].
+#[derive(Debug)]
+pub struct Reserved {
+    entry: Arc<Entry>,
+    reservation: chain::Reservation,
+}
+
+/// For protocols whose decode is the costly part (KServe tensors, read into typed buffers as
+/// large as the body): the steps of [`serve_routed`] that need no input (drain check, audit,
+/// hand-off, rate limit), then the routed model's admission slot ([`chain::reserve`]). The
+/// request decodes in its place in flight, as a generation tokenizes in its own, and a request
+/// refused here costs no decode. Go on with [`serve_reserved`].
+pub async fn reserve(
+    state: &Arc<AppState>,
+    principal: &str,
+    entry: Arc<Entry>,
+    record: &mut RecordBuilder,
+) -> Result<Reserved, ApiError> {
+    before_work(state, record)?;
+    before_chain(state, principal, &entry, record)?;
+    let reservation = chain::reserve(&entry, record).await?;
+    Ok(Reserved { entry, reservation })
+}
+
+/// The pipeline after [`reserve`]: the backend chain, its primary's attempt in the slot taken.
+pub async fn serve_reserved(
+    state: &Arc<AppState>,
+    principal: &str,
+    reserved: Reserved,
+    work: Work,
+    record: &mut RecordBuilder,
+) -> Result<Admitted, ApiError> {
+    serve_from(
+        state,
+        principal,
+        reserved.entry,
+        work,
+        Some(reserved.reservation),
+        record,
+    )
+    .await
+}
+
+/// The drain check and the audit's refusal.
+fn before_work(state: &AppState, record: &mut RecordBuilder) -> Result<(), ApiError> {
+    if state.is_draining() {
+        return Err(ApiError::draining());
+    }
+    if let Some(refusal) = state.audit_refusal() {
+        record.refuse("audit_unavailable");
+        return Err(refusal);
+    }
+    Ok(())
+}
+
+/// The model's hand-off and the key's rate limit.
+fn before_chain(
+    state: &AppState,
+    principal: &str,
+    entry: &Entry,
+    record: &mut RecordBuilder,
+) -> Result<(), ApiError> {
+    if let Some(refusal) = state.handoffs.get(&entry.name).refusal() {
+        record.refuse("human_handoff");
+        record.record.fallback_level = 3;
+        record.record.fallback_reason = Some("human_handoff");
+        return Err(ApiError::HumanHandoff {
+            message: refusal.message,
+            url: refusal.url,
+            retry_after_s: refusal.retry_after_s,
+        });
+    }
+    if let Err(wait) = state.rate_limiter.admit(principal) {
+        record.refuse("rate_limited");
+        return Err(ApiError::Overloaded {
+            message: format!("rate limit of key {principal:?} reached; retry in {wait} s"),
+            retry_after_s: wait,
+            code: "rate_limited",
+        });
+    }
+    Ok(())
+}
+
 /// The pipeline after the route (for protocols that route first): drain check, hand-off,
 /// rate limit, then the backend chain.
 pub async fn serve_routed(
@@ -180,12 +265,20 @@ pub async fn serve_routed(
     work: Work,
     record: &mut RecordBuilder,
 ) -> Result<Admitted, ApiError> {
-    if state.is_draining() {
-        return Err(ApiError::draining());
-    }
-    if let Some(refusal) = state.audit_refusal() {
-        record.refuse("audit_unavailable");
-        return Err(refusal);
+    serve_from(state, principal, entry, work, None, record).await
+}
+
+/// [`serve_routed`]; with a reservation, the checks [`reserve`] made are not made again.
+async fn serve_from(
+    state: &Arc<AppState>,
+    principal: &str,
+    entry: Arc<Entry>,
+    work: Work,
+    reservation: Option<chain::Reservation>,
+    record: &mut RecordBuilder,
+) -> Result<Admitted, ApiError> {
+    if reservation.is_none() {
+        before_work(state, record)?;
     }
     let span = tracing::info_span!(
         "front",
@@ -217,28 +310,17 @@ pub async fn serve_routed(
             }
             watch = w.map(Arc::new);
         }
-        if let Some(refusal) = state.handoffs.get(&entry.name).refusal() {
-            record.refuse("human_handoff");
-            record.record.fallback_level = 3;
-            record.record.fallback_reason = Some("human_handoff");
-            return Err(ApiError::HumanHandoff {
-                message: refusal.message,
-                url: refusal.url,
-                retry_after_s: refusal.retry_after_s,
-            });
-        }
-        if let Err(wait) = state.rate_limiter.admit(principal) {
-            record.refuse("rate_limited");
-            return Err(ApiError::Overloaded {
-                message: format!("rate limit of key {principal:?} reached; retry in {wait} s"),
-                retry_after_s: wait,
-                code: "rate_limited",
-            });
-        }
+        let reservation = match reservation {
+            Some(reservation) => reservation,
+            None => {
+                before_chain(state, principal, &entry, record)?;
+                chain::Reservation::default()
+            }
+        };
         // Shadow releases: a share of what the stable answers is also answered, on its own
         // task, by the candidate and the control (the input as the guard passed it).
         crate::shadow::maybe_mirror(state, &entry, principal, &work, record);
-        let answered = chain::run(state, entry, work, record)
+        let answered = chain::run_reserved(state, entry, reservation, work, record)
             .instrument(tracing::debug_span!("chain"))
             .await?;
         let answer = match answered.answer {

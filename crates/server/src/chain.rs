@@ -9,7 +9,8 @@
 //! sees nothing of it; after it (a stream that already sent text) a failure or a stall ends
 //! the stream with a typed error event. Every attempt reports its outcome to its own breaker
 //! (a failure inside the chain counts, a client error or a cancelled request does not), and is
-//! written into the record's `attempts`.
+//! written into the record's `attempts`. A KServe request [`reserve`]s its primary's slot before
+//! it decodes its tensors; its primary attempt then runs in that slot.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -161,10 +162,65 @@ fn level_of(entry: &Entry) -> u8 {
     }
 }
 
+/// The primary's admission, taken before the request's costly decode ([`reserve`]).
+#[derive(Debug, Default)]
+pub struct Reservation(Option<Result<Slot, ApiError>>);
+
+/// Takes `primary`'s admission slot ahead of the chain, for a request whose decode is the
+/// costly part (a KServe tensor body): it then decodes in its place in flight, as a generation
+/// tokenizes in its own. Nothing is taken when the primary would not be tried (not ready,
+/// circuit open): the chain then runs as usual. A full queue refuses here, before the decode,
+/// with the attempt written as the chain writes it; only a model whose chain has steps gets
+/// the refusal carried to the chain instead, so that its steps still answer (that request then
+/// decodes without a slot of its own, as before).
+pub async fn reserve(
+    primary: &Arc<Entry>,
+    record: &mut RecordBuilder,
+) -> Result<Reservation, ApiError> {
+    if !primary.is_ready() || primary.breaker.state() == crate::breaker::State::Open {
+        return Ok(Reservation(None));
+    }
+    let began = Instant::now();
+    match primary.admission.acquire().await {
+        Ok(slot) => Ok(Reservation(Some(Ok(slot)))),
+        Err(e) if !primary.policy.steps.is_empty() => Ok(Reservation(Some(Err(e)))),
+        Err(e) => {
+            record.refuse(admission_refusal(&e));
+            note_attempt(
+                record,
+                primary.id.clone(),
+                Trigger::Overloaded.as_str(),
+                Some(e.to_string()),
+                began,
+            );
+            Err(e)
+        }
+    }
+}
+
+/// The record's refusal reason for an admission error.
+fn admission_refusal(e: &ApiError) -> &'static str {
+    match e {
+        ApiError::Overloaded { code, .. } => code,
+        _ => "queue_timeout",
+    }
+}
+
 /// Runs `work` through `primary` and, when it fails, its chain.
 pub async fn run(
     state: &Arc<AppState>,
     primary: Arc<Entry>,
+    work: Work,
+    record: &mut RecordBuilder,
+) -> Result<Answered, ApiError> {
+    run_reserved(state, primary, Reservation::default(), work, record).await
+}
+
+/// [`run`], the primary's attempt in the slot [`reserve`] took.
+pub async fn run_reserved(
+    state: &Arc<AppState>,
+    primary: Arc<Entry>,
+    reservation: Reservation,
     work: Work,
     record: &mut RecordBuilder,
 ) -> Result<Answered, ApiError> {
@@ -178,7 +234,7 @@ pub async fn run(
         (work.clone(), Some(work))
     };
     let (left_because, primary_error) =
-        match attempt(state, &primary, first, streaming, record).await {
+        match attempt(state, &primary, first, streaming, reservation, record).await {
             Ok((answer, slot)) => {
                 return Ok(Answered {
                     entry: primary,
@@ -238,7 +294,16 @@ pub async fn run(
         }
         let level = level_of(&entry);
         let step_work = set_fallback_level(work.clone(), level);
-        match attempt(state, &entry, step_work, streaming, record).await {
+        match attempt(
+            state,
+            &entry,
+            step_work,
+            streaming,
+            Reservation::default(),
+            record,
+        )
+        .await
+        {
             Ok((answer, slot)) => {
                 let fallback = Fallback {
                     level,
@@ -346,10 +411,11 @@ async fn attempt(
     entry: &Arc<Entry>,
     work: Work,
     streaming: bool,
+    reservation: Reservation,
     record: &mut RecordBuilder,
 ) -> Result<(Answer, Slot), Miss> {
     let began = Instant::now();
-    let result = try_backend(state, entry, work, streaming, record)
+    let result = try_backend(state, entry, work, streaming, reservation, record)
         .instrument(tracing::debug_span!("attempt", backend = %entry.id))
         .await;
     let (outcome, detail) = match &result {
@@ -368,6 +434,7 @@ async fn try_backend(
     entry: &Arc<Entry>,
     work: Work,
     streaming: bool,
+    reservation: Reservation,
     record: &mut RecordBuilder,
 ) -> Result<(Answer, Slot), Miss> {
     if !entry.is_ready() {
@@ -405,15 +472,16 @@ async fn try_backend(
             detail: s.describe(),
         });
     }
-    let slot = match entry.admission.acquire().await {
+    let admitted = match reservation.0 {
+        Some(reserved) => reserved,
+        None => entry.admission.acquire().await,
+    };
+    let slot = match admitted {
         Ok(slot) => slot,
         Err(e) => {
             // A full queue says nothing about the backend's health.
             call.neutral();
-            record.refuse(match &e {
-                ApiError::Overloaded { code, .. } => code,
-                _ => "queue_timeout",
-            });
+            record.refuse(admission_refusal(&e));
             return Err(miss(Trigger::Overloaded, e));
         }
     };

@@ -363,6 +363,11 @@ pub struct Limits {
     /// A request's body must arrive whole within this long of its headers (a deadline, not an
     /// idle timer): 408 `request_timeout` after it.
     pub body_read_timeout_ms: u64,
+    /// Most bytes the typed tensors of one KServe v2 request decode to, all inputs together
+    /// (checked against the declared shapes before any buffer is made; a `BYTES` element
+    /// counts its bytes and a 24-byte header). With the body limit it bounds what one request
+    /// holds while it decodes: its body plus this.
+    pub max_tensor_decoded_bytes: usize,
 }
 
 impl Default for Limits {
@@ -386,6 +391,7 @@ impl Default for Limits {
             tokenize_timeout_ms: 5_000,
             header_read_timeout_ms: 10_000,
             body_read_timeout_ms: 60_000,
+            max_tensor_decoded_bytes: 100 << 20,
         }
     }
 }
@@ -1443,6 +1449,12 @@ impl ServerConfig {
         if l.max_body_bytes < 1024 || l.max_tokens == 0 || l.max_n == 0 || l.max_prompts == 0 {
             return Err(ConfigError(
                 "limits.max_body_bytes must be at least 1024 and max_tokens, max_n, max_prompts at least 1"
+                    .into(),
+            ));
+        }
+        if l.max_tensor_body_bytes < 1024 || l.max_tensor_decoded_bytes < 1024 {
+            return Err(ConfigError(
+                "limits.max_tensor_body_bytes and max_tensor_decoded_bytes must be at least 1024"
                     .into(),
             ));
         }

@@ -302,7 +302,7 @@ impl From<EngineError> for BackendError {
 impl From<ClassicError> for BackendError {
     fn from(e: ClassicError) -> Self {
         match e {
-            ClassicError::BadInput(m) => BackendError::invalid(m),
+            ClassicError::BadInput(m) | ClassicError::TooLarge(m) => BackendError::invalid(m),
             e @ ClassicError::QueueFull { .. } => BackendError::Overloaded {
                 message: e.to_string(),
                 retry_after_s: 1,
@@ -326,7 +326,10 @@ impl From<ClassicError> for BackendError {
 /// Bad tensors found while decoding a request (before any backend) are the client's error.
 impl From<ClassicError> for ApiError {
     fn from(e: ClassicError) -> Self {
-        BackendError::from(e).into()
+        match e {
+            ClassicError::TooLarge(m) => ApiError::BodyTooLarge(m),
+            e => BackendError::from(e).into(),
+        }
     }
 }
 

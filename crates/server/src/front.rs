@@ -2,10 +2,12 @@
 //!
 //! drain check → rate limit → route → guard → hand-off → backend chain (each step: breaker,
 //! admission, backend; see [`crate::chain`]). The key's rate limit comes before anything that
-//! costs (an on-demand load at the route, the guard's rules and classifier), so a key past its
-//! limit burns no CPU. Each protocol's handler is decode → [`serve`] →
-//! encode; nothing below this line knows the protocol, nothing above it knows the model. The
-//! record of the request is filled on the way (model, version, digest, queue time, the refusal
+//! costs (an on-demand load at the route, the guard's rules and classifier, a tensor decode),
+//! so a key past its limit burns no CPU. Each protocol's handler is decode → [`serve`] →
+//! encode; the KServe bindings, whose decode is the costly part, route from the URL (or the
+//! message) first, [`reserve`] (drain, hand-off, rate limit, the model's admission slot), then
+//! decode in that slot and go on with [`serve_reserved`]. Nothing below this line knows the
+//! protocol, nothing above it knows the model. The record of the request is filled on the way (model, version, digest, queue time, the refusal
 //! and its reason, the attempts and the fallback that answered) and settled once by [`settle`].
 //!
 //! The guard ([`crate::screen`]: injection rules and classifier) judges every generation after
@@ -77,7 +79,7 @@ pub async fn serve(
     rate_limit(state, principal, record)?;
     crate::residency::before_route(state, model, record).await?;
     let entry = route(state, model, work.kind(), record)?;
-    serve_entry(state, principal, entry, work, record).await
+    serve_from(state, principal, entry, work, None, record).await
 }
 
 /// The key's request bucket and token budget (`[rate_limit]`): the first costly step's gate.
@@ -192,6 +194,77 @@ fn release_route(
     releases.route(&model.name, &key)
 }
 
+/// A request's place on its routed model, taken before its decode by [`reserve`].
+#[derive(Debug)]
+pub struct Reserved {
+    entry: Arc<Entry>,
+    reservation: chain::Reservation,
+}
+
+/// For protocols whose decode is the costly part (KServe tensors, read into typed buffers as
+/// large as the body): the steps of [`serve_routed`] that need no input (drain check, audit,
+/// hand-off, rate limit), then the routed model's admission slot ([`chain::reserve`]). The
+/// request decodes in its place in flight, as a generation tokenizes in its own, and a request
+/// refused here costs no decode. Go on with [`serve_reserved`].
+pub async fn reserve(
+    state: &Arc<AppState>,
+    principal: &str,
+    entry: Arc<Entry>,
+    record: &mut RecordBuilder,
+) -> Result<Reserved, ApiError> {
+    before_work(state, record)?;
+    rate_limit(state, principal, record)?;
+    handoff(state, &entry, record)?;
+    let reservation = chain::reserve(&entry, record).await?;
+    Ok(Reserved { entry, reservation })
+}
+
+/// The pipeline after [`reserve`]: the backend chain, its primary's attempt in the slot taken.
+pub async fn serve_reserved(
+    state: &Arc<AppState>,
+    principal: &str,
+    reserved: Reserved,
+    work: Work,
+    record: &mut RecordBuilder,
+) -> Result<Admitted, ApiError> {
+    serve_from(
+        state,
+        principal,
+        reserved.entry,
+        work,
+        Some(reserved.reservation),
+        record,
+    )
+    .await
+}
+
+/// The drain check and the audit's refusal.
+fn before_work(state: &AppState, record: &mut RecordBuilder) -> Result<(), ApiError> {
+    if state.is_draining() {
+        return Err(ApiError::draining());
+    }
+    if let Some(refusal) = state.audit_refusal() {
+        record.refuse("audit_unavailable");
+        return Err(refusal);
+    }
+    Ok(())
+}
+
+/// The model's hand-off to people.
+fn handoff(state: &AppState, entry: &Entry, record: &mut RecordBuilder) -> Result<(), ApiError> {
+    if let Some(refusal) = state.handoffs.get(&entry.name).refusal() {
+        record.refuse("human_handoff");
+        record.record.fallback_level = 3;
+        record.record.fallback_reason = Some("human_handoff");
+        return Err(ApiError::HumanHandoff {
+            message: refusal.message,
+            url: refusal.url,
+            retry_after_s: refusal.retry_after_s,
+        });
+    }
+    Ok(())
+}
+
 /// The pipeline after the route (for protocols that route first): rate limit, drain check,
 /// guard, hand-off, then the backend chain.
 pub async fn serve_routed(
@@ -202,23 +275,22 @@ pub async fn serve_routed(
     record: &mut RecordBuilder,
 ) -> Result<Admitted, ApiError> {
     rate_limit(state, principal, record)?;
-    serve_entry(state, principal, entry, work, record).await
+    serve_from(state, principal, entry, work, None, record).await
 }
 
-/// After the rate limit and the route: drain check, guard, hand-off, the backend chain.
-async fn serve_entry(
+/// After the rate limit and the route ([`serve`], [`serve_routed`]) or [`reserve`]: drain
+/// check, guard, hand-off, the backend chain; with a reservation, the checks [`reserve`] made
+/// are not made again.
+async fn serve_from(
     state: &Arc<AppState>,
     principal: &str,
     entry: Arc<Entry>,
     work: Work,
+    reservation: Option<chain::Reservation>,
     record: &mut RecordBuilder,
 ) -> Result<Admitted, ApiError> {
-    if state.is_draining() {
-        return Err(ApiError::draining());
-    }
-    if let Some(refusal) = state.audit_refusal() {
-        record.refuse("audit_unavailable");
-        return Err(refusal);
+    if reservation.is_none() {
+        before_work(state, record)?;
     }
     let span = tracing::info_span!(
         "front",
@@ -251,20 +323,17 @@ async fn serve_entry(
             }
             watch = w.map(Arc::new);
         }
-        if let Some(refusal) = state.handoffs.get(&entry.name).refusal() {
-            record.refuse("human_handoff");
-            record.record.fallback_level = 3;
-            record.record.fallback_reason = Some("human_handoff");
-            return Err(ApiError::HumanHandoff {
-                message: refusal.message,
-                url: refusal.url,
-                retry_after_s: refusal.retry_after_s,
-            });
-        }
+        let reservation = match reservation {
+            Some(reservation) => reservation,
+            None => {
+                handoff(state, &entry, record)?;
+                chain::Reservation::default()
+            }
+        };
         // Shadow releases: a share of what the stable answers is also answered, on its own
         // task, by the candidate and the control (the input as the guard passed it).
         crate::shadow::maybe_mirror(state, &entry, principal, &work, record);
-        let answered = chain::run(state, entry, work, record)
+        let answered = chain::run_reserved(state, entry, reservation, work, record)
             .instrument(tracing::debug_span!("chain"))
             .await?;
         let answer = match answered.answer {

@@ -15,6 +15,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
+use classic::tensor_json::DecodeBudget;
 use classic::{DType, Data, Tensor};
 use futures_util::{Stream, StreamExt};
 use tokio::net::TcpListener;
@@ -109,14 +110,22 @@ impl Inference {
         let model = ModelName::versioned(&request.model_name, Some(&request.model_version));
         crate::residency::before_route(&self.state, &model, record).await?;
         let entry = front::route(&self.state, &model, WorkKind::Tensors, record)?;
-        let decoded = decode(request, self.state.config.limits.max_tensor_elements)?;
+        // The message is already decoded (bounded by `grpc.max_message_bytes`); its tensors are
+        // converted in the model's slot, as over REST.
+        let reserved = front::reserve(&self.state, principal, entry, record).await?;
+        let limits = &self.state.config.limits;
+        let decoded = decode(
+            request,
+            limits.max_tensor_elements,
+            limits.max_tensor_decoded_bytes,
+        )?;
         record.record.input_sha256 = decoded.input_sha256();
         let with_bytes = self.state.config.audit.store_tensor_inputs;
         record.payload_input(|| decoded.audit_input(with_bytes));
-        let admitted = front::serve_routed(
+        let admitted = front::serve_reserved(
             &self.state,
             principal,
-            entry,
+            reserved,
             Work::Tensors(decoded),
             record,
         )
@@ -199,12 +208,16 @@ where
         .collect()
 }
 
-/// A tensor from the typed `contents` fields.
+/// A tensor from the typed `contents` fields, which it takes (no copy for the types that
+/// travel in their own width). The field's length is checked against the declared shape before
+/// anything is converted.
 fn from_contents(
     name: &str,
     dtype: DType,
     shape: Vec<usize>,
-    c: &InferTensorContents,
+    n: usize,
+    c: &mut InferTensorContents,
+    budget: &mut DecodeBudget,
 ) -> Result<Tensor, ApiError> {
     let Some(field) = contents_field(dtype) else {
         return Err(ApiError::invalid(format!(
@@ -226,19 +239,33 @@ fn from_contents(
             "input {name:?}: {dtype} data goes in contents.{field}, not contents.{other}"
         )));
     }
+    let held = filled
+        .iter()
+        .find(|(f, _)| *f == field)
+        .map_or(0, |(_, len)| *len);
+    if held != n {
+        return Err(ApiError::invalid(format!(
+            "input {name:?}: shape {shape:?} needs {n} elements, got {held} in contents.{field}"
+        )));
+    }
+    budget.take_elements(name, dtype, n)?;
+    if dtype == DType::Bytes {
+        budget.take(name, c.bytes_contents.iter().map(Vec::len).sum())?;
+    }
+    use std::mem::take;
     let data = match dtype {
-        DType::Bool => Data::Bool(c.bool_contents.clone()),
+        DType::Bool => Data::Bool(take(&mut c.bool_contents)),
         DType::I8 => Data::I8(narrow(name, dtype, &c.int_contents)?),
         DType::I16 => Data::I16(narrow(name, dtype, &c.int_contents)?),
-        DType::I32 => Data::I32(c.int_contents.clone()),
-        DType::I64 => Data::I64(c.int64_contents.clone()),
+        DType::I32 => Data::I32(take(&mut c.int_contents)),
+        DType::I64 => Data::I64(take(&mut c.int64_contents)),
         DType::U8 => Data::U8(narrow(name, dtype, &c.uint_contents)?),
         DType::U16 => Data::U16(narrow(name, dtype, &c.uint_contents)?),
-        DType::U32 => Data::U32(c.uint_contents.clone()),
-        DType::U64 => Data::U64(c.uint64_contents.clone()),
-        DType::F32 => Data::F32(c.fp32_contents.clone()),
-        DType::F64 => Data::F64(c.fp64_contents.clone()),
-        DType::Bytes => Data::Bytes(c.bytes_contents.clone()),
+        DType::U32 => Data::U32(take(&mut c.uint_contents)),
+        DType::U64 => Data::U64(take(&mut c.uint64_contents)),
+        DType::F32 => Data::F32(take(&mut c.fp32_contents)),
+        DType::F64 => Data::F64(take(&mut c.fp64_contents)),
+        DType::Bytes => Data::Bytes(take(&mut c.bytes_contents)),
         DType::F16 => unreachable!("FP16 has no contents field (refused above)"),
     };
     Ok(Tensor::new(name, shape, data)?)
@@ -272,21 +299,30 @@ fn param_count(
     }
 }
 
-/// Decodes a gRPC request into the core's request.
-fn decode(request: ModelInferRequest, max_elements: usize) -> Result<InferRequest, ApiError> {
+/// Decodes a gRPC request into the core's request, taking its tensors out of the message:
+/// typed contents are moved, each raw entry is converted and then dropped, so the message's
+/// data is not held twice. Each input's declared shape is checked (overflow, the element
+/// limit, the decoded-bytes budget) and its data's length against it before it is converted.
+fn decode(
+    mut request: ModelInferRequest,
+    max_elements: usize,
+    max_decoded_bytes: usize,
+) -> Result<InferRequest, ApiError> {
     if request.inputs.is_empty() {
         return Err(ApiError::invalid("the request has no inputs"));
     }
-    let raw = &request.raw_input_contents;
-    if !raw.is_empty() && raw.len() != request.inputs.len() {
+    let raw_count = request.raw_input_contents.len();
+    if raw_count != 0 && raw_count != request.inputs.len() {
         return Err(ApiError::invalid(format!(
             "raw_input_contents holds {} entries for {} inputs; when it is used, it holds one per input, in order",
-            raw.len(),
+            raw_count,
             request.inputs.len()
         )));
     }
+    let mut raw = std::mem::take(&mut request.raw_input_contents).into_iter();
+    let mut budget = DecodeBudget::new(max_decoded_bytes);
     let mut inputs = Vec::with_capacity(request.inputs.len());
-    for (i, input) in request.inputs.iter().enumerate() {
+    for input in &mut request.inputs {
         let name = &input.name;
         let dtype = DType::from_kserve(&input.datatype).ok_or_else(|| {
             ApiError::invalid(format!(
@@ -295,24 +331,19 @@ fn decode(request: ModelInferRequest, max_elements: usize) -> Result<InferReques
             ))
         })?;
         let shape = wire_shape(name, &input.shape)?;
-        classic::tensor::element_count(name, &shape, max_elements)?;
-        let tensor = match raw.get(i) {
+        let n = classic::tensor::element_count(name, &shape, max_elements)?;
+        let tensor = match raw.next() {
             Some(bytes) => {
                 if has_contents(input) {
                     return Err(ApiError::invalid(format!(
                         "input {name:?} has both contents and raw_input_contents"
                     )));
                 }
-                Tensor::from_raw(name, dtype, shape, bytes)?
+                Tensor::from_raw_within(name, dtype, shape, &bytes, &mut budget)?
             }
             None => {
-                let empty = InferTensorContents::default();
-                from_contents(
-                    name,
-                    dtype,
-                    shape,
-                    input.contents.as_ref().unwrap_or(&empty),
-                )?
+                let mut contents = input.contents.take().unwrap_or_default();
+                from_contents(name, dtype, shape, n, &mut contents, &mut budget)?
             }
         };
         inputs.push(tensor);
@@ -747,7 +778,7 @@ mod tests {
 
     /// Decoding fails with INVALID_ARGUMENT and a message holding `want`.
     fn refused(r: ModelInferRequest, want: &str) {
-        let e = decode(r, 1 << 20).unwrap_err();
+        let e = decode(r, 1 << 20, 100 << 20).unwrap_err();
         let status = e.grpc_status();
         assert_eq!(status.code(), Code::InvalidArgument, "{e}");
         assert!(
@@ -828,7 +859,7 @@ mod tests {
                 },
             )]),
         }];
-        let d = decode(r, 1 << 20).unwrap();
+        let d = decode(r, 1 << 20, 100 << 20).unwrap();
         assert_eq!(d.id.as_deref(), Some("req-7"));
         assert_eq!(d.inputs[0].shape, vec![1, 2]);
         assert_eq!(d.inputs[0].data, Data::F32(vec![1.5, -2.0]));
@@ -861,7 +892,7 @@ mod tests {
             ],
             vec![f, bytes, h],
         );
-        let d = decode(r, 1 << 20).unwrap();
+        let d = decode(r, 1 << 20, 100 << 20).unwrap();
         assert_eq!(d.inputs[0].data, Data::F32(vec![1.0, -0.5, 3.25]));
         assert_eq!(
             d.inputs[1].data,

@@ -180,6 +180,39 @@ pub async fn read_body(
     })
 }
 
+/// [`read_body`] for bodies near their limit (KServe tensors): refused at once when the
+/// declared `Content-Length` exceeds `limit`, and read into one buffer sized from that length,
+/// so the bytes are held once (collecting the chunks and joining them holds them twice).
+pub async fn read_sized_body(
+    body: Body,
+    content_length: Option<u64>,
+    limit: usize,
+    record: &mut RecordBuilder,
+) -> Result<Bytes, ApiError> {
+    let too_large = |record: &mut RecordBuilder| {
+        record.refuse("body_too_large");
+        ApiError::BodyTooLarge(format!(
+            "the request body exceeds the limit of {limit} bytes"
+        ))
+    };
+    let declared = match content_length.map(usize::try_from) {
+        Some(Ok(n)) if n <= limit => n,
+        Some(_) => return Err(too_large(record)),
+        None => 0,
+    };
+    let mut buffer = Vec::with_capacity(declared);
+    let mut chunks = body.into_data_stream();
+    while let Some(chunk) = futures_util::StreamExt::next(&mut chunks).await {
+        let chunk = chunk
+            .map_err(|e| ApiError::invalid(format!("the request body could not be read: {e}")))?;
+        if buffer.len() + chunk.len() > limit {
+            return Err(too_large(record));
+        }
+        buffer.extend_from_slice(&chunk);
+    }
+    Ok(Bytes::from(buffer))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

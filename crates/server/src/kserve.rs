@@ -12,9 +12,11 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
+use classic::tensor_json::{self, DecodeBudget};
 use classic::{DType, Data, Tensor};
 use record::RecordBuilder;
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
 use crate::backend::tensor::wire_shape;
@@ -61,66 +63,148 @@ pub fn metadata(state: &AppState, entry: &Entry) -> ModelMetadata {
 // ---------------------------------------------------------------------------------------------
 // REST binding.
 
-/// The JSON of one input of a REST request.
+/// Most dimensions a tensor's shape may list.
+pub const MAX_DIMS: usize = 32;
+/// Most inputs (and most requested outputs) in one request.
+pub const MAX_TENSORS: usize = 1024;
+
+/// The JSON of one input of a REST request. Its `data` and every parameter stay as their
+/// text in the body ([`RawValue`]): `data` is read into the typed buffer of the declared
+/// datatype and shape once the whole input is known (a JSON object's keys come in any order),
+/// and only the parameters this server knows are read at all.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct JsonInput {
+struct JsonInput<'a> {
     name: String,
     datatype: String,
+    #[serde(deserialize_with = "at_most::<_, i64, MAX_DIMS>")]
     shape: Vec<i64>,
-    #[serde(default)]
-    parameters: BTreeMap<String, Value>,
-    #[serde(default)]
-    data: Option<Value>,
+    #[serde(default, borrow)]
+    parameters: Parameters<'a>,
+    #[serde(default, borrow)]
+    data: Option<&'a RawValue>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct JsonOutput {
+struct JsonOutput<'a> {
     name: String,
-    #[serde(default)]
-    parameters: BTreeMap<String, Value>,
+    #[serde(default, borrow)]
+    parameters: Parameters<'a>,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct JsonRequest {
+struct JsonRequest<'a> {
     #[serde(default)]
     id: Option<String>,
-    #[serde(default)]
-    parameters: BTreeMap<String, Value>,
-    inputs: Vec<JsonInput>,
-    #[serde(default)]
-    outputs: Vec<JsonOutput>,
+    #[serde(default, borrow)]
+    parameters: Parameters<'a>,
+    #[serde(borrow, deserialize_with = "at_most::<_, JsonInput<'a>, MAX_TENSORS>")]
+    inputs: Vec<JsonInput<'a>>,
+    #[serde(
+        default,
+        borrow,
+        deserialize_with = "at_most::<_, JsonOutput<'a>, MAX_TENSORS>"
+    )]
+    outputs: Vec<JsonOutput<'a>>,
 }
 
-fn param_bool(p: &BTreeMap<String, Value>, key: &str) -> Result<Option<bool>, ApiError> {
-    match p.get(key) {
-        None => Ok(None),
-        Some(Value::Bool(b)) => Ok(Some(*b)),
-        Some(other) => Err(ApiError::invalid(format!(
-            "parameter {key:?} must be a boolean, got {other}"
-        ))),
+/// Parameters as their JSON text: only the known keys are ever read.
+type Parameters<'a> = BTreeMap<String, &'a RawValue>;
+
+/// A JSON array of at most `MAX` elements (refused at the first beyond).
+fn at_most<'de, D, T, const MAX: usize>(deserializer: D) -> Result<Vec<T>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    struct Capped<T, const MAX: usize>(std::marker::PhantomData<T>);
+    impl<'de, T: Deserialize<'de>, const MAX: usize> serde::de::Visitor<'de> for Capped<T, MAX> {
+        type Value = Vec<T>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            write!(f, "an array of at most {MAX} elements")
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
+            let mut items = Vec::new();
+            while let Some(item) = seq.next_element()? {
+                if items.len() == MAX {
+                    return Err(serde::de::Error::custom(format!(
+                        "more than {MAX} elements in an array limited to {MAX}"
+                    )));
+                }
+                items.push(item);
+            }
+            Ok(items)
+        }
+    }
+    deserializer.deserialize_seq(Capped::<T, MAX>(std::marker::PhantomData))
+}
+
+/// A parameter's text for an error message (cut: it is the client's).
+fn shown(raw: &RawValue) -> String {
+    let text = raw.get();
+    match text.char_indices().nth(40) {
+        Some((cut, _)) => format!("{}...", &text[..cut]),
+        None => text.to_string(),
     }
 }
 
-fn param_usize(p: &BTreeMap<String, Value>, key: &str) -> Result<Option<usize>, ApiError> {
+fn param_bool(p: &Parameters, key: &str) -> Result<Option<bool>, ApiError> {
     match p.get(key) {
         None => Ok(None),
-        Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| {
+        Some(raw) => serde_json::from_str(raw.get()).map(Some).map_err(|_| {
             ApiError::invalid(format!(
-                "parameter {key:?} must be a non-negative integer, got {v}"
+                "parameter {key:?} must be a boolean, got {}",
+                shown(raw)
             ))
         }),
     }
 }
 
+fn param_usize(p: &Parameters, key: &str) -> Result<Option<usize>, ApiError> {
+    match p.get(key) {
+        None => Ok(None),
+        Some(raw) => serde_json::from_str::<u64>(raw.get())
+            .ok()
+            .and_then(|n| usize::try_from(n).ok())
+            .map(Some)
+            .ok_or_else(|| {
+                ApiError::invalid(format!(
+                    "parameter {key:?} must be a non-negative integer, got {}",
+                    shown(raw)
+                ))
+            }),
+    }
+}
+
+/// What a REST body may decode to.
+#[derive(Debug, Clone, Copy)]
+struct DecodeLimits {
+    /// Most elements in one input.
+    max_elements: usize,
+    /// Most bytes of typed buffers, all inputs together.
+    max_decoded_bytes: usize,
+}
+
+impl DecodeLimits {
+    fn of(limits: &crate::config::Limits) -> Self {
+        Self {
+            max_elements: limits.max_tensor_elements,
+            max_decoded_bytes: limits.max_tensor_decoded_bytes,
+        }
+    }
+}
+
 /// Decodes a REST body: JSON, or JSON followed by binary tensor data when
-/// `Inference-Header-Content-Length` is given.
+/// `Inference-Header-Content-Length` is given. The body is never held as a `serde_json::Value`:
+/// each input's data goes straight into the typed buffer of its declared datatype, its element
+/// count checked against the declared shape as it is read, and every buffer is taken from one
+/// budget before it is made (a shape that overflows or exceeds the limits is refused first).
 fn decode_rest(
     headers: &HeaderMap,
     body: &[u8],
-    max_elements: usize,
+    limits: DecodeLimits,
 ) -> Result<InferRequest, ApiError> {
     let header_len = match headers.get("inference-header-content-length") {
         Some(v) => {
@@ -147,6 +231,7 @@ fn decode_rest(
     if request.inputs.is_empty() {
         return Err(ApiError::invalid("the request has no inputs"));
     }
+    let mut budget = DecodeBudget::new(limits.max_decoded_bytes);
     let mut inputs = Vec::with_capacity(request.inputs.len());
     for input in request.inputs {
         let dtype = DType::from_kserve(&input.datatype).ok_or_else(|| {
@@ -156,7 +241,7 @@ fn decode_rest(
             ))
         })?;
         let shape = wire_shape(&input.name, &input.shape)?;
-        classic::tensor::element_count(&input.name, &shape, max_elements)?;
+        let n = classic::tensor::element_count(&input.name, &shape, limits.max_elements)?;
         let tensor = match param_usize(&input.parameters, "binary_data_size")? {
             Some(size) => {
                 if input.data.is_some() {
@@ -164,6 +249,14 @@ fn decode_rest(
                         "input {:?} has both JSON data and binary_data_size",
                         input.name
                     )));
+                }
+                if let Some(want) = dtype.size().and_then(|s| s.checked_mul(n)) {
+                    if size != want {
+                        return Err(ApiError::invalid(format!(
+                            "input {:?}: binary_data_size is {size} but {dtype} shape {shape:?} needs {want} bytes",
+                            input.name
+                        )));
+                    }
                 }
                 if size > binary.len() {
                     return Err(ApiError::invalid(format!(
@@ -174,16 +267,23 @@ fn decode_rest(
                 }
                 let (mine, rest) = binary.split_at(size);
                 binary = rest;
-                Tensor::from_raw(&input.name, dtype, shape, mine)?
+                Tensor::from_raw_within(&input.name, dtype, shape, mine, &mut budget)?
             }
             None => {
-                let data = input.data.as_ref().ok_or_else(|| {
+                let data = input.data.ok_or_else(|| {
                     ApiError::invalid(format!(
                         "input {:?} has neither data nor binary_data_size",
                         input.name
                     ))
                 })?;
-                Tensor::from_json(&input.name, dtype, shape, data)?
+                tensor_json::read_data(
+                    &input.name,
+                    dtype,
+                    shape,
+                    data.get(),
+                    limits.max_elements,
+                    &mut budget,
+                )?
             }
         };
         inputs.push(tensor);
@@ -418,20 +518,33 @@ async fn infer(
     record: &mut RecordBuilder,
 ) -> Result<Response, ApiError> {
     let limits = &state.config.limits;
-    let bytes = identity::read_body(body, limits.max_tensor_body_bytes, record).await?;
+    // The model is named in the path: an unknown one is refused before its body is read.
     crate::residency::before_route(state, model, record).await?;
     let entry = front::route(state, model, WorkKind::Tensors, record)?;
+    // The body is read outside the model's slot (a slow sender holds no place in flight);
+    // its decode, the costly part (typed buffers up to `max_tensor_decoded_bytes`), runs in it.
+    let content_length = headers
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse().ok());
+    let bytes =
+        identity::read_sized_body(body, content_length, limits.max_tensor_body_bytes, record)
+            .await?;
+    let reserved = front::reserve(state, principal, Arc::clone(&entry), record).await?;
     let raw_image = is_image_body(headers);
     let request = if raw_image {
         image_request(&entry, &model.name, bytes)?
     } else {
-        decode_rest(headers, &bytes, limits.max_tensor_elements)?
+        let request = decode_rest(headers, &bytes, DecodeLimits::of(limits))?;
+        // The typed tensors hold the data now: the body's bytes go before the model runs.
+        drop(bytes);
+        request
     };
     record.record.input_sha256 = request.input_sha256();
     let with_bytes = state.config.audit.store_tensor_inputs;
     record.payload_input(|| request.audit_input(with_bytes));
     let admitted =
-        front::serve_routed(state, principal, entry, Work::Tensors(request), record).await?;
+        front::serve_reserved(state, principal, reserved, Work::Tensors(request), record).await?;
     let Answer::Tensors(response) = admitted.answer else {
         return Err(ApiError::Internal(
             "the backend answered tensors with something else".into(),
@@ -460,7 +573,7 @@ fn image_request(entry: &Entry, name: &str, bytes: Bytes) -> Result<InferRequest
         inputs: vec![Tensor {
             name: input,
             shape: vec![1],
-            data: Data::Bytes(vec![bytes.to_vec()]),
+            data: Data::Bytes(vec![Vec::from(bytes)]),
         }],
         outputs: Vec::new(),
         binary_output: false,
@@ -471,6 +584,11 @@ fn image_request(entry: &Entry, name: &str, bytes: Bytes) -> Result<InferRequest
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const LIMITS: DecodeLimits = DecodeLimits {
+        max_elements: 1 << 20,
+        max_decoded_bytes: 100 << 20,
+    };
 
     fn headers(json_len: Option<usize>) -> HeaderMap {
         let mut h = HeaderMap::new();
@@ -486,7 +604,7 @@ mod tests {
     #[test]
     fn json_and_binary_requests_decode() {
         let body = br#"{"inputs":[{"name":"x","datatype":"FP32","shape":[1,2],"data":[[1,2]]}],"outputs":[{"name":"y","parameters":{"classification":2}}]}"#;
-        let r = decode_rest(&headers(None), body, 1 << 20).unwrap();
+        let r = decode_rest(&headers(None), body, LIMITS).unwrap();
         assert_eq!(r.inputs[0].as_f32().unwrap(), &[1.0, 2.0]);
         assert_eq!(r.outputs[0].classification, Some(2));
 
@@ -494,7 +612,7 @@ mod tests {
         let mut body = header.to_vec();
         body.extend_from_slice(&1.5f32.to_le_bytes());
         body.extend_from_slice(&(-2f32).to_le_bytes());
-        let r = decode_rest(&headers(Some(header.len())), &body, 1 << 20).unwrap();
+        let r = decode_rest(&headers(Some(header.len())), &body, LIMITS).unwrap();
         assert_eq!(r.inputs[0].as_f32().unwrap(), &[1.5, -2.0]);
         assert!(r.binary_output);
     }
@@ -511,7 +629,7 @@ mod tests {
             (br#"{"inputs":[{"name":"x","datatype":"FP32","shape":[1000000,1000000,1000000],"data":[1]}]}"#, None, "more than"),
         ];
         for (body, len, want) in cases {
-            let e = decode_rest(&headers(len), body, 1 << 20).unwrap_err();
+            let e = decode_rest(&headers(len), body, LIMITS).unwrap_err();
             assert_eq!(e.status(), StatusCode::BAD_REQUEST);
             assert!(e.to_string().contains(want), "{e} (wanted {want:?})");
         }

@@ -122,7 +122,8 @@ impl InferenceBackend for FakeLlm {
     }
 }
 
-/// Echoes its first input as `y`; embeds texts as their lengths.
+/// Echoes its first input as `y` (an input named `overload` is refused as a full queue, one
+/// named `slow` answers after 500 ms); embeds texts as their lengths.
 struct FakeTensor;
 
 impl InferenceBackend for FakeTensor {
@@ -140,6 +141,9 @@ impl InferenceBackend for FakeTensor {
             let Some(input) = request.inputs.into_iter().next() else {
                 return Err(BackendError::invalid("no input"));
             };
+            if input.name == "slow" {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
             if input.name == "overload" {
                 return Err(BackendError::Overloaded {
                     message: "the batcher's queue is full".into(),
@@ -779,6 +783,104 @@ async fn grpc_calls_the_same_front() {
             .filter(|r| r.endpoint == "kserve_grpc_infer")
             .count(),
         4
+    );
+}
+
+/// A KServe request takes its model's slot before its tensors are decoded: with the one slot
+/// taken, a request whose data would be refused (too many elements) is refused as overloaded
+/// instead, having cost no decode; over REST an unknown model is refused before its body is
+/// read, and the body's declared length past the limit before any of it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kserve_takes_the_slot_before_the_decode() {
+    use server::grpc::proto::grpc_inference_service_server::GrpcInferenceService;
+    use server::grpc::proto::model_infer_request::InferInputTensor;
+    use server::grpc::proto::{InferTensorContents, ModelInferRequest};
+    use tonic::Code;
+
+    let h = harness(
+        vec![("echo", Arc::new(FakeTensor))],
+        Options {
+            max_in_flight: 1,
+            max_waiting: 0,
+            configure: |c| c.limits.max_tensor_body_bytes = 4096,
+            ..Options::default()
+        },
+    )
+    .await;
+    let busy = {
+        let h_url = h.url.clone();
+        let client = h.client.clone();
+        tokio::spawn(async move {
+            client
+                .post(format!("{h_url}/v2/models/echo/infer"))
+                .bearer_auth(KEY)
+                .json(&serde_json::json!({
+                    "inputs": [{"name": "slow", "datatype": "FP32", "shape": [1], "data": [0]}]
+                }))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while h.state.registry.busy() == 0 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let lying = serde_json::json!({
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1, 2, 3]}]
+    });
+    let r = h.post("/v2/models/echo/infer", lying.clone()).await;
+    assert_eq!(r.status(), 429, "refused for the slot, not decoded");
+    let service = server::grpc::Inference::new(Arc::clone(&h.state));
+    let mut request = tonic::Request::new(ModelInferRequest {
+        model_name: "echo".into(),
+        inputs: vec![InferInputTensor {
+            name: "x".into(),
+            datatype: "FP32".into(),
+            shape: vec![1],
+            parameters: Default::default(),
+            contents: Some(InferTensorContents {
+                fp32_contents: vec![1.0, 2.0, 3.0],
+                ..Default::default()
+            }),
+        }],
+        ..Default::default()
+    });
+    request
+        .metadata_mut()
+        .insert("authorization", format!("Bearer {KEY}").parse().unwrap());
+    let e = service.model_infer(request).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+    assert_eq!(busy.await.unwrap(), 200);
+    // With the slot free the same body is decoded, and refused for what it is.
+    let r = h.post("/v2/models/echo/infer", lying).await;
+    assert_eq!(r.status(), 400);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert!(
+        body["error"]
+            .as_str()
+            .is_some_and(|m| m
+                .contains("input \"x\": shape [1] needs 1 elements, the data holds more than 1")),
+        "{body}"
+    );
+    // A body declared past the limit is refused on its length alone.
+    let r = h
+        .client
+        .post(format!("{}/v2/models/echo/infer", h.url))
+        .bearer_auth(KEY)
+        .header("content-type", "application/json")
+        .body(vec![b' '; h.state.config.limits.max_tensor_body_bytes + 1])
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 413);
+    let records = h.records(5).await;
+    let refused: Vec<_> = records.iter().filter_map(|r| r.refusal).collect();
+    assert_eq!(
+        refused,
+        ["queue_full", "queue_full", "body_too_large"],
+        "{records:?}"
     );
 }
 

@@ -455,14 +455,19 @@ async fn submit_inner(
         status,
         "feedback"
     );
-    service.log_correction(&json!({
+    let line = json!({
         "feedback_id": f.id, "status": status, "time_ms": f.time_ms, "audit_id": f.audit_id,
         "request_id": response.request_id, "response_id": response.response_id,
         "model": f.model, "version": f.version, "item": f.item, "class": f.class,
         "confidence": f.confidence, "rating": f.rating, "label": f.label,
         "correction": f.correction.as_ref().map(feedback::Correction::to_json),
         "comment": f.comment, "error": f.error, "rater": f.rater, "via": via,
-    }));
+    });
+    // The correction log is a file: written off the async workers.
+    let writer = Arc::clone(service);
+    if let Err(e) = tokio::task::spawn_blocking(move || writer.log_correction(&line)).await {
+        tracing::error!(target: "rampart::feedback", error = %e, "the correction log's writer stopped");
+    }
     // The audit log keeps who judged which response (the correction itself by its hash).
     if let Some(log) = &state.audit {
         let detail = json!({

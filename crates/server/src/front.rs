@@ -74,8 +74,8 @@ pub async fn serve(
     if state.is_draining() {
         return Err(ApiError::draining());
     }
-    // A refusal before the route is counted under the model asked for.
-    record.record.model = model.name.clone();
+    // (A refusal before the route is counted without a model: the name asked for is the
+    // client's text, and must not become a metric label.)
     rate_limit(state, principal, record)?;
     crate::residency::before_route(state, model, record).await?;
     let entry = route(state, model, work.kind(), record)?;

@@ -179,11 +179,21 @@ pub async fn tokenize(
     Extension(principal): Extension<Principal>,
     body: Body,
 ) -> Response {
-    let _slot = match admit(&state, &principal.0).await {
+    answer(&state, &principal.0, tokenize_inner(&state, body)).await
+}
+
+/// Runs `work` (lazy: nothing of it, the body's read included, happens before) once
+/// [`admit`] gave it a place, and answers its result.
+async fn answer<R: Serialize>(
+    state: &AppState,
+    principal: &str,
+    work: impl std::future::Future<Output = Result<R, ApiError>>,
+) -> Response {
+    let _slot = match admit(state, principal).await {
         Ok(slot) => slot,
         Err(e) => return e.into_response(),
     };
-    match tokenize_inner(&state, body).await {
+    match work.await {
         Ok(r) => Json(r).into_response(),
         Err(e) => e.into_response(),
     }
@@ -258,14 +268,7 @@ pub async fn detokenize(
     Extension(principal): Extension<Principal>,
     body: Body,
 ) -> Response {
-    let _slot = match admit(&state, &principal.0).await {
-        Ok(slot) => slot,
-        Err(e) => return e.into_response(),
-    };
-    match detokenize_inner(&state, body).await {
-        Ok(r) => Json(r).into_response(),
-        Err(e) => e.into_response(),
-    }
+    answer(&state, &principal.0, detokenize_inner(&state, body)).await
 }
 
 async fn detokenize_inner(state: &AppState, body: Body) -> Result<DetokenizeResponse, ApiError> {

@@ -6,7 +6,9 @@
 //! line) and traces (a span) — leave them out ([`record::Sink::takes_refused_before_auth`]).
 //! Instead this tally counts them, by endpoint and transport, with the first few request ids as
 //! a sample, and every `unauthenticated_summary_s` seconds that saw any, one `auth.refused`
-//! action goes to the audit log and one warning line to the log. A flood therefore costs one
+//! action goes to the audit log and one warning line to the log. The sample's requests (the
+//! first few of each interval) are also logged one by one, so a misconfigured client shows up
+//! in the log at once. A flood therefore costs one
 //! entry per interval, and never takes a place in the audit lane from an authenticated request.
 //! Not here: refusals of a valid key that lacks a scope (`insufficient_scope`): the key is
 //! known and accountable, so each is audited like any request.
@@ -45,8 +47,15 @@ pub struct Tally {
 }
 
 impl Tally {
-    /// Counts one refusal: constant work and memory whatever the rate.
-    pub fn note(&self, endpoint: &'static str, transport: Transport, key_sent: bool, id: &str) {
+    /// Counts one refusal: constant work and memory whatever the rate. True for the first
+    /// few of the interval (the sample), which the caller also logs one by one.
+    pub fn note(
+        &self,
+        endpoint: &'static str,
+        transport: Transport,
+        key_sent: bool,
+        id: &str,
+    ) -> bool {
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_millis() as u64);
@@ -67,7 +76,9 @@ impl Tally {
         }
         if s.sample_request_ids.len() < SAMPLE {
             s.sample_request_ids.push(id.chars().take(64).collect());
+            return true;
         }
+        false
     }
 
     /// What was counted since the last call (`None`: nothing), and a fresh count.
@@ -139,9 +150,10 @@ mod tests {
             } else {
                 "admin"
             };
-            tally.note(endpoint, Transport::Http, i % 4 == 0, &format!("req-{i}"));
+            let sampled = tally.note(endpoint, Transport::Http, i % 4 == 0, &format!("req-{i}"));
+            assert_eq!(sampled, i < SAMPLE, "{i}");
         }
-        tally.note("kserve_infer", Transport::Grpc, false, "last");
+        assert!(!tally.note("kserve_infer", Transport::Grpc, false, "last"));
         let s = tally.take().unwrap();
         assert_eq!(s.refused, 100_001);
         assert_eq!(s.invalid_key, 25_000);

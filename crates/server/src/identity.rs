@@ -169,15 +169,23 @@ pub async fn read_body(
     record: &mut RecordBuilder,
 ) -> Result<Bytes, ApiError> {
     axum::body::to_bytes(body, limit).await.map_err(|e| {
-        if crate::connections::timed_out(&e) {
-            record.refuse("body_timeout");
-            return ApiError::RequestTimeout(e.to_string());
-        }
-        record.refuse("body_too_large");
-        ApiError::BodyTooLarge(format!(
-            "the request body exceeds the limit of {limit} bytes"
-        ))
+        let error = body_error(&e, limit);
+        record.refuse(match error {
+            ApiError::RequestTimeout(_) => "body_timeout",
+            _ => "body_too_large",
+        });
+        error
     })
+}
+
+/// Why a body could not be read whole: its deadline passed (408), or it is over `limit` (413).
+pub fn body_error(e: &axum::Error, limit: usize) -> ApiError {
+    if crate::connections::timed_out(e) {
+        return ApiError::RequestTimeout(e.to_string());
+    }
+    ApiError::BodyTooLarge(format!(
+        "the request body exceeds the limit of {limit} bytes"
+    ))
 }
 
 /// [`read_body`] for bodies near their limit (KServe tensors): refused at once when the

@@ -156,14 +156,9 @@ async fn read_json<T: serde::de::DeserializeOwned>(
     body: Body,
 ) -> Result<T, ApiError> {
     let limit = state.config.limits.max_body_bytes;
-    let bytes = axum::body::to_bytes(body, limit).await.map_err(|e| {
-        if crate::connections::timed_out(&e) {
-            return ApiError::RequestTimeout(e.to_string());
-        }
-        ApiError::BodyTooLarge(format!(
-            "the request body exceeds the limit of {limit} bytes"
-        ))
-    })?;
+    let bytes = axum::body::to_bytes(body, limit)
+        .await
+        .map_err(|e| crate::identity::body_error(&e, limit))?;
     serde_json::from_slice(&bytes).map_err(|e| ApiError::invalid(format!("invalid JSON: {e}")))
 }
 

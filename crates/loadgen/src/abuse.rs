@@ -113,6 +113,11 @@ pub struct AbuseConfig {
     pub max_latency_ratio: f64,
     /// A connection that sends its headers slowly must be closed within this long.
     pub slow_close_limit: Duration,
+    /// The attack threads' niceness (Linux; 0 leaves it). The honest client runs on a thread
+    /// and runtime of its own at the process's priority, so that on one machine its requests
+    /// do not wait behind the attack client's work: that delay is the client's, not the
+    /// server's.
+    pub attacker_nice: i32,
 }
 
 impl Default for AbuseConfig {
@@ -135,6 +140,7 @@ impl Default for AbuseConfig {
             rss_limit_bytes: None,
             max_latency_ratio: 2.0,
             slow_close_limit: Duration::from_secs(60),
+            attacker_nice: 10,
         }
     }
 }
@@ -213,32 +219,105 @@ pub fn run(config: AbuseConfig) -> Result<AbuseReport, LoadgenError> {
             reason: "name the language model the honest client asks".into(),
         });
     }
+    let nice = config.attacker_nice;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(4)
+        .on_thread_start(move || lower_priority(nice))
         .enable_all()
         .build()
         .map_err(LoadgenError::Runtime)?;
     runtime.block_on(run_async(config))
 }
 
-async fn run_async(config: AbuseConfig) -> Result<AbuseReport, LoadgenError> {
-    let client = reqwest::Client::builder()
+/// Lowers the calling thread's priority (on Linux `nice` acts on the thread). Failing leaves
+/// it as it was: the run is still valid, only less fair to the honest client.
+fn lower_priority(by: i32) {
+    if by > 0 {
+        // SAFETY: nice(2) takes a plain integer and touches nothing of ours.
+        let _ = unsafe { libc::nice(by) };
+    }
+}
+
+/// How long the honest client asks: a number of requests, or until a deadline.
+#[derive(Clone, Copy)]
+enum HonestPhase {
+    Requests(usize),
+    Until(Instant),
+}
+
+/// Runs the honest client on a thread, a runtime and a connection pool of its own, as another
+/// user on another machine would: the attack client's tasks never delay its requests or
+/// timers.
+fn honest_phase(
+    config: Arc<AbuseConfig>,
+    phase: HonestPhase,
+) -> Result<std::thread::JoinHandle<Result<Honest, LoadgenError>>, LoadgenError> {
+    std::thread::Builder::new()
+        .name("honest-client".into())
+        .spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(LoadgenError::Runtime)?;
+            runtime.block_on(async move {
+                let client = http_client()?;
+                let mut out = Honest::default();
+                let mut sent = 0;
+                loop {
+                    match phase {
+                        HonestPhase::Requests(n) if sent >= n => break,
+                        HonestPhase::Until(deadline) if Instant::now() >= deadline => break,
+                        _ => {}
+                    }
+                    honest_request(&client, &config, &mut out).await;
+                    sent += 1;
+                    tokio::time::sleep(config.honest_interval).await;
+                }
+                Ok(out)
+            })
+        })
+        .map_err(LoadgenError::Runtime)
+}
+
+/// Waits for an honest phase without holding a runtime worker.
+async fn join_honest(
+    handle: std::thread::JoinHandle<Result<Honest, LoadgenError>>,
+) -> Result<Honest, LoadgenError> {
+    tokio::task::spawn_blocking(move || {
+        handle.join().unwrap_or_else(|_| {
+            Err(LoadgenError::InvalidSetting {
+                name: "honest client",
+                reason: "its thread panicked".into(),
+            })
+        })
+    })
+    .await?
+}
+
+fn http_client() -> Result<reqwest::Client, LoadgenError> {
+    reqwest::Client::builder()
         .timeout(Duration::from_secs(120))
         .pool_max_idle_per_host(64)
         .build()
-        .map_err(LoadgenError::Client)?;
+        .map_err(LoadgenError::Client)
+}
+
+async fn run_async(config: AbuseConfig) -> Result<AbuseReport, LoadgenError> {
+    let client = http_client()?;
     let config = Arc::new(config);
     let rss_before = config.server_pid.and_then(rss_bytes);
 
     // The idle server: the honest client alone.
-    let mut idle = Honest::default();
-    for _ in 0..config.baseline_requests {
-        honest_request(&client, &config, &mut idle).await;
-        tokio::time::sleep(config.honest_interval).await;
-    }
+    let idle = join_honest(honest_phase(
+        Arc::clone(&config),
+        HonestPhase::Requests(config.baseline_requests),
+    )?)
+    .await?;
 
     let started = Instant::now();
     let deadline = started + config.duration;
+    // The honest client during the attacks, started before them.
+    let honest = honest_phase(Arc::clone(&config), HonestPhase::Until(deadline))?;
     let rss_peak = Arc::new(Mutex::new(rss_before));
     let sampler = config.server_pid.map(|pid| {
         let peak = Arc::clone(&rss_peak);
@@ -280,12 +359,7 @@ async fn run_async(config: AbuseConfig) -> Result<AbuseReport, LoadgenError> {
             }));
         }
     }
-    // The honest client during the attacks.
-    let mut attacked = Honest::default();
-    while Instant::now() < deadline {
-        honest_request(&client, &config, &mut attacked).await;
-        tokio::time::sleep(config.honest_interval).await;
-    }
+    let attacked = join_honest(honest).await?;
     for t in tasks {
         t.await?;
     }

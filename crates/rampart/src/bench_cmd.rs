@@ -239,6 +239,11 @@ pub struct AbuseArgs {
     /// Seconds within which the server must close a slow or idle connection.
     #[arg(long, default_value_t = 60)]
     slow_close_limit_s: u64,
+    /// Niceness of the attack threads (0: as the process). The honest client keeps the
+    /// process's priority on a thread of its own, so that on one machine the attack client's
+    /// work does not count as the server's delay.
+    #[arg(long, default_value_t = 10)]
+    attacker_nice: i32,
     /// Print the report as JSON.
     #[arg(long)]
     json: bool,
@@ -577,6 +582,7 @@ fn abuse(args: AbuseArgs) -> Result<ExitCode> {
         rss_limit_bytes: args.rss_limit_mb.map(|m| m << 20),
         max_latency_ratio: args.max_latency_ratio,
         slow_close_limit: Duration::from_secs(args.slow_close_limit_s.max(1)),
+        attacker_nice: args.attacker_nice.clamp(0, 19),
         ..AbuseConfig::default()
     })?;
     if args.json {

@@ -167,9 +167,35 @@ fn every_route_that_names_a_model_refuses_names_that_walk_out() {
 }
 
 #[test]
+fn a_request_without_a_valid_key_waits_for_its_refusal() {
+    let Some((server, _)) = serve("unauthenticated_delay_ms = 400", "", "") else {
+        return;
+    };
+    let port = server.port;
+    for key in [None, Some("sk-guessed")] {
+        let began = std::time::Instant::now();
+        let (status, _, body) = http(port, "GET", "/v1/models", None, key);
+        assert_eq!(status, 401, "{body}");
+        assert!(
+            began.elapsed() >= Duration::from_millis(400),
+            "refused after {:?}",
+            began.elapsed()
+        );
+        assert_eq!(
+            json(&body)["error"]["type"],
+            "authentication_error",
+            "{body}"
+        );
+    }
+    // A valid key is not held back.
+    let (status, _, body) = http(port, "GET", "/v1/models", None, Some(KEY));
+    assert_eq!(status, 200, "{body}");
+}
+
+#[test]
 fn refusals_before_authentication_are_summarised_not_audited_one_by_one() {
     let Some((server, _)) = serve(
-        "unauthenticated_summary_s = 1",
+        "unauthenticated_summary_s = 1\nunauthenticated_delay_ms = 0",
         "",
         "[audit]\nenabled = true\nmode = \"fail_closed\"\ndir = \"audit\"",
     ) else {

@@ -233,6 +233,10 @@ pub struct ServerConfig {
     /// summarised every this many seconds: one log line and one `auth.refused` audit entry,
     /// never one entry each (`crate::unauthenticated`).
     pub unauthenticated_summary_s: u64,
+    /// A request without a valid key is answered 401 after this long (the connection waits,
+    /// no CPU is used): a closed-loop flood or a key-guessing loop gets a few answers a second
+    /// per connection instead of thousands (`crate::identity`). 0 answers at once.
+    pub unauthenticated_delay_ms: u64,
     /// Seconds in-flight requests get to finish after SIGTERM/SIGINT before they are cancelled.
     pub shutdown_timeout_s: u64,
     /// Readiness fails when sequences are running and no token came for this many seconds.
@@ -291,6 +295,7 @@ impl Default for ServerConfig {
             insecure_no_auth: false,
             metrics_require_auth: false,
             unauthenticated_summary_s: 60,
+            unauthenticated_delay_ms: 200,
             shutdown_timeout_s: 30,
             stall_timeout_s: 60,
             threads: None,
@@ -368,6 +373,10 @@ pub struct Limits {
     /// counts its bytes and a 24-byte header). With the body limit it bounds what one request
     /// holds while it decodes: its body plus this.
     pub max_tensor_decoded_bytes: usize,
+    /// How much lower (Linux niceness, 0–19) than the compute the threads run that do the work
+    /// any client can make long before a model runs: `/tokenize` and the guard's judging
+    /// (crate::lane). 0 runs them at the process's priority.
+    pub background_nice: i32,
 }
 
 impl Default for Limits {
@@ -392,6 +401,7 @@ impl Default for Limits {
             header_read_timeout_ms: 10_000,
             body_read_timeout_ms: 60_000,
             max_tensor_decoded_bytes: 100 << 20,
+            background_nice: 10,
         }
     }
 }
@@ -1457,6 +1467,12 @@ impl ServerConfig {
                 "limits.max_tensor_body_bytes and max_tensor_decoded_bytes must be at least 1024"
                     .into(),
             ));
+        }
+        if !(0..=19).contains(&l.background_nice) {
+            return Err(ConfigError(format!(
+                "limits.background_nice must be 0 to 19, not {}",
+                l.background_nice
+            )));
         }
         let d = &self.degradation;
         if d.window_ms < 100

@@ -267,15 +267,20 @@ async fn submit_inner(
             )
         }
         None => {
-            let (principal, scopes) = identity::authenticate(
+            let (principal, scopes) = match identity::authenticate(
                 state,
                 header("authorization"),
                 Transport::Http,
                 request_id,
                 "feedback",
                 Some(Scope::Feedback),
-            )
-            .map_err(|e| (e, "unauthorized"))?;
+            ) {
+                Ok(found) => found,
+                Err(e) => {
+                    identity::pause_refusal(state, &e).await;
+                    return Err((e, "unauthorized"));
+                }
+            };
             admit(
                 &service.per_principal,
                 &principal,

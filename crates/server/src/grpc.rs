@@ -63,23 +63,27 @@ impl Inference {
     }
 
     /// The principal of the `authorization: Bearer KEY` metadata (as over HTTP).
-    fn authenticate(
+    async fn authenticate(
         &self,
         metadata: &MetadataMap,
         endpoint: &'static str,
         request_id: &str,
     ) -> Result<String, Status> {
         let authorization = metadata.get("authorization").and_then(|v| v.to_str().ok());
-        identity::authenticate(
+        match identity::authenticate(
             &self.state,
             authorization,
             Transport::Grpc,
             request_id,
             endpoint,
             Some(crate::auth::Scope::Infer),
-        )
-        .map(|(principal, _)| principal)
-        .map_err(|e| e.grpc_status())
+        ) {
+            Ok((principal, _)) => Ok(principal),
+            Err(e) => {
+                identity::pause_refusal(&self.state, &e).await;
+                Err(e.grpc_status())
+            }
+        }
     }
 
     /// One inference: decode → front → encode, its record settled when it ends.
@@ -431,7 +435,7 @@ impl GrpcInferenceService for Inference {
         request: Request<ModelReadyRequest>,
     ) -> Result<Response<ModelReadyResponse>, Status> {
         let id = request_id(request.metadata());
-        self.authenticate(request.metadata(), ENDPOINT, &id)?;
+        self.authenticate(request.metadata(), ENDPOINT, &id).await?;
         let r = request.get_ref();
         let ready = match kserve::find(&self.state, &r.name, Some(&r.version)) {
             Ok(_) => !self.state.is_draining(),
@@ -449,7 +453,7 @@ impl GrpcInferenceService for Inference {
         request: Request<ServerMetadataRequest>,
     ) -> Result<Response<ServerMetadataResponse>, Status> {
         let id = request_id(request.metadata());
-        self.authenticate(request.metadata(), ENDPOINT, &id)?;
+        self.authenticate(request.metadata(), ENDPOINT, &id).await?;
         Ok(with_request_id(
             Response::new(ServerMetadataResponse {
                 name: "rampart".into(),
@@ -465,7 +469,7 @@ impl GrpcInferenceService for Inference {
         request: Request<ModelMetadataRequest>,
     ) -> Result<Response<ModelMetadataResponse>, Status> {
         let id = request_id(request.metadata());
-        self.authenticate(request.metadata(), ENDPOINT, &id)?;
+        self.authenticate(request.metadata(), ENDPOINT, &id).await?;
         let r = request.get_ref();
         let served =
             kserve::find(&self.state, &r.name, Some(&r.version)).map_err(|e| e.grpc_status())?;
@@ -496,7 +500,9 @@ impl GrpcInferenceService for Inference {
         request: Request<ModelInferRequest>,
     ) -> Result<Response<ModelInferResponse>, Status> {
         let id = request_id(request.metadata());
-        let principal = self.authenticate(request.metadata(), INFER_ENDPOINT, &id)?;
+        let principal = self
+            .authenticate(request.metadata(), INFER_ENDPOINT, &id)
+            .await?;
         let origin = origin(request.metadata(), &self.state.config.releases);
         match self
             .infer_one(&principal, origin, id.clone(), request.into_inner())
@@ -539,7 +545,9 @@ impl GrpcInferenceService for Inference {
         request: Request<Streaming<ModelInferRequest>>,
     ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
         let stream_id = request_id(request.metadata());
-        let principal = self.authenticate(request.metadata(), INFER_ENDPOINT, &stream_id)?;
+        let principal = self
+            .authenticate(request.metadata(), INFER_ENDPOINT, &stream_id)
+            .await?;
         let stream_origin = origin(request.metadata(), &self.state.config.releases);
         let service = self.clone();
         let concurrency = self.state.config.admission.max_in_flight.max(1);

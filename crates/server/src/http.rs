@@ -236,7 +236,10 @@ async fn authenticate(
             request.extensions_mut().insert(Granted(scopes));
             next.run(request).await
         }
-        Err(e) => e.into_response(),
+        Err(e) => {
+            identity::pause_refusal(&state, &e).await;
+            e.into_response()
+        }
     }
 }
 

@@ -162,6 +162,15 @@ pub fn authenticate(
     Err(error)
 }
 
+/// Holds back a 401 for `unauthenticated_delay_ms` (other errors pass at once): the refusal
+/// costs the server a timer, and a client looping on a missing or guessed key waits for each.
+pub async fn pause_refusal(state: &AppState, error: &ApiError) {
+    let delay = state.config.unauthenticated_delay_ms;
+    if delay > 0 && matches!(error, ApiError::Unauthorized(_)) {
+        tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+    }
+}
+
 /// The request body, up to `limit` bytes; beyond it the request is refused (and recorded so).
 pub async fn read_body(
     body: Body,

@@ -535,10 +535,20 @@ async fn infer(
     let request = if raw_image {
         image_request(&entry, &model.name, bytes)?
     } else {
-        let request = decode_rest(headers, &bytes, DecodeLimits::of(limits))?;
-        // The typed tensors hold the data now: the body's bytes go before the model runs.
-        drop(bytes);
-        request
+        // A long body off the async workers and below the compute's priority (100 MiB take
+        // a second to decode): on the decode lane (crate::lane); a short one here. The typed tensors hold the data
+        // afterwards: the body's bytes go before the model runs.
+        let decode_limits = DecodeLimits::of(limits);
+        if bytes.len() <= INLINE_DECODE_BYTES {
+            decode_rest(headers, &bytes, decode_limits)?
+        } else {
+            let headers = headers.clone();
+            state
+                .decode_lane
+                .run(move || decode_rest(&headers, &bytes, decode_limits))
+                .await
+                .map_err(|e| ApiError::Internal(e.to_string()))??
+        }
     };
     record.record.input_sha256 = request.input_sha256();
     let with_bytes = state.config.audit.store_tensor_inputs;
@@ -555,6 +565,10 @@ async fn infer(
     crate::openai_http::mark(&mut encoded, admitted.fallback.as_ref());
     Ok(encoded)
 }
+
+/// JSON bodies up to this size are decoded on the request's task (well under a millisecond);
+/// longer ones on the decode lane.
+const INLINE_DECODE_BYTES: usize = 64 * 1024;
 
 /// A raw image body: one encoded image into the model's image input.
 fn image_request(entry: &Entry, name: &str, bytes: Bytes) -> Result<InferRequest, ApiError> {

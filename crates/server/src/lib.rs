@@ -47,6 +47,7 @@ pub mod handoff;
 pub mod http;
 pub mod identity;
 pub mod kserve;
+pub mod lane;
 pub mod model_path;
 pub mod monitors;
 pub mod observe;

@@ -10,9 +10,13 @@
 //! The guard's cost is bounded per request and in all (docs/guard.md#cost): a request bringing
 //! more than `[guard] max_texts` texts or `max_bytes` bytes is refused before any guard work
 //! (400 `guard_budget_exceeded`); the classifier embeds at most `classifier_budget` segments of
-//! one request (the rest: `over_budget`); and every judgement, rules and classifier, runs on a
-//! blocking thread under one of `[guard] workers` places (`queue` waiting, 429 beyond), never
-//! on the async workers. The key's rate limit is taken before the guard (crate::front).
+//! one request (the rest: `over_budget`); and every judgement with the classifier or of more
+//! than 16 KiB of text runs on one of the guard lane's `[guard] workers` threads (`queue`
+//! waiting, 429 beyond), never on the async workers, and below the compute's CPU priority
+//! (`[limits] background_nice`, crate::lane): guard-cost bombs take what the generations leave
+//! of the cores. A short request judged by the rules alone (well under a millisecond) is judged
+//! on its own task, so it never waits behind someone else's long texts. The key's rate limit is
+//! taken before the guard (crate::front).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -81,6 +85,9 @@ pub struct GuardService {
     pub load_error: Option<String>,
     /// The places where requests are judged (`[guard] workers`, `queue`).
     pool: Arc<crate::admission::Admission>,
+    /// The `workers` threads that judge, below the compute's CPU priority
+    /// (`[limits] background_nice`).
+    lane: crate::lane::Lane,
 }
 
 impl std::fmt::Debug for GuardService {
@@ -196,6 +203,11 @@ impl GuardService {
                 max_waiting: config.guard.queue,
                 queue_timeout_ms: config.guard.queue_timeout_ms,
             }),
+            lane: crate::lane::Lane::start(
+                "guard",
+                config.guard.workers,
+                config.limits.background_nice,
+            ),
         }
     }
 
@@ -506,50 +518,15 @@ pub async fn screen(
         record.refuse("guard_budget");
     })?;
     let started = Instant::now();
-    let _place = service.pool.acquire().await.map_err(|e| {
-        record.refuse("guard_busy");
-        let (judging, waiting) = (service.config.workers, service.config.queue);
-        match e {
-            ApiError::Overloaded { retry_after_s, .. } => ApiError::Overloaded {
-                message: format!(
-                    "the input guard is at capacity ({judging} requests judged at once, {waiting} waiting); retry later"
-                ),
-                retry_after_s,
-                code: "queue_full",
-            },
-            _ => ApiError::Unavailable {
-                message: format!(
-                    "no place to judge the input within {} ms; retry later",
-                    service.config.queue_timeout_ms
-                ),
-                retry_after_s: 1,
-            },
-        }
-    })?;
-    let decision = {
-        // Rules and classifier alike: off the async workers, one of `workers` at a time.
-        let service = Arc::clone(service);
-        let backend = Arc::clone(backend);
-        let policy = effective.policy.clone();
-        tokio::task::spawn_blocking(move || {
-            service.check(&as_inputs(&texts), &policy, &|t| {
-                backend.special_token_spans(t)
-            })
+    let bytes: usize = texts.iter().map(|(_, t)| t.len()).sum();
+    let decision = if service.classifier_source.is_none() && bytes <= INLINE_BYTES {
+        // A short request judged by the rules alone (well under a millisecond): here, at the
+        // request's own priority, never queued behind someone else's long texts.
+        service.check(&as_inputs(&texts), &effective.policy, &|t| {
+            backend.special_token_spans(t)
         })
-        .await
-        .unwrap_or_else(|e| Decision {
-            verdict: if effective.policy.on_error == guard::OnError::FailClosed {
-                Verdict::Error
-            } else {
-                Verdict::Allow
-            },
-            score: 0.0,
-            channel: None,
-            tier: "classifier",
-            reasons: Vec::new(),
-            ms: started.elapsed().as_secs_f64() * 1e3,
-            error: Some(format!("the guard task failed: {e}")),
-        })
+    } else {
+        judge_on_lane(service, backend, &effective, texts, started, record).await?
     };
     record_decision(record, model, &decision);
     match decision.verdict {
@@ -584,6 +561,71 @@ pub async fn screen(
             Ok((Screened::Pass, watch))
         }
     }
+}
+
+/// Texts up to this many bytes, judged by the rules alone, are judged on the request's own task
+/// (at its priority, without a place): the long ones and every classifier pass go to the lane.
+const INLINE_BYTES: usize = 16 * 1024;
+
+/// Judges on the guard's lane under one of `[guard] workers` places (`queue` waiting, 429
+/// beyond), below the compute's CPU priority (crate::lane).
+async fn judge_on_lane(
+    service: &Arc<GuardService>,
+    backend: &Arc<dyn InferenceBackend>,
+    effective: &Effective,
+    texts: Vec<(Channel, String)>,
+    started: Instant,
+    record: &mut RecordBuilder,
+) -> Result<Decision, ApiError> {
+    let _place = service.pool.acquire().await.map_err(|e| {
+        record.refuse("guard_busy");
+        let (judging, waiting) = (service.config.workers, service.config.queue);
+        match e {
+            ApiError::Overloaded { retry_after_s, .. } => ApiError::Overloaded {
+                message: format!(
+                    "the input guard is at capacity ({judging} requests judged at once, {waiting} waiting); retry later"
+                ),
+                retry_after_s,
+                code: "queue_full",
+            },
+            _ => ApiError::Unavailable {
+                message: format!(
+                    "no place to judge the input within {} ms; retry later",
+                    service.config.queue_timeout_ms
+                ),
+                retry_after_s: 1,
+            },
+        }
+    })?;
+    let decision = {
+        // Rules and classifier alike: off the async workers, one of `workers` at a time, on
+        // the guard's lane below the compute's CPU priority (crate::lane).
+        let judge = Arc::clone(service);
+        let backend = Arc::clone(backend);
+        let policy = effective.policy.clone();
+        service
+            .lane
+            .run(move || {
+                judge.check(&as_inputs(&texts), &policy, &|t| {
+                    backend.special_token_spans(t)
+                })
+            })
+            .await
+            .unwrap_or_else(|e| Decision {
+                verdict: if effective.policy.on_error == guard::OnError::FailClosed {
+                    Verdict::Error
+                } else {
+                    Verdict::Allow
+                },
+                score: 0.0,
+                channel: None,
+                tier: "classifier",
+                reasons: Vec::new(),
+                ms: started.elapsed().as_secs_f64() * 1e3,
+                error: Some(format!("the guard task failed: {e}")),
+            })
+    };
+    Ok(decision)
 }
 
 /// Checks the outputs against the watch: `cut` when a marker's stop string ended an output,

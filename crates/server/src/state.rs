@@ -63,6 +63,12 @@ pub struct AppState {
     pub unauthenticated: Arc<crate::unauthenticated::Tally>,
     /// The places of `/tokenize` and `/detokenize` (`[limits] tokenize_in_flight`).
     pub tokenizing: Arc<crate::admission::Admission>,
+    /// Where `/tokenize` and `/detokenize` work: `tokenize_in_flight` threads below the
+    /// compute's priority (crate::lane).
+    pub tokenize_lane: crate::lane::Lane,
+    /// Where KServe v2 JSON bodies are decoded into typed tensors: one thread a core, below
+    /// the compute's priority (crate::lane).
+    pub decode_lane: crate::lane::Lane,
     pub metrics: Option<PrometheusHandle>,
     /// Where every request's record goes.
     pub bus: Arc<Bus>,
@@ -126,6 +132,16 @@ impl AppState {
                 max_waiting: config.limits.tokenize_waiting,
                 queue_timeout_ms: config.limits.tokenize_timeout_ms,
             }),
+            tokenize_lane: crate::lane::Lane::start(
+                "tokenize",
+                config.limits.tokenize_in_flight,
+                config.limits.background_nice,
+            ),
+            decode_lane: crate::lane::Lane::start(
+                "decode",
+                std::thread::available_parallelism().map_or(2, |n| n.get()),
+                config.limits.background_nice,
+            ),
             handoffs: Handoffs::new(&config),
             faults: Faults::new(config.faults.clone()),
             config,

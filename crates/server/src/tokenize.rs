@@ -11,7 +11,10 @@
 //! - `/detokenize` takes `tokens` and answers the `prompt` they spell (special tokens included).
 //!
 //! `model` names a served language model (`name` or `name@version`); it may be left out when the
-//! server serves exactly one. The work runs off the async workers (a long text takes a while).
+//! server serves exactly one. The work runs off the async workers (a long text takes a while), on
+//! the tokenize lane's `tokenize_in_flight` threads, below the compute's CPU priority
+//! (`[limits] background_nice`, crate::lane): a flood of long texts takes what the generations
+//! leave of the cores, not half of them.
 //!
 //! Both routes cost CPU without generating, so they are bounded like inference: the key's rate
 //! limit is taken first (one request from its bucket, 429 `rate_limited`), then a place among
@@ -230,29 +233,32 @@ async fn tokenize_inner(state: &AppState, body: Body) -> Result<TokenizeResponse
     let parse = request.parse_special_tokens.unwrap_or(raw);
     let generation_prompt = request.add_generation_prompt.unwrap_or(true);
     let strs = request.return_token_strs;
-    tokio::task::spawn_blocking(move || {
-        let tokenizer = engine.tokenizer();
-        let tokens = match chat {
-            Some(messages) => engine
-                .encode_chat_with(&messages, generation_prompt)
-                .map_err(|e| engine_error("messages", e))?,
-            None if parse => tokenizer
-                .encode(&prompt, bos)
-                .map_err(|e| engine_error("prompt", e))?,
-            None => tokenizer
-                .encode_plain(&prompt, bos)
-                .map_err(|e| engine_error("prompt", e))?,
-        };
-        let token_strs = strs.then(|| tokens.iter().map(|&t| tokenizer.token_text(t)).collect());
-        Ok(TokenizeResponse {
-            count: tokens.len(),
-            max_model_len: engine.context(),
-            tokens,
-            token_strs,
+    state
+        .tokenize_lane
+        .run(move || {
+            let tokenizer = engine.tokenizer();
+            let tokens = match chat {
+                Some(messages) => engine
+                    .encode_chat_with(&messages, generation_prompt)
+                    .map_err(|e| engine_error("messages", e))?,
+                None if parse => tokenizer
+                    .encode(&prompt, bos)
+                    .map_err(|e| engine_error("prompt", e))?,
+                None => tokenizer
+                    .encode_plain(&prompt, bos)
+                    .map_err(|e| engine_error("prompt", e))?,
+            };
+            let token_strs =
+                strs.then(|| tokens.iter().map(|&t| tokenizer.token_text(t)).collect());
+            Ok(TokenizeResponse {
+                count: tokens.len(),
+                max_model_len: engine.context(),
+                tokens,
+                token_strs,
+            })
         })
-    })
-    .await
-    .map_err(|e| ApiError::Internal(format!("tokenization stopped: {e}")))?
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))?
 }
 
 #[utoipa::path(post, path = "/detokenize", request_body = DetokenizeRequest, responses(
@@ -282,7 +288,10 @@ async fn detokenize_inner(state: &AppState, body: Body) -> Result<DetokenizeResp
             }
         }
     }
-    Ok(DetokenizeResponse {
-        prompt: engine.tokenizer().decode(&ids),
-    })
+    let prompt = state
+        .tokenize_lane
+        .run(move || engine.tokenizer().decode(&ids))
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    Ok(DetokenizeResponse { prompt })
 }

@@ -10,12 +10,13 @@
 //! The guard's cost is bounded per request and in all (docs/guard.md#cost): a request bringing
 //! more than `[guard] max_texts` texts or `max_bytes` bytes is refused before any guard work
 //! (400 `guard_budget_exceeded`); the classifier embeds at most `classifier_budget` segments of
-//! one request (the rest: `over_budget`); and every judgement with the classifier or of more
-//! than 16 KiB of text runs on one of the guard lane's `[guard] workers` threads (`queue`
-//! waiting, 429 beyond), never on the async workers, and below the compute's CPU priority
-//! (`[limits] background_nice`, crate::lane): guard-cost bombs take what the generations leave
-//! of the cores. A short request judged by the rules alone (well under a millisecond) is judged
-//! on its own task, so it never waits behind someone else's long texts. The key's rate limit is
+//! one request (the rest: `over_budget`); and every judgement of more than 16 KiB of text runs
+//! on one of the guard lane's `[guard] workers` threads (`queue` waiting, 429 beyond), never on
+//! the async workers, and below the compute's CPU priority (`[limits] background_nice`,
+//! crate::lane): guard-cost bombs take what the generations leave of the cores. A short request
+//! judged by the rules alone (well under a millisecond) is judged on its own task; a short one
+//! that needs the classifier on a second lane at the compute's priority, with `workers` places
+//! of its own: neither waits behind someone else's long texts. The key's rate limit is
 //! taken before the guard (crate::front).
 
 use std::collections::HashMap;
@@ -85,9 +86,13 @@ pub struct GuardService {
     pub load_error: Option<String>,
     /// The places where requests are judged (`[guard] workers`, `queue`).
     pool: Arc<crate::admission::Admission>,
-    /// The `workers` threads that judge, below the compute's CPU priority
+    /// The `workers` threads that judge long requests, below the compute's CPU priority
     /// (`[limits] background_nice`).
     lane: crate::lane::Lane,
+    /// Short requests that need the classifier: places and threads of their own at the
+    /// compute's priority, so they never wait behind (or below) someone's long texts.
+    short_pool: Arc<crate::admission::Admission>,
+    short_lane: crate::lane::Lane,
 }
 
 impl std::fmt::Debug for GuardService {
@@ -208,6 +213,12 @@ impl GuardService {
                 config.guard.workers,
                 config.limits.background_nice,
             ),
+            short_pool: crate::admission::Admission::new(crate::config::Admission {
+                max_in_flight: config.guard.workers.max(1),
+                max_waiting: config.guard.queue,
+                queue_timeout_ms: config.guard.queue_timeout_ms,
+            }),
+            short_lane: crate::lane::Lane::start("guard-short", config.guard.workers, 0),
         }
     }
 
@@ -519,14 +530,15 @@ pub async fn screen(
     })?;
     let started = Instant::now();
     let bytes: usize = texts.iter().map(|(_, t)| t.len()).sum();
-    let decision = if service.classifier_source.is_none() && bytes <= INLINE_BYTES {
+    let short = bytes <= INLINE_BYTES;
+    let decision = if service.classifier_source.is_none() && short {
         // A short request judged by the rules alone (well under a millisecond): here, at the
         // request's own priority, never queued behind someone else's long texts.
         service.check(&as_inputs(&texts), &effective.policy, &|t| {
             backend.special_token_spans(t)
         })
     } else {
-        judge_on_lane(service, backend, &effective, texts, started, record).await?
+        judge_on_lane(service, backend, &effective, texts, short, started, record).await?
     };
     record_decision(record, model, &decision);
     match decision.verdict {
@@ -563,21 +575,28 @@ pub async fn screen(
     }
 }
 
-/// Texts up to this many bytes, judged by the rules alone, are judged on the request's own task
-/// (at its priority, without a place): the long ones and every classifier pass go to the lane.
+/// Texts up to this many bytes are short: judged by the rules alone on the request's own task,
+/// with the classifier on the short lane; longer ones on the long lane.
 const INLINE_BYTES: usize = 16 * 1024;
 
-/// Judges on the guard's lane under one of `[guard] workers` places (`queue` waiting, 429
-/// beyond), below the compute's CPU priority (crate::lane).
+/// Judges on a guard lane under one of its `[guard] workers` places (`queue` waiting, 429
+/// beyond): long texts below the compute's CPU priority, short ones (with the classifier) at
+/// it, each kind with places of its own (crate::lane).
 async fn judge_on_lane(
     service: &Arc<GuardService>,
     backend: &Arc<dyn InferenceBackend>,
     effective: &Effective,
     texts: Vec<(Channel, String)>,
+    short: bool,
     started: Instant,
     record: &mut RecordBuilder,
 ) -> Result<Decision, ApiError> {
-    let _place = service.pool.acquire().await.map_err(|e| {
+    let (pool, lane) = if short {
+        (&service.short_pool, &service.short_lane)
+    } else {
+        (&service.pool, &service.lane)
+    };
+    let _place = pool.acquire().await.map_err(|e| {
         record.refuse("guard_busy");
         let (judging, waiting) = (service.config.workers, service.config.queue);
         match e {
@@ -598,32 +617,29 @@ async fn judge_on_lane(
         }
     })?;
     let decision = {
-        // Rules and classifier alike: off the async workers, one of `workers` at a time, on
-        // the guard's lane below the compute's CPU priority (crate::lane).
+        // Rules and classifier alike: off the async workers, one of `workers` at a time.
         let judge = Arc::clone(service);
         let backend = Arc::clone(backend);
         let policy = effective.policy.clone();
-        service
-            .lane
-            .run(move || {
-                judge.check(&as_inputs(&texts), &policy, &|t| {
-                    backend.special_token_spans(t)
-                })
+        lane.run(move || {
+            judge.check(&as_inputs(&texts), &policy, &|t| {
+                backend.special_token_spans(t)
             })
-            .await
-            .unwrap_or_else(|e| Decision {
-                verdict: if effective.policy.on_error == guard::OnError::FailClosed {
-                    Verdict::Error
-                } else {
-                    Verdict::Allow
-                },
-                score: 0.0,
-                channel: None,
-                tier: "classifier",
-                reasons: Vec::new(),
-                ms: started.elapsed().as_secs_f64() * 1e3,
-                error: Some(format!("the guard task failed: {e}")),
-            })
+        })
+        .await
+        .unwrap_or_else(|e| Decision {
+            verdict: if effective.policy.on_error == guard::OnError::FailClosed {
+                Verdict::Error
+            } else {
+                Verdict::Allow
+            },
+            score: 0.0,
+            channel: None,
+            tier: "classifier",
+            reasons: Vec::new(),
+            ms: started.elapsed().as_secs_f64() * 1e3,
+            error: Some(format!("the guard task failed: {e}")),
+        })
     };
     Ok(decision)
 }

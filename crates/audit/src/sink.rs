@@ -63,9 +63,9 @@ impl Sink for AuditSink {
         true
     }
 
-    /// Refusals before authentication reach the log as one summary per interval (the
-    /// server's `unauthenticated` tally), never one fsync'd entry each.
-    fn takes_refused_before_auth(&self) -> bool {
+    /// Refusals before authentication and past a key's rate limit reach the log as summaries
+    /// per interval (the server's `unauthenticated` tallies), never one fsync'd entry each.
+    fn takes_summarised_refusals(&self) -> bool {
         false
     }
 

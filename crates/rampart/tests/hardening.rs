@@ -285,6 +285,67 @@ fn refusals_before_authentication_are_summarised_not_audited_one_by_one() {
     assert_eq!(status, 200, "{body}");
 }
 
+#[test]
+fn refusals_past_a_keys_rate_limit_are_summarised_by_key() {
+    let Some((server, _)) = serve(
+        "unauthenticated_summary_s = 1",
+        "",
+        "[rate_limit]\nrequests_per_second = 1\n[audit]\nenabled = true\nmode = \"fail_closed\"\ndir = \"audit\"",
+    ) else {
+        return;
+    };
+    let port = server.port;
+    let size = || {
+        let (status, _, body) = http(port, "GET", "/admin/audit/status", None, Some(AUDIT_KEY));
+        assert_eq!(status, 200, "{body}");
+        json(&body)["log"]["size"].as_u64().unwrap()
+    };
+    let chat = format!(
+        r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Hi"}}],"max_tokens":1}}"#
+    );
+    let before = size();
+    let (mut served, mut limited) = (0u64, 0u64);
+    for _ in 0..60 {
+        let (status, _, body) = http(port, "POST", "/v1/chat/completions", Some(&chat), Some(KEY));
+        match status {
+            200 => served += 1,
+            429 => {
+                assert_eq!(json(&body)["error"]["code"], "rate_limited", "{body}");
+                limited += 1;
+            }
+            _ => panic!("{status}: {body}"),
+        }
+    }
+    assert!(limited >= 40, "{limited} of 60 rate limited");
+    std::thread::sleep(Duration::from_millis(2500));
+    // The served requests are audited one by one; the refusals are a summary or two.
+    let grown = size() - before;
+    assert!(
+        grown <= served + 4,
+        "{served} served and {limited} refused requests made {grown} audit entries"
+    );
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    let summaries: Vec<serde_json::Value> = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["message"] == "requests refused past their key's rate limit")
+        .collect();
+    let counted: u64 = summaries.iter().filter_map(|v| v["refused"].as_u64()).sum();
+    assert_eq!(counted, limited, "{summaries:?}");
+    let audited = walk(&server._dir.path().join("audit"))
+        .iter()
+        .filter_map(|p| std::fs::read(p).ok())
+        .any(|bytes| bytes.windows(18).any(|w| w == b"rate_limit.refused"));
+    assert!(audited, "no rate_limit.refused entry in the audit log");
+    assert!(
+        metric_labelled(
+            port,
+            "rampart_rejected_requests_total",
+            "reason=\"rate_limited\""
+        ) >= limited as f64
+    );
+}
+
 fn walk(dir: &std::path::Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {

@@ -83,12 +83,12 @@ pub trait Sink: Send + 'static {
     fn wants_timeline(&self) -> bool {
         false
     }
-    /// Whether the sink receives records of requests refused before authentication (a
-    /// missing or invalid key). Anyone can send those, at any rate: a sink whose per-record
-    /// cost is real (an fsync'd audit entry, a log line, a span) says no and the server
-    /// summarises them per interval instead, so a flood cannot crowd out the records of
-    /// authenticated requests.
-    fn takes_refused_before_auth(&self) -> bool {
+    /// Whether the sink receives records of the refusals a sender can repeat at any rate: before
+    /// authentication (a missing or invalid key) and past a key's rate limit
+    /// ([`crate::InferenceRecord::summarised_refusal`]). A sink whose per-record cost is real
+    /// (an fsync'd audit entry, a log line, a span) says no and the server summarises them per
+    /// interval instead, so a flood cannot crowd out the records of the requests served.
+    fn takes_summarised_refusals(&self) -> bool {
         true
     }
     fn write<'a>(&'a mut self, envelope: &'a Envelope) -> SinkFuture<'a>;
@@ -206,7 +206,7 @@ struct Lane {
     name: &'static str,
     delivery: Delivery,
     wants_payload: bool,
-    takes_refused_before_auth: bool,
+    takes_summarised_refusals: bool,
     /// `None` once the bus shut down.
     sender: RwLock<Option<mpsc::Sender<Item>>>,
     /// Lossless lanes: the waiter tasks allowed at once.
@@ -336,7 +336,7 @@ impl Bus {
                 name,
                 delivery,
                 wants_payload: sink.wants_payload(),
-                takes_refused_before_auth: sink.takes_refused_before_auth(),
+                takes_summarised_refusals: sink.takes_summarised_refusals(),
                 sender: RwLock::new(Some(sender)),
                 waiters: Arc::new(Semaphore::new(delivery.capacity())),
                 written: AtomicU64::new(0),
@@ -374,7 +374,7 @@ impl Bus {
             return receipt;
         }
         let payload = envelope.payload.take().filter(|_| self.wants_payload);
-        let before_auth = envelope.record.refused_before_auth();
+        let summarised = envelope.record.summarised_refusal();
         let bare = Arc::new(envelope);
         let full = payload.map(|p| {
             let mut with = (*bare).clone();
@@ -382,7 +382,7 @@ impl Bus {
             Arc::new(with)
         });
         for lane in &self.lanes {
-            if before_auth && !lane.takes_refused_before_auth {
+            if summarised && !lane.takes_summarised_refusals {
                 continue;
             }
             let envelope = match (&full, lane.wants_payload) {

@@ -164,11 +164,13 @@ pub struct Envelope {
 }
 
 impl InferenceRecord {
-    /// Refused before any key was accepted (missing or invalid key): traffic anyone can send,
-    /// which sinks that write per record (the audit log, the log, traces) leave to a summary
-    /// ([`crate::Sink::takes_refused_before_auth`]).
-    pub fn refused_before_auth(&self) -> bool {
-        self.refusal == Some("unauthorized")
+    /// Refused before any work, by a refusal its sender can repeat at any rate: a missing or
+    /// invalid key (`unauthorized`: anyone can send those) or a key past its rate limit
+    /// (`rate_limited`). Sinks that write per record (the audit log, the log, traces) leave
+    /// them to the server's summaries ([`crate::Sink::takes_summarised_refusals`]); the metrics
+    /// still count each one.
+    pub fn summarised_refusal(&self) -> bool {
+        matches!(self.refusal, Some("unauthorized" | "rate_limited"))
     }
 
     /// An empty record of a request that just arrived.

@@ -90,6 +90,19 @@ fn rate_limit(
 ) -> Result<(), ApiError> {
     state.rate_limiter.admit(principal).map_err(|wait| {
         record.refuse("rate_limited");
+        // Summarised per interval, not audited one by one (crate::unauthenticated); the first
+        // few of each interval are logged here.
+        let (endpoint, id) = (record.record.endpoint, &record.record.request_id);
+        if state.rate_limited.note(principal, endpoint, id) {
+            tracing::warn!(
+                target: "rampart::rate_limit",
+                request_id = %id,
+                principal,
+                endpoint,
+                retry_after_s = wait,
+                "request refused past its key's rate limit"
+            );
+        }
         ApiError::Overloaded {
             message: format!("rate limit of key {principal:?} reached; retry in {wait} s"),
             retry_after_s: wait,

@@ -239,6 +239,7 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
     );
     unauthenticated::spawn_summaries(
         Arc::clone(&state.unauthenticated),
+        Arc::clone(&state.rate_limited),
         state.audit.clone(),
         std::time::Duration::from_secs(state.config.unauthenticated_summary_s.max(1)),
     );

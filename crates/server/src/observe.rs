@@ -347,8 +347,9 @@ impl Sink for LogSink {
         "log"
     }
 
-    /// One summary line per interval instead (crate::unauthenticated).
-    fn takes_refused_before_auth(&self) -> bool {
+    /// One summary line per interval instead (crate::unauthenticated: refusals before
+    /// authentication and past a key's rate limit).
+    fn takes_summarised_refusals(&self) -> bool {
         false
     }
 

@@ -61,6 +61,8 @@ pub struct AppState {
     pub rate_limiter: RateLimiter,
     /// Requests refused before authentication, summarised per interval.
     pub unauthenticated: Arc<crate::unauthenticated::Tally>,
+    /// Requests of valid keys refused past their rate limit, summarised per interval too.
+    pub rate_limited: Arc<crate::unauthenticated::RateLimitedTally>,
     /// The places of `/tokenize` and `/detokenize` (`[limits] tokenize_in_flight`).
     pub tokenizing: Arc<crate::admission::Admission>,
     /// Where `/tokenize` and `/detokenize` work: `tokenize_in_flight` threads below the
@@ -127,6 +129,7 @@ impl AppState {
             audit,
             rate_limiter: RateLimiter::new(config.rate_limit.clone()),
             unauthenticated: Arc::default(),
+            rate_limited: Arc::default(),
             tokenizing: crate::admission::Admission::new(crate::config::Admission {
                 max_in_flight: config.limits.tokenize_in_flight.max(1),
                 max_waiting: config.limits.tokenize_waiting,

@@ -283,9 +283,9 @@ impl Sink for TraceSink {
         TRACES_SINK
     }
 
-    /// No span for a request refused before authentication: anyone can send those at any
-    /// rate (they are counted in the metrics and summarised in the log and audit log).
-    fn takes_refused_before_auth(&self) -> bool {
+    /// No span for a request refused before authentication or past its key's rate limit: they
+    /// come at any rate (counted in the metrics, summarised in the log and audit log).
+    fn takes_summarised_refusals(&self) -> bool {
         false
     }
 

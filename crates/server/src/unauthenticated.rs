@@ -1,17 +1,22 @@
-//! Requests refused before authentication (a missing or invalid key), counted and summarised.
+//! Requests refused before authentication (a missing or invalid key), and past a key's rate
+//! limit, counted and summarised.
 //!
 //! Anyone who can reach the port can send them, at any rate. Their records still reach the
 //! metrics (`rampart_rejected_requests_total{reason="unauthorized"}`), but the sinks whose cost
 //! is per record — the audit log (an fsync'd entry, an index row kept in memory), the log (a
-//! line) and traces (a span) — leave them out ([`record::Sink::takes_refused_before_auth`]).
+//! line) and traces (a span) — leave them out ([`record::Sink::takes_summarised_refusals`]).
 //! Instead this tally counts them, by endpoint and transport, with the first few request ids as
 //! a sample, and every `unauthenticated_summary_s` seconds that saw any, one `auth.refused`
 //! action goes to the audit log and one warning line to the log. The sample's requests (the
 //! first few of each interval) are also logged one by one, so a misconfigured client shows up
 //! in the log at once. A flood therefore costs one
 //! entry per interval, and never takes a place in the audit lane from an authenticated request.
-//! Not here: refusals of a valid key that lacks a scope (`insufficient_scope`): the key is
-//! known and accountable, so each is audited like any request.
+//!
+//! Refusals of a valid key past its rate limit (`rate_limited`) are summarised the same way, in
+//! a [`RateLimitedTally`] by key and endpoint: one `rate_limit.refused` action per interval.
+//! The key may keep asking at any rate after its limit, and each refusal is work the server did
+//! not do. Not here: refusals of a valid key that lacks a scope (`insufficient_scope`) or sends
+//! a bad request: each is audited like any request.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -88,21 +93,130 @@ impl Tally {
     }
 }
 
+/// One key's refusals past its rate limit in an interval.
+#[derive(Debug, Default, Clone, Serialize, PartialEq, Eq)]
+pub struct KeyRefusals {
+    pub refused: u64,
+    pub by_endpoint: BTreeMap<&'static str, u64>,
+}
+
+/// Requests of valid keys refused past their rate limit since the last summary. Its size is
+/// bounded by the keys the server has (the keys file), not by the request rate.
+#[derive(Debug, Default, Clone, Serialize, PartialEq, Eq)]
+pub struct RateLimitedSummary {
+    pub refused: u64,
+    /// By key id.
+    pub by_key: BTreeMap<String, KeyRefusals>,
+    pub first_ms: u64,
+    pub last_ms: u64,
+    /// The first request ids of the interval.
+    pub sample_request_ids: Vec<String>,
+}
+
+/// The tally of rate-limit refusals: a key past its limit may keep asking at any rate, and each
+/// refusal would otherwise cost an fsync'd audit entry, a log line and a span (8,900 audit
+/// entries a minute from one key in `rampart bench abuse`). The key is known and accountable:
+/// its summary names it, with its counts by endpoint.
+#[derive(Debug, Default)]
+pub struct RateLimitedTally {
+    current: Mutex<RateLimitedSummary>,
+}
+
+impl RateLimitedTally {
+    /// Counts one refusal; true for the first few of the interval (the caller logs them).
+    pub fn note(&self, key: &str, endpoint: &'static str, id: &str) -> bool {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        let mut s = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        if s.refused == 0 {
+            s.first_ms = now;
+        }
+        s.refused += 1;
+        s.last_ms = now;
+        let of_key = match s.by_key.get_mut(key) {
+            Some(k) => k,
+            None => s.by_key.entry(key.to_string()).or_default(),
+        };
+        of_key.refused += 1;
+        *of_key.by_endpoint.entry(endpoint).or_default() += 1;
+        if s.sample_request_ids.len() < SAMPLE {
+            s.sample_request_ids.push(id.chars().take(64).collect());
+            return true;
+        }
+        false
+    }
+
+    /// What was counted since the last call (`None`: nothing), and a fresh count.
+    pub fn take(&self) -> Option<RateLimitedSummary> {
+        let mut s = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        (s.refused > 0).then(|| std::mem::take(&mut *s))
+    }
+}
+
 /// Every `interval`, the refusals since the last one become one log line and, with the audit
-/// log on, one `auth.refused` action. Runs until the runtime stops.
-pub fn spawn_summaries(tally: Arc<Tally>, audit: Option<Arc<audit::AuditLog>>, interval: Duration) {
+/// log on, one action each kind: `auth.refused` before authentication, `rate_limit.refused`
+/// past a key's rate limit. Runs until the runtime stops.
+pub fn spawn_summaries(
+    tally: Arc<Tally>,
+    limited: Arc<RateLimitedTally>,
+    audit: Option<Arc<audit::AuditLog>>,
+    interval: Duration,
+) {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
         loop {
             tick.tick().await;
-            let Some(summary) = tally.take() else {
-                continue;
-            };
-            keep(&summary, audit.as_ref(), interval).await;
+            if let Some(summary) = tally.take() {
+                keep(&summary, audit.as_ref(), interval).await;
+            }
+            if let Some(summary) = limited.take() {
+                keep_rate_limited(&summary, audit.as_ref(), interval).await;
+            }
         }
     });
+}
+
+/// Logs and audits one summary of rate-limit refusals.
+pub async fn keep_rate_limited(
+    summary: &RateLimitedSummary,
+    audit: Option<&Arc<audit::AuditLog>>,
+    interval: Duration,
+) {
+    let by_key: BTreeMap<&str, u64> = summary
+        .by_key
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.refused))
+        .collect();
+    tracing::warn!(
+        target: "rampart::rate_limit",
+        refused = summary.refused,
+        by_key = ?by_key,
+        interval_s = interval.as_secs(),
+        "requests refused past their key's rate limit"
+    );
+    let Some(log) = audit else {
+        return;
+    };
+    let action = audit::Action {
+        name: "rate_limit.refused".into(),
+        target: None,
+        cause: Some(format!(
+            "{} requests of {} keys refused past their rate limit in {} s",
+            summary.refused,
+            summary.by_key.len(),
+            interval.as_secs()
+        )),
+        outcome: "refused".into(),
+        detail: serde_json::to_value(summary).unwrap_or_default(),
+    };
+    if let Err(e) =
+        audit::sink::append_action(log, Some("rampart".into()), None, None, action).await
+    {
+        tracing::error!(target: "rampart::rate_limit", error = %e, "the summary of rate-limited requests could not be kept in the audit log");
+    }
 }
 
 /// Logs and audits one summary.
@@ -164,5 +278,24 @@ mod tests {
         assert_eq!(s.sample_request_ids[0], "req-0");
         assert!(s.first_ms <= s.last_ms);
         assert_eq!(tally.take(), None, "the tally starts over");
+    }
+
+    #[test]
+    fn rate_limit_refusals_are_counted_by_key_in_constant_space() {
+        let tally = RateLimitedTally::default();
+        for i in 0..50_000 {
+            let key = if i % 5 == 0 { "other" } else { "app" };
+            let sampled = tally.note(key, "chat.completions", &format!("req-{i}"));
+            assert_eq!(sampled, i < SAMPLE, "{i}");
+        }
+        tally.note("app", "kserve_infer", "last");
+        let s = tally.take().unwrap();
+        assert_eq!(s.refused, 50_001);
+        assert_eq!(s.by_key.len(), 2);
+        assert_eq!(s.by_key["other"].refused, 10_000);
+        assert_eq!(s.by_key["app"].by_endpoint["chat.completions"], 40_000);
+        assert_eq!(s.by_key["app"].by_endpoint["kserve_infer"], 1);
+        assert_eq!(s.sample_request_ids.len(), SAMPLE);
+        assert_eq!(tally.take(), None);
     }
 }

@@ -29,20 +29,46 @@ use crate::identity::Transport;
 /// Request ids kept per interval as a sample (to find the requests in a proxy's logs).
 const SAMPLE: usize = 8;
 
-/// The refusals since the last summary.
+/// What every summary holds: how many, when, and the first request ids as a sample.
+#[derive(Debug, Default, Clone, Serialize, PartialEq, Eq)]
+pub struct Interval {
+    pub refused: u64,
+    pub first_ms: u64,
+    pub last_ms: u64,
+    /// The first request ids of the interval.
+    pub sample_request_ids: Vec<String>,
+}
+
+impl Interval {
+    /// Counts one refusal now; true while the sample takes it.
+    fn count(&mut self, id: &str) -> bool {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64);
+        if self.refused == 0 {
+            self.first_ms = now;
+        }
+        self.refused += 1;
+        self.last_ms = now;
+        if self.sample_request_ids.len() < SAMPLE {
+            self.sample_request_ids.push(id.chars().take(64).collect());
+            return true;
+        }
+        false
+    }
+}
+
+/// The refusals before authentication since the last summary.
 #[derive(Debug, Default, Clone, Serialize, PartialEq, Eq)]
 pub struct Summary {
-    pub refused: u64,
+    #[serde(flatten)]
+    pub interval: Interval,
     /// By the record's endpoint (`chat.completions`, `kserve_infer`, `admin`, ...).
     pub by_endpoint: BTreeMap<&'static str, u64>,
     /// `http` or `grpc`.
     pub by_transport: BTreeMap<&'static str, u64>,
     /// Requests that sent a key no one has (the rest sent none).
     pub invalid_key: u64,
-    pub first_ms: u64,
-    pub last_ms: u64,
-    /// The first request ids of the interval.
-    pub sample_request_ids: Vec<String>,
 }
 
 /// The tally the front door adds to; a task drains it every interval.
@@ -61,15 +87,8 @@ impl Tally {
         key_sent: bool,
         id: &str,
     ) -> bool {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
         let mut s = self.current.lock().unwrap_or_else(|e| e.into_inner());
-        if s.refused == 0 {
-            s.first_ms = now;
-        }
-        s.refused += 1;
-        s.last_ms = now;
+        let sampled = s.interval.count(id);
         *s.by_endpoint.entry(endpoint).or_default() += 1;
         let transport = match transport {
             Transport::Http => "http",
@@ -79,17 +98,13 @@ impl Tally {
         if key_sent {
             s.invalid_key += 1;
         }
-        if s.sample_request_ids.len() < SAMPLE {
-            s.sample_request_ids.push(id.chars().take(64).collect());
-            return true;
-        }
-        false
+        sampled
     }
 
     /// What was counted since the last call (`None`: nothing), and a fresh count.
     pub fn take(&self) -> Option<Summary> {
         let mut s = self.current.lock().unwrap_or_else(|e| e.into_inner());
-        (s.refused > 0).then(|| std::mem::take(&mut *s))
+        (s.interval.refused > 0).then(|| std::mem::take(&mut *s))
     }
 }
 
@@ -104,13 +119,10 @@ pub struct KeyRefusals {
 /// bounded by the keys the server has (the keys file), not by the request rate.
 #[derive(Debug, Default, Clone, Serialize, PartialEq, Eq)]
 pub struct RateLimitedSummary {
-    pub refused: u64,
+    #[serde(flatten)]
+    pub interval: Interval,
     /// By key id.
     pub by_key: BTreeMap<String, KeyRefusals>,
-    pub first_ms: u64,
-    pub last_ms: u64,
-    /// The first request ids of the interval.
-    pub sample_request_ids: Vec<String>,
 }
 
 /// The tally of rate-limit refusals: a key past its limit may keep asking at any rate, and each
@@ -125,32 +137,21 @@ pub struct RateLimitedTally {
 impl RateLimitedTally {
     /// Counts one refusal; true for the first few of the interval (the caller logs them).
     pub fn note(&self, key: &str, endpoint: &'static str, id: &str) -> bool {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
         let mut s = self.current.lock().unwrap_or_else(|e| e.into_inner());
-        if s.refused == 0 {
-            s.first_ms = now;
-        }
-        s.refused += 1;
-        s.last_ms = now;
+        let sampled = s.interval.count(id);
         let of_key = match s.by_key.get_mut(key) {
             Some(k) => k,
             None => s.by_key.entry(key.to_string()).or_default(),
         };
         of_key.refused += 1;
         *of_key.by_endpoint.entry(endpoint).or_default() += 1;
-        if s.sample_request_ids.len() < SAMPLE {
-            s.sample_request_ids.push(id.chars().take(64).collect());
-            return true;
-        }
-        false
+        sampled
     }
 
     /// What was counted since the last call (`None`: nothing), and a fresh count.
     pub fn take(&self) -> Option<RateLimitedSummary> {
         let mut s = self.current.lock().unwrap_or_else(|e| e.into_inner());
-        (s.refused > 0).then(|| std::mem::take(&mut *s))
+        (s.interval.refused > 0).then(|| std::mem::take(&mut *s))
     }
 }
 
@@ -192,7 +193,7 @@ pub async fn keep_rate_limited(
         .collect();
     tracing::warn!(
         target: "rampart::rate_limit",
-        refused = summary.refused,
+        refused = summary.interval.refused,
         by_key = ?by_key,
         interval_s = interval.as_secs(),
         "requests refused past their key's rate limit"
@@ -205,7 +206,7 @@ pub async fn keep_rate_limited(
         target: None,
         cause: Some(format!(
             "{} requests of {} keys refused past their rate limit in {} s",
-            summary.refused,
+            summary.interval.refused,
             summary.by_key.len(),
             interval.as_secs()
         )),
@@ -223,7 +224,7 @@ pub async fn keep_rate_limited(
 pub async fn keep(summary: &Summary, audit: Option<&Arc<audit::AuditLog>>, interval: Duration) {
     tracing::warn!(
         target: "rampart::auth",
-        refused = summary.refused,
+        refused = summary.interval.refused,
         invalid_key = summary.invalid_key,
         by_endpoint = ?summary.by_endpoint,
         by_transport = ?summary.by_transport,
@@ -238,7 +239,7 @@ pub async fn keep(summary: &Summary, audit: Option<&Arc<audit::AuditLog>>, inter
         target: None,
         cause: Some(format!(
             "{} requests refused before authentication in {} s (missing or invalid API key)",
-            summary.refused,
+            summary.interval.refused,
             interval.as_secs()
         )),
         outcome: "refused".into(),
@@ -269,14 +270,14 @@ mod tests {
         }
         assert!(!tally.note("kserve_infer", Transport::Grpc, false, "last"));
         let s = tally.take().unwrap();
-        assert_eq!(s.refused, 100_001);
+        assert_eq!(s.interval.refused, 100_001);
         assert_eq!(s.invalid_key, 25_000);
         assert_eq!(s.by_endpoint["chat.completions"], 50_000);
         assert_eq!(s.by_endpoint["admin"], 50_000);
         assert_eq!(s.by_transport["grpc"], 1);
-        assert_eq!(s.sample_request_ids.len(), SAMPLE);
-        assert_eq!(s.sample_request_ids[0], "req-0");
-        assert!(s.first_ms <= s.last_ms);
+        assert_eq!(s.interval.sample_request_ids.len(), SAMPLE);
+        assert_eq!(s.interval.sample_request_ids[0], "req-0");
+        assert!(s.interval.first_ms <= s.interval.last_ms);
         assert_eq!(tally.take(), None, "the tally starts over");
     }
 
@@ -290,12 +291,12 @@ mod tests {
         }
         tally.note("app", "kserve_infer", "last");
         let s = tally.take().unwrap();
-        assert_eq!(s.refused, 50_001);
+        assert_eq!(s.interval.refused, 50_001);
         assert_eq!(s.by_key.len(), 2);
         assert_eq!(s.by_key["other"].refused, 10_000);
         assert_eq!(s.by_key["app"].by_endpoint["chat.completions"], 40_000);
         assert_eq!(s.by_key["app"].by_endpoint["kserve_infer"], 1);
-        assert_eq!(s.sample_request_ids.len(), SAMPLE);
+        assert_eq!(s.interval.sample_request_ids.len(), SAMPLE);
         assert_eq!(tally.take(), None);
     }
 }

@@ -202,11 +202,7 @@ fn refusals_before_authentication_are_summarised_not_audited_one_by_one() {
         return;
     };
     let port = server.port;
-    let size = || {
-        let (status, _, body) = http(port, "GET", "/admin/audit/status", None, Some(AUDIT_KEY));
-        assert_eq!(status, 200, "{body}");
-        json(&body)["log"]["size"].as_u64().unwrap()
-    };
+    let size = || audit_size(port);
     // A request that is served first, so the log has something.
     let chat = format!(
         r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Hi"}}],"max_tokens":2}}"#
@@ -245,23 +241,12 @@ fn refusals_before_authentication_are_summarised_not_audited_one_by_one() {
         after - before
     );
     // The counts are in the summary: in the audit log and the log.
-    let log = std::fs::read_to_string(&server.log).unwrap();
-    let summaries: Vec<serde_json::Value> = log
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| {
-            v["message"]
-                .as_str()
-                .is_some_and(|m| m.starts_with("requests refused before authentication"))
-        })
-        .collect();
-    let counted: u64 = summaries.iter().filter_map(|v| v["refused"].as_u64()).sum();
-    assert_eq!(counted, flood, "{summaries:?}");
-    let audited = walk(&server._dir.path().join("audit"))
-        .iter()
-        .filter_map(|p| std::fs::read(p).ok())
-        .any(|bytes| bytes.windows(12).any(|w| w == b"auth.refused"));
-    assert!(audited, "no auth.refused entry in the audit log");
+    assert_summarised(
+        &server,
+        "requests refused before authentication (missing or invalid API key)",
+        flood,
+        "auth.refused",
+    );
     // The metrics still count each one.
     assert!(
         metric_labelled(
@@ -295,11 +280,7 @@ fn refusals_past_a_keys_rate_limit_are_summarised_by_key() {
         return;
     };
     let port = server.port;
-    let size = || {
-        let (status, _, body) = http(port, "GET", "/admin/audit/status", None, Some(AUDIT_KEY));
-        assert_eq!(status, 200, "{body}");
-        json(&body)["log"]["size"].as_u64().unwrap()
-    };
+    let size = || audit_size(port);
     let chat = format!(
         r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Hi"}}],"max_tokens":1}}"#
     );
@@ -324,19 +305,12 @@ fn refusals_past_a_keys_rate_limit_are_summarised_by_key() {
         grown <= served + 4,
         "{served} served and {limited} refused requests made {grown} audit entries"
     );
-    let log = std::fs::read_to_string(&server.log).unwrap();
-    let summaries: Vec<serde_json::Value> = log
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| v["message"] == "requests refused past their key's rate limit")
-        .collect();
-    let counted: u64 = summaries.iter().filter_map(|v| v["refused"].as_u64()).sum();
-    assert_eq!(counted, limited, "{summaries:?}");
-    let audited = walk(&server._dir.path().join("audit"))
-        .iter()
-        .filter_map(|p| std::fs::read(p).ok())
-        .any(|bytes| bytes.windows(18).any(|w| w == b"rate_limit.refused"));
-    assert!(audited, "no rate_limit.refused entry in the audit log");
+    assert_summarised(
+        &server,
+        "requests refused past their key's rate limit",
+        limited,
+        "rate_limit.refused",
+    );
     assert!(
         metric_labelled(
             port,
@@ -344,6 +318,31 @@ fn refusals_past_a_keys_rate_limit_are_summarised_by_key() {
             "reason=\"rate_limited\""
         ) >= limited as f64
     );
+}
+
+/// The audit log's size (entries).
+fn audit_size(port: u16) -> u64 {
+    let (status, _, body) = http(port, "GET", "/admin/audit/status", None, Some(AUDIT_KEY));
+    assert_eq!(status, 200, "{body}");
+    json(&body)["log"]["size"].as_u64().unwrap()
+}
+
+/// The log's summary lines (`message`) count `refused` requests in all, and the audit log
+/// holds an `action` entry.
+fn assert_summarised(server: &Server, message: &str, refused: u64, action: &str) {
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    let summaries: Vec<serde_json::Value> = log
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["message"] == message)
+        .collect();
+    let counted: u64 = summaries.iter().filter_map(|v| v["refused"].as_u64()).sum();
+    assert_eq!(counted, refused, "{summaries:?}");
+    let audited = walk(&server._dir.path().join("audit"))
+        .iter()
+        .filter_map(|p| std::fs::read(p).ok())
+        .any(|bytes| bytes.windows(action.len()).any(|w| w == action.as_bytes()));
+    assert!(audited, "no {action} entry in the audit log");
 }
 
 fn walk(dir: &std::path::Path) -> Vec<PathBuf> {

@@ -6,7 +6,8 @@
 //!   products.
 //! - [`quantize`]: f32 weights into the block formats, bit-compatible with ggml's reference
 //!   quantizers (for converting models).
-//! - [`dispatch`]: runtime CPU dispatch (AVX2+FMA, scalar) of the hot kernels.
+//! - [`dispatch`]: runtime CPU dispatch of the hot kernels: AVX-512 with VNNI on 512-bit
+//!   registers, AVX2 with a 256-bit VNNI, AVX2+FMA, scalar (`RAMPART_ISA` lowers the level).
 //! - [`gemm`]: dense f32 matrix multiply against weights packed once into column panels
 //!   (register-tiled micro-kernels, bias/residual/GELU applied on the way out), for encoders.
 //! - [`matmul`]: M activation rows × a quantized weight matrix, reading each weight row once.

@@ -521,11 +521,11 @@ pub(crate) unsafe fn dot_packed_span_as(
     );
     #[cfg(target_arch = "x86_64")]
     if isa.runs(Isa::Avx2) {
-        // SAFETY: AVX2, FMA and F16C are present; group and activation extents were checked
-        // above, the output's by the caller.
+        // SAFETY: AVX2, FMA and F16C are present (AVX-512 where `isa.runs(Isa::Avx512)`); group
+        // and activation extents were checked above, the output's by the caller.
         unsafe {
             crate::x86::dot_packed_span(
-                isa.runs(Isa::Vnni),
+                (isa.runs(Isa::Vnni), isa.runs(Isa::Avx512)),
                 layout,
                 groups,
                 n_groups,

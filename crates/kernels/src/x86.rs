@@ -1,5 +1,6 @@
-//! AVX2 + FMA kernels (x86_64). Each function here has a scalar reference in `quant`, `ops` or
-//! `paged` and is tested against it on random inputs of awkward sizes.
+//! AVX2 + FMA kernels (x86_64; the AVX-512 ones in [`avx512`]). Each function here has a scalar
+//! reference in `quant`, `ops` or `paged` and is tested against it on random inputs of awkward
+//! sizes.
 //!
 //! Every function is `unsafe` because it must only run on a CPU with AVX2, FMA and F16C
 //! (checked once by `dispatch`); each unaligned load reads inside the slices it is given.
@@ -7,6 +8,9 @@
 #![allow(clippy::missing_safety_doc)]
 
 use std::arch::x86_64::*;
+
+pub(crate) mod avx512;
+use avx512::dot_packed_n as dot_packed_n_avx512;
 
 use crate::dtype::{DType, Q8X32_BLOCK_BYTES, Q8XK_BLOCK_BYTES, QK, QK_K};
 use crate::packed::Layout;
@@ -1306,13 +1310,14 @@ pub unsafe fn exp_moments(x: &[f32], max: f32) -> (f64, f64) {
 /// `g` for activation row `i` go to `out[i·out_stride + 8g ..]`.
 ///
 /// # Safety
-/// AVX2, FMA and F16C must be present; `groups` holds at least `n_groups` groups of `nb`
+/// AVX2, FMA and F16C must be present (and AVX512-F, BW, VL and VNNI with `wide`); `groups`
+/// holds at least `n_groups` groups of `nb`
 /// packed blocks (those past `n_groups` are only prefetched), every activation row `nb` Q8x32
 /// blocks, and `out` is valid for every element written.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn dot_packed_span(
-    vnni: bool,
+    (vnni, wide): (bool, bool),
     layout: Layout,
     groups: &[u8],
     n_groups: usize,
@@ -1342,6 +1347,8 @@ pub unsafe fn dot_packed_span(
     macro_rules! run {
         ($k:expr) => {
             match flavour {
+                // SAFETY: `wide` only where the CPU has AVX512-F, BW, VL and VNNI (Isa::Avx512).
+                _ if wide => run_with!(dot_packed_n_avx512, $k),
                 Some(Vnni::Avx) => run_with!(dot_packed_n_avxvnni, $k),
                 Some(Vnni::Avx512) => run_with!(dot_packed_n_avx512vnni, $k),
                 None => run_with!(dot_packed_n, $k),

@@ -116,6 +116,27 @@ impl Isa {
             .collect()
     }
 
+    /// The CPU extensions the kernels of this level use (Rust feature names, as `rampart doctor`
+    /// compares them with the CPU's flags).
+    pub fn cpu_features(self) -> Vec<&'static str> {
+        let mut features = Vec::new();
+        if self >= Isa::Avx2 {
+            features.extend(["avx2", "fma", "f16c"]);
+        }
+        #[cfg(target_arch = "x86_64")]
+        if self >= Isa::Vnni {
+            match crate::x86::vnni_flavour() {
+                Some(crate::x86::Vnni::Avx) if self == Isa::Vnni => features.push("avxvnni"),
+                Some(_) => features.extend(["avx512vnni", "avx512vl"]),
+                None => {}
+            }
+        }
+        if self >= Isa::Avx512 {
+            features.extend(["avx512f", "avx512bw"]);
+        }
+        features
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Isa::Scalar => "scalar",

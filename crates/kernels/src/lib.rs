@@ -18,6 +18,7 @@
 //! - [`paged`]: grouped-query attention over a paged KV cache (blocks found through per-sequence
 //!   block tables) stored as f32, f16 or Q8_0.
 //! - [`pool`]: the fixed compute thread pool the parallel loops run on.
+//! - [`memory_bandwidth`]: the read bandwidth decode is measured against (a STREAM-like read).
 //! - [`backend`]: the compute-backend interface the engine calls, and its CPU implementation.
 //! - [`rng`]: the seedable generator sampling and test data use.
 //!
@@ -29,6 +30,7 @@ pub mod dispatch;
 pub mod dtype;
 pub mod gemm;
 pub mod matmul;
+pub mod memory_bandwidth;
 pub mod ops;
 pub mod packed;
 pub mod paged;

@@ -70,6 +70,32 @@ pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     total
 }
 
+/// The wrapping sum of `words`, 16 words (two 64-byte lines) per iteration.
+#[target_feature(enable = "avx2")]
+pub unsafe fn sum_words(words: &[u64]) -> u64 {
+    let p = words.as_ptr();
+    let mut acc = [_mm256_setzero_si256(); 4];
+    let mut i = 0;
+    while i + 16 <= words.len() {
+        for (k, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: i + 16 <= len keeps the four loads of 4 words in bounds.
+            *acc = _mm256_add_epi64(*acc, _mm256_loadu_si256(p.add(i + 4 * k) as *const __m256i));
+        }
+        i += 16;
+    }
+    let sum = _mm256_add_epi64(
+        _mm256_add_epi64(acc[0], acc[1]),
+        _mm256_add_epi64(acc[2], acc[3]),
+    );
+    let mut lanes = [0u64; 4];
+    _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, sum);
+    let mut total = lanes.iter().fold(0u64, |a, &w| a.wrapping_add(w));
+    for &w in &words[i..] {
+        total = total.wrapping_add(w);
+    }
+    total
+}
+
 /// Σ over f16 weights × f32 activations, converting 8 weights at a time with F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn dot_f16_f32(w: &[u8], a: &[f32]) -> f32 {

@@ -367,3 +367,27 @@ pub(crate) unsafe fn dot_bf16_f32(w: &[u8], a: &[f32]) -> f32 {
     }
     total
 }
+
+/// The wrapping sum of `words`, 32 words (four 64-byte lines) per iteration.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(crate) unsafe fn sum_words(words: &[u64]) -> u64 {
+    let p = words.as_ptr();
+    let mut acc = [_mm512_setzero_si512(); 4];
+    let mut i = 0;
+    while i + 32 <= words.len() {
+        for (k, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: i + 32 <= len keeps the four loads of 8 words in bounds.
+            *acc = _mm512_add_epi64(*acc, _mm512_loadu_si512(p.add(i + 8 * k) as *const _));
+        }
+        i += 32;
+    }
+    let sum = _mm512_add_epi64(
+        _mm512_add_epi64(acc[0], acc[1]),
+        _mm512_add_epi64(acc[2], acc[3]),
+    );
+    let mut total = _mm512_reduce_add_epi64(sum) as u64;
+    for &w in &words[i..] {
+        total = total.wrapping_add(w);
+    }
+    total
+}

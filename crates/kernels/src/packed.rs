@@ -13,7 +13,7 @@
 //! | Q8_0 | `d` f16 ×8 | 8 chunks of signed bytes, or with VNNI of bytes `q + 128` |
 //! | Q5_0 | `d` f16 ×8, fifth bits 32 bytes | 4 chunks of nibbles |
 //! | Q5_1 | `d` f16 ×8, `m` f16 ×8, fifth bits 32 bytes | 4 chunks of nibbles |
-//! | Q4_K | `scale` f32 ×8, `offset` f32 ×8 | 4 chunks of nibbles |
+//! | Q4_K | per super-block of 256: `d` f16 ×8, `dmin` f16 ×8; per block: `sc` u8 ×8, `m` u8 ×8 | 4 chunks of nibbles |
 //! | Q5_K | `scale` f32 ×8, `offset` f32 ×8, fifth bits 32 bytes | 4 chunks of nibbles |
 //! | Q3_K, Q6_K | `scale` of elements 0..16 f32 ×8, of elements 16..32 f32 ×8 | 8 chunks of bytes `q + 32` |
 //!
@@ -24,11 +24,15 @@
 //! `4r + k` holds row `r`'s fifth bits of elements `4c + k` (bit `c`) and `16 + 4c + k` (bit
 //! `4 + c`) for the four chunks `c`, so a chunk's are one shift and one mask away in registers
 //! (a little-endian u32 per row, as GGUF stores them, took five instructions per chunk). Q4_0,
-//! Q4_1, Q5_0, Q5_1 and Q8_0 keep their GGUF blocks' sizes, interleaved. The K-quants are
-//! unpacked at load to integers with exact f32 scales (`d·sc` of a K-quant sub-block is a
-//! product of an f16 and a 6- or 8-bit integer, exact in f32), so they run on the same integer kernel: Q4_K grows from 4.5 to 6 bits per weight,
-//! Q5_K from 5.5 to 7, Q3_K and Q6_K to 10 (the trade is in docs/engine.md). Q2_K stays on its
-//! row kernel.
+//! Q4_1, Q5_0, Q5_1 and Q8_0 keep their GGUF blocks' sizes, interleaved. Q4_K keeps its f16
+//! `d` and `dmin` per super-block and its 6-bit scales and mins, one byte each, so it grows
+//! only from 4.5 to 4.625 bits per weight; the kernel computes `d·sc` and `-(dmin·m)` per block
+//! in f32, exactly (an f16 times a 6-bit integer), the values the reference uses. The other
+//! K-quants are unpacked at load to integers with exact f32 scales (`d·sc` of a K-quant
+//! sub-block is a product of an f16 and a 6- or 8-bit integer, exact in f32), so they run on
+//! the same integer kernel: Q5_K grows from 5.5 to 7 bits per weight, Q3_K and Q6_K to 10 (the
+//! trade is in docs/engine.md). Q2_K stays on its row kernel. Decode streams every weight once
+//! per token, so these sizes are its cost.
 //!
 //! With VNNI (`vpdpbusd` multiplies unsigned by signed bytes) Q8_0 is packed as `q + 128`
 //! ([`Layout::U8`]): the kernel multiplies the activations without the sign step that signed
@@ -43,7 +47,7 @@
 //! Each (weight row, activation row) result is computed the same way whatever else is in the
 //! batch: per block the exact integer dot product, then `acc = (d·d_a)·dot + acc` and
 //! `acc = offset·s_a + acc` with fused multiply-adds (`offset` is `-8d` for Q4_0, `-16d` for
-//! Q5_0, `m` for Q4_1 and Q5_1, the stored offset for Q4_K and Q5_K; Q3_K and Q6_K add their two half-block dot
+//! Q5_0, `m` for Q4_1 and Q5_1, `-(dmin·m)` for Q4_K, the stored offset for Q5_K; Q3_K and Q6_K add their two half-block dot
 //! products, each with its own scale). The scalar reference performs the same fused operations,
 //! so the SIMD kernel matches it bit for bit and a sequence's logits do not depend on what it is
 //! batched with.
@@ -52,7 +56,7 @@ use half::f16;
 
 use crate::dispatch::Isa;
 use crate::dtype::{DType, Q8X32_BLOCK_BYTES, QK};
-use crate::quant::{unpack32, unpack_k};
+use crate::quant::{scale_min_k4, unpack32, unpack_k};
 
 /// Weight rows per packed group.
 pub const PACK_ROWS: usize = 8;
@@ -70,8 +74,9 @@ pub(crate) enum Layout {
     Q8_0,
     /// Q8_0's bytes plus 128 (unsigned; packed so with VNNI).
     U8,
-    /// Unsigned 4-bit quants with an f32 scale and offset per block (Q4_K).
-    U4F,
+    /// Q4_K by super-block of 256 elements: the eight rows' f16 `d` and `dmin`, then per block of
+    /// 32 their 6-bit scales and mins as bytes and the nibbles (4.625 bits per weight).
+    U4K,
     /// Unsigned 5-bit quants (nibbles and fifth bits) with an f32 scale and offset (Q5_K).
     U5F,
     /// Quants of at most 6 bits stored as `q + 32` (unsigned, 0..=63) with an f32 scale per
@@ -85,6 +90,26 @@ pub(crate) const U6H_BIAS: i32 = 32;
 /// Bytes of the f32 header (eight scales, then eight offsets or second scales) of the unpacked
 /// layouts.
 const F32_HEADER: usize = 64;
+
+/// [`Layout::U4K`]: the header of a super-block (eight rows' f16 `d`, then their f16 `dmin`).
+pub(crate) const U4K_SUPER_HEADER: usize = 32;
+/// [`Layout::U4K`]: one block of 32 elements of eight rows (their scales, their mins, then four
+/// chunks of nibbles).
+pub(crate) const U4K_BLOCK_BYTES: usize = 16 + 128;
+/// [`Layout::U4K`]: one super-block of eight rows (256 elements each).
+pub(crate) const U4K_SUPER_BYTES: usize = U4K_SUPER_HEADER + 8 * U4K_BLOCK_BYTES;
+
+/// Where block `b` (of 32 elements) of a packed group starts, and where the header of its
+/// super-block starts (the same place for the layouts without super-blocks).
+pub(crate) fn block_offsets(layout: Layout, b: usize) -> (usize, usize) {
+    if layout == Layout::U4K {
+        let sb = b / 8 * U4K_SUPER_BYTES;
+        (sb + U4K_SUPER_HEADER + b % 8 * U4K_BLOCK_BYTES, sb)
+    } else {
+        let at = b * layout_block_bytes(layout);
+        (at, at)
+    }
+}
 
 /// The layout this process packs `dtype` in (Q8_0's depends on [`Isa::detect`]).
 pub(crate) fn layout(dtype: DType) -> Option<Layout> {
@@ -100,7 +125,7 @@ pub(crate) fn layout_for(dtype: DType, isa: Isa) -> Option<Layout> {
         DType::Q8_0 => Layout::Q8_0,
         DType::Q5_0 => Layout::Q5_0,
         DType::Q5_1 => Layout::Q5_1,
-        DType::Q4_K => Layout::U4F,
+        DType::Q4_K => Layout::U4K,
         DType::Q5_K => Layout::U5F,
         DType::Q3_K | DType::Q6_K => Layout::U6H,
         _ => return None,
@@ -129,7 +154,8 @@ pub(crate) fn layout_block_bytes(layout: Layout) -> usize {
         Layout::Q8_0 | Layout::U8 => 16 + 256,
         Layout::Q5_0 => 16 + 32 + 128,
         Layout::Q5_1 => 32 + 32 + 128,
-        Layout::U4F => F32_HEADER + 128,
+        // On average: a super-block of eight blocks is 32 + 8·144 bytes.
+        Layout::U4K => U4K_SUPER_BYTES / 8,
         Layout::U5F => F32_HEADER + 32 + 128,
         Layout::U6H => F32_HEADER + 256,
     }
@@ -140,7 +166,8 @@ pub(crate) fn header_bytes(layout: Layout) -> usize {
     match layout {
         Layout::Q4_0 | Layout::Q5_0 | Layout::Q8_0 | Layout::U8 => 16,
         Layout::Q4_1 | Layout::Q5_1 => 32,
-        Layout::U4F | Layout::U5F | Layout::U6H => F32_HEADER,
+        Layout::U4K => 16,
+        Layout::U5F | Layout::U6H => F32_HEADER,
     }
 }
 
@@ -234,6 +261,36 @@ pub(crate) fn pack_as(
         return Some(out);
     }
     let (bs, bb) = (dtype.block_size(), dtype.block_bytes());
+    if layout == Layout::U4K {
+        // Q4_K's d and dmin bits as they are, each 6-bit scale and min as a byte.
+        let group_bytes = nb * pbb;
+        for g in 0..rows / PACK_ROWS {
+            for r in 0..PACK_ROWS {
+                let row = &data[(g * PACK_ROWS + r) * row_bytes..][..row_bytes];
+                for (s, src) in row.chunks_exact(bb).enumerate() {
+                    let sb = &mut out[g * group_bytes + s * U4K_SUPER_BYTES..][..U4K_SUPER_BYTES];
+                    sb[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
+                    sb[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&src[2..4]);
+                    let q = unpack_k(dtype, src).q;
+                    for j in 0..8 {
+                        let (sc, m) = scale_min_k4(j, &src[4..16]);
+                        let blk =
+                            &mut sb[U4K_SUPER_HEADER + j * U4K_BLOCK_BYTES..][..U4K_BLOCK_BYTES];
+                        blk[r] = sc;
+                        blk[8 + r] = m;
+                        for c in 0..4 {
+                            for k in 0..4 {
+                                let e = j * QK + 4 * c + k;
+                                blk[16 + 32 * c + 4 * r + k] =
+                                    (q[e] as u8 & 0x0f) | ((q[e + 16] as u8 & 0x0f) << 4);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        return Some(out);
+    }
     for g in 0..rows / PACK_ROWS {
         for r in 0..PACK_ROWS {
             let row = &data[(g * PACK_ROWS + r) * row_bytes..][..row_bytes];
@@ -291,7 +348,7 @@ fn put_block(layout: Layout, dst: &mut [u8], r: usize, block: &IntBlock) {
         });
         dst[F32_HEADER + 4 * r..F32_HEADER + 4 * r + 4].copy_from_slice(&fifth_bit_bytes(fifth));
     }
-    if matches!(layout, Layout::U4F | Layout::U5F) {
+    if layout == Layout::U5F {
         let at = header_bytes(layout) + if layout == Layout::U5F { 32 } else { 0 };
         for c in 0..4 {
             for k in 0..4 {
@@ -337,7 +394,9 @@ pub(crate) fn dot_packed_ref_as(
     let pbb = packed_block_bytes(dtype);
     let mut acc = [0f32; PACK_ROWS];
     for b in 0..nb {
-        let blk = &group[b * pbb..(b + 1) * pbb];
+        let (at, header_at) = block_offsets(layout, b);
+        let blk = &group[at..at + pbb.min(group.len() - at)];
+        let super_header = &group[header_at..];
         let a = &act[b * Q8X32_BLOCK_BYTES..(b + 1) * Q8X32_BLOCK_BYTES];
         let (da, sa) = (f32_at(a, 0), f32_at(a, 4));
         let aq = |i: usize| i32::from(a[8 + i] as i8);
@@ -403,7 +462,15 @@ pub(crate) fn dot_packed_ref_as(
                         _ => {}
                     }
                 }
-                Layout::U4F | Layout::U5F => {
+                Layout::U4K => {
+                    // d·sc and dmin·m are exact in f32 (an f16 times a 6-bit integer).
+                    let scale = f16_at(super_header, 2 * r) * f32::from(blk[r]);
+                    let offset = -(f16_at(super_header, 16 + 2 * r) * f32::from(blk[8 + r]));
+                    let dot = nibbles_dot(quants);
+                    *acc = (scale * da).mul_add(dot as f32, *acc);
+                    *acc = offset.mul_add(sa, *acc);
+                }
+                Layout::U5F => {
                     let dot = nibbles_dot(quants);
                     *acc = (f32_at(blk, 4 * r) * da).mul_add(dot as f32, *acc);
                     *acc = f32_at(blk, 32 + 4 * r).mul_add(sa, *acc);
@@ -725,7 +792,7 @@ mod tests {
             (DType::Q8_0, Layout::U8),
             (DType::Q8_0, Layout::Q8_0),
             (DType::Q5_0, Layout::Q5_0),
-            (DType::Q4_K, Layout::U4F),
+            (DType::Q4_K, Layout::U4K),
         ] {
             let cols = if dtype == DType::Q4_K { 768 } else { cols };
             let nb = if dtype == DType::Q4_K { cols / QK } else { nb };

@@ -1388,15 +1388,16 @@ pub unsafe fn dot_packed_span(
         Layout::Q5_1 => run!(K_Q5_1),
         Layout::Q8_0 => run!(K_Q8_0),
         Layout::U8 => run!(K_U8),
-        Layout::U4F => run!(K_U4F),
+        Layout::U4K => run!(K_U4K),
         Layout::U5F => run!(K_U5F),
         Layout::U6H => run!(K_U6H),
     }
 }
 
-// The packed layouts that unpack their weights at load ([`crate::packed`]): 4-bit and 5-bit
-// with f32 scale and offset, 8-bit with two f32 half-block scales.
-const K_U4F: u8 = 5;
+// The packed layouts that unpack their weights at load ([`crate::packed`]): Q4_K's nibbles with
+// their scales and mins as bytes, 5-bit with f32 scale and offset, 8-bit with two f32 half-block
+// scales.
+const K_U4K: u8 = 5;
 const K_U5F: u8 = 6;
 const K_U6H: u8 = 7;
 /// Q8_0 packed as `q + 128`.
@@ -1405,7 +1406,7 @@ const K_U8: u8 = 8;
 /// Bytes of a packed block's scales and offsets (before its fifth bits or quants).
 const fn packed_header<const K: u8>() -> usize {
     match K {
-        K_Q4_0 | K_Q5_0 | K_Q8_0 | K_U8 => 16,
+        K_Q4_0 | K_Q5_0 | K_Q8_0 | K_U8 | K_U4K => 16,
         K_Q4_1 | K_Q5_1 => 32,
         _ => 64,
     }
@@ -1416,14 +1417,47 @@ const fn five_bit<const K: u8>() -> bool {
     matches!(K, K_Q5_0 | K_Q5_1 | K_U5F)
 }
 
-/// Bytes of one packed block of the layout `K`.
+/// Bytes of one packed block of the layout `K` (for Q4_K's, a super-block's share).
 const fn packed_block_bytes<const K: u8>() -> usize {
+    if K == K_U4K {
+        return crate::packed::U4K_SUPER_BYTES / 8;
+    }
     let quants = if matches!(K, K_Q8_0 | K_U6H | K_U8) {
         256
     } else {
         128
     };
     packed_header::<K>() + if five_bit::<K>() { 32 } else { 0 } + quants
+}
+
+/// Block `b` of the packed group at `g` (blocks `pbb` bytes apart, or by super-blocks for Q4_K),
+/// and the start of its super-block (Q4_K's `d` and `dmin`).
+#[inline(always)]
+unsafe fn block_at<const K: u8>(g: *const u8, b: usize, pbb: usize) -> (*const u8, *const u8) {
+    use crate::packed::{U4K_BLOCK_BYTES, U4K_SUPER_BYTES, U4K_SUPER_HEADER};
+    if K == K_U4K {
+        let sb = g.add(b / 8 * U4K_SUPER_BYTES);
+        (sb.add(U4K_SUPER_HEADER + b % 8 * U4K_BLOCK_BYTES), sb)
+    } else {
+        (g.add(b * pbb), g.add(b * pbb))
+    }
+}
+
+/// Q4_K's eight scales `d·sc` and offsets `-(dmin·m)` of the packed block at `blk` (its 6-bit
+/// scales and mins as bytes) in the super-block at `sb` (f16 `d`, then f16 `dmin`): exact, as an
+/// f16 times a 6-bit integer fits f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn u4k_scales(blk: *const u8, sb: *const u8) -> (__m256, __m256) {
+    let bytes = |p: *const u8| {
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i)))
+    };
+    let d = _mm256_cvtph_ps(_mm_loadu_si128(sb as *const __m128i));
+    let dmin = _mm256_cvtph_ps(_mm_loadu_si128(sb.add(16) as *const __m128i));
+    (
+        _mm256_mul_ps(d, bytes(blk)),
+        _mm256_xor_ps(_mm256_mul_ps(dmin, bytes(blk.add(8))), _mm256_set1_ps(-0.0)),
+    )
 }
 
 /// The fifth bits of chunk `c`'s low (`bit = c`) or high (`bit = 4 + c`) nibbles, as 0x10 in
@@ -1556,11 +1590,18 @@ macro_rules! packed_kernel {
             let mask = _mm256_set1_epi8(0x0f);
             let ones = _mm256_set1_epi16(1);
             let mut acc = [_mm256_setzero_ps(); N];
-            let f32_header = matches!(K, K_U4F | K_U5F | K_U6H);
+            let f32_header = matches!(K, K_U5F | K_U6H);
             let bytes = matches!(K, K_Q8_0 | K_U6H | K_U8);
             for b in 0..nb {
-                let blk = g.add(b * pbb);
-                let d = if f32_header {
+                let (blk, sb) = block_at::<K>(g, b, pbb);
+                let u4k = if K == K_U4K {
+                    u4k_scales(blk, sb)
+                } else {
+                    (_mm256_setzero_ps(), _mm256_setzero_ps())
+                };
+                let d = if K == K_U4K {
+                    u4k.0
+                } else if f32_header {
                     _mm256_loadu_ps(blk as *const f32)
                 } else {
                     _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i))
@@ -1699,7 +1740,8 @@ macro_rules! packed_kernel {
                     K_Q4_1 | K_Q5_1 => {
                         _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i))
                     }
-                    K_U4F | K_U5F => second,
+                    K_U5F => second,
+                    K_U4K => u4k.1,
                     _ => _mm256_setzero_ps(),
                 };
                 for i in 0..N {

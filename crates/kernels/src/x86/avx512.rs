@@ -17,8 +17,8 @@
 use std::arch::x86_64::*;
 
 use super::{
-    dot_packed_group_avx512vnni, f32_load, five_bit, half_block_sums, packed_block_bytes,
-    packed_header, K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0, K_U4F, K_U5F, K_U6H, K_U8,
+    block_at, dot_packed_group_avx512vnni, f32_load, five_bit, half_block_sums, packed_block_bytes,
+    packed_header, K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0, K_U4K, K_U5F, K_U6H, K_U8,
 };
 use crate::dtype::Q8X32_BLOCK_BYTES;
 
@@ -45,6 +45,26 @@ unsafe fn pair_ph(p: *const u8, stride: usize) -> __m512 {
     let lo = _mm_loadu_si128(p as *const __m128i);
     let hi = _mm_loadu_si128(p.add(stride) as *const __m128i);
     _mm512_cvtph_ps(_mm256_set_m128i(hi, lo))
+}
+
+/// [`super::u4k_scales`] of two groups (`stride` bytes apart).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn u4k_scales(blk: *const u8, sb: *const u8, stride: usize) -> (__m512, __m512) {
+    let bytes = |p: *const u8| {
+        let lo = _mm_loadl_epi64(p as *const __m128i);
+        let hi = _mm_loadl_epi64(p.add(stride) as *const __m128i);
+        _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)))
+    };
+    let d = pair_ph(sb, stride);
+    let dmin = pair_ph(sb.add(16), stride);
+    (
+        _mm512_mul_ps(d, bytes(blk)),
+        _mm512_castsi512_ps(_mm512_xor_si512(
+            _mm512_castps_si512(_mm512_mul_ps(dmin, bytes(blk.add(8)))),
+            _mm512_set1_epi32(i32::MIN),
+        )),
+    )
 }
 
 /// Four activation bytes at `p`, in every 32-bit lane.
@@ -154,11 +174,18 @@ unsafe fn dot_packed_pair<const K: u8, const N: usize>(
 ) -> [__m512; N] {
     let mask = _mm512_set1_epi8(0x0f);
     let mut acc = [_mm512_setzero_ps(); N];
-    let f32_header = matches!(K, K_U4F | K_U5F | K_U6H);
+    let f32_header = matches!(K, K_U5F | K_U6H);
     let bytes = matches!(K, K_Q8_0 | K_U6H | K_U8);
     for b in 0..nb {
-        let blk = g.add(b * pbb);
-        let d = if f32_header {
+        let (blk, sb) = block_at::<K>(g, b, pbb);
+        let u4k = if K == K_U4K {
+            u4k_scales(blk, sb, group_bytes)
+        } else {
+            (_mm512_setzero_ps(), _mm512_setzero_ps())
+        };
+        let d = if K == K_U4K {
+            u4k.0
+        } else if f32_header {
             pair_ps(blk, group_bytes)
         } else {
             pair_ph(blk, group_bytes)
@@ -249,7 +276,8 @@ unsafe fn dot_packed_pair<const K: u8, const N: usize>(
             K_Q4_0 => _mm512_mul_ps(d, _mm512_set1_ps(-8.0)),
             K_Q5_0 => _mm512_mul_ps(d, _mm512_set1_ps(-16.0)),
             K_Q4_1 | K_Q5_1 => pair_ph(blk.add(16), group_bytes),
-            K_U4F | K_U5F => second,
+            K_U5F => second,
+            K_U4K => u4k.1,
             _ => _mm512_setzero_ps(),
         };
         for i in 0..N {

@@ -13,7 +13,8 @@
 //! | Q8_0 | `d` f16 ×8 | 8 chunks of signed bytes, or with VNNI of bytes `q + 128` |
 //! | Q5_0 | `d` f16 ×8, fifth bits 32 bytes | 4 chunks of nibbles |
 //! | Q5_1 | `d` f16 ×8, `m` f16 ×8, fifth bits 32 bytes | 4 chunks of nibbles |
-//! | Q4_K | per super-block of 256: `d` f16 ×8, `dmin` f16 ×8; per block: `sc` u8 ×8, `m` u8 ×8 | 4 chunks of nibbles |
+//! | Q4_K at the AVX-512 level | per super-block of 256: `d` f16 ×8, `dmin` f16 ×8; per block: `sc` u8 ×8, `m` u8 ×8 | 4 chunks of nibbles |
+//! | Q4_K below it | `scale` f32 ×8, `offset` f32 ×8 | 4 chunks of nibbles |
 //! | Q5_K | `scale` f32 ×8, `offset` f32 ×8, fifth bits 32 bytes | 4 chunks of nibbles |
 //! | Q3_K, Q6_K | `scale` of elements 0..16 f32 ×8, of elements 16..32 f32 ×8 | 8 chunks of bytes `q + 32` |
 //!
@@ -24,10 +25,14 @@
 //! `4r + k` holds row `r`'s fifth bits of elements `4c + k` (bit `c`) and `16 + 4c + k` (bit
 //! `4 + c`) for the four chunks `c`, so a chunk's are one shift and one mask away in registers
 //! (a little-endian u32 per row, as GGUF stores them, took five instructions per chunk). Q4_0,
-//! Q4_1, Q5_0, Q5_1 and Q8_0 keep their GGUF blocks' sizes, interleaved. Q4_K keeps its f16
-//! `d` and `dmin` per super-block and its 6-bit scales and mins, one byte each, so it grows
-//! only from 4.5 to 4.625 bits per weight; the kernel computes `d·sc` and `-(dmin·m)` per block
-//! in f32, exactly (an f16 times a 6-bit integer), the values the reference uses. The other
+//! Q4_1, Q5_0, Q5_1 and Q8_0 keep their GGUF blocks' sizes, interleaved. At the AVX-512 level
+//! Q4_K keeps its f16 `d` and `dmin` per super-block and its 6-bit scales and mins, one byte
+//! each ([`Layout::U4K`]), so it grows only from 4.5 to 4.625 bits per weight; the kernel
+//! computes `d·sc` and `-(dmin·m)` per block in f32, exactly (an f16 times a 6-bit integer), the
+//! values the reference uses. Below that level it is unpacked to f32 scales and offsets
+//! ([`Layout::U4F`], 6 bits per weight): the 256-bit kernels measured 15–20% slower on
+//! prefill-sized batches with the per-block scale arithmetic, so AVX2-only machines keep the
+//! layout they had. The other
 //! K-quants are unpacked at load to integers with exact f32 scales (`d·sc` of a K-quant
 //! sub-block is a product of an f16 and a 6- or 8-bit integer, exact in f32), so they run on
 //! the same integer kernel: Q5_K grows from 5.5 to 7 bits per weight, Q3_K and Q6_K to 10 (the
@@ -77,6 +82,9 @@ pub(crate) enum Layout {
     /// Q4_K by super-block of 256 elements: the eight rows' f16 `d` and `dmin`, then per block of
     /// 32 their 6-bit scales and mins as bytes and the nibbles (4.625 bits per weight).
     U4K,
+    /// Unsigned 4-bit quants with an f32 scale and offset per block (Q4_K below the AVX-512
+    /// level: 6 bits per weight, but no scale arithmetic per block in the 256-bit kernels).
+    U4F,
     /// Unsigned 5-bit quants (nibbles and fifth bits) with an f32 scale and offset (Q5_K).
     U5F,
     /// Quants of at most 6 bits stored as `q + 32` (unsigned, 0..=63) with an f32 scale per
@@ -116,16 +124,27 @@ pub(crate) fn layout(dtype: DType) -> Option<Layout> {
     layout_for(dtype, Isa::detect())
 }
 
-/// The layout `dtype` is packed in for kernels of level `isa`.
+/// The layout `dtype` is packed in for kernels of level `isa` (at most what this CPU has).
 pub(crate) fn layout_for(dtype: DType, isa: Isa) -> Option<Layout> {
+    let level = [Isa::Avx512, Isa::Vnni, Isa::Avx2, Isa::Scalar]
+        .into_iter()
+        .find(|&l| isa.runs(l))
+        .unwrap_or(Isa::Scalar);
+    layout_for_level(dtype, level)
+}
+
+/// The layout `dtype` is packed in for kernels of level `level`, whatever this CPU has (every
+/// kernel runs every layout; the level picks the fastest for it).
+pub(crate) fn layout_for_level(dtype: DType, level: Isa) -> Option<Layout> {
     Some(match dtype {
         DType::Q4_0 => Layout::Q4_0,
         DType::Q4_1 => Layout::Q4_1,
-        DType::Q8_0 if isa.runs(Isa::Vnni) => Layout::U8,
+        DType::Q8_0 if level >= Isa::Vnni => Layout::U8,
         DType::Q8_0 => Layout::Q8_0,
         DType::Q5_0 => Layout::Q5_0,
         DType::Q5_1 => Layout::Q5_1,
-        DType::Q4_K => Layout::U4K,
+        DType::Q4_K if level >= Isa::Avx512 => Layout::U4K,
+        DType::Q4_K => Layout::U4F,
         DType::Q5_K => Layout::U5F,
         DType::Q3_K | DType::Q6_K => Layout::U6H,
         _ => return None,
@@ -156,6 +175,7 @@ pub(crate) fn layout_block_bytes(layout: Layout) -> usize {
         Layout::Q5_1 => 32 + 32 + 128,
         // On average: a super-block of eight blocks is 32 + 8·144 bytes.
         Layout::U4K => U4K_SUPER_BYTES / 8,
+        Layout::U4F => F32_HEADER + 128,
         Layout::U5F => F32_HEADER + 32 + 128,
         Layout::U6H => F32_HEADER + 256,
     }
@@ -167,7 +187,7 @@ pub(crate) fn header_bytes(layout: Layout) -> usize {
         Layout::Q4_0 | Layout::Q5_0 | Layout::Q8_0 | Layout::U8 => 16,
         Layout::Q4_1 | Layout::Q5_1 => 32,
         Layout::U4K => 16,
-        Layout::U5F | Layout::U6H => F32_HEADER,
+        Layout::U4F | Layout::U5F | Layout::U6H => F32_HEADER,
     }
 }
 
@@ -223,7 +243,7 @@ pub(crate) fn pack_as(
         return None;
     }
     let nb = cols / QK;
-    let pbb = packed_block_bytes(dtype);
+    let pbb = layout_block_bytes(layout);
     let mut out = vec![0u8; rows / PACK_ROWS * nb * pbb];
     if dtype.block_size() == QK {
         let bb = dtype.block_bytes();
@@ -348,7 +368,7 @@ fn put_block(layout: Layout, dst: &mut [u8], r: usize, block: &IntBlock) {
         });
         dst[F32_HEADER + 4 * r..F32_HEADER + 4 * r + 4].copy_from_slice(&fifth_bit_bytes(fifth));
     }
-    if layout == Layout::U5F {
+    if matches!(layout, Layout::U4F | Layout::U5F) {
         let at = header_bytes(layout) + if layout == Layout::U5F { 32 } else { 0 };
         for c in 0..4 {
             for k in 0..4 {
@@ -385,13 +405,13 @@ pub fn dot_packed_ref(dtype: DType, group: &[u8], act: &[u8], cols: usize) -> [f
 /// [`dot_packed_ref`] of a group packed in `layout`.
 pub(crate) fn dot_packed_ref_as(
     layout: Layout,
-    dtype: DType,
+    _dtype: DType,
     group: &[u8],
     act: &[u8],
     cols: usize,
 ) -> [f32; PACK_ROWS] {
     let nb = cols / QK;
-    let pbb = packed_block_bytes(dtype);
+    let pbb = layout_block_bytes(layout);
     let mut acc = [0f32; PACK_ROWS];
     for b in 0..nb {
         let (at, header_at) = block_offsets(layout, b);
@@ -470,7 +490,7 @@ pub(crate) fn dot_packed_ref_as(
                     *acc = (scale * da).mul_add(dot as f32, *acc);
                     *acc = offset.mul_add(sa, *acc);
                 }
-                Layout::U5F => {
+                Layout::U4F | Layout::U5F => {
                     let dot = nibbles_dot(quants);
                     *acc = (f32_at(blk, 4 * r) * da).mul_add(dot as f32, *acc);
                     *acc = f32_at(blk, 32 + 4 * r).mul_add(sa, *acc);
@@ -568,7 +588,7 @@ pub(crate) unsafe fn dot_packed_span_as(
     out_stride: usize,
 ) {
     let nb = cols / QK;
-    let group_bytes = nb * packed_block_bytes(dtype);
+    let group_bytes = nb * layout_block_bytes(layout);
     assert!(
         (1..=PACK_ACTS).contains(&acts.len()),
         "1..={PACK_ACTS} activation rows"
@@ -702,11 +722,14 @@ mod tests {
             (DType::Q3_K, vec![256, 768]),
         ];
         // Q8_0 in both its layouts, whatever this CPU packs it in.
+        // Q8_0 and Q4_K in each of their layouts, whatever this CPU packs them in.
         let layouts = |dtype: DType| {
-            let mut all = vec![layout_for(dtype, Isa::Avx2).unwrap()];
-            let vnni = layout_for(dtype, Isa::Vnni).unwrap();
-            if !all.contains(&vnni) {
-                all.push(vnni);
+            let mut all = Vec::new();
+            for isa in [Isa::Avx2, Isa::Vnni, Isa::Avx512] {
+                let layout = layout_for_level(dtype, isa).unwrap();
+                if !all.contains(&layout) {
+                    all.push(layout);
+                }
             }
             all
         };
@@ -720,7 +743,7 @@ mod tests {
                     .flat_map(|r| random_row(dtype, cols, 40 + r as u64))
                     .collect();
                 let packed = pack_as(layout, dtype, &data, rows, cols).unwrap();
-                let group_bytes = cols / QK * packed_block_bytes(dtype);
+                let group_bytes = cols / QK * layout_block_bytes(layout);
                 let acts: Vec<Vec<u8>> = (0..PACK_ACTS)
                     .map(|i| act_row(cols, 70 + i as u64))
                     .collect();
@@ -793,6 +816,7 @@ mod tests {
             (DType::Q8_0, Layout::Q8_0),
             (DType::Q5_0, Layout::Q5_0),
             (DType::Q4_K, Layout::U4K),
+            (DType::Q4_K, Layout::U4F),
         ] {
             let cols = if dtype == DType::Q4_K { 768 } else { cols };
             let nb = if dtype == DType::Q4_K { cols / QK } else { nb };

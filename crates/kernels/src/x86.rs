@@ -1389,6 +1389,7 @@ pub unsafe fn dot_packed_span(
         Layout::Q8_0 => run!(K_Q8_0),
         Layout::U8 => run!(K_U8),
         Layout::U4K => run!(K_U4K),
+        Layout::U4F => run!(K_U4F),
         Layout::U5F => run!(K_U5F),
         Layout::U6H => run!(K_U6H),
     }
@@ -1398,6 +1399,7 @@ pub unsafe fn dot_packed_span(
 // their scales and mins as bytes, 5-bit with f32 scale and offset, 8-bit with two f32 half-block
 // scales.
 const K_U4K: u8 = 5;
+const K_U4F: u8 = 9;
 const K_U5F: u8 = 6;
 const K_U6H: u8 = 7;
 /// Q8_0 packed as `q + 128`.
@@ -1590,7 +1592,7 @@ macro_rules! packed_kernel {
             let mask = _mm256_set1_epi8(0x0f);
             let ones = _mm256_set1_epi16(1);
             let mut acc = [_mm256_setzero_ps(); N];
-            let f32_header = matches!(K, K_U5F | K_U6H);
+            let f32_header = matches!(K, K_U4F | K_U5F | K_U6H);
             let bytes = matches!(K, K_Q8_0 | K_U6H | K_U8);
             for b in 0..nb {
                 let (blk, sb) = block_at::<K>(g, b, pbb);
@@ -1740,7 +1742,7 @@ macro_rules! packed_kernel {
                     K_Q4_1 | K_Q5_1 => {
                         _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i))
                     }
-                    K_U5F => second,
+                    K_U4F | K_U5F => second,
                     K_U4K => u4k.1,
                     _ => _mm256_setzero_ps(),
                 };

@@ -18,7 +18,7 @@ use std::arch::x86_64::*;
 
 use super::{
     block_at, dot_packed_group_avx512vnni, f32_load, five_bit, half_block_sums, packed_block_bytes,
-    packed_header, K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0, K_U4K, K_U5F, K_U6H, K_U8,
+    packed_header, K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0, K_U4F, K_U4K, K_U5F, K_U6H, K_U8,
 };
 use crate::dtype::Q8X32_BLOCK_BYTES;
 
@@ -174,7 +174,7 @@ unsafe fn dot_packed_pair<const K: u8, const N: usize>(
 ) -> [__m512; N] {
     let mask = _mm512_set1_epi8(0x0f);
     let mut acc = [_mm512_setzero_ps(); N];
-    let f32_header = matches!(K, K_U5F | K_U6H);
+    let f32_header = matches!(K, K_U4F | K_U5F | K_U6H);
     let bytes = matches!(K, K_Q8_0 | K_U6H | K_U8);
     for b in 0..nb {
         let (blk, sb) = block_at::<K>(g, b, pbb);
@@ -276,7 +276,7 @@ unsafe fn dot_packed_pair<const K: u8, const N: usize>(
             K_Q4_0 => _mm512_mul_ps(d, _mm512_set1_ps(-8.0)),
             K_Q5_0 => _mm512_mul_ps(d, _mm512_set1_ps(-16.0)),
             K_Q4_1 | K_Q5_1 => pair_ph(blk.add(16), group_bytes),
-            K_U5F => second,
+            K_U4F | K_U5F => second,
             K_U4K => u4k.1,
             _ => _mm512_setzero_ps(),
         };

@@ -206,7 +206,7 @@ mod tests {
         assert!((1_700_000_000..1_800_000_000).contains(&params), "{params}");
     }
 
-    /// A small shape loads and runs a forward pass that gives finite logits.
+    /// A small shape loads in the engine and runs the throughput benchmark (prefill and decode).
     #[test]
     fn a_small_shape_loads_and_decodes() {
         let shape = SyntheticShape {

@@ -817,9 +817,16 @@ mod tests {
             (DType::Q5_0, Layout::Q5_0),
             (DType::Q4_K, Layout::U4K),
             (DType::Q4_K, Layout::U4F),
+            (DType::Q4_0, Layout::Q4_0),
+            (DType::Q4_1, Layout::Q4_1),
+            (DType::Q5_1, Layout::Q5_1),
+            (DType::Q5_K, Layout::U5F),
+            (DType::Q6_K, Layout::U6H),
+            (DType::Q3_K, Layout::U6H),
         ] {
-            let cols = if dtype == DType::Q4_K { 768 } else { cols };
-            let nb = if dtype == DType::Q4_K { cols / QK } else { nb };
+            let k_quant = dtype.block_size() == crate::dtype::QK_K;
+            let cols = if k_quant { 768 } else { cols };
+            let nb = if k_quant { cols / QK } else { nb };
             let data: Vec<u8> = (0..rows)
                 .flat_map(|r| random_row(dtype, cols, 90 + r as u64))
                 .collect();

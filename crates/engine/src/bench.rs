@@ -18,6 +18,8 @@ pub struct ThroughputReport {
     pub prefill_tps: Vec<f64>,
     /// Generated tokens per second of each repetition.
     pub decode_tps: Vec<f64>,
+    /// Weight bytes one decode step reads ([`crate::model::Model::decode_bytes_per_token`]).
+    pub decode_bytes_per_token: u64,
 }
 
 /// The median of a sample.
@@ -67,8 +69,10 @@ pub fn throughput(
         gen_tokens,
         prefill_tps: Vec::new(),
         decode_tps: Vec::new(),
+        decode_bytes_per_token: 0,
     };
     engine.with_session(|model, backend, cache, state| -> Result<(), EngineError> {
+        report.decode_bytes_per_token = model.decode_bytes_per_token();
         for rep in 0..=repetitions {
             if prompt_tokens > 0 {
                 let tokens: Vec<u32> = token_stream(vocab, rep as u64 + 1)

@@ -519,8 +519,16 @@ impl Engine {
             } else {
                 None
             };
+        let backend = CpuBackend::new(options.threads);
+        // The kernels' level (RAMPART_ISA lowers it), logged once per model: speed depends on it.
+        tracing::info!(
+            backend = %backend.describe(),
+            isa = backend.isa().name(),
+            decode_bytes_per_token = model.decode_bytes_per_token(),
+            "engine kernels"
+        );
         let core = Arc::new(Core {
-            backend: Box::new(CpuBackend::new(options.threads)),
+            backend: Box::new(backend),
             model,
             tokenizer: Arc::new(tokenizer),
             template,

@@ -15,7 +15,8 @@
 //! - [`generate`]: the engine API, `Engine::generate(request) → stream of events`, and the
 //!   engine thread that steps the scheduler;
 //! - [`bert`]: sentence embeddings from BERT encoders (sentence-transformers folders);
-//! - [`bench`]: throughput and perplexity measured as llama.cpp measures them.
+//! - [`bench`]: throughput and perplexity measured as llama.cpp measures them; [`synthetic`]:
+//!   random-weight GGUF files of real shapes (Qwen2-1.5B Q4_K_M) for speed runs.
 //!
 //! The engine knows nothing of HTTP, tenants or audit; it runs on its own threads and talks
 //! through channels.
@@ -37,6 +38,7 @@ pub mod sampler;
 pub mod scheduler;
 pub mod sentencepiece;
 pub mod step_cost;
+pub mod synthetic;
 pub mod tokenizer;
 pub mod weights;
 

@@ -391,6 +391,29 @@ impl Model {
         self.weights.view(t)
     }
 
+    /// Bytes of weights one decode step (one token) reads: every matrix once, in the form the
+    /// kernels multiply (the packed copy where there is one), and one embedding row. What decode
+    /// speed is measured against: `bytes_per_token × tokens/s` over the read bandwidth.
+    pub fn decode_bytes_per_token(&self) -> u64 {
+        let read = |t: &TensorRef| {
+            let m = self.matrix(t);
+            m.packed.map_or(m.data.len(), <[u8]>::len) as u64
+        };
+        let mut total = self.matrix(&self.embeddings).row_bytes() as u64 + read(&self.output);
+        for layer in &self.layers {
+            total += match &layer.qkv {
+                Qkv::Separate { wq, wk, wv } => read(wq) + read(wk) + read(wv),
+                Qkv::Fused(w) => read(w),
+            };
+            total += match &layer.gate_up {
+                GateUp::Separate { w_gate, w_up } => read(w_gate) + read(w_up),
+                GateUp::Fused(w) => read(w),
+            };
+            total += read(&layer.wo) + read(&layer.w_down);
+        }
+        total
+    }
+
     /// The GGUF file the model runs from (tokenizer metadata lives there too); `None` for a
     /// Hugging Face checkpoint.
     pub fn gguf(&self) -> Option<&GgufFile> {

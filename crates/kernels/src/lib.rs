@@ -6,7 +6,8 @@
 //!   products.
 //! - [`quantize`]: f32 weights into the block formats, bit-compatible with ggml's reference
 //!   quantizers (for converting models).
-//! - [`dispatch`]: runtime CPU dispatch (AVX2+FMA, scalar) of the hot kernels.
+//! - [`dispatch`]: runtime CPU dispatch of the hot kernels: AVX-512 with VNNI on 512-bit
+//!   registers, AVX2 with a 256-bit VNNI, AVX2+FMA, scalar (`RAMPART_ISA` lowers the level).
 //! - [`gemm`]: dense f32 matrix multiply against weights packed once into column panels
 //!   (register-tiled micro-kernels, bias/residual/GELU applied on the way out), for encoders.
 //! - [`matmul`]: M activation rows × a quantized weight matrix, reading each weight row once.
@@ -17,6 +18,7 @@
 //! - [`paged`]: grouped-query attention over a paged KV cache (blocks found through per-sequence
 //!   block tables) stored as f32, f16 or Q8_0.
 //! - [`pool`]: the fixed compute thread pool the parallel loops run on.
+//! - [`memory_bandwidth`]: the read bandwidth decode is measured against (a STREAM-like read).
 //! - [`backend`]: the compute-backend interface the engine calls, and its CPU implementation.
 //! - [`rng`]: the seedable generator sampling and test data use.
 //!
@@ -28,6 +30,7 @@ pub mod dispatch;
 pub mod dtype;
 pub mod gemm;
 pub mod matmul;
+pub mod memory_bandwidth;
 pub mod ops;
 pub mod packed;
 pub mod paged;

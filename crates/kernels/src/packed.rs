@@ -13,7 +13,8 @@
 //! | Q8_0 | `d` f16 ×8 | 8 chunks of signed bytes, or with VNNI of bytes `q + 128` |
 //! | Q5_0 | `d` f16 ×8, fifth bits 32 bytes | 4 chunks of nibbles |
 //! | Q5_1 | `d` f16 ×8, `m` f16 ×8, fifth bits 32 bytes | 4 chunks of nibbles |
-//! | Q4_K | `scale` f32 ×8, `offset` f32 ×8 | 4 chunks of nibbles |
+//! | Q4_K at the AVX-512 level | per super-block of 256: `d` f16 ×8, `dmin` f16 ×8; per block: `sc` u8 ×8, `m` u8 ×8 | 4 chunks of nibbles |
+//! | Q4_K below it | `scale` f32 ×8, `offset` f32 ×8 | 4 chunks of nibbles |
 //! | Q5_K | `scale` f32 ×8, `offset` f32 ×8, fifth bits 32 bytes | 4 chunks of nibbles |
 //! | Q3_K, Q6_K | `scale` of elements 0..16 f32 ×8, of elements 16..32 f32 ×8 | 8 chunks of bytes `q + 32` |
 //!
@@ -24,11 +25,19 @@
 //! `4r + k` holds row `r`'s fifth bits of elements `4c + k` (bit `c`) and `16 + 4c + k` (bit
 //! `4 + c`) for the four chunks `c`, so a chunk's are one shift and one mask away in registers
 //! (a little-endian u32 per row, as GGUF stores them, took five instructions per chunk). Q4_0,
-//! Q4_1, Q5_0, Q5_1 and Q8_0 keep their GGUF blocks' sizes, interleaved. The K-quants are
-//! unpacked at load to integers with exact f32 scales (`d·sc` of a K-quant sub-block is a
-//! product of an f16 and a 6- or 8-bit integer, exact in f32), so they run on the same integer kernel: Q4_K grows from 4.5 to 6 bits per weight,
-//! Q5_K from 5.5 to 7, Q3_K and Q6_K to 10 (the trade is in docs/engine.md). Q2_K stays on its
-//! row kernel.
+//! Q4_1, Q5_0, Q5_1 and Q8_0 keep their GGUF blocks' sizes, interleaved. At the AVX-512 level
+//! Q4_K keeps its f16 `d` and `dmin` per super-block and its 6-bit scales and mins, one byte
+//! each ([`Layout::U4K`]), so it grows only from 4.5 to 4.625 bits per weight; the kernel
+//! computes `d·sc` and `-(dmin·m)` per block in f32, exactly (an f16 times a 6-bit integer), the
+//! values the reference uses. Below that level it is unpacked to f32 scales and offsets
+//! ([`Layout::U4F`], 6 bits per weight): the 256-bit kernels measured 15–20% slower on
+//! prefill-sized batches with the per-block scale arithmetic, so AVX2-only machines keep the
+//! layout they had. The other
+//! K-quants are unpacked at load to integers with exact f32 scales (`d·sc` of a K-quant
+//! sub-block is a product of an f16 and a 6- or 8-bit integer, exact in f32), so they run on
+//! the same integer kernel: Q5_K grows from 5.5 to 7 bits per weight, Q3_K and Q6_K to 10 (the
+//! trade is in docs/engine.md). Q2_K stays on its row kernel. Decode streams every weight once
+//! per token, so these sizes are its cost.
 //!
 //! With VNNI (`vpdpbusd` multiplies unsigned by signed bytes) Q8_0 is packed as `q + 128`
 //! ([`Layout::U8`]): the kernel multiplies the activations without the sign step that signed
@@ -43,7 +52,7 @@
 //! Each (weight row, activation row) result is computed the same way whatever else is in the
 //! batch: per block the exact integer dot product, then `acc = (d·d_a)·dot + acc` and
 //! `acc = offset·s_a + acc` with fused multiply-adds (`offset` is `-8d` for Q4_0, `-16d` for
-//! Q5_0, `m` for Q4_1 and Q5_1, the stored offset for Q4_K and Q5_K; Q3_K and Q6_K add their two half-block dot
+//! Q5_0, `m` for Q4_1 and Q5_1, `-(dmin·m)` for Q4_K, the stored offset for Q5_K; Q3_K and Q6_K add their two half-block dot
 //! products, each with its own scale). The scalar reference performs the same fused operations,
 //! so the SIMD kernel matches it bit for bit and a sequence's logits do not depend on what it is
 //! batched with.
@@ -52,7 +61,7 @@ use half::f16;
 
 use crate::dispatch::Isa;
 use crate::dtype::{DType, Q8X32_BLOCK_BYTES, QK};
-use crate::quant::{unpack32, unpack_k};
+use crate::quant::{scale_min_k4, unpack32, unpack_k};
 
 /// Weight rows per packed group.
 pub const PACK_ROWS: usize = 8;
@@ -70,7 +79,11 @@ pub(crate) enum Layout {
     Q8_0,
     /// Q8_0's bytes plus 128 (unsigned; packed so with VNNI).
     U8,
-    /// Unsigned 4-bit quants with an f32 scale and offset per block (Q4_K).
+    /// Q4_K by super-block of 256 elements: the eight rows' f16 `d` and `dmin`, then per block of
+    /// 32 their 6-bit scales and mins as bytes and the nibbles (4.625 bits per weight).
+    U4K,
+    /// Unsigned 4-bit quants with an f32 scale and offset per block (Q4_K below the AVX-512
+    /// level: 6 bits per weight, but no scale arithmetic per block in the 256-bit kernels).
     U4F,
     /// Unsigned 5-bit quants (nibbles and fifth bits) with an f32 scale and offset (Q5_K).
     U5F,
@@ -86,20 +99,51 @@ pub(crate) const U6H_BIAS: i32 = 32;
 /// layouts.
 const F32_HEADER: usize = 64;
 
+/// [`Layout::U4K`]: the header of a super-block (eight rows' f16 `d`, then their f16 `dmin`).
+pub(crate) const U4K_SUPER_HEADER: usize = 32;
+/// [`Layout::U4K`]: one block of 32 elements of eight rows (their scales, their mins, then four
+/// chunks of nibbles).
+pub(crate) const U4K_BLOCK_BYTES: usize = 16 + 128;
+/// [`Layout::U4K`]: one super-block of eight rows (256 elements each).
+pub(crate) const U4K_SUPER_BYTES: usize = U4K_SUPER_HEADER + 8 * U4K_BLOCK_BYTES;
+
+/// Where block `b` (of 32 elements) of a packed group starts, and where the header of its
+/// super-block starts (the same place for the layouts without super-blocks).
+pub(crate) fn block_offsets(layout: Layout, b: usize) -> (usize, usize) {
+    if layout == Layout::U4K {
+        let sb = b / 8 * U4K_SUPER_BYTES;
+        (sb + U4K_SUPER_HEADER + b % 8 * U4K_BLOCK_BYTES, sb)
+    } else {
+        let at = b * layout_block_bytes(layout);
+        (at, at)
+    }
+}
+
 /// The layout this process packs `dtype` in (Q8_0's depends on [`Isa::detect`]).
 pub(crate) fn layout(dtype: DType) -> Option<Layout> {
     layout_for(dtype, Isa::detect())
 }
 
-/// The layout `dtype` is packed in for kernels of level `isa`.
+/// The layout `dtype` is packed in for kernels of level `isa` (at most what this CPU has).
 pub(crate) fn layout_for(dtype: DType, isa: Isa) -> Option<Layout> {
+    let level = [Isa::Avx512, Isa::Vnni, Isa::Avx2, Isa::Scalar]
+        .into_iter()
+        .find(|&l| isa.runs(l))
+        .unwrap_or(Isa::Scalar);
+    layout_for_level(dtype, level)
+}
+
+/// The layout `dtype` is packed in for kernels of level `level`, whatever this CPU has (every
+/// kernel runs every layout; the level picks the fastest for it).
+pub(crate) fn layout_for_level(dtype: DType, level: Isa) -> Option<Layout> {
     Some(match dtype {
         DType::Q4_0 => Layout::Q4_0,
         DType::Q4_1 => Layout::Q4_1,
-        DType::Q8_0 if isa.runs(Isa::Vnni) => Layout::U8,
+        DType::Q8_0 if level >= Isa::Vnni => Layout::U8,
         DType::Q8_0 => Layout::Q8_0,
         DType::Q5_0 => Layout::Q5_0,
         DType::Q5_1 => Layout::Q5_1,
+        DType::Q4_K if level >= Isa::Avx512 => Layout::U4K,
         DType::Q4_K => Layout::U4F,
         DType::Q5_K => Layout::U5F,
         DType::Q3_K | DType::Q6_K => Layout::U6H,
@@ -129,6 +173,8 @@ pub(crate) fn layout_block_bytes(layout: Layout) -> usize {
         Layout::Q8_0 | Layout::U8 => 16 + 256,
         Layout::Q5_0 => 16 + 32 + 128,
         Layout::Q5_1 => 32 + 32 + 128,
+        // On average: a super-block of eight blocks is 32 + 8·144 bytes.
+        Layout::U4K => U4K_SUPER_BYTES / 8,
         Layout::U4F => F32_HEADER + 128,
         Layout::U5F => F32_HEADER + 32 + 128,
         Layout::U6H => F32_HEADER + 256,
@@ -140,6 +186,7 @@ pub(crate) fn header_bytes(layout: Layout) -> usize {
     match layout {
         Layout::Q4_0 | Layout::Q5_0 | Layout::Q8_0 | Layout::U8 => 16,
         Layout::Q4_1 | Layout::Q5_1 => 32,
+        Layout::U4K => 16,
         Layout::U4F | Layout::U5F | Layout::U6H => F32_HEADER,
     }
 }
@@ -196,7 +243,7 @@ pub(crate) fn pack_as(
         return None;
     }
     let nb = cols / QK;
-    let pbb = packed_block_bytes(dtype);
+    let pbb = layout_block_bytes(layout);
     let mut out = vec![0u8; rows / PACK_ROWS * nb * pbb];
     if dtype.block_size() == QK {
         let bb = dtype.block_bytes();
@@ -234,6 +281,36 @@ pub(crate) fn pack_as(
         return Some(out);
     }
     let (bs, bb) = (dtype.block_size(), dtype.block_bytes());
+    if layout == Layout::U4K {
+        // Q4_K's d and dmin bits as they are, each 6-bit scale and min as a byte.
+        let group_bytes = nb * pbb;
+        for g in 0..rows / PACK_ROWS {
+            for r in 0..PACK_ROWS {
+                let row = &data[(g * PACK_ROWS + r) * row_bytes..][..row_bytes];
+                for (s, src) in row.chunks_exact(bb).enumerate() {
+                    let sb = &mut out[g * group_bytes + s * U4K_SUPER_BYTES..][..U4K_SUPER_BYTES];
+                    sb[2 * r..2 * r + 2].copy_from_slice(&src[0..2]);
+                    sb[16 + 2 * r..16 + 2 * r + 2].copy_from_slice(&src[2..4]);
+                    let q = unpack_k(dtype, src).q;
+                    for j in 0..8 {
+                        let (sc, m) = scale_min_k4(j, &src[4..16]);
+                        let blk =
+                            &mut sb[U4K_SUPER_HEADER + j * U4K_BLOCK_BYTES..][..U4K_BLOCK_BYTES];
+                        blk[r] = sc;
+                        blk[8 + r] = m;
+                        for c in 0..4 {
+                            for k in 0..4 {
+                                let e = j * QK + 4 * c + k;
+                                blk[16 + 32 * c + 4 * r + k] =
+                                    (q[e] as u8 & 0x0f) | ((q[e + 16] as u8 & 0x0f) << 4);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        return Some(out);
+    }
     for g in 0..rows / PACK_ROWS {
         for r in 0..PACK_ROWS {
             let row = &data[(g * PACK_ROWS + r) * row_bytes..][..row_bytes];
@@ -328,16 +405,18 @@ pub fn dot_packed_ref(dtype: DType, group: &[u8], act: &[u8], cols: usize) -> [f
 /// [`dot_packed_ref`] of a group packed in `layout`.
 pub(crate) fn dot_packed_ref_as(
     layout: Layout,
-    dtype: DType,
+    _dtype: DType,
     group: &[u8],
     act: &[u8],
     cols: usize,
 ) -> [f32; PACK_ROWS] {
     let nb = cols / QK;
-    let pbb = packed_block_bytes(dtype);
+    let pbb = layout_block_bytes(layout);
     let mut acc = [0f32; PACK_ROWS];
     for b in 0..nb {
-        let blk = &group[b * pbb..(b + 1) * pbb];
+        let (at, header_at) = block_offsets(layout, b);
+        let blk = &group[at..at + pbb.min(group.len() - at)];
+        let super_header = &group[header_at..];
         let a = &act[b * Q8X32_BLOCK_BYTES..(b + 1) * Q8X32_BLOCK_BYTES];
         let (da, sa) = (f32_at(a, 0), f32_at(a, 4));
         let aq = |i: usize| i32::from(a[8 + i] as i8);
@@ -402,6 +481,14 @@ pub(crate) fn dot_packed_ref_as(
                         }
                         _ => {}
                     }
+                }
+                Layout::U4K => {
+                    // d·sc and dmin·m are exact in f32 (an f16 times a 6-bit integer).
+                    let scale = f16_at(super_header, 2 * r) * f32::from(blk[r]);
+                    let offset = -(f16_at(super_header, 16 + 2 * r) * f32::from(blk[8 + r]));
+                    let dot = nibbles_dot(quants);
+                    *acc = (scale * da).mul_add(dot as f32, *acc);
+                    *acc = offset.mul_add(sa, *acc);
                 }
                 Layout::U4F | Layout::U5F => {
                     let dot = nibbles_dot(quants);
@@ -501,7 +588,7 @@ pub(crate) unsafe fn dot_packed_span_as(
     out_stride: usize,
 ) {
     let nb = cols / QK;
-    let group_bytes = nb * packed_block_bytes(dtype);
+    let group_bytes = nb * layout_block_bytes(layout);
     assert!(
         (1..=PACK_ACTS).contains(&acts.len()),
         "1..={PACK_ACTS} activation rows"
@@ -521,11 +608,11 @@ pub(crate) unsafe fn dot_packed_span_as(
     );
     #[cfg(target_arch = "x86_64")]
     if isa.runs(Isa::Avx2) {
-        // SAFETY: AVX2, FMA and F16C are present; group and activation extents were checked
-        // above, the output's by the caller.
+        // SAFETY: AVX2, FMA and F16C are present (AVX-512 where `isa.runs(Isa::Avx512)`); group
+        // and activation extents were checked above, the output's by the caller.
         unsafe {
             crate::x86::dot_packed_span(
-                isa.runs(Isa::Vnni),
+                (isa.runs(Isa::Vnni), isa.runs(Isa::Avx512)),
                 layout,
                 groups,
                 n_groups,
@@ -635,11 +722,14 @@ mod tests {
             (DType::Q3_K, vec![256, 768]),
         ];
         // Q8_0 in both its layouts, whatever this CPU packs it in.
+        // Q8_0 and Q4_K in each of their layouts, whatever this CPU packs them in.
         let layouts = |dtype: DType| {
-            let mut all = vec![layout_for(dtype, Isa::Avx2).unwrap()];
-            let vnni = layout_for(dtype, Isa::Vnni).unwrap();
-            if !all.contains(&vnni) {
-                all.push(vnni);
+            let mut all = Vec::new();
+            for isa in [Isa::Avx2, Isa::Vnni, Isa::Avx512] {
+                let layout = layout_for_level(dtype, isa).unwrap();
+                if !all.contains(&layout) {
+                    all.push(layout);
+                }
             }
             all
         };
@@ -653,7 +743,7 @@ mod tests {
                     .flat_map(|r| random_row(dtype, cols, 40 + r as u64))
                     .collect();
                 let packed = pack_as(layout, dtype, &data, rows, cols).unwrap();
-                let group_bytes = cols / QK * packed_block_bytes(dtype);
+                let group_bytes = cols / QK * layout_block_bytes(layout);
                 let acts: Vec<Vec<u8>> = (0..PACK_ACTS)
                     .map(|i| act_row(cols, 70 + i as u64))
                     .collect();
@@ -725,10 +815,18 @@ mod tests {
             (DType::Q8_0, Layout::U8),
             (DType::Q8_0, Layout::Q8_0),
             (DType::Q5_0, Layout::Q5_0),
+            (DType::Q4_K, Layout::U4K),
             (DType::Q4_K, Layout::U4F),
+            (DType::Q4_0, Layout::Q4_0),
+            (DType::Q4_1, Layout::Q4_1),
+            (DType::Q5_1, Layout::Q5_1),
+            (DType::Q5_K, Layout::U5F),
+            (DType::Q6_K, Layout::U6H),
+            (DType::Q3_K, Layout::U6H),
         ] {
-            let cols = if dtype == DType::Q4_K { 768 } else { cols };
-            let nb = if dtype == DType::Q4_K { cols / QK } else { nb };
+            let k_quant = dtype.block_size() == crate::dtype::QK_K;
+            let cols = if k_quant { 768 } else { cols };
+            let nb = if k_quant { cols / QK } else { nb };
             let data: Vec<u8> = (0..rows)
                 .flat_map(|r| random_row(dtype, cols, 90 + r as u64))
                 .collect();

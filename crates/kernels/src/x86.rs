@@ -1,5 +1,6 @@
-//! AVX2 + FMA kernels (x86_64). Each function here has a scalar reference in `quant`, `ops` or
-//! `paged` and is tested against it on random inputs of awkward sizes.
+//! AVX2 + FMA kernels (x86_64; the AVX-512 ones in [`avx512`]). Each function here has a scalar
+//! reference in `quant`, `ops` or `paged` and is tested against it on random inputs of awkward
+//! sizes.
 //!
 //! Every function is `unsafe` because it must only run on a CPU with AVX2, FMA and F16C
 //! (checked once by `dispatch`); each unaligned load reads inside the slices it is given.
@@ -7,6 +8,9 @@
 #![allow(clippy::missing_safety_doc)]
 
 use std::arch::x86_64::*;
+
+pub(crate) mod avx512;
+use avx512::dot_packed_n as dot_packed_n_avx512;
 
 use crate::dtype::{DType, Q8X32_BLOCK_BYTES, Q8XK_BLOCK_BYTES, QK, QK_K};
 use crate::packed::Layout;
@@ -62,6 +66,32 @@ pub unsafe fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     while i < n {
         total += a[i] * b[i];
         i += 1;
+    }
+    total
+}
+
+/// The wrapping sum of `words`, 16 words (two 64-byte lines) per iteration.
+#[target_feature(enable = "avx2")]
+pub unsafe fn sum_words(words: &[u64]) -> u64 {
+    let p = words.as_ptr();
+    let mut acc = [_mm256_setzero_si256(); 4];
+    let mut i = 0;
+    while i + 16 <= words.len() {
+        for (k, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: i + 16 <= len keeps the four loads of 4 words in bounds.
+            *acc = _mm256_add_epi64(*acc, _mm256_loadu_si256(p.add(i + 4 * k) as *const __m256i));
+        }
+        i += 16;
+    }
+    let sum = _mm256_add_epi64(
+        _mm256_add_epi64(acc[0], acc[1]),
+        _mm256_add_epi64(acc[2], acc[3]),
+    );
+    let mut lanes = [0u64; 4];
+    _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, sum);
+    let mut total = lanes.iter().fold(0u64, |a, &w| a.wrapping_add(w));
+    for &w in &words[i..] {
+        total = total.wrapping_add(w);
     }
     total
 }
@@ -1306,13 +1336,14 @@ pub unsafe fn exp_moments(x: &[f32], max: f32) -> (f64, f64) {
 /// `g` for activation row `i` go to `out[i·out_stride + 8g ..]`.
 ///
 /// # Safety
-/// AVX2, FMA and F16C must be present; `groups` holds at least `n_groups` groups of `nb`
+/// AVX2, FMA and F16C must be present (and AVX512-F, BW, VL and VNNI with `wide`); `groups`
+/// holds at least `n_groups` groups of `nb`
 /// packed blocks (those past `n_groups` are only prefetched), every activation row `nb` Q8x32
 /// blocks, and `out` is valid for every element written.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn dot_packed_span(
-    vnni: bool,
+    (vnni, wide): (bool, bool),
     layout: Layout,
     groups: &[u8],
     n_groups: usize,
@@ -1342,6 +1373,8 @@ pub unsafe fn dot_packed_span(
     macro_rules! run {
         ($k:expr) => {
             match flavour {
+                // SAFETY: `wide` only where the CPU has AVX512-F, BW, VL and VNNI (Isa::Avx512).
+                _ if wide => run_with!(dot_packed_n_avx512, $k),
                 Some(Vnni::Avx) => run_with!(dot_packed_n_avxvnni, $k),
                 Some(Vnni::Avx512) => run_with!(dot_packed_n_avx512vnni, $k),
                 None => run_with!(dot_packed_n, $k),
@@ -1355,15 +1388,18 @@ pub unsafe fn dot_packed_span(
         Layout::Q5_1 => run!(K_Q5_1),
         Layout::Q8_0 => run!(K_Q8_0),
         Layout::U8 => run!(K_U8),
+        Layout::U4K => run!(K_U4K),
         Layout::U4F => run!(K_U4F),
         Layout::U5F => run!(K_U5F),
         Layout::U6H => run!(K_U6H),
     }
 }
 
-// The packed layouts that unpack their weights at load ([`crate::packed`]): 4-bit and 5-bit
-// with f32 scale and offset, 8-bit with two f32 half-block scales.
-const K_U4F: u8 = 5;
+// The packed layouts that unpack their weights at load ([`crate::packed`]): Q4_K's nibbles with
+// their scales and mins as bytes, 5-bit with f32 scale and offset, 8-bit with two f32 half-block
+// scales.
+const K_U4K: u8 = 5;
+const K_U4F: u8 = 9;
 const K_U5F: u8 = 6;
 const K_U6H: u8 = 7;
 /// Q8_0 packed as `q + 128`.
@@ -1372,7 +1408,7 @@ const K_U8: u8 = 8;
 /// Bytes of a packed block's scales and offsets (before its fifth bits or quants).
 const fn packed_header<const K: u8>() -> usize {
     match K {
-        K_Q4_0 | K_Q5_0 | K_Q8_0 | K_U8 => 16,
+        K_Q4_0 | K_Q5_0 | K_Q8_0 | K_U8 | K_U4K => 16,
         K_Q4_1 | K_Q5_1 => 32,
         _ => 64,
     }
@@ -1383,14 +1419,47 @@ const fn five_bit<const K: u8>() -> bool {
     matches!(K, K_Q5_0 | K_Q5_1 | K_U5F)
 }
 
-/// Bytes of one packed block of the layout `K`.
+/// Bytes of one packed block of the layout `K` (for Q4_K's, a super-block's share).
 const fn packed_block_bytes<const K: u8>() -> usize {
+    if K == K_U4K {
+        return crate::packed::U4K_SUPER_BYTES / 8;
+    }
     let quants = if matches!(K, K_Q8_0 | K_U6H | K_U8) {
         256
     } else {
         128
     };
     packed_header::<K>() + if five_bit::<K>() { 32 } else { 0 } + quants
+}
+
+/// Block `b` of the packed group at `g` (blocks `pbb` bytes apart, or by super-blocks for Q4_K),
+/// and the start of its super-block (Q4_K's `d` and `dmin`).
+#[inline(always)]
+unsafe fn block_at<const K: u8>(g: *const u8, b: usize, pbb: usize) -> (*const u8, *const u8) {
+    use crate::packed::{U4K_BLOCK_BYTES, U4K_SUPER_BYTES, U4K_SUPER_HEADER};
+    if K == K_U4K {
+        let sb = g.add(b / 8 * U4K_SUPER_BYTES);
+        (sb.add(U4K_SUPER_HEADER + b % 8 * U4K_BLOCK_BYTES), sb)
+    } else {
+        (g.add(b * pbb), g.add(b * pbb))
+    }
+}
+
+/// Q4_K's eight scales `d·sc` and offsets `-(dmin·m)` of the packed block at `blk` (its 6-bit
+/// scales and mins as bytes) in the super-block at `sb` (f16 `d`, then f16 `dmin`): exact, as an
+/// f16 times a 6-bit integer fits f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn u4k_scales(blk: *const u8, sb: *const u8) -> (__m256, __m256) {
+    let bytes = |p: *const u8| {
+        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i)))
+    };
+    let d = _mm256_cvtph_ps(_mm_loadu_si128(sb as *const __m128i));
+    let dmin = _mm256_cvtph_ps(_mm_loadu_si128(sb.add(16) as *const __m128i));
+    (
+        _mm256_mul_ps(d, bytes(blk)),
+        _mm256_xor_ps(_mm256_mul_ps(dmin, bytes(blk.add(8))), _mm256_set1_ps(-0.0)),
+    )
 }
 
 /// The fifth bits of chunk `c`'s low (`bit = c`) or high (`bit = 4 + c`) nibbles, as 0x10 in
@@ -1526,8 +1595,15 @@ macro_rules! packed_kernel {
             let f32_header = matches!(K, K_U4F | K_U5F | K_U6H);
             let bytes = matches!(K, K_Q8_0 | K_U6H | K_U8);
             for b in 0..nb {
-                let blk = g.add(b * pbb);
-                let d = if f32_header {
+                let (blk, sb) = block_at::<K>(g, b, pbb);
+                let u4k = if K == K_U4K {
+                    u4k_scales(blk, sb)
+                } else {
+                    (_mm256_setzero_ps(), _mm256_setzero_ps())
+                };
+                let d = if K == K_U4K {
+                    u4k.0
+                } else if f32_header {
                     _mm256_loadu_ps(blk as *const f32)
                 } else {
                     _mm256_cvtph_ps(_mm_loadu_si128(blk as *const __m128i))
@@ -1667,6 +1743,7 @@ macro_rules! packed_kernel {
                         _mm256_cvtph_ps(_mm_loadu_si128(blk.add(16) as *const __m128i))
                     }
                     K_U4F | K_U5F => second,
+                    K_U4K => u4k.1,
                     _ => _mm256_setzero_ps(),
                 };
                 for i in 0..N {

@@ -30,9 +30,42 @@ pub enum BenchCommand {
         gen_tokens: usize,
         #[arg(long, short = 'r', default_value_t = 5)]
         repetitions: usize,
+        /// Skip measuring the read bandwidth (by default measured after the run on the same
+        /// threads, and decode reported as a fraction of it).
+        #[arg(long)]
+        no_bandwidth: bool,
         /// Print the result as JSON.
         #[arg(long)]
         json: bool,
+    },
+    /// Read bandwidth from main memory on the engine's threads (a STREAM-like read of a buffer
+    /// far beyond the caches, each thread a contiguous share): the roofline decode runs against.
+    Bandwidth {
+        /// Compute threads (default: physical cores).
+        #[arg(long, short = 't')]
+        threads: Option<usize>,
+        /// Buffer size in MiB.
+        #[arg(long, default_value_t = 1024)]
+        mib: usize,
+        /// Timed passes (the best is reported, as STREAM does).
+        #[arg(long, short = 'r', default_value_t = 10)]
+        repetitions: usize,
+        /// Print the result as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Writes a GGUF with a published model's shapes, tensor names and Q4_K_M types and random
+    /// weights, for speed runs (speed does not depend on the weights' values).
+    SyntheticModel {
+        /// `qwen2-1.5b` (28 layers, hidden 1,536, 12/2 heads, FFN 8,960, vocabulary 151,936) or
+        /// `qwen2-0.5b`.
+        #[arg(long, default_value = "qwen2-1.5b")]
+        shape: String,
+        /// The file to write.
+        #[arg(long, short = 'o')]
+        out: PathBuf,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
     },
     /// Aggregate decode tokens/s of N sequences decoding together (like llama-batched-bench:
     /// distinct random prompts prefilled together, then --gen-tokens decode steps).
@@ -324,11 +357,27 @@ pub fn run(command: BenchCommand) -> Result<ExitCode> {
             prompt_tokens,
             gen_tokens,
             repetitions,
+            no_bandwidth,
             json,
         } => {
             let engine = model.load(Some(prompt_tokens.max(gen_tokens).max(1)))?;
             let report = throughput(&engine, prompt_tokens, gen_tokens, repetitions.max(1))?;
             let (pp, tg) = (median(&report.prefill_tps), median(&report.decode_tps));
+            let decode_bytes_per_second = tg * report.decode_bytes_per_token as f64;
+            let bandwidth = (!no_bandwidth && gen_tokens > 0).then(|| {
+                let threads = model
+                    .threads
+                    .unwrap_or_else(kernels::backend::physical_cores);
+                let pool = kernels::ThreadPool::shared(threads);
+                kernels::memory_bandwidth::read_bandwidth(
+                    &pool,
+                    kernels::Isa::detect(),
+                    kernels::memory_bandwidth::DEFAULT_BYTES,
+                    5,
+                )
+                .best_bytes_per_second()
+            });
+            let fraction = bandwidth.map(|b| decode_bytes_per_second / b);
             if json {
                 println!(
                     "{}",
@@ -341,6 +390,10 @@ pub fn run(command: BenchCommand) -> Result<ExitCode> {
                         "decode_tokens_per_second": tg,
                         "prefill_runs": report.prefill_tps,
                         "decode_runs": report.decode_tps,
+                        "decode_bytes_per_token": report.decode_bytes_per_token,
+                        "decode_bytes_per_second": decode_bytes_per_second,
+                        "read_bandwidth_bytes_per_second": bandwidth,
+                        "decode_bandwidth_fraction": fraction,
                     }))?
                 );
             } else {
@@ -357,8 +410,75 @@ pub fn run(command: BenchCommand) -> Result<ExitCode> {
                         "tg{gen_tokens:<5}  {tg:8.1} tok/s  (median of {})",
                         report.decode_tps.len()
                     );
+                    println!(
+                        "decode   {:.3} GB per token, {:.1} GB/s{}",
+                        report.decode_bytes_per_token as f64 / 1e9,
+                        decode_bytes_per_second / 1e9,
+                        match (bandwidth, fraction) {
+                            (Some(b), Some(f)) => format!(
+                                ", {:.0}% of the measured read bandwidth ({:.1} GB/s)",
+                                f * 100.0,
+                                b / 1e9
+                            ),
+                            _ => String::new(),
+                        }
+                    );
                 }
             }
+        }
+        BenchCommand::Bandwidth {
+            threads,
+            mib,
+            repetitions,
+            json,
+        } => {
+            let threads = threads.unwrap_or_else(kernels::backend::physical_cores);
+            let pool = kernels::ThreadPool::shared(threads);
+            let isa = kernels::Isa::detect();
+            let report = kernels::memory_bandwidth::read_bandwidth(
+                &pool,
+                isa,
+                mib << 20,
+                repetitions.max(1),
+            );
+            let passes = &report.passes_bytes_per_second;
+            if json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&json!({
+                        "threads": threads,
+                        "isa": isa.name(),
+                        "bytes": report.bytes,
+                        "read_bytes_per_second": report.best_bytes_per_second(),
+                        "median_bytes_per_second": median(passes),
+                        "passes_bytes_per_second": passes,
+                    }))?
+                );
+            } else {
+                println!(
+                    "read     {:.1} GB/s best, {:.1} GB/s median  ({} MiB, {} passes, {threads} threads, {})",
+                    report.best_bytes_per_second() / 1e9,
+                    median(passes) / 1e9,
+                    report.bytes >> 20,
+                    passes.len(),
+                    isa.name()
+                );
+            }
+        }
+        BenchCommand::SyntheticModel { shape, out, seed } => {
+            let Some(shape) = engine::synthetic::SyntheticShape::named(&shape) else {
+                bail!("unknown shape {shape:?} (qwen2-1.5b, qwen2-0.5b)");
+            };
+            shape
+                .write_q4_k_m(&out, seed)
+                .with_context(|| format!("writing {}", out.display()))?;
+            let bytes = std::fs::metadata(&out)?.len();
+            println!(
+                "wrote {} ({}, Q4_K_M, {:.2} GB)",
+                out.display(),
+                shape.name,
+                bytes as f64 / 1e9
+            );
         }
         BenchCommand::Batched {
             mut model,

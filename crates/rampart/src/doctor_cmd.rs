@@ -53,6 +53,12 @@ pub fn run(args: DoctorArgs) -> Result<ExitCode> {
     let mut context = host::Context {
         root: args.root,
         gpu_load_sample: args.gpu_load_sample,
+        // What this process's kernels run (the best level the CPU has, or RAMPART_ISA's).
+        kernel_isa: kernels::Isa::detect()
+            .cpu_features()
+            .into_iter()
+            .map(String::from)
+            .collect(),
         ..server::doctor::context(&config)
     };
     if args.fingerprint {

@@ -99,6 +99,7 @@ fn rate_limit(
                 request_id = %id,
                 principal,
                 endpoint,
+                status = 429,
                 retry_after_s = wait,
                 "request refused past its key's rate limit"
             );

@@ -152,9 +152,21 @@ pub fn authenticate(
         (Some(_), _) => "invalid API key",
     };
     let error = ApiError::Unauthorized(message.into());
-    state
+    // Counted for the interval's summary; the first few of each interval are also logged one
+    // by one (crate::unauthenticated), so a misconfigured client shows in the log at once.
+    if state
         .unauthenticated
-        .note(endpoint, transport, presented.is_some(), request_id);
+        .note(endpoint, transport, presented.is_some(), request_id)
+    {
+        tracing::warn!(
+            target: "rampart::auth",
+            request_id,
+            endpoint,
+            status = 401,
+            key_sent = presented.is_some(),
+            "request refused before authentication: {message}"
+        );
+    }
     let mut record = state.record(request_id.to_string(), "unauthenticated".into(), endpoint);
     record.refuse("unauthorized");
     error.record(&mut record);

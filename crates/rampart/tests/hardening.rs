@@ -145,6 +145,16 @@ fn every_route_that_names_a_model_refuses_names_that_walk_out() {
         }
     }
     assert!(checked >= 100);
+    // A refused name waits `invalid_path_delay_ms` (200) on a timer: a loop of bad names gets a
+    // few answers a second per connection.
+    let began = Instant::now();
+    let (status, _, body) = http(port, "GET", "/v1/models/%2e%2e", None, Some(KEY));
+    assert_eq!(status, 400, "{body}");
+    assert!(
+        began.elapsed() >= Duration::from_millis(200),
+        "{:?}",
+        began.elapsed()
+    );
     assert!(victim.exists(), "the DELETE walked out of the repository");
     assert!(!escape.exists(), "a file was made at an absolute path");
     // The honest names still work.

@@ -377,6 +377,9 @@ pub struct Limits {
     /// any client can make long before a model runs: `/tokenize` and the guard's judging
     /// (crate::lane). 0 runs them at the process's priority.
     pub background_nice: i32,
+    /// A model name or version in a path that is refused (400 before the handler and its rate
+    /// limit) is answered after this long, on a timer (crate::model_path). 0 answers at once.
+    pub invalid_path_delay_ms: u64,
 }
 
 impl Default for Limits {
@@ -402,6 +405,7 @@ impl Default for Limits {
             body_read_timeout_ms: 60_000,
             max_tensor_decoded_bytes: 100 << 20,
             background_nice: 10,
+            invalid_path_delay_ms: 200,
         }
     }
 }

@@ -6,15 +6,18 @@
 //! characters, never `.` or `..` alone, no `/`, no NUL) and the version a semver version. The
 //! path is percent-decoded first, so `%2e%2e`, `%2F` and `%00` are judged as what they spell.
 //! A name that fails is refused with 400 `invalid_request` (param `name` or `version`) before
-//! any lookup or file is touched. Not here: the checks at the file system itself (the paths the
+//! any lookup or file is touched, after `[limits] invalid_path_delay_ms` (a timer: a client
+//! looping on bad names gets a few answers a second per connection). Not here: the checks at the file system itself (the paths the
 //! monitors, the release plans and the gates build also check what they join).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use axum::extract::{FromRequestParts, Path};
 use axum::http::request::Parts;
 
 use crate::error::ApiError;
+use crate::state::AppState;
 
 /// A checked model reference from the path: `{name}` (or `{id}`, which may be
 /// `name@version`) and, where the route has one, `{version}`.
@@ -52,18 +55,34 @@ impl ModelPath {
     }
 }
 
-impl<S: Send + Sync> FromRequestParts<S> for ModelPath {
+impl FromRequestParts<Arc<AppState>> for ModelPath {
     type Rejection = ApiError;
 
-    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, ApiError> {
-        let Path(params) = Path::<HashMap<String, String>>::from_request_parts(parts, state)
-            .await
-            .map_err(|e| ApiError::invalid_param("name", format!("unreadable path: {e}")))?;
-        let name = params
-            .get("name")
-            .or_else(|| params.get("id"))
-            .ok_or_else(|| ApiError::Internal("the route names no model".into()))?;
-        Self::parse(name, params.get("version").map(String::as_str))
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &Arc<AppState>,
+    ) -> Result<Self, ApiError> {
+        let parsed = async {
+            let Path(params) = Path::<HashMap<String, String>>::from_request_parts(parts, state)
+                .await
+                .map_err(|e| ApiError::invalid_param("name", format!("unreadable path: {e}")))?;
+            let name = params
+                .get("name")
+                .or_else(|| params.get("id"))
+                .ok_or_else(|| ApiError::Internal("the route names no model".into()))?;
+            Self::parse(name, params.get("version").map(String::as_str))
+        }
+        .await;
+        if parsed.is_err() {
+            // Refused before the handler (and its rate limit): the refusal waits on a timer,
+            // so a loop of bad names gets a few answers a second per connection, not a core's
+            // worth (`[limits] invalid_path_delay_ms`).
+            let delay = state.config.limits.invalid_path_delay_ms;
+            if delay > 0 {
+                tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+            }
+        }
+        parsed
     }
 }
 

@@ -546,8 +546,7 @@ async fn infer(
             state
                 .decode_lane
                 .run(move || decode_rest(&headers, &bytes, decode_limits))
-                .await
-                .map_err(|e| ApiError::Internal(e.to_string()))??
+                .await??
         }
     };
     record.record.input_sha256 = request.input_sha256();

@@ -257,8 +257,7 @@ async fn tokenize_inner(state: &AppState, body: Body) -> Result<TokenizeResponse
                 token_strs,
             })
         })
-        .await
-        .map_err(|e| ApiError::Internal(e.to_string()))?
+        .await?
 }
 
 #[utoipa::path(post, path = "/detokenize", request_body = DetokenizeRequest, responses(
@@ -291,7 +290,6 @@ async fn detokenize_inner(state: &AppState, body: Body) -> Result<DetokenizeResp
     let prompt = state
         .tokenize_lane
         .run(move || engine.tokenizer().decode(&ids))
-        .await
-        .map_err(|e| ApiError::Internal(e.to_string()))?;
+        .await?;
     Ok(DetokenizeResponse { prompt })
 }

@@ -198,25 +198,36 @@ pub async fn keep_rate_limited(
         interval_s = interval.as_secs(),
         "requests refused past their key's rate limit"
     );
+    let cause = format!(
+        "{} requests of {} keys refused past their rate limit in {} s",
+        summary.interval.refused,
+        summary.by_key.len(),
+        interval.as_secs()
+    );
+    audit_summary(audit, "rate_limit.refused", cause, summary).await;
+}
+
+/// Keeps one summary as an audit action `name` (when the audit log is on).
+async fn audit_summary(
+    audit: Option<&Arc<audit::AuditLog>>,
+    name: &str,
+    cause: String,
+    summary: &impl Serialize,
+) {
     let Some(log) = audit else {
         return;
     };
     let action = audit::Action {
-        name: "rate_limit.refused".into(),
+        name: name.into(),
         target: None,
-        cause: Some(format!(
-            "{} requests of {} keys refused past their rate limit in {} s",
-            summary.interval.refused,
-            summary.by_key.len(),
-            interval.as_secs()
-        )),
+        cause: Some(cause),
         outcome: "refused".into(),
         detail: serde_json::to_value(summary).unwrap_or_default(),
     };
     if let Err(e) =
         audit::sink::append_action(log, Some("rampart".into()), None, None, action).await
     {
-        tracing::error!(target: "rampart::rate_limit", error = %e, "the summary of rate-limited requests could not be kept in the audit log");
+        tracing::error!(target: "rampart::auth", error = %e, action = name, "a summary of refused requests could not be kept in the audit log");
     }
 }
 
@@ -231,25 +242,12 @@ pub async fn keep(summary: &Summary, audit: Option<&Arc<audit::AuditLog>>, inter
         interval_s = interval.as_secs(),
         "requests refused before authentication (missing or invalid API key)"
     );
-    let Some(log) = audit else {
-        return;
-    };
-    let action = audit::Action {
-        name: "auth.refused".into(),
-        target: None,
-        cause: Some(format!(
-            "{} requests refused before authentication in {} s (missing or invalid API key)",
-            summary.interval.refused,
-            interval.as_secs()
-        )),
-        outcome: "refused".into(),
-        detail: serde_json::to_value(summary).unwrap_or_default(),
-    };
-    if let Err(e) =
-        audit::sink::append_action(log, Some("rampart".into()), None, None, action).await
-    {
-        tracing::error!(target: "rampart::auth", error = %e, "the summary of refused requests could not be kept in the audit log");
-    }
+    let cause = format!(
+        "{} requests refused before authentication in {} s (missing or invalid API key)",
+        summary.interval.refused,
+        interval.as_secs()
+    );
+    audit_summary(audit, "auth.refused", cause, summary).await;
 }
 
 #[cfg(test)]

@@ -7,6 +7,11 @@
 //! `$HOME/.cache/rampart/models/venv/bin/weed`, then `PATH`. When none is found, `start` prints why
 //! and returns `None` so the test can skip, unless `RAMPART_REQUIRE_MODELS=1`, which makes it panic.
 //!
+//! The data lives under `/dev/shm` when that memory file system has [`SHM_ROOM_BYTES`] free,
+//! under the temporary directory otherwise: SeaweedFS marks every volume read-only once its disk
+//! has less than 1 % free (and `weed mini` sizes its volume count from the free space), so on a
+//! build machine whose disk the build itself nearly filled, every S3 write answered HTTP 500.
+//!
 //! Not for production: this module is test support and panics on failure.
 
 use std::fs;
@@ -30,6 +35,12 @@ const READY_TIMEOUT_MS: u64 = 30_000;
 const STOP_GRACE_MS: u64 = 10_000;
 /// gRPC listens on each HTTP port + this; SeaweedFS's fixed offset.
 const GRPC_PORT_OFFSET: u16 = 10_000;
+/// Free bytes `/dev/shm` needs to hold the data (the tests write a few MB; SeaweedFS's own
+/// metadata and a margin make this).
+const SHM_ROOM_BYTES: u64 = 1 << 30;
+/// Volumes the server may create, set rather than derived from the free space (0 volumes on a
+/// nearly full disk). The tests' data fits in one.
+const MAX_VOLUMES: u32 = 8;
 /// HTTP ports are picked below this, so their gRPC ports stay valid and outside the usual
 /// ephemeral range's top.
 const MAX_HTTP_PORT: u16 = 50_000;
@@ -141,6 +152,7 @@ impl SeaweedFs {
             .arg(format!("-filer.port={}", ports.filer))
             .arg(format!("-s3.port={}", ports.s3))
             .arg(format!("-admin.port={}", ports.admin))
+            .arg(format!("-volume.max={MAX_VOLUMES}"))
             .current_dir(&self.dir)
             .stdin(Stdio::null())
             .stdout(log)
@@ -315,9 +327,41 @@ fn fresh_dir() -> PathBuf {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.subsec_nanos())
         .unwrap_or(0);
-    std::env::temp_dir().join(format!(
+    data_root().join(format!(
         "rampart-seaweedfs-{}-{}-{nanos}",
         std::process::id(),
         NEXT.fetch_add(1, Ordering::Relaxed)
     ))
+}
+
+/// Where servers keep their data: `/dev/shm` when it is a writable directory with
+/// [`SHM_ROOM_BYTES`] free, the temporary directory otherwise.
+fn data_root() -> PathBuf {
+    let shm = Path::new("/dev/shm");
+    match free_bytes(shm) {
+        Some(free) if free >= SHM_ROOM_BYTES => shm.to_path_buf(),
+        _ => std::env::temp_dir(),
+    }
+}
+
+/// Bytes an unprivileged writer may still use on the file system holding `dir`; `None` when it
+/// is not a writable directory or cannot be asked.
+fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    if !dir.is_dir() {
+        return None;
+    }
+    let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: `path` is a NUL-terminated string that outlives both calls, and `stats` is a
+    // plain-data struct that statvfs fills in full before it is read.
+    unsafe {
+        if libc::access(path.as_ptr(), libc::W_OK) != 0 {
+            return None;
+        }
+        let mut stats: libc::statvfs = std::mem::zeroed();
+        if libc::statvfs(path.as_ptr(), &mut stats) != 0 {
+            return None;
+        }
+        Some(stats.f_bavail.saturating_mul(stats.f_frsize))
+    }
 }

@@ -459,6 +459,67 @@ fn the_guard_has_a_budget_and_runs_after_the_rate_limit() {
 }
 
 #[test]
+fn a_prompt_far_past_the_context_is_tokenized_below_the_compute() {
+    let Some((server, _)) = serve("", "", "") else {
+        return;
+    };
+    let port = server.port;
+    let prepared = || metric_labelled(port, "rampart_lane_jobs_total", "lane=\"prepare\"");
+    let chat = |content: String| {
+        serde_json::json!({"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 1})
+            .to_string()
+    };
+    // A short prompt is tokenized at the request's priority: the lane sees nothing.
+    let (status, _, body) = http(
+        port,
+        "POST",
+        "/v1/chat/completions",
+        Some(&chat("Say yes.".into())),
+        Some(KEY),
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(prepared(), 0.0);
+    // 60 KB of text, about 15,000 tokens for a 2,048-token context: tokenized on the prepare
+    // lane, then refused as too long, as before.
+    let long = "The weather report for the coast says mild winds and some rain. ".repeat(1000);
+    let (status, _, body) = http(
+        port,
+        "POST",
+        "/v1/chat/completions",
+        Some(&chat(long)),
+        Some(KEY),
+    );
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(
+        json(&body)["error"]["code"],
+        "context_length_exceeded",
+        "{body}"
+    );
+    assert_eq!(prepared(), 1.0);
+    // The lane's threads run below the compute's priority ([limits] background_nice = 10).
+    let pid = server.child.id();
+    let nice = |stat: &std::path::Path| -> i32 {
+        let stat = std::fs::read_to_string(stat).unwrap();
+        let after_name = stat.rsplit_once(") ").unwrap().1.to_string();
+        after_name.split(' ').nth(16).unwrap().parse().unwrap()
+    };
+    let process = nice(std::path::Path::new(&format!("/proc/{pid}/stat")));
+    let mut lane_threads = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let task = task.unwrap().path();
+        let comm = std::fs::read_to_string(task.join("comm")).unwrap_or_default();
+        if comm.trim().starts_with("prepare-") {
+            assert_eq!(nice(&task.join("stat")), (process + 10).min(19), "{comm}");
+            lane_threads += 1;
+        }
+    }
+    assert!(
+        lane_threads >= 1,
+        "no prepare lane thread in /proc/{pid}/task"
+    );
+}
+
+#[test]
 fn completions_take_control_tokens_only_where_the_model_opts_in() {
     let completion = |prompt: serde_json::Value, extra: serde_json::Value| {
         let mut body = serde_json::json!({"model": MODEL, "prompt": prompt, "max_tokens": 1});

@@ -536,7 +536,7 @@ async fn infer(
         image_request(&entry, &model.name, bytes)?
     } else {
         // A long body off the async workers and below the compute's priority (100 MiB take
-        // a second to decode): on the decode lane (crate::lane); a short one here. The typed tensors hold the data
+        // a second to decode): on the prepare lane (crate::lane); a short one here. The typed tensors hold the data
         // afterwards: the body's bytes go before the model runs.
         let decode_limits = DecodeLimits::of(limits);
         if bytes.len() <= INLINE_DECODE_BYTES {
@@ -544,7 +544,7 @@ async fn infer(
         } else {
             let headers = headers.clone();
             state
-                .decode_lane
+                .prepare_lane
                 .run(move || decode_rest(&headers, &bytes, decode_limits))
                 .await??
         }

@@ -1,6 +1,7 @@
 //! The background lane: threads below the compute's CPU priority for the work any client can
 //! make long before a model runs (tokenizing a whole document for `/tokenize`, the guard's
-//! judging of a request's texts).
+//! judging of a request's texts, a long prompt's template and tokenization, a long KServe JSON
+//! body's decoding).
 //!
 //! Why: on a machine whose cores the engine uses, every millisecond a client's pre-work holds
 //! a core is a millisecond taken from the generations already admitted: at equal priority a
@@ -13,7 +14,9 @@
 //! both want them, so they are slowed, never starved.
 //!
 //! Each lane has a fixed number of threads (the admission's places), made at start; a job that
-//! panics is answered as an error and leaves its thread running.
+//! panics is answered as an error and leaves its thread running. Metrics per lane:
+//! `rampart_lane_jobs_total`, `rampart_lane_waiting` (jobs sent, not yet started) and
+//! `rampart_lane_job_seconds` (how long each ran).
 
 use std::panic::AssertUnwindSafe;
 use std::sync::{mpsc, Arc, Mutex};
@@ -35,7 +38,8 @@ impl From<LaneError> for crate::error::ApiError {
     }
 }
 
-/// A fixed set of low-priority threads taking jobs in order.
+/// A fixed set of low-priority threads taking jobs in order; clones share the threads.
+#[derive(Clone)]
 pub struct Lane {
     name: &'static str,
     jobs: mpsc::Sender<Job>,
@@ -78,12 +82,21 @@ impl Lane {
         F: FnOnce() -> T + Send + 'static,
     {
         let (answer, answered) = tokio::sync::oneshot::channel();
+        let lane = self.name;
         let job: Job = Box::new(move || {
-            let _ = answer.send(std::panic::catch_unwind(AssertUnwindSafe(f)));
+            metrics::gauge!("rampart_lane_waiting", "lane" => lane).decrement(1.0);
+            let began = std::time::Instant::now();
+            let outcome = std::panic::catch_unwind(AssertUnwindSafe(f));
+            metrics::histogram!("rampart_lane_job_seconds", "lane" => lane)
+                .record(began.elapsed().as_secs_f64());
+            let _ = answer.send(outcome);
         });
-        self.jobs
-            .send(job)
-            .map_err(|_| LaneError::Closed(self.name))?;
+        metrics::counter!("rampart_lane_jobs_total", "lane" => lane).increment(1);
+        metrics::gauge!("rampart_lane_waiting", "lane" => lane).increment(1.0);
+        if self.jobs.send(job).is_err() {
+            metrics::gauge!("rampart_lane_waiting", "lane" => lane).decrement(1.0);
+            return Err(LaneError::Closed(lane));
+        }
         match answered.await {
             Ok(Ok(value)) => Ok(value),
             Ok(Err(_)) => Err(LaneError::Panicked(self.name)),

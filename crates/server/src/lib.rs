@@ -506,7 +506,7 @@ pub fn load_models(state: &AppState) {
             tracing::info!(model = %model.name, "cold model: loads on its first request");
             continue;
         }
-        match state::load(&state.config, &repository, &model) {
+        match state::load(&state.config, &repository, &model, &state.prepare_lane) {
             Ok(entry) => {
                 state.serve(entry);
             }

@@ -117,6 +117,9 @@ pub static METRICS: &[MetricInfo] = &[
     recorded("rampart_generated_tokens_total", MetricKind::Counter, &["model"], "Tokens generated for finished requests."),
     recorded("rampart_rejected_requests_total", MetricKind::Counter, &["model", "reason"], "Requests refused before any compute, by reason."),
     recorded("rampart_tokenize_rejected_total", MetricKind::Counter, &["reason"], "/tokenize and /detokenize requests refused before their body was read, by reason (rate_limited, queue_full, shedding, timeout)."),
+    recorded("rampart_lane_jobs_total", MetricKind::Counter, &["lane"], "Jobs sent to a background lane (pre-work below the compute's CPU priority), by lane (tokenize, prepare, guard, guard-short)."),
+    recorded("rampart_lane_waiting", MetricKind::Gauge, &["lane"], "Jobs sent to a background lane and not yet started, by lane."),
+    recorded("rampart_lane_job_seconds", MetricKind::Histogram, &["lane"], "How long each job of a background lane ran, by lane."),
     recorded("rampart_abnormal_requests_total", MetricKind::Counter, &["model"], "Requests whose mean token entropy fell outside the model's band."),
     recorded("rampart_queue_depth", MetricKind::Gauge, &["model"], "Requests waiting for an admission slot."),
     recorded("rampart_requests_in_flight", MetricKind::Gauge, &["model"], "Requests holding an admission slot."),
@@ -252,6 +255,12 @@ pub fn install_metrics() -> Result<PrometheusHandle, ObserveError> {
             b.set_buckets_for_metric(
                 Matcher::Full("rampart_output_confidence".into()),
                 &[0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0],
+            )
+        })
+        .and_then(|b| {
+            b.set_buckets_for_metric(
+                Matcher::Full("rampart_lane_job_seconds".into()),
+                LATENCY_BUCKETS,
             )
         })
         .and_then(|b| {

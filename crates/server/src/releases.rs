@@ -724,9 +724,10 @@ async fn load_version(
         .unwrap_or_else(|| crate::config::ModelConfig::named(name));
     model.version = Some(version.to_string());
     let config = state.config.clone();
+    let prepare = state.prepare_lane.clone();
     let loaded = tokio::task::spawn_blocking(move || {
         let repository = repo::Repository::open(&config.repo);
-        crate::state::load(&config, &repository, &model)
+        crate::state::load(&config, &repository, &model, &prepare)
     })
     .await
     .map_err(|e| e.to_string())?;

@@ -187,9 +187,10 @@ pub async fn load(
     let began = Instant::now();
     let config = state.config.clone();
     let for_load = model.clone();
+    let prepare = state.prepare_lane.clone();
     let loaded = tokio::task::spawn_blocking(move || {
         let repository = repo::Repository::open(&config.repo);
-        crate::state::load(&config, &repository, &for_load)
+        crate::state::load(&config, &repository, &for_load, &prepare)
     })
     .await
     .map_err(|e| ApiError::Internal(format!("loading {name} stopped: {e}")))?;

@@ -68,9 +68,11 @@ pub struct AppState {
     /// Where `/tokenize` and `/detokenize` work: `tokenize_in_flight` threads below the
     /// compute's priority (crate::lane).
     pub tokenize_lane: crate::lane::Lane,
-    /// Where KServe v2 JSON bodies are decoded into typed tensors: one thread a core, below
-    /// the compute's priority (crate::lane).
-    pub decode_lane: crate::lane::Lane,
+    /// Where a client's long input is made ready for a model: KServe v2 JSON bodies decoded
+    /// into typed tensors, long prompts rendered and tokenized, long texts to embed tokenized;
+    /// one thread a core, below the compute's priority (crate::lane). Short inputs never wait
+    /// here.
+    pub prepare_lane: crate::lane::Lane,
     pub metrics: Option<PrometheusHandle>,
     /// Where every request's record goes.
     pub bus: Arc<Bus>,
@@ -140,8 +142,8 @@ impl AppState {
                 config.limits.tokenize_in_flight,
                 config.limits.background_nice,
             ),
-            decode_lane: crate::lane::Lane::start(
-                "decode",
+            prepare_lane: crate::lane::Lane::start(
+                "prepare",
                 std::thread::available_parallelism().map_or(2, |n| n.get()),
                 config.limits.background_nice,
             ),
@@ -439,13 +441,14 @@ pub fn load(
     config: &ServerConfig,
     repository: &Repository,
     model: &ModelConfig,
+    prepare: &crate::lane::Lane,
 ) -> Result<Entry, LoadError> {
     let started = Instant::now();
     let kind = model_kind(repository, model).unwrap_or(repo::Kind::Llm);
     let entry = match kind {
         repo::Kind::Onnx => load_tensor_model(config, repository, model)?,
-        repo::Kind::Embedding => load_embedder(config, repository, model)?,
-        repo::Kind::Llm => load_llm(config, repository, model)?,
+        repo::Kind::Embedding => load_embedder(config, repository, model, prepare)?,
+        repo::Kind::Llm => load_llm(config, repository, model, prepare)?,
         repo::Kind::Rules => load_rules(config, repository, model)?,
     };
     let policy = policy(config, repository, model, &entry)?;
@@ -649,6 +652,7 @@ fn load_embedder(
     config: &ServerConfig,
     repository: &Repository,
     model: &ModelConfig,
+    prepare: &crate::lane::Lane,
 ) -> Result<Entry, LoadError> {
     let (loaded, digest) = load_verified(repository, model)?;
     let mut options = engine::EmbedderOptions::default();
@@ -657,7 +661,8 @@ fn load_embedder(
     }
     let embedder = engine::Embedder::load_with(&loaded.version.dir, &options)
         .map_err(|e| LoadError::new(&model.name, e))?;
-    let backend = EmbeddingBackend::new(model.name.clone(), embedder);
+    let backend =
+        EmbeddingBackend::new(model.name.clone(), embedder).with_prepare_lane(prepare.clone());
     tracing::info!(
         model = %model.name,
         dimensions = backend.dimensions(),
@@ -672,6 +677,7 @@ fn load_llm(
     config: &ServerConfig,
     repository: &Repository,
     model: &ModelConfig,
+    prepare: &crate::lane::Lane,
 ) -> Result<Entry, LoadError> {
     let fail = |e: &dyn std::fmt::Display| LoadError::new(&model.name, e);
     let reference = model_ref(model)?;
@@ -738,6 +744,7 @@ fn load_llm(
         limits.default_max_tokens,
         Duration::from_secs(config.stall_timeout_s.max(1)),
     )
-    .with_parse_special_tokens(model.parse_special_tokens);
+    .with_parse_special_tokens(model.parse_special_tokens)
+    .with_prepare_lane(prepare.clone());
     Ok(entry(config, model, &version, digest, backend))
 }

@@ -10,6 +10,8 @@ use super::tensor::{text_input, TEXT_INPUT};
 use record::RecordBuilder;
 use tracing::Instrument;
 
+use crate::lane::Lane;
+
 use super::{
     Answer, BackendError, Description, EmbedWork, EmbeddingInputs, Embeddings, InferRequest,
     InferResponse, InferenceBackend, Kind, OutputTensor, StartFuture, TensorSpec, Work, WorkKind,
@@ -24,7 +26,15 @@ pub struct EmbeddingBackend {
     name: String,
     embedder: Arc<engine::Embedder>,
     compute: Arc<Mutex<()>>,
+    /// Where long texts are tokenized (below the compute's priority, the server's prepare
+    /// lane); short ones, and all of them without a lane, beside the compute.
+    prepare: Option<Lane>,
 }
+
+/// Texts up to this many bytes (a request's together) are tokenized beside the compute; longer
+/// ones first on the prepare lane: an embedder reads a few hundred tokens, and a client sending
+/// megabytes to be refused as too long would otherwise take a core from the compute.
+const INLINE_TEXT_BYTES: usize = 16 * 1024;
 
 impl EmbeddingBackend {
     pub fn new(name: String, embedder: engine::Embedder) -> Self {
@@ -32,7 +42,14 @@ impl EmbeddingBackend {
             name,
             embedder: Arc::new(embedder),
             compute: Arc::new(Mutex::new(())),
+            prepare: None,
         }
+    }
+
+    /// Tokenizes long texts on `lane` (crate::lane).
+    pub fn with_prepare_lane(mut self, lane: Lane) -> Self {
+        self.prepare = Some(lane);
+        self
     }
 
     pub fn dimensions(&self) -> usize {
@@ -63,10 +80,31 @@ impl EmbeddingBackend {
             truncate: false,
             dimensions,
         };
+        let began = Instant::now();
+        let inputs = match (inputs, &self.prepare) {
+            (EmbeddingInputs::Texts(texts), Some(lane))
+                if texts.iter().map(String::len).sum::<usize>() > INLINE_TEXT_BYTES =>
+            {
+                let embedder = Arc::clone(&self.embedder);
+                let ids = lane
+                    .run(move || {
+                        texts
+                            .iter()
+                            .map(|t| embedder.tokenize(t))
+                            .collect::<Result<Vec<_>, _>>()
+                    })
+                    .instrument(tracing::debug_span!("tokenize"))
+                    .await
+                    .map_err(|e| {
+                        BackendError::Failed(format!("tokenization task failed: {e}"))
+                    })??;
+                EmbeddingInputs::Tokens(ids)
+            }
+            (inputs, _) => inputs,
+        };
         let embedder = Arc::clone(&self.embedder);
         let compute = Arc::clone(&self.compute);
         let result = tokio::task::spawn_blocking(move || {
-            let began = Instant::now();
             let ids = match inputs {
                 EmbeddingInputs::Texts(texts) => texts
                     .iter()

@@ -339,21 +339,24 @@ pub struct Prepared {
     pub shape: [usize; 4],
     pub transform: Transform,
     /// The decoded image's statistics for the monitors, when asked for.
-    pub observation: Option<monitor::Observation>,
+    pub observation: Option<record::Observation>,
     /// Time spent decoding the encoded bytes (0 when given decoded pixels); the rest of the
     /// preparation is pre-processing (the traces show the two apart).
     pub decode_seconds: f64,
 }
 
 /// Runs the declared steps on encoded image bytes; with `observe`, also measures the decoded
-/// image for the monitors (before any resize, on a sampled grid).
-pub fn prepare(bytes: &[u8], spec: &Preprocess, observe: bool) -> Result<Prepared, ClassicError> {
+/// image for the monitors (before any resize).
+pub fn prepare(
+    bytes: &[u8],
+    spec: &Preprocess,
+    observe: Option<crate::model::ImageFeatures>,
+) -> Result<Prepared, ClassicError> {
     let began = std::time::Instant::now();
     let img = decode(bytes, spec.exif_orientation)?;
     let decode_seconds = began.elapsed().as_secs_f64();
-    let observation = observe.then(|| {
-        monitor::features::image(&img.pixels, img.width, img.height, (img.width, img.height))
-    });
+    let observation = observe
+        .map(|features| features(&img.pixels, img.width, img.height, (img.width, img.height)));
     let mut p = prepare_rgb(img, spec)?;
     p.observation = observation;
     p.decode_seconds = decode_seconds;

@@ -24,5 +24,5 @@ pub mod tensor;
 pub mod tensor_json;
 
 pub use error::ClassicError;
-pub use model::{BackendChoice, Judgement, LoadOptions, TensorModel};
+pub use model::{BackendChoice, ImageFeatures, Judgement, LoadOptions, TensorModel};
 pub use tensor::{DType, Data, Tensor};

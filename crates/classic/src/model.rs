@@ -61,7 +61,7 @@ impl Judgement {
 
 /// A pre-processed image batch: the tensor, each image's transform and observation.
 /// The batch tensor, each image's transform and observation, and the seconds spent decoding.
-type ImageBatch = (Tensor, Vec<Transform>, Vec<monitor::Observation>, f64);
+type ImageBatch = (Tensor, Vec<Transform>, Vec<record::Observation>, f64);
 
 /// A loaded tensor model.
 pub struct TensorModel {
@@ -75,10 +75,14 @@ pub struct TensorModel {
     engine: Arc<dyn Backend>,
     batcher: Batcher,
     max_input_elements: usize,
-    /// Whether pre-processing also measures each image for the monitors (a sampled pass over
-    /// the decoded pixels).
-    pub observe_images: bool,
+    /// Measures each decoded image for the monitors when set (the server gives
+    /// `monitor::features::image`, a sampled pass over the pixels).
+    pub observe_images: Option<ImageFeatures>,
 }
+
+/// Statistics of a decoded 8-bit RGB image (pixels, width, height, original size) for the
+/// monitors.
+pub type ImageFeatures = fn(&[u8], usize, usize, (usize, usize)) -> record::Observation;
 
 /// Request inputs checked and ordered as the graph wants them, with what pre-processing learnt.
 pub struct PreparedInputs {
@@ -86,7 +90,7 @@ pub struct PreparedInputs {
     /// Maps detections back to each original image (empty for tensor inputs).
     pub transforms: Vec<Transform>,
     /// Each image's statistics for the monitors (empty unless `observe_images`).
-    pub observations: Vec<monitor::Observation>,
+    pub observations: Vec<record::Observation>,
     /// Seconds spent decoding images (the rest of `prepare` was pre-processing).
     pub decode_seconds: f64,
 }
@@ -163,7 +167,7 @@ impl TensorModel {
             backend: backend.name(),
             engine: backend,
             batcher,
-            observe_images: false,
+            observe_images: None,
             max_input_elements: if options.max_input_elements == 0 {
                 64 << 20
             } else {

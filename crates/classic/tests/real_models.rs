@@ -50,6 +50,8 @@ fn import(
                     rustc: None,
                 },
                 progress: &repo::NoProgress,
+                rules_check: None,
+                host_fingerprint: None,
             },
         )
         .unwrap();

@@ -427,6 +427,8 @@ fn repository_imports_and_serves_a_hugging_face_folder() {
                     rustc: None,
                 },
                 progress: &NoProgress,
+                rules_check: None,
+                host_fingerprint: None,
             },
         )
         .unwrap();

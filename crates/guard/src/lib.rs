@@ -19,4 +19,6 @@ pub use injection::{
     Channel, Decision, Finding, Guard, Input, Mode, OnError, OverBudget, Policy, SpecialTokens,
     Thresholds, Verdict, SEED_RULES,
 };
-pub use rules::{Classification, LabelScore, Reason, RulesEngine, RulesError, RulesFile};
+pub use rules::{
+    check_rules_file, Classification, LabelScore, Reason, RulesEngine, RulesError, RulesFile,
+};

@@ -154,6 +154,18 @@ impl std::fmt::Debug for RulesEngine {
 /// exhaust memory.
 const MAX_PATTERN_BYTES: usize = 1 << 20;
 
+/// Checks a rules file's text as the server will load it (parsed and compiled) and returns
+/// how many rules it holds (keywords and patterns): what the model repository asks at import.
+pub fn check_rules_file(text: &str) -> Result<u64, String> {
+    let file: RulesFile = toml::from_str(text).map_err(|e| e.to_string())?;
+    RulesEngine::new(&file).map_err(|e| e.to_string())?;
+    Ok(file
+        .labels
+        .values()
+        .map(|l| (l.keywords.len() + l.patterns.len()) as u64)
+        .sum())
+}
+
 impl RulesEngine {
     /// Parses and compiles a rules file's text.
     pub fn from_toml(text: &str) -> Result<Self, RulesError> {

@@ -29,6 +29,14 @@ pub struct Fingerprint {
     pub pcie: Vec<PcieDevice>,
 }
 
+impl Fingerprint {
+    /// A fingerprint kept as JSON (a version's LINEAGE.json); `None` when it is of a schema
+    /// this build does not know.
+    pub fn from_json(value: &serde_json::Value) -> Option<Fingerprint> {
+        serde_json::from_value(value.clone()).ok()
+    }
+}
+
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct CpuFingerprint {

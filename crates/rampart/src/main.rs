@@ -33,6 +33,11 @@ pub fn build_info() -> repo::BuildInfo {
     }
 }
 
+/// The host's hardware fingerprint as a version's lineage keeps it.
+pub fn host_fingerprint() -> Option<serde_json::Value> {
+    serde_json::to_value(host::fingerprint(&host::Context::default())).ok()
+}
+
 fn long_version() -> &'static str {
     let info = build_info();
     let text = format!(

@@ -302,6 +302,8 @@ fn import(repo: &Repository, source: PathBuf, args: ImportArgs, json: bool) -> R
         pipeline,
         build: build_info(),
         progress: progress.as_ref(),
+        rules_check: Some(guard::check_rules_file),
+        host_fingerprint: crate::host_fingerprint(),
     };
     let loaded = repo
         .import(&source, &options)
@@ -451,7 +453,11 @@ fn inspect(repo: &Repository, model: &str, json: bool) -> Result<ExitCode> {
                 .collect();
             s.row("gpus", gpus.join(", "));
         }
-        if let Some(fingerprint) = env.host_fingerprint() {
+        if let Some(fingerprint) = env
+            .fingerprint
+            .as_ref()
+            .and_then(host::Fingerprint::from_json)
+        {
             s.row("fingerprint", fingerprint.summary());
         }
         print!("{}", s.render());

@@ -145,6 +145,8 @@ pub fn quantize(
         pipeline: None,
         build: build_info(),
         progress: progress.as_ref(),
+        rules_check: Some(guard::check_rules_file),
+        host_fingerprint: crate::host_fingerprint(),
     };
     let loaded = repo
         .import(&out, &options)

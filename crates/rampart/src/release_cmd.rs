@@ -375,7 +375,7 @@ fn feature_consistency(
             continue;
         };
         for (spec, out) in [(&old, &mut vectors.0), (&new, &mut vectors.1)] {
-            let prepared = classic::imageops::prepare(&bytes, spec, false)
+            let prepared = classic::imageops::prepare(&bytes, spec, None)
                 .map_err(|e| anyhow::anyhow!("golden case {} ({}): {e}", case.id, case.source))?;
             out.push(prepared.data);
         }

@@ -284,6 +284,8 @@ fn verify_judges_the_repository_by_its_digests() {
                     rustc: None,
                 },
                 progress: &repo::NoProgress,
+                rules_check: None,
+                host_fingerprint: None,
             },
         )
         .unwrap();

@@ -155,9 +155,18 @@ pub fn source_files(source: &Path) -> Result<Vec<SourceEntry>, RepoError> {
     Ok(entries)
 }
 
+/// Parses and compiles a rules file's text as the server will (the guard's
+/// `guard::check_rules_file`) and returns its number of rules. The repository takes it from
+/// its caller so that it (and the engine that reads it) builds without the guard.
+pub type RulesCheck = fn(&str) -> Result<u64, String>;
+
 /// Detects the format and kind of `source` and reads its facts. `kind` overrides detection
 /// (e.g. an ONNX graph that is an embedder).
-pub fn describe(source: &Path, kind: Option<Kind>) -> Result<Description, RepoError> {
+pub fn describe(
+    source: &Path,
+    kind: Option<Kind>,
+    rules_check: Option<RulesCheck>,
+) -> Result<Description, RepoError> {
     let mut files = source_files(source)?;
     let names: Vec<&str> = files.iter().map(|f| f.relative.as_str()).collect();
     let of_ext = |ext: &str| names.iter().filter(|n| has_ext(n, ext)).count();
@@ -190,7 +199,7 @@ pub fn describe(source: &Path, kind: Option<Kind>) -> Result<Description, RepoEr
             .iter()
             .find(|n| has_ext(n, "toml"))
             .map(|n| n.to_string());
-        describe_rules(base, file.as_deref().unwrap_or_default(), kind)?
+        describe_rules(base, file.as_deref().unwrap_or_default(), kind, rules_check)?
     } else if ggufs > 0 {
         if ggufs > 1 {
             return Err(unsupported(
@@ -269,22 +278,27 @@ fn check_kind(
 
 /// A rules file: compiled by the rules engine at import, so a file that would not serve is
 /// refused here with what is wrong.
-fn describe_rules(base: &Path, file: &str, kind: Option<Kind>) -> Result<Description, RepoError> {
+fn describe_rules(
+    base: &Path,
+    file: &str,
+    kind: Option<Kind>,
+    rules_check: Option<RulesCheck>,
+) -> Result<Description, RepoError> {
     let path = base.join(file);
     let kind = check_kind(kind, Kind::Rules, Format::Toml, &path)?;
+    let Some(check) = rules_check else {
+        return Err(unsupported(
+            &path,
+            "this import cannot check rules files (nothing would prove the file serves)",
+        ));
+    };
     let text = std::fs::read_to_string(&path).map_err(RepoError::io(&path))?;
-    let rules: guard::RulesFile = toml::from_str(&text).map_err(|e| bad_file(&path, e))?;
-    guard::RulesEngine::new(&rules).map_err(|e| bad_file(&path, e))?;
-    let rule_count: usize = rules
-        .labels
-        .values()
-        .map(|l| l.keywords.len() + l.patterns.len())
-        .sum();
+    let rule_count = check(&text).map_err(|e| bad_file(&path, e))?;
     Ok(Description {
         kind,
         format: Format::Toml,
         display_name: None,
-        parameter_count: rule_count as u64,
+        parameter_count: rule_count,
         weights: vec![file.to_string()],
         architecture: None,
         tokenizer: None,

@@ -28,6 +28,7 @@ pub mod progress;
 pub mod repository;
 pub mod tokenizer;
 
+pub use describe::RulesCheck;
 pub use digests::{Digests, VerifyReport};
 pub use error::RepoError;
 pub use lineage::{BuildInfo, Derivation, Lineage};

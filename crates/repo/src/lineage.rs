@@ -158,13 +158,8 @@ const INTERESTING_FLAGS: &[&str] = &[
 ];
 
 impl Environment {
-    /// The fingerprint as [`host::Fingerprint`]; `None` when there is none or it is of a
-    /// schema this build does not know.
-    pub fn host_fingerprint(&self) -> Option<host::Fingerprint> {
-        serde_json::from_value(self.fingerprint.clone()?).ok()
-    }
-
-    /// Reads the host's facts. Missing sources (no `/proc`, no `nvidia-smi`) leave fields empty.
+    /// Reads the host's facts (the hardware fingerprint is the importer's to add: `host` is
+    /// not a dependency of the repository). Missing sources (no `/proc`, no `nvidia-smi`) leave fields empty.
     pub fn snapshot() -> Self {
         let os = std::fs::read_to_string("/etc/os-release")
             .ok()
@@ -214,7 +209,7 @@ impl Environment {
             memory_bytes,
             gpus,
             cuda_version,
-            fingerprint: serde_json::to_value(host::fingerprint(&host::Context::default())).ok(),
+            fingerprint: None,
         }
     }
 }
@@ -328,16 +323,6 @@ mod tests {
     }
 
     #[test]
-    fn the_snapshot_carries_the_hardware_fingerprint() {
-        let env = Environment::snapshot();
-        let fingerprint = env
-            .host_fingerprint()
-            .expect("a fingerprint of this schema");
-        assert_eq!(fingerprint.arch, env.arch);
-        assert_eq!(fingerprint.kernel_release, env.kernel);
-    }
-
-    #[test]
     fn an_environment_without_a_fingerprint_still_reads() {
         // What versions imported before the fingerprint have.
         let old = r#"{"os": "Ubuntu", "kernel": "6.8.0", "arch": "x86_64", "cpu_model": null,
@@ -345,7 +330,6 @@ mod tests {
             "cuda_version": null}"#;
         let env: Environment = serde_json::from_str(old).expect("old environments read");
         assert_eq!(env.fingerprint, None);
-        assert!(env.host_fingerprint().is_none());
         assert!(!serde_json::to_string(&env).unwrap().contains("fingerprint"));
         // A fingerprint of a newer schema is kept, if not understood.
         let newer = old.replacen(
@@ -355,7 +339,7 @@ mod tests {
         );
         let env: Environment = serde_json::from_str(&newer).expect("newer fingerprints read");
         assert!(env.fingerprint.is_some());
-        assert!(env.host_fingerprint().is_none());
+        assert!(host::Fingerprint::from_json(env.fingerprint.as_ref().unwrap()).is_none());
     }
 
     #[test]

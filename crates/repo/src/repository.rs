@@ -60,6 +60,10 @@ pub struct ImportOptions<'a> {
     pub pipeline: Option<crate::pipeline::Pipeline>,
     pub build: BuildInfo,
     pub progress: &'a dyn Progress,
+    /// Checks rules files (`guard::check_rules_file`); without it a rules file is refused.
+    pub rules_check: Option<crate::describe::RulesCheck>,
+    /// The host's hardware fingerprint for the lineage (`host::fingerprint`, as JSON).
+    pub host_fingerprint: Option<serde_json::Value>,
 }
 
 /// Removes a staging folder unless the import completed.
@@ -299,7 +303,7 @@ impl Repository {
             return Err(exists());
         }
         let source = std::path::absolute(source).map_err(RepoError::io(source))?;
-        let description = describe(&source, options.kind)?;
+        let description = describe(&source, options.kind, options.rules_check)?;
         let pipeline = declared_pipeline(&source, options.pipeline.as_ref(), &description)?;
 
         std::fs::create_dir_all(&model_dir).map_err(RepoError::io(&model_dir))?;
@@ -404,7 +408,10 @@ impl Repository {
             rampart: options.build.clone(),
             git_commit: options.git_commit.clone(),
             dataset_version: options.dataset_version.clone(),
-            environment: Environment::snapshot(),
+            environment: Environment {
+                fingerprint: options.host_fingerprint.clone(),
+                ..Environment::snapshot()
+            },
             derived_from: options.derived_from.clone(),
         };
         lineage.write(&staging.dir)?;

@@ -28,6 +28,8 @@ fn options(name: &str, version: &str) -> ImportOptions<'static> {
         pipeline: None,
         build: build(),
         progress: &NoProgress,
+        rules_check: Some(guard::check_rules_file),
+        host_fingerprint: serde_json::to_value(host::fingerprint(&host::Context::default())).ok(),
     }
 }
 
@@ -128,7 +130,9 @@ fn an_imported_versions_lineage_carries_the_hardware_fingerprint() {
     let lineage = repo::Lineage::read(&tmp.path().join("models/tiny/1.0.0")).unwrap();
     let typed = lineage
         .environment
-        .host_fingerprint()
+        .fingerprint
+        .as_ref()
+        .and_then(host::Fingerprint::from_json)
         .expect("typed fingerprint");
     assert_eq!(
         typed.kernel_release,

@@ -609,7 +609,10 @@ fn tensor_entry(
     };
     let mut tensor_model = classic::TensorModel::load(&version.dir, manifest, &options)
         .map_err(|e| LoadError::new(&model.name, e))?;
-    tensor_model.observe_images = config.monitor.enabled;
+    tensor_model.observe_images = config
+        .monitor
+        .enabled
+        .then_some(monitor::features::image as classic::ImageFeatures);
     tracing::info!(
         model = %model.name,
         backend = tensor_model.backend(),

@@ -93,6 +93,8 @@ pub fn import(root: &Path, source: &Path, name: &str) -> LoadedVersion {
             rustc: None,
         },
         progress: &NoProgress,
+        rules_check: None,
+        host_fingerprint: None,
     };
     repo.import(source, &options)
         .expect("the cached model imports")

@@ -376,7 +376,7 @@ impl TensorBackend {
         }
         record.stage("preprocess", decoded_at, prepared_at);
         let (inputs, transforms) = (prepared.tensors, prepared.transforms);
-        let input_features = if model.observe_images && prepared.observations.is_empty() {
+        let input_features = if model.observe_images.is_some() && prepared.observations.is_empty() {
             tensor_observation(&inputs)
         } else {
             None
@@ -394,7 +394,7 @@ impl TensorBackend {
         record.stage("compute", computing, ran_at);
         let judgements = model.postprocess(&outputs, &transforms)?;
         record_confidence(record, &judgements);
-        if model.observe_images {
+        if model.observe_images.is_some() {
             observe(record, prepared.observations, input_features, &judgements);
         }
         let mut available = outputs;

@@ -83,6 +83,17 @@ impl Sink for AuditSink {
         Box::pin(async move { self.append(entries).await })
     }
 
+    /// Controller decisions and admin actions: one action entry each, in order with the
+    /// requests' entries (a controller's principal is `rampart`).
+    fn takes_actions(&self) -> bool {
+        true
+    }
+
+    fn write_action<'a>(&'a mut self, action: &'a record::ActionRecord) -> SinkFuture<'a> {
+        let entry = action_entry(action);
+        Box::pin(async move { self.append(vec![entry]).await })
+    }
+
     fn flush(&mut self) -> SinkFuture<'_> {
         let log = Arc::clone(&self.log);
         Box::pin(async move {
@@ -182,6 +193,29 @@ fn spawn_checkpointer(log: &Arc<AuditLog>, interval: Duration) {
     if let Err(e) = spawned {
         tracing::error!(error = %e, "the audit checkpoint thread did not start");
     }
+}
+
+/// The audit entry of an action that rode the bus.
+pub fn action_entry(action: &record::ActionRecord) -> AuditEntry {
+    let (principal, operator) = match &action.by {
+        record::Actor::Controller => (Some("rampart".to_string()), None),
+        record::Actor::Key {
+            principal,
+            operator,
+        } => (Some(principal.clone()), operator.clone()),
+    };
+    AuditEntry::action(
+        principal,
+        operator,
+        action.model.clone(),
+        Action {
+            name: action.name.clone(),
+            target: action.target.clone(),
+            cause: action.cause.clone(),
+            outcome: action.outcome.clone(),
+            detail: action.detail.clone(),
+        },
+    )
 }
 
 /// Appends one action entry (off the async threads); the error says why it was not kept.

@@ -8,6 +8,9 @@
 //! publisher's [`Receipt`] resolves only once the sink has written the record (fail-closed
 //! audit), and reports an error when the record was lost or the write failed.
 //!
+//! Actions (controller decisions, admin actions: [`crate::ActionRecord`]) ride the same lanes,
+//! in order with the records, to the sinks that take them ([`Sink::takes_actions`]).
+//!
 //! Shutdown closes every lane and waits, up to a deadline, for each sink to write what its lane
 //! holds and to flush.
 
@@ -22,6 +25,7 @@ use tokio::sync::mpsc::error::TrySendError;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio::task::JoinHandle;
 
+use crate::action::ActionRecord;
 use crate::inference::Envelope;
 
 /// How a sink's lane behaves when the sink falls behind.
@@ -92,6 +96,16 @@ pub trait Sink: Send + 'static {
         true
     }
     fn write<'a>(&'a mut self, envelope: &'a Envelope) -> SinkFuture<'a>;
+    /// Whether the sink keeps actions (controller decisions, admin actions); those that do
+    /// get them through [`Sink::write_action`], in order with the records.
+    fn takes_actions(&self) -> bool {
+        false
+    }
+    /// Keeps one action. Called only when [`Sink::takes_actions`].
+    fn write_action<'a>(&'a mut self, action: &'a ActionRecord) -> SinkFuture<'a> {
+        let _ = action;
+        Box::pin(std::future::ready(Ok(())))
+    }
     /// The most records the bus hands to [`Sink::write_batch`] at once (1: one at a time).
     fn max_batch(&self) -> usize {
         1
@@ -173,9 +187,15 @@ pub enum BusError {
 type AckSender = oneshot::Sender<Result<(), AckError>>;
 
 struct Item {
-    /// `None`: a marker that only asks to be acknowledged once everything before it is written.
-    envelope: Option<Arc<Envelope>>,
+    what: What,
     ack: Option<AckSender>,
+}
+
+enum What {
+    Record(Arc<Envelope>),
+    Action(Arc<ActionRecord>),
+    /// Only asks to be acknowledged once everything before it is written.
+    Marker,
 }
 
 /// What one lane counted.
@@ -207,6 +227,7 @@ struct Lane {
     delivery: Delivery,
     wants_payload: bool,
     takes_summarised_refusals: bool,
+    takes_actions: bool,
     /// `None` once the bus shut down.
     sender: RwLock<Option<mpsc::Sender<Item>>>,
     /// Lossless lanes: the waiter tasks allowed at once.
@@ -337,6 +358,7 @@ impl Bus {
                 delivery,
                 wants_payload: sink.wants_payload(),
                 takes_summarised_refusals: sink.takes_summarised_refusals(),
+                takes_actions: sink.takes_actions(),
                 sender: RwLock::new(Some(sender)),
                 waiters: Arc::new(Semaphore::new(delivery.capacity())),
                 written: AtomicU64::new(0),
@@ -399,7 +421,31 @@ impl Bus {
             self.offer(
                 lane,
                 Item {
-                    envelope: Some(envelope),
+                    what: What::Record(envelope),
+                    ack,
+                },
+            );
+        }
+        receipt
+    }
+
+    /// Hands an action to every lane whose sink keeps actions, without waiting; the receipt
+    /// resolves once the acknowledging sinks (the fail-closed audit log) wrote it.
+    pub fn publish_action(&self, action: ActionRecord) -> Receipt {
+        let mut receipt = Receipt::empty();
+        let action = Arc::new(action);
+        for lane in self.lanes.iter().filter(|l| l.takes_actions) {
+            let ack = if lane.delivery.acknowledges() {
+                let (tx, rx) = oneshot::channel();
+                receipt.acks.push((lane.name, rx));
+                Some(tx)
+            } else {
+                None
+            };
+            self.offer(
+                lane,
+                Item {
+                    what: What::Action(Arc::clone(&action)),
                     ack,
                 },
             );
@@ -455,7 +501,7 @@ impl Bus {
             guard.as_ref().is_some_and(|sender| {
                 sender
                     .try_send(Item {
-                        envelope: None,
+                        what: What::Marker,
                         ack: Some(tx),
                     })
                     .is_ok()
@@ -553,19 +599,50 @@ async fn run_sink(mut sink: Box<dyn Sink>, mut lane_rx: mpsc::Receiver<Item>, la
 }
 
 async fn write_one(sink: &mut dyn Sink, item: Item, lane: &Lane) {
-    let Some(envelope) = item.envelope else {
-        if let Some(ack) = item.ack {
-            let _ = ack.send(Ok(()));
+    match &item.what {
+        What::Record(envelope) => {
+            let result = sink.write(envelope).await;
+            settle_item(lane, item.ack, &item.what, result.as_ref().err(), true);
         }
-        return;
-    };
-    let result = sink.write(&envelope).await;
-    settle_item(lane, item.ack, &envelope, result.as_ref().err(), true);
+        What::Action(action) => {
+            let result = sink.write_action(action).await;
+            settle_item(lane, item.ack, &item.what, result.as_ref().err(), true);
+        }
+        What::Marker => {
+            if let Some(ack) = item.ack {
+                let _ = ack.send(Ok(()));
+            }
+        }
+    }
 }
 
-/// Writes the records of `items` as one batch, then answers every item in order.
+/// Writes the records of `items` in batches, then answers every item in order; an action
+/// between them is written on its own, after the records before it.
 async fn write_many(sink: &mut dyn Sink, items: &mut Vec<Item>, lane: &Lane) {
-    let envelopes: Vec<Arc<Envelope>> = items.iter().filter_map(|i| i.envelope.clone()).collect();
+    while !items.is_empty() {
+        let run = items
+            .iter()
+            .take_while(|i| matches!(i.what, What::Record(_) | What::Marker))
+            .count();
+        if run == 0 {
+            let action = items.remove(0);
+            write_one(sink, action, lane).await;
+        } else {
+            let batch: Vec<Item> = items.drain(..run).collect();
+            write_records(sink, batch, lane).await;
+        }
+    }
+}
+
+/// Writes a run of records (and markers) as one batch, then answers each in order.
+async fn write_records(sink: &mut dyn Sink, items: Vec<Item>, lane: &Lane) {
+    let envelopes: Vec<Arc<Envelope>> = items
+        .iter()
+        .filter_map(|i| match &i.what {
+            What::Record(e) => Some(Arc::clone(e)),
+            _ => None,
+        })
+        .collect();
     let result = if envelopes.is_empty() {
         Ok(())
     } else {
@@ -574,14 +651,14 @@ async fn write_many(sink: &mut dyn Sink, items: &mut Vec<Item>, lane: &Lane) {
     if let Err(e) = &result {
         tracing::warn!(sink = lane.name, error = %e, records = envelopes.len(), "record sink failed to write a batch");
     }
-    for item in items.drain(..) {
-        match item.envelope {
-            Some(envelope) => settle_item(lane, item.ack, &envelope, result.as_ref().err(), false),
-            None => {
+    for item in items {
+        match item.what {
+            What::Marker => {
                 if let Some(ack) = item.ack {
                     let _ = ack.send(Ok(()));
                 }
             }
+            _ => settle_item(lane, item.ack, &item.what, result.as_ref().err(), false),
         }
     }
 }
@@ -591,7 +668,7 @@ async fn write_many(sink: &mut dyn Sink, items: &mut Vec<Item>, lane: &Lane) {
 fn settle_item(
     lane: &Lane,
     ack: Option<AckSender>,
-    envelope: &Envelope,
+    what: &What,
     error: Option<&SinkError>,
     log_each: bool,
 ) {
@@ -605,7 +682,15 @@ fn settle_item(
         Some(e) => {
             lane.count(DropReason::WriteFailed);
             if log_each {
-                tracing::warn!(sink = lane.name, error = %e, request_id = %envelope.record.request_id, "record sink failed to write a record");
+                match what {
+                    What::Record(envelope) => {
+                        tracing::warn!(sink = lane.name, error = %e, request_id = %envelope.record.request_id, "record sink failed to write a record")
+                    }
+                    What::Action(action) => {
+                        tracing::warn!(sink = lane.name, error = %e, action = %action.name, "record sink failed to write an action")
+                    }
+                    What::Marker => {}
+                }
             }
             if let Some(ack) = ack {
                 let _ = ack.send(Err(AckError::Failed {

@@ -15,6 +15,7 @@
 //! Not here: what the sinks do (log, metrics, audit, monitors live with their crates) and
 //! anything about HTTP or models.
 
+mod action;
 mod builder;
 mod bus;
 mod features;
@@ -22,6 +23,7 @@ mod inference;
 pub mod testing;
 mod timeline;
 
+pub use action::{ActionRecord, Actor};
 pub use builder::{sha256_bytes_hex, sha256_hex, RecordBuilder};
 pub use bus::{
     AckError, Bus, BusError, Delivery, DropReason, LaneCounters, Receipt, ShutdownReport, Sink,

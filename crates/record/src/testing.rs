@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
+use crate::action::ActionRecord;
 use crate::bus::{Bus, Delivery, DropReason, Sink, SinkEnd, SinkError, SinkFuture};
 use crate::inference::{Envelope, InferenceRecord, Payload};
 
@@ -40,11 +41,35 @@ pub fn sample_envelope(n: usize) -> Envelope {
 
 /// What a [`CollectingSink`] received.
 #[derive(Debug, Clone, Default)]
-pub struct Collected(Arc<Mutex<Vec<Envelope>>>);
+pub struct Collected(Arc<Mutex<Vec<Envelope>>>, Arc<Mutex<Vec<Written>>>);
+
+/// One thing a [`CollectingSink`] wrote, in the order it wrote them.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Written {
+    /// A record, by request id.
+    Record(String),
+    Action(Box<ActionRecord>),
+}
 
 impl Collected {
     pub fn envelopes(&self) -> Vec<Envelope> {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Records and actions in the order the sink wrote them.
+    pub fn written(&self) -> Vec<Written> {
+        self.1.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The actions it was given.
+    pub fn actions(&self) -> Vec<ActionRecord> {
+        self.written()
+            .into_iter()
+            .filter_map(|w| match w {
+                Written::Action(a) => Some(*a),
+                Written::Record(_) => None,
+            })
+            .collect()
     }
 
     pub fn records(&self) -> Vec<InferenceRecord> {
@@ -60,12 +85,14 @@ impl Collected {
     }
 }
 
-/// Keeps every record it is given.
+/// Keeps every record it is given (and actions, when asked to take them).
 #[derive(Debug)]
 pub struct CollectingSink {
     name: &'static str,
     delivery: Delivery,
     wants_payload: bool,
+    takes_actions: bool,
+    max_batch: usize,
     into: Collected,
 }
 
@@ -77,6 +104,8 @@ impl CollectingSink {
                 name,
                 delivery,
                 wants_payload: false,
+                takes_actions: false,
+                max_batch: 1,
                 into: into.clone(),
             },
             into,
@@ -86,6 +115,18 @@ impl CollectingSink {
     /// Asks for the payload, as the audit sink does.
     pub fn with_payload(mut self) -> Self {
         self.wants_payload = true;
+        self
+    }
+
+    /// Takes actions, as the log, the metrics and the audit log do.
+    pub fn with_actions(mut self) -> Self {
+        self.takes_actions = true;
+        self
+    }
+
+    /// Takes records `n` at a time, as the audit log does (group commits).
+    pub fn with_batches(mut self, n: usize) -> Self {
+        self.max_batch = n;
         self
     }
 }
@@ -106,7 +147,26 @@ impl Sink for CollectingSink {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(envelope.clone());
+        self.into
+            .1
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Written::Record(envelope.record.request_id.clone()));
         Box::pin(std::future::ready(Ok(())))
+    }
+    fn takes_actions(&self) -> bool {
+        self.takes_actions
+    }
+    fn write_action<'a>(&'a mut self, action: &'a ActionRecord) -> SinkFuture<'a> {
+        self.into
+            .1
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Written::Action(Box::new(action.clone())));
+        Box::pin(std::future::ready(Ok(())))
+    }
+    fn max_batch(&self) -> usize {
+        self.max_batch
     }
 }
 

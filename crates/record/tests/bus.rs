@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
-use record::testing::{check_sink, sample_envelope, CollectingSink, Gate, GatedSink};
-use record::{Bus, BusError, Delivery, DropReason, RecordBuilder, SinkEnd};
+use record::testing::{check_sink, sample_envelope, CollectingSink, Gate, GatedSink, Written};
+use record::{ActionRecord, Bus, BusError, Delivery, DropReason, RecordBuilder, SinkEnd};
 
 const LOSSLESS: Delivery = Delivery::Lossless {
     capacity: 16,
@@ -200,4 +200,57 @@ async fn caught_up_waits_for_everything_published_before_it() {
     assert!(!bus.caught_up("nope", Duration::from_secs(1)).await);
     bus.shutdown(Duration::from_secs(5)).await;
     assert!(!bus.caught_up("metrics", Duration::from_secs(1)).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn actions_reach_the_sinks_that_keep_them_in_order_with_the_records() {
+    let (log, logged) = CollectingSink::new("log", Delivery::Lossy { capacity: 64 });
+    let (audit, audited) = CollectingSink::new("audit", LOSSLESS);
+    let (monitors, monitored) = CollectingSink::new("monitors", Delivery::Lossy { capacity: 64 });
+    // The audit log takes records in group commits: an action between records keeps its place.
+    let bus = Bus::start(vec![
+        Box::new(log.with_actions()),
+        Box::new(audit.with_actions().with_batches(16)),
+        Box::new(monitors),
+    ])
+    .unwrap();
+    let decision = |n: usize| {
+        ActionRecord::decision(
+            "breaker.open",
+            Some("m"),
+            &format!("m@{n}"),
+            "5 failures in a row",
+            serde_json::json!({"n": n}),
+        )
+    };
+    let mut receipts = Vec::new();
+    for n in 0..3 {
+        let _ = bus.publish(sample_envelope(2 * n));
+        receipts.push(bus.publish_action(decision(n)));
+        let _ = bus.publish(sample_envelope(2 * n + 1));
+    }
+    for receipt in receipts {
+        assert!(
+            receipt.is_pending(),
+            "the lossless sink acknowledges actions"
+        );
+        receipt.wait().await.unwrap();
+    }
+    bus.shutdown(Duration::from_secs(5)).await;
+    let expected: Vec<Written> = (0..3)
+        .flat_map(|n| {
+            [
+                Written::Record(format!("req-{}", 2 * n)),
+                Written::Action(Box::new(decision(n))),
+                Written::Record(format!("req-{}", 2 * n + 1)),
+            ]
+        })
+        .collect();
+    assert_eq!(audited.written(), expected);
+    assert_eq!(logged.written(), expected);
+    assert!(
+        monitored.actions().is_empty(),
+        "a sink that does not keep actions gets none"
+    );
+    assert_eq!(monitored.len(), 6);
 }

@@ -209,8 +209,8 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
     let bus = Bus::start(sinks).map_err(|e| ServeError::Config(e.to_string()))?;
     if let Some(log) = &audit {
         spawn_audit(&config, log, &bus)?;
-        decisions::install(Arc::clone(log));
     }
+    decisions::install(Arc::clone(&bus));
     // The host's findings go to the log while the models load; start does not wait for them.
     doctor::log_at_start(&config);
     let state = AppState::with_audit(config, keys, metrics, bus, audit);

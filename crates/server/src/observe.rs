@@ -6,7 +6,7 @@
 use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 
-use record::{Bus, Delivery, Envelope, InferenceRecord, Sink, SinkFuture};
+use record::{ActionRecord, Actor, Bus, Delivery, Envelope, InferenceRecord, Sink, SinkFuture};
 
 use crate::config::{Log, LogFormat};
 use crate::registry::Registry;
@@ -103,6 +103,7 @@ pub static METRICS: &[MetricInfo] = &[
     recorded("rampart_faults_injected_total", MetricKind::Counter, &["backend", "mode"], "Faults injected through the admin API, by backend and mode."),
     recorded("rampart_faults_struck_total", MetricKind::Counter, &["backend", "mode"], "Calls an injected fault struck, by backend and mode."),
     recorded("rampart_admin_actions_total", MetricKind::Counter, &["action"], "Admin API calls that changed something, by action."),
+    recorded("rampart_controller_decisions_total", MetricKind::Counter, &["decision"], "Decisions of the server's controllers (breakers, hand-offs, degradation, monitors, releases, residency), by name."),
     recorded("rampart_request_duration_seconds", MetricKind::Histogram, &["model"], "Time from arrival to the last byte of the response."),
     recorded("rampart_time_to_first_token_seconds", MetricKind::Histogram, &["model"], "Time from arrival to the first generated token."),
     recorded("rampart_inter_token_latency_seconds", MetricKind::Histogram, &["model"], "Gaps between consecutive tokens of a response."),
@@ -368,6 +369,41 @@ impl Sink for LogSink {
         }
     }
 
+    /// An admin action is a `rampart::admin` line (warn), with the caller's identities redacted
+    /// as the records' are; a controller decision a `rampart::decision` line (its controller
+    /// logged the details when it decided).
+    fn takes_actions(&self) -> bool {
+        true
+    }
+
+    fn write_action<'a>(&'a mut self, action: &'a ActionRecord) -> SinkFuture<'a> {
+        let shown = |v: &str, a| audit::entry::redact_string(v, a).unwrap_or_default();
+        match &action.by {
+            Actor::Key {
+                principal,
+                operator,
+            } => tracing::warn!(
+                target: "rampart::admin",
+                action = %action.name,
+                by = %shown(principal, self.redact.principal),
+                operator = %operator.as_deref().map(|o| shown(o, self.redact.operator)).unwrap_or_default(),
+                on = action.target.as_deref().unwrap_or(""),
+                cause = action.cause.as_deref().unwrap_or(""),
+                outcome = %action.outcome,
+                "admin action"
+            ),
+            Actor::Controller => tracing::info!(
+                target: "rampart::decision",
+                decision = %action.name,
+                model = action.model.as_deref().unwrap_or(""),
+                on = action.target.as_deref().unwrap_or(""),
+                cause = action.cause.as_deref().unwrap_or(""),
+                "controller decision"
+            ),
+        }
+        Box::pin(std::future::ready(Ok(())))
+    }
+
     fn write<'a>(&'a mut self, envelope: &'a Envelope) -> SinkFuture<'a> {
         let p = &self.redact;
         let identities = [p.user, p.operator, p.principal];
@@ -492,6 +528,22 @@ impl Sink for MetricsSink {
 
     fn write<'a>(&'a mut self, envelope: &'a Envelope) -> SinkFuture<'a> {
         count_record(envelope);
+        Box::pin(std::future::ready(Ok(())))
+    }
+
+    fn takes_actions(&self) -> bool {
+        true
+    }
+
+    fn write_action<'a>(&'a mut self, action: &'a ActionRecord) -> SinkFuture<'a> {
+        let name = action.name.clone();
+        match action.by {
+            Actor::Key { .. } => counter!("rampart_admin_actions_total", "action" => name),
+            Actor::Controller => {
+                counter!("rampart_controller_decisions_total", "decision" => name)
+            }
+        }
+        .increment(1);
         Box::pin(std::future::ready(Ok(())))
     }
 }

@@ -232,42 +232,41 @@ impl AppState {
         )))
     }
 
-    /// An admin or controller action: logged with who and why, counted, and kept in the audit
-    /// log. In `fail_closed` an action the log could not keep is an error.
+    /// An admin's action: published on the record bus, whose sinks log it with who and why
+    /// (`rampart::admin`), count it (`rampart_admin_actions_total`) and keep it in the audit log.
+    /// In `fail_closed` an action the log could not keep is an error; in `best_effort` the
+    /// answer waits briefly for the log to catch up.
     pub async fn act(
         &self,
         principal: &str,
         model: Option<&str>,
         action: audit::Action,
     ) -> Result<(), crate::error::ApiError> {
-        let operator = crate::identity::origin().operator;
-        let redact = &self.config.audit.redact;
-        let shown = |v: &str, a| audit::entry::redact_string(v, a).unwrap_or_default();
-        tracing::warn!(
-            target: "rampart::admin",
-            action = %action.name,
-            by = %shown(principal, redact.principal),
-            operator = %operator.as_deref().map(|o| shown(o, redact.operator)).unwrap_or_default(),
-            on = action.target.as_deref().unwrap_or(""),
-            cause = action.cause.as_deref().unwrap_or(""),
-            outcome = %action.outcome,
-            "admin action"
-        );
-        metrics::counter!("rampart_admin_actions_total", "action" => action.name.clone())
-            .increment(1);
-        let Some(log) = &self.audit else {
-            return Ok(());
+        let action = record::ActionRecord {
+            by: record::Actor::Key {
+                principal: principal.to_string(),
+                operator: crate::identity::origin().operator,
+            },
+            model: model.map(str::to_string),
+            name: action.name,
+            target: action.target,
+            cause: action.cause,
+            outcome: action.outcome,
+            detail: action.detail,
         };
-        let kept = audit::sink::append_action(
-            log,
-            Some(principal.to_string()),
-            operator,
-            model.map(str::to_string),
-            action,
-        )
-        .await;
-        match kept {
-            Ok(_) => Ok(()),
+        let receipt = self.bus.publish_action(action);
+        if !receipt.is_pending() {
+            // A best-effort audit log does not acknowledge: wait (briefly) until it wrote what
+            // came before, so that a caller reading the log next finds the action.
+            if self.audit.is_some() {
+                self.bus
+                    .caught_up(audit::sink::SINK_NAME, std::time::Duration::from_secs(2))
+                    .await;
+            }
+            return Ok(());
+        }
+        match receipt.wait().await {
+            Ok(()) => Ok(()),
             Err(e) if self.config.audit.mode() == audit::Mode::FailClosed => {
                 Err(crate::error::ApiError::AuditUnavailable(e.to_string()))
             }

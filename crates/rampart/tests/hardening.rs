@@ -174,6 +174,18 @@ fn every_route_that_names_a_model_refuses_names_that_walk_out() {
         Some(ADMIN_KEY),
     );
     assert_eq!(status, 200, "{body}");
+    // A path no route serves waits for its 404 too, key or not.
+    for key in [None, Some(KEY)] {
+        let began = Instant::now();
+        let (status, _, body) = http(port, "GET", "/v1/../../etc/passwd", None, key);
+        assert_eq!(status, 404, "{body}");
+        assert_eq!(json(&body)["error"]["type"], "not_found_error", "{body}");
+        assert!(
+            began.elapsed() >= Duration::from_millis(200),
+            "answered after {:?}",
+            began.elapsed()
+        );
+    }
 }
 
 #[test]

@@ -260,7 +260,14 @@ fn endpoint_of(path: &str) -> &'static str {
     }
 }
 
-async fn not_found(request: Request) -> Response {
+/// A path no route serves, before any key is asked for: answered after `[limits]
+/// invalid_path_delay_ms` (a timer), like a refused model name, so that a loop of made-up
+/// paths gets a few answers a second per connection, not a core's worth.
+async fn not_found(State(state): State<Arc<AppState>>, request: Request) -> Response {
+    let delay = state.config.limits.invalid_path_delay_ms;
+    if delay > 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
+    }
     ApiError::RouteNotFound(format!(
         "no route for {} {}",
         request.method(),

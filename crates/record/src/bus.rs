@@ -411,20 +411,7 @@ impl Bus {
                 (Some(full), true) => Arc::clone(full),
                 _ => Arc::clone(&bare),
             };
-            let ack = if lane.delivery.acknowledges() {
-                let (tx, rx) = oneshot::channel();
-                receipt.acks.push((lane.name, rx));
-                Some(tx)
-            } else {
-                None
-            };
-            self.offer(
-                lane,
-                Item {
-                    what: What::Record(envelope),
-                    ack,
-                },
-            );
+            self.deliver(lane, What::Record(envelope), &mut receipt);
         }
         receipt
     }
@@ -435,22 +422,21 @@ impl Bus {
         let mut receipt = Receipt::empty();
         let action = Arc::new(action);
         for lane in self.lanes.iter().filter(|l| l.takes_actions) {
-            let ack = if lane.delivery.acknowledges() {
-                let (tx, rx) = oneshot::channel();
-                receipt.acks.push((lane.name, rx));
-                Some(tx)
-            } else {
-                None
-            };
-            self.offer(
-                lane,
-                Item {
-                    what: What::Action(Arc::clone(&action)),
-                    ack,
-                },
-            );
+            self.deliver(lane, What::Action(Arc::clone(&action)), &mut receipt);
         }
         receipt
+    }
+
+    /// Offers `what` to `lane`, with an acknowledgement on `receipt` when the lane gives them.
+    fn deliver(&self, lane: &Arc<Lane>, what: What, receipt: &mut Receipt) {
+        let ack = if lane.delivery.acknowledges() {
+            let (tx, rx) = oneshot::channel();
+            receipt.acks.push((lane.name, rx));
+            Some(tx)
+        } else {
+            None
+        };
+        self.offer(lane, Item { what, ack });
     }
 
     fn offer(&self, lane: &Arc<Lane>, item: Item) {

@@ -16,7 +16,8 @@
 //! | Q4_K at the AVX-512 level | per super-block of 256: `d` f16 ×8, `dmin` f16 ×8; per block: `sc` u8 ×8, `m` u8 ×8 | 4 chunks of nibbles |
 //! | Q4_K below it | `scale` f32 ×8, `offset` f32 ×8 | 4 chunks of nibbles |
 //! | Q5_K | `scale` f32 ×8, `offset` f32 ×8, fifth bits 32 bytes | 4 chunks of nibbles |
-//! | Q3_K, Q6_K | `scale` of elements 0..16 f32 ×8, of elements 16..32 f32 ×8 | 8 chunks of bytes `q + 32` |
+//! | Q6_K at the AVX-512 level | per super-block of 256: `d` f16 ×8; per block: `sc` i8 ×8 of elements 0..16, ×8 of 16..32, high bits 2 × 32 bytes | 4 chunks of nibbles |
+//! | Q3_K, Q6_K below it | `scale` of elements 0..16 f32 ×8, of elements 16..32 f32 ×8 | 8 chunks of bytes `q + 32` |
 //!
 //! Chunk `c` holds bytes `4c..4c+4` of each row's quant bytes, row after row (nibbles: byte `j`
 //! holds elements `j` and `j+16`; Q3_K's and Q6_K's bytes are their quants plus 32, 0..=63, so
@@ -32,11 +33,15 @@
 //! values the reference uses. Below that level it is unpacked to f32 scales and offsets
 //! ([`Layout::U4F`], 6 bits per weight): the 256-bit kernels measured 15–20% slower on
 //! prefill-sized batches with the per-block scale arithmetic, so AVX2-only machines keep the
-//! layout they had. The other
+//! layout they had. Q6_K at the AVX-512 level ([`Layout::U6K`]) keeps the file's 6.5625 bits
+//! per weight the same way: `d` as stored, the 8-bit scales, each quant `q + 32` split into a
+//! nibble (chunked as Q4_K's) and two high bits ([`high_bit_bytes`]); the kernels rebuild the
+//! bytes `q + 32` of [`Layout::U6H`] and form its scales `d·sc` exactly, so both layouts give the
+//! same results bit for bit. The other
 //! K-quants are unpacked at load to integers with exact f32 scales (`d·sc` of a K-quant
 //! sub-block is a product of an f16 and a 6- or 8-bit integer, exact in f32), so they run on
-//! the same integer kernel: Q5_K grows from 5.5 to 7 bits per weight, Q3_K and Q6_K to 10 (the
-//! trade is in docs/engine.md). Q2_K stays on its row kernel. Decode streams every weight once
+//! the same integer kernel: Q5_K grows from 5.5 to 7 bits per weight, Q3_K (and Q6_K below the
+//! AVX-512 level) to 10 (the trade is in docs/engine.md). Q2_K stays on its row kernel. Decode streams every weight once
 //! per token, so these sizes are its cost.
 //!
 //! With VNNI (`vpdpbusd` multiplies unsigned by signed bytes) Q8_0 is packed as `q + 128`

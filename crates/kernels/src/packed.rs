@@ -16,7 +16,8 @@
 //! | Q4_K at the AVX-512 level | per super-block of 256: `d` f16 ×8, `dmin` f16 ×8; per block: `sc` u8 ×8, `m` u8 ×8 | 4 chunks of nibbles |
 //! | Q4_K below it | `scale` f32 ×8, `offset` f32 ×8 | 4 chunks of nibbles |
 //! | Q5_K | `scale` f32 ×8, `offset` f32 ×8, fifth bits 32 bytes | 4 chunks of nibbles |
-//! | Q3_K, Q6_K | `scale` of elements 0..16 f32 ×8, of elements 16..32 f32 ×8 | 8 chunks of bytes `q + 32` |
+//! | Q6_K at the AVX-512 level | per super-block of 256: `d` f16 ×8; per block: `sc` i8 ×8 of elements 0..16, ×8 of 16..32, high bits 2 × 32 bytes | 4 chunks of nibbles |
+//! | Q3_K, Q6_K below it | `scale` of elements 0..16 f32 ×8, of elements 16..32 f32 ×8 | 8 chunks of bytes `q + 32` |
 //!
 //! Chunk `c` holds bytes `4c..4c+4` of each row's quant bytes, row after row (nibbles: byte `j`
 //! holds elements `j` and `j+16`; Q3_K's and Q6_K's bytes are their quants plus 32, 0..=63, so
@@ -32,11 +33,15 @@
 //! values the reference uses. Below that level it is unpacked to f32 scales and offsets
 //! ([`Layout::U4F`], 6 bits per weight): the 256-bit kernels measured 15–20% slower on
 //! prefill-sized batches with the per-block scale arithmetic, so AVX2-only machines keep the
-//! layout they had. The other
+//! layout they had. Q6_K at the AVX-512 level ([`Layout::U6K`]) keeps the file's 6.5625 bits
+//! per weight the same way: `d` as stored, the 8-bit scales, each quant `q + 32` split into a
+//! nibble (chunked as Q4_K's) and two high bits ([`high_bit_bytes`]); the kernels rebuild the
+//! bytes `q + 32` of [`Layout::U6H`] and form its scales `d·sc` exactly, so both layouts give the
+//! same results bit for bit. The other
 //! K-quants are unpacked at load to integers with exact f32 scales (`d·sc` of a K-quant
 //! sub-block is a product of an f16 and a 6- or 8-bit integer, exact in f32), so they run on
-//! the same integer kernel: Q5_K grows from 5.5 to 7 bits per weight, Q3_K and Q6_K to 10 (the
-//! trade is in docs/engine.md). Q2_K stays on its row kernel. Decode streams every weight once
+//! the same integer kernel: Q5_K grows from 5.5 to 7 bits per weight, Q3_K (and Q6_K below the
+//! AVX-512 level) to 10 (the trade is in docs/engine.md). Q2_K stays on its row kernel. Decode streams every weight once
 //! per token, so these sizes are its cost.
 //!
 //! With VNNI (`vpdpbusd` multiplies unsigned by signed bytes) Q8_0 is packed as `q + 128`
@@ -88,8 +93,12 @@ pub(crate) enum Layout {
     /// Unsigned 5-bit quants (nibbles and fifth bits) with an f32 scale and offset (Q5_K).
     U5F,
     /// Quants of at most 6 bits stored as `q + 32` (unsigned, 0..=63) with an f32 scale per
-    /// half block and no offset (Q3_K, Q6_K).
+    /// half block and no offset (Q3_K, and Q6_K below the AVX-512 level).
     U6H,
+    /// Q6_K by super-block of 256 elements: the eight rows' f16 `d`, then per block of 32 their
+    /// 8-bit scales of each half, the high two bits of `q + 32` and its low four as nibbles
+    /// (6.5625 bits per weight, as in the file).
+    U6K,
 }
 
 /// What is added to the quants of [`Layout::U6H`] to store them unsigned.
@@ -107,12 +116,23 @@ pub(crate) const U4K_BLOCK_BYTES: usize = 16 + 128;
 /// [`Layout::U4K`]: one super-block of eight rows (256 elements each).
 pub(crate) const U4K_SUPER_BYTES: usize = U4K_SUPER_HEADER + 8 * U4K_BLOCK_BYTES;
 
+/// [`Layout::U6K`]: the header of a super-block (eight rows' f16 `d`).
+pub(crate) const U6K_SUPER_HEADER: usize = 16;
+/// [`Layout::U6K`]: one block of 32 elements of eight rows (the scales of their first halves,
+/// of their second halves, 64 bytes of high bits, then four chunks of nibbles).
+pub(crate) const U6K_BLOCK_BYTES: usize = 16 + 64 + 128;
+/// [`Layout::U6K`]: one super-block of eight rows (256 elements each).
+pub(crate) const U6K_SUPER_BYTES: usize = U6K_SUPER_HEADER + 8 * U6K_BLOCK_BYTES;
+
 /// Where block `b` (of 32 elements) of a packed group starts, and where the header of its
 /// super-block starts (the same place for the layouts without super-blocks).
 pub(crate) fn block_offsets(layout: Layout, b: usize) -> (usize, usize) {
     if layout == Layout::U4K {
         let sb = b / 8 * U4K_SUPER_BYTES;
         (sb + U4K_SUPER_HEADER + b % 8 * U4K_BLOCK_BYTES, sb)
+    } else if layout == Layout::U6K {
+        let sb = b / 8 * U6K_SUPER_BYTES;
+        (sb + U6K_SUPER_HEADER + b % 8 * U6K_BLOCK_BYTES, sb)
     } else {
         let at = b * layout_block_bytes(layout);
         (at, at)
@@ -146,6 +166,7 @@ pub(crate) fn layout_for_level(dtype: DType, level: Isa) -> Option<Layout> {
         DType::Q4_K if level >= Isa::Avx512 => Layout::U4K,
         DType::Q4_K => Layout::U4F,
         DType::Q5_K => Layout::U5F,
+        DType::Q6_K if level >= Isa::Avx512 => Layout::U6K,
         DType::Q3_K | DType::Q6_K => Layout::U6H,
         _ => return None,
     })
@@ -175,6 +196,8 @@ pub(crate) fn layout_block_bytes(layout: Layout) -> usize {
         Layout::Q5_1 => 32 + 32 + 128,
         // On average: a super-block of eight blocks is 32 + 8·144 bytes.
         Layout::U4K => U4K_SUPER_BYTES / 8,
+        // A super-block is 16 + 8·208 bytes.
+        Layout::U6K => U6K_SUPER_BYTES / 8,
         Layout::U4F => F32_HEADER + 128,
         Layout::U5F => F32_HEADER + 32 + 128,
         Layout::U6H => F32_HEADER + 256,
@@ -187,6 +210,8 @@ pub(crate) fn header_bytes(layout: Layout) -> usize {
         Layout::Q4_0 | Layout::Q5_0 | Layout::Q8_0 | Layout::U8 => 16,
         Layout::Q4_1 | Layout::Q5_1 => 32,
         Layout::U4K => 16,
+        // The scales, then 64 bytes of high bits before the nibbles.
+        Layout::U6K => 16,
         Layout::U4F | Layout::U5F | Layout::U6H => F32_HEADER,
     }
 }
@@ -207,6 +232,14 @@ pub(crate) fn fifth_bit_bytes(fifth: u32) -> [u8; 4] {
             byte | lo << c | hi << (4 + c)
         })
     })
+}
+
+/// A row's four high-bit bytes of one half of a [`Layout::U6K`] block, from the high two bits
+/// of its 16 quants `q + 32` (element `4c + k` of the half in `high[4c + k]`): byte `k` holds
+/// element `4c + k`'s in bits `2c..2c + 2`, so shifting 16-bit lanes by `4 - 2c` and masking
+/// with 0x30 puts chunk `c`'s where the nibble's fifth and sixth bits go.
+pub(crate) fn high_bit_bytes(high: [u8; 16]) -> [u8; 4] {
+    std::array::from_fn(|k| (0..4).fold(0u8, |byte, c| byte | (high[4 * c + k] & 3) << (2 * c)))
 }
 
 /// Bytes of the scale header of a GGUF block (before its fifth bits or quants) and the number
@@ -303,6 +336,41 @@ pub(crate) fn pack_as(
                                 let e = j * QK + 4 * c + k;
                                 blk[16 + 32 * c + 4 * r + k] =
                                     (q[e] as u8 & 0x0f) | ((q[e + 16] as u8 & 0x0f) << 4);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        return Some(out);
+    }
+    if layout == Layout::U6K {
+        // Q6_K's d bits as they are, its 8-bit scales, each quant `q + 32` split into its high
+        // two bits and its low nibble.
+        let group_bytes = nb * pbb;
+        for g in 0..rows / PACK_ROWS {
+            for r in 0..PACK_ROWS {
+                let row = &data[(g * PACK_ROWS + r) * row_bytes..][..row_bytes];
+                for (s, src) in row.chunks_exact(bb).enumerate() {
+                    let sb = &mut out[g * group_bytes + s * U6K_SUPER_BYTES..][..U6K_SUPER_BYTES];
+                    sb[2 * r..2 * r + 2].copy_from_slice(&src[208..210]);
+                    let q = unpack_k(dtype, src).q;
+                    let biased = |e: usize| (i16::from(q[e]) + U6H_BIAS as i16) as u8;
+                    for j in 0..8 {
+                        let blk =
+                            &mut sb[U6K_SUPER_HEADER + j * U6K_BLOCK_BYTES..][..U6K_BLOCK_BYTES];
+                        blk[r] = src[192 + 2 * j];
+                        blk[8 + r] = src[192 + 2 * j + 1];
+                        for half in 0..2 {
+                            let high = std::array::from_fn(|i| biased(j * QK + 16 * half + i) >> 4);
+                            blk[16 + 32 * half + 4 * r..][..4]
+                                .copy_from_slice(&high_bit_bytes(high));
+                        }
+                        for c in 0..4 {
+                            for k in 0..4 {
+                                let e = j * QK + 4 * c + k;
+                                blk[80 + 32 * c + 4 * r + k] =
+                                    (biased(e) & 0x0f) | ((biased(e + 16) & 0x0f) << 4);
                             }
                         }
                     }
@@ -499,6 +567,28 @@ pub(crate) fn dot_packed_ref_as(
                     let (lo, hi) = (bytes_dot(F32_HEADER, 0..4), bytes_dot(F32_HEADER, 4..8));
                     *acc = (f32_at(blk, 4 * r) * da).mul_add(lo as f32, *acc);
                     *acc = (f32_at(blk, 32 + 4 * r) * da).mul_add(hi as f32, *acc);
+                }
+                Layout::U6K => {
+                    // Each half: `q + 32` from its nibble and high bits, the bias off with the
+                    // activation's half sum; d·sc is exact in f32 (an f16 times an 8-bit
+                    // integer), the scale the unpacked layout stores.
+                    let (mut lo, mut hi) = (0i32, 0i32);
+                    for c in 0..4 {
+                        for k in 0..4 {
+                            let (j, byte) = (4 * c + k, blk[80 + 32 * c + 4 * r + k]);
+                            let high_lo = (blk[16 + 4 * r + k] >> (2 * c)) & 3;
+                            let high_hi = (blk[48 + 4 * r + k] >> (2 * c)) & 3;
+                            let q_lo = i32::from(byte & 0x0f | high_lo << 4) - U6H_BIAS;
+                            let q_hi = i32::from(byte >> 4 | high_hi << 4) - U6H_BIAS;
+                            lo += q_lo * aq(j);
+                            hi += q_hi * aq(16 + j);
+                        }
+                    }
+                    let d = f16_at(super_header, 2 * r);
+                    let scale_lo = d * f32::from(blk[r] as i8);
+                    let scale_hi = d * f32::from(blk[8 + r] as i8);
+                    *acc = (scale_lo * da).mul_add(lo as f32, *acc);
+                    *acc = (scale_hi * da).mul_add(hi as f32, *acc);
                 }
             }
         }
@@ -822,6 +912,7 @@ mod tests {
             (DType::Q5_1, Layout::Q5_1),
             (DType::Q5_K, Layout::U5F),
             (DType::Q6_K, Layout::U6H),
+            (DType::Q6_K, Layout::U6K),
             (DType::Q3_K, Layout::U6H),
         ] {
             let k_quant = dtype.block_size() == crate::dtype::QK_K;
@@ -861,6 +952,49 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn q6_k_compact_equals_q6_k_unpacked_bit_for_bit() {
+        // The two Q6_K layouts hold the same integers and scales: every level's results on the
+        // compact one equal the reference on the unpacked one (which the row kernel checks).
+        let (rows, cols) = (24, 1024);
+        let data: Vec<u8> = (0..rows)
+            .flat_map(|r| random_row(DType::Q6_K, cols, 500 + r as u64))
+            .collect();
+        let compact = pack_as(Layout::U6K, DType::Q6_K, &data, rows, cols).unwrap();
+        let unpacked = pack_as(Layout::U6H, DType::Q6_K, &data, rows, cols).unwrap();
+        // 6.5625 bits per weight: the file's size.
+        assert_eq!(compact.len(), data.len());
+        let acts: Vec<Vec<u8>> = (0..PACK_ACTS)
+            .map(|i| act_row(cols, 600 + i as u64))
+            .collect();
+        let rows_in: Vec<&[u8]> = acts.iter().map(|a| a.as_slice()).collect();
+        let want = run_span(
+            Isa::Scalar,
+            (Layout::U6H, DType::Q6_K),
+            &unpacked,
+            (0, rows / PACK_ROWS),
+            &rows_in,
+            cols,
+            rows,
+        );
+        for isa in Isa::available() {
+            let got = run_span(
+                isa,
+                (Layout::U6K, DType::Q6_K),
+                &compact,
+                (0, rows / PACK_ROWS),
+                &rows_in,
+                cols,
+                rows,
+            );
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "Q6_K compact at {isa:?}"
+            );
         }
     }
 

@@ -1392,6 +1392,7 @@ pub unsafe fn dot_packed_span(
         Layout::U4F => run!(K_U4F),
         Layout::U5F => run!(K_U5F),
         Layout::U6H => run!(K_U6H),
+        Layout::U6K => run!(K_U6K),
     }
 }
 
@@ -1402,13 +1403,15 @@ const K_U4K: u8 = 5;
 const K_U4F: u8 = 9;
 const K_U5F: u8 = 6;
 const K_U6H: u8 = 7;
+/// Q6_K's nibbles and high bits with its 8-bit scales.
+const K_U6K: u8 = 10;
 /// Q8_0 packed as `q + 128`.
 const K_U8: u8 = 8;
 
 /// Bytes of a packed block's scales and offsets (before its fifth bits or quants).
 const fn packed_header<const K: u8>() -> usize {
     match K {
-        K_Q4_0 | K_Q5_0 | K_Q8_0 | K_U8 | K_U4K => 16,
+        K_Q4_0 | K_Q5_0 | K_Q8_0 | K_U8 | K_U4K | K_U6K => 16,
         K_Q4_1 | K_Q5_1 => 32,
         _ => 64,
     }
@@ -1424,6 +1427,9 @@ const fn packed_block_bytes<const K: u8>() -> usize {
     if K == K_U4K {
         return crate::packed::U4K_SUPER_BYTES / 8;
     }
+    if K == K_U6K {
+        return crate::packed::U6K_SUPER_BYTES / 8;
+    }
     let quants = if matches!(K, K_Q8_0 | K_U6H | K_U8) {
         256
     } else {
@@ -1432,14 +1438,20 @@ const fn packed_block_bytes<const K: u8>() -> usize {
     packed_header::<K>() + if five_bit::<K>() { 32 } else { 0 } + quants
 }
 
-/// Block `b` of the packed group at `g` (blocks `pbb` bytes apart, or by super-blocks for Q4_K),
-/// and the start of its super-block (Q4_K's `d` and `dmin`).
+/// Block `b` of the packed group at `g` (blocks `pbb` bytes apart, or by super-blocks for Q4_K
+/// and Q6_K), and the start of its super-block (Q4_K's `d` and `dmin`, Q6_K's `d`).
 #[inline(always)]
 unsafe fn block_at<const K: u8>(g: *const u8, b: usize, pbb: usize) -> (*const u8, *const u8) {
-    use crate::packed::{U4K_BLOCK_BYTES, U4K_SUPER_BYTES, U4K_SUPER_HEADER};
+    use crate::packed::{
+        U4K_BLOCK_BYTES, U4K_SUPER_BYTES, U4K_SUPER_HEADER, U6K_BLOCK_BYTES, U6K_SUPER_BYTES,
+        U6K_SUPER_HEADER,
+    };
     if K == K_U4K {
         let sb = g.add(b / 8 * U4K_SUPER_BYTES);
         (sb.add(U4K_SUPER_HEADER + b % 8 * U4K_BLOCK_BYTES), sb)
+    } else if K == K_U6K {
+        let sb = g.add(b / 8 * U6K_SUPER_BYTES);
+        (sb.add(U6K_SUPER_HEADER + b % 8 * U6K_BLOCK_BYTES), sb)
     } else {
         (g.add(b * pbb), g.add(b * pbb))
     }
@@ -1460,6 +1472,37 @@ unsafe fn u4k_scales(blk: *const u8, sb: *const u8) -> (__m256, __m256) {
         _mm256_mul_ps(d, bytes(blk)),
         _mm256_xor_ps(_mm256_mul_ps(dmin, bytes(blk.add(8))), _mm256_set1_ps(-0.0)),
     )
+}
+
+/// Q6_K's eight scales `d·sc` of the first and of the second half of the packed block at `blk`
+/// (its 8-bit scales) in the super-block at `sb` (f16 `d`): exact, as an f16 times an 8-bit
+/// integer fits f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn u6k_scales(blk: *const u8, sb: *const u8) -> (__m256, __m256) {
+    let scales = |p: *const u8| {
+        _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(p as *const __m128i)))
+    };
+    let d = _mm256_cvtph_ps(_mm_loadu_si128(sb as *const __m128i));
+    (
+        _mm256_mul_ps(d, scales(blk)),
+        _mm256_mul_ps(d, scales(blk.add(8))),
+    )
+}
+
+/// The high two bits of `q + 32` of chunk `c`, as bits 4 and 5 of each byte (0x30), from 32
+/// bytes of a half's high bits (see [`crate::packed::high_bit_bytes`]): shifts of 16-bit lanes
+/// by at most 4 keep every byte's bits in that byte.
+#[inline]
+#[target_feature(enable = "avx2")]
+unsafe fn high_bits_of_chunk(high: __m256i, c: usize) -> __m256i {
+    let moved = match c {
+        0 => _mm256_slli_epi16::<4>(high),
+        1 => _mm256_slli_epi16::<2>(high),
+        2 => high,
+        _ => _mm256_srli_epi16::<2>(high),
+    };
+    _mm256_and_si256(moved, _mm256_set1_epi8(0x30))
 }
 
 /// The fifth bits of chunk `c`'s low (`bit = c`) or high (`bit = 4 + c`) nibbles, as 0x10 in
@@ -1598,10 +1641,12 @@ macro_rules! packed_kernel {
                 let (blk, sb) = block_at::<K>(g, b, pbb);
                 let u4k = if K == K_U4K {
                     u4k_scales(blk, sb)
+                } else if K == K_U6K {
+                    u6k_scales(blk, sb)
                 } else {
                     (_mm256_setzero_ps(), _mm256_setzero_ps())
                 };
-                let d = if K == K_U4K {
+                let d = if K == K_U4K || K == K_U6K {
                     u4k.0
                 } else if f32_header {
                     _mm256_loadu_ps(blk as *const f32)
@@ -1642,6 +1687,57 @@ macro_rules! packed_kernel {
                                     let pairs = _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones);
                                     *acc = _mm256_add_epi32(*acc, pairs);
                                 }
+                            }
+                        }
+                    }
+                    for i in 0..N {
+                        let (lo, hi) = half_block_sums(ab[i].add(8));
+                        dots[i] = _mm256_sub_epi32(dots[i], _mm256_slli_epi32::<5>(lo));
+                        dots_hi[i] = _mm256_sub_epi32(dots_hi[i], _mm256_slli_epi32::<5>(hi));
+                    }
+                } else if K == K_U6K {
+                    // `q + 32` of elements 4c..4c+4 (the nibbles' low halves) and 16+4c.. (high
+                    // halves) of each row, with their high bits, as the unpacked bytes of
+                    // U6H: the same integers, so the same per-half arithmetic.
+                    let high_lo = _mm256_loadu_si256(blk.add(16) as *const __m256i);
+                    let high_hi = _mm256_loadu_si256(blk.add(48) as *const __m256i);
+                    let qs = blk.add(80);
+                    let mut sums_lo = [_mm256_setzero_si256(); N];
+                    let mut sums_hi = [_mm256_setzero_si256(); N];
+                    for c in 0..4 {
+                        let raw = _mm256_loadu_si256(qs.add(32 * c) as *const __m256i);
+                        let lo = _mm256_or_si256(
+                            _mm256_and_si256(raw, mask),
+                            high_bits_of_chunk(high_lo, c),
+                        );
+                        let hi = _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(raw), mask),
+                            high_bits_of_chunk(high_hi, c),
+                        );
+                        for i in 0..N {
+                            let y_lo = broadcast_i32(ab[i].add(8 + 4 * c));
+                            let y_hi = broadcast_i32(ab[i].add(8 + 16 + 4 * c));
+                            if $vnni {
+                                dots[i] = $dpbusd(dots[i], lo, y_lo);
+                                dots_hi[i] = $dpbusd(dots_hi[i], hi, y_hi);
+                            } else {
+                                // Two chunks' pair sums (at most 2·2·63·127) fit 16 bits.
+                                sums_lo[i] =
+                                    _mm256_add_epi16(sums_lo[i], _mm256_maddubs_epi16(lo, y_lo));
+                                sums_hi[i] =
+                                    _mm256_add_epi16(sums_hi[i], _mm256_maddubs_epi16(hi, y_hi));
+                            }
+                        }
+                        if c % 2 == 1 && !$vnni {
+                            for i in 0..N {
+                                dots[i] =
+                                    _mm256_add_epi32(dots[i], _mm256_madd_epi16(sums_lo[i], ones));
+                                dots_hi[i] = _mm256_add_epi32(
+                                    dots_hi[i],
+                                    _mm256_madd_epi16(sums_hi[i], ones),
+                                );
+                                sums_lo[i] = _mm256_setzero_si256();
+                                sums_hi[i] = _mm256_setzero_si256();
                             }
                         }
                     }
@@ -1733,6 +1829,8 @@ macro_rules! packed_kernel {
                 // Q6_K).
                 let second = if f32_header {
                     _mm256_loadu_ps(blk.add(32) as *const f32)
+                } else if K == K_U6K {
+                    u4k.1
                 } else {
                     _mm256_setzero_ps()
                 };
@@ -1750,7 +1848,7 @@ macro_rules! packed_kernel {
                     let da = _mm256_set1_ps(f32_load(ab[i]));
                     acc[i] =
                         _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(dots[i]), acc[i]);
-                    if K == K_U6H {
+                    if K == K_U6H || K == K_U6K {
                         let scale_hi = _mm256_mul_ps(second, da);
                         acc[i] = _mm256_fmadd_ps(scale_hi, _mm256_cvtepi32_ps(dots_hi[i]), acc[i]);
                     } else if K != K_Q8_0 && K != K_U8 {

@@ -18,7 +18,7 @@ use std::arch::x86_64::*;
 
 use super::{
     block_at, dot_packed_group_avx512vnni, f32_load, five_bit, half_block_sums, packed_block_bytes,
-    packed_header, K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0, K_U4F, K_U4K, K_U5F, K_U6H, K_U8,
+    packed_header, K_Q4_0, K_Q4_1, K_Q5_0, K_Q5_1, K_Q8_0, K_U4F, K_U4K, K_U5F, K_U6H, K_U6K, K_U8,
 };
 use crate::dtype::Q8X32_BLOCK_BYTES;
 
@@ -65,6 +65,37 @@ unsafe fn u4k_scales(blk: *const u8, sb: *const u8, stride: usize) -> (__m512, _
             _mm512_set1_epi32(i32::MIN),
         )),
     )
+}
+
+/// [`super::u6k_scales`] of two groups (`stride` bytes apart).
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn u6k_scales(blk: *const u8, sb: *const u8, stride: usize) -> (__m512, __m512) {
+    let scales = |p: *const u8| {
+        let lo = _mm_loadl_epi64(p as *const __m128i);
+        let hi = _mm_loadl_epi64(p.add(stride) as *const __m128i);
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(lo, hi)))
+    };
+    let d = pair_ph(sb, stride);
+    (
+        _mm512_mul_ps(d, scales(blk)),
+        _mm512_mul_ps(d, scales(blk.add(8))),
+    )
+}
+
+/// `nibbles | (moved high bits & 0x30)` for chunk `c` (see [`super::high_bits_of_chunk`]), in
+/// one ternary-logic instruction after the shift.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn with_high_bits(nibbles: __m512i, high: __m512i, c: usize) -> __m512i {
+    let moved = match c {
+        0 => _mm512_slli_epi16::<4>(high),
+        1 => _mm512_slli_epi16::<2>(high),
+        2 => high,
+        _ => _mm512_srli_epi16::<2>(high),
+    };
+    // A | (B & C): 0xf0 | (0xcc & 0xaa).
+    _mm512_ternarylogic_epi32::<0xf8>(nibbles, moved, _mm512_set1_epi8(0x30))
 }
 
 /// Four activation bytes at `p`, in every 32-bit lane.
@@ -180,10 +211,12 @@ unsafe fn dot_packed_pair<const K: u8, const N: usize>(
         let (blk, sb) = block_at::<K>(g, b, pbb);
         let u4k = if K == K_U4K {
             u4k_scales(blk, sb, group_bytes)
+        } else if K == K_U6K {
+            u6k_scales(blk, sb, group_bytes)
         } else {
             (_mm512_setzero_ps(), _mm512_setzero_ps())
         };
-        let d = if K == K_U4K {
+        let d = if K == K_U4K || K == K_U6K {
             u4k.0
         } else if f32_header {
             pair_ps(blk, group_bytes)
@@ -206,6 +239,33 @@ unsafe fn dot_packed_pair<const K: u8, const N: usize>(
                     } else {
                         dots_hi[i] = _mm512_dpbusd_epi32(dots_hi[i], w, y);
                     }
+                }
+            }
+            for i in 0..N {
+                let (lo, hi) = half_block_sums(ab[i].add(8));
+                let (lo, hi) = (_mm512_broadcast_i32x8(lo), _mm512_broadcast_i32x8(hi));
+                dots[i] = _mm512_sub_epi32(dots[i], _mm512_slli_epi32::<5>(lo));
+                dots_hi[i] = _mm512_sub_epi32(dots_hi[i], _mm512_slli_epi32::<5>(hi));
+            }
+        } else if K == K_U6K {
+            // `q + 32` from the nibbles and the high bits (elements 4c.. of each half), then
+            // as U6H: the same integers per half.
+            let high_lo = pair_si(blk.add(16), group_bytes);
+            let high_hi = pair_si(blk.add(48), group_bytes);
+            let qs = blk.add(80);
+            for c in 0..4 {
+                let raw = pair_si(qs.add(32 * c), group_bytes);
+                let lo = with_high_bits(_mm512_and_si512(raw, mask), high_lo, c);
+                let hi = with_high_bits(
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(raw), mask),
+                    high_hi,
+                    c,
+                );
+                for i in 0..N {
+                    let y_lo = broadcast_i32(ab[i].add(8 + 4 * c));
+                    let y_hi = broadcast_i32(ab[i].add(8 + 16 + 4 * c));
+                    dots[i] = _mm512_dpbusd_epi32(dots[i], lo, y_lo);
+                    dots_hi[i] = _mm512_dpbusd_epi32(dots_hi[i], hi, y_hi);
                 }
             }
             for i in 0..N {
@@ -269,6 +329,8 @@ unsafe fn dot_packed_pair<const K: u8, const N: usize>(
         // The second f32 row of the header: offsets (Q4_K, Q5_K) or second scales (Q3_K, Q6_K).
         let second = if f32_header {
             pair_ps(blk.add(32), group_bytes)
+        } else if K == K_U6K {
+            u4k.1
         } else {
             _mm512_setzero_ps()
         };
@@ -283,7 +345,7 @@ unsafe fn dot_packed_pair<const K: u8, const N: usize>(
         for i in 0..N {
             let da = _mm512_set1_ps(f32_load(ab[i]));
             acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(d, da), _mm512_cvtepi32_ps(dots[i]), acc[i]);
-            if K == K_U6H {
+            if K == K_U6H || K == K_U6K {
                 let scale_hi = _mm512_mul_ps(second, da);
                 acc[i] = _mm512_fmadd_ps(scale_hi, _mm512_cvtepi32_ps(dots_hi[i]), acc[i]);
             } else if K != K_Q8_0 && K != K_U8 {

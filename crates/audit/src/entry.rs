@@ -25,20 +25,8 @@ impl EntryKind {
     }
 }
 
-/// An admin call or a controller decision.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Action {
-    /// What was done (`faults.inject`, `handoff.resume`, `audit.read`, `audit.recovered`, ...).
-    pub name: String,
-    /// What it was done to (a model, a backend id, audit ids).
-    pub target: Option<String>,
-    /// Why (the cause a controller saw, or the caller's stated reason).
-    pub cause: Option<String>,
-    /// `ok`, or what went wrong.
-    pub outcome: String,
-    /// The parameters, as given.
-    pub detail: Value,
-}
+/// An admin call or a controller decision (the record bus's type: actions ride the bus).
+pub use record::Action;
 
 /// One redaction applied before the entry was written.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

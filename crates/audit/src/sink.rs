@@ -208,13 +208,7 @@ pub fn action_entry(action: &record::ActionRecord) -> AuditEntry {
         principal,
         operator,
         action.model.clone(),
-        Action {
-            name: action.name.clone(),
-            target: action.target.clone(),
-            cause: action.cause.clone(),
-            outcome: action.outcome.clone(),
-            detail: action.detail.clone(),
-        },
+        action.action.clone(),
     )
 }
 

@@ -5,7 +5,7 @@
 //! they take every record: counted when a lane loses it, acknowledged where the audit log
 //! fails closed.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Who acted.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -21,13 +21,10 @@ pub enum Actor {
     },
 }
 
-/// One decision or action.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct ActionRecord {
-    pub by: Actor,
-    /// The model it concerns, when it concerns one.
-    pub model: Option<String>,
-    /// What was done (`breaker.open`, `faults.inject`, `handoff.resume`, ...).
+/// What was done, as the audit log keeps it (`audit::Action` is this type).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Action {
+    /// What was done (`faults.inject`, `handoff.resume`, `audit.read`, `audit.recovered`, ...).
     pub name: String,
     /// What it was done to (a model, a backend id, audit ids).
     pub target: Option<String>,
@@ -37,6 +34,15 @@ pub struct ActionRecord {
     pub outcome: String,
     /// The parameters, as given.
     pub detail: serde_json::Value,
+}
+
+/// One decision or action on the bus: who, about which model, and what.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ActionRecord {
+    pub by: Actor,
+    /// The model it concerns, when it concerns one.
+    pub model: Option<String>,
+    pub action: Action,
 }
 
 impl ActionRecord {
@@ -51,11 +57,13 @@ impl ActionRecord {
         Self {
             by: Actor::Controller,
             model: model.map(str::to_string),
-            name: name.to_string(),
-            target: Some(target.to_string()),
-            cause: Some(cause.to_string()),
-            outcome: "ok".into(),
-            detail,
+            action: Action {
+                name: name.to_string(),
+                target: Some(target.to_string()),
+                cause: Some(cause.to_string()),
+                outcome: "ok".into(),
+                detail,
+            },
         }
     }
 }

@@ -673,7 +673,7 @@ fn settle_item(
                         tracing::warn!(sink = lane.name, error = %e, request_id = %envelope.record.request_id, "record sink failed to write a record")
                     }
                     What::Action(action) => {
-                        tracing::warn!(sink = lane.name, error = %e, action = %action.name, "record sink failed to write an action")
+                        tracing::warn!(sink = lane.name, error = %e, action = %action.action.name, "record sink failed to write an action")
                     }
                     What::Marker => {}
                 }

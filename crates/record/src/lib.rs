@@ -23,7 +23,7 @@ mod inference;
 pub mod testing;
 mod timeline;
 
-pub use action::{ActionRecord, Actor};
+pub use action::{Action, ActionRecord, Actor};
 pub use builder::{sha256_bytes_hex, sha256_hex, RecordBuilder};
 pub use bus::{
     AckError, Bus, BusError, Delivery, DropReason, LaneCounters, Receipt, ShutdownReport, Sink,

@@ -384,20 +384,20 @@ impl Sink for LogSink {
                 operator,
             } => tracing::warn!(
                 target: "rampart::admin",
-                action = %action.name,
+                action = %action.action.name,
                 by = %shown(principal, self.redact.principal),
                 operator = %operator.as_deref().map(|o| shown(o, self.redact.operator)).unwrap_or_default(),
-                on = action.target.as_deref().unwrap_or(""),
-                cause = action.cause.as_deref().unwrap_or(""),
-                outcome = %action.outcome,
+                on = action.action.target.as_deref().unwrap_or(""),
+                cause = action.action.cause.as_deref().unwrap_or(""),
+                outcome = %action.action.outcome,
                 "admin action"
             ),
             Actor::Controller => tracing::info!(
                 target: "rampart::decision",
-                decision = %action.name,
+                decision = %action.action.name,
                 model = action.model.as_deref().unwrap_or(""),
-                on = action.target.as_deref().unwrap_or(""),
-                cause = action.cause.as_deref().unwrap_or(""),
+                on = action.action.target.as_deref().unwrap_or(""),
+                cause = action.action.cause.as_deref().unwrap_or(""),
                 "controller decision"
             ),
         }
@@ -536,7 +536,7 @@ impl Sink for MetricsSink {
     }
 
     fn write_action<'a>(&'a mut self, action: &'a ActionRecord) -> SinkFuture<'a> {
-        let name = action.name.clone();
+        let name = action.action.name.clone();
         match action.by {
             Actor::Key { .. } => counter!("rampart_admin_actions_total", "action" => name),
             Actor::Controller => {

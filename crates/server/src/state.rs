@@ -248,11 +248,7 @@ impl AppState {
                 operator: crate::identity::origin().operator,
             },
             model: model.map(str::to_string),
-            name: action.name,
-            target: action.target,
-            cause: action.cause,
-            outcome: action.outcome,
-            detail: action.detail,
+            action,
         };
         let receipt = self.bus.publish_action(action);
         if !receipt.is_pending() {

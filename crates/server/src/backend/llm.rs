@@ -145,17 +145,17 @@ impl LlmBackend {
             }
             Ok::<_, BackendError>((out, structured))
         };
-        let prepared = match &self.prepare {
-            Some(lane) if long => lane
-                .run(prepare)
-                .instrument(tracing::debug_span!("tokenize"))
-                .await
-                .map_err(|e| BackendError::Failed(format!("tokenization task failed: {e}"))),
-            _ => tokio::task::spawn_blocking(prepare)
-                .instrument(tracing::debug_span!("tokenize"))
-                .await
-                .map_err(|e| BackendError::Failed(format!("tokenization task failed: {e}"))),
-        };
+        let prepared = async {
+            match &self.prepare {
+                Some(lane) if long => lane.run(prepare).await.map_err(|e| e.to_string()),
+                _ => tokio::task::spawn_blocking(prepare)
+                    .await
+                    .map_err(|e| e.to_string()),
+            }
+        }
+        .instrument(tracing::debug_span!("tokenize"))
+        .await
+        .map_err(|e| BackendError::Failed(format!("tokenization task failed: {e}")));
         record.stage_since("tokenize", began);
         let (prepared, structured) = prepared??;
         if let Some((compiled, cached)) = &structured {
@@ -345,8 +345,8 @@ fn no_control_ids(
     Ok(())
 }
 
-/// The bytes of text a request's prompts hold (token-id prompts count 4 bytes an id: they
-/// need no tokenizing, only checking).
+/// The bytes of text a request's prompts hold; a token-id prompt counts 4 bytes an id (it is
+/// only checked, not tokenized, but a long list is still work).
 fn prompt_bytes(prompts: &[Prompt]) -> usize {
     prompts
         .iter()

@@ -15,7 +15,7 @@ use guard::{Channel, Guard, Input, Verdict};
 use repo::Repository;
 use serde::Serialize;
 use server::config::ServerConfig;
-use server::screen::{self, GuardService};
+use server::guard_service::{self, GuardService};
 
 #[derive(Debug, clap::Args)]
 pub struct GuardArgs {
@@ -75,7 +75,7 @@ fn build(args: &GuardArgs) -> Result<(GuardService, ServerConfig)> {
     }
     if args.rules.is_none() && args.classifier.is_none() && !args.no_classifier {
         let repository = Repository::open(&config.repo);
-        let (service, problem) = GuardService::load(&config, &repository);
+        let (service, problem) = GuardService::load(&config.guard_setup(), &repository);
         if let Some(e) = problem {
             bail!("{e}");
         }
@@ -91,7 +91,7 @@ fn build(args: &GuardArgs) -> Result<(GuardService, ServerConfig)> {
                 r.to_string(),
             )
         }
-        Some(r) => screen::load_rules(&repository, r).map_err(anyhow::Error::msg)?,
+        Some(r) => guard_service::load_rules(&repository, r).map_err(anyhow::Error::msg)?,
     };
     let threads = args.threads.or(config.guard.threads).or(config.threads);
     let mut classifier_source = None;
@@ -102,10 +102,10 @@ fn build(args: &GuardArgs) -> Result<(GuardService, ServerConfig)> {
             .or(config.guard.classifier.as_deref())
         {
             let classifier = if Path::new(c).is_dir() {
-                screen::classifier_from_dir(Path::new(c), &config.guard, threads)
+                guard_service::classifier_from_dir(Path::new(c), &config.guard, threads)
                     .map_err(anyhow::Error::msg)?
             } else {
-                screen::load_classifier(&repository, &config.guard, c, threads)
+                guard_service::load_classifier(&repository, &config.guard, c, threads)
                     .map_err(anyhow::Error::msg)?
                     .0
             };
@@ -114,7 +114,12 @@ fn build(args: &GuardArgs) -> Result<(GuardService, ServerConfig)> {
         }
     }
     Ok((
-        GuardService::from_parts(&config, guard, rules_source, classifier_source),
+        GuardService::from_parts(
+            &config.guard_setup(),
+            guard,
+            rules_source,
+            classifier_source,
+        ),
         config,
     ))
 }

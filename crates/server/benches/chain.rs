@@ -124,6 +124,7 @@ fn per_token(state: &Arc<AppState>, runtime: &tokio::runtime::Runtime, how: &str
     use futures_util::StreamExt;
     runtime.block_on(async {
         let entry = state
+            .front
             .registry
             .find(&ModelName::parse("talker"))
             .expect("served");
@@ -138,7 +139,7 @@ fn per_token(state: &Arc<AppState>, runtime: &tokio::runtime::Runtime, how: &str
                     .expect("an answer"),
                 _ => {
                     server::chain::run(
-                        state,
+                        &state.front,
                         Arc::clone(&entry),
                         generate_work(how == "stream"),
                         &mut record,
@@ -190,17 +191,18 @@ fn setup(runtime: &tokio::runtime::Runtime, first_token_ms: u64, trip: bool) -> 
         target: Target::Model(ModelName::parse(target)),
         on: Trigger::DEFAULT.to_vec(),
     };
-    state.registry.add(entry("plain", "1.0.0"));
+    state.front.registry.add(entry("plain", "1.0.0"));
     state
+        .front
         .registry
         .add(entry("chained", "2.0.0").with_policy(Policy {
             steps: vec![step("chained@1.0.0"), step("other"), step("plain")],
             first_token_timeout: Duration::from_millis(first_token_ms),
             stall_timeout: Duration::from_secs(30),
         }));
-    state.registry.add(entry("chained", "1.0.0"));
-    state.registry.add(entry("other", "1.0.0"));
-    state.registry.add(
+    state.front.registry.add(entry("chained", "1.0.0"));
+    state.front.registry.add(entry("other", "1.0.0"));
+    state.front.registry.add(
         Entry::new(
             "talker",
             "1.0.0",
@@ -218,10 +220,11 @@ async fn one(state: &Arc<AppState>, model: &str) -> Duration {
     let began = Instant::now();
     let mut record = state.record("bench".into(), "bench".into(), "embeddings");
     let entry = state
+        .front
         .registry
         .find(&ModelName::parse(model))
         .expect("served");
-    let answered = server::chain::run(state, entry, work(), &mut record)
+    let answered = server::chain::run(&state.front, entry, work(), &mut record)
         .await
         .expect("an answer");
     drop(answered);
@@ -249,6 +252,7 @@ fn per_request(
 
 fn fault(state: &AppState, backend: &str, mode: FaultMode) {
     state
+        .front
         .faults
         .inject(
             FaultRequest {
@@ -291,6 +295,7 @@ fn main() {
     let mut until_open = 0;
     runtime.block_on(async {
         let entry = state
+            .front
             .registry
             .find(&ModelName::parse("chained@2.0.0"))
             .expect("served");
@@ -302,7 +307,7 @@ fn main() {
     println!("a dead backend's breaker opens after {until_open} requests");
     let open = per_request(&state, &runtime, "chained", n);
     println!("primary circuit open → step 1  {open:>8.0} ns/request");
-    state.faults.clear(None, "bench");
+    state.front.faults.clear(None, "bench");
 
     // A hang before the answer: how long past the deadline the fallback takes over.
     let state = setup(&runtime, 100, false);

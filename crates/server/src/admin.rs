@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::breaker::BreakerView;
 use crate::doctor::{self, DoctorView};
 use crate::error::ApiError;
+use crate::error::WireError;
 use crate::faults::{self, Fault, FaultRequest};
 use crate::handoff::HandoffView;
 use crate::http::paths;
@@ -218,7 +219,7 @@ async fn note(
 
 /// `fail_closed`: no change is made while the audit log cannot keep it.
 fn refused(state: &AppState) -> Option<Response> {
-    state.audit_refusal().map(IntoResponse::into_response)
+    state.audit_refusal().map(WireError::into_response)
 }
 
 #[derive(Serialize)]
@@ -280,7 +281,7 @@ struct BackendsView {
 
 /// `GET /admin/backends`: every served backend, its chain, breaker and hand-off.
 async fn backends(State(state): State<Arc<AppState>>) -> Json<BackendsView> {
-    let mut entries = state.registry.all();
+    let mut entries = state.front.registry.all();
     entries.sort_by(|a, b| a.id.cmp(&b.id));
     let backends = entries
         .iter()
@@ -303,13 +304,13 @@ async fn backends(State(state): State<Arc<AppState>>) -> Json<BackendsView> {
                     },
                 })
                 .collect(),
-            handoff: state.handoffs.get(&e.name).view(),
+            handoff: state.front.handoffs.get(&e.name).view(),
             degradation: state.degradation.model(&e.id),
         })
         .collect();
     Json(BackendsView {
         backends,
-        faults: state.faults.list(),
+        faults: state.front.faults.list(),
     })
 }
 
@@ -345,7 +346,7 @@ async fn handoff(
             .into_response()
         }
     };
-    if !state.registry.all().iter().any(|e| e.name == name) {
+    if !state.front.registry.all().iter().any(|e| e.name == name) {
         return ApiError::ModelNotFound(format!("no served model {name:?}")).into_response();
     }
     if let Some(r) = refused(&state) {
@@ -367,7 +368,7 @@ async fn handoff(
     if let Err(e) = note(&state, &principal.0, what, &name, Some(&name), detail).await {
         return e.into_response();
     }
-    let h = state.handoffs.get(&name);
+    let h = state.front.handoffs.get(&name);
     let view = if what == "handoff_pause" {
         h.pause(&principal.0)
     } else {
@@ -377,7 +378,7 @@ async fn handoff(
 }
 
 async fn list_faults(State(state): State<Arc<AppState>>) -> Json<Vec<Fault>> {
-    Json(state.faults.list())
+    Json(state.front.faults.list())
 }
 
 /// `POST /admin/faults`: inject a fault (see [`FaultRequest`]).
@@ -392,6 +393,7 @@ async fn inject_fault(
     };
     let known = |backend: &str| {
         state
+            .front
             .registry
             .all()
             .iter()
@@ -405,17 +407,17 @@ async fn inject_fault(
         "duration_s": request.duration_s,
     });
     let target = request.backend.clone();
-    match state.faults.inject(request, &principal.0, known) {
+    match state.front.faults.inject(request, &principal.0, known) {
         Ok(fault) => {
             if let Err(e) = note(&state, &principal.0, "fault_inject", &target, None, detail).await
             {
                 // Not kept, so not made: the fault is taken back.
-                state.faults.clear(Some(fault.id), &principal.0);
+                state.front.faults.clear(Some(fault.id), &principal.0);
                 return e.into_response();
             }
             (StatusCode::CREATED, Json(fault)).into_response()
         }
-        Err(e) if !state.faults.enabled() => ApiError::Forbidden(e.0).into_response(),
+        Err(e) if !state.front.faults.enabled() => ApiError::Forbidden(e.0).into_response(),
         Err(e) => ApiError::invalid(e.0).into_response(),
     }
 }
@@ -433,12 +435,12 @@ async fn clear_faults(
         return r;
     }
     // Kept first, then done.
-    let active: Vec<u64> = state.faults.list().iter().map(|f| f.id).collect();
+    let active: Vec<u64> = state.front.faults.list().iter().map(|f| f.id).collect();
     let detail = serde_json::json!({ "faults": active });
     if let Err(e) = note(&state, &principal.0, "fault_clear", "*", None, detail).await {
         return e.into_response();
     }
-    let cleared = state.faults.clear(None, &principal.0);
+    let cleared = state.front.faults.clear(None, &principal.0);
     Json(Cleared { cleared }).into_response()
 }
 
@@ -450,7 +452,7 @@ async fn clear_fault(
     if let Some(r) = refused(&state) {
         return r;
     }
-    if !state.faults.list().iter().any(|f| f.id == id) {
+    if !state.front.faults.list().iter().any(|f| f.id == id) {
         return ApiError::RouteNotFound(format!("no active fault {id}")).into_response();
     }
     let detail = serde_json::json!({ "faults": [id] });
@@ -466,7 +468,7 @@ async fn clear_fault(
     {
         return e.into_response();
     }
-    let cleared = state.faults.clear(Some(id), &principal.0);
+    let cleared = state.front.faults.clear(Some(id), &principal.0);
     Json(Cleared { cleared }).into_response()
 }
 

@@ -21,6 +21,7 @@ use axum::{Extension, Json, Router};
 use serde_json::json;
 
 use crate::error::ApiError;
+use crate::error::WireError;
 use crate::http::paths;
 use crate::identity::Principal;
 use crate::state::AppState;

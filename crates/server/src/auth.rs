@@ -22,7 +22,7 @@ use std::time::Instant;
 
 use sha2::{Digest, Sha256};
 
-use crate::config::RateLimit;
+pub use pipeline::rate_limit::{Bucket, RateLimit, RateLimiter};
 
 /// A key line that cannot be accepted (the message names the entry, never the key).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -202,96 +202,6 @@ impl KeyStore {
         self.by_hash
             .get(&hash(key))
             .map(|(id, scopes)| (id.as_str(), *scopes))
-    }
-}
-
-/// A token bucket: `capacity` tokens, refilled at `rate` per second.
-#[derive(Debug, Clone, Copy)]
-struct Bucket {
-    level: f64,
-    updated: Instant,
-}
-
-impl Bucket {
-    fn refill(&mut self, rate: f64, capacity: f64, now: Instant) {
-        let dt = now.saturating_duration_since(self.updated).as_secs_f64();
-        self.level = (self.level + dt * rate).min(capacity);
-        self.updated = now;
-    }
-}
-
-/// Per-principal request and token buckets.
-#[derive(Debug)]
-pub struct RateLimiter {
-    config: RateLimit,
-    buckets: Mutex<HashMap<String, (Bucket, Bucket)>>,
-}
-
-impl RateLimiter {
-    pub fn new(config: RateLimit) -> Self {
-        Self {
-            config,
-            buckets: Mutex::new(HashMap::new()),
-        }
-    }
-
-    fn enabled(&self) -> bool {
-        self.config.requests_per_second > 0.0 || self.config.tokens_per_minute > 0
-    }
-
-    /// Takes one request from the principal's bucket; the seconds to wait when there is none
-    /// (or when the token budget is spent).
-    pub fn admit(&self, principal: &str) -> Result<(), u64> {
-        if !self.enabled() {
-            return Ok(());
-        }
-        let now = Instant::now();
-        let rps = self.config.requests_per_second;
-        let tpm = self.config.tokens_per_minute as f64;
-        let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
-        let fresh = Bucket {
-            level: 0.0,
-            updated: now,
-        };
-        let (requests, tokens) = buckets.entry(principal.to_string()).or_insert((
-            Bucket {
-                level: rps.max(1.0),
-                ..fresh
-            },
-            Bucket {
-                level: tpm,
-                ..fresh
-            },
-        ));
-        if rps > 0.0 {
-            requests.refill(rps, rps.max(1.0), now);
-            if requests.level < 1.0 {
-                return Err(((1.0 - requests.level) / rps).ceil().max(1.0) as u64);
-            }
-        }
-        if tpm > 0.0 {
-            tokens.refill(tpm / 60.0, tpm, now);
-            if tokens.level <= 0.0 {
-                return Err((-tokens.level / (tpm / 60.0)).ceil().max(1.0) as u64);
-            }
-        }
-        if rps > 0.0 {
-            requests.level -= 1.0;
-        }
-        Ok(())
-    }
-
-    /// Charges tokens a request used (prompt + generated) to its principal.
-    pub fn charge(&self, principal: &str, tokens: usize) {
-        if self.config.tokens_per_minute == 0 {
-            return;
-        }
-        let mut buckets = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((_, bucket)) = buckets.get_mut(principal) {
-            let tpm = self.config.tokens_per_minute as f64;
-            bucket.refill(tpm / 60.0, tpm, Instant::now());
-            bucket.level -= tokens as f64;
-        }
     }
 }
 

@@ -7,6 +7,14 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+pub use pipeline::admission::AdmissionConfig as Admission;
+pub use pipeline::breaker::BreakerSettings;
+pub use pipeline::chain::{FallbackStep, Trigger};
+pub use pipeline::faults::FaultsConfig;
+pub use pipeline::guard_service::{Canary, GuardConfig, GuardOverride, GuardSetup, Refusal};
+pub use pipeline::handoff::HandoffConfig;
+pub use pipeline::rate_limit::RateLimit;
+
 /// `[monitor]`: the drift detector and the output monitors of every served model version.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -571,182 +579,6 @@ impl Default for RecordsConfig {
     }
 }
 
-/// What moves a request to the next step of its model's fallback chain.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Deserialize, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Trigger {
-    /// The backend failed (an error before or instead of the answer; a failed stream before
-    /// its first content token).
-    Error,
-    /// No first content token (or, for tensors and embeddings, no answer) within
-    /// `first_token_timeout_ms`.
-    FirstTokenTimeout,
-    /// No event for `stall_timeout_ms` while generating (falls back only while nothing has
-    /// reached the client: a non-streaming request, or a stream before its first token).
-    StallTimeout,
-    /// The backend's admission refused (its queue is full or the wait ran out), or its own
-    /// queue did.
-    Overloaded,
-    /// The backend's circuit breaker is open.
-    CircuitOpen,
-    /// The prompt does not fit the backend's context (only steps that list it take it).
-    ContextLength,
-    /// The backend is not loaded or fails its readiness check.
-    NotReady,
-}
-
-impl Trigger {
-    pub const ALL: [Trigger; 7] = [
-        Trigger::Error,
-        Trigger::FirstTokenTimeout,
-        Trigger::StallTimeout,
-        Trigger::Overloaded,
-        Trigger::CircuitOpen,
-        Trigger::ContextLength,
-        Trigger::NotReady,
-    ];
-
-    /// What a step takes when it lists nothing: every trigger but `context_length` (a prompt
-    /// too long for one model is the client's to shorten unless a step says it can take it).
-    pub const DEFAULT: [Trigger; 6] = [
-        Trigger::Error,
-        Trigger::FirstTokenTimeout,
-        Trigger::StallTimeout,
-        Trigger::Overloaded,
-        Trigger::CircuitOpen,
-        Trigger::NotReady,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Trigger::Error => "error",
-            Trigger::FirstTokenTimeout => "first_token_timeout",
-            Trigger::StallTimeout => "stall_timeout",
-            Trigger::Overloaded => "overloaded",
-            Trigger::CircuitOpen => "circuit_open",
-            Trigger::ContextLength => "context_length",
-            Trigger::NotReady => "not_ready",
-        }
-    }
-}
-
-/// One step of a model's fallback chain: exactly one of `model`, `canned`, `tensor_backend`.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct FallbackStep {
-    /// Another served model (`name` or `name@version`): a language model, a rules model, a
-    /// tensor model.
-    pub model: Option<String>,
-    /// A canned answer: this text (a generation that says so).
-    pub canned: Option<String>,
-    /// Canned answers per language (`zh = "..."`), chosen by the request's `Accept-Language`.
-    #[serde(default)]
-    pub languages: std::collections::BTreeMap<String, String>,
-    /// The same tensor model on this runtime (`tract` or `onnxruntime`).
-    pub tensor_backend: Option<classic::BackendChoice>,
-    /// The triggers this step takes (default: all but `context_length`).
-    pub on: Option<Vec<Trigger>>,
-}
-
-impl FallbackStep {
-    pub fn triggers(&self) -> Vec<Trigger> {
-        self.on.clone().unwrap_or_else(|| Trigger::DEFAULT.to_vec())
-    }
-}
-
-/// The circuit breaker of every backend (docs/resilience.md).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct BreakerSettings {
-    /// Opens after this many failures in a row.
-    pub consecutive_failures: u32,
-    /// ... or when this fraction of the calls in the window failed ...
-    pub failure_rate: f64,
-    /// ... and the window holds at least this many calls.
-    pub min_calls: u32,
-    pub window_s: u64,
-    /// Opens after this many failed readiness checks in a row.
-    pub readiness_failures: u32,
-    /// Seconds between readiness checks of every backend.
-    pub readiness_interval_ms: u64,
-    /// Calls let through at once while half-open; this many successes close it.
-    pub probes: u32,
-    /// The first open time; it doubles each time it opens again without closing ...
-    pub open_base_ms: u64,
-    /// ... up to this.
-    pub open_max_s: u64,
-    /// Fraction of the open time added or taken at random.
-    pub jitter: f64,
-}
-
-impl Default for BreakerSettings {
-    fn default() -> Self {
-        Self {
-            consecutive_failures: 5,
-            failure_rate: 0.5,
-            min_calls: 20,
-            window_s: 30,
-            readiness_failures: 3,
-            readiness_interval_ms: 1000,
-            probes: 3,
-            open_base_ms: 5000,
-            open_max_s: 300,
-            jitter: 0.2,
-        }
-    }
-}
-
-/// Hand-off to people: when a model's requests keep falling back, new ones get a 503 with
-/// `human_handoff`, this message and link, until the cool-down is over.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct HandoffConfig {
-    pub enabled: bool,
-    /// More than this many fallbacks ...
-    pub threshold: u64,
-    /// ... within this many seconds hand the model off.
-    pub window_s: u64,
-    /// Seconds until it resumes by itself.
-    pub cooldown_s: u64,
-    /// What clients are told.
-    pub message: String,
-    /// Where people can be reached (sent as `handoff_url`).
-    pub url: Option<String>,
-}
-
-impl Default for HandoffConfig {
-    fn default() -> Self {
-        Self {
-            enabled: true,
-            threshold: 1000,
-            window_s: 300,
-            cooldown_s: 600,
-            message:
-                "This service is handed over to our staff for now; please contact us directly."
-                    .into(),
-            url: None,
-        }
-    }
-}
-
-/// Fault injection (`POST /admin/faults`).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct FaultsConfig {
-    pub enabled: bool,
-    /// Longest a fault may last.
-    pub max_duration_s: u64,
-}
-
-impl Default for FaultsConfig {
-    fn default() -> Self {
-        Self {
-            enabled: false,
-            max_duration_s: 3600,
-        }
-    }
-}
-
 /// `[degradation]`: the controllers that steer each language model's limits.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -825,37 +657,6 @@ impl Default for SloConfig {
 pub struct BatchDegradeThreshold {
     pub p99_latency_ms: u64,
     pub batch_size: usize,
-}
-
-/// Admission and load shedding, per model.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct Admission {
-    /// Requests handed to the engine at once.
-    pub max_in_flight: usize,
-    /// Requests waiting for one of those slots; beyond this, 429.
-    pub max_waiting: usize,
-    /// Longest wait for a slot; beyond this, 503.
-    pub queue_timeout_ms: u64,
-}
-
-impl Default for Admission {
-    fn default() -> Self {
-        Self {
-            max_in_flight: 64,
-            max_waiting: 128,
-            queue_timeout_ms: 30_000,
-        }
-    }
-}
-
-/// Per-key rate limits (token buckets); 0 turns a limit off.
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct RateLimit {
-    pub requests_per_second: f64,
-    /// Prompt plus generated tokens per minute.
-    pub tokens_per_minute: u64,
 }
 
 /// Host and GPU telemetry, read at each scrape of `/metrics`.
@@ -1150,186 +951,59 @@ pub enum Residency {
     Cold,
 }
 
-/// How a refused input is answered.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum Refusal {
-    /// HTTP 400, error type `unsafe_input`, with the reason codes.
-    #[default]
-    Error,
-    /// HTTP 200, a completion whose content is exactly `{"error":"unsafe_input"}` (for clients
-    /// that only read completions).
-    Completion,
-}
-
-/// The output side: a canary planted in the system message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum Canary {
-    #[default]
-    Off,
-    /// An output that holds the canary (or the system message's opening) is marked.
-    Flag,
-    /// The output ends before the canary (or the system message's opening).
-    Cut,
-}
-
-/// `[guard]`: the server's guard. Every policy field can be overridden per model
-/// (`[models.guard]`) and per API key id (`[guard.keys.<id>]`).
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct GuardConfig {
-    /// A rules model (`NAME[@VERSION]`) in the repository; none: the seed rules built in
-    /// (`examples/rules/injection-guard.toml`).
-    pub rules: Option<String>,
-    /// An embedding model (`NAME[@VERSION]`) whose folder also holds the classifier head
-    /// (`head_file`); none: no classifier tier.
-    pub classifier: Option<String>,
-    pub head_file: String,
-    /// Tokens per scored segment (the head was trained on 128-token inputs).
-    pub segment_tokens: usize,
-    /// Most segments scored per input text.
-    pub max_segments: usize,
-    /// Compute threads of the classifier's embedder.
-    pub threads: Option<usize>,
-    /// The guard's budget per request (docs/guard.md#cost): most texts (messages and
-    /// prompts) and bytes one request may bring to the guard; beyond either, the request is
-    /// refused (400 `guard_budget_exceeded`) before any guard work.
-    pub max_texts: usize,
-    pub max_bytes: usize,
-    /// Segments the classifier embeds for one request (cached ones are free); the views past
-    /// it are judged by the rules alone and the request gets `over_budget`.
-    pub classifier_budget: usize,
-    pub over_budget: guard::OverBudget,
-    /// Requests judged at once (each on a blocking thread): the guard's whole CPU bound.
-    pub workers: usize,
-    /// Requests waiting for a worker; beyond it 429 `queue_full` at once, and 503 after
-    /// `queue_timeout_ms` of waiting.
-    pub queue: usize,
-    pub queue_timeout_ms: u64,
-    /// The policy for every model and key (unset fields: the defaults): the fields of
-    /// [`GuardOverride`], spelled out because serde cannot flatten a struct into one that denies
-    /// unknown fields ([`GuardConfig::policy`] gathers them).
-    pub enabled: Option<bool>,
-    pub mode: Option<guard::Mode>,
-    pub thresholds: std::collections::BTreeMap<String, f32>,
-    pub on_guard_error: Option<guard::OnError>,
-    pub special_tokens: Option<guard::SpecialTokens>,
-    pub refusal: Option<Refusal>,
-    pub canary: Option<Canary>,
-    pub use_classifier: Option<bool>,
-    pub classifier_threshold: Option<f32>,
-    /// Per API key id (the principal).
-    pub keys: std::collections::BTreeMap<String, GuardOverride>,
-}
-
-impl Default for GuardConfig {
-    fn default() -> Self {
-        Self {
-            rules: None,
-            classifier: None,
-            head_file: "guard/injection_head.safetensors".into(),
-            segment_tokens: 128,
-            max_segments: 8,
-            threads: None,
-            max_texts: 256,
-            max_bytes: 1 << 20,
-            classifier_budget: guard::injection::DEFAULT_CLASSIFIER_BUDGET,
-            over_budget: guard::OverBudget::Flag,
-            workers: 2,
-            queue: 64,
-            queue_timeout_ms: 5_000,
-            enabled: None,
-            mode: None,
-            thresholds: Default::default(),
-            on_guard_error: None,
-            special_tokens: None,
-            refusal: None,
-            canary: None,
-            use_classifier: None,
-            classifier_threshold: None,
-            keys: Default::default(),
+/// A guard policy's values in range and its channels known.
+fn validate_guard(o: &GuardOverride, at: &str) -> Result<(), ConfigError> {
+    if let Some(t) = o.classifier_threshold {
+        if !(0.0..=1.0).contains(&t) {
+            return Err(ConfigError(format!(
+                "{at}.classifier_threshold = {t}: a score from 0 to 1"
+            )));
         }
     }
-}
-
-impl GuardConfig {
-    /// The server-wide policy fields.
-    pub fn policy(&self) -> GuardOverride {
-        GuardOverride {
-            enabled: self.enabled,
-            mode: self.mode,
-            thresholds: self.thresholds.clone(),
-            on_guard_error: self.on_guard_error,
-            special_tokens: self.special_tokens,
-            refusal: self.refusal,
-            canary: self.canary,
-            use_classifier: self.use_classifier,
-            classifier_threshold: self.classifier_threshold,
+    for (channel, t) in &o.thresholds {
+        if guard::Channel::parse(channel).is_none() {
+            return Err(ConfigError(format!(
+                "{at}.thresholds: unknown channel {channel:?} (user, assistant, system, tool, prompt)"
+            )));
+        }
+        if !(0.0..=1.0).contains(t) {
+            return Err(ConfigError(format!(
+                "{at}.thresholds.{channel} = {t}: thresholds are scores from 0 to 1"
+            )));
         }
     }
+    Ok(())
 }
 
-/// Guard policy fields; unset ones come from the level above (key over model over server over
-/// the defaults: enabled, block, fail_closed, special tokens flagged, error refusal, no canary).
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
-pub struct GuardOverride {
-    pub enabled: Option<bool>,
-    pub mode: Option<guard::Mode>,
-    /// Per channel (`user`, `assistant`, `system`, `tool`, `prompt`): a score at or above is a
-    /// hit.
-    #[serde(default)]
-    pub thresholds: std::collections::BTreeMap<String, f32>,
-    pub on_guard_error: Option<guard::OnError>,
-    pub special_tokens: Option<guard::SpecialTokens>,
-    pub refusal: Option<Refusal>,
-    pub canary: Option<Canary>,
-    /// Run the classifier tier (when `[guard] classifier` names one).
-    pub use_classifier: Option<bool>,
-    /// The classifier's score decides alone from here up (default 0.95).
-    pub classifier_threshold: Option<f32>,
-}
-
-impl GuardOverride {
-    /// `self` over `base`.
-    pub fn over(&self, base: &GuardOverride) -> GuardOverride {
-        let mut thresholds = base.thresholds.clone();
-        thresholds.extend(self.thresholds.clone());
-        GuardOverride {
-            enabled: self.enabled.or(base.enabled),
-            mode: self.mode.or(base.mode),
-            thresholds,
-            on_guard_error: self.on_guard_error.or(base.on_guard_error),
-            special_tokens: self.special_tokens.or(base.special_tokens),
-            refusal: self.refusal.or(base.refusal),
-            canary: self.canary.or(base.canary),
-            use_classifier: self.use_classifier.or(base.use_classifier),
-            classifier_threshold: self.classifier_threshold.or(base.classifier_threshold),
+impl ServerConfig {
+    /// What the pipeline's front is made from.
+    pub fn front_setup(&self) -> pipeline::front::FrontSetup {
+        pipeline::front::FrontSetup {
+            rate_limit: self.rate_limit.clone(),
+            handoff: self.handoff.clone(),
+            model_handoffs: self
+                .models
+                .iter()
+                .filter_map(|m| m.handoff.clone().map(|h| (m.name.clone(), h)))
+                .collect(),
+            faults: self.faults.clone(),
+            guard: self.guard_setup(),
+            token_events: self.tracing.token_events,
         }
     }
 
-    fn validate(&self, at: &str) -> Result<(), ConfigError> {
-        if let Some(t) = self.classifier_threshold {
-            if !(0.0..=1.0).contains(&t) {
-                return Err(ConfigError(format!(
-                    "{at}.classifier_threshold = {t}: a score from 0 to 1"
-                )));
-            }
+    /// What the guard service is made from.
+    pub fn guard_setup(&self) -> GuardSetup {
+        GuardSetup {
+            config: self.guard.clone(),
+            models: self
+                .models
+                .iter()
+                .map(|m| (m.name.clone(), m.guard.clone()))
+                .collect(),
+            background_nice: self.limits.background_nice,
+            threads: self.threads,
         }
-        for (channel, t) in &self.thresholds {
-            if guard::Channel::parse(channel).is_none() {
-                return Err(ConfigError(format!(
-                    "{at}.thresholds: unknown channel {channel:?} (user, assistant, system, tool, prompt)"
-                )));
-            }
-            if !(0.0..=1.0).contains(t) {
-                return Err(ConfigError(format!(
-                    "{at}.thresholds.{channel} = {t}: thresholds are scores from 0 to 1"
-                )));
-            }
-        }
-        Ok(())
     }
 }
 
@@ -1425,7 +1099,7 @@ impl ServerConfig {
         self.audit
             .validate()
             .map_err(|e| ConfigError(e.to_string()))?;
-        self.guard.policy().validate("guard")?;
+        validate_guard(&self.guard.policy(), "guard")?;
         for (name, v) in [
             ("max_texts", self.guard.max_texts),
             ("max_bytes", self.guard.max_bytes),
@@ -1442,10 +1116,10 @@ impl ServerConfig {
             .validate()
             .map_err(|e| ConfigError(format!("[monitor.drift]: {e}")))?;
         for (id, o) in &self.guard.keys {
-            o.validate(&format!("guard.keys.{id}"))?;
+            validate_guard(o, &format!("guard.keys.{id}"))?;
         }
         for m in &self.models {
-            m.guard.validate(&format!("models.{}.guard", m.name))?;
+            validate_guard(&m.guard, &format!("models.{}.guard", m.name))?;
         }
         if let Some(budget) = &self.memory.models_budget {
             budget.parse::<engine::KvMemory>().map_err(|e| {

@@ -272,7 +272,7 @@ fn apply(engine: &Engine, entry: &Entry, limits: &Limits) {
 }
 
 /// Logs, counts and keeps one change as a controller decision.
-fn record(entry: &Entry, change: &Change, level: u8) {
+fn record(decisions: &pipeline::decisions::Decisions, entry: &Entry, change: &Change, level: u8) {
     let (model, backend) = (entry.name.as_str(), entry.id.as_str());
     let lever = change.lever.as_str();
     let cause = change.cause.as_str();
@@ -314,7 +314,7 @@ fn record(entry: &Entry, change: &Change, level: u8) {
         "cause" => cause
     )
     .increment(1);
-    crate::decisions::note(
+    decisions.note(
         &format!("degradation.{lever}"),
         Some(model),
         backend,
@@ -390,7 +390,13 @@ pub fn arm(config: &ServerConfig, entry: &Entry) {
 
 impl Degradation {
     /// Judges one window for every language model in the registry.
-    pub fn tick(&self, config: &ServerConfig, entries: &[Arc<Entry>], memory: MemoryReading) {
+    pub fn tick(
+        &self,
+        config: &ServerConfig,
+        entries: &[Arc<Entry>],
+        memory: MemoryReading,
+        decisions: &pipeline::decisions::Decisions,
+    ) {
         if let Some(ratio) = memory.ratio {
             gauge!("rampart_memory_pressure_ratio").set(ratio);
         }
@@ -495,7 +501,7 @@ impl Degradation {
             }
             let at_ms = unix_ms();
             for change in &decision.changes {
-                record(entry, change, decision.level);
+                record(decisions, entry, change, decision.level);
                 if state.view.recent.len() == RECENT {
                     state.view.recent.pop_front();
                 }
@@ -568,8 +574,10 @@ pub fn spawn(state: Arc<AppState>) {
         loop {
             tick.tick().await;
             let memory = read_memory(&telemetry.sample(), &state.config.memory);
-            let entries = state.registry.all();
-            state.degradation.tick(&state.config, &entries, memory);
+            let entries = state.front.registry.all();
+            state
+                .degradation
+                .tick(&state.config, &entries, memory, &state.front.decisions);
         }
     });
 }

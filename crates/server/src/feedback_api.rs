@@ -36,6 +36,7 @@ use serde_json::json;
 use crate::auth::{Scope, SubmissionLimiter};
 use crate::config::FeedbackConfig;
 use crate::error::ApiError;
+use crate::error::WireError;
 use crate::identity::{self, RequestId, Transport};
 use crate::state::AppState;
 
@@ -570,8 +571,12 @@ async fn find(
     if let Some(r) = lookup(target.clone()).await? {
         return Ok(Some(r));
     }
-    if state.bus.depth(SINK) > 0 {
-        state.bus.caught_up(SINK, Duration::from_secs(2)).await;
+    if state.front.bus.depth(SINK) > 0 {
+        state
+            .front
+            .bus
+            .caught_up(SINK, Duration::from_secs(2))
+            .await;
         if let Some(r) = lookup(target.clone()).await? {
             return Ok(Some(r));
         }
@@ -627,7 +632,7 @@ fn filter(service: &FeedbackService, q: &TableQuery) -> (Filter, u64) {
 async fn classes(
     State(state): State<Arc<AppState>>,
     Query(q): Query<TableQuery>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<serde_json::Value>, crate::error::HttpError> {
     let service = Arc::clone(service(&state)?);
     let (filter, window) = filter(&service, &q);
     let min = service.config.min_samples;
@@ -648,15 +653,12 @@ async fn classes(
 async fn calibration(
     State(state): State<Arc<AppState>>,
     Query(q): Query<TableQuery>,
-) -> Result<Json<serde_json::Value>, ApiError> {
+) -> Result<Json<serde_json::Value>, crate::error::HttpError> {
     let service = Arc::clone(service(&state)?);
     let (filter, window) = filter(&service, &q);
     let buckets = q.buckets.unwrap_or(10);
     if !(1..=100).contains(&buckets) {
-        return Err(ApiError::invalid_param(
-            "buckets",
-            "buckets must be 1 to 100",
-        ));
+        return Err(ApiError::invalid_param("buckets", "buckets must be 1 to 100").into());
     }
     let store = Arc::clone(&service.store);
     let rows = tokio::task::spawn_blocking(move || store.confidences(&filter))
@@ -894,7 +896,7 @@ async fn retrain(
     State(state): State<Arc<AppState>>,
     Extension(identity::Principal(principal)): Extension<identity::Principal>,
     body: Bytes,
-) -> Result<(StatusCode, Json<serde_json::Value>), ApiError> {
+) -> Result<(StatusCode, Json<serde_json::Value>), crate::error::HttpError> {
     let service = Arc::clone(service(&state)?);
     let body: RetrainBody = serde_json::from_slice(&body).map_err(|e| {
         ApiError::invalid_param(
@@ -905,7 +907,8 @@ async fn retrain(
     if service.config.retrain.command.is_none() {
         return Err(ApiError::Conflict(
             "no retrain hook is configured ([feedback.retrain] command)".into(),
-        ));
+        )
+        .into());
     }
     let why = Trigger {
         model: body.model.clone(),

@@ -28,6 +28,7 @@ use crate::backend::tensor::wire_shape;
 use crate::backend::{Answer, InferRequest, InferResponse, RequestedOutput, Work, WorkKind};
 use crate::config::GrpcConfig;
 use crate::error::ApiError;
+use crate::error::WireError;
 use crate::front;
 use crate::identity::{self, Transport};
 use crate::kserve;
@@ -113,10 +114,10 @@ impl Inference {
     ) -> Result<ModelInferResponse, ApiError> {
         let model = ModelName::versioned(&request.model_name, Some(&request.model_version));
         crate::residency::before_route(&self.state, &model, record).await?;
-        let entry = front::route(&self.state, &model, WorkKind::Tensors, record)?;
+        let entry = front::route(&self.state.front, &model, WorkKind::Tensors, record)?;
         // The message is already decoded (bounded by `grpc.max_message_bytes`); its tensors are
         // converted in the model's slot, as over REST.
-        let reserved = front::reserve(&self.state, principal, entry, record).await?;
+        let reserved = front::reserve(&self.state.front, principal, entry, record).await?;
         let limits = &self.state.config.limits;
         let decoded = decode(
             request,
@@ -127,7 +128,7 @@ impl Inference {
         let with_bytes = self.state.config.audit.store_tensor_inputs;
         record.payload_input(|| decoded.audit_input(with_bytes));
         let admitted = front::serve_reserved(
-            &self.state,
+            &self.state.front,
             principal,
             reserved,
             Work::Tensors(decoded),
@@ -163,7 +164,7 @@ pub const FALLBACK_PARAMETER: &str = "rampart_fallback";
 /// The operator and trace of a call (`x-operator-id`, `traceparent`, `tracestate` metadata).
 fn origin(metadata: &MetadataMap, releases: &crate::config::ReleasesConfig) -> identity::Origin {
     let get = |k: &str| metadata.get(k).and_then(|v| v.to_str().ok());
-    identity::Origin::from_headers(get("x-operator-id"), get("traceparent"), get("tracestate"))
+    identity::origin_from_headers(get("x-operator-id"), get("traceparent"), get("tracestate"))
         .with_routing(get(&releases.user_header), get(&releases.group_header))
 }
 

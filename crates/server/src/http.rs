@@ -17,6 +17,7 @@ use utoipa::OpenApi;
 use crate::admin;
 use crate::audit_api;
 use crate::auth::Scope;
+use crate::error::WireError;
 use crate::error::{ApiError, ErrorBody};
 use crate::identity::{self, Granted, Principal, RequestId, Transport};
 use crate::kserve;
@@ -184,7 +185,7 @@ async fn identify(
     request.extensions_mut().insert(RequestId(id.clone()));
     let origin = {
         let header = |name: &str| request.headers().get(name).and_then(|v| v.to_str().ok());
-        identity::Origin::from_headers(
+        identity::origin_from_headers(
             header("x-operator-id"),
             header("traceparent"),
             header("tracestate"),
@@ -315,6 +316,7 @@ async fn ready(State(state): State<Arc<AppState>>, request: Request) -> Response
         .and_then(|v| v.to_str().ok());
     let (models, loaded) = if may_list_models(&state, authorization) {
         let models = state
+            .front
             .registry
             .all()
             .iter()
@@ -322,6 +324,7 @@ async fn ready(State(state): State<Arc<AppState>>, request: Request) -> Response
             .map(|e| format!("{}@{}", e.name, e.version))
             .collect();
         let mut loaded: Vec<String> = state
+            .front
             .registry
             .all()
             .iter()
@@ -372,10 +375,15 @@ fn may_list_models(state: &AppState, authorization: Option<&str>) -> bool {
 async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     // Every request answered before the scrape is counted in it (the sink runs on its own task).
     state
+        .front
         .bus
         .caught_up(observe::METRICS_SINK, std::time::Duration::from_millis(250))
         .await;
-    observe::refresh_gauges(&state.registry, &state.handoffs, &state.bus);
+    observe::refresh_gauges(
+        &state.front.registry,
+        &state.front.handoffs,
+        &state.front.bus,
+    );
     let mut body = state
         .metrics
         .as_ref()
@@ -389,7 +397,7 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
             let mut telemetry_text = String::new();
             if let Some(telemetry) = state.telemetry() {
                 let utilization = crate::telemetry::render(telemetry, &mut telemetry_text);
-                state.set_gpu_utilization(utilization);
+                state.front.set_gpu_utilization(utilization);
             }
             telemetry_text
         })
@@ -404,4 +412,14 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
 
 async fn openapi() -> Response {
     Json(ApiDoc::openapi()).into_response()
+}
+
+/// The response header that names the request's audit entry.
+pub const AUDIT_ID_HEADER: &str = "x-rampart-audit-id";
+
+/// Names the request's audit entry on the response.
+pub fn mark_audit(response: &mut Response, audit_id: &str) {
+    if let Ok(v) = HeaderValue::from_str(audit_id) {
+        response.headers_mut().insert(AUDIT_ID_HEADER, v);
+    }
 }

@@ -20,83 +20,34 @@ pub struct Principal(pub String);
 #[derive(Debug, Clone, Copy)]
 pub struct Granted(pub auth::Scopes);
 
-/// Who acts and in which trace, from the request's headers: `X-Operator-Id` (the person
-/// behind an admin call or a request) and the W3C `traceparent` (its trace id, the caller's span
-/// and sampled flag) with its `tracestate`. Set for the whole request by the front door and read
-/// where records and actions are made.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct Origin {
-    pub operator: Option<String>,
-    pub trace_id: Option<String>,
-    /// The caller's span id (16 hex), from the `traceparent`.
-    pub parent_span_id: Option<String>,
-    /// The `traceparent`'s sampled flag.
-    pub sampled: Option<bool>,
-    /// The `tracestate`, kept only with a valid `traceparent` (as the W3C spec says).
-    pub tracestate: Option<String>,
-    /// The end user named by the `[releases] user_header` (the release route's sticky key when
-    /// the request body names no `user`).
-    pub routing_user: Option<String>,
-    /// The A/B group named by the `[releases] group_header`.
-    pub routing_group: Option<String>,
-}
+pub use pipeline::origin::{origin, with_origin, Origin};
 
-tokio::task_local! {
-    static ORIGIN: Origin;
-}
-
-impl Origin {
-    /// From the header values (insane ones are ignored).
-    pub fn from_headers(
-        operator: Option<&str>,
-        traceparent: Option<&str>,
-        tracestate: Option<&str>,
-    ) -> Self {
-        let parent = traceparent.and_then(crate::traces::TraceParent::parse);
-        Self {
-            operator: operator
-                .map(str::trim)
-                .filter(|v| {
-                    !v.is_empty()
-                        && v.len() <= 128
-                        && v.bytes().all(|b| b.is_ascii_graphic() || b == b' ')
-                })
-                .map(str::to_string),
-            tracestate: parent
-                .as_ref()
-                .and(tracestate)
-                .and_then(crate::traces::sane_tracestate),
-            trace_id: parent.as_ref().map(|p| p.trace_id.clone()),
-            parent_span_id: parent.as_ref().map(|p| p.parent_span_id.clone()),
-            sampled: parent.as_ref().map(|p| p.sampled),
-            routing_user: None,
-            routing_group: None,
-        }
+/// A request's origin from its header values (insane ones are ignored).
+pub fn origin_from_headers(
+    operator: Option<&str>,
+    traceparent: Option<&str>,
+    tracestate: Option<&str>,
+) -> Origin {
+    let parent = traceparent.and_then(crate::traces::TraceParent::parse);
+    Origin {
+        operator: operator
+            .map(str::trim)
+            .filter(|v| {
+                !v.is_empty()
+                    && v.len() <= 128
+                    && v.bytes().all(|b| b.is_ascii_graphic() || b == b' ')
+            })
+            .map(str::to_string),
+        tracestate: parent
+            .as_ref()
+            .and(tracestate)
+            .and_then(crate::traces::sane_tracestate),
+        trace_id: parent.as_ref().map(|p| p.trace_id.clone()),
+        parent_span_id: parent.as_ref().map(|p| p.parent_span_id.clone()),
+        sampled: parent.as_ref().map(|p| p.sampled),
+        routing_user: None,
+        routing_group: None,
     }
-
-    /// With the release route's user and group headers (insane values are ignored).
-    pub fn with_routing(mut self, user: Option<&str>, group: Option<&str>) -> Self {
-        let sane = |v: &str| {
-            let v = v.trim();
-            (!v.is_empty()
-                && v.len() <= 256
-                && v.bytes().all(|b| b.is_ascii_graphic() || b == b' '))
-            .then(|| v.to_string())
-        };
-        self.routing_user = user.and_then(sane);
-        self.routing_group = group.and_then(sane);
-        self
-    }
-}
-
-/// The current request's origin (empty outside a request).
-pub fn origin() -> Origin {
-    ORIGIN.try_with(Clone::clone).unwrap_or_default()
-}
-
-/// Runs `f` with `origin` as the request's origin.
-pub async fn with_origin<F: std::future::Future>(origin: Origin, f: F) -> F::Output {
-    ORIGIN.scope(origin, f).await
 }
 
 /// The client's request id when it is sane (1-128 visible ASCII characters), else a fresh
@@ -248,7 +199,7 @@ mod tests {
 
     #[test]
     fn origins_take_sane_headers_only() {
-        let o = Origin::from_headers(
+        let o = origin_from_headers(
             Some("dr. ada"),
             Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
             Some("rojo=00f067aa0ba902b7"),
@@ -261,7 +212,7 @@ mod tests {
         assert_eq!(o.parent_span_id.as_deref(), Some("00f067aa0ba902b7"));
         assert_eq!(o.sampled, Some(true));
         assert_eq!(o.tracestate.as_deref(), Some("rojo=00f067aa0ba902b7"));
-        let bad = Origin::from_headers(
+        let bad = origin_from_headers(
             Some("a\nb"),
             Some("00-00000000000000000000000000000000-00f067aa0ba902b7-01"),
             Some("rojo=1"),
@@ -272,10 +223,10 @@ mod tests {
             "no tracestate without a valid traceparent"
         );
         assert_eq!(
-            Origin::from_headers(None, Some("garbage"), None).trace_id,
+            origin_from_headers(None, Some("garbage"), None).trace_id,
             None
         );
-        let insane = Origin::from_headers(
+        let insane = origin_from_headers(
             None,
             Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00"),
             Some("no equals"),

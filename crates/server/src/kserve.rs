@@ -24,6 +24,7 @@ use crate::backend::{
     Answer, InferRequest, InferResponse, Kind, RequestedOutput, TensorSpec, Work, WorkKind,
 };
 use crate::error::ApiError;
+use crate::error::WireError;
 use crate::front;
 use crate::identity::{self, Principal, RequestId};
 use crate::model_path::ModelPath;
@@ -45,6 +46,7 @@ pub struct ModelMetadata {
 /// The tensor or embedding model `name` (at `version`, or its newest).
 pub fn find(state: &AppState, name: &str, version: Option<&str>) -> Result<Arc<Entry>, ApiError> {
     state
+        .front
         .registry
         .resolve(&ModelName::versioned(name, version), WorkKind::Tensors)
 }
@@ -53,7 +55,7 @@ pub fn metadata(state: &AppState, entry: &Entry) -> ModelMetadata {
     let d = entry.backend.describe();
     ModelMetadata {
         name: entry.name.clone(),
-        versions: state.registry.versions(&entry.name),
+        versions: state.front.registry.versions(&entry.name),
         platform: d.platform,
         inputs: d.inputs,
         outputs: d.outputs,
@@ -504,7 +506,7 @@ async fn rest_infer(
     let mut response = front::conclude(&mut record, result)
         .await
         .unwrap_or_else(|e| rest_error(&e));
-    front::mark_audit(&mut response, &record.record.audit_id);
+    crate::http::mark_audit(&mut response, &record.record.audit_id);
     crate::feedback_api::stamp(&state, &mut response, &record.record.audit_id);
     response
 }
@@ -520,7 +522,7 @@ async fn infer(
     let limits = &state.config.limits;
     // The model is named in the path: an unknown one is refused before its body is read.
     crate::residency::before_route(state, model, record).await?;
-    let entry = front::route(state, model, WorkKind::Tensors, record)?;
+    let entry = front::route(&state.front, model, WorkKind::Tensors, record)?;
     // The body is read outside the model's slot (a slow sender holds no place in flight);
     // its decode, the costly part (typed buffers up to `max_tensor_decoded_bytes`), runs in it.
     let content_length = headers
@@ -530,7 +532,7 @@ async fn infer(
     let bytes =
         identity::read_sized_body(body, content_length, limits.max_tensor_body_bytes, record)
             .await?;
-    let reserved = front::reserve(state, principal, Arc::clone(&entry), record).await?;
+    let reserved = front::reserve(&state.front, principal, Arc::clone(&entry), record).await?;
     let raw_image = is_image_body(headers);
     let request = if raw_image {
         image_request(&entry, &model.name, bytes)?
@@ -552,8 +554,14 @@ async fn infer(
     record.record.input_sha256 = request.input_sha256();
     let with_bytes = state.config.audit.store_tensor_inputs;
     record.payload_input(|| request.audit_input(with_bytes));
-    let admitted =
-        front::serve_reserved(state, principal, reserved, Work::Tensors(request), record).await?;
+    let admitted = front::serve_reserved(
+        &state.front,
+        principal,
+        reserved,
+        Work::Tensors(request),
+        record,
+    )
+    .await?;
     let Answer::Tensors(response) = admitted.answer else {
         return Err(ApiError::Internal(
             "the backend answered tensors with something else".into(),

@@ -26,40 +26,33 @@
 //! run on their own threads; handlers await their streams.
 
 pub mod admin;
-pub mod admission;
+// The protocol-neutral pipeline (crate `pipeline`), under the names the server's modules use.
+pub use pipeline::{
+    admission, backend, breaker, chain, faults, front, guard_service, handoff, lane, registry,
+    shadow,
+};
 pub mod audit_api;
 pub mod auth;
-pub mod backend;
-pub mod breaker;
-pub mod chain;
 pub mod config;
 pub mod connections;
-pub mod decisions;
 pub mod degradation;
 pub mod doctor;
 pub mod error;
-pub mod faults;
 pub mod feedback_api;
 pub mod feedback_stream;
-pub mod front;
 pub mod grpc;
-pub mod handoff;
 pub mod http;
 pub mod identity;
 pub mod kserve;
-pub mod lane;
 pub mod model_path;
 pub mod monitors;
 pub mod observe;
 pub mod openai;
 pub mod openai_http;
 pub mod reference;
-pub mod registry;
 pub mod release_api;
 pub mod releases;
 pub mod residency;
-pub mod screen;
-pub mod shadow;
 pub mod state;
 pub mod telemetry;
 pub mod tls;
@@ -177,11 +170,16 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         .map(TcpListener::local_addr)
         .transpose()?;
     let audit = open_audit(&config)?;
-    let monitors = config
-        .monitor
-        .enabled
-        .then(|| monitors::Monitors::new(config.monitor.clone(), config.repo.clone()));
-    let releases = open_releases(&config)?;
+    // The controllers' decisions, published once the bus starts.
+    let decisions = pipeline::decisions::Decisions::default();
+    let monitors = config.monitor.enabled.then(|| {
+        monitors::Monitors::new(
+            config.monitor.clone(),
+            config.repo.clone(),
+            decisions.clone(),
+        )
+    });
+    let releases = open_releases(&config, &decisions)?;
     let feedback = if config.feedback.enabled {
         let settings = config.feedback.clone();
         let opened =
@@ -207,10 +205,11 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         sinks.push(Box::new(f.sink()));
     }
     let bus = Bus::start(sinks).map_err(|e| ServeError::Config(e.to_string()))?;
+    // The monitors and releases are sinks of the bus they publish their decisions on.
+    decisions.connect(&bus);
     if let Some(log) = &audit {
         spawn_audit(&config, log, &bus)?;
     }
-    decisions::install(Arc::clone(&bus));
     // The host's findings go to the log while the models load; start does not wait for them.
     doctor::log_at_start(&config);
     let state = AppState::with_audit(config, keys, metrics, bus, audit);
@@ -219,6 +218,9 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
     }
     if let Some(r) = releases {
         let _ = state.releases.set(Arc::clone(&r));
+        state
+            .front
+            .set_releases(Arc::clone(&r) as Arc<dyn pipeline::front::Releases>);
         releases::spawn(Arc::clone(&state), r);
     }
     if let Some(f) = feedback {
@@ -239,7 +241,7 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
     );
     unauthenticated::spawn_summaries(
         Arc::clone(&state.unauthenticated),
-        Arc::clone(&state.rate_limited),
+        Arc::clone(&state.front.rate_limited),
         state.audit.clone(),
         std::time::Duration::from_secs(state.config.unauthenticated_summary_s.max(1)),
     );
@@ -283,11 +285,9 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
     shutdown_signal().await;
     // Drain: readiness fails and new inference requests get 503 at once, while the requests
     // already admitted (running or waiting for a slot) finish, up to the timeout.
-    state
-        .draining
-        .store(true, std::sync::atomic::Ordering::Relaxed);
+    state.front.drain();
     let busy = |state: &AppState| {
-        state.registry.busy() + state.releases.get().map_or(0, |r| r.controls_busy())
+        state.front.registry.busy() + state.releases.get().map_or(0, |r| r.controls_busy())
     };
     tracing::info!(
         in_flight = busy(&state),
@@ -306,7 +306,7 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
             "shutdown timeout reached; cancelling the requests still running"
         );
         // Dropping the engines ends their streams.
-        state.registry.clear();
+        state.front.registry.clear();
         if let Some(releases) = state.releases.get() {
             releases.drop_controls();
         }
@@ -328,12 +328,12 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         Err(_) => tracing::warn!("connections still open after the drain; closing them"),
     }
     // Dropping the engines cancels whatever still runs.
-    state.registry.clear();
+    state.front.registry.clear();
     // Every record of the drained requests reaches its sinks, within what is left of the time.
     let left = deadline
         .saturating_duration_since(tokio::time::Instant::now())
         .max(Duration::from_secs(2));
-    let report = state.bus.shutdown(left).await;
+    let report = state.front.bus.shutdown(left).await;
     for (sink, end, counters) in &report.sinks {
         if *end == record::SinkEnd::Drained {
             tracing::info!(
@@ -357,14 +357,22 @@ struct Listening {
 }
 
 /// The releases of the repository's models (the plans there are), when `[releases] enabled`.
-fn open_releases(config: &ServerConfig) -> Result<Option<Arc<releases::Releases>>, ServeError> {
+fn open_releases(
+    config: &ServerConfig,
+    decisions: &pipeline::decisions::Decisions,
+) -> Result<Option<Arc<releases::Releases>>, ServeError> {
     if !config.releases.enabled {
         return Ok(None);
     }
     let names = Repository::open(&config.repo).models().unwrap_or_default();
-    releases::Releases::open(config.releases.clone(), config.repo.clone(), &names)
-        .map(|r| Some(Arc::new(r)))
-        .map_err(|e| ServeError::Config(e.to_string()))
+    releases::Releases::open(
+        config.releases.clone(),
+        config.repo.clone(),
+        &names,
+        decisions.clone(),
+    )
+    .map(|r| Some(Arc::new(r)))
+    .map_err(|e| ServeError::Config(e.to_string()))
 }
 
 /// The record's sinks: the structured log, the metrics, the audit log, the monitors, the
@@ -475,8 +483,9 @@ fn spawn_loading(state: Arc<AppState>) {
 pub fn load_models(state: &AppState) {
     let repository = Repository::open(&state.config.repo);
     // The guard first: no request is served before its guard is.
-    let (guard, problem) = screen::GuardService::load(&state.config, &repository);
-    if state.guard.set(Arc::new(guard)).is_err() {
+    let (guard, problem) =
+        guard_service::GuardService::load(&state.config.guard_setup(), &repository);
+    if state.front.set_guard(Arc::new(guard)).is_err() {
         tracing::warn!("the input guard was already in use before it loaded");
     }
     if let Some(e) = problem {
@@ -559,7 +568,7 @@ pub fn spawn_readiness(state: Arc<AppState>) {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            for e in state.registry.all() {
+            for e in state.front.registry.all() {
                 for b in e.backends() {
                     if let Some(problem) = b.check_readiness() {
                         tracing::debug!(backend = %b.id, problem, "readiness check failed");
@@ -573,10 +582,10 @@ pub fn spawn_readiness(state: Arc<AppState>) {
 /// Warns of fallback steps that name a model that is not served (the step is skipped as
 /// `not_ready` until it is).
 fn check_chains(state: &AppState) {
-    for e in state.registry.all() {
+    for e in state.front.registry.all() {
         for step in &e.policy.steps {
             if let crate::chain::Target::Model(m) = &step.target {
-                if state.registry.find(m).is_none() {
+                if state.front.registry.find(m).is_none() {
                     tracing::warn!(model = %e.id, fallback = %m, "a fallback step names a model that is not served");
                 }
             }

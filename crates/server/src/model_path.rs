@@ -56,12 +56,12 @@ impl ModelPath {
 }
 
 impl FromRequestParts<Arc<AppState>> for ModelPath {
-    type Rejection = ApiError;
+    type Rejection = crate::error::HttpError;
 
     async fn from_request_parts(
         parts: &mut Parts,
         state: &Arc<AppState>,
-    ) -> Result<Self, ApiError> {
+    ) -> Result<Self, Self::Rejection> {
         let parsed = async {
             let Path(params) = Path::<HashMap<String, String>>::from_request_parts(parts, state)
                 .await
@@ -82,7 +82,7 @@ impl FromRequestParts<Arc<AppState>> for ModelPath {
                 tokio::time::sleep(std::time::Duration::from_millis(delay)).await;
             }
         }
-        parsed
+        Ok(parsed?)
     }
 }
 

@@ -19,6 +19,7 @@ use record::{Delivery, Envelope, Sink, SinkFuture};
 use serde::Serialize;
 
 use crate::config::MonitorConfig;
+use pipeline::decisions::Decisions;
 
 /// Control-token texts of the common chat templates, whose share of a prompt is a feature.
 const CONTROL_TEXTS: &[&str] = &[
@@ -69,6 +70,8 @@ pub struct Monitors {
     cfg: MonitorConfig,
     repo: PathBuf,
     versions: Mutex<HashMap<(String, String), VersionMonitors>>,
+    /// Where alarms are published.
+    decisions: Decisions,
 }
 
 impl std::fmt::Debug for Monitors {
@@ -83,11 +86,12 @@ impl std::fmt::Debug for Monitors {
 pub struct MonitorError(pub String);
 
 impl Monitors {
-    pub fn new(cfg: MonitorConfig, repo: PathBuf) -> Arc<Self> {
+    pub fn new(cfg: MonitorConfig, repo: PathBuf, decisions: Decisions) -> Arc<Self> {
         Arc::new(Self {
             cfg,
             repo,
             versions: Mutex::new(HashMap::new()),
+            decisions,
         })
     }
 
@@ -263,12 +267,12 @@ impl Monitors {
         let tests = v.drift.tests();
         for o in &observations {
             for a in v.drift.observe(o) {
-                drift_alarm(&r.model, &r.version, &a);
+                drift_alarm(&self.decisions, &r.model, &r.version, &a);
             }
             for m in &mut v.outputs {
                 if let Some(monitor::Value::Num(x)) = o.get(m.feature()) {
                     if let Some(a) = m.observe(*x) {
-                        output_alarm(&r.model, &r.version, &a);
+                        output_alarm(&self.decisions, &r.model, &r.version, &a);
                     }
                 }
             }
@@ -399,7 +403,7 @@ fn seed_outputs_from(v: &mut VersionMonitors, o: &Observation, cfg: &monitor::Ou
     }
 }
 
-fn drift_alarm(model: &str, version: &str, a: &monitor::Alarm) {
+fn drift_alarm(decisions: &Decisions, model: &str, version: &str, a: &monitor::Alarm) {
     if a.event == "raised" {
         counter!("rampart_drift_alarms_total", "model" => model.to_string(), "version" => version.to_string(), "feature" => a.feature.clone()).increment(1);
         tracing::warn!(target: "rampart::monitor", model, version, feature = %a.feature, event = a.event, mode = a.mode, statistic = a.statistic, p_value = a.p_value, effect = a.effect, psi = a.psi, threshold = a.threshold, window = a.window, observation = a.observation, "drift alarm raised");
@@ -410,7 +414,7 @@ fn drift_alarm(model: &str, version: &str, a: &monitor::Alarm) {
         "{}: {} statistic {:.4} (threshold {:.4}), p {:.2e}, effect {:.3}, window {}",
         a.feature, a.mode, a.statistic, a.threshold, a.p_value, a.effect, a.window
     );
-    crate::decisions::note(
+    decisions.note(
         &format!("monitor.drift_{}", a.event),
         Some(model),
         &format!("{model}@{version}"),
@@ -419,7 +423,12 @@ fn drift_alarm(model: &str, version: &str, a: &monitor::Alarm) {
     );
 }
 
-fn output_alarm(model: &str, version: &str, a: &monitor::output::OutputAlarm) {
+fn output_alarm(
+    decisions: &Decisions,
+    model: &str,
+    version: &str,
+    a: &monitor::output::OutputAlarm,
+) {
     if a.event == "raised" {
         counter!("rampart_drift_alarms_total", "model" => model.to_string(), "version" => version.to_string(), "feature" => a.feature.clone()).increment(1);
         tracing::warn!(target: "rampart::monitor", model, version, feature = %a.feature, event = a.event, kind = a.kind, window_mean = a.window_mean, window_std = a.window_std, baseline_mean = a.baseline_mean, baseline_std = a.baseline_std, z = a.z, window = a.window, "output monitor alarm raised");
@@ -430,7 +439,7 @@ fn output_alarm(model: &str, version: &str, a: &monitor::output::OutputAlarm) {
         "{} {}: window mean {:.3} (std {:.3}) against baseline {:.3} (std {:.3}), z {:.1}",
         a.feature, a.kind, a.window_mean, a.window_std, a.baseline_mean, a.baseline_std, a.z
     );
-    crate::decisions::note(
+    decisions.note(
         &format!("monitor.output_{}", a.event),
         Some(model),
         &format!("{model}@{version}"),
@@ -584,7 +593,7 @@ mod tests {
             },
             ..MonitorConfig::default()
         };
-        let m = Monitors::new(cfg.clone(), dir.clone());
+        let m = Monitors::new(cfg.clone(), dir.clone(), Decisions::default());
         let mut rng = monitor::stats::SplitMix(9);
         for i in 0..200 {
             let e = 1.5 + 0.3 * rng.normal() as f32;
@@ -599,7 +608,7 @@ mod tests {
         assert_eq!(views[0].drift.phase, "watching");
         assert_eq!(views[0].outputs[0].feature, ENTROPY);
         // A restart reads it back.
-        let again = Monitors::new(cfg, dir.clone());
+        let again = Monitors::new(cfg, dir.clone(), Decisions::default());
         for _ in 0..100 {
             again.take(&chat_envelope(
                 "what is the weather",

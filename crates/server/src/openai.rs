@@ -855,27 +855,7 @@ pub fn base64_f32(values: &[f32]) -> String {
     base64_bytes(&bytes)
 }
 
-/// Standard base64 (with padding) of `bytes`.
-pub fn base64_bytes(bytes: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let b = [
-            chunk[0],
-            *chunk.get(1).unwrap_or(&0),
-            *chunk.get(2).unwrap_or(&0),
-        ];
-        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
-        for (k, shift) in [18, 12, 6, 0].into_iter().enumerate() {
-            if k <= chunk.len() {
-                out.push(ALPHABET[(n >> shift) as usize & 63] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
-}
+pub use pipeline::backend::tensor::base64_bytes;
 
 #[cfg(test)]
 mod embedding_tests {

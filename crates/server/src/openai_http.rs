@@ -19,13 +19,14 @@ use crate::backend::{
     Answer, EmbedWork, Embeddings, Generated, Generation, Kind, Token, Work, WorkKind,
 };
 use crate::chain::{Fallback, FALLBACK_HEADER};
+use crate::error::WireError;
 use crate::error::{ApiError, ErrorBody};
 use crate::front::{self, Ticket};
+use crate::guard_service as screen;
 use crate::identity::{self, Principal, RequestId};
 use crate::model_path::ModelPath;
 use crate::openai::*;
 use crate::registry::{Entry, ModelName};
-use crate::screen;
 use crate::state::AppState;
 
 /// The two generation endpoints.
@@ -108,7 +109,7 @@ async fn generate(
                 e.into_response()
             }
         };
-    front::mark_audit(&mut response, &audit_id);
+    crate::http::mark_audit(&mut response, &audit_id);
     crate::feedback_api::stamp(&state, &mut response, &audit_id);
     response
 }
@@ -156,7 +157,7 @@ async fn start(
         logprobs: plan.logprobs,
     };
     let work = Work::Generate(Box::new(plan));
-    let admitted = front::serve(state, principal, &model, work, record).await?;
+    let admitted = front::serve(&state.front, principal, &model, work, record).await?;
     let Answer::Generation(g) = admitted.answer else {
         return Err(ApiError::Internal(
             "the backend answered a generation with something else".into(),
@@ -245,7 +246,7 @@ pub async fn embeddings(
         }
         Err(e) => e.into_response(),
     };
-    front::mark_audit(&mut response, &record.record.audit_id);
+    crate::http::mark_audit(&mut response, &record.record.audit_id);
     response
 }
 
@@ -272,7 +273,7 @@ async fn embed(
         inputs: plan.inputs,
         dimensions: plan.dimensions,
     });
-    let admitted = front::serve(state, principal, &model, work, record).await?;
+    let admitted = front::serve(&state.front, principal, &model, work, record).await?;
     let Answer::Embeddings(e) = admitted.answer else {
         return Err(ApiError::Internal(
             "the backend answered embeddings with something else".into(),
@@ -342,7 +343,7 @@ fn card(e: &Entry) -> ModelCard {
 /// The served language and embedding models.
 #[utoipa::path(get, path = "/v1/models", responses((status = 200, body = ModelList)))]
 pub async fn list_models(State(state): State<Arc<AppState>>) -> Json<ModelList> {
-    let mut entries = state.registry.all();
+    let mut entries = state.front.registry.all();
     // Language models first, then embedders (tensor models are KServe's).
     entries.retain(|e| e.kind() != Kind::Tensor);
     entries.sort_by_key(|e| e.kind() != Kind::Llm);
@@ -357,7 +358,7 @@ pub async fn list_models(State(state): State<Arc<AppState>>) -> Json<ModelList> 
     responses((status = 200, body = ModelCard), (status = 404, body = ErrorBody)))]
 pub async fn get_model(State(state): State<Arc<AppState>>, model: ModelPath) -> Response {
     let name = ModelName::versioned(model.name(), model.version().as_deref());
-    match state.registry.resolve(&name, WorkKind::Generate) {
+    match state.front.registry.resolve(&name, WorkKind::Generate) {
         Ok(e) => Json(card(&e)).into_response(),
         Err(e) => e.into_response(),
     }

@@ -468,7 +468,7 @@ pub async fn run(
         .buffer_unordered(concurrency.max(1))
         .collect()
         .await;
-    state.registry.clear();
+    state.front.registry.clear();
     bus.shutdown(Duration::from_secs(60)).await;
     let failures: Vec<Failure> = outcomes.into_iter().flatten().collect();
     let c = std::mem::take(&mut *collected.lock().unwrap_or_else(|e| e.into_inner()));

@@ -14,6 +14,7 @@ use release::plan::Mode;
 use serde::Deserialize;
 
 use crate::error::ApiError;
+use crate::error::WireError;
 use crate::http::paths;
 use crate::identity::Principal;
 use crate::model_path::ModelPath;
@@ -238,7 +239,7 @@ async fn prepare(
 
 /// The version a new plan starts from: the newest served version other than the candidate.
 fn served_stable(state: &AppState, name: &str, candidate: Option<&str>) -> Option<String> {
-    state.registry.newest_version(name, candidate)
+    state.front.registry.newest_version(name, candidate)
 }
 
 /// `start`: the candidate exists in the repository and is loaded (loaded now when it is not),

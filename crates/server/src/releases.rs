@@ -25,6 +25,7 @@ use release::router::{Route, RoutingKey};
 use serde::Serialize;
 
 use crate::config::ReleasesConfig;
+use pipeline::decisions::Decisions;
 
 fn now_ms() -> u64 {
     SystemTime::now()
@@ -143,24 +144,37 @@ impl ModelRelease {
     }
 }
 
-/// What the route decided, for the record and the front.
-#[derive(Debug, Clone)]
-pub struct Routed {
-    pub version: String,
-    pub variant: Variant,
-    pub why: &'static str,
-    /// Shadow mode: the candidate version the request is mirrored to.
-    pub shadow: Option<String>,
-}
+pub use pipeline::front::Routed;
 
-impl From<Route> for Routed {
-    fn from(r: Route) -> Self {
-        Self {
-            version: r.version,
-            variant: r.variant,
-            why: r.why,
-            shadow: r.shadow,
+/// The releases' part in the pipeline's route and shadow.
+impl pipeline::front::Releases for Releases {
+    fn route(&self, model: &str, key: &RoutingKey<'_>) -> Option<Routed> {
+        Releases::route(self, model, key)
+    }
+
+    fn has_plan(&self, model: &str) -> bool {
+        self.get(model).is_some()
+    }
+
+    fn control(&self, model: &str) -> Option<Arc<crate::registry::Entry>> {
+        Releases::control(self, model)
+    }
+
+    fn mirror(&self, model: &str, request_id: &str) -> Option<pipeline::front::Mirror> {
+        let release = self.get(model)?;
+        let plan = release.plan();
+        if !release::router::mirrored(&plan, request_id) {
+            return None;
         }
+        let candidate = plan.candidate.clone()?;
+        let control = (plan.routing.reference() == Variant::Control)
+            .then(|| release.control())
+            .flatten();
+        Some(pipeline::front::Mirror { candidate, control })
+    }
+
+    fn agreement(&self, model: &str, agreed: Option<bool>) {
+        Releases::agreement(self, model, agreed)
     }
 }
 
@@ -172,6 +186,8 @@ pub struct Releases {
     models: RwLock<BTreeMap<String, Arc<ModelRelease>>>,
     /// Plan files found unreadable, with their modification time (said once per version).
     unreadable: Mutex<BTreeMap<String, Option<SystemTime>>>,
+    /// Where the controllers' decisions are published.
+    decisions: Decisions,
 }
 
 /// A command could not be carried out.
@@ -192,6 +208,7 @@ impl Releases {
         cfg: ReleasesConfig,
         repo: PathBuf,
         names: &[String],
+        decisions: Decisions,
     ) -> Result<Self, release::plan::ReleaseError> {
         let mut models = BTreeMap::new();
         for name in names {
@@ -218,6 +235,7 @@ impl Releases {
             repo,
             models: RwLock::new(models),
             unreadable: Mutex::new(BTreeMap::new()),
+            decisions,
         })
     }
 
@@ -255,7 +273,13 @@ impl Releases {
         let models = self.models.read().unwrap_or_else(|e| e.into_inner());
         let m = models.get(name)?;
         let plan = m.plan();
-        Some(release::router::route(&plan, key).into())
+        let r: Route = release::router::route(&plan, key);
+        Some(Routed {
+            version: r.version,
+            variant: r.variant,
+            why: r.why,
+            shadow: r.shadow,
+        })
     }
 
     /// The loaded control of `name`'s release, if any.
@@ -426,7 +450,7 @@ impl Releases {
                         weight = plan.state.weight,
                         "release plan changed on disk: adopted"
                     );
-                    crate::decisions::note(
+                    self.decisions.note(
                         "release.plan_changed",
                         Some(&m.name),
                         &m.name,
@@ -471,7 +495,7 @@ impl Releases {
             }
             for d in &decisions {
                 publish(&m.name, d);
-                crate::decisions::note(
+                self.decisions.note(
                     &format!("release.{}", action_name(d.action)),
                     Some(&m.name),
                     &format!("{}@{}", m.name, d.candidate.as_deref().unwrap_or(&d.stable)),
@@ -698,6 +722,7 @@ pub async fn ensure_loaded(
     version: &str,
 ) -> Result<(), String> {
     if state
+        .front
         .registry
         .find(&crate::registry::ModelName::versioned(name, Some(version)))
         .is_some()
@@ -752,7 +777,7 @@ async fn keep_control(
         (false, Some(entry)) => {
             m.set_control(None);
             tracing::info!(target: "rampart::release", model = %m.name, control = %entry.id, phase = ?plan.state.phase, "the release's control is unloaded");
-            crate::decisions::note(
+            state.front.decisions.note(
                 "release.control_unloaded",
                 Some(&m.name),
                 &entry.id,
@@ -771,7 +796,7 @@ async fn keep_control(
                     let entry = entry.with_id(format!("{}@{}:control", m.name, plan.stable));
                     let load_ms = began.elapsed().as_millis() as u64;
                     tracing::info!(target: "rampart::release", model = %m.name, control = %entry.id, load_ms, "the release's control is loaded: a copy of the stable serving as many users as the candidate, the judge's latency reference");
-                    crate::decisions::note(
+                    state.front.decisions.note(
                         "release.control_loaded",
                         Some(&m.name),
                         &entry.id,
@@ -782,7 +807,7 @@ async fn keep_control(
                 }
                 Err(e) => {
                     tracing::error!(target: "rampart::release", model = %m.name, stable = %plan.stable, error = %e, "the release's control cannot be loaded: its users are served by the stable and the latency tests wait for control samples (set `[routing] control = false` in the plan to judge against the stable)");
-                    crate::decisions::note(
+                    state.front.decisions.note(
                         "release.control_failed",
                         Some(&m.name),
                         &format!("{}@{}", m.name, plan.stable),
@@ -813,6 +838,7 @@ pub fn spawn(state: Arc<crate::state::AppState>, releases: Arc<Releases>) {
                     .and_then(alarm_detail)
             };
             let mut names: Vec<String> = state
+                .front
                 .registry
                 .all()
                 .iter()

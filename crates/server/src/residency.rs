@@ -29,6 +29,7 @@ use serde::Serialize;
 
 use crate::config::{ModelConfig, Residency as Kind};
 use crate::error::ApiError;
+use crate::error::WireError;
 use crate::registry::{Entry, ModelName};
 use crate::state::AppState;
 
@@ -58,7 +59,7 @@ pub struct IndexRow {
 
 /// Milliseconds since the process started, the clock of [`Entry::touch`].
 pub fn now_ms(state: &AppState) -> u64 {
-    state.started.elapsed().as_millis() as u64
+    state.front.now_ms()
 }
 
 /// The budget in bytes (`[memory] models_budget`), a fraction resolved against the cgroup's
@@ -83,6 +84,7 @@ pub fn budget_bytes(state: &AppState) -> Option<u64> {
 /// What the loaded models take.
 fn in_use(state: &AppState) -> u64 {
     state
+        .front
         .registry
         .all()
         .iter()
@@ -117,12 +119,31 @@ fn loads_on_request(state: &AppState, model: &ModelName) -> bool {
 /// Before a request is routed: a cold model that is not loaded is loaded now (the request
 /// waits; its record gets the `model_load` stage). Nothing happens for hot models (no lookup:
 /// the route finds them) or loaded ones; the route marks the entry used.
+/// The residency's part in the pipeline: a model that loads on request is loaded before its
+/// route (the front holds this; the state it loads into, weakly).
+pub struct OnRequest(pub std::sync::Weak<AppState>);
+
+impl pipeline::front::OnDemand for OnRequest {
+    fn before_route<'a>(
+        &'a self,
+        model: &'a ModelName,
+        record: &'a mut record::RecordBuilder,
+    ) -> pipeline::front::LoadFuture<'a> {
+        Box::pin(async move {
+            match self.0.upgrade() {
+                Some(state) => before_route(&state, model, record).await,
+                None => Ok(()),
+            }
+        })
+    }
+}
+
 pub async fn before_route(
     state: &Arc<AppState>,
     model: &ModelName,
     record: &mut record::RecordBuilder,
 ) -> Result<(), ApiError> {
-    if !loads_on_request(state, model) || state.registry.find(model).is_some() {
+    if !loads_on_request(state, model) || state.front.registry.find(model).is_some() {
         return Ok(());
     }
     let began = Instant::now();
@@ -153,7 +174,7 @@ pub async fn load(
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .remove(name);
-    if let Some(entry) = state.registry.find(&ModelName::parse(name)) {
+    if let Some(entry) = state.front.registry.find(&ModelName::parse(name)) {
         return Ok(entry);
     }
     if state.is_draining() {
@@ -212,7 +233,7 @@ pub async fn load(
     tracing::info!(target: "rampart::residency", model = %entry.id, cause, load_ms, memory_bytes = memory, residency = ?model.residency, "model loaded on demand");
     counter!("rampart_model_loads_total", "model" => name.to_string(), "cause" => cause)
         .increment(1);
-    crate::decisions::note(
+    state.front.decisions.note(
         "model.loaded",
         Some(name),
         &entry.id,
@@ -234,6 +255,7 @@ fn make_room(state: &AppState, loading: &str, needed: u64) -> Result<(), ApiErro
         return Ok(());
     }
     let mut candidates: Vec<Arc<Entry>> = state
+        .front
         .registry
         .all()
         .into_iter()
@@ -265,7 +287,7 @@ fn make_room(state: &AppState, loading: &str, needed: u64) -> Result<(), ApiErro
         if e.busy() > 0 {
             continue;
         }
-        let Some(removed) = state.registry.remove(&e.name, &e.version) else {
+        let Some(removed) = state.front.registry.remove(&e.name, &e.version) else {
             continue;
         };
         let bytes = removed
@@ -276,7 +298,7 @@ fn make_room(state: &AppState, loading: &str, needed: u64) -> Result<(), ApiErro
         tracing::warn!(target: "rampart::residency", model = %removed.id, for_model = loading, bytes, idle_ms, "model evicted: the models' budget needs room");
         counter!("rampart_model_unloads_total", "model" => removed.name.clone(), "cause" => "evicted")
             .increment(1);
-        crate::decisions::note(
+        state.front.decisions.note(
             "model.evicted",
             Some(&removed.name),
             &removed.id,
@@ -306,8 +328,8 @@ pub async fn unload(
     drain: Duration,
 ) -> Result<serde_json::Value, ApiError> {
     let mut removed = Vec::new();
-    for v in state.registry.versions(name) {
-        removed.extend(state.registry.remove(name, &v));
+    for v in state.front.registry.versions(name) {
+        removed.extend(state.front.registry.remove(name, &v));
     }
     if removed.is_empty() {
         return Err(ApiError::ModelNotFound(format!(
@@ -351,7 +373,7 @@ pub fn index(state: &AppState) -> Result<Vec<IndexRow>, ApiError> {
     let names = repository
         .models()
         .map_err(|e| ApiError::Internal(format!("the repository cannot be read: {e}")))?;
-    let loaded = state.registry.all();
+    let loaded = state.front.registry.all();
     let unloaded = state
         .residency
         .unloaded

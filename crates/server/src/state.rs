@@ -1,7 +1,6 @@
 //! What the handlers share: the registry of served models, the keys, the limits, the record
 //! bus, readiness and drain; and the loading of models into the registry.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -11,7 +10,7 @@ use record::{Bus, RecordBuilder};
 use repo::{ModelRef, Repository};
 
 use crate::admission::Admission;
-use crate::auth::{KeyStore, RateLimiter};
+use crate::auth::KeyStore;
 use crate::backend::canned::CannedBackend;
 use crate::backend::embedding::EmbeddingBackend;
 use crate::backend::llm::LlmBackend;
@@ -20,9 +19,8 @@ use crate::backend::tensor::TensorBackend;
 use crate::breaker::BreakerConfig;
 use crate::chain::{Policy, Step, Target};
 use crate::config::{ModelConfig, ServerConfig};
-use crate::faults::Faults;
-use crate::handoff::Handoffs;
-use crate::registry::{Entry, ModelName, Registry};
+use crate::registry::{Entry, ModelName};
+use pipeline::Front;
 
 /// Readiness of the model set.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -31,38 +29,42 @@ pub enum Loading {
     Done,
 }
 
-/// Why a model could not be loaded (kept as a reason readiness gives).
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("{model}: {message}")]
-pub struct LoadError {
-    pub model: String,
-    pub message: String,
+pub use pipeline::registry::LoadError;
+
+/// The audit log's say on the path (`fail_closed`: nothing is served while it cannot persist).
+struct AuditLogGate {
+    log: Arc<audit::AuditLog>,
+    mode: audit::Mode,
 }
 
-impl LoadError {
-    pub fn new(model: &str, message: impl std::fmt::Display) -> Self {
-        Self {
-            model: model.to_string(),
-            message: message.to_string(),
+impl pipeline::front::AuditGate for AuditLogGate {
+    fn refusal(&self) -> Option<crate::error::ApiError> {
+        if self.mode != audit::Mode::FailClosed || self.log.is_healthy() {
+            return None;
         }
+        let why = self.log.problem().unwrap_or_default();
+        Some(crate::error::ApiError::AuditUnavailable(format!(
+            "the audit log cannot persist ({why}); requests are refused until it can"
+        )))
+    }
+
+    fn fail_closed(&self) -> bool {
+        self.mode == audit::Mode::FailClosed
     }
 }
 
 /// Shared by every handler.
 pub struct AppState {
     pub config: ServerConfig,
-    /// Every served model, whatever its kind.
-    pub registry: Registry,
+    /// The pipeline every protocol calls: the registry, the rate limits, the guard, the
+    /// hand-offs, the faults, the record bus and the drain flag (crate `pipeline`).
+    pub front: Arc<Front>,
     pub loading: Mutex<Loading>,
     /// Models that could not be loaded, and why.
     pub load_errors: Mutex<Vec<LoadError>>,
-    pub draining: AtomicBool,
     pub keys: Option<KeyStore>,
-    pub rate_limiter: RateLimiter,
     /// Requests refused before authentication, summarised per interval.
     pub unauthenticated: Arc<crate::unauthenticated::Tally>,
-    /// Requests of valid keys refused past their rate limit, summarised per interval too.
-    pub rate_limited: Arc<crate::unauthenticated::RateLimitedTally>,
     /// The places of `/tokenize` and `/detokenize` (`[limits] tokenize_in_flight`).
     pub tokenizing: Arc<crate::admission::Admission>,
     /// Where `/tokenize` and `/detokenize` work: `tokenize_in_flight` threads below the
@@ -74,12 +76,6 @@ pub struct AppState {
     /// here.
     pub prepare_lane: crate::lane::Lane,
     pub metrics: Option<PrometheusHandle>,
-    /// Where every request's record goes.
-    pub bus: Arc<Bus>,
-    /// Each model's hand-off to people (level 3).
-    pub handoffs: Handoffs,
-    /// Faults injected for drills (`POST /admin/faults`).
-    pub faults: Faults,
     /// The WORM audit log, when `[audit] enabled`.
     pub audit: Option<Arc<audit::AuditLog>>,
     /// The monitors (drift, output entropy and confidence), when `[monitor] enabled`; set by
@@ -90,17 +86,12 @@ pub struct AppState {
     pub releases: std::sync::OnceLock<Arc<crate::releases::Releases>>,
     /// The feedback store and links, when `[feedback] enabled`.
     pub feedback: std::sync::OnceLock<Arc<crate::feedback_api::FeedbackService>>,
-    /// The input guard, once loaded (the seed rules until then).
-    pub guard: std::sync::OnceLock<Arc<crate::screen::GuardService>>,
     /// The host telemetry, opened at the first scrape (`None` inside: `[telemetry]` is off).
     pub telemetry: std::sync::OnceLock<Option<host::Telemetry>>,
-    /// The GPUs' mean utilization at the last telemetry reading, as f32 bits (NaN: none).
-    pub gpu_utilization_bits: std::sync::atomic::AtomicU32,
     /// Each language model's degradation controller (`[degradation]`).
     pub degradation: crate::degradation::Degradation,
     /// Loading on demand, unloading and evicting within `[memory] models_budget`.
     pub residency: crate::residency::Residency,
-    pub started: Instant,
 }
 
 impl std::fmt::Debug for AppState {
@@ -127,11 +118,17 @@ impl AppState {
         bus: Arc<Bus>,
         audit: Option<Arc<audit::AuditLog>>,
     ) -> Arc<Self> {
-        Arc::new(Self {
+        let gate = audit.as_ref().map(|log| {
+            Arc::new(AuditLogGate {
+                log: Arc::clone(log),
+                mode: config.audit.mode(),
+            }) as Arc<dyn pipeline::front::AuditGate>
+        });
+        let front = Arc::new(Front::new(config.front_setup(), bus, gate));
+        let state = Arc::new(Self {
+            front,
             audit,
-            rate_limiter: RateLimiter::new(config.rate_limit.clone()),
             unauthenticated: Arc::default(),
-            rate_limited: Arc::default(),
             tokenizing: crate::admission::Admission::new(crate::config::Admission {
                 max_in_flight: config.limits.tokenize_in_flight.max(1),
                 max_waiting: config.limits.tokenize_waiting,
@@ -147,32 +144,21 @@ impl AppState {
                 std::thread::available_parallelism().map_or(2, |n| n.get()),
                 config.limits.background_nice,
             ),
-            handoffs: Handoffs::new(&config),
-            faults: Faults::new(config.faults.clone()),
             config,
-            registry: Registry::default(),
             loading: Mutex::new(Loading::InProgress),
             load_errors: Mutex::new(Vec::new()),
-            draining: AtomicBool::new(false),
             keys,
             metrics,
-            bus,
-            guard: std::sync::OnceLock::new(),
             monitors: std::sync::OnceLock::new(),
             releases: std::sync::OnceLock::new(),
             feedback: std::sync::OnceLock::new(),
             telemetry: std::sync::OnceLock::new(),
-            gpu_utilization_bits: std::sync::atomic::AtomicU32::new(f32::NAN.to_bits()),
             degradation: crate::degradation::Degradation::default(),
             residency: crate::residency::Residency::default(),
-            started: Instant::now(),
-        })
-    }
-
-    /// The input guard (the seed rules when none was loaded).
-    pub fn guard(&self) -> &Arc<crate::screen::GuardService> {
-        self.guard
-            .get_or_init(|| Arc::new(crate::screen::GuardService::seed(&self.config)))
+        });
+        let on_request = crate::residency::OnRequest(Arc::downgrade(&state));
+        state.front.set_on_demand(Arc::new(on_request));
+        state
     }
 
     /// The host telemetry, opened on first use as `[telemetry]` says.
@@ -182,18 +168,6 @@ impl AppState {
             .as_ref()
     }
 
-    /// The GPUs' mean utilization (0–1) at the last telemetry reading, for the records.
-    pub fn gpu_utilization(&self) -> Option<f32> {
-        let value = f32::from_bits(self.gpu_utilization_bits.load(Ordering::Relaxed));
-        (!value.is_nan()).then_some(value)
-    }
-
-    /// Remembers the GPUs' mean utilization of a telemetry reading.
-    pub fn set_gpu_utilization(&self, value: Option<f64>) {
-        let bits = value.map_or(f32::NAN, |v| v as f32).to_bits();
-        self.gpu_utilization_bits.store(bits, Ordering::Relaxed);
-    }
-
     /// A fresh record for a request that just arrived.
     pub fn record(
         &self,
@@ -201,35 +175,13 @@ impl AppState {
         principal: String,
         endpoint: &'static str,
     ) -> RecordBuilder {
-        let mut record = RecordBuilder::new(Arc::clone(&self.bus), request_id, principal, endpoint);
-        let origin = crate::identity::origin();
-        record.record.operator = origin.operator;
-        // With tracing on, a request that came without a trace starts one here, so its record,
-        // its log line and its spans share the id.
-        let traced = record.traced();
-        record.record.trace_id = origin
-            .trace_id
-            .or_else(|| traced.then(crate::traces::new_trace_id));
-        if let Some(t) = record.timeline_mut() {
-            t.parent_span_id = origin.parent_span_id;
-            t.parent_sampled = origin.sampled;
-            t.tracestate = origin.tracestate;
-            t.token_fraction = self.config.tracing.token_events;
-        }
-        record
+        self.front.record(request_id, principal, endpoint)
     }
 
     /// `fail_closed`: the refusal while the audit log cannot persist (nothing is served
     /// unaudited).
     pub fn audit_refusal(&self) -> Option<crate::error::ApiError> {
-        let log = self.audit.as_ref()?;
-        if self.config.audit.mode() != audit::Mode::FailClosed || log.is_healthy() {
-            return None;
-        }
-        let why = log.problem().unwrap_or_default();
-        Some(crate::error::ApiError::AuditUnavailable(format!(
-            "the audit log cannot persist ({why}); requests are refused until it can"
-        )))
+        self.front.audit_refusal()
     }
 
     /// An admin's action: published on the record bus, whose sinks log it with who and why
@@ -250,12 +202,13 @@ impl AppState {
             model: model.map(str::to_string),
             action,
         };
-        let receipt = self.bus.publish_action(action);
+        let receipt = self.front.bus.publish_action(action);
         if !receipt.is_pending() {
             // A best-effort audit log does not acknowledge: wait (briefly) until it wrote what
             // came before, so that a caller reading the log next finds the action.
             if self.audit.is_some() {
-                self.bus
+                self.front
+                    .bus
                     .caught_up(audit::sink::SINK_NAME, std::time::Duration::from_secs(2))
                     .await;
             }
@@ -274,7 +227,7 @@ impl AppState {
     }
 
     pub fn is_draining(&self) -> bool {
-        self.draining.load(Ordering::Relaxed)
+        self.front.is_draining()
     }
 
     /// A loaded model version goes into service: its engine is armed for the degradation
@@ -282,7 +235,7 @@ impl AppState {
     /// the registry, where requests find it.
     pub fn serve(&self, entry: crate::registry::Entry) -> Arc<crate::registry::Entry> {
         crate::degradation::arm(&self.config, &entry);
-        self.registry.add(entry)
+        self.front.registry.add(entry)
     }
 
     /// Loading is over (whatever loaded): readiness can follow.
@@ -317,10 +270,10 @@ impl AppState {
             .models
             .iter()
             .any(|m| m.residency == crate::config::Residency::Cold);
-        if self.registry.is_empty() && !cold {
+        if self.front.registry.is_empty() && !cold {
             return Some("no model is configured or found in the repository".into());
         }
-        self.registry.problem()
+        self.front.registry.problem()
     }
 }
 

@@ -466,13 +466,13 @@ mod record_tests {
             None,
             record::Bus::disconnected(),
         );
-        assert_eq!(state.gpu_utilization(), None);
+        assert_eq!(state.front.gpu_utilization(), None);
         let builder = state.record("r1".into(), "p".into(), "chat");
         let json = serde_json::to_value(&builder.record).expect("a record serializes");
         assert!(json.get("gpu_utilization").is_none(), "no GPU: no field");
-        state.set_gpu_utilization(Some(0.25));
-        assert_eq!(state.gpu_utilization(), Some(0.25));
-        state.set_gpu_utilization(None);
-        assert_eq!(state.gpu_utilization(), None);
+        state.front.set_gpu_utilization(Some(0.25));
+        assert_eq!(state.front.gpu_utilization(), Some(0.25));
+        state.front.set_gpu_utilization(None);
+        assert_eq!(state.front.gpu_utilization(), None);
     }
 }

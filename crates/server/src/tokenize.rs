@@ -34,6 +34,7 @@ use utoipa::ToSchema;
 use crate::admission::Slot;
 use crate::backend::{Kind, WorkKind};
 use crate::error::ApiError;
+use crate::error::WireError;
 use crate::identity::Principal;
 use crate::openai::{engine_messages, ChatMessageIn};
 use crate::registry::ModelName;
@@ -90,10 +91,12 @@ fn engine_of(
 ) -> Result<(Arc<engine::Engine>, bool), ApiError> {
     let entry = match model {
         Some(name) => state
+            .front
             .registry
             .resolve(&ModelName::parse(name), WorkKind::Generate)?,
         None => {
             let mut llms: Vec<_> = state
+                .front
                 .registry
                 .all()
                 .into_iter()
@@ -136,7 +139,7 @@ fn engine_of(
 
 /// The key's rate limit, then a place in the tokenizing pool: before the body is read.
 async fn admit(state: &AppState, principal: &str) -> Result<Slot, ApiError> {
-    if let Err(wait) = state.rate_limiter.admit(principal) {
+    if let Err(wait) = state.front.rate_limiter.admit(principal) {
         metrics::counter!("rampart_tokenize_rejected_total", "reason" => "rate_limited")
             .increment(1);
         return Err(ApiError::Overloaded {

@@ -61,12 +61,7 @@ pub const PROVIDER: &str = "rampart";
 #[error("[tracing]: {0}")]
 pub struct TraceSetupError(String);
 
-/// A fresh W3C trace id (32 lowercase hex, never all zeros) for a request that came without
-/// one, so its record, its log line and its trace share it.
-pub fn new_trace_id() -> String {
-    let id = uuid::Uuid::new_v4().as_u128().max(1);
-    format!("{id:032x}")
-}
+pub use pipeline::origin::new_trace_id;
 
 /// The parts of a valid W3C `traceparent` (`00-<trace id>-<parent id>-<flags>`).
 #[derive(Debug, Clone, PartialEq, Eq)]

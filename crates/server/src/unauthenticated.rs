@@ -26,37 +26,9 @@ use serde::Serialize;
 
 use crate::identity::Transport;
 
-/// Request ids kept per interval as a sample (to find the requests in a proxy's logs).
-const SAMPLE: usize = 8;
-
-/// What every summary holds: how many, when, and the first request ids as a sample.
-#[derive(Debug, Default, Clone, Serialize, PartialEq, Eq)]
-pub struct Interval {
-    pub refused: u64,
-    pub first_ms: u64,
-    pub last_ms: u64,
-    /// The first request ids of the interval.
-    pub sample_request_ids: Vec<String>,
-}
-
-impl Interval {
-    /// Counts one refusal now; true while the sample takes it.
-    fn count(&mut self, id: &str) -> bool {
-        let now = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis() as u64);
-        if self.refused == 0 {
-            self.first_ms = now;
-        }
-        self.refused += 1;
-        self.last_ms = now;
-        if self.sample_request_ids.len() < SAMPLE {
-            self.sample_request_ids.push(id.chars().take(64).collect());
-            return true;
-        }
-        false
-    }
-}
+pub use pipeline::rate_limit::{
+    Interval, KeyRefusals, RateLimitedSummary, RateLimitedTally, SAMPLE,
+};
 
 /// The refusals before authentication since the last summary.
 #[derive(Debug, Default, Clone, Serialize, PartialEq, Eq)]
@@ -103,53 +75,6 @@ impl Tally {
 
     /// What was counted since the last call (`None`: nothing), and a fresh count.
     pub fn take(&self) -> Option<Summary> {
-        let mut s = self.current.lock().unwrap_or_else(|e| e.into_inner());
-        (s.interval.refused > 0).then(|| std::mem::take(&mut *s))
-    }
-}
-
-/// One key's refusals past its rate limit in an interval.
-#[derive(Debug, Default, Clone, Serialize, PartialEq, Eq)]
-pub struct KeyRefusals {
-    pub refused: u64,
-    pub by_endpoint: BTreeMap<&'static str, u64>,
-}
-
-/// Requests of valid keys refused past their rate limit since the last summary. Its size is
-/// bounded by the keys the server has (the keys file), not by the request rate.
-#[derive(Debug, Default, Clone, Serialize, PartialEq, Eq)]
-pub struct RateLimitedSummary {
-    #[serde(flatten)]
-    pub interval: Interval,
-    /// By key id.
-    pub by_key: BTreeMap<String, KeyRefusals>,
-}
-
-/// The tally of rate-limit refusals: a key past its limit may keep asking at any rate, and each
-/// refusal would otherwise cost an fsync'd audit entry, a log line and a span (8,900 audit
-/// entries a minute from one key in `rampart bench abuse`). The key is known and accountable:
-/// its summary names it, with its counts by endpoint.
-#[derive(Debug, Default)]
-pub struct RateLimitedTally {
-    current: Mutex<RateLimitedSummary>,
-}
-
-impl RateLimitedTally {
-    /// Counts one refusal; true for the first few of the interval (the caller logs them).
-    pub fn note(&self, key: &str, endpoint: &'static str, id: &str) -> bool {
-        let mut s = self.current.lock().unwrap_or_else(|e| e.into_inner());
-        let sampled = s.interval.count(id);
-        let of_key = match s.by_key.get_mut(key) {
-            Some(k) => k,
-            None => s.by_key.entry(key.to_string()).or_default(),
-        };
-        of_key.refused += 1;
-        *of_key.by_endpoint.entry(endpoint).or_default() += 1;
-        sampled
-    }
-
-    /// What was counted since the last call (`None`: nothing), and a fresh count.
-    pub fn take(&self) -> Option<RateLimitedSummary> {
         let mut s = self.current.lock().unwrap_or_else(|e| e.into_inner());
         (s.interval.refused > 0).then(|| std::mem::take(&mut *s))
     }

@@ -13,8 +13,8 @@ use formats::tiny::TinyLlama;
 use record::Bus;
 use server::backend::llm::LlmBackend;
 use server::config::ServerConfig;
+use server::guard_service::GuardService;
 use server::registry::Entry;
-use server::screen::GuardService;
 use server::state::AppState;
 
 struct Rng(u64);
@@ -224,18 +224,19 @@ async fn fuzz(total: usize, seed: u64, with_classifier: bool) {
     }
     let guard = match &classifier {
         Some(dir) => {
-            let c = server::screen::classifier_from_dir(dir, &config.guard, Some(1)).unwrap();
+            let c =
+                server::guard_service::classifier_from_dir(dir, &config.guard, Some(1)).unwrap();
             GuardService::from_parts(
-                &config,
+                &config.guard_setup(),
                 guard::Guard::seed().with_classifier(c),
                 "seed".into(),
                 Some(dir.display().to_string()),
             )
         }
-        None => GuardService::seed(&config),
+        None => GuardService::seed(&config.guard_setup()),
     };
-    state.guard.set(Arc::new(guard)).unwrap();
-    state.registry.add(Entry::new(
+    state.front.set_guard(Arc::new(guard)).unwrap();
+    state.front.registry.add(Entry::new(
         "tiny",
         "1.0.0",
         "sha256:tiny",

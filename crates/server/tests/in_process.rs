@@ -296,7 +296,7 @@ async fn harness(backends: Vec<(&str, Arc<dyn InferenceBackend>)>, options: Opti
         if let Some(i) = policies.iter().position(|(p, _)| *p == full) {
             entry = entry.with_policy(policies.remove(i).1);
         }
-        state.registry.add(entry);
+        state.front.registry.add(entry);
     }
     assert!(policies.is_empty(), "policies for unknown backends");
     server::spawn_readiness(Arc::clone(&state));
@@ -542,10 +542,10 @@ async fn a_client_that_goes_away_mid_stream_still_leaves_its_record() {
     }
     // The admission slots came back.
     let deadline = Instant::now() + Duration::from_secs(5);
-    while h.state.registry.busy() > 0 && Instant::now() < deadline {
+    while h.state.front.registry.busy() > 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert_eq!(h.state.registry.busy(), 0);
+    assert_eq!(h.state.front.registry.busy(), 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -580,7 +580,7 @@ async fn overload_keys_and_drain_are_refused_with_their_reason_recorded() {
     };
     // The slow request holds the one slot before the next arrives.
     let deadline = Instant::now() + Duration::from_secs(10);
-    while h.state.registry.busy() == 0 && Instant::now() < deadline {
+    while h.state.front.registry.busy() == 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let r = h.post("/v1/chat/completions", chat(false)).await;
@@ -596,7 +596,7 @@ async fn overload_keys_and_drain_are_refused_with_their_reason_recorded() {
         .await
         .unwrap();
     assert_eq!(r.status(), 401);
-    h.state.draining.store(true, Ordering::Relaxed);
+    h.state.front.drain();
     let r = h.post("/v1/chat/completions", chat(false)).await;
     assert_eq!(r.status(), 503);
 
@@ -639,6 +639,7 @@ async fn a_stuck_lossy_sink_never_slows_requests_and_its_drops_are_counted() {
     assert_eq!(records.len(), 40, "the lossless test sink got every record");
     let stuck = h
         .state
+        .front
         .bus
         .counters()
         .into_iter()
@@ -773,7 +774,7 @@ async fn grpc_calls_the_same_front() {
     assert_eq!(e.metadata().get("retry-after").unwrap(), "2");
     let e = service.model_infer(request("fake", "x")).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument);
-    h.state.draining.store(true, Ordering::Relaxed);
+    h.state.front.drain();
     let e = service.model_infer(request("echo", "x")).await.unwrap_err();
     assert_eq!(e.code(), Code::Unavailable);
     let records = h.records(4).await;
@@ -824,7 +825,7 @@ async fn kserve_takes_the_slot_before_the_decode() {
         })
     };
     let deadline = Instant::now() + Duration::from_secs(10);
-    while h.state.registry.busy() == 0 && Instant::now() < deadline {
+    while h.state.front.registry.busy() == 0 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let lying = serde_json::json!({
@@ -1341,6 +1342,7 @@ async fn the_breaker_opens_sends_only_probes_while_open_and_closes_after_recover
     let state_of = |h: &Harness| {
         let e = h
             .state
+            .front
             .registry
             .find(&server::registry::ModelName::parse("fake"))
             .unwrap();
@@ -1675,6 +1677,7 @@ async fn a_stalled_model_with_a_working_chain_stays_ready_and_is_skipped() {
     assert_eq!(r.status(), 200, "its chain serves: ready");
     let primary = h
         .state
+        .front
         .registry
         .find(&server::registry::ModelName::parse("fake@2.0.0"))
         .unwrap();
@@ -2261,7 +2264,7 @@ async fn traces_over_http_start_a_trace_per_request_for_chat_embeddings_and_infe
 async fn without_tracing_records_keep_only_the_callers_trace_id() {
     let h = harness(vec![("fake", llm(hello()))], Options::default()).await;
     assert!(
-        !h.state.bus.wants_timeline(),
+        !h.state.front.bus.wants_timeline(),
         "no timeline without a trace sink"
     );
     assert_eq!(

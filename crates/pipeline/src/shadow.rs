@@ -19,8 +19,8 @@ use futures_util::StreamExt;
 use record::RecordBuilder;
 
 use crate::backend::{Answer, Generated, Work};
+use crate::front::Front;
 use crate::registry::{Entry, ModelName};
-use crate::state::AppState;
 
 /// What a mirrored request answered, for the comparison.
 #[derive(Debug, Clone)]
@@ -82,7 +82,7 @@ fn seed_of(request_id: &str) -> i64 {
 /// Mirrors `work` (already screened by the guard) when the request was routed `shadow` and its
 /// request id falls in the plan's share. Returns at once; the mirrors run on their own task.
 pub fn maybe_mirror(
-    state: &Arc<AppState>,
+    front: &Arc<Front>,
     entry: &Entry,
     principal: &str,
     work: &Work,
@@ -91,28 +91,19 @@ pub fn maybe_mirror(
     if record.record.route_reason != Some("shadow") {
         return;
     }
-    let Some(releases) = state.releases.get() else {
+    let Some(releases) = front.releases() else {
         return;
     };
-    let Some(release) = releases.get(&entry.name) else {
+    let Some(mirror) = releases.mirror(&entry.name, &record.record.request_id) else {
         return;
     };
-    let plan = release.plan();
-    if !release::router::mirrored(&plan, &record.record.request_id) {
-        return;
-    }
-    let Some(candidate) = plan.candidate.clone() else {
-        return;
-    };
-    let Some(candidate) = state
+    let Some(candidate) = front
         .registry
-        .find(&ModelName::versioned(&entry.name, Some(&candidate)))
+        .find(&ModelName::versioned(&entry.name, Some(&mirror.candidate)))
     else {
         return;
     };
-    let control = (plan.routing.reference() == release::plan::Variant::Control)
-        .then(|| release.control())
-        .flatten();
+    let control = mirror.control;
     let mut work = work.clone();
     if let Work::Generate(p) = &mut work {
         // The mirrors' answers are discarded: nothing streams, and both draw with one seed.
@@ -121,7 +112,7 @@ pub fn maybe_mirror(
             p.request.sampling.seed = Some(seed_of(&record.record.request_id) as u64);
         }
     }
-    let state = Arc::clone(state);
+    let front = Arc::clone(front);
     let principal = principal.to_string();
     let request_id = record.record.request_id.clone();
     let user = record.record.user.clone();
@@ -129,7 +120,7 @@ pub fn maybe_mirror(
     tokio::spawn(async move {
         let of = |entry: Arc<Entry>, variant: &'static str, work: Work| {
             mirror_one(
-                &state,
+                &front,
                 entry,
                 work,
                 (variant, &request_id, &principal, user.clone()),
@@ -147,7 +138,7 @@ pub fn maybe_mirror(
         };
         // Without a control (`[routing] control = false`, or not loaded yet) there is no
         // answer of the stable's to the same request and seed: nothing to compare.
-        if let (Some(reference), Some(releases)) = (reference, state.releases.get()) {
+        if let (Some(reference), Some(releases)) = (reference, front.releases()) {
             let agreed = match (answered, reference) {
                 (Some(a), Some(b)) => Some(agree(&a, &b)),
                 _ => None,
@@ -160,12 +151,12 @@ pub fn maybe_mirror(
 /// One mirrored request through `entry` (its chain included: a fallback away from the version
 /// is an error of the version, as for served requests), its record settled; its output.
 async fn mirror_one(
-    state: &Arc<AppState>,
+    front: &Arc<Front>,
     entry: Arc<Entry>,
     work: Work,
     (variant, request_id, principal, user): (&'static str, &str, &str, Option<String>),
 ) -> Option<Output> {
-    let mut record = state.record(
+    let mut record = front.record(
         format!("{request_id}-{variant}"),
         principal.to_string(),
         "shadow",
@@ -177,7 +168,7 @@ async fn mirror_one(
     record.record.variant = Some(variant);
     record.record.route_reason = Some("shadow");
     record.set_entropy_band(entry.backend.entropy_band());
-    let answered = crate::chain::run(state, entry, work, &mut record).await;
+    let answered = crate::chain::run(front, entry, work, &mut record).await;
     let output = match answered {
         Ok(answered) => collect(answered.answer, &mut record).await,
         Err(e) => Err(e),
@@ -227,7 +218,7 @@ async fn collect(
                 }
             }
             record.record.prompt_tokens = g.prompt_tokens;
-            crate::openai_http::record_finished(record, &finished);
+            crate::finish::record_finished(record, &finished);
             Ok(Output::Texts(texts))
         }
         Answer::Embeddings(e) => Ok(Output::Vectors(e.vectors)),

@@ -11,8 +11,6 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::FaultsConfig;
-
 /// What an injected fault does to the calls of its backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -297,6 +295,24 @@ impl Faults {
         )
         .increment(1);
         Some(strike)
+    }
+}
+
+/// Fault injection (`POST /admin/faults`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FaultsConfig {
+    pub enabled: bool,
+    /// Longest a fault may last.
+    pub max_duration_s: u64,
+}
+
+impl Default for FaultsConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            max_duration_s: 3600,
+        }
     }
 }
 

@@ -335,7 +335,7 @@ fn audit_tensors<'a>(
                 "sha256": hex_digest(&raw),
             });
             if with_bytes {
-                v["bytes_base64"] = crate::openai::base64_bytes(&raw).into();
+                v["bytes_base64"] = base64_bytes(&raw).into();
             }
             v
         })
@@ -539,6 +539,28 @@ pub fn wire_shape(name: &str, shape: &[i64]) -> Result<Vec<usize>, BackendError>
             })
         })
         .collect()
+}
+
+/// Standard base64 (with padding) of `bytes`.
+pub fn base64_bytes(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let b = [
+            chunk[0],
+            *chunk.get(1).unwrap_or(&0),
+            *chunk.get(2).unwrap_or(&0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for (k, shift) in [18, 12, 6, 0].into_iter().enumerate() {
+            if k <= chunk.len() {
+                out.push(ALPHABET[(n >> shift) as usize & 63] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]

@@ -7,6 +7,7 @@ use crate::admission::Admission;
 use crate::backend::{InferenceBackend, Kind, WorkKind};
 use crate::breaker::{BackendBreaker, BreakerConfig};
 use crate::chain::Policy;
+use crate::decisions::Decisions;
 use crate::error::ApiError;
 
 /// One served backend: a model version (or a chain's own canned answer or tensor twin), its
@@ -183,6 +184,8 @@ impl std::fmt::Display for ModelName {
 #[derive(Debug, Default)]
 pub struct Registry {
     entries: RwLock<Vec<Arc<Entry>>>,
+    /// Where the breakers of the entries it serves publish their transitions.
+    decisions: Decisions,
 }
 
 fn newer(a: &Entry, b: &Entry) -> std::cmp::Ordering {
@@ -193,9 +196,20 @@ fn newer(a: &Entry, b: &Entry) -> std::cmp::Ordering {
 }
 
 impl Registry {
+    /// An empty registry whose breakers publish their transitions on `decisions`.
+    pub fn new(decisions: Decisions) -> Self {
+        Self {
+            entries: RwLock::default(),
+            decisions,
+        }
+    }
+
     /// Serves `entry` from now on; the shared entry requests will find.
     pub fn add(&self, entry: Entry) -> Arc<Entry> {
         let entry = Arc::new(entry);
+        for backend in entry.backends() {
+            backend.breaker.report_to(&self.decisions);
+        }
         self.entries
             .write()
             .unwrap_or_else(|e| e.into_inner())
@@ -367,5 +381,22 @@ impl Registry {
                 known.join(", ")
             }
         ))
+    }
+}
+
+/// Why a model could not be loaded (kept as a reason readiness gives).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{model}: {message}")]
+pub struct LoadError {
+    pub model: String,
+    pub message: String,
+}
+
+impl LoadError {
+    pub fn new(model: &str, message: impl std::fmt::Display) -> Self {
+        Self {
+            model: model.to_string(),
+            message: message.to_string(),
+        }
     }
 }

@@ -18,7 +18,6 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use crate::config;
 use crate::error::ApiError;
 
 /// Completions remembered for the drain-rate estimate.
@@ -27,7 +26,7 @@ const RATE_WINDOW: usize = 64;
 /// The admission state of one model.
 #[derive(Debug)]
 pub struct Admission {
-    config: config::Admission,
+    config: AdmissionConfig,
     permits: Arc<Semaphore>,
     waiting: AtomicUsize,
     in_flight: AtomicUsize,
@@ -66,7 +65,7 @@ impl Drop for Slot {
 }
 
 impl Admission {
-    pub fn new(config: config::Admission) -> Arc<Self> {
+    pub fn new(config: AdmissionConfig) -> Arc<Self> {
         Arc::new(Self {
             permits: Arc::new(Semaphore::new(config.max_in_flight)),
             waiting: AtomicUsize::new(0),
@@ -200,13 +199,35 @@ impl Admission {
     }
 }
 
+/// Admission and load shedding, per model.
+#[derive(Debug, Clone, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdmissionConfig {
+    /// Requests handed to the engine at once.
+    pub max_in_flight: usize,
+    /// Requests waiting for one of those slots; beyond this, 429.
+    pub max_waiting: usize,
+    /// Longest wait for a slot; beyond this, 503.
+    pub queue_timeout_ms: u64,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        Self {
+            max_in_flight: 64,
+            max_waiting: 128,
+            queue_timeout_ms: 30_000,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[tokio::test]
     async fn full_queues_refuse_and_long_waits_time_out() {
-        let admission = Admission::new(config::Admission {
+        let admission = Admission::new(AdmissionConfig {
             max_in_flight: 1,
             max_waiting: 1,
             queue_timeout_ms: 50,
@@ -219,12 +240,9 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(10)).await;
         assert_eq!(admission.waiting(), 1);
         let refused = admission.acquire().await.unwrap_err();
-        assert_eq!(refused.status(), axum::http::StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(refused.status_code(), 429);
         let timed_out = waiter.await.unwrap().unwrap_err();
-        assert_eq!(
-            timed_out.status(),
-            axum::http::StatusCode::SERVICE_UNAVAILABLE
-        );
+        assert_eq!(timed_out.status_code(), 503);
         drop(first);
         let again = admission.acquire().await.unwrap();
         assert_eq!(admission.waiting(), 0);
@@ -234,7 +252,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_lowered_limit_refuses_at_once_and_counts_what_it_refused() {
-        let admission = Admission::new(config::Admission {
+        let admission = Admission::new(AdmissionConfig {
             max_in_flight: 4,
             max_waiting: 8,
             queue_timeout_ms: 1000,
@@ -243,7 +261,7 @@ mod tests {
         let a = admission.acquire().await.unwrap();
         let b = admission.acquire().await.unwrap();
         let refused = admission.acquire().await.unwrap_err();
-        assert_eq!(refused.status(), axum::http::StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(refused.status_code(), 429);
         assert!(refused.to_string().contains("shedding"), "{refused}");
         assert_eq!(admission.take_window(), (2, 1));
         drop(a);

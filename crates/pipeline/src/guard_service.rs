@@ -28,9 +28,24 @@ use record::RecordBuilder;
 use repo::{ModelRef, Repository};
 
 use crate::backend::{GeneratePlan, InferenceBackend};
-use crate::config::{Canary, GuardConfig, GuardOverride, Refusal, ServerConfig};
+use serde::Deserialize;
+
 use crate::error::ApiError;
-use crate::state::LoadError;
+use crate::registry::LoadError;
+
+/// What the guard service is made from: the server's `[guard]`, each model's `[models.guard]`,
+/// the compute's CPU priority that long judgements run below, and the compute threads the
+/// classifier's embedder takes when `[guard] threads` says nothing.
+#[derive(Debug, Clone, Default)]
+pub struct GuardSetup {
+    pub config: GuardConfig,
+    /// Each model's policy over the server's, by model name.
+    pub models: HashMap<String, GuardOverride>,
+    /// `[limits] background_nice`.
+    pub background_nice: i32,
+    /// The server's compute threads (`threads`).
+    pub threads: Option<usize>,
+}
 
 /// The content of the completion a refused request gets with `refusal = "completion"`.
 pub const REFUSAL_COMPLETION: &str = r#"{"error":"unsafe_input"}"#;
@@ -191,40 +206,33 @@ pub fn load_rules(repository: &Repository, name: &str) -> Result<(Guard, String)
 
 impl GuardService {
     /// The guard with the seed rules, no classifier.
-    pub fn seed(config: &ServerConfig) -> Self {
+    pub fn seed(setup: &GuardSetup) -> Self {
+        let config = setup;
         Self {
             guard: Guard::seed(),
-            config: config.guard.clone(),
-            models: config
-                .models
-                .iter()
-                .map(|m| (m.name.clone(), m.guard.clone()))
-                .collect(),
+            config: config.config.clone(),
+            models: config.models.clone(),
             rules_source: "seed".into(),
             classifier_source: None,
             load_error: None,
-            pool: crate::admission::Admission::new(crate::config::Admission {
-                max_in_flight: config.guard.workers.max(1),
-                max_waiting: config.guard.queue,
-                queue_timeout_ms: config.guard.queue_timeout_ms,
+            pool: crate::admission::Admission::new(crate::admission::AdmissionConfig {
+                max_in_flight: config.config.workers.max(1),
+                max_waiting: config.config.queue,
+                queue_timeout_ms: config.config.queue_timeout_ms,
             }),
-            lane: crate::lane::Lane::start(
-                "guard",
-                config.guard.workers,
-                config.limits.background_nice,
-            ),
-            short_pool: crate::admission::Admission::new(crate::config::Admission {
-                max_in_flight: config.guard.workers.max(1),
-                max_waiting: config.guard.queue,
-                queue_timeout_ms: config.guard.queue_timeout_ms,
+            lane: crate::lane::Lane::start("guard", config.config.workers, config.background_nice),
+            short_pool: crate::admission::Admission::new(crate::admission::AdmissionConfig {
+                max_in_flight: config.config.workers.max(1),
+                max_waiting: config.config.queue,
+                queue_timeout_ms: config.config.queue_timeout_ms,
             }),
-            short_lane: crate::lane::Lane::start("guard-short", config.guard.workers, 0),
+            short_lane: crate::lane::Lane::start("guard-short", config.config.workers, 0),
         }
     }
 
     /// A guard assembled by the caller (the CLI's files and folders).
     pub fn from_parts(
-        config: &ServerConfig,
+        config: &GuardSetup,
         guard: Guard,
         rules_source: String,
         classifier_source: Option<String>,
@@ -239,10 +247,11 @@ impl GuardService {
 
     /// The configured guard: its rules model and classifier from the repository. What cannot
     /// be loaded is reported (and the seed rules stand in).
-    pub fn load(config: &ServerConfig, repository: &Repository) -> (Self, Option<LoadError>) {
-        let mut service = Self::seed(config);
+    pub fn load(setup: &GuardSetup, repository: &Repository) -> (Self, Option<LoadError>) {
+        let mut service = Self::seed(setup);
         let mut problems = Vec::new();
-        if let Some(name) = &config.guard.rules {
+        let config = &setup.config;
+        if let Some(name) = &config.rules {
             match load_rules(repository, name) {
                 Ok((guard, source)) => {
                     service.guard = guard;
@@ -251,9 +260,9 @@ impl GuardService {
                 Err(e) => problems.push(format!("rules {name}: {e}")),
             }
         }
-        if let Some(name) = &config.guard.classifier {
-            let threads = config.guard.threads.or(config.threads);
-            match load_classifier(repository, &config.guard, name, threads) {
+        if let Some(name) = &config.classifier {
+            let threads = config.threads.or(setup.threads);
+            match load_classifier(repository, config, name, threads) {
                 Ok((classifier, source)) => {
                     service.guard = std::mem::replace(&mut service.guard, Guard::seed())
                         .with_classifier(classifier);
@@ -673,5 +682,165 @@ pub fn watch_outputs<'a>(
             verdict = v,
             "the output repeats the system message's canary or opening"
         );
+    }
+}
+
+/// How a refused input is answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Refusal {
+    /// HTTP 400, error type `unsafe_input`, with the reason codes.
+    #[default]
+    Error,
+    /// HTTP 200, a completion whose content is exactly `{"error":"unsafe_input"}` (for clients
+    /// that only read completions).
+    Completion,
+}
+
+/// The output side: a canary planted in the system message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum Canary {
+    #[default]
+    Off,
+    /// An output that holds the canary (or the system message's opening) is marked.
+    Flag,
+    /// The output ends before the canary (or the system message's opening).
+    Cut,
+}
+
+/// `[guard]`: the server's guard. Every policy field can be overridden per model
+/// (`[models.guard]`) and per API key id (`[guard.keys.<id>]`).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GuardConfig {
+    /// A rules model (`NAME[@VERSION]`) in the repository; none: the seed rules built in
+    /// (`examples/rules/injection-guard.toml`).
+    pub rules: Option<String>,
+    /// An embedding model (`NAME[@VERSION]`) whose folder also holds the classifier head
+    /// (`head_file`); none: no classifier tier.
+    pub classifier: Option<String>,
+    pub head_file: String,
+    /// Tokens per scored segment (the head was trained on 128-token inputs).
+    pub segment_tokens: usize,
+    /// Most segments scored per input text.
+    pub max_segments: usize,
+    /// Compute threads of the classifier's embedder.
+    pub threads: Option<usize>,
+    /// The guard's budget per request (docs/guard.md#cost): most texts (messages and
+    /// prompts) and bytes one request may bring to the guard; beyond either, the request is
+    /// refused (400 `guard_budget_exceeded`) before any guard work.
+    pub max_texts: usize,
+    pub max_bytes: usize,
+    /// Segments the classifier embeds for one request (cached ones are free); the views past
+    /// it are judged by the rules alone and the request gets `over_budget`.
+    pub classifier_budget: usize,
+    pub over_budget: guard::OverBudget,
+    /// Requests judged at once (each on a blocking thread): the guard's whole CPU bound.
+    pub workers: usize,
+    /// Requests waiting for a worker; beyond it 429 `queue_full` at once, and 503 after
+    /// `queue_timeout_ms` of waiting.
+    pub queue: usize,
+    pub queue_timeout_ms: u64,
+    /// The policy for every model and key (unset fields: the defaults): the fields of
+    /// [`GuardOverride`], spelled out because serde cannot flatten a struct into one that denies
+    /// unknown fields ([`GuardConfig::policy`] gathers them).
+    pub enabled: Option<bool>,
+    pub mode: Option<guard::Mode>,
+    pub thresholds: std::collections::BTreeMap<String, f32>,
+    pub on_guard_error: Option<guard::OnError>,
+    pub special_tokens: Option<guard::SpecialTokens>,
+    pub refusal: Option<Refusal>,
+    pub canary: Option<Canary>,
+    pub use_classifier: Option<bool>,
+    pub classifier_threshold: Option<f32>,
+    /// Per API key id (the principal).
+    pub keys: std::collections::BTreeMap<String, GuardOverride>,
+}
+
+impl Default for GuardConfig {
+    fn default() -> Self {
+        Self {
+            rules: None,
+            classifier: None,
+            head_file: "guard/injection_head.safetensors".into(),
+            segment_tokens: 128,
+            max_segments: 8,
+            threads: None,
+            max_texts: 256,
+            max_bytes: 1 << 20,
+            classifier_budget: guard::injection::DEFAULT_CLASSIFIER_BUDGET,
+            over_budget: guard::OverBudget::Flag,
+            workers: 2,
+            queue: 64,
+            queue_timeout_ms: 5_000,
+            enabled: None,
+            mode: None,
+            thresholds: Default::default(),
+            on_guard_error: None,
+            special_tokens: None,
+            refusal: None,
+            canary: None,
+            use_classifier: None,
+            classifier_threshold: None,
+            keys: Default::default(),
+        }
+    }
+}
+
+impl GuardConfig {
+    /// The server-wide policy fields.
+    pub fn policy(&self) -> GuardOverride {
+        GuardOverride {
+            enabled: self.enabled,
+            mode: self.mode,
+            thresholds: self.thresholds.clone(),
+            on_guard_error: self.on_guard_error,
+            special_tokens: self.special_tokens,
+            refusal: self.refusal,
+            canary: self.canary,
+            use_classifier: self.use_classifier,
+            classifier_threshold: self.classifier_threshold,
+        }
+    }
+}
+
+/// Guard policy fields; unset ones come from the level above (key over model over server over
+/// the defaults: enabled, block, fail_closed, special tokens flagged, error refusal, no canary).
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct GuardOverride {
+    pub enabled: Option<bool>,
+    pub mode: Option<guard::Mode>,
+    /// Per channel (`user`, `assistant`, `system`, `tool`, `prompt`): a score at or above is a
+    /// hit.
+    #[serde(default)]
+    pub thresholds: std::collections::BTreeMap<String, f32>,
+    pub on_guard_error: Option<guard::OnError>,
+    pub special_tokens: Option<guard::SpecialTokens>,
+    pub refusal: Option<Refusal>,
+    pub canary: Option<Canary>,
+    /// Run the classifier tier (when `[guard] classifier` names one).
+    pub use_classifier: Option<bool>,
+    /// The classifier's score decides alone from here up (default 0.95).
+    pub classifier_threshold: Option<f32>,
+}
+
+impl GuardOverride {
+    /// `self` over `base`.
+    pub fn over(&self, base: &GuardOverride) -> GuardOverride {
+        let mut thresholds = base.thresholds.clone();
+        thresholds.extend(self.thresholds.clone());
+        GuardOverride {
+            enabled: self.enabled.or(base.enabled),
+            mode: self.mode.or(base.mode),
+            thresholds,
+            on_guard_error: self.on_guard_error.or(base.on_guard_error),
+            special_tokens: self.special_tokens.or(base.special_tokens),
+            refusal: self.refusal.or(base.refusal),
+            canary: self.canary.or(base.canary),
+            use_classifier: self.use_classifier.or(base.use_classifier),
+            classifier_threshold: self.classifier_threshold.or(base.classifier_threshold),
+        }
     }
 }

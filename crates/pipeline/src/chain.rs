@@ -19,17 +19,17 @@ use std::time::{Duration, Instant};
 
 use futures_util::stream::{self, BoxStream, Stream, StreamExt};
 use record::{Attempt, RecordBuilder};
+use serde::Deserialize;
 use tokio::time::Sleep;
 use tracing::Instrument;
 
 use crate::admission::Slot;
 use crate::backend::{Answer, BackendError, FailureClass, Generated, Generation, Work};
 use crate::breaker::{Outcome, Pass};
-use crate::config::Trigger;
 use crate::error::ApiError;
 use crate::faults::Strike;
+use crate::front::Front;
 use crate::registry::{Entry, ModelName};
-use crate::state::AppState;
 
 /// A model's fallback chain and its timeouts.
 #[derive(Debug, Clone)]
@@ -208,17 +208,17 @@ fn admission_refusal(e: &ApiError) -> &'static str {
 
 /// Runs `work` through `primary` and, when it fails, its chain.
 pub async fn run(
-    state: &Arc<AppState>,
+    front: &Arc<Front>,
     primary: Arc<Entry>,
     work: Work,
     record: &mut RecordBuilder,
 ) -> Result<Answered, ApiError> {
-    run_reserved(state, primary, Reservation::default(), work, record).await
+    run_reserved(front, primary, Reservation::default(), work, record).await
 }
 
 /// [`run`], the primary's attempt in the slot [`reserve`] took.
 pub async fn run_reserved(
-    state: &Arc<AppState>,
+    front: &Arc<Front>,
     primary: Arc<Entry>,
     reservation: Reservation,
     work: Work,
@@ -234,7 +234,7 @@ pub async fn run_reserved(
         (work.clone(), Some(work))
     };
     let (left_because, primary_error) =
-        match attempt(state, &primary, first, streaming, reservation, record).await {
+        match attempt(front, &primary, first, streaming, reservation, record).await {
             Ok((answer, slot)) => {
                 return Ok(Answered {
                     entry: primary,
@@ -250,7 +250,7 @@ pub async fn run_reserved(
     let Some(work) = rest else {
         return Err(primary_error);
     };
-    state.handoffs.get(&primary.name).note_fallback();
+    front.handoffs.get(&primary.name).note_fallback();
     // `left_because` (why the request left the model asked for) is what the header, the record
     // and the metric say; `trigger` is what the next step must take. When every step fails, the
     // client hears the primary's error (each later step's failure is in the record's attempts).
@@ -269,7 +269,7 @@ pub async fn run_reserved(
         }
         let entry = match &step.target {
             Target::Own(e) => Some(Arc::clone(e)),
-            Target::Model(m) => state.registry.find(m),
+            Target::Model(m) => front.registry.find(m),
         };
         let Some(entry) = entry else {
             note_attempt(
@@ -295,7 +295,7 @@ pub async fn run_reserved(
         let level = level_of(&entry);
         let step_work = set_fallback_level(work.clone(), level);
         match attempt(
-            state,
+            front,
             &entry,
             step_work,
             streaming,
@@ -407,7 +407,7 @@ impl Drop for Call {
 
 /// One backend's try at the work.
 async fn attempt(
-    state: &Arc<AppState>,
+    front: &Arc<Front>,
     entry: &Arc<Entry>,
     work: Work,
     streaming: bool,
@@ -415,7 +415,7 @@ async fn attempt(
     record: &mut RecordBuilder,
 ) -> Result<(Answer, Slot), Miss> {
     let began = Instant::now();
-    let result = try_backend(state, entry, work, streaming, reservation, record)
+    let result = try_backend(front, entry, work, streaming, reservation, record)
         .instrument(tracing::debug_span!("attempt", backend = %entry.id))
         .await;
     let (outcome, detail) = match &result {
@@ -430,7 +430,7 @@ async fn attempt(
 }
 
 async fn try_backend(
-    state: &Arc<AppState>,
+    front: &Arc<Front>,
     entry: &Arc<Entry>,
     work: Work,
     streaming: bool,
@@ -463,7 +463,7 @@ async fn try_backend(
         pass: Some(pass),
         started: Instant::now(),
     };
-    let strike = state.faults.strike(&entry.id);
+    let strike = front.faults.strike(&entry.id);
     if let Some(s @ Strike::Fail) = strike {
         call.failed();
         return Err(Miss::Trigger {
@@ -849,5 +849,88 @@ impl Stream for Watched {
                 Poll::Pending
             }
         }
+    }
+}
+
+/// What moves a request to the next step of its model's fallback chain.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Trigger {
+    /// The backend failed (an error before or instead of the answer; a failed stream before
+    /// its first content token).
+    Error,
+    /// No first content token (or, for tensors and embeddings, no answer) within
+    /// `first_token_timeout_ms`.
+    FirstTokenTimeout,
+    /// No event for `stall_timeout_ms` while generating (falls back only while nothing has
+    /// reached the client: a non-streaming request, or a stream before its first token).
+    StallTimeout,
+    /// The backend's admission refused (its queue is full or the wait ran out), or its own
+    /// queue did.
+    Overloaded,
+    /// The backend's circuit breaker is open.
+    CircuitOpen,
+    /// The prompt does not fit the backend's context (only steps that list it take it).
+    ContextLength,
+    /// The backend is not loaded or fails its readiness check.
+    NotReady,
+}
+
+impl Trigger {
+    pub const ALL: [Trigger; 7] = [
+        Trigger::Error,
+        Trigger::FirstTokenTimeout,
+        Trigger::StallTimeout,
+        Trigger::Overloaded,
+        Trigger::CircuitOpen,
+        Trigger::ContextLength,
+        Trigger::NotReady,
+    ];
+
+    /// What a step takes when it lists nothing: every trigger but `context_length` (a prompt
+    /// too long for one model is the client's to shorten unless a step says it can take it).
+    pub const DEFAULT: [Trigger; 6] = [
+        Trigger::Error,
+        Trigger::FirstTokenTimeout,
+        Trigger::StallTimeout,
+        Trigger::Overloaded,
+        Trigger::CircuitOpen,
+        Trigger::NotReady,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Trigger::Error => "error",
+            Trigger::FirstTokenTimeout => "first_token_timeout",
+            Trigger::StallTimeout => "stall_timeout",
+            Trigger::Overloaded => "overloaded",
+            Trigger::CircuitOpen => "circuit_open",
+            Trigger::ContextLength => "context_length",
+            Trigger::NotReady => "not_ready",
+        }
+    }
+}
+
+/// One step of a model's fallback chain: exactly one of `model`, `canned`, `tensor_backend`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FallbackStep {
+    /// Another served model (`name` or `name@version`): a language model, a rules model, a
+    /// tensor model.
+    pub model: Option<String>,
+    /// A canned answer: this text (a generation that says so).
+    pub canned: Option<String>,
+    /// Canned answers per language (`zh = "..."`), chosen by the request's `Accept-Language`.
+    #[serde(default)]
+    pub languages: std::collections::BTreeMap<String, String>,
+    /// The same tensor model on this runtime (`tract` or `onnxruntime`).
+    pub tensor_backend: Option<classic::BackendChoice>,
+    /// The triggers this step takes (default: all but `context_length`).
+    pub on: Option<Vec<Trigger>>,
+}
+
+impl FallbackStep {
+    pub fn triggers(&self) -> Vec<Trigger> {
+        self.on.clone().unwrap_or_else(|| Trigger::DEFAULT.to_vec())
     }
 }

@@ -12,9 +12,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
-use crate::config::HandoffConfig;
+use crate::decisions::Decisions;
 
 /// Why the model is handed off.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -199,14 +199,16 @@ pub struct Refusal {
 pub struct Handoff {
     model: String,
     state: Mutex<HandoffState>,
+    decisions: Decisions,
 }
 
 impl Handoff {
-    pub fn new(model: String, config: HandoffConfig) -> Self {
+    pub fn new(model: String, config: HandoffConfig, decisions: Decisions) -> Self {
         metrics::gauge!("rampart_handoff_active", "model" => model.clone()).set(0.0);
         Self {
             model,
             state: Mutex::new(HandoffState::new(config, Instant::now())),
+            decisions,
         }
     }
 
@@ -297,7 +299,7 @@ impl Handoff {
                 (0.0, "resumed", cause.to_string())
             }
         };
-        crate::decisions::note(
+        self.decisions.note(
             &format!("handoff.{to}"),
             Some(&self.model),
             &self.model,
@@ -321,19 +323,22 @@ pub struct Handoffs {
     default: HandoffConfig,
     per_model: HashMap<String, HandoffConfig>,
     by_model: RwLock<HashMap<String, Arc<Handoff>>>,
+    decisions: Decisions,
 }
 
 impl Handoffs {
-    pub fn new(config: &crate::config::ServerConfig) -> Self {
-        let per_model = config
-            .models
-            .iter()
-            .filter_map(|m| m.handoff.clone().map(|h| (m.name.clone(), h)))
-            .collect();
+    /// The server's `[handoff]`, and the models' own (`[models.handoff]`) by name; each
+    /// hand-off and resumption is published on `decisions`.
+    pub fn new(
+        default: HandoffConfig,
+        per_model: HashMap<String, HandoffConfig>,
+        decisions: Decisions,
+    ) -> Self {
         Self {
-            default: config.handoff.clone(),
+            default,
             per_model,
             by_model: RwLock::new(HashMap::new()),
+            decisions,
         }
     }
 
@@ -353,7 +358,11 @@ impl Handoffs {
                 .get(model)
                 .cloned()
                 .unwrap_or_else(|| self.default.clone());
-            Arc::new(Handoff::new(model.to_string(), config))
+            Arc::new(Handoff::new(
+                model.to_string(),
+                config,
+                self.decisions.clone(),
+            ))
         }))
     }
 
@@ -368,6 +377,39 @@ impl Handoffs {
             .collect();
         v.sort_by(|a, b| a.model.cmp(&b.model));
         v
+    }
+}
+
+/// Hand-off to people: when a model's requests keep falling back, new ones get a 503 with
+/// `human_handoff`, this message and link, until the cool-down is over.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HandoffConfig {
+    pub enabled: bool,
+    /// More than this many fallbacks ...
+    pub threshold: u64,
+    /// ... within this many seconds hand the model off.
+    pub window_s: u64,
+    /// Seconds until it resumes by itself.
+    pub cooldown_s: u64,
+    /// What clients are told.
+    pub message: String,
+    /// Where people can be reached (sent as `handoff_url`).
+    pub url: Option<String>,
+}
+
+impl Default for HandoffConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            threshold: 1000,
+            window_s: 300,
+            cooldown_s: 600,
+            message:
+                "This service is handed over to our staff for now; please contact us directly."
+                    .into(),
+            url: None,
+        }
     }
 }
 

@@ -16,6 +16,10 @@
 
 use std::time::{Duration, Instant};
 
+use serde::Deserialize;
+
+use crate::decisions::Decisions;
+
 /// The breaker's settings (defaults from the defence research: 5 in a row, or 50% of at least 20
 /// calls in 30 s; 3 probes; open 5 s doubling to 300 s, ±20%).
 #[derive(Debug, Clone, PartialEq)]
@@ -374,6 +378,8 @@ pub struct BackendBreaker {
     calls: std::sync::atomic::AtomicU64,
     failures: std::sync::atomic::AtomicU64,
     refused: std::sync::atomic::AtomicU64,
+    /// Where its transitions are published: set once, by the registry that serves it.
+    decisions: std::sync::OnceLock<Decisions>,
 }
 
 /// What `GET /admin/backends` shows of a breaker.
@@ -400,7 +406,13 @@ impl BackendBreaker {
             calls: Default::default(),
             failures: Default::default(),
             refused: Default::default(),
+            decisions: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Publishes its transitions on `decisions` from now on (the first call decides).
+    pub fn report_to(&self, decisions: &Decisions) {
+        let _ = self.decisions.set(decisions.clone());
     }
 
     pub fn backend(&self) -> &str {
@@ -494,13 +506,15 @@ impl BackendBreaker {
                 "circuit breaker changed state"
             );
         }
-        crate::decisions::note(
-            &format!("breaker.{}", t.to.as_str()),
-            self.backend.split(['@', ':']).next(),
-            &self.backend,
-            &t.cause.to_string(),
-            serde_json::json!({ "from": t.from.as_str(), "open_for_ms": open_for_ms }),
-        );
+        if let Some(decisions) = self.decisions.get() {
+            decisions.note(
+                &format!("breaker.{}", t.to.as_str()),
+                self.backend.split(['@', ':']).next(),
+                &self.backend,
+                &t.cause.to_string(),
+                serde_json::json!({ "from": t.from.as_str(), "open_for_ms": open_for_ms }),
+            );
+        }
         metrics::counter!(
             "rampart_breaker_transitions_total",
             "backend" => self.backend.clone(),
@@ -512,8 +526,8 @@ impl BackendBreaker {
     }
 }
 
-impl From<&crate::config::BreakerSettings> for BreakerConfig {
-    fn from(s: &crate::config::BreakerSettings) -> Self {
+impl From<&BreakerSettings> for BreakerConfig {
+    fn from(s: &BreakerSettings) -> Self {
         Self {
             consecutive_failures: s.consecutive_failures,
             failure_rate: s.failure_rate,
@@ -525,6 +539,48 @@ impl From<&crate::config::BreakerSettings> for BreakerConfig {
             open_base: Duration::from_millis(s.open_base_ms),
             open_max: Duration::from_secs(s.open_max_s),
             jitter: s.jitter,
+        }
+    }
+}
+
+/// The circuit breaker of every backend (docs/resilience.md).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BreakerSettings {
+    /// Opens after this many failures in a row.
+    pub consecutive_failures: u32,
+    /// ... or when this fraction of the calls in the window failed ...
+    pub failure_rate: f64,
+    /// ... and the window holds at least this many calls.
+    pub min_calls: u32,
+    pub window_s: u64,
+    /// Opens after this many failed readiness checks in a row.
+    pub readiness_failures: u32,
+    /// Seconds between readiness checks of every backend.
+    pub readiness_interval_ms: u64,
+    /// Calls let through at once while half-open; this many successes close it.
+    pub probes: u32,
+    /// The first open time; it doubles each time it opens again without closing ...
+    pub open_base_ms: u64,
+    /// ... up to this.
+    pub open_max_s: u64,
+    /// Fraction of the open time added or taken at random.
+    pub jitter: f64,
+}
+
+impl Default for BreakerSettings {
+    fn default() -> Self {
+        Self {
+            consecutive_failures: 5,
+            failure_rate: 0.5,
+            min_calls: 20,
+            window_s: 30,
+            readiness_failures: 3,
+            readiness_interval_ms: 1000,
+            probes: 3,
+            open_base_ms: 5000,
+            open_max_s: 300,
+            jitter: 0.2,
         }
     }
 }

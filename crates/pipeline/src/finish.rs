@@ -1,7 +1,173 @@
-//! The end of a generation, the same for every protocol.
+//! The end of a generation, the same for every protocol and for shadow mirrors: a
+//! [`Delivery`] takes each event the encoder reads (the record's token timings and notes, the
+//! gap the engine is told as a token leaves, each choice's text when something reads it at the
+//! end) and [`Delivery::finish`] settles what every protocol must settle once all choices ended:
+//! the record's timings and finish reason, the key's token charge, the guard's output watch,
+//! the structured-output check, and the output the audit log keeps. Encoders only encode.
+
+use std::sync::Arc;
 
 use engine::{FinishReason, Finished};
+use futures_util::StreamExt;
 use record::RecordBuilder;
+
+use crate::backend::{Generated, Generation, Token};
+use crate::error::ApiError;
+use crate::front::Ticket;
+use crate::registry::Entry;
+
+/// A generation on its way to the client, from its first event to its [`Delivery::finish`].
+pub struct Delivery {
+    generation: Generation,
+    entry: Arc<Entry>,
+    /// Held until the response ends (the admission slot); charges the key's tokens.
+    ticket: Ticket,
+    /// The engine that generates it, told how far apart the tokens reach the client (a
+    /// single-choice language-model response only: the gaps of several choices interleave).
+    delivered_to: Option<Arc<engine::Engine>>,
+    /// Each choice's text so far, kept when something reads it (the encoder of a whole answer,
+    /// the structured-output check, the output watch, a sink that takes the payload).
+    texts: Option<Vec<String>>,
+    finished: Vec<Option<Finished>>,
+    /// The text reaches the client as it comes (a stream): what finishing finds wrong cannot
+    /// withhold it, so the audit keeps it whatever the check says.
+    streamed: bool,
+}
+
+impl std::fmt::Debug for Delivery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Delivery")
+            .field("entry", &self.entry.id)
+            .field("choices", &self.generation.choices)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Delivery {
+    /// A generation `entry` answered, held by `ticket`. `keep_texts`: the caller reads the
+    /// whole texts at the end (a non-streaming answer); they are kept anyway when the finish
+    /// needs them.
+    pub fn new(
+        generation: Generation,
+        entry: Arc<Entry>,
+        ticket: Ticket,
+        streamed: bool,
+        record: &RecordBuilder,
+    ) -> Self {
+        let choices = generation.choices;
+        let keep_texts = !streamed
+            || generation.structured.is_some()
+            || generation.watch.is_some()
+            || record.wants_payload();
+        let delivered_to = if choices == 1 {
+            entry.engine.clone()
+        } else {
+            None
+        };
+        Self {
+            delivered_to,
+            texts: keep_texts.then(|| vec![String::new(); choices]),
+            finished: vec![None; choices],
+            generation,
+            entry,
+            ticket,
+            streamed,
+        }
+    }
+
+    /// The entry that answers.
+    pub fn entry(&self) -> &Arc<Entry> {
+        &self.entry
+    }
+
+    pub fn choices(&self) -> usize {
+        self.generation.choices
+    }
+
+    pub fn prompt_tokens(&self) -> usize {
+        self.generation.prompt_tokens
+    }
+
+    /// The next event of any choice (none: the backend stopped).
+    pub async fn next(&mut self) -> Option<(usize, Generated)> {
+        self.generation.events.next().await
+    }
+
+    /// Choice `i`'s text so far (empty when texts are not kept).
+    pub fn text(&self, i: usize) -> &str {
+        self.texts
+            .as_ref()
+            .and_then(|t| t.get(i))
+            .map_or("", String::as_str)
+    }
+
+    /// The choices' texts (empty when not kept).
+    pub fn take_texts(&mut self) -> Vec<String> {
+        self.texts.take().unwrap_or_default()
+    }
+
+    /// A token of choice `i` leaves for the client: its timing and note in the record, the gap
+    /// told to the engine, its text kept.
+    pub fn on_token(&mut self, record: &mut RecordBuilder, i: usize, t: &Token) {
+        let gap = record.token(t.entropy);
+        if let (Some(engine), Some(gap)) = (&self.delivered_to, gap) {
+            engine.record_delivered_gap((gap * 1e3) as f32);
+        }
+        record.token_note(
+            || t.text.clone(),
+            t.logprobs.as_ref().map(|l| l.logprob),
+            t.entropy,
+        );
+        if let Some(text) = self.texts.as_mut().and_then(|t| t.get_mut(i)) {
+            text.push_str(&t.text);
+        }
+    }
+
+    /// Choice `i` ended; true once every choice has.
+    pub fn on_finished(&mut self, i: usize, f: &Finished) -> bool {
+        if let Some(text) = self.texts.as_mut().and_then(|t| t.get_mut(i)) {
+            text.push_str(&f.trailing_text);
+        }
+        if let Some(slot) = self.finished.get_mut(i) {
+            *slot = Some(f.clone());
+        }
+        self.finished.iter().all(Option::is_some)
+    }
+
+    /// Once every choice ended: the record's timings and finish reason, the key's token
+    /// charge, the output watch, the structured-output check (an output that ended by itself
+    /// yet fails its schema is an error: the API promises the shape), and the output the audit
+    /// keeps (for a stream, whatever the check said: the text went out).
+    pub fn finish(&mut self, record: &mut RecordBuilder) -> Result<(), ApiError> {
+        let all: Vec<Finished> = self.finished.iter().flatten().cloned().collect();
+        record_finished(record, &all);
+        self.ticket
+            .charge(record.record.prompt_tokens + record.record.completion_tokens);
+        let texts: Vec<&str> = match &self.texts {
+            Some(texts) => texts.iter().map(String::as_str).collect(),
+            None => Vec::new(),
+        };
+        let outputs: Vec<(&str, &Finished)> = texts.iter().copied().zip(all.iter()).collect();
+        if let Some(watch) = &self.generation.watch {
+            let stops: Vec<Option<&str>> = all.iter().map(|f| f.stop.as_deref()).collect();
+            crate::guard_service::watch_outputs(
+                watch,
+                record,
+                &self.entry.name,
+                outputs.iter().map(|(t, _)| *t),
+                &stops,
+            );
+        }
+        let checked = self
+            .generation
+            .check_outputs(record, &outputs)
+            .map_err(ApiError::from);
+        if checked.is_ok() || self.streamed {
+            record.payload_output(|| serde_json::json!({ "choices": texts }));
+        }
+        checked
+    }
+}
 
 /// Fills the record's timings from the engine's account of each choice.
 pub fn record_finished(record: &mut RecordBuilder, finished: &[Finished]) {

@@ -264,22 +264,39 @@ pub struct Admitted {
 pub struct Ticket {
     /// None for answers the front gives itself (the guard's refusal completion).
     _slot: Option<Slot>,
-    front: Arc<Front>,
-    principal: String,
+    /// Whose budget pays (none: a shadow mirror, which no key asked for).
+    payer: Option<(Arc<Front>, String)>,
 }
 
 impl std::fmt::Debug for Ticket {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Ticket")
-            .field("principal", &self.principal)
+            .field("principal", &self.payer.as_ref().map(|(_, p)| p))
             .finish_non_exhaustive()
     }
 }
 
 impl Ticket {
+    fn new(slot: Option<Slot>, front: &Arc<Front>, principal: &str) -> Self {
+        Self {
+            _slot: slot,
+            payer: Some((Arc::clone(front), principal.to_string())),
+        }
+    }
+
+    /// A shadow mirror's hold on its slot: its tokens are charged to no key.
+    pub fn unpaid(slot: Slot) -> Self {
+        Self {
+            _slot: Some(slot),
+            payer: None,
+        }
+    }
+
     /// Charges the key's token budget for what the request used.
     pub fn charge(&self, tokens: usize) {
-        self.front.rate_limiter.charge(&self.principal, tokens);
+        if let Some((front, principal)) = &self.payer {
+            front.rate_limiter.charge(principal, tokens);
+        }
     }
 }
 
@@ -579,11 +596,7 @@ async fn serve_from(
         Ok(Admitted {
             entry: answered.entry,
             answer,
-            ticket: Ticket {
-                _slot: Some(answered.slot),
-                front: Arc::clone(front),
-                principal: principal.to_string(),
-            },
+            ticket: Ticket::new(Some(answered.slot), front, principal),
             fallback: answered.fallback,
         })
     }
@@ -610,11 +623,7 @@ async fn refusal_completion(
     Ok(Admitted {
         entry,
         answer,
-        ticket: Ticket {
-            _slot: None,
-            front: Arc::clone(front),
-            principal: principal.to_string(),
-        },
+        ticket: Ticket::new(None, front, principal),
         fallback: None,
     })
 }

@@ -25,6 +25,10 @@ pub struct Entry {
     pub created: u64,
     pub admission: Arc<Admission>,
     pub backend: Arc<dyn InferenceBackend>,
+    /// The engine behind a language model's backend: the handle the degradation controller
+    /// moves the limits of, the tokenizer endpoints read, and the encoders tell the delivered
+    /// token gaps (none for other kinds).
+    pub engine: Option<Arc<engine::Engine>>,
     pub breaker: BackendBreaker,
     /// Its fallback chain and timeouts.
     pub policy: Policy,
@@ -73,6 +77,7 @@ impl Entry {
                 .unwrap_or(0),
             admission,
             backend,
+            engine: None,
             policy: Policy::default(),
             lineage_commit: None,
             dataset_version: None,
@@ -102,6 +107,12 @@ impl Entry {
     pub fn with_id(mut self, id: impl Into<String>) -> Self {
         self.id = id.into();
         self.breaker = self.breaker.renamed(self.id.clone());
+        self
+    }
+
+    /// The entry with the engine its backend runs on.
+    pub fn with_engine(mut self, engine: Arc<engine::Engine>) -> Self {
+        self.engine = Some(engine);
         self
     }
 

@@ -14,12 +14,11 @@
 
 use std::sync::Arc;
 
-use engine::Finished;
-use futures_util::StreamExt;
 use record::RecordBuilder;
 
 use crate::backend::{Answer, Generated, Work};
-use crate::front::Front;
+use crate::finish::Delivery;
+use crate::front::{Front, Ticket};
 use crate::registry::{Entry, ModelName};
 
 /// What a mirrored request answered, for the comparison.
@@ -170,7 +169,7 @@ async fn mirror_one(
     record.set_entropy_band(entry.backend.entropy_band());
     let answered = crate::chain::run(front, entry, work, &mut record).await;
     let output = match answered {
-        Ok(answered) => collect(answered.answer, &mut record).await,
+        Ok(answered) => collect(answered, &mut record).await,
         Err(e) => Err(e),
     };
     match output {
@@ -187,39 +186,31 @@ async fn mirror_one(
 
 /// Reads a mirrored answer to its end, filling the record as the protocol encoders do.
 async fn collect(
-    answer: Answer,
+    answered: crate::chain::Answered,
     record: &mut RecordBuilder,
 ) -> Result<Output, crate::error::ApiError> {
-    match answer {
-        Answer::Generation(mut g) => {
-            let mut texts = vec![String::new(); g.choices];
-            let mut finished: Vec<Finished> = Vec::with_capacity(g.choices);
-            while finished.len() < g.choices {
-                let Some((i, event)) = g.events.next().await else {
+    match answered.answer {
+        Answer::Generation(g) => {
+            record.record.prompt_tokens = g.prompt_tokens;
+            // Finished as a served answer is (crate::finish), its tokens charged to no key.
+            let ticket = Ticket::unpaid(answered.slot);
+            let mut delivery = Delivery::new(g, answered.entry, ticket, false, record);
+            let mut done = false;
+            while !done {
+                let Some((i, event)) = delivery.next().await else {
                     return Err(crate::error::ApiError::Unavailable {
                         message: "the engine stopped before the mirrored request finished".into(),
                         retry_after_s: 5,
                     });
                 };
                 match event {
-                    Generated::Token(t) => {
-                        record.token(t.entropy);
-                        if let Some(text) = texts.get_mut(i) {
-                            text.push_str(&t.text);
-                        }
-                    }
-                    Generated::Finished(f) => {
-                        if let Some(text) = texts.get_mut(i) {
-                            text.push_str(&f.trailing_text);
-                        }
-                        finished.push(f);
-                    }
+                    Generated::Token(t) => delivery.on_token(record, i, &t),
+                    Generated::Finished(f) => done = delivery.on_finished(i, &f),
                     Generated::Failed(e) => return Err(e.into()),
                 }
             }
-            record.record.prompt_tokens = g.prompt_tokens;
-            crate::finish::record_finished(record, &finished);
-            Ok(Output::Texts(texts))
+            delivery.finish(record)?;
+            Ok(Output::Texts(delivery.take_texts()))
         }
         Answer::Embeddings(e) => Ok(Output::Vectors(e.vectors)),
         Answer::Tensors(t) => {

@@ -382,7 +382,7 @@ pub fn arm(config: &ServerConfig, entry: &Entry) {
     if !config.degradation.enabled {
         return;
     }
-    if let Some(engine) = entry.backend.engine() {
+    if let Some(engine) = entry.engine.clone() {
         let (settings, objectives) = settings(config, entry, &engine);
         arm_engine(config, &engine, &settings.ceilings, &objectives);
     }
@@ -404,7 +404,7 @@ impl Degradation {
         let mut models = self.models.lock().unwrap_or_else(|e| e.into_inner());
         let mut live = HashSet::new();
         for entry in entries {
-            let Some(engine) = entry.backend.engine() else {
+            let Some(engine) = entry.engine.clone() else {
                 continue;
             };
             live.insert(entry.id.clone());

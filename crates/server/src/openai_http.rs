@@ -12,22 +12,20 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use engine::{FinishReason, Finished};
-use futures_util::stream::{self, StreamExt};
+use futures_util::stream;
 use record::{sha256_hex, RecordBuilder};
 
-use crate::backend::{
-    Answer, EmbedWork, Embeddings, Generated, Generation, Kind, Token, Work, WorkKind,
-};
+use crate::backend::{Answer, EmbedWork, Embeddings, Generated, Kind, Token, Work, WorkKind};
 use crate::chain::{Fallback, FALLBACK_HEADER};
 use crate::error::WireError;
 use crate::error::{ApiError, ErrorBody};
-use crate::front::{self, Ticket};
-use crate::guard_service as screen;
+use crate::front;
 use crate::identity::{self, Principal, RequestId};
 use crate::model_path::ModelPath;
 use crate::openai::*;
 use crate::registry::{Entry, ModelName};
 use crate::state::AppState;
+use pipeline::finish::Delivery;
 
 /// The two generation endpoints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -172,16 +170,9 @@ async fn start(
     if let Some(t) = record.timeline_mut() {
         t.response_id = Some(id.clone());
     }
-    let delivered_to = if g.choices == 1 {
-        admitted.entry.backend.engine()
-    } else {
-        None
-    };
+    let delivery = Delivery::new(g, admitted.entry, admitted.ticket, shape.stream, record);
     Ok(Reply {
-        g,
-        delivered_to,
-        entry: admitted.entry,
-        ticket: admitted.ticket,
+        delivery,
         fallback: admitted.fallback,
         shape,
         endpoint,
@@ -399,13 +390,8 @@ struct Shape {
 
 /// An admitted generation on its way to the client.
 struct Reply {
-    g: Generation,
-    entry: Arc<Entry>,
-    /// The engine that generates it, told how far apart the tokens reach the client (a
-    /// single-choice language-model response only: the gaps of several choices interleave).
-    delivered_to: Option<Arc<engine::Engine>>,
-    /// Held until the response ends.
-    ticket: Ticket,
+    /// Its events, and the finishing every protocol shares (crate::finish).
+    delivery: Delivery,
     /// The fallback that answered, if the model asked for did not.
     fallback: Option<Fallback>,
     shape: Shape,
@@ -414,10 +400,9 @@ struct Reply {
     created: u64,
 }
 
-/// Per-choice state while events arrive.
+/// Per-choice state while events arrive (the text is the delivery's).
 #[derive(Default)]
 struct ChoiceState {
-    text: String,
     chat_logprobs: Vec<TokenLogprob>,
     completion_logprobs: CompletionLogprobs,
     finish: Option<Finished>,
@@ -438,51 +423,22 @@ fn finish_reason(f: &Finished) -> String {
     .to_string()
 }
 
-/// Fills the record's timings from the engine's account of each choice.
-pub(crate) fn record_finished(record: &mut RecordBuilder, finished: &[Finished]) {
-    let r = &mut record.record;
-    r.completion_tokens = finished.iter().map(|f| f.completion_tokens).sum();
-    r.cached_prompt_tokens = finished
-        .iter()
-        .map(|f| f.cached_prompt_tokens)
-        .max()
-        .unwrap_or(0);
-    r.prefill_ms = finished
-        .iter()
-        .map(|f| f.prefill_seconds * 1e3)
-        .fold(0.0, f64::max);
-    r.decode_ms = finished
-        .iter()
-        .map(|f| f.decode_seconds * 1e3)
-        .fold(0.0, f64::max);
-    let length = finished.iter().any(|f| f.reason == FinishReason::Length);
-    r.finish_reason = Some(if length { "length" } else { "stop" }.into());
-}
-
 impl Reply {
-    /// Tells the engine the gap since the response's previous token, as it leaves for the
-    /// client.
-    fn delivered(&self, gap_s: Option<f64>) {
-        if let (Some(engine), Some(gap)) = (&self.delivered_to, gap_s) {
-            engine.record_delivered_gap((gap * 1e3) as f32);
-        }
+    fn model(&self) -> String {
+        self.delivery.entry().name.clone()
     }
 
     fn fingerprint(&self) -> String {
-        format!("{}@{}", self.entry.name, self.entry.version)
-    }
-
-    /// Charges the key's token budget for what the request used.
-    fn charge(&self, record: &RecordBuilder) {
-        self.ticket
-            .charge(record.record.prompt_tokens + record.record.completion_tokens);
+        let entry = self.delivery.entry();
+        format!("{}@{}", entry.name, entry.version)
     }
 
     fn usage(&self, completion_tokens: usize) -> Usage {
+        let prompt_tokens = self.delivery.prompt_tokens();
         Usage {
-            prompt_tokens: self.g.prompt_tokens,
+            prompt_tokens,
             completion_tokens,
-            total_tokens: self.g.prompt_tokens + completion_tokens,
+            total_tokens: prompt_tokens + completion_tokens,
         }
     }
 
@@ -508,9 +464,10 @@ impl Reply {
         }
     }
 
-    fn add_completion_logprob(&self, state: &mut ChoiceState, t: &Token) {
+    /// Adds a token's log-probabilities to a completion's, at `offset` in the choice's text.
+    fn add_completion_logprob(&self, state: &mut ChoiceState, t: &Token, offset: usize) {
         let lp = &mut state.completion_logprobs;
-        lp.text_offset.push(state.text.len());
+        lp.text_offset.push(offset);
         let Some(l) = &t.logprobs else { return };
         lp.tokens.push(l.token.clone());
         lp.token_logprobs.push(l.logprob);
@@ -525,23 +482,20 @@ impl Reply {
 }
 
 async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Response {
-    let mut states: Vec<ChoiceState> = (0..reply.g.choices)
-        .map(|_| ChoiceState::default())
-        .collect();
-    let mut done = 0;
-    while done < reply.g.choices {
-        let Some((i, event)) = reply.g.events.next().await else {
-            break;
+    let choices = reply.delivery.choices();
+    let mut states: Vec<ChoiceState> = (0..choices).map(|_| ChoiceState::default()).collect();
+    let mut done = false;
+    while !done {
+        let Some((i, event)) = reply.delivery.next().await else {
+            let e = ApiError::Unavailable {
+                message: "the engine stopped before the request finished".into(),
+                retry_after_s: 5,
+            };
+            let _ = front::settle::<()>(&mut record, Err(&e)).await;
+            return e.into_response();
         };
         match event {
             Generated::Token(t) => {
-                let gap = record.token(t.entropy);
-                reply.delivered(gap);
-                record.token_note(
-                    || t.text.clone(),
-                    t.logprobs.as_ref().map(|l| l.logprob),
-                    t.entropy,
-                );
                 if reply.shape.logprobs {
                     match reply.endpoint {
                         Endpoint::Chat => {
@@ -549,18 +503,18 @@ async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Respon
                             states[i].chat_logprobs.push(lp);
                         }
                         Endpoint::Completions => {
+                            let offset = reply.delivery.text(i).len();
                             let mut s = std::mem::take(&mut states[i]);
-                            reply.add_completion_logprob(&mut s, &t);
+                            reply.add_completion_logprob(&mut s, &t, offset);
                             states[i] = s;
                         }
                     }
                 }
-                states[i].text.push_str(&t.text);
+                reply.delivery.on_token(&mut record, i, &t);
             }
             Generated::Finished(f) => {
-                states[i].text.push_str(&f.trailing_text);
+                done = reply.delivery.on_finished(i, &f);
                 states[i].finish = Some(f);
-                done += 1;
             }
             Generated::Failed(e) => {
                 let e = ApiError::from(e);
@@ -569,43 +523,17 @@ async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Respon
             }
         }
     }
-    if done < reply.g.choices {
-        let e = ApiError::Unavailable {
-            message: "the engine stopped before the request finished".into(),
-            retry_after_s: 5,
-        };
+    if let Err(e) = reply.delivery.finish(&mut record) {
         let _ = front::settle::<()>(&mut record, Err(&e)).await;
         return e.into_response();
     }
-    let finished: Vec<Finished> = states.iter().filter_map(|s| s.finish.clone()).collect();
-    record_finished(&mut record, &finished);
-    let outputs: Vec<(&str, &Finished)> = states
-        .iter()
-        .filter_map(|s| s.finish.as_ref().map(|f| (s.text.as_str(), f)))
-        .collect();
-    if let Some(watch) = &reply.g.watch {
-        let stops: Vec<Option<&str>> = outputs.iter().map(|(_, f)| f.stop.as_deref()).collect();
-        screen::watch_outputs(
-            watch,
-            &mut record,
-            &reply.entry.name,
-            outputs.iter().map(|(t, _)| *t),
-            &stops,
-        );
-    }
-    let checked = reply
-        .g
-        .check_outputs(&mut record, &outputs)
-        .map_err(ApiError::from);
-    reply.charge(&record);
-    if let Err(e) = checked {
-        let _ = front::settle::<()>(&mut record, Err(&e)).await;
-        return e.into_response();
-    }
-    record.payload_output(|| {
-        serde_json::json!({ "choices": states.iter().map(|s| s.text.as_str()).collect::<Vec<_>>() })
-    });
-    let response = encode_collected(&reply, states, reply.usage(record.record.completion_tokens));
+    let texts = reply.delivery.take_texts();
+    let response = encode_collected(
+        &reply,
+        states,
+        texts,
+        reply.usage(record.record.completion_tokens),
+    );
     // The answer leaves only once its audit entry is durable (fail_closed).
     if let Err(e) = front::durable(record.finish()).await {
         return e.into_response();
@@ -614,17 +542,23 @@ async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Respon
 }
 
 /// The one JSON body of a non-streaming generation.
-fn encode_collected(reply: &Reply, states: Vec<ChoiceState>, usage: Usage) -> Response {
+fn encode_collected(
+    reply: &Reply,
+    states: Vec<ChoiceState>,
+    texts: Vec<String>,
+    usage: Usage,
+) -> Response {
     match reply.endpoint {
         Endpoint::Chat => Json(ChatCompletion {
             id: reply.id.clone(),
             object: "chat.completion",
             created: reply.created,
-            model: reply.entry.name.clone(),
+            model: reply.model(),
             choices: states
                 .into_iter()
+                .zip(texts)
                 .enumerate()
-                .map(|(index, s)| ChatChoice {
+                .map(|(index, (s, text))| ChatChoice {
                     index,
                     finish_reason: s.finish.as_ref().map(finish_reason),
                     logprobs: reply.shape.logprobs.then_some(ChatLogprobs {
@@ -632,7 +566,7 @@ fn encode_collected(reply: &Reply, states: Vec<ChoiceState>, usage: Usage) -> Re
                     }),
                     message: AssistantMessage {
                         role: "assistant",
-                        content: s.text,
+                        content: text,
                     },
                 })
                 .collect(),
@@ -644,15 +578,16 @@ fn encode_collected(reply: &Reply, states: Vec<ChoiceState>, usage: Usage) -> Re
             id: reply.id.clone(),
             object: "text_completion",
             created: reply.created,
-            model: reply.entry.name.clone(),
+            model: reply.model(),
             choices: states
                 .into_iter()
+                .zip(texts)
                 .enumerate()
-                .map(|(index, s)| CompletionChoice {
+                .map(|(index, (s, text))| CompletionChoice {
                     index,
                     finish_reason: s.finish.as_ref().map(finish_reason),
                     logprobs: reply.shape.logprobs.then_some(s.completion_logprobs),
-                    text: s.text,
+                    text,
                 })
                 .collect(),
             usage: Some(usage),
@@ -667,11 +602,8 @@ struct Streaming {
     reply: Reply,
     record: RecordBuilder,
     pending: VecDeque<String>,
-    finished: Vec<Option<Finished>>,
+    /// Each choice's text length so far (the completions' log-probability offsets).
     text_len: Vec<usize>,
-    /// Each choice's text so far, kept only when something reads it at the end (the
-    /// structured-output check, a sink that takes the payload).
-    texts: Option<Vec<String>>,
     done: bool,
     /// Set at the end: the final events wait until the record is durable (fail_closed audit).
     receipt: Option<record::Receipt>,
@@ -691,7 +623,7 @@ impl Streaming {
             id: self.reply.id.clone(),
             object: "chat.completion.chunk",
             created: self.reply.created,
-            model: self.reply.entry.name.clone(),
+            model: self.reply.model(),
             choices: vec![ChatChunkChoice {
                 index,
                 delta,
@@ -715,7 +647,7 @@ impl Streaming {
             id: self.reply.id.clone(),
             object: "text_completion",
             created: self.reply.created,
-            model: self.reply.entry.name.clone(),
+            model: self.reply.model(),
             choices: vec![CompletionChoice {
                 text,
                 index,
@@ -733,7 +665,7 @@ impl Streaming {
         let (id, created, model) = (
             self.reply.id.clone(),
             self.reply.created,
-            self.reply.entry.name.clone(),
+            self.reply.model(),
         );
         let system_fingerprint = self.reply.fingerprint();
         match self.reply.endpoint {
@@ -760,13 +692,7 @@ impl Streaming {
     }
 
     fn on_token(&mut self, i: usize, t: Token) {
-        let gap = self.record.token(t.entropy);
-        self.reply.delivered(gap);
-        self.record.token_note(
-            || t.text.clone(),
-            t.logprobs.as_ref().map(|l| l.logprob),
-            t.entropy,
-        );
+        self.reply.delivery.on_token(&mut self.record, i, &t);
         let want_logprobs = self.reply.shape.logprobs;
         if t.text.is_empty() && !want_logprobs {
             return;
@@ -789,19 +715,14 @@ impl Streaming {
             Endpoint::Completions => {
                 let logprobs = want_logprobs.then(|| {
                     let mut s = ChoiceState::default();
-                    self.reply.add_completion_logprob(&mut s, &t);
-                    for o in s.completion_logprobs.text_offset.iter_mut() {
-                        *o += self.text_len[i];
-                    }
+                    self.reply
+                        .add_completion_logprob(&mut s, &t, self.text_len[i]);
                     s.completion_logprobs
                 });
                 self.chunk_completion(i, t.text.clone(), logprobs, None)
             }
         };
         self.text_len[i] += t.text.len();
-        if let Some(texts) = &mut self.texts {
-            texts[i].push_str(&t.text);
-        }
         self.pending.push_back(chunk);
     }
 
@@ -824,11 +745,7 @@ impl Streaming {
         // Every choice's finish goes out only with the last one, after the record is durable:
         // no choice is complete at the client before its audit entry is (fail_closed).
         self.finishes.push(chunk);
-        if let Some(texts) = &mut self.texts {
-            texts[i].push_str(&f.trailing_text);
-        }
-        self.finished[i] = Some(f);
-        if self.finished.iter().all(Option::is_some) {
+        if self.reply.delivery.on_finished(i, &f) {
             let finishes = std::mem::take(&mut self.finishes);
             self.pending.extend(finishes);
             self.on_all_finished();
@@ -836,40 +753,12 @@ impl Streaming {
     }
 
     fn on_all_finished(&mut self) {
-        let all: Vec<Finished> = self.finished.iter().flatten().cloned().collect();
-        record_finished(&mut self.record, &all);
-        self.reply.charge(&self.record);
-        let outputs: Vec<(&str, &Finished)> = self
-            .texts
-            .iter()
-            .flatten()
-            .map(String::as_str)
-            .zip(all.iter())
-            .collect();
-        if let Some(watch) = &self.reply.g.watch {
-            let stops: Vec<Option<&str>> = all.iter().map(|f| f.stop.as_deref()).collect();
-            screen::watch_outputs(
-                watch,
-                &mut self.record,
-                &self.reply.entry.name,
-                outputs.iter().map(|(t, _)| *t),
-                &stops,
-            );
-        }
-        if let Err(e) = self
-            .reply
-            .g
-            .check_outputs(&mut self.record, &outputs)
-            .map_err(ApiError::from)
-        {
+        if let Err(e) = self.reply.delivery.finish(&mut self.record) {
             // The text already went out; the client learns it is not to be trusted.
             e.record(&mut self.record);
             self.pending
                 .push_back(serde_json::to_string(&e.body()).unwrap_or_default());
         }
-        let texts = &self.texts;
-        self.record
-            .payload_output(|| serde_json::json!({ "choices": texts }));
         if self.reply.shape.include_usage {
             let chunk = self.usage_chunk();
             self.pending.push_back(chunk);
@@ -893,12 +782,9 @@ impl Streaming {
 }
 
 fn stream_response(reply: Reply, record: RecordBuilder) -> Response {
-    let choices = reply.g.choices;
+    let choices = reply.delivery.choices();
     let mut state = Streaming {
-        finished: vec![None; choices],
         text_len: vec![0; choices],
-        texts: (reply.g.structured.is_some() || reply.g.watch.is_some() || record.wants_payload())
-            .then(|| vec![String::new(); choices]),
         reply,
         record,
         pending: VecDeque::new(),
@@ -940,7 +826,7 @@ fn stream_response(reply: Reply, record: RecordBuilder) -> Response {
             if st.done {
                 return None;
             }
-            match st.reply.g.events.next().await {
+            match st.reply.delivery.next().await {
                 Some((i, Generated::Token(t))) => st.on_token(i, t),
                 Some((i, Generated::Finished(f))) => st.on_finished(i, f),
                 Some((_, Generated::Failed(e))) => st.on_error(ApiError::from(e)),

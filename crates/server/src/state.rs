@@ -403,8 +403,8 @@ pub fn load(
     let entry = entry.with_policy(policy);
     let memory = files_bytes(repository, model)
         + entry
-            .backend
-            .engine()
+            .engine
+            .as_ref()
             .map_or(0, |e| e.kv_capacity().bytes() as u64);
     entry
         .memory_bytes
@@ -688,8 +688,9 @@ fn load_llm(
         kv_tokens = engine.kv_capacity().tokens(),
         "language model ready"
     );
+    let engine = Arc::new(engine);
     let backend = LlmBackend::new(
-        Arc::new(engine),
+        Arc::clone(&engine),
         Arc::new(grammar),
         model.entropy_band,
         limits.default_max_tokens,
@@ -697,5 +698,5 @@ fn load_llm(
     )
     .with_parse_special_tokens(model.parse_special_tokens)
     .with_prepare_lane(prepare.clone());
-    Ok(entry(config, model, &version, digest, backend))
+    Ok(entry(config, model, &version, digest, backend).with_engine(engine))
 }

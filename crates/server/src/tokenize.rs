@@ -125,7 +125,7 @@ fn engine_of(
         .iter()
         .find(|m| m.name == entry.name)
         .is_some_and(|m| m.parse_special_tokens);
-    let engine = entry.backend.engine().ok_or_else(|| {
+    let engine = entry.engine.clone().ok_or_else(|| {
         ApiError::invalid_param(
             "model",
             format!(

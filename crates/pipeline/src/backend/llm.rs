@@ -302,10 +302,6 @@ impl InferenceBackend for LlmBackend {
     fn engine_snapshot(&self) -> Option<engine::SchedulerSnapshot> {
         Some(self.engine.snapshot())
     }
-
-    fn engine(&self) -> Option<Arc<Engine>> {
-        Some(Arc::clone(&self.engine))
-    }
 }
 
 /// Whether a completion's prompts may carry control tokens: only where the model opts in

@@ -405,11 +405,6 @@ pub trait InferenceBackend: Send + Sync + 'static {
     fn engine_snapshot(&self) -> Option<engine::SchedulerSnapshot> {
         None
     }
-
-    /// The engine itself (LLMs): the degradation controller moves its limits.
-    fn engine(&self) -> Option<Arc<engine::Engine>> {
-        None
-    }
 }
 
 #[cfg(test)]

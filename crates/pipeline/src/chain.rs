@@ -19,7 +19,6 @@ use std::time::{Duration, Instant};
 
 use futures_util::stream::{self, BoxStream, Stream, StreamExt};
 use record::{Attempt, RecordBuilder};
-use serde::Deserialize;
 use tokio::time::Sleep;
 use tracing::Instrument;
 
@@ -27,79 +26,13 @@ use crate::admission::Slot;
 use crate::backend::{Answer, BackendError, FailureClass, Generated, Generation, Work};
 use crate::breaker::{Outcome, Pass};
 use crate::error::ApiError;
+use crate::faults::Faults;
 use crate::faults::Strike;
-use crate::front::Front;
-use crate::registry::{Entry, ModelName};
+use crate::handoff::Handoffs;
+use crate::registry::Entry;
+use crate::registry::Registry;
 
-/// A model's fallback chain and its timeouts.
-#[derive(Debug, Clone)]
-pub struct Policy {
-    pub steps: Vec<Step>,
-    /// After admission: longest wait for the first content token (or the whole answer of a
-    /// tensor or embedding request).
-    pub first_token_timeout: Duration,
-    /// Longest gap between two events of a generation.
-    pub stall_timeout: Duration,
-}
-
-impl Default for Policy {
-    fn default() -> Self {
-        Self {
-            steps: Vec::new(),
-            first_token_timeout: Duration::from_secs(60),
-            stall_timeout: Duration::from_secs(30),
-        }
-    }
-}
-
-impl Policy {
-    /// The backends the chain holds itself (canned answers, tensor twins).
-    pub fn own_entries(&self) -> Vec<Arc<Entry>> {
-        self.steps
-            .iter()
-            .filter_map(|s| match &s.target {
-                Target::Own(e) => Some(Arc::clone(e)),
-                Target::Model(_) => None,
-            })
-            .collect()
-    }
-}
-
-/// One step of a chain.
-#[derive(Debug, Clone)]
-pub struct Step {
-    pub target: Target,
-    pub on: Vec<Trigger>,
-}
-
-/// What a step falls back to.
-#[derive(Clone)]
-pub enum Target {
-    /// A served model, looked up when the step is reached.
-    Model(ModelName),
-    /// A backend of the chain's own: a canned answer, or the model on the other tensor
-    /// runtime.
-    Own(Arc<Entry>),
-}
-
-impl std::fmt::Debug for Target {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Target::Model(m) => write!(f, "Model({m})"),
-            Target::Own(e) => write!(f, "Own({})", e.id),
-        }
-    }
-}
-
-impl Target {
-    /// The step as `GET /admin/backends` names it.
-    pub fn describe(&self) -> String {
-        match self {
-            Target::Model(m) => m.to_string(),
-            Target::Own(e) => e.id.clone(),
-        }
-    }
-}
+pub use crate::policy::{FallbackStep, Policy, Step, Target, Trigger};
 
 /// How a degraded answer was reached: what the `x-rampart-fallback` header and the record say.
 #[derive(Debug, Clone, PartialEq)]
@@ -124,6 +57,16 @@ impl Fallback {
 
 /// The header that marks a degraded response.
 pub const FALLBACK_HEADER: &str = "x-rampart-fallback";
+
+/// What the chain reads of the server's pipeline: the registry (for the steps that name
+/// another model), the hand-offs (every fallback counts toward its model's), and the faults
+/// injected for drills.
+#[derive(Debug, Clone, Copy)]
+pub struct Parts<'a> {
+    pub registry: &'a Registry,
+    pub handoffs: &'a Handoffs,
+    pub faults: &'a Faults,
+}
 
 /// What the chain answered with.
 pub struct Answered {
@@ -208,17 +151,17 @@ fn admission_refusal(e: &ApiError) -> &'static str {
 
 /// Runs `work` through `primary` and, when it fails, its chain.
 pub async fn run(
-    front: &Arc<Front>,
+    parts: Parts<'_>,
     primary: Arc<Entry>,
     work: Work,
     record: &mut RecordBuilder,
 ) -> Result<Answered, ApiError> {
-    run_reserved(front, primary, Reservation::default(), work, record).await
+    run_reserved(parts, primary, Reservation::default(), work, record).await
 }
 
 /// [`run`], the primary's attempt in the slot [`reserve`] took.
 pub async fn run_reserved(
-    front: &Arc<Front>,
+    parts: Parts<'_>,
     primary: Arc<Entry>,
     reservation: Reservation,
     work: Work,
@@ -234,7 +177,7 @@ pub async fn run_reserved(
         (work.clone(), Some(work))
     };
     let (left_because, primary_error) =
-        match attempt(front, &primary, first, streaming, reservation, record).await {
+        match attempt(parts, &primary, first, streaming, reservation, record).await {
             Ok((answer, slot)) => {
                 return Ok(Answered {
                     entry: primary,
@@ -250,7 +193,7 @@ pub async fn run_reserved(
     let Some(work) = rest else {
         return Err(primary_error);
     };
-    front.handoffs.get(&primary.name).note_fallback();
+    parts.handoffs.get(&primary.name).note_fallback();
     // `left_because` (why the request left the model asked for) is what the header, the record
     // and the metric say; `trigger` is what the next step must take. When every step fails, the
     // client hears the primary's error (each later step's failure is in the record's attempts).
@@ -269,7 +212,7 @@ pub async fn run_reserved(
         }
         let entry = match &step.target {
             Target::Own(e) => Some(Arc::clone(e)),
-            Target::Model(m) => front.registry.find(m),
+            Target::Model(m) => parts.registry.find(m),
         };
         let Some(entry) = entry else {
             note_attempt(
@@ -295,7 +238,7 @@ pub async fn run_reserved(
         let level = level_of(&entry);
         let step_work = set_fallback_level(work.clone(), level);
         match attempt(
-            front,
+            parts,
             &entry,
             step_work,
             streaming,
@@ -407,7 +350,7 @@ impl Drop for Call {
 
 /// One backend's try at the work.
 async fn attempt(
-    front: &Arc<Front>,
+    parts: Parts<'_>,
     entry: &Arc<Entry>,
     work: Work,
     streaming: bool,
@@ -415,7 +358,7 @@ async fn attempt(
     record: &mut RecordBuilder,
 ) -> Result<(Answer, Slot), Miss> {
     let began = Instant::now();
-    let result = try_backend(front, entry, work, streaming, reservation, record)
+    let result = try_backend(parts, entry, work, streaming, reservation, record)
         .instrument(tracing::debug_span!("attempt", backend = %entry.id))
         .await;
     let (outcome, detail) = match &result {
@@ -430,7 +373,7 @@ async fn attempt(
 }
 
 async fn try_backend(
-    front: &Arc<Front>,
+    parts: Parts<'_>,
     entry: &Arc<Entry>,
     work: Work,
     streaming: bool,
@@ -463,7 +406,7 @@ async fn try_backend(
         pass: Some(pass),
         started: Instant::now(),
     };
-    let strike = front.faults.strike(&entry.id);
+    let strike = parts.faults.strike(&entry.id);
     if let Some(s @ Strike::Fail) = strike {
         call.failed();
         return Err(Miss::Trigger {
@@ -849,88 +792,5 @@ impl Stream for Watched {
                 Poll::Pending
             }
         }
-    }
-}
-
-/// What moves a request to the next step of its model's fallback chain.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Deserialize, serde::Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Trigger {
-    /// The backend failed (an error before or instead of the answer; a failed stream before
-    /// its first content token).
-    Error,
-    /// No first content token (or, for tensors and embeddings, no answer) within
-    /// `first_token_timeout_ms`.
-    FirstTokenTimeout,
-    /// No event for `stall_timeout_ms` while generating (falls back only while nothing has
-    /// reached the client: a non-streaming request, or a stream before its first token).
-    StallTimeout,
-    /// The backend's admission refused (its queue is full or the wait ran out), or its own
-    /// queue did.
-    Overloaded,
-    /// The backend's circuit breaker is open.
-    CircuitOpen,
-    /// The prompt does not fit the backend's context (only steps that list it take it).
-    ContextLength,
-    /// The backend is not loaded or fails its readiness check.
-    NotReady,
-}
-
-impl Trigger {
-    pub const ALL: [Trigger; 7] = [
-        Trigger::Error,
-        Trigger::FirstTokenTimeout,
-        Trigger::StallTimeout,
-        Trigger::Overloaded,
-        Trigger::CircuitOpen,
-        Trigger::ContextLength,
-        Trigger::NotReady,
-    ];
-
-    /// What a step takes when it lists nothing: every trigger but `context_length` (a prompt
-    /// too long for one model is the client's to shorten unless a step says it can take it).
-    pub const DEFAULT: [Trigger; 6] = [
-        Trigger::Error,
-        Trigger::FirstTokenTimeout,
-        Trigger::StallTimeout,
-        Trigger::Overloaded,
-        Trigger::CircuitOpen,
-        Trigger::NotReady,
-    ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Trigger::Error => "error",
-            Trigger::FirstTokenTimeout => "first_token_timeout",
-            Trigger::StallTimeout => "stall_timeout",
-            Trigger::Overloaded => "overloaded",
-            Trigger::CircuitOpen => "circuit_open",
-            Trigger::ContextLength => "context_length",
-            Trigger::NotReady => "not_ready",
-        }
-    }
-}
-
-/// One step of a model's fallback chain: exactly one of `model`, `canned`, `tensor_backend`.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct FallbackStep {
-    /// Another served model (`name` or `name@version`): a language model, a rules model, a
-    /// tensor model.
-    pub model: Option<String>,
-    /// A canned answer: this text (a generation that says so).
-    pub canned: Option<String>,
-    /// Canned answers per language (`zh = "..."`), chosen by the request's `Accept-Language`.
-    #[serde(default)]
-    pub languages: std::collections::BTreeMap<String, String>,
-    /// The same tensor model on this runtime (`tract` or `onnxruntime`).
-    pub tensor_backend: Option<classic::BackendChoice>,
-    /// The triggers this step takes (default: all but `context_length`).
-    pub on: Option<Vec<Trigger>>,
-}
-
-impl FallbackStep {
-    pub fn triggers(&self) -> Vec<Trigger> {
-        self.on.clone().unwrap_or_else(|| Trigger::DEFAULT.to_vec())
     }
 }

@@ -8,6 +8,7 @@ use engine::EngineError;
 use record::RecordBuilder;
 
 use crate::backend::BackendError;
+use crate::lane::LaneError;
 
 /// Everything a request can fail with.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -320,5 +321,28 @@ impl ApiError {
     /// Writes the failure into the request's record.
     pub fn record(&self, record: &mut RecordBuilder) {
         record.fail(self.status_code(), self.kind(), self.code());
+    }
+}
+
+impl From<LaneError> for ApiError {
+    fn from(e: LaneError) -> Self {
+        ApiError::Internal(e.to_string())
+    }
+}
+
+/// Why a model could not be loaded (kept as a reason readiness gives).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{model}: {message}")]
+pub struct LoadError {
+    pub model: String,
+    pub message: String,
+}
+
+impl LoadError {
+    pub fn new(model: &str, message: impl std::fmt::Display) -> Self {
+        Self {
+            model: model.to_string(),
+            message: message.to_string(),
+        }
     }
 }

@@ -11,9 +11,10 @@ use engine::{FinishReason, Finished};
 use futures_util::StreamExt;
 use record::RecordBuilder;
 
+use crate::admission::Slot;
 use crate::backend::{Generated, Generation, Token};
 use crate::error::ApiError;
-use crate::front::Ticket;
+use crate::rate_limit::RateLimiter;
 use crate::registry::Entry;
 
 /// A generation on its way to the client, from its first event to its [`Delivery::finish`].
@@ -150,7 +151,7 @@ impl Delivery {
         let outputs: Vec<(&str, &Finished)> = texts.iter().copied().zip(all.iter()).collect();
         if let Some(watch) = &self.generation.watch {
             let stops: Vec<Option<&str>> = all.iter().map(|f| f.stop.as_deref()).collect();
-            crate::guard_service::watch_outputs(
+            crate::watch::watch_outputs(
                 watch,
                 record,
                 &self.entry.name,
@@ -166,6 +167,47 @@ impl Delivery {
             record.payload_output(|| serde_json::json!({ "choices": texts }));
         }
         checked
+    }
+}
+
+/// Held until the response ends: the admission slot, and the principal whose token budget the
+/// response is charged to.
+pub struct Ticket {
+    /// None for answers the front gives itself (the guard's refusal completion).
+    _slot: Option<Slot>,
+    /// Whose budget pays (none: a shadow mirror, which no key asked for).
+    payer: Option<(Arc<RateLimiter>, String)>,
+}
+
+impl std::fmt::Debug for Ticket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ticket")
+            .field("principal", &self.payer.as_ref().map(|(_, p)| p))
+            .finish_non_exhaustive()
+    }
+}
+
+impl Ticket {
+    pub(crate) fn new(slot: Option<Slot>, limiter: &Arc<RateLimiter>, principal: &str) -> Self {
+        Self {
+            _slot: slot,
+            payer: Some((Arc::clone(limiter), principal.to_string())),
+        }
+    }
+
+    /// A shadow mirror's hold on its slot: its tokens are charged to no key.
+    pub fn unpaid(slot: Slot) -> Self {
+        Self {
+            _slot: Some(slot),
+            payer: None,
+        }
+    }
+
+    /// Charges the key's token budget for what the request used.
+    pub fn charge(&self, tokens: usize) {
+        if let Some((limiter, principal)) = &self.payer {
+            limiter.charge(principal, tokens);
+        }
     }
 }
 

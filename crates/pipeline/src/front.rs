@@ -12,7 +12,7 @@
 //!
 //! The guard ([`crate::screen`]: injection rules and classifier) judges every generation after
 //! the route (its policy and the model's control tokens are the model's) and before anything
-//! else; the release plan's routing (canary, A/B) happens at the route ([`crate::releases`]).
+//! else; the release plan's routing (canary, A/B) happens at the route ([`crate::release_plans`]).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -23,12 +23,12 @@ use std::time::{Duration, Instant};
 use record::{Bus, Receipt, RecordBuilder};
 use tracing::Instrument;
 
-use crate::admission::Slot;
 use crate::backend::{Answer, Work, WorkKind};
 use crate::chain::{self, Fallback};
 use crate::decisions::Decisions;
 use crate::error::ApiError;
 use crate::faults::{Faults, FaultsConfig};
+pub use crate::finish::Ticket;
 use crate::guard_service::{self as screen, GuardService, GuardSetup, Screened};
 use crate::handoff::Handoffs;
 use crate::rate_limit::{RateLimit, RateLimitedTally, RateLimiter};
@@ -113,7 +113,7 @@ pub struct FrontSetup {
 pub struct Front {
     /// Every served model, whatever its kind.
     pub registry: Registry,
-    pub rate_limiter: RateLimiter,
+    pub rate_limiter: Arc<RateLimiter>,
     /// Requests of valid keys refused past their rate limit, summarised per interval.
     pub rate_limited: Arc<RateLimitedTally>,
     /// Each model's hand-off to people (level 3).
@@ -147,7 +147,7 @@ impl Front {
         let decisions = Decisions::on(&bus);
         Self {
             registry: Registry::new(decisions.clone()),
-            rate_limiter: RateLimiter::new(setup.rate_limit),
+            rate_limiter: Arc::new(RateLimiter::new(setup.rate_limit)),
             rate_limited: Arc::default(),
             handoffs: Handoffs::new(setup.handoff, setup.model_handoffs, decisions.clone()),
             faults: Faults::new(setup.faults),
@@ -162,6 +162,15 @@ impl Front {
             gpu_utilization_bits: AtomicU32::new(f32::NAN.to_bits()),
             token_events: setup.token_events,
             started: Instant::now(),
+        }
+    }
+
+    /// What the backend chain reads of it.
+    pub fn chain_parts(&self) -> chain::Parts<'_> {
+        chain::Parts {
+            registry: &self.registry,
+            handoffs: &self.handoffs,
+            faults: &self.faults,
         }
     }
 
@@ -257,47 +266,6 @@ pub struct Admitted {
     pub answer: Answer,
     pub ticket: Ticket,
     pub fallback: Option<Fallback>,
-}
-
-/// Held until the response ends: the admission slot, and the principal whose token budget the
-/// response is charged to.
-pub struct Ticket {
-    /// None for answers the front gives itself (the guard's refusal completion).
-    _slot: Option<Slot>,
-    /// Whose budget pays (none: a shadow mirror, which no key asked for).
-    payer: Option<(Arc<Front>, String)>,
-}
-
-impl std::fmt::Debug for Ticket {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Ticket")
-            .field("principal", &self.payer.as_ref().map(|(_, p)| p))
-            .finish_non_exhaustive()
-    }
-}
-
-impl Ticket {
-    fn new(slot: Option<Slot>, front: &Arc<Front>, principal: &str) -> Self {
-        Self {
-            _slot: slot,
-            payer: Some((Arc::clone(front), principal.to_string())),
-        }
-    }
-
-    /// A shadow mirror's hold on its slot: its tokens are charged to no key.
-    pub fn unpaid(slot: Slot) -> Self {
-        Self {
-            _slot: Some(slot),
-            payer: None,
-        }
-    }
-
-    /// Charges the key's token budget for what the request used.
-    pub fn charge(&self, tokens: usize) {
-        if let Some((front, principal)) = &self.payer {
-            front.rate_limiter.charge(principal, tokens);
-        }
-    }
 }
 
 /// The whole pipeline for a request that names its model.
@@ -578,7 +546,7 @@ async fn serve_from(
         // Shadow releases: a share of what the stable answers is also answered, on its own
         // task, by the candidate and the control (the input as the guard passed it).
         crate::shadow::maybe_mirror(front, &entry, principal, &work, record);
-        let answered = chain::run_reserved(front, entry, reservation, work, record)
+        let answered = chain::run_reserved(front.chain_parts(), entry, reservation, work, record)
             .instrument(tracing::debug_span!("chain"))
             .await?;
         let answer = match answered.answer {
@@ -596,7 +564,7 @@ async fn serve_from(
         Ok(Admitted {
             entry: answered.entry,
             answer,
-            ticket: Ticket::new(Some(answered.slot), front, principal),
+            ticket: Ticket::new(Some(answered.slot), &front.rate_limiter, principal),
             fallback: answered.fallback,
         })
     }
@@ -623,7 +591,7 @@ async fn refusal_completion(
     Ok(Admitted {
         entry,
         answer,
-        ticket: Ticket::new(None, front, principal),
+        ticket: Ticket::new(None, &front.rate_limiter, principal),
         fallback: None,
     })
 }

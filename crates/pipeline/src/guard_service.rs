@@ -31,7 +31,9 @@ use crate::backend::{GeneratePlan, InferenceBackend};
 use serde::Deserialize;
 
 use crate::error::ApiError;
-use crate::registry::LoadError;
+use crate::error::LoadError;
+use crate::watch::LEAK_PREFIX_CHARS;
+pub use crate::watch::{watch_outputs, Canary, OutputWatch};
 
 /// What the guard service is made from: the server's `[guard]`, each model's `[models.guard]`,
 /// the compute's CPU priority that long judgements run below, and the compute threads the
@@ -409,26 +411,6 @@ pub enum Screened {
     RefuseWithCompletion,
 }
 
-/// The output side of one request: strings that must not come back.
-#[derive(Debug, Clone)]
-pub struct OutputWatch {
-    pub mode: Canary,
-    /// The canary and the system message's opening.
-    pub markers: Vec<String>,
-}
-
-impl OutputWatch {
-    /// Whether an output holds a marker.
-    pub fn leaked<'a>(&self, outputs: impl IntoIterator<Item = &'a str>) -> bool {
-        outputs
-            .into_iter()
-            .any(|o| self.markers.iter().any(|m| o.contains(m.as_str())))
-    }
-}
-
-/// How much of the system message's opening counts as a verbatim leak.
-const LEAK_PREFIX_CHARS: usize = 40;
-
 /// Plants the canary in the first system message and watches for it (and for the message's
 /// opening) in the output; `cut` also makes them stop strings, so the output ends before.
 fn plant_canary(plan: &mut GeneratePlan, mode: Canary) -> Option<OutputWatch> {
@@ -653,38 +635,6 @@ async fn judge_on_lane(
     Ok(decision)
 }
 
-/// Checks the outputs against the watch: `cut` when a marker's stop string ended an output,
-/// `flag` when an output still holds one. Marks the record, counts and logs it.
-pub fn watch_outputs<'a>(
-    watch: &OutputWatch,
-    record: &mut RecordBuilder,
-    model: &str,
-    outputs: impl IntoIterator<Item = &'a str>,
-    stops: &[Option<&str>],
-) {
-    let cut = stops
-        .iter()
-        .flatten()
-        .any(|s| watch.markers.iter().any(|m| m == s));
-    let verdict = if cut {
-        Some("cut")
-    } else if watch.leaked(outputs) {
-        Some("flag")
-    } else {
-        None
-    };
-    if let Some(v) = verdict {
-        record.record.guard_output = Some(v);
-        metrics::counter!("rampart_guard_output_total", "model" => model.to_string(), "verdict" => v)
-            .increment(1);
-        tracing::warn!(
-            model,
-            verdict = v,
-            "the output repeats the system message's canary or opening"
-        );
-    }
-}
-
 /// How a refused input is answered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
@@ -695,18 +645,6 @@ pub enum Refusal {
     /// HTTP 200, a completion whose content is exactly `{"error":"unsafe_input"}` (for clients
     /// that only read completions).
     Completion,
-}
-
-/// The output side: a canary planted in the system message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
-#[serde(rename_all = "snake_case")]
-pub enum Canary {
-    #[default]
-    Off,
-    /// An output that holds the canary (or the system message's opening) is marked.
-    Flag,
-    /// The output ends before the canary (or the system message's opening).
-    Cut,
 }
 
 /// `[guard]`: the server's guard. Every policy field can be overridden per model

@@ -32,12 +32,6 @@ pub enum LaneError {
     Closed(&'static str),
 }
 
-impl From<LaneError> for crate::error::ApiError {
-    fn from(e: LaneError) -> Self {
-        crate::error::ApiError::Internal(e.to_string())
-    }
-}
-
 /// A fixed set of low-priority threads taking jobs in order; clones share the threads.
 #[derive(Clone)]
 pub struct Lane {

@@ -25,8 +25,10 @@ pub mod guard_service;
 pub mod handoff;
 pub mod lane;
 pub mod origin;
+pub mod policy;
 pub mod rate_limit;
 pub mod registry;
 pub mod shadow;
+pub mod watch;
 
 pub use front::Front;

@@ -6,9 +6,10 @@ use std::sync::{Arc, RwLock};
 use crate::admission::Admission;
 use crate::backend::{InferenceBackend, Kind, WorkKind};
 use crate::breaker::{BackendBreaker, BreakerConfig};
-use crate::chain::Policy;
 use crate::decisions::Decisions;
 use crate::error::ApiError;
+pub use crate::error::LoadError;
+use crate::policy::Policy;
 
 /// One served backend: a model version (or a chain's own canned answer or tensor twin), its
 /// admission, its breaker, its fallback policy, and the backend that answers.
@@ -346,8 +347,8 @@ impl Registry {
     fn chain_can_serve(&self, entry: &Entry) -> bool {
         entry.policy.steps.iter().any(|step| {
             let target = match &step.target {
-                crate::chain::Target::Own(own) => Some(Arc::clone(own)),
-                crate::chain::Target::Model(m) => self.find(m),
+                crate::policy::Target::Own(own) => Some(Arc::clone(own)),
+                crate::policy::Target::Model(m) => self.find(m),
             };
             target.is_some_and(|t| t.id != entry.id && t.backend.health().problem.is_none())
         })
@@ -392,22 +393,5 @@ impl Registry {
                 known.join(", ")
             }
         ))
-    }
-}
-
-/// Why a model could not be loaded (kept as a reason readiness gives).
-#[derive(Debug, Clone, thiserror::Error)]
-#[error("{model}: {message}")]
-pub struct LoadError {
-    pub model: String,
-    pub message: String,
-}
-
-impl LoadError {
-    pub fn new(model: &str, message: impl std::fmt::Display) -> Self {
-        Self {
-            model: model.to_string(),
-            message: message.to_string(),
-        }
     }
 }

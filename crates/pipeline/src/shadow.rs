@@ -18,7 +18,8 @@ use record::RecordBuilder;
 
 use crate::backend::{Answer, Generated, Work};
 use crate::finish::Delivery;
-use crate::front::{Front, Ticket};
+use crate::finish::Ticket;
+use crate::front::Front;
 use crate::registry::{Entry, ModelName};
 
 /// What a mirrored request answered, for the comparison.
@@ -167,7 +168,7 @@ async fn mirror_one(
     record.record.variant = Some(variant);
     record.record.route_reason = Some("shadow");
     record.set_entropy_band(entry.backend.entropy_band());
-    let answered = crate::chain::run(front, entry, work, &mut record).await;
+    let answered = crate::chain::run(front.chain_parts(), entry, work, &mut record).await;
     let output = match answered {
         Ok(answered) => collect(answered, &mut record).await,
         Err(e) => Err(e),

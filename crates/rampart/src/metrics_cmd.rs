@@ -23,7 +23,7 @@ pub enum MetricsCommand {
 pub fn run(args: MetricsArgs) -> Result<ExitCode> {
     match args.command {
         MetricsCommand::List { json } => {
-            let metrics: Vec<_> = server::observe::all_metrics().collect();
+            let metrics: Vec<_> = server::log_metrics::all_metrics().collect();
             if json {
                 println!("{}", serde_json::to_string_pretty(&metrics)?);
             } else {

@@ -10,8 +10,8 @@ use anyhow::{bail, Context, Result};
 use monitor::Baseline;
 use repo::{ModelRef, Repository};
 use serde::Serialize;
+use server::baseline::{self, AskOptions};
 use server::config::{ModelConfig, ServerConfig};
-use server::reference::{self, AskOptions};
 
 use crate::render;
 
@@ -98,7 +98,7 @@ struct Report<'a> {
     skipped_files: usize,
     answered: usize,
     observations: u64,
-    failures: &'a [reference::Failure],
+    failures: &'a [baseline::Failure],
     seconds: f64,
     calibration: Option<&'a monitor::Calibration>,
     features: Vec<FeatureSummary>,
@@ -126,13 +126,13 @@ fn baseline(args: BaselineArgs) -> Result<ExitCode> {
         entry.version = Some(v.to_string());
     }
     let repository = Repository::open(&config.repo);
-    let kind = server::state::model_kind(&repository, &entry).map_err(anyhow::Error::msg)?;
+    let kind = server::loading::model_kind(&repository, &entry).map_err(anyhow::Error::msg)?;
     config.models = vec![entry];
     let ask = AskOptions {
         max_tokens: args.max_tokens,
         temperature: args.temperature,
     };
-    let (requests, skipped) = reference::reference_requests(kind, &name, &args.inputs, &ask)?;
+    let (requests, skipped) = baseline::reference_requests(kind, &name, &args.inputs, &ask)?;
     let source = format!(
         "reference set {} ({} inputs)",
         args.inputs.display(),
@@ -151,7 +151,7 @@ fn baseline(args: BaselineArgs) -> Result<ExitCode> {
             requests.len()
         );
     }
-    let run = runtime.block_on(reference::run(
+    let run = runtime.block_on(baseline::run(
         config,
         &name,
         requests,

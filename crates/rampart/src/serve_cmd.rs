@@ -81,7 +81,7 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
             other => anyhow::bail!("--log-format {other:?}: json or text"),
         };
     }
-    server::observe::init_logging(&config.log).map_err(anyhow::Error::msg)?;
+    server::log_metrics::init_logging(&config.log).map_err(anyhow::Error::msg)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("rampart-http")

@@ -139,7 +139,7 @@ fn per_token(state: &Arc<AppState>, runtime: &tokio::runtime::Runtime, how: &str
                     .expect("an answer"),
                 _ => {
                     server::chain::run(
-                        &state.front,
+                        state.front.chain_parts(),
                         Arc::clone(&entry),
                         generate_work(how == "stream"),
                         &mut record,
@@ -224,7 +224,7 @@ async fn one(state: &Arc<AppState>, model: &str) -> Duration {
         .registry
         .find(&ModelName::parse(model))
         .expect("served");
-    let answered = server::chain::run(&state.front, entry, work(), &mut record)
+    let answered = server::chain::run(state.front.chain_parts(), entry, work(), &mut record)
         .await
         .expect("an answer");
     drop(answered);

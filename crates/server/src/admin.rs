@@ -21,9 +21,9 @@ use crate::error::ApiError;
 use crate::error::WireError;
 use crate::faults::{self, Fault, FaultRequest};
 use crate::handoff::HandoffView;
-use crate::http::paths;
 use crate::identity::Principal;
 use crate::model_path::ModelPath;
+use crate::paths;
 use crate::registry::Entry;
 use crate::state::AppState;
 

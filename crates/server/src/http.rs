@@ -15,64 +15,19 @@ use serde::Serialize;
 use utoipa::OpenApi;
 
 use crate::admin;
-use crate::audit_api;
+use crate::audit_routes;
 use crate::auth::Scope;
 use crate::error::WireError;
 use crate::error::{ApiError, ErrorBody};
 use crate::identity::{self, Granted, Principal, RequestId, Transport};
 use crate::kserve;
-use crate::observe;
+use crate::log_metrics;
 use crate::openai::*;
 use crate::openai_http;
-use crate::release_api;
+use crate::release_routes;
 use crate::state::AppState;
 
-/// Route paths.
-pub mod paths {
-    pub const LIVE: &str = "/health/live";
-    pub const READY: &str = "/health/ready";
-    pub const METRICS: &str = "/metrics";
-    pub const OPENAPI: &str = "/openapi.json";
-    pub const MODELS: &str = "/v1/models";
-    pub const MODEL: &str = "/v1/models/{id}";
-    pub const CHAT: &str = "/v1/chat/completions";
-    pub const COMPLETIONS: &str = "/v1/completions";
-    pub const EMBEDDINGS: &str = "/v1/embeddings";
-    pub const TOKENIZE: &str = "/tokenize";
-    pub const DETOKENIZE: &str = "/detokenize";
-    // KServe v2 / Open Inference Protocol.
-    pub const V2: &str = "/v2";
-    pub const V2_LIVE: &str = "/v2/health/live";
-    pub const V2_READY: &str = "/v2/health/ready";
-    pub const V2_MODEL: &str = "/v2/models/{name}";
-    pub const V2_MODEL_READY: &str = "/v2/models/{name}/ready";
-    pub const V2_MODEL_INFER: &str = "/v2/models/{name}/infer";
-    pub const V2_VERSION: &str = "/v2/models/{name}/versions/{version}";
-    pub const V2_VERSION_READY: &str = "/v2/models/{name}/versions/{version}/ready";
-    pub const V2_VERSION_INFER: &str = "/v2/models/{name}/versions/{version}/infer";
-    pub const V2_REPOSITORY_INDEX: &str = "/v2/repository/index";
-    pub const V2_REPOSITORY_LOAD: &str = "/v2/repository/models/{name}/load";
-    pub const V2_REPOSITORY_UNLOAD: &str = "/v2/repository/models/{name}/unload";
-    // The admin API (scope `admin`).
-    pub const ADMIN_BACKENDS: &str = "/admin/backends";
-    pub const ADMIN_HANDOFF: &str = "/admin/models/{name}/handoff";
-    pub const ADMIN_FAULTS: &str = "/admin/faults";
-    pub const ADMIN_FAULT: &str = "/admin/faults/{id}";
-    pub const ADMIN_DOCTOR: &str = "/admin/doctor";
-    pub const ADMIN_MONITORS: &str = "/admin/monitors";
-    pub const ADMIN_DEGRADATION: &str = "/admin/degradation";
-    pub const ADMIN_RELEASES: &str = "/admin/releases";
-    pub const ADMIN_RELEASE: &str = "/admin/releases/{name}";
-    pub const ADMIN_RELEASE_ACTION: &str = "/admin/releases/{name}/{action}";
-    pub const ADMIN_MONITOR_BASELINE: &str = "/admin/monitors/{name}/versions/{version}/baseline";
-    // The audit log's routes (scope `audit`).
-    pub const ADMIN_AUDIT: &str = "/admin/audit";
-    pub const ADMIN_AUDIT_ENTRY: &str = "/admin/audit/{audit_id}";
-    pub const ADMIN_AUDIT_PROOF: &str = "/admin/audit/{audit_id}/proof";
-    pub const ADMIN_AUDIT_CONSISTENCY: &str = "/admin/audit/consistency";
-    pub const ADMIN_AUDIT_CHECKPOINT: &str = "/admin/audit/checkpoint";
-    pub const ADMIN_AUDIT_STATUS: &str = "/admin/audit/status";
-}
+pub use crate::paths;
 
 #[derive(OpenApi)]
 #[openapi(
@@ -144,14 +99,14 @@ pub fn router(state: Arc<AppState>) -> Router {
             authenticate,
         ));
     let admin_routes = admin::routes()
-        .merge(release_api::routes())
+        .merge(release_routes::routes())
         .merge(crate::residency::routes())
-        .merge(crate::feedback_api::admin_routes())
+        .merge(crate::feedback_routes::admin_routes())
         .layer(middleware::from_fn_with_state(
             (Arc::clone(&state), Some(Scope::Admin)),
             authenticate,
         ));
-    let audit_routes = audit_api::routes().layer(middleware::from_fn_with_state(
+    let audit_routes = audit_routes::routes().layer(middleware::from_fn_with_state(
         (Arc::clone(&state), Some(Scope::Audit)),
         authenticate,
     ));
@@ -164,7 +119,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .merge(api)
         .merge(admin_routes)
         .merge(audit_routes)
-        .merge(crate::feedback_api::routes())
+        .merge(crate::feedback_routes::routes())
         .fallback(not_found)
         .layer(middleware::from_fn_with_state(Arc::clone(&state), identify))
         .with_state(state)
@@ -377,9 +332,12 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     state
         .front
         .bus
-        .caught_up(observe::METRICS_SINK, std::time::Duration::from_millis(250))
+        .caught_up(
+            log_metrics::METRICS_SINK,
+            std::time::Duration::from_millis(250),
+        )
         .await;
-    observe::refresh_gauges(
+    log_metrics::refresh_gauges(
         &state.front.registry,
         &state.front.handoffs,
         &state.front.bus,
@@ -412,14 +370,4 @@ async fn metrics(State(state): State<Arc<AppState>>) -> Response {
 
 async fn openapi() -> Response {
     Json(ApiDoc::openapi()).into_response()
-}
-
-/// The response header that names the request's audit entry.
-pub const AUDIT_ID_HEADER: &str = "x-rampart-audit-id";
-
-/// Names the request's audit entry on the response.
-pub fn mark_audit(response: &mut Response, audit_id: &str) {
-    if let Ok(v) = HeaderValue::from_str(audit_id) {
-        response.headers_mut().insert(AUDIT_ID_HEADER, v);
-    }
 }

@@ -58,12 +58,7 @@ pub fn request_id(given: Option<&str>) -> String {
         .map_or_else(|| uuid::Uuid::new_v4().to_string(), str::to_string)
 }
 
-/// Where the key travels, for the message that tells a client how to send it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Transport {
-    Http,
-    Grpc,
-}
+pub use crate::unauthenticated::Transport;
 
 /// The principal and scopes of an `authorization` value (`anonymous` with every scope when the
 /// server has no keys), which must hold `needed` (none: any valid key). A refusal is recorded

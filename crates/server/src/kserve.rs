@@ -506,8 +506,8 @@ async fn rest_infer(
     let mut response = front::conclude(&mut record, result)
         .await
         .unwrap_or_else(|e| rest_error(&e));
-    crate::http::mark_audit(&mut response, &record.record.audit_id);
-    crate::feedback_api::stamp(&state, &mut response, &record.record.audit_id);
+    crate::marks::mark_audit(&mut response, &record.record.audit_id);
+    crate::feedback_routes::stamp(&state, &mut response, &record.record.audit_id);
     response
 }
 
@@ -569,7 +569,7 @@ async fn infer(
     };
     record.payload_output(|| response.audit_output());
     let mut encoded = encode_rest(&response, raw_image);
-    crate::openai_http::mark(&mut encoded, admitted.fallback.as_ref());
+    crate::marks::mark_fallback(&mut encoded, admitted.fallback.as_ref());
     Ok(encoded)
 }
 

@@ -14,10 +14,10 @@
 //!   [`auth`]: key hashes and per-key rate limits; [`error`]: the one error type and its maps
 //!   to HTTP and gRPC;
 //! - records: every request's `InferenceRecord` (crate `record`) goes to the bus, whose first
-//!   sinks are the structured log and the Prometheus metrics ([`observe`]), and, with
+//!   sinks are the structured log and the Prometheus metrics ([`log_metrics`]), and, with
 //!   `[tracing]` on, the OpenTelemetry traces exported over OTLP ([`traces`]);
 //! - [`state`]: what handlers share, and model loading; [`config`]: the typed configuration;
-//! - [`releases`]: each model's release plan routes its requests (stable, canary, A/B), a
+//! - [`release_plans`]: each model's release plan routes its requests (stable, canary, A/B), a
 //!   record sink feeds its judge, and a controller task moves weights, promotes and rolls back;
 //! - [`doctor`]: the host checks (crate `host`) on this configuration, logged at start and
 //!   served at `GET /admin/doctor`.
@@ -31,27 +31,32 @@ pub use pipeline::{
     admission, backend, breaker, chain, faults, front, guard_service, handoff, lane, registry,
     shadow,
 };
-pub mod audit_api;
+pub mod audit_routes;
 pub mod auth;
+pub mod baseline;
 pub mod config;
 pub mod connections;
+pub mod correction_stream;
 pub mod degradation;
 pub mod doctor;
 pub mod error;
-pub mod feedback_api;
-pub mod feedback_stream;
+pub mod feedback_routes;
+pub mod feedback_service;
 pub mod grpc;
 pub mod http;
 pub mod identity;
 pub mod kserve;
+pub mod loading;
+pub mod log_metrics;
+pub mod marks;
 pub mod model_path;
 pub mod monitors;
-pub mod observe;
 pub mod openai;
 pub mod openai_http;
-pub mod reference;
-pub mod release_api;
-pub mod releases;
+pub mod paths;
+pub mod release_control;
+pub mod release_plans;
+pub mod release_routes;
 pub mod residency;
 pub mod state;
 pub mod telemetry;
@@ -142,7 +147,7 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         .enabled()
         .then(|| tls::Certificates::load(&config.tls))
         .transpose()?;
-    let metrics = match observe::install_metrics() {
+    let metrics = match log_metrics::install_metrics() {
         Ok(handle) => Some(handle),
         Err(e) => {
             tracing::warn!(error = %e, "metrics recorder not installed");
@@ -183,7 +188,7 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
     let feedback = if config.feedback.enabled {
         let settings = config.feedback.clone();
         let opened =
-            tokio::task::spawn_blocking(move || feedback_api::FeedbackService::open(&settings))
+            tokio::task::spawn_blocking(move || feedback_routes::FeedbackService::open(&settings))
                 .await
                 .map_err(|e| ServeError::Config(format!("feedback store: {e}")))?;
         Some(opened.map_err(ServeError::Config)?)
@@ -213,6 +218,7 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
     // The host's findings go to the log while the models load; start does not wait for them.
     doctor::log_at_start(&config);
     let state = AppState::with_audit(config, keys, metrics, bus, audit);
+    residency::install(&state);
     if let Some(m) = monitors {
         let _ = state.monitors.set(m);
     }
@@ -221,7 +227,7 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         state
             .front
             .set_releases(Arc::clone(&r) as Arc<dyn pipeline::front::Releases>);
-        releases::spawn(Arc::clone(&state), r);
+        release_control::spawn(Arc::clone(&state), r);
     }
     if let Some(f) = feedback {
         tracing::info!(
@@ -230,7 +236,7 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
             "feedback store open"
         );
         let _ = state.feedback.set(f);
-        feedback_api::spawn(Arc::clone(&state));
+        feedback_routes::spawn(Arc::clone(&state));
     }
     tracing::info!(
         listen = %addr,
@@ -360,12 +366,12 @@ struct Listening {
 fn open_releases(
     config: &ServerConfig,
     decisions: &pipeline::decisions::Decisions,
-) -> Result<Option<Arc<releases::Releases>>, ServeError> {
+) -> Result<Option<Arc<release_plans::Releases>>, ServeError> {
     if !config.releases.enabled {
         return Ok(None);
     }
     let names = Repository::open(&config.repo).models().unwrap_or_default();
-    releases::Releases::open(
+    release_plans::Releases::open(
         config.releases.clone(),
         config.repo.clone(),
         &names,
@@ -381,16 +387,16 @@ fn sinks(
     config: &ServerConfig,
     audit: Option<&Arc<audit::AuditLog>>,
     monitors: Option<&Arc<monitors::Monitors>>,
-    releases: Option<&Arc<releases::Releases>>,
+    releases: Option<&Arc<release_plans::Releases>>,
     listening: Listening,
 ) -> Result<Vec<Box<dyn Sink>>, ServeError> {
     let capacity = config.records.lane_capacity;
     let mut sinks: Vec<Box<dyn Sink>> = vec![
-        Box::new(observe::LogSink::redacting(
+        Box::new(log_metrics::LogSink::redacting(
             capacity,
             config.audit.redact.clone(),
         )),
-        Box::new(observe::MetricsSink::new(capacity)),
+        Box::new(log_metrics::MetricsSink::new(capacity)),
     ];
     if let Some(log) = audit {
         sinks.push(Box::new(audit::AuditSink::new(
@@ -402,7 +408,7 @@ fn sinks(
         sinks.push(Box::new(monitors::MonitorSink::new(Arc::clone(m))));
     }
     if let Some(r) = releases {
-        sinks.push(Box::new(releases::ReleaseSink::new(Arc::clone(r))));
+        sinks.push(Box::new(release_plans::ReleaseSink::new(Arc::clone(r))));
     }
     if config.tracing.enabled {
         let names = sinks.iter().map(|s| s.name()).collect();
@@ -491,7 +497,7 @@ pub fn load_models(state: &AppState) {
     if let Some(e) = problem {
         state.refuse(e);
     }
-    let wanted = match state::models_to_load(&state.config, &repository) {
+    let wanted = match loading::models_to_load(&state.config, &repository) {
         Ok(w) => w,
         Err(e) => {
             tracing::error!(error = %e, repo = %state.config.repo.display(), "cannot read the model repository");
@@ -509,13 +515,13 @@ pub fn load_models(state: &AppState) {
         // Cold models load on their first request (or an operator's `load`), unless their
         // release is under way (a release serves its versions from the start).
         let releasing = state.config.releases.enabled
-            && releases::Releases::versions_wanted(&state.config.repo, &model.name)
+            && release_plans::Releases::versions_wanted(&state.config.repo, &model.name)
                 .is_some_and(|(_, candidate)| candidate.is_some());
         if model.residency == config::Residency::Cold && !releasing {
             tracing::info!(model = %model.name, "cold model: loads on its first request");
             continue;
         }
-        match state::load(&state.config, &repository, &model, &state.prepare_lane) {
+        match loading::load(&state.config, &repository, &model, &state.prepare_lane) {
             Ok(entry) => {
                 state.serve(entry);
             }
@@ -534,7 +540,7 @@ fn with_release_versions(
 ) -> Vec<config::ModelConfig> {
     let mut out: Vec<config::ModelConfig> = Vec::new();
     for model in wanted {
-        let Some((stable, candidate)) = releases::Releases::versions_wanted(repo, &model.name)
+        let Some((stable, candidate)) = release_plans::Releases::versions_wanted(repo, &model.name)
         else {
             out.push(model);
             continue;

@@ -7,7 +7,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{header, HeaderMap, HeaderValue};
+use axum::http::{header, HeaderMap};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
@@ -16,7 +16,7 @@ use futures_util::stream;
 use record::{sha256_hex, RecordBuilder};
 
 use crate::backend::{Answer, EmbedWork, Embeddings, Generated, Kind, Token, Work, WorkKind};
-use crate::chain::{Fallback, FALLBACK_HEADER};
+use crate::chain::Fallback;
 use crate::error::WireError;
 use crate::error::{ApiError, ErrorBody};
 use crate::front;
@@ -99,7 +99,7 @@ async fn generate(
                 } else {
                     collect_response(reply, record).await
                 };
-                mark(&mut response, fallback.as_ref());
+                crate::marks::mark_fallback(&mut response, fallback.as_ref());
                 response
             }
             Err(e) => {
@@ -107,8 +107,8 @@ async fn generate(
                 e.into_response()
             }
         };
-    crate::http::mark_audit(&mut response, &audit_id);
-    crate::feedback_api::stamp(&state, &mut response, &audit_id);
+    crate::marks::mark_audit(&mut response, &audit_id);
+    crate::feedback_routes::stamp(&state, &mut response, &audit_id);
     response
 }
 
@@ -232,12 +232,12 @@ pub async fn embeddings(
     let mut response = match front::conclude(&mut record, result).await {
         Ok((body, fallback)) => {
             let mut response = Json(body).into_response();
-            mark(&mut response, fallback.as_ref());
+            crate::marks::mark_fallback(&mut response, fallback.as_ref());
             response
         }
         Err(e) => e.into_response(),
     };
-    crate::http::mark_audit(&mut response, &record.record.audit_id);
+    crate::marks::mark_audit(&mut response, &record.record.audit_id);
     response
 }
 
@@ -352,13 +352,6 @@ pub async fn get_model(State(state): State<Arc<AppState>>, model: ModelPath) -> 
     match state.front.registry.resolve(&name, WorkKind::Generate) {
         Ok(e) => Json(card(&e)).into_response(),
         Err(e) => e.into_response(),
-    }
-}
-
-/// Marks a degraded response: `x-rampart-fallback: level=N; backend=…; reason=…`.
-pub fn mark(response: &mut Response, fallback: Option<&Fallback>) {
-    if let Some(value) = fallback.and_then(|f| HeaderValue::from_str(&f.header()).ok()) {
-        response.headers_mut().insert(FALLBACK_HEADER, value);
     }
 }
 

@@ -20,8 +20,7 @@
 //!   (`rampart_models_memory_bytes`, `rampart_models_budget_bytes`) and a controller decision
 //!   (`model.loaded`, `model.unloaded`, `model.evicted`; the audit log when it is on).
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use metrics::{counter, gauge};
@@ -32,14 +31,6 @@ use crate::error::ApiError;
 use crate::error::WireError;
 use crate::registry::{Entry, ModelName};
 use crate::state::AppState;
-
-/// Per-model load locks (single flight) and what was unloaded on purpose.
-#[derive(Debug, Default)]
-pub struct Residency {
-    loading: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
-    /// Models an operator unloaded: requests do not load them back (until `load`).
-    unloaded: Mutex<HashMap<String, String>>,
-}
 
 /// One row of `GET /v2/repository/index`.
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -123,6 +114,14 @@ fn loads_on_request(state: &AppState, model: &ModelName) -> bool {
 /// route (the front holds this; the state it loads into, weakly).
 pub struct OnRequest(pub std::sync::Weak<AppState>);
 
+/// Loads `residency = "cold"` models on their first request from now on (the server wires it
+/// in when it starts serving).
+pub fn install(state: &Arc<AppState>) {
+    state
+        .front
+        .set_on_demand(Arc::new(OnRequest(Arc::downgrade(state))));
+}
+
 impl pipeline::front::OnDemand for OnRequest {
     fn before_route<'a>(
         &'a self,
@@ -186,7 +185,7 @@ pub async fn load(
         .cloned()
         .unwrap_or_else(|| ModelConfig::named(name));
     let repository = repo::Repository::open(&state.config.repo);
-    let files = crate::state::files_bytes(&repository, &model);
+    let files = crate::loading::files_bytes(&repository, &model);
     if files == 0 {
         return Err(ApiError::ModelNotFound(format!(
             "model {name:?} is not in the repository {}",
@@ -211,7 +210,7 @@ pub async fn load(
     let prepare = state.prepare_lane.clone();
     let loaded = tokio::task::spawn_blocking(move || {
         let repository = repo::Repository::open(&config.repo);
-        crate::state::load(&config, &repository, &for_load, &prepare)
+        crate::loading::load(&config, &repository, &for_load, &prepare)
     })
     .await
     .map_err(|e| ApiError::Internal(format!("loading {name} stopped: {e}")))?;
@@ -429,11 +428,11 @@ pub fn routes() -> axum::Router<Arc<AppState>> {
     use axum::routing::{get, post};
     axum::Router::new()
         .route(
-            crate::http::paths::V2_REPOSITORY_INDEX,
+            crate::paths::V2_REPOSITORY_INDEX,
             get(index_route).post(index_route),
         )
-        .route(crate::http::paths::V2_REPOSITORY_LOAD, post(load_route))
-        .route(crate::http::paths::V2_REPOSITORY_UNLOAD, post(unload_route))
+        .route(crate::paths::V2_REPOSITORY_LOAD, post(load_route))
+        .route(crate::paths::V2_REPOSITORY_UNLOAD, post(unload_route))
 }
 
 async fn index_route(

@@ -12,7 +12,7 @@ use std::time::Instant;
 use host::telemetry::TelemetrySample;
 
 use crate::config::TelemetryConfig;
-use crate::observe::{MetricInfo, MetricKind, MetricSource};
+use crate::log_metrics::{MetricInfo, MetricKind, MetricSource};
 
 const fn host(
     name: &'static str,

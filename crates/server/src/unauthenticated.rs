@@ -24,11 +24,16 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::identity::Transport;
-
 pub use pipeline::rate_limit::{
     Interval, KeyRefusals, RateLimitedSummary, RateLimitedTally, SAMPLE,
 };
+
+/// Where the key travels, for the message that tells a client how to send it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    Http,
+    Grpc,
+}
 
 /// The refusals before authentication since the last summary.
 #[derive(Debug, Default, Clone, Serialize, PartialEq, Eq)]

@@ -156,7 +156,7 @@ pub struct Generation {
     /// check of an answer the backend wrote itself).
     pub structured: Option<Arc<dyn grammar::FinalCheck>>,
     /// The guard's output watch (the system message's canary), set by the front.
-    pub watch: Option<Arc<crate::guard_service::OutputWatch>>,
+    pub watch: Option<Arc<crate::watch::OutputWatch>>,
 }
 
 /// The end of a choice a backend wrote at once (rules, canned answers): no prompt, no time.

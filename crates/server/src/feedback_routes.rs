@@ -16,9 +16,8 @@
 //! Every answer carries its signed feedback token; the index sink (crate `feedback`) keeps the
 //! responses; a task refreshes the per-class gauges and prunes the index.
 
-use std::collections::{BTreeSet, HashMap};
-use std::io::Write;
-use std::sync::{Arc, Mutex};
+use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Bytes;
@@ -27,14 +26,13 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
-use feedback::link::{LinkError, LinkKey};
+use feedback::link::LinkError;
 use feedback::store::Filter;
-use feedback::{ClassRule, Rater, Store, Submission, Submitted, Target};
+use feedback::{Rater, Submission, Submitted, Target};
 use serde::Deserialize;
 use serde_json::json;
 
 use crate::auth::{Scope, SubmissionLimiter};
-use crate::config::FeedbackConfig;
 use crate::error::ApiError;
 use crate::error::WireError;
 use crate::identity::{self, RequestId, Transport};
@@ -52,120 +50,7 @@ pub mod paths {
     pub const ADMIN_RETRAIN: &str = "/admin/feedback/retrain";
 }
 
-/// The feedback store, the link key and the correction log of a server.
-pub struct FeedbackService {
-    pub store: Arc<Store>,
-    key: LinkKey,
-    config: FeedbackConfig,
-    corrections: Mutex<Option<std::fs::File>>,
-    /// Told of each line appended to the correction log (the NATS stream reads it).
-    appended: Arc<tokio::sync::Notify>,
-    /// When the retrain hook last ran per model.
-    retrained: Mutex<HashMap<String, std::time::Instant>>,
-    /// Submissions per signed link (keyed by the answer's audit id).
-    per_link: SubmissionLimiter,
-    /// Submissions per key (principal).
-    per_principal: SubmissionLimiter,
-}
-
-impl std::fmt::Debug for FeedbackService {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FeedbackService")
-            .field("store", &self.store)
-            .finish()
-    }
-}
-
-impl FeedbackService {
-    /// Opens the store (PostgreSQL when a URL is configured, else `feedback.db` in
-    /// `[feedback] dir`, made when missing; blocking: call it off the async runtime), its link key
-    /// (`RAMPART_FEEDBACK_SECRET` when set, so that replicas share it; else `link.key` there,
-    /// made once) and the correction log.
-    pub fn open(config: &FeedbackConfig) -> Result<Arc<Self>, String> {
-        let dir = &config.dir;
-        std::fs::create_dir_all(dir)
-            .map_err(|e| format!("feedback directory {}: {e}", dir.display()))?;
-        let url = std::env::var("RAMPART_FEEDBACK_POSTGRES_URL")
-            .ok()
-            .filter(|u| !u.is_empty())
-            .or_else(|| config.postgres_url.clone());
-        let store = match url {
-            Some(url) => Store::connect(&url).map_err(|e| format!("feedback store: {e}"))?,
-            None => Store::open(&dir.join("feedback.db"))
-                .map_err(|e| format!("feedback store in {}: {e}", dir.display()))?,
-        };
-        let key = match std::env::var("RAMPART_FEEDBACK_SECRET") {
-            Ok(secret) if secret.len() >= 16 => LinkKey::from_secret(secret.as_bytes()),
-            Ok(_) => {
-                return Err("RAMPART_FEEDBACK_SECRET must be at least 16 characters".into());
-            }
-            Err(_) => LinkKey::load_or_create(&dir.join("link.key"))
-                .map_err(|e| format!("feedback link key: {e}"))?,
-        };
-        let corrections = if config.corrections_log {
-            Some(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(dir.join("corrections.jsonl"))
-                    .map_err(|e| format!("feedback correction log: {e}"))?,
-            )
-        } else {
-            None
-        };
-        Ok(Arc::new(FeedbackService {
-            store: Arc::new(store),
-            key,
-            config: config.clone(),
-            corrections: Mutex::new(corrections),
-            appended: Arc::new(tokio::sync::Notify::new()),
-            retrained: Mutex::new(HashMap::new()),
-            per_link: SubmissionLimiter::new(config.submissions_per_minute_per_link),
-            per_principal: SubmissionLimiter::new(config.submissions_per_minute_per_principal),
-        }))
-    }
-
-    /// Each language model's class rule (checked when the configuration was validated).
-    pub fn rules(config: &FeedbackConfig) -> HashMap<String, ClassRule> {
-        config
-            .classes
-            .iter()
-            .filter_map(|(m, r)| ClassRule::parse(r).ok().map(|r| (m.clone(), r)))
-            .collect()
-    }
-
-    /// The index sink for the record bus.
-    pub fn sink(&self) -> feedback::sink::IndexSink {
-        feedback::sink::IndexSink::new(
-            Arc::clone(&self.store),
-            Arc::new(Self::rules(&self.config)),
-            self.config.keep_content,
-            self.config.lane_capacity,
-        )
-    }
-
-    /// The signed link of a response.
-    pub fn token(&self, audit_id: &str) -> String {
-        let expires = feedback::now_ms() / 1000 + self.config.link_ttl_s;
-        self.key.sign(audit_id, expires)
-    }
-
-    fn log_correction(&self, line: &serde_json::Value) {
-        let mut file = self
-            .corrections
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let Some(f) = file.as_mut() {
-            let mut bytes = line.to_string().into_bytes();
-            bytes.push(b'\n');
-            if let Err(e) = f.write_all(&bytes) {
-                tracing::error!(error = %e, "the correction log could not be written");
-            } else {
-                self.appended.notify_one();
-            }
-        }
-    }
-}
+pub use crate::feedback_service::FeedbackService;
 
 /// Puts the answer's signed feedback link on its response (when links are on).
 pub fn stamp(state: &AppState, response: &mut Response, audit_id: &str) {
@@ -681,7 +566,7 @@ pub fn spawn(state: Arc<AppState>) {
         return;
     };
     if let Some(url) = service.config.nats.effective_url() {
-        crate::feedback_stream::spawn(
+        crate::correction_stream::spawn(
             service.config.nats.clone(),
             url,
             service.config.dir.join("corrections.jsonl"),

@@ -449,6 +449,7 @@ pub async fn run(
     let bus =
         Bus::start(vec![Box::new(collector)]).map_err(|e| ReferenceError::Serve(e.to_string()))?;
     let state = AppState::new(config, None, None, Arc::clone(&bus));
+    crate::residency::install(&state);
     {
         let state = Arc::clone(&state);
         tokio::task::spawn_blocking(move || crate::load_models(&state))

@@ -373,7 +373,7 @@ mod nats_tests {
     use testkit::nats::Nats;
 
     use crate::config::NatsConfig;
-    use crate::feedback_stream;
+    use crate::correction_stream;
 
     fn line(n: usize, model: &str) -> String {
         format!(
@@ -427,7 +427,7 @@ mod nats_tests {
     async fn wait_cursor(dir: &Path, log: &Path) {
         let deadline = Instant::now() + Duration::from_secs(30);
         let len = std::fs::metadata(log).unwrap().len();
-        while feedback_stream::load_cursor(&dir.join(feedback_stream::CURSOR)) != len {
+        while correction_stream::load_cursor(&dir.join(correction_stream::CURSOR)) != len {
             assert!(
                 Instant::now() < deadline,
                 "the cursor did not reach the log's end"
@@ -452,7 +452,7 @@ mod nats_tests {
         let mut expected: Vec<String> = (0..3).map(|n| line(n, "tickets")).collect();
         append(&log, &expected);
         let streamer =
-            feedback_stream::spawn(config.clone(), nats.url(), log.clone(), Arc::clone(&wake));
+            correction_stream::spawn(config.clone(), nats.url(), log.clone(), Arc::clone(&wake));
 
         let client = async_nats::connect(nats.url()).await.unwrap();
         let js = jetstream::new(client);
@@ -488,10 +488,10 @@ mod nats_tests {
         // stream's duplicate window drops what it has. A line that is not JSON is passed over.
         streamer.abort();
         let _ = streamer.await;
-        std::fs::remove_file(dir.path().join(feedback_stream::CURSOR)).unwrap();
+        std::fs::remove_file(dir.path().join(correction_stream::CURSOR)).unwrap();
         append(&log, &["not json".to_string(), line(5, "tickets")]);
         expected.push(line(5, "tickets"));
-        let streamer = feedback_stream::spawn(config, nats.url(), log.clone(), wake);
+        let streamer = correction_stream::spawn(config, nats.url(), log.clone(), wake);
         wait_cursor(dir.path(), &log).await;
         let got = wait_for(&js, "RAMPART_FEEDBACK", 6).await;
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -521,10 +521,10 @@ mod nats_tests {
             ..NatsConfig::default()
         };
         let wake = Arc::new(tokio::sync::Notify::new());
-        let streamer = feedback_stream::spawn(config, nats.url(), log.clone(), wake);
+        let streamer = correction_stream::spawn(config, nats.url(), log.clone(), wake);
         tokio::time::sleep(Duration::from_secs(1)).await;
         assert_eq!(
-            feedback_stream::load_cursor(&dir.path().join(feedback_stream::CURSOR)),
+            correction_stream::load_cursor(&dir.path().join(correction_stream::CURSOR)),
             0,
             "nothing is sent before the stream exists"
         );

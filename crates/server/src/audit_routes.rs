@@ -22,8 +22,8 @@ use serde_json::json;
 
 use crate::error::ApiError;
 use crate::error::WireError;
-use crate::http::paths;
 use crate::identity::Principal;
+use crate::paths;
 use crate::state::AppState;
 
 /// Most entries one page returns.

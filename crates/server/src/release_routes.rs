@@ -15,10 +15,10 @@ use serde::Deserialize;
 
 use crate::error::ApiError;
 use crate::error::WireError;
-use crate::http::paths;
 use crate::identity::Principal;
 use crate::model_path::ModelPath;
-use crate::releases::{CommandError, Releases};
+use crate::paths;
+use crate::release_plans::{CommandError, Releases};
 use crate::state::AppState;
 
 /// The release routes (the caller adds the `admin` scope check).
@@ -218,7 +218,7 @@ async fn prepare(
             "the model {name:?} is not served"
         )));
     }
-    crate::releases::ensure_loaded(state, name, candidate)
+    crate::release_control::ensure_loaded(state, name, candidate)
         .await
         .map_err(|e| ApiError::invalid_param("candidate", e))?;
     state
@@ -277,7 +277,7 @@ async fn start_command(
         .get(name)
         .is_some_and(|m| m.plan().approval.tokenizer_change_approved);
     if tokenizer.is_none() || approved {
-        crate::releases::ensure_loaded(state, name, &candidate)
+        crate::release_control::ensure_loaded(state, name, &candidate)
             .await
             .map_err(|e| ApiError::invalid_param("candidate", e))?;
     }

@@ -41,8 +41,12 @@ pub enum RepoError {
     BadModelFile { path: PathBuf, reason: String },
     #[error("invalid manifest {path}: {reason}")]
     BadManifest { path: PathBuf, reason: String },
-    #[error("invalid DIGESTS file {path}: {reason}")]
-    BadDigests { path: PathBuf, reason: String },
+    #[error("invalid DIGESTS file {path}: {source}")]
+    BadDigests {
+        path: PathBuf,
+        #[source]
+        source: crate::digests::DigestsError,
+    },
     #[error("{name}@{version} failed verification: {summary}")]
     VerificationFailed {
         name: String,

@@ -59,12 +59,13 @@ pub enum GoldenError {
         #[source]
         source: std::io::Error,
     },
-    #[error("{file}:{line}: {source}")]
+    /// `case` is not the `source`: the message already says it, and a chain printer (anyhow's
+    /// `{:#}`, as `rampart release` prints) would say it twice.
+    #[error("{file}:{line}: {case}")]
     Parse {
         file: String,
         line: usize,
-        #[source]
-        source: CaseError,
+        case: CaseError,
     },
     #[error("{second}: duplicate case id `{id}` (first defined at {first})")]
     DuplicateId {
@@ -333,11 +334,12 @@ impl GoldenSet {
                     file: file.clone(),
                     line: index + 1,
                 };
-                let case = parse_case(trimmed, source.clone()).map_err(|e| GoldenError::Parse {
-                    file: file.clone(),
-                    line: index + 1,
-                    source: e,
-                })?;
+                let case =
+                    parse_case(trimmed, source.clone()).map_err(|case| GoldenError::Parse {
+                        file: file.clone(),
+                        line: index + 1,
+                        case,
+                    })?;
                 if let Some(first) = seen.get(&case.id) {
                     return Err(GoldenError::DuplicateId {
                         id: case.id,

@@ -121,7 +121,7 @@ impl Digests {
     pub fn read(dir: &Path) -> Result<Self, RepoError> {
         let path = dir.join(DIGESTS_FILE);
         let text = std::fs::read_to_string(&path).map_err(RepoError::io(&path))?;
-        Self::parse(&text).map_err(|source| RepoError::BadDigests { path, source })
+        Self::parse(&text).map_err(|problem| RepoError::BadDigests { path, problem })
     }
 
     /// Writes `DIGESTS` into `dir`.

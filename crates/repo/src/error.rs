@@ -41,11 +41,12 @@ pub enum RepoError {
     BadModelFile { path: PathBuf, reason: String },
     #[error("invalid manifest {path}: {reason}")]
     BadManifest { path: PathBuf, reason: String },
-    #[error("invalid DIGESTS file {path}: {source}")]
+    /// `problem` is not the `source`: the message already says it, and a chain printer
+    /// (anyhow's `{:#}`) would say it twice.
+    #[error("invalid DIGESTS file {path}: {problem}")]
     BadDigests {
         path: PathBuf,
-        #[source]
-        source: crate::digests::DigestsError,
+        problem: crate::digests::DigestsError,
     },
     #[error("{name}@{version} failed verification: {summary}")]
     VerificationFailed {

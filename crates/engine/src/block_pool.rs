@@ -298,47 +298,67 @@ impl BlockPool {
         }
     }
 
-    /// Checks the pool's invariants; a description of the first broken one.
-    pub fn check(&self) -> Result<(), String> {
+    /// Checks the pool's invariants; the first broken one.
+    pub fn check(&self) -> Result<(), PoolInvariantError> {
         let n = self.total();
         let mut seen = vec![0u8; n];
         for &b in &self.free {
             let i = b as usize;
             if self.refcount[i] != 0 || self.content[i].is_some() {
-                return Err(format!("free block {b} is referenced or named"));
+                return Err(PoolInvariantError::FreeBlockInUse { block: b });
             }
             seen[i] += 1;
         }
         for &b in self.evictable.values() {
             let i = b as usize;
             if self.refcount[i] != 0 || self.content[i].is_none() {
-                return Err(format!("cached block {b} is referenced or unnamed"));
+                return Err(PoolInvariantError::CachedBlockInUse { block: b });
             }
             seen[i] += 1;
         }
         for (i, &count) in seen.iter().enumerate() {
             let expected = u8::from(self.refcount[i] == 0);
             if count != expected {
-                return Err(format!(
-                    "block {i} (refcount {}) is listed {count} times among free and cached",
-                    self.refcount[i]
-                ));
+                return Err(PoolInvariantError::MiscountedBlock {
+                    block: i,
+                    refcount: self.refcount[i],
+                    count,
+                });
             }
         }
         for (&hash, &b) in &self.by_hash {
             if self.content[b as usize].as_ref().map(|c| c.hash) != Some(hash) {
-                return Err(format!("hash index points at block {b} with other content"));
+                return Err(PoolInvariantError::StaleHashEntry { block: b });
             }
         }
         let named = self.content.iter().filter(|c| c.is_some()).count();
         if named != self.by_hash.len() {
-            return Err(format!(
-                "{named} named blocks but {} hash entries",
-                self.by_hash.len()
-            ));
+            return Err(PoolInvariantError::HashIndexSize {
+                named,
+                entries: self.by_hash.len(),
+            });
         }
         Ok(())
     }
+}
+
+/// A broken invariant of the [`BlockPool`] (a bug, found by [`BlockPool::check`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PoolInvariantError {
+    #[error("free block {block} is referenced or named")]
+    FreeBlockInUse { block: BlockId },
+    #[error("cached block {block} is referenced or unnamed")]
+    CachedBlockInUse { block: BlockId },
+    #[error("block {block} (refcount {refcount}) is listed {count} times among free and cached")]
+    MiscountedBlock {
+        block: usize,
+        refcount: u32,
+        count: u8,
+    },
+    #[error("hash index points at block {block} with other content")]
+    StaleHashEntry { block: BlockId },
+    #[error("{named} named blocks but {entries} hash entries")]
+    HashIndexSize { named: usize, entries: usize },
 }
 
 #[cfg(test)]

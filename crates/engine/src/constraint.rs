@@ -67,14 +67,36 @@ impl TokenMask {
     }
 }
 
+/// Why a constraint could not start a sequence or go on with it. The message reaches the
+/// client (after "structured output: "), so an implementation keeps internal state out of it.
+#[derive(Debug, thiserror::Error)]
+pub enum ConstraintError {
+    /// The implementation refused: it could not start, compute a mask or take a token.
+    #[error(transparent)]
+    Refused(Box<dyn std::error::Error + Send + Sync>),
+    /// The mask allowed no token at all.
+    #[error("the constraint allows no next token")]
+    NoTokenAllowed,
+    /// The helper thread computing the masks panicked.
+    #[error("the constraint failed while computing its mask")]
+    MaskPanicked,
+}
+
+impl ConstraintError {
+    /// An implementation's own error.
+    pub fn refused(error: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self::Refused(Box::new(error))
+    }
+}
+
 /// The state of one sequence's constraint.
 pub trait TokenConstraint: Send {
     /// Fills `mask` with the tokens allowed next. Runs on a helper thread while the forward pass
     /// runs, so it may take a while; an error ends the sequence (the message goes to the caller).
-    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), String>;
+    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), ConstraintError>;
 
     /// Advances past the token the sampler chose (one that the last mask allowed).
-    fn commit(&mut self, token: u32) -> Result<(), String>;
+    fn commit(&mut self, token: u32) -> Result<(), ConstraintError>;
 
     /// Nothing may follow what was generated: the sequence ends (finish reason `stop`).
     fn is_complete(&self) -> bool;
@@ -82,7 +104,7 @@ pub trait TokenConstraint: Send {
 
 /// Starts one constraint per sequence (a request with `n` choices starts `n`).
 pub trait ConstraintFactory: Send + Sync {
-    fn start(&self) -> Result<Box<dyn TokenConstraint>, String>;
+    fn start(&self) -> Result<Box<dyn TokenConstraint>, ConstraintError>;
 
     /// A short description for logs and debugging (kind and schema hash, say).
     fn describe(&self) -> String;

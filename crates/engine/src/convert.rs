@@ -504,9 +504,9 @@ fn write_quantized(
             dst_row,
             threads,
         )
-        .map_err(|reason| EngineError::Tensor {
+        .map_err(|e| EngineError::Tensor {
             name: t.name.clone(),
-            reason,
+            reason: e.to_string(),
         })?;
         source_bytes += t.data.len() as u64;
         parameters += elements;
@@ -667,6 +667,17 @@ impl InSitu {
     }
 }
 
+/// Why a tensor's rows could not be converted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ConvertRowsError {
+    #[error("the tensor's data is shorter than its shape")]
+    ShortData,
+    #[error(transparent)]
+    Quantize(#[from] kernels::quantize::QuantizeError),
+    #[error("a quantizer thread panicked")]
+    ThreadPanicked,
+}
+
 /// Dequantizes each row of `src` and quantizes it into `dst`, rows split over threads.
 #[allow(clippy::too_many_arguments)]
 fn convert_rows(
@@ -678,10 +689,10 @@ fn convert_rows(
     src_row: usize,
     dst_row: usize,
     threads: usize,
-) -> Result<(), String> {
+) -> Result<(), ConvertRowsError> {
     let rows = dst.len() / dst_row.max(1);
     if src.len() < rows * src_row {
-        return Err("the tensor's data is shorter than its shape".into());
+        return Err(ConvertRowsError::ShortData);
     }
     if from == to {
         dst.copy_from_slice(&src[..rows * src_row]);
@@ -695,7 +706,7 @@ fn convert_rows(
             .enumerate()
             .map(|(k, out)| {
                 let first = k * per;
-                scope.spawn(move || -> Result<(), String> {
+                scope.spawn(move || -> Result<(), ConvertRowsError> {
                     let mut row = vec![0f32; row_len];
                     for (j, o) in out.chunks_mut(dst_row).enumerate() {
                         let r = first + j;
@@ -704,16 +715,15 @@ fn convert_rows(
                             &src[r * src_row..(r + 1) * src_row],
                             &mut row,
                         );
-                        kernels::quantize::quantize_row(to, &row, o).map_err(|e| e.to_string())?;
+                        kernels::quantize::quantize_row(to, &row, o)?;
                     }
                     Ok(())
                 })
             })
             .collect();
-        handles.into_iter().try_for_each(|h| {
-            h.join()
-                .map_err(|_| "a quantizer thread panicked".to_string())?
-        })
+        handles
+            .into_iter()
+            .try_for_each(|h| h.join().map_err(|_| ConvertRowsError::ThreadPanicked)?)
     })
 }
 

@@ -41,14 +41,23 @@ pub enum KvMemory {
     Fraction(f64),
 }
 
+/// Text that is neither a size nor a fraction in (0, 1] (see [`KvMemory`]'s `FromStr`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "{text:?} is neither a size (bytes, or with KiB/MiB/GiB/KB/MB/GB) nor a fraction in (0, 1]"
+)]
+pub struct ParseKvMemoryError {
+    pub text: String,
+}
+
 impl std::str::FromStr for KvMemory {
-    type Err = String;
+    type Err = ParseKvMemoryError;
 
     /// `"2GiB"`, `"512MiB"`, `"1500000000"`, or a fraction like `"0.3"`.
-    fn from_str(text: &str) -> Result<Self, String> {
+    fn from_str(text: &str) -> Result<Self, ParseKvMemoryError> {
         let t = text.trim();
-        let bad = || {
-            format!("{text:?} is neither a size (bytes, or with KiB/MiB/GiB/KB/MB/GB) nor a fraction in (0, 1]")
+        let bad = || ParseKvMemoryError {
+            text: text.to_string(),
         };
         if t.contains('.') && t.chars().all(|c| c.is_ascii_digit() || c == '.') {
             let f: f64 = t.parse().map_err(|_| bad())?;

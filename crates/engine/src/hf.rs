@@ -248,7 +248,8 @@ impl HfConfig {
             norm_eps: self.rms_norm_eps.unwrap_or(1e-6) as f32,
             rope_theta: self.rope_theta.unwrap_or(10000.0) as f32,
             rope_dims: head_dim,
-            rope_scaling: rope_scaling(self.rope_scaling.as_ref()).map_err(bad)?,
+            rope_scaling: rope_scaling(self.rope_scaling.as_ref())
+                .map_err(|e| bad(e.to_string()))?,
             sliding_window,
             query_pre_attn_scalar: self
                 .query_pre_attn_scalar
@@ -258,26 +259,38 @@ impl HfConfig {
     }
 }
 
+/// Why `rope_scaling` of `config.json` is not one we can run.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RopeScalingError {
+    #[error("rope_scaling is neither null nor an object")]
+    NotAnObject,
+    #[error("rope_scaling {kind:?} needs a number {key}")]
+    MissingNumber { kind: String, key: String },
+    #[error("rope_scaling type {0:?} is not supported (supported: default, linear, llama3)")]
+    Unsupported(String),
+}
+
 /// `rope_scaling` of `config.json`: absent, `null` or `default`, `linear`, or `llama3`
 /// (Llama 3.1's smooth frequency scaling).
-fn rope_scaling(value: Option<&Json>) -> Result<RopeScaling, String> {
+fn rope_scaling(value: Option<&Json>) -> Result<RopeScaling, RopeScalingError> {
     let Some(value) = value.filter(|v| !v.is_null()) else {
         return Ok(RopeScaling::None);
     };
-    let fields = value
-        .as_object()
-        .ok_or("rope_scaling is neither null nor an object")?;
+    let fields = value.as_object().ok_or(RopeScalingError::NotAnObject)?;
     let kind = fields
         .get("rope_type")
         .or_else(|| fields.get("type"))
         .and_then(Json::as_str)
         .unwrap_or("default");
-    let number = |key: &str| -> Result<f32, String> {
+    let number = |key: &str| -> Result<f32, RopeScalingError> {
         fields
             .get(key)
             .and_then(Json::as_f64)
             .map(|v| v as f32)
-            .ok_or_else(|| format!("rope_scaling {kind:?} needs a number {key}"))
+            .ok_or_else(|| RopeScalingError::MissingNumber {
+                kind: kind.to_string(),
+                key: key.to_string(),
+            })
     };
     Ok(match kind {
         "default" => RopeScaling::None,
@@ -290,11 +303,7 @@ fn rope_scaling(value: Option<&Json>) -> Result<RopeScaling, String> {
             high_freq_factor: number("high_freq_factor")?,
             original_context: number("original_max_position_embeddings")?,
         },
-        other => {
-            return Err(format!(
-                "rope_scaling type {other:?} is not supported (supported: default, linear, llama3)"
-            ))
-        }
+        other => return Err(RopeScalingError::Unsupported(other.to_string())),
     })
 }
 

@@ -44,11 +44,11 @@ pub mod weights;
 
 pub use bert::{EmbedOptions, Embedder, EmbedderOptions};
 pub use chat::ChatMessage;
-pub use constraint::{Constraint, ConstraintFactory, TokenConstraint, TokenMask};
+pub use constraint::{Constraint, ConstraintError, ConstraintFactory, TokenConstraint, TokenMask};
 pub use error::EngineError;
 pub use generate::{
     Engine, EngineOptions, Event, FinishReason, Finished, GenerateRequest, KvMemory, KvOptions,
-    Prompt, SchedulerOptions, Shed, Stream, TokenEvent,
+    ParseKvMemoryError, Prompt, SchedulerOptions, Shed, Stream, TokenEvent,
 };
 pub use kernels::KvDType;
 pub use sampler::SamplingParams;

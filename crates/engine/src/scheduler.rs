@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::block_pool::{block_hash, BlockHash, BlockId, BlockPool, PrefixStats, ROOT_HASH};
-use crate::constraint::{TokenConstraint, TokenMask};
+use crate::constraint::{ConstraintError, TokenConstraint, TokenMask};
 use crate::error::EngineError;
 use crate::generate::{Event, FinishReason, Finished, Shed, StopMatcher, TokenEvent};
 use crate::kv_store::KvStore;
@@ -489,7 +489,7 @@ struct Sequence {
     sampler: Sampler,
     constraint: Option<Box<dyn TokenConstraint>>,
     /// The constraint's mask for the token about to be sampled, or why it could not be made.
-    mask: Result<TokenMask, String>,
+    mask: Result<TokenMask, ConstraintError>,
     detok: Detokenizer,
     stops: StopMatcher,
     events: UnboundedSender<Event>,
@@ -842,7 +842,7 @@ impl Scheduler {
             let seq = &mut self.running[i];
             seq.constraint = Some(constraint);
             seq.mask = match outcome {
-                Ok(()) if mask.count() == 0 => Err("the constraint allows no next token".into()),
+                Ok(()) if mask.count() == 0 => Err(ConstraintError::NoTokenAllowed),
                 Ok(()) => Ok(mask),
                 Err(e) => Err(e),
             };
@@ -850,7 +850,7 @@ impl Scheduler {
         for &i in &constrained {
             let seq = &mut self.running[i];
             if seq.constraint.is_none() {
-                seq.mask = Err("the constraint failed while computing its mask".into());
+                seq.mask = Err(ConstraintError::MaskPanicked);
             }
         }
         let logits = match result {

@@ -23,7 +23,8 @@ use engine::scheduler::{
 };
 use engine::tokenizer::Tokenizer;
 use engine::{
-    EngineError, Event, FinishReason, KvDType, SamplingParams, TokenConstraint, TokenMask,
+    ConstraintError, EngineError, Event, FinishReason, KvDType, SamplingParams, TokenConstraint,
+    TokenMask,
 };
 use proptest::prelude::*;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
@@ -902,13 +903,13 @@ struct Multiples {
 }
 
 impl TokenConstraint for Multiples {
-    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), String> {
+    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), ConstraintError> {
         self.mask_threads
             .lock()
             .unwrap()
             .push(std::thread::current().id());
         if self.fail_at == Some(self.committed.lock().unwrap().len()) {
-            return Err("no way on".into());
+            return Err(ConstraintError::Refused("no way on".into()));
         }
         mask.clear();
         for t in (0..VOCAB as u32).filter(|t| t % self.step == 0) {
@@ -917,9 +918,11 @@ impl TokenConstraint for Multiples {
         Ok(())
     }
 
-    fn commit(&mut self, token: u32) -> Result<(), String> {
+    fn commit(&mut self, token: u32) -> Result<(), ConstraintError> {
         if !token.is_multiple_of(self.step) {
-            return Err(format!("token {token} was not allowed"));
+            return Err(ConstraintError::Refused(
+                format!("token {token} was not allowed").into(),
+            ));
         }
         self.committed.lock().unwrap().push(token);
         Ok(())

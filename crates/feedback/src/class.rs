@@ -15,17 +15,33 @@ pub enum ClassRule {
     Pattern(regex::Regex),
 }
 
+/// Why a class rule does not parse.
+#[derive(Debug, thiserror::Error)]
+pub enum ClassRuleError {
+    #[error("class pattern {pattern:?}: {source}")]
+    Pattern {
+        pattern: String,
+        #[source]
+        source: regex::Error,
+    },
+    #[error("class field is empty")]
+    EmptyField,
+}
+
 impl ClassRule {
     /// `field:NAME`, `pattern:REGEX`, or a bare field name.
-    pub fn parse(s: &str) -> Result<ClassRule, String> {
+    pub fn parse(s: &str) -> Result<ClassRule, ClassRuleError> {
         if let Some(p) = s.strip_prefix("pattern:") {
             regex::Regex::new(p)
                 .map(ClassRule::Pattern)
-                .map_err(|e| format!("class pattern {p:?}: {e}"))
+                .map_err(|source| ClassRuleError::Pattern {
+                    pattern: p.to_string(),
+                    source,
+                })
         } else {
             let f = s.strip_prefix("field:").unwrap_or(s).trim();
             if f.is_empty() {
-                return Err("class field is empty".into());
+                return Err(ClassRuleError::EmptyField);
             }
             Ok(ClassRule::Field(f.to_string()))
         }

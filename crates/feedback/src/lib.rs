@@ -18,7 +18,7 @@ pub mod store;
 pub mod submission;
 pub mod testing;
 
-pub use class::ClassRule;
+pub use class::{ClassRule, ClassRuleError};
 pub use store::{Feedback, Rater, Response, Store, Submitted};
 pub use submission::{Correction, Rating, Submission, Target};
 

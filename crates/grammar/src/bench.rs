@@ -7,12 +7,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use engine::{
-    ChatMessage, Constraint, ConstraintFactory, Engine, EngineError, Event, GenerateRequest,
-    Prompt, SamplingParams, TokenConstraint, TokenMask,
+    ChatMessage, Constraint, ConstraintError, ConstraintFactory, Engine, EngineError, Event,
+    GenerateRequest, Prompt, SamplingParams, TokenConstraint, TokenMask,
 };
 use serde_json::{json, Value};
 
-use crate::{Compiled, Compiler, GrammarLimits, GrammarSpec, Outcome};
+use crate::{Compiled, Compiler, GrammarError, GrammarLimits, GrammarSpec, Outcome};
 
 /// The seeds' ticket classification schema: category (five labels), confidence 0–1, reasons.
 pub fn ticket_schema() -> Value {
@@ -84,7 +84,7 @@ struct TimedState {
 }
 
 impl ConstraintFactory for Timed {
-    fn start(&self) -> Result<Box<dyn TokenConstraint>, String> {
+    fn start(&self) -> Result<Box<dyn TokenConstraint>, ConstraintError> {
         Ok(Box::new(TimedState {
             inner: self.inner.start()?,
             nanos: Arc::clone(&self.nanos),
@@ -98,7 +98,7 @@ impl ConstraintFactory for Timed {
 }
 
 impl TokenConstraint for TimedState {
-    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), String> {
+    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), ConstraintError> {
         let t = Instant::now();
         let r = self.inner.compute_mask(mask);
         self.nanos
@@ -107,7 +107,7 @@ impl TokenConstraint for TimedState {
         r
     }
 
-    fn commit(&mut self, token: u32) -> Result<(), String> {
+    fn commit(&mut self, token: u32) -> Result<(), ConstraintError> {
         self.inner.commit(token)
     }
 
@@ -194,13 +194,12 @@ pub struct CompileReport {
 pub fn compile_cost(
     engine: &Engine,
     spec: &GrammarSpec,
-) -> Result<(CompileReport, Arc<Compiled>), String> {
+) -> Result<(CompileReport, Arc<Compiled>), GrammarError> {
     let t = Instant::now();
-    let compiler = Compiler::new(engine.shared_tokenizer(), GrammarLimits::default())
-        .map_err(|e| e.to_string())?;
+    let compiler = Compiler::new(engine.shared_tokenizer(), GrammarLimits::default())?;
     let setup_seconds = t.elapsed().as_secs_f64();
     let t = Instant::now();
-    let (compiled, _) = compiler.compile(spec).map_err(|e| e.to_string())?;
+    let (compiled, _) = compiler.compile(spec)?;
     let report = CompileReport {
         setup_seconds,
         compile_seconds: t.elapsed().as_secs_f64(),

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use engine::tokenizer::Tokenizer;
-use engine::{ConstraintFactory, TokenConstraint, TokenMask};
+use engine::{ConstraintError, ConstraintFactory, TokenConstraint, TokenMask};
 use llguidance::{Matcher, ParserFactory};
 use serde_json::Value;
 use toktrie::TokEnv;
@@ -365,7 +365,7 @@ impl Compiled {
 }
 
 impl ConstraintFactory for Compiled {
-    fn start(&self) -> Result<Box<dyn TokenConstraint>, String> {
+    fn start(&self) -> Result<Box<dyn TokenConstraint>, ConstraintError> {
         let matcher = self.fresh();
         if let Some(e) = matcher.get_error() {
             return Err(public_error(self.spec.kind(), &e));
@@ -381,12 +381,22 @@ impl ConstraintFactory for Compiled {
     }
 }
 
+/// The grammar engine stopped a sequence; holds the part of its error a client may see.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("the grammar engine stopped: {public}")]
+pub struct GrammarStopped {
+    /// The first line of the engine's message, without parser state, at most 200 characters.
+    pub public: String,
+}
+
 /// The part of a grammar engine error a client may see: its first line, without the parser
 /// state that follows it (token dumps, internal counters), at most 200 characters. The whole
 /// error goes to the log.
-fn public_error(kind: &str, error: &str) -> String {
+fn public_error(kind: &str, error: &str) -> ConstraintError {
     tracing::warn!(kind, error, "the grammar engine stopped a sequence");
-    format!("the grammar engine stopped: {}", first_line(error))
+    ConstraintError::refused(GrammarStopped {
+        public: first_line(error),
+    })
 }
 
 /// An engine message's first line, without the parser state that may follow it, at most 200
@@ -414,7 +424,7 @@ struct Guided {
 }
 
 impl TokenConstraint for Guided {
-    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), String> {
+    fn compute_mask(&mut self, mask: &mut TokenMask) -> Result<(), ConstraintError> {
         let started = Instant::now();
         let allowed = self
             .matcher
@@ -430,7 +440,7 @@ impl TokenConstraint for Guided {
         Ok(())
     }
 
-    fn commit(&mut self, token: u32) -> Result<(), String> {
+    fn commit(&mut self, token: u32) -> Result<(), ConstraintError> {
         self.matcher
             .consume_token(token)
             .map_err(|e| public_error(self.kind, &e.to_string()))

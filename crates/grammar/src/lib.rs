@@ -11,7 +11,9 @@ pub mod compiler;
 pub mod spec;
 mod vocab;
 
-pub use compiler::{Compiled, Compiler, FinalCheck, GrammarLimits, Outcome, OutputCheck};
+pub use compiler::{
+    Compiled, Compiler, FinalCheck, GrammarLimits, GrammarStopped, Outcome, OutputCheck,
+};
 pub use spec::{from_request, GrammarSpec};
 
 /// Why a structured-output request cannot be served.

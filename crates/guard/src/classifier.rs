@@ -14,9 +14,63 @@ use std::sync::Arc;
 /// What the classifier needs of an embedding model.
 pub trait Embed: Send + Sync {
     /// One embedding per text, in order (mean-pooled and L2-normalised, as the head expects).
-    fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, String>;
+    fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, EmbedError>;
     /// Tokens of `text` in the embedder's vocabulary (with its special tokens).
     fn count_tokens(&self, text: &str) -> usize;
+}
+
+/// Why the embedder could not embed: the caller's own error.
+#[derive(Debug, thiserror::Error)]
+#[error(transparent)]
+pub struct EmbedError(pub Box<dyn std::error::Error + Send + Sync>);
+
+impl EmbedError {
+    pub fn new(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Self(error.into())
+    }
+}
+
+/// Why bytes are not a head (see the module's documentation for the layout).
+#[derive(Debug, thiserror::Error)]
+pub enum HeadFormatError {
+    #[error("not safetensors: {0}")]
+    NotSafetensors(#[source] safetensors::SafeTensorError),
+    #[error("tensor {name} is missing")]
+    MissingTensor { name: String },
+    #[error("tensor {name} is {dtype:?}, not F32")]
+    NotF32 {
+        name: String,
+        dtype: safetensors::Dtype,
+    },
+    #[error("tensor {name} has shape {shape:?}, not [out, in]")]
+    WeightShape { name: String, shape: Vec<usize> },
+    #[error("tensor {name} has shape {shape:?}, not [{outputs}]")]
+    BiasShape {
+        name: String,
+        shape: Vec<usize>,
+        outputs: usize,
+    },
+    #[error("tensor {name} takes {inputs} inputs, the layer before gives {before:?}")]
+    Width {
+        name: String,
+        inputs: usize,
+        before: Option<usize>,
+    },
+    #[error("tensor {weight} or {bias} holds a non-finite value")]
+    NonFinite { weight: String, bias: String },
+    #[error("the last layer gives {outputs:?} outputs, not 1")]
+    Outputs { outputs: Option<usize> },
+}
+
+/// Why texts could not be scored.
+#[derive(Debug, thiserror::Error)]
+pub enum ClassifyError {
+    #[error(transparent)]
+    Embed(#[from] EmbedError),
+    #[error("the embedder returned {embeddings} embeddings for {segments} segments")]
+    EmbeddingCount { embeddings: usize, segments: usize },
+    #[error("the embedding has {dimensions} dimensions, the head takes {inputs}")]
+    EmbeddingWidth { dimensions: usize, inputs: usize },
 }
 
 /// Why a head cannot be used.
@@ -84,19 +138,24 @@ impl Head {
             message,
         };
         let bytes = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
-        Self::from_safetensors(&bytes).map_err(bad)
+        Self::from_safetensors(&bytes).map_err(|e| bad(e.to_string()))
     }
 
     /// Parses a head from safetensors bytes.
-    pub fn from_safetensors(bytes: &[u8]) -> Result<Self, String> {
+    pub fn from_safetensors(bytes: &[u8]) -> Result<Self, HeadFormatError> {
         let tensors = safetensors::SafeTensors::deserialize(bytes)
-            .map_err(|e| format!("not safetensors: {e}"))?;
-        let read = |name: &str| -> Result<(Vec<usize>, Vec<f32>), String> {
+            .map_err(HeadFormatError::NotSafetensors)?;
+        let read = |name: &str| -> Result<(Vec<usize>, Vec<f32>), HeadFormatError> {
             let t = tensors
                 .tensor(name)
-                .map_err(|_| format!("tensor {name} is missing"))?;
+                .map_err(|_| HeadFormatError::MissingTensor {
+                    name: name.to_string(),
+                })?;
             if t.dtype() != safetensors::Dtype::F32 {
-                return Err(format!("tensor {name} is {:?}, not F32", t.dtype()));
+                return Err(HeadFormatError::NotF32 {
+                    name: name.to_string(),
+                    dtype: t.dtype(),
+                });
             }
             let values = t
                 .data()
@@ -111,20 +170,30 @@ impl Head {
             let (shape, weight) = read(w)?;
             let (bias_shape, bias) = read(b)?;
             let [outputs, inputs] = shape[..] else {
-                return Err(format!("tensor {w} has shape {shape:?}, not [out, in]"));
+                return Err(HeadFormatError::WeightShape {
+                    name: w.to_string(),
+                    shape,
+                });
             };
             if bias_shape != [outputs] {
-                return Err(format!(
-                    "tensor {b} has shape {bias_shape:?}, not [{outputs}]"
-                ));
+                return Err(HeadFormatError::BiasShape {
+                    name: b.to_string(),
+                    shape: bias_shape,
+                    outputs,
+                });
             }
             if width.is_some_and(|w| w != inputs) {
-                return Err(format!(
-                    "tensor {w} takes {inputs} inputs, the layer before gives {width:?}"
-                ));
+                return Err(HeadFormatError::Width {
+                    name: w.to_string(),
+                    inputs,
+                    before: width,
+                });
             }
             if weight.iter().chain(&bias).any(|v| !v.is_finite()) {
-                return Err(format!("tensor {w} or {b} holds a non-finite value"));
+                return Err(HeadFormatError::NonFinite {
+                    weight: w.to_string(),
+                    bias: b.to_string(),
+                });
             }
             width = Some(outputs);
             layers.push(Dense {
@@ -134,7 +203,7 @@ impl Head {
             });
         }
         if width != Some(1) {
-            return Err(format!("the last layer gives {width:?} outputs, not 1"));
+            return Err(HeadFormatError::Outputs { outputs: width });
         }
         Ok(Self { layers })
     }
@@ -145,13 +214,12 @@ impl Head {
     }
 
     /// The injection probability of one embedding.
-    pub fn score(&self, embedding: &[f32]) -> Result<f32, String> {
+    pub fn score(&self, embedding: &[f32]) -> Result<f32, ClassifyError> {
         if embedding.len() != self.inputs() {
-            return Err(format!(
-                "the embedding has {} dimensions, the head takes {}",
-                embedding.len(),
-                self.inputs()
-            ));
+            return Err(ClassifyError::EmbeddingWidth {
+                dimensions: embedding.len(),
+                inputs: self.inputs(),
+            });
         }
         let mut x = embedding.to_vec();
         let last = self.layers.len() - 1;
@@ -326,7 +394,7 @@ impl Classifier {
     }
 
     /// Scores several texts in one embedding call: per text, its most suspicious segment.
-    pub fn score(&self, texts: &[&str]) -> Result<Vec<Scored>, String> {
+    pub fn score(&self, texts: &[&str]) -> Result<Vec<Scored>, ClassifyError> {
         Ok(self
             .score_within(texts, usize::MAX)?
             .into_iter()
@@ -349,7 +417,7 @@ impl Classifier {
         &self,
         texts: &[&str],
         budget: usize,
-    ) -> Result<Vec<Option<Scored>>, String> {
+    ) -> Result<Vec<Option<Scored>>, ClassifyError> {
         let count = |t: &str| self.embedder.count_tokens(t);
         let mut all: Vec<&str> = Vec::new();
         let mut owners: Vec<usize> = Vec::new();
@@ -383,11 +451,10 @@ impl Classifier {
             let texts: Vec<&str> = missing.iter().map(|&i| all[i]).collect();
             let embeddings = self.embedder.embed(&texts)?;
             if embeddings.len() != texts.len() {
-                return Err(format!(
-                    "the embedder returned {} embeddings for {} segments",
-                    embeddings.len(),
-                    texts.len()
-                ));
+                return Err(ClassifyError::EmbeddingCount {
+                    embeddings: embeddings.len(),
+                    segments: texts.len(),
+                });
             }
             let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
             for (&i, embedding) in missing.iter().zip(&embeddings) {
@@ -463,7 +530,7 @@ pub(crate) mod tests {
 
     impl Embed for Letters {
         /// x[0] = share of the letter 'x' among letters.
-        fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, String> {
+        fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, EmbedError> {
             Ok(texts
                 .iter()
                 .map(|t| {
@@ -510,7 +577,7 @@ pub(crate) mod tests {
     struct Counting(std::sync::Arc<std::sync::atomic::AtomicUsize>);
 
     impl Embed for Counting {
-        fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, String> {
+        fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, EmbedError> {
             self.0
                 .fetch_add(texts.len(), std::sync::atomic::Ordering::Relaxed);
             Letters.embed(texts)

@@ -14,11 +14,14 @@ pub mod injection;
 pub mod normalize;
 pub mod rules;
 
-pub use classifier::{Classifier, Embed, Head, HeadError};
+pub use classifier::{
+    Classifier, ClassifyError, Embed, EmbedError, Head, HeadError, HeadFormatError,
+};
 pub use injection::{
     Channel, Decision, Finding, Guard, Input, Mode, OnError, OverBudget, Policy, SpecialTokens,
     Thresholds, Verdict, SEED_RULES,
 };
 pub use rules::{
     check_rules_file, Classification, LabelScore, Reason, RulesEngine, RulesError, RulesFile,
+    RulesFileError,
 };

@@ -154,11 +154,22 @@ impl std::fmt::Debug for RulesEngine {
 /// exhaust memory.
 const MAX_PATTERN_BYTES: usize = 1 << 20;
 
+/// Why a rules file would not load (see [`check_rules_file`]).
+#[derive(Debug, thiserror::Error)]
+pub enum RulesFileError {
+    /// Not TOML of a rules file's shape.
+    #[error(transparent)]
+    Parse(#[from] toml::de::Error),
+    /// Parsed, but its rules do not compile.
+    #[error(transparent)]
+    Rules(#[from] RulesError),
+}
+
 /// Checks a rules file's text as the server will load it (parsed and compiled) and returns
 /// how many rules it holds (keywords and patterns): what the model repository asks at import.
-pub fn check_rules_file(text: &str) -> Result<u64, String> {
-    let file: RulesFile = toml::from_str(text).map_err(|e| e.to_string())?;
-    RulesEngine::new(&file).map_err(|e| e.to_string())?;
+pub fn check_rules_file(text: &str) -> Result<u64, RulesFileError> {
+    let file: RulesFile = toml::from_str(text)?;
+    RulesEngine::new(&file)?;
     Ok(file
         .labels
         .values()

@@ -10,6 +10,21 @@ use std::io::Read;
 /// Log files are read from their end: recent lines matter and files can be large.
 const LOG_TAIL_BYTES: u64 = 8 << 20;
 
+/// Why no kernel log could be read.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum KernelLogError {
+    /// The fixture's `dmesg.txt` exists but could not be read.
+    #[error("{path}: {source}")]
+    Fixture {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Every log tried was unreadable: which, and why (`/dev/kmsg (permission denied), ...`).
+    #[error("kernel log not readable: {tried}{restrict}")]
+    NotReadable { tried: String, restrict: String },
+}
+
 pub(crate) struct KernelLog {
     /// Where the lines came from (`/dev/kmsg`, `/var/log/kern.log`, a fixture file).
     pub source: String,
@@ -18,14 +33,17 @@ pub(crate) struct KernelLog {
 
 /// The first readable kernel log: a fixture's `dmesg.txt`, `/dev/kmsg` on a real host, then the
 /// syslog files. `Err` lists what was tried.
-pub(crate) fn read(tree: &HostTree) -> Result<KernelLog, String> {
+pub(crate) fn read(tree: &HostTree) -> Result<KernelLog, KernelLogError> {
     if let Some(path) = tree.fixture_file("dmesg.txt") {
         return std::fs::read_to_string(&path)
             .map(|text| KernelLog {
                 source: ".rampart-fixture/dmesg.txt".into(),
                 text,
             })
-            .map_err(|e| format!("{}: {e}", path.display()));
+            .map_err(|source| KernelLogError::Fixture {
+                path: path.display().to_string(),
+                source,
+            });
     }
     let mut tried = Vec::new();
     if tree.is_real_host() {
@@ -36,7 +54,7 @@ pub(crate) fn read(tree: &HostTree) -> Result<KernelLog, String> {
                     text,
                 })
             }
-            Err(e) => tried.push(format!("/dev/kmsg ({e})")),
+            Err(e) => tried.push(format!("/dev/kmsg ({})", crate::tree::io_reason(&e))),
         }
     }
     for path in ["/var/log/kern.log", "/var/log/messages", "/var/log/syslog"] {
@@ -55,21 +73,20 @@ pub(crate) fn read(tree: &HostTree) -> Result<KernelLog, String> {
         .ok()
         .map(|v| format!("; kernel.dmesg_restrict = {v}"))
         .unwrap_or_default();
-    Err(format!(
-        "kernel log not readable: {}{restrict}",
-        tried.join(", ")
-    ))
+    Err(KernelLogError::NotReadable {
+        tried: tried.join(", "),
+        restrict,
+    })
 }
 
 /// Every record in the kernel's ring buffer, without blocking: a read past the last record
 /// answers EAGAIN.
-fn read_kmsg() -> Result<String, String> {
+fn read_kmsg() -> std::io::Result<String> {
     use std::os::unix::fs::OpenOptionsExt;
     let mut file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK)
-        .open("/dev/kmsg")
-        .map_err(|e| crate::tree::io_reason(&e))?;
+        .open("/dev/kmsg")?;
     let mut text = String::new();
     // One record per read; 8 KiB is larger than any record (the kernel caps them near 1 KiB).
     let mut buffer = vec![0u8; 8192];
@@ -88,7 +105,7 @@ fn read_kmsg() -> Result<String, String> {
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
             // A record overwritten while we read: skip to the next.
             Err(e) if e.raw_os_error() == Some(libc::EPIPE) => continue,
-            Err(e) => return Err(crate::tree::io_reason(&e)),
+            Err(e) => return Err(e),
         }
     }
     Ok(text)

@@ -132,9 +132,48 @@ pub(crate) fn nearest_existing(path: &Path) -> PathBuf {
     }
 }
 
+/// Why a mount has no block device we can name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum NoBlockDevice {
+    #[error(
+        "on an overlay (a container layer): mount the directory from a volume to judge its device"
+    )]
+    Overlay,
+    #[error("on {fs_type} (memory, no block device)")]
+    Memory { fs_type: String },
+    #[error("on a network file system ({fs_type})")]
+    Network { fs_type: String },
+    #[error("no block device found for {source_device} ({fs_type})")]
+    NotFound {
+        source_device: String,
+        fs_type: String,
+    },
+}
+
+/// Why the room on a file system is unknown.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum SpaceError {
+    #[error("the fixture tree has no .rampart-fixture/statvfs.json")]
+    NoFixture,
+    #[error(transparent)]
+    FixtureRead(std::io::Error),
+    #[error("statvfs.json: {0}")]
+    FixtureJson(#[source] serde_json::Error),
+    #[error("statvfs.json has no entry for {0}")]
+    NoFixtureEntry(String),
+    #[error("path holds a NUL byte")]
+    NulInPath,
+    #[error("statvfs({path}): {source}")]
+    Statvfs {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
 /// The block device under a mount, as a `/sys/block/<disk>` directory name (the disk, not the
 /// partition: the queue settings live on the disk).
-pub(crate) fn block_device(tree: &HostTree, mount: &Mount) -> Result<String, String> {
+pub(crate) fn block_device(tree: &HostTree, mount: &Mount) -> Result<String, NoBlockDevice> {
     let name = mount
         .source
         .strip_prefix("/dev/")
@@ -167,11 +206,15 @@ pub(crate) fn block_device(tree: &HostTree, mount: &Mount) -> Result<String, Str
             }
         }
     }
+    let fs_type = mount.fs_type.clone();
     Err(match mount.fs_type.as_str() {
-        "overlay" => "on an overlay (a container layer): mount the directory from a volume to judge its device".to_string(),
-        "tmpfs" | "ramfs" => format!("on {} (memory, no block device)", mount.fs_type),
-        t if is_network_fs(t) => format!("on a network file system ({t})"),
-        _ => format!("no block device found for {} ({})", mount.source, mount.fs_type),
+        "overlay" => NoBlockDevice::Overlay,
+        "tmpfs" | "ramfs" => NoBlockDevice::Memory { fs_type },
+        t if is_network_fs(t) => NoBlockDevice::Network { fs_type },
+        _ => NoBlockDevice::NotFound {
+            source_device: mount.source.clone(),
+            fs_type,
+        },
     })
 }
 
@@ -196,38 +239,37 @@ pub(crate) fn space(
     tree: &HostTree,
     real_path: &Path,
     mount: Option<&Mount>,
-) -> Result<Space, String> {
+) -> Result<Space, SpaceError> {
     if !tree.is_real_host() {
         let Some(file) = tree.fixture_file("statvfs.json") else {
-            return Err("the fixture tree has no .rampart-fixture/statvfs.json".into());
+            return Err(SpaceError::NoFixture);
         };
-        let text = std::fs::read_to_string(&file).map_err(|e| e.to_string())?;
+        let text = std::fs::read_to_string(&file).map_err(SpaceError::FixtureRead)?;
         let table: std::collections::BTreeMap<String, Space> =
-            serde_json::from_str(&text).map_err(|e| format!("statvfs.json: {e}"))?;
+            serde_json::from_str(&text).map_err(SpaceError::FixtureJson)?;
         let point = mount.map(|m| m.mount_point.as_str()).unwrap_or("/");
         return table
             .get(point)
             .copied()
-            .ok_or_else(|| format!("statvfs.json has no entry for {point}"));
+            .ok_or_else(|| SpaceError::NoFixtureEntry(point.to_string()));
     }
     statvfs(&nearest_existing(real_path))
 }
 
-fn statvfs(path: &Path) -> Result<Space, String> {
+fn statvfs(path: &Path) -> Result<Space, SpaceError> {
     use std::os::unix::ffi::OsStrExt;
-    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes())
-        .map_err(|_| "path holds a NUL byte".to_string())?;
+    let c_path =
+        std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|_| SpaceError::NulInPath)?;
     // SAFETY: `libc::statvfs` is plain old data, so all-zero bytes are a valid value.
     let mut stat: libc::statvfs = unsafe { std::mem::zeroed() };
     // SAFETY: `c_path` is a NUL-terminated string and `stat` a valid out-pointer; both live
     // across the call.
     let rc = unsafe { libc::statvfs(c_path.as_ptr(), &mut stat) };
     if rc != 0 {
-        return Err(format!(
-            "statvfs({}): {}",
-            path.display(),
-            std::io::Error::last_os_error()
-        ));
+        return Err(SpaceError::Statvfs {
+            path: path.display().to_string(),
+            source: std::io::Error::last_os_error(),
+        });
     }
     let block = stat.f_frsize as u64;
     Ok(Space {

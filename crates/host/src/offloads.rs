@@ -11,18 +11,41 @@ pub(crate) struct Offloads {
     pub gso: bool,
 }
 
-pub(crate) fn read(tree: &HostTree, interface: &str) -> Result<Offloads, String> {
+/// Why an interface's offloads are unknown.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum OffloadsError {
+    #[error("the fixture tree has no .rampart-fixture/offloads.json")]
+    NoFixture,
+    #[error(transparent)]
+    FixtureRead(std::io::Error),
+    #[error("offloads.json: {0}")]
+    FixtureJson(#[source] serde_json::Error),
+    #[error("offloads.json has no entry for {0}")]
+    NoFixtureEntry(String),
+    #[error("bad interface name {0:?}")]
+    InterfaceName(String),
+    #[error("socket: {0}")]
+    Socket(#[source] std::io::Error),
+    #[error("ethtool ioctl on {interface}: {source}")]
+    Ioctl {
+        interface: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+pub(crate) fn read(tree: &HostTree, interface: &str) -> Result<Offloads, OffloadsError> {
     if !tree.is_real_host() {
         let Some(path) = tree.fixture_file("offloads.json") else {
-            return Err("the fixture tree has no .rampart-fixture/offloads.json".into());
+            return Err(OffloadsError::NoFixture);
         };
-        let text = std::fs::read_to_string(&path).map_err(|e| e.to_string())?;
+        let text = std::fs::read_to_string(&path).map_err(OffloadsError::FixtureRead)?;
         let table: BTreeMap<String, Offloads> =
-            serde_json::from_str(&text).map_err(|e| format!("offloads.json: {e}"))?;
+            serde_json::from_str(&text).map_err(OffloadsError::FixtureJson)?;
         return table
             .get(interface)
             .copied()
-            .ok_or_else(|| format!("offloads.json has no entry for {interface}"));
+            .ok_or_else(|| OffloadsError::NoFixtureEntry(interface.to_string()));
     }
     Ok(Offloads {
         tso: ethtool_value(interface, ETHTOOL_GTSO)?,
@@ -52,9 +75,9 @@ struct IfReq {
     padding: [u8; 16],
 }
 
-fn ethtool_value(interface: &str, command: u32) -> Result<bool, String> {
+fn ethtool_value(interface: &str, command: u32) -> Result<bool, OffloadsError> {
     if interface.len() >= libc::IFNAMSIZ || interface.bytes().any(|b| b == 0) {
-        return Err(format!("bad interface name {interface:?}"));
+        return Err(OffloadsError::InterfaceName(interface.to_string()));
     }
     let mut value = EthtoolValue {
         cmd: command,
@@ -71,7 +94,7 @@ fn ethtool_value(interface: &str, command: u32) -> Result<bool, String> {
     // SAFETY: a plain datagram socket; the descriptor is closed below on every path.
     let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0) };
     if fd < 0 {
-        return Err(format!("socket: {}", std::io::Error::last_os_error()));
+        return Err(OffloadsError::Socket(std::io::Error::last_os_error()));
     }
     // SAFETY: SIOCETHTOOL takes a `struct ifreq*` whose ifr_data points at an ethtool command
     // struct; `request` and `value` both outlive the call.
@@ -80,7 +103,10 @@ fn ethtool_value(interface: &str, command: u32) -> Result<bool, String> {
     // SAFETY: `fd` is the socket opened above, closed once.
     unsafe { libc::close(fd) };
     if rc < 0 {
-        return Err(format!("ethtool ioctl on {interface}: {error}"));
+        return Err(OffloadsError::Ioctl {
+            interface: interface.to_string(),
+            source: error,
+        });
     }
     Ok(value.data != 0)
 }

@@ -122,7 +122,7 @@ impl Telemetry {
             Ok(probe) => Telemetry::with_gpu(root, Some(probe)),
             Err(why) => {
                 let mut t = Telemetry::with_gpu(root, None);
-                t.gpu_absent = Some(why);
+                t.gpu_absent = Some(why.to_string());
                 t
             }
         }

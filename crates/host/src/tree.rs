@@ -21,6 +21,8 @@ impl fmt::Display for Unreadable {
     }
 }
 
+impl std::error::Error for Unreadable {}
+
 #[derive(Clone, Debug)]
 pub(crate) struct HostTree {
     root: PathBuf,

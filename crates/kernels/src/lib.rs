@@ -45,6 +45,6 @@ mod x86;
 pub use backend::{Backend, CpuBackend};
 pub use dispatch::Isa;
 pub use dtype::{ActFormat, DType};
-pub use matmul::{Matrix, Scratch};
-pub use paged::{KvDType, PagedKv, QueryRow};
+pub use matmul::{Matrix, MatrixError, Scratch};
+pub use paged::{KvDType, PagedKv, QueryRow, UnknownKvDType};
 pub use pool::ThreadPool;

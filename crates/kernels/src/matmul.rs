@@ -17,6 +17,31 @@ use crate::packed::{
 };
 use crate::pool::ThreadPool;
 
+/// Why bytes are not the matrix (or packed matrix) they were said to be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum MatrixError {
+    /// A row of `cols` elements does not end on a block boundary of `dtype`.
+    #[error("{cols} columns is not a whole number of {dtype} blocks")]
+    PartialBlock { dtype: DType, cols: usize },
+    /// The data is not exactly `rows × cols` elements of `dtype`.
+    #[error("{rows}×{cols} {dtype} needs {expected_bytes} bytes, got {actual_bytes}")]
+    DataSize {
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+        expected_bytes: usize,
+        actual_bytes: usize,
+    },
+    /// The packed bytes do not fit the matrix (wrong size, or a type or row count that does not pack).
+    #[error("{packed_bytes} bytes are not a packed {rows}×{cols} {dtype} matrix")]
+    NotPacked {
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+        packed_bytes: usize,
+    },
+}
+
 /// A weight matrix in its stored layout, and optionally the same weights packed for the
 /// batched kernel ([`crate::packed`]), which is then used for every multiplication.
 #[derive(Debug, Clone, Copy)]
@@ -30,16 +55,23 @@ pub struct Matrix<'a> {
 
 impl<'a> Matrix<'a> {
     /// Checks that `data` holds `rows × cols` elements of `dtype`.
-    pub fn new(dtype: DType, data: &'a [u8], rows: usize, cols: usize) -> Result<Self, String> {
+    pub fn new(
+        dtype: DType,
+        data: &'a [u8],
+        rows: usize,
+        cols: usize,
+    ) -> Result<Self, MatrixError> {
         let row_bytes = dtype
             .row_bytes(cols)
-            .ok_or_else(|| format!("{cols} columns is not a whole number of {dtype} blocks"))?;
+            .ok_or(MatrixError::PartialBlock { dtype, cols })?;
         if data.len() != row_bytes * rows {
-            return Err(format!(
-                "{rows}×{cols} {dtype} needs {} bytes, got {}",
-                row_bytes * rows,
-                data.len()
-            ));
+            return Err(MatrixError::DataSize {
+                dtype,
+                rows,
+                cols,
+                expected_bytes: row_bytes * rows,
+                actual_bytes: data.len(),
+            });
         }
         Ok(Self {
             dtype,
@@ -51,17 +83,16 @@ impl<'a> Matrix<'a> {
     }
 
     /// The same matrix with its packed form attached (see [`crate::packed::pack`]).
-    pub fn with_packed(self, packed: &'a [u8]) -> Result<Self, String> {
+    pub fn with_packed(self, packed: &'a [u8]) -> Result<Self, MatrixError> {
         let need =
             self.rows / PACK_ROWS * (self.cols / crate::dtype::QK) * packed_block_bytes(self.dtype);
         if !packable(self.dtype) || !self.rows.is_multiple_of(PACK_ROWS) || packed.len() != need {
-            return Err(format!(
-                "{} bytes are not a packed {}×{} {} matrix",
-                packed.len(),
-                self.rows,
-                self.cols,
-                self.dtype
-            ));
+            return Err(MatrixError::NotPacked {
+                dtype: self.dtype,
+                rows: self.rows,
+                cols: self.cols,
+                packed_bytes: packed.len(),
+            });
         }
         Ok(Self {
             packed: Some(packed),

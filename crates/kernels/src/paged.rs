@@ -162,12 +162,20 @@ impl std::fmt::Display for KvDType {
     }
 }
 
+/// A name that is no [`KvDType`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown KV cache type `{name}` (expected f32, f16, q8_0 or q8)")]
+pub struct UnknownKvDType {
+    pub name: String,
+}
+
 impl std::str::FromStr for KvDType {
-    type Err = String;
+    type Err = UnknownKvDType;
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        KvDType::parse(s)
-            .ok_or_else(|| format!("unknown KV cache type `{s}` (expected f32, f16, q8_0 or q8)"))
+        KvDType::parse(s).ok_or_else(|| UnknownKvDType {
+            name: s.to_string(),
+        })
     }
 }
 
@@ -1048,7 +1056,8 @@ mod tests {
         assert_eq!(KvDType::parse("bf16"), None);
         let err = "int4"
             .parse::<KvDType>()
-            .expect_err("int4 is not a KV type");
+            .expect_err("int4 is not a KV type")
+            .to_string();
         assert!(err.contains("int4") && err.contains("q8_0"), "{err}");
         assert_eq!(KvDType::F32.row_bytes(64), 256);
         assert_eq!(KvDType::F16.row_bytes(64), 128);

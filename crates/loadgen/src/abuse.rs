@@ -1014,6 +1014,17 @@ async fn slowloris(config: &AbuseConfig, deadline: Instant, report: &mut AttackR
     }
 }
 
+/// Why a slow connection is a finding: the server did not close it.
+#[derive(Debug, thiserror::Error)]
+enum SlowConnectionError {
+    #[error("connect: {0}")]
+    Connect(#[source] std::io::Error),
+    #[error("answered but kept open")]
+    KeptOpenAfterAnswer,
+    #[error("still open after {seconds} s")]
+    StillOpen { seconds: u64 },
+}
+
 /// Opens one slow connection; `Ok(after)` once the server closed it, `Err` if it was still
 /// open after `limit`.
 async fn slow_connection(
@@ -1021,11 +1032,11 @@ async fn slow_connection(
     kind: &str,
     key: &str,
     limit: Duration,
-) -> Result<Duration, String> {
+) -> Result<Duration, SlowConnectionError> {
     let began = Instant::now();
     let mut stream = tokio::net::TcpStream::connect(addr)
         .await
-        .map_err(|e| format!("connect: {e}"))?;
+        .map_err(SlowConnectionError::Connect)?;
     let body_head = format!(
         "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nContent-Type: application/json\r\nContent-Length: 100000\r\n\r\n{{"
     );
@@ -1061,13 +1072,15 @@ async fn slow_connection(
                 .await;
                 return match rest {
                     Ok(()) => Ok(began.elapsed()),
-                    Err(_) => Err("answered but kept open".into()),
+                    Err(_) => Err(SlowConnectionError::KeptOpenAfterAnswer),
                 };
             }
             Err(_) => {}
         }
     }
-    Err(format!("still open after {} s", limit.as_secs()))
+    Err(SlowConnectionError::StillOpen {
+        seconds: limit.as_secs(),
+    })
 }
 
 async fn tokenize(

@@ -68,6 +68,17 @@ impl Reference {
     }
 }
 
+/// Why a baseline read from a file or the admin API cannot be used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum BaselineError {
+    #[error("a row has {values} values for {columns} columns")]
+    RowWidth { values: usize, columns: usize },
+    #[error("{rows} rows, more than the {max} a baseline keeps", max = MAX_ROWS)]
+    TooManyRows { rows: usize },
+    #[error("a value is not a finite number")]
+    NotFinite,
+}
+
 impl Baseline {
     /// The sorted reference sample of each numeric column.
     pub fn references(&self) -> Vec<Reference> {
@@ -81,22 +92,20 @@ impl Baseline {
     }
 
     /// Checks a baseline read from a file or the admin API.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), BaselineError> {
         if let Some(r) = self.rows.iter().find(|r| r.len() != self.columns.len()) {
-            return Err(format!(
-                "a row has {} values for {} columns",
-                r.len(),
-                self.columns.len()
-            ));
+            return Err(BaselineError::RowWidth {
+                values: r.len(),
+                columns: self.columns.len(),
+            });
         }
         if self.rows.len() > MAX_ROWS {
-            return Err(format!(
-                "{} rows, more than the {MAX_ROWS} a baseline keeps",
-                self.rows.len()
-            ));
+            return Err(BaselineError::TooManyRows {
+                rows: self.rows.len(),
+            });
         }
         if self.rows.iter().flatten().flatten().any(|v| !v.is_finite()) {
-            return Err("a value is not a finite number".into());
+            return Err(BaselineError::NotFinite);
         }
         Ok(())
     }

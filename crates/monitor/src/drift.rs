@@ -91,23 +91,37 @@ impl Default for DriftConfig {
     }
 }
 
+/// A [`DriftConfig`] setting out of its range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum DriftConfigError {
+    #[error("monitor windows must hold at least 10 observations")]
+    Window,
+    #[error("monitor test_every must be at least 1")]
+    TestEvery,
+    #[error("monitor ks_threshold must be in [0, 1] and p_value in [0, 1)")]
+    Thresholds,
+    #[error("monitor run_length must be at least 10 tests long")]
+    RunLength,
+    #[error("monitor baseline_requests must be at least 50")]
+    BaselineRequests,
+}
+
 impl DriftConfig {
-    pub fn validate(&self) -> Result<(), String> {
-        let bad = |m: &str| Err(m.to_string());
+    pub fn validate(&self) -> Result<(), DriftConfigError> {
         if self.window < 10 || self.calibrated_window < 10 {
-            return bad("monitor windows must hold at least 10 observations");
+            return Err(DriftConfigError::Window);
         }
         if self.test_every == 0 || self.calibrated_test_every == 0 {
-            return bad("monitor test_every must be at least 1");
+            return Err(DriftConfigError::TestEvery);
         }
         if !(0.0..=1.0).contains(&self.ks_threshold) || !(0.0..1.0).contains(&self.p_value) {
-            return bad("monitor ks_threshold must be in [0, 1] and p_value in [0, 1)");
+            return Err(DriftConfigError::Thresholds);
         }
         if self.run_length < 10 * self.calibrated_test_every as u64 {
-            return bad("monitor run_length must be at least 10 tests long");
+            return Err(DriftConfigError::RunLength);
         }
         if self.baseline_requests < 50 {
-            return bad("monitor baseline_requests must be at least 50");
+            return Err(DriftConfigError::BaselineRequests);
         }
         Ok(())
     }

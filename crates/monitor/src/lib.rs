@@ -9,7 +9,9 @@ pub mod features;
 pub mod output;
 pub mod stats;
 
-pub use baseline::{Baseline, BaselineBuilder};
-pub use drift::{calibrate, Alarm, Calibration, DriftConfig, DriftMonitor, DriftView, Mode};
+pub use baseline::{Baseline, BaselineBuilder, BaselineError};
+pub use drift::{
+    calibrate, Alarm, Calibration, DriftConfig, DriftConfigError, DriftMonitor, DriftView, Mode,
+};
 pub use features::{Observation, Value};
 pub use output::{OutputConfig, OutputMonitor, OutputView};

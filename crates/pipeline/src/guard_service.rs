@@ -66,12 +66,12 @@ pub struct Effective {
 struct EngineEmbed(engine::Embedder);
 
 impl guard::Embed for EngineEmbed {
-    fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, String> {
+    fn embed(&self, texts: &[&str]) -> Result<Vec<Vec<f32>>, guard::EmbedError> {
         let ids = texts
             .iter()
             .map(|t| self.0.tokenize(t))
             .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| e.to_string())?;
+            .map_err(guard::EmbedError::new)?;
         self.0
             .embed_ids(
                 &ids,
@@ -80,7 +80,7 @@ impl guard::Embed for EngineEmbed {
                     dimensions: None,
                 },
             )
-            .map_err(|e| e.to_string())
+            .map_err(guard::EmbedError::new)
     }
 
     fn count_tokens(&self, text: &str) -> usize {

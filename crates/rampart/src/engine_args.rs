@@ -89,15 +89,15 @@ impl KvArgs {
 }
 
 fn parse_kv_memory(text: &str) -> Result<KvMemory, String> {
-    text.parse()
+    text.parse::<KvMemory>().map_err(|e| e.to_string())
 }
 
 fn parse_kv_dtype(text: &str) -> Result<KvDType, String> {
-    text.parse()
+    text.parse::<KvDType>().map_err(|e| e.to_string())
 }
 
 fn parse_bytes(text: &str) -> Result<u64, String> {
-    match text.parse::<KvMemory>()? {
+    match text.parse::<KvMemory>().map_err(|e| e.to_string())? {
         KvMemory::Bytes(b) => Ok(b),
         KvMemory::Fraction(_) => Err(format!("{text:?}: a size is needed here, not a fraction")),
     }

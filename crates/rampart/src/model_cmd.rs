@@ -170,7 +170,7 @@ pub enum ModelCommand {
 }
 
 fn parse_kind(s: &str) -> Result<Kind, String> {
-    s.parse()
+    s.parse::<Kind>().map_err(|e| e.to_string())
 }
 
 fn parse_ref(s: &str) -> Result<ModelRef> {
@@ -302,7 +302,7 @@ fn import(repo: &Repository, source: PathBuf, args: ImportArgs, json: bool) -> R
         pipeline,
         build: build_info(),
         progress: progress.as_ref(),
-        rules_check: Some(guard::check_rules_file),
+        rules_check: Some(|text| Ok(guard::check_rules_file(text)?)),
         host_fingerprint: crate::host_fingerprint(),
     };
     let loaded = repo

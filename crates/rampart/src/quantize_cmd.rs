@@ -145,7 +145,7 @@ pub fn quantize(
         pipeline: None,
         build: build_info(),
         progress: progress.as_ref(),
-        rules_check: Some(guard::check_rules_file),
+        rules_check: Some(|text| Ok(guard::check_rules_file(text)?)),
         host_fingerprint: crate::host_fingerprint(),
     };
     let loaded = repo

@@ -59,11 +59,13 @@ pub enum GoldenError {
         #[source]
         source: std::io::Error,
     },
-    #[error("{file}:{line}: {message}")]
+    /// `case` is not the `source`: the message already says it, and a chain printer (anyhow's
+    /// `{:#}`, as `rampart release` prints) would say it twice.
+    #[error("{file}:{line}: {case}")]
     Parse {
         file: String,
         line: usize,
-        message: String,
+        case: CaseError,
     },
     #[error("{second}: duplicate case id `{id}` (first defined at {first})")]
     DuplicateId {
@@ -333,10 +335,10 @@ impl GoldenSet {
                     line: index + 1,
                 };
                 let case =
-                    parse_case(trimmed, source.clone()).map_err(|message| GoldenError::Parse {
+                    parse_case(trimmed, source.clone()).map_err(|case| GoldenError::Parse {
                         file: file.clone(),
                         line: index + 1,
-                        message,
+                        case,
                     })?;
                 if let Some(first) = seen.get(&case.id) {
                     return Err(GoldenError::DuplicateId {
@@ -405,48 +407,80 @@ struct RawExpected {
     boxes: Option<Vec<GroundTruthBox>>,
 }
 
-fn parse_case(line: &str, source: CaseSource) -> Result<GoldenCase, String> {
-    let raw: RawCase = serde_json::from_str(line).map_err(|e| e.to_string())?;
+/// Why one line of a golden set is not a case.
+#[derive(Debug, thiserror::Error)]
+pub enum CaseError {
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+    #[error("`id` is empty")]
+    EmptyId,
+    #[error("case `{id}`: `messages` must be an array")]
+    MessagesNotArray { id: String },
+    #[error("case `{id}`: give exactly one of `prompt`, `messages`, `input`")]
+    InputCount { id: String },
+    #[error("case `{id}`: `{key}` is not a regex: {source}")]
+    BadRegex {
+        id: String,
+        key: &'static str,
+        #[source]
+        source: regex::Error,
+    },
+    #[error("case `{id}`: `label_field` `{field}` is empty")]
+    EmptyLabelField { id: String, field: String },
+    #[error("case `{id}`: give `label_field` or `label_regex`, not both")]
+    LabelFieldAndRegex { id: String },
+    #[error(
+        "case `{id}`: box {bbox:?} of `{label}` is not [x1, y1, x2, y2] with x2 >= x1, y2 >= y1"
+    )]
+    BadBox {
+        id: String,
+        bbox: [f32; 4],
+        label: String,
+    },
+    #[error("case `{id}`: `expected.boxes` stands alone (no label, exact or regex)")]
+    BoxesNotAlone { id: String },
+    #[error("case `{id}`: give `expected.exact` or `expected.regex`, not both")]
+    ExactAndRegex { id: String },
+    #[error("case `{id}`: `expected` needs one of `label`, `exact`, `regex`, `boxes`")]
+    NoExpected { id: String },
+}
+
+fn parse_case(line: &str, source: CaseSource) -> Result<GoldenCase, CaseError> {
+    let raw: RawCase = serde_json::from_str(line)?;
     if raw.id.trim().is_empty() {
-        return Err("`id` is empty".into());
+        return Err(CaseError::EmptyId);
     }
     let input = match (raw.prompt, raw.messages, raw.input) {
         (Some(prompt), None, None) => CaseInput::Prompt(prompt),
         (None, Some(messages), None) => {
             if !messages.is_array() {
-                return Err(format!("case `{}`: `messages` must be an array", raw.id));
+                return Err(CaseError::MessagesNotArray { id: raw.id.clone() });
             }
             CaseInput::Messages(messages)
         }
         (None, None, Some(input)) => CaseInput::Input(input),
-        _ => {
-            return Err(format!(
-                "case `{}`: give exactly one of `prompt`, `messages`, `input`",
-                raw.id
-            ))
-        }
+        _ => return Err(CaseError::InputCount { id: raw.id.clone() }),
     };
-    let compile = |pattern: &str, key: &str| {
-        Regex::new(pattern).map_err(|e| format!("case `{}`: `{key}` is not a regex: {e}", raw.id))
+    let compile = |pattern: &str, key: &'static str| {
+        Regex::new(pattern).map_err(|source| CaseError::BadRegex {
+            id: raw.id.clone(),
+            key,
+            source,
+        })
     };
     let extraction = match (raw.label_field, raw.label_regex) {
         (None, None) => LabelExtraction::WholeText,
         (Some(field), None) => {
             if field.split('.').any(str::is_empty) {
-                return Err(format!(
-                    "case `{}`: `label_field` `{field}` is empty",
-                    raw.id
-                ));
+                return Err(CaseError::EmptyLabelField {
+                    id: raw.id.clone(),
+                    field,
+                });
             }
             LabelExtraction::JsonField(field)
         }
         (None, Some(pattern)) => LabelExtraction::Regex(compile(&pattern, "label_regex")?),
-        (Some(_), Some(_)) => {
-            return Err(format!(
-                "case `{}`: give `label_field` or `label_regex`, not both",
-                raw.id
-            ))
-        }
+        (Some(_), Some(_)) => return Err(CaseError::LabelFieldAndRegex { id: raw.id.clone() }),
     };
     let e = raw.expected;
     let expected = match (e.label, e.exact, e.regex, e.boxes) {
@@ -454,38 +488,24 @@ fn parse_case(line: &str, source: CaseSource) -> Result<GoldenCase, String> {
             for gt in &boxes {
                 let [x1, y1, x2, y2] = gt.bbox;
                 if !gt.bbox.iter().all(|v| v.is_finite()) || x2 < x1 || y2 < y1 {
-                    return Err(format!(
-                        "case `{}`: box {:?} of `{}` is not [x1, y1, x2, y2] with x2 >= x1, y2 >= y1",
-                        raw.id, gt.bbox, gt.label
-                    ));
+                    return Err(CaseError::BadBox {
+                        id: raw.id.clone(),
+                        bbox: gt.bbox,
+                        label: gt.label.clone(),
+                    });
                 }
             }
             Expected::Boxes(boxes)
         }
-        (_, _, _, Some(_)) => {
-            return Err(format!(
-                "case `{}`: `expected.boxes` stands alone (no label, exact or regex)",
-                raw.id
-            ))
-        }
+        (_, _, _, Some(_)) => return Err(CaseError::BoxesNotAlone { id: raw.id.clone() }),
         (Some(label), None, None, None) => Expected::Label(label.trim().to_owned()),
         (class, Some(text), None, None) => Expected::Exact { text, class },
         (class, None, Some(pattern), None) => Expected::Regex {
             regex: compile(&pattern, "expected.regex")?,
             class,
         },
-        (_, Some(_), Some(_), None) => {
-            return Err(format!(
-                "case `{}`: give `expected.exact` or `expected.regex`, not both",
-                raw.id
-            ))
-        }
-        (None, None, None, None) => {
-            return Err(format!(
-                "case `{}`: `expected` needs one of `label`, `exact`, `regex`, `boxes`",
-                raw.id
-            ))
-        }
+        (_, Some(_), Some(_), None) => return Err(CaseError::ExactAndRegex { id: raw.id.clone() }),
+        (None, None, None, None) => return Err(CaseError::NoExpected { id: raw.id.clone() }),
     };
     Ok(GoldenCase {
         id: raw.id,

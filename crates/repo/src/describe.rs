@@ -138,7 +138,7 @@ pub fn source_files(source: &Path) -> Result<Vec<SourceEntry>, RepoError> {
     }
     for e in &entries {
         crate::digests::check_relative_path(&e.relative)
-            .map_err(|reason| unsupported(&e.path, reason))?;
+            .map_err(|reason| unsupported(&e.path, reason.to_string()))?;
         if RESERVED_FILES.contains(&e.relative.as_str()) {
             return Err(unsupported(
                 &e.path,
@@ -157,8 +157,9 @@ pub fn source_files(source: &Path) -> Result<Vec<SourceEntry>, RepoError> {
 
 /// Parses and compiles a rules file's text as the server will (the guard's
 /// `guard::check_rules_file`) and returns its number of rules. The repository takes it from
-/// its caller so that it (and the engine that reads it) builds without the guard.
-pub type RulesCheck = fn(&str) -> Result<u64, String>;
+/// its caller so that it (and the engine that reads it) builds without the guard; the error is
+/// the guard's, whose message is shown.
+pub type RulesCheck = fn(&str) -> Result<u64, Box<dyn std::error::Error + Send + Sync>>;
 
 /// Detects the format and kind of `source` and reads its facts. `kind` overrides detection
 /// (e.g. an ONNX graph that is an embedder).

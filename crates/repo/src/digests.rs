@@ -65,7 +65,7 @@ impl Digests {
     }
 
     /// Parses the text of a `DIGESTS` file and checks its recorded version digest.
-    pub fn parse(text: &str) -> Result<Self, String> {
+    pub fn parse(text: &str) -> Result<Self, DigestsError> {
         let mut files = BTreeMap::new();
         let mut recorded = None;
         for (number, line) in text.lines().enumerate() {
@@ -74,7 +74,7 @@ impl Digests {
                 continue;
             }
             if recorded.is_some() {
-                return Err(format!("line {number}: text after the version line"));
+                return Err(DigestsError::TextAfterVersion { line: number });
             }
             if let Some(digest) = line.strip_prefix("version sha256:") {
                 recorded = Some(digest.to_string());
@@ -82,26 +82,37 @@ impl Digests {
             }
             let (hex, path) = line
                 .split_once("  ")
-                .ok_or_else(|| format!("line {number}: expected `SHA256  PATH`"))?;
+                .ok_or(DigestsError::NotHashAndPath { line: number })?;
             if hex.len() != 64
                 || !hex
                     .bytes()
                     .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
             {
-                return Err(format!("line {number}: {hex:?} is not a lowercase sha256"));
+                return Err(DigestsError::NotSha256 {
+                    line: number,
+                    hex: hex.to_string(),
+                });
             }
-            check_relative_path(path).map_err(|reason| format!("line {number}: {reason}"))?;
+            check_relative_path(path).map_err(|source| DigestsError::Path {
+                line: number,
+                source,
+            })?;
             if files.insert(path.to_string(), hex.to_string()).is_some() {
-                return Err(format!("line {number}: {path} is listed twice"));
+                return Err(DigestsError::ListedTwice {
+                    line: number,
+                    path: path.to_string(),
+                });
             }
         }
         let digests = Self { files };
         match recorded {
-            None => Err("no `version sha256:` line".into()),
-            Some(r) if r != digests.version_digest() => Err(format!(
-                "recorded version digest {r} does not match the file lines ({})",
-                digests.version_digest()
-            )),
+            None => Err(DigestsError::NoVersionLine),
+            Some(recorded) if recorded != digests.version_digest() => {
+                Err(DigestsError::VersionMismatch {
+                    recorded,
+                    computed: digests.version_digest(),
+                })
+            }
             Some(_) => Ok(digests),
         }
     }
@@ -110,7 +121,7 @@ impl Digests {
     pub fn read(dir: &Path) -> Result<Self, RepoError> {
         let path = dir.join(DIGESTS_FILE);
         let text = std::fs::read_to_string(&path).map_err(RepoError::io(&path))?;
-        Self::parse(&text).map_err(|reason| RepoError::BadDigests { path, reason })
+        Self::parse(&text).map_err(|problem| RepoError::BadDigests { path, problem })
     }
 
     /// Writes `DIGESTS` into `dir`.
@@ -120,8 +131,38 @@ impl Digests {
     }
 }
 
+/// Why the text of a `DIGESTS` file is not one.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DigestsError {
+    #[error("line {line}: text after the version line")]
+    TextAfterVersion { line: usize },
+    #[error("line {line}: expected `SHA256  PATH`")]
+    NotHashAndPath { line: usize },
+    #[error("line {line}: {hex:?} is not a lowercase sha256")]
+    NotSha256 { line: usize, hex: String },
+    #[error("line {line}: {source}")]
+    Path {
+        line: usize,
+        #[source]
+        source: RelativePathError,
+    },
+    #[error("line {line}: {path} is listed twice")]
+    ListedTwice { line: usize, path: String },
+    #[error("no `version sha256:` line")]
+    NoVersionLine,
+    #[error("recorded version digest {recorded} does not match the file lines ({computed})")]
+    VersionMismatch { recorded: String, computed: String },
+}
+
+/// A path that is not a plain relative one (see [`check_relative_path`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{path:?} is not a plain relative path")]
+pub struct RelativePathError {
+    pub path: String,
+}
+
 /// A path as it may appear in DIGESTS: relative, `/`-separated, no `.`/`..`, no control chars.
-pub fn check_relative_path(path: &str) -> Result<(), String> {
+pub fn check_relative_path(path: &str) -> Result<(), RelativePathError> {
     if path.is_empty()
         || path.starts_with('/')
         || path.contains('\\')
@@ -130,7 +171,9 @@ pub fn check_relative_path(path: &str) -> Result<(), String> {
             .split('/')
             .any(|part| part.is_empty() || part == "." || part == "..")
     {
-        return Err(format!("{path:?} is not a plain relative path"));
+        return Err(RelativePathError {
+            path: path.to_string(),
+        });
     }
     Ok(())
 }
@@ -380,8 +423,12 @@ mod tests {
         let edited = text.replacen(&"a".repeat(64), &"e".repeat(64), 1);
         assert!(Digests::parse(&edited)
             .unwrap_err()
+            .to_string()
             .contains("does not match"));
-        assert!(Digests::parse("").unwrap_err().contains("no `version"));
+        assert!(Digests::parse("")
+            .unwrap_err()
+            .to_string()
+            .contains("no `version"));
         let bad_path = sample()
             .render()
             .replace("sub/tokenizer.json", "../tokenizer.json");

@@ -41,8 +41,13 @@ pub enum RepoError {
     BadModelFile { path: PathBuf, reason: String },
     #[error("invalid manifest {path}: {reason}")]
     BadManifest { path: PathBuf, reason: String },
-    #[error("invalid DIGESTS file {path}: {reason}")]
-    BadDigests { path: PathBuf, reason: String },
+    /// `problem` is not the `source`: the message already says it, and a chain printer
+    /// (anyhow's `{:#}`) would say it twice.
+    #[error("invalid DIGESTS file {path}: {problem}")]
+    BadDigests {
+        path: PathBuf,
+        problem: crate::digests::DigestsError,
+    },
     #[error("{name}@{version} failed verification: {summary}")]
     VerificationFailed {
         name: String,

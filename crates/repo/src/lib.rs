@@ -34,6 +34,6 @@ pub use error::RepoError;
 pub use lineage::{BuildInfo, Derivation, Lineage};
 pub use manifest::{Format, Kind, Manifest};
 pub use model_ref::ModelRef;
-pub use pipeline::{Declaration, Pipeline};
+pub use pipeline::{Declaration, Pipeline, PipelineError};
 pub use progress::{NoProgress, Progress};
 pub use repository::{ImportOptions, LoadedVersion, ModelVersion, Repository};

@@ -51,13 +51,22 @@ impl fmt::Display for Kind {
     }
 }
 
+/// A kind name that is none of [`Kind::ALL`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown kind {name:?} (expected llm, embedding, onnx or rules)")]
+pub struct UnknownKind {
+    pub name: String,
+}
+
 impl std::str::FromStr for Kind {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = UnknownKind;
+    fn from_str(s: &str) -> Result<Self, UnknownKind> {
         Kind::ALL
             .into_iter()
             .find(|k| k.as_str() == s)
-            .ok_or_else(|| format!("unknown kind {s:?} (expected llm, embedding, onnx or rules)"))
+            .ok_or_else(|| UnknownKind {
+                name: s.to_string(),
+            })
     }
 }
 

@@ -14,6 +14,40 @@ use serde::{Deserialize, Serialize};
 
 use crate::manifest::{OnnxSection, TensorSpec};
 
+/// Why a declared pipeline cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    /// A setting of `[pipeline]` is invalid or does not fit the graph.
+    #[error("pipeline.{setting}: {reason}")]
+    Setting { setting: String, reason: String },
+    /// A monitor feature pattern is not a feature name or a prefix of one.
+    #[error(
+        "monitor feature {pattern:?}: a feature name or a prefix ending in '*', starting \
+         with one of {}",
+        FEATURE_FAMILIES.join(", ")
+    )]
+    FeaturePattern { pattern: String },
+    /// `features = []` would watch nothing.
+    #[error(
+        "monitor features = []: leave it out to watch every feature, or name \
+         some (to watch none, turn [monitor] off in the server's configuration)"
+    )]
+    NoFeatures,
+    /// `labels_file` could not be read.
+    #[error("{file}: {source}")]
+    LabelsFile {
+        file: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// `labels_metadata` names a key the model's metadata lacks.
+    #[error("labels_metadata: the model's metadata has no key {key:?} (keys: {keys})")]
+    LabelsMetadata { key: String, keys: String },
+    /// The declaration file is not valid TOML of the expected shape.
+    #[error(transparent)]
+    Parse(#[from] toml::de::Error),
+}
+
 /// `[pipeline]`: everything optional; a model without it takes raw tensors only.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -57,7 +91,7 @@ impl MonitorFeatures {
         self.features.as_deref().is_none_or(hit) && !hit(&self.exclude)
     }
 
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), PipelineError> {
         let patterns = self.features.iter().flatten().chain(&self.exclude);
         for p in patterns {
             let stem = p.strip_suffix('*').unwrap_or(p);
@@ -67,19 +101,11 @@ impl MonitorFeatures {
                 && stem.chars().all(|c| !c.is_whitespace() && !c.is_control())
                 && !stem.contains('*');
             if !well_formed || !FEATURE_FAMILIES.iter().any(|f| p.starts_with(f)) {
-                return Err(format!(
-                    "monitor feature {p:?}: a feature name or a prefix ending in '*', starting \
-                     with one of {}",
-                    FEATURE_FAMILIES.join(", ")
-                ));
+                return Err(PipelineError::FeaturePattern { pattern: p.clone() });
             }
         }
         if self.features.as_ref().is_some_and(Vec::is_empty) {
-            return Err(
-                "monitor features = []: leave it out to watch every feature, or name \
-                        some (to watch none, turn [monitor] off in the server's configuration)"
-                    .into(),
-            );
+            return Err(PipelineError::NoFeatures);
         }
         Ok(())
     }
@@ -383,21 +409,25 @@ impl Labels {
     pub fn resolve(
         &self,
         metadata: &BTreeMap<String, String>,
-        read_file: impl FnOnce(&str) -> Result<String, String>,
-    ) -> Result<Option<Vec<String>>, String> {
+        read_file: impl FnOnce(&str) -> std::io::Result<String>,
+    ) -> Result<Option<Vec<String>>, PipelineError> {
         if let Some(labels) = &self.labels {
             return Ok(Some(labels.clone()));
         }
         if let Some(file) = &self.labels_file {
-            return Ok(Some(split_labels(&read_file(file)?)));
+            let text = read_file(file).map_err(|source| PipelineError::LabelsFile {
+                file: file.clone(),
+                source,
+            })?;
+            return Ok(Some(split_labels(&text)));
         }
         if let Some(key) = &self.labels_metadata {
-            let text = metadata.get(key).ok_or_else(|| {
-                format!(
-                    "labels_metadata: the model's metadata has no key {key:?} (keys: {})",
-                    metadata.keys().cloned().collect::<Vec<_>>().join(", ")
-                )
-            })?;
+            let text = metadata
+                .get(key)
+                .ok_or_else(|| PipelineError::LabelsMetadata {
+                    key: key.clone(),
+                    keys: metadata.keys().cloned().collect::<Vec<_>>().join(", "),
+                })?;
             return Ok(Some(split_labels(text)));
         }
         Ok(None)
@@ -417,8 +447,11 @@ pub fn split_labels(text: &str) -> Vec<String> {
 }
 
 /// A problem with a declared pipeline, naming the setting.
-fn bad(what: &str, why: impl std::fmt::Display) -> String {
-    format!("pipeline.{what}: {why}")
+fn bad(what: &str, why: impl std::fmt::Display) -> PipelineError {
+    PipelineError::Setting {
+        setting: what.to_string(),
+        reason: why.to_string(),
+    }
 }
 
 fn fixed(dim: &Dim) -> Option<i64> {
@@ -428,7 +461,11 @@ fn fixed(dim: &Dim) -> Option<i64> {
     }
 }
 
-fn find<'a>(specs: &'a [TensorSpec], name: &str, what: &str) -> Result<&'a TensorSpec, String> {
+fn find<'a>(
+    specs: &'a [TensorSpec],
+    name: &str,
+    what: &str,
+) -> Result<&'a TensorSpec, PipelineError> {
     specs.iter().find(|s| s.name == name).ok_or_else(|| {
         bad(
             what,
@@ -451,7 +488,7 @@ impl Pipeline {
         &self,
         onnx: &OnnxSection,
         has_file: &dyn Fn(&str) -> bool,
-    ) -> Result<(), String> {
+    ) -> Result<(), PipelineError> {
         if let Some(pre) = &self.preprocess {
             pre.validate(onnx)?;
         }
@@ -484,7 +521,7 @@ impl Preprocess {
         }
     }
 
-    fn validate(&self, onnx: &OnnxSection) -> Result<(), String> {
+    fn validate(&self, onnx: &OnnxSection) -> Result<(), PipelineError> {
         let input = find(&onnx.inputs, &self.input, "preprocess.input")?;
         if input.dtype != "float32" {
             return Err(bad(
@@ -598,7 +635,11 @@ impl Postprocess {
         }
     }
 
-    fn validate(&self, onnx: &OnnxSection, has_file: &dyn Fn(&str) -> bool) -> Result<(), String> {
+    fn validate(
+        &self,
+        onnx: &OnnxSection,
+        has_file: &dyn Fn(&str) -> bool,
+    ) -> Result<(), PipelineError> {
         let labels = self.labels();
         if labels.count() > 1 {
             return Err(bad(
@@ -701,7 +742,7 @@ impl Postprocess {
 }
 
 impl Batching {
-    fn validate(&self, onnx: &OnnxSection) -> Result<(), String> {
+    fn validate(&self, onnx: &OnnxSection) -> Result<(), PipelineError> {
         if self.max_batch_size == 0 || self.max_batch_size > 4096 {
             return Err(bad("batching.max_batch_size", "must be in 1..=4096"));
         }
@@ -752,8 +793,8 @@ pub struct Declaration {
 }
 
 impl Declaration {
-    pub fn parse(text: &str) -> Result<Self, String> {
-        toml::from_str(text).map_err(|e| e.to_string())
+    pub fn parse(text: &str) -> Result<Self, PipelineError> {
+        Ok(toml::from_str(text)?)
     }
 }
 
@@ -795,8 +836,10 @@ mod tests {
     }
 
     fn check(text: &str, graph: &OnnxSection) -> Result<(), String> {
-        let d = Declaration::parse(text)?;
-        d.pipeline.validate(graph, &|f| f == "labels.txt")
+        let d = Declaration::parse(text).map_err(|e| e.to_string())?;
+        d.pipeline
+            .validate(graph, &|f| f == "labels.txt")
+            .map_err(|e| e.to_string())
     }
 
     #[test]

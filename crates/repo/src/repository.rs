@@ -470,12 +470,11 @@ fn declared_pipeline(
         Some(p) => (p.clone(), source.to_path_buf()),
         None if source.is_dir() && beside.is_file() => {
             let text = std::fs::read_to_string(&beside).map_err(RepoError::io(&beside))?;
-            let declaration = crate::pipeline::Declaration::parse(&text).map_err(|reason| {
-                RepoError::BadManifest {
+            let declaration =
+                crate::pipeline::Declaration::parse(&text).map_err(|e| RepoError::BadManifest {
                     path: beside.clone(),
-                    reason,
-                }
-            })?;
+                    reason: e.to_string(),
+                })?;
             (declaration.pipeline, beside)
         }
         None => return Ok(None),
@@ -490,11 +489,13 @@ fn declared_pipeline(
     match &description.onnx {
         Some(onnx) => {
             let has_file = |name: &str| description.files.iter().any(|f| f.relative == name);
-            pipeline.validate(onnx, &has_file).map_err(invalid)?;
+            pipeline
+                .validate(onnx, &has_file)
+                .map_err(|e| invalid(e.to_string()))?;
         }
         None => {
             if let Some(monitor) = &pipeline.monitor {
-                monitor.validate().map_err(invalid)?;
+                monitor.validate().map_err(|e| invalid(e.to_string()))?;
             }
             if pipeline.preprocess.is_some() || pipeline.postprocess.is_some() {
                 return Err(invalid(format!(

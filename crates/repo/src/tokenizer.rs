@@ -15,6 +15,32 @@ use sha2::{Digest, Sha256};
 
 use crate::manifest::{SpecialToken, TokenizerSection};
 
+/// Why a model's tokenizer could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error(transparent)]
+    Gguf(#[from] formats::gguf::GgufError),
+    #[error("{file}: {source}")]
+    Read {
+        file: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{file}: {source}")]
+    Json {
+        file: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The tokenizer's data is not the shape it should have; says which part.
+    #[error("{0}")]
+    Malformed(String),
+}
+
+fn malformed(what: impl Into<String>) -> TokenizerError {
+    TokenizerError::Malformed(what.into())
+}
+
 /// Everything we compare about a tokenizer.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct TokenizerFacts {
@@ -60,30 +86,30 @@ const HF_SPECIAL: &[(&str, &str)] = &[
 
 impl TokenizerFacts {
     /// Reads the tokenizer embedded in GGUF metadata; `None` when the file carries none.
-    pub fn from_gguf(g: &Gguf) -> Result<Option<Self>, String> {
-        let err = |e: formats::gguf::GgufError| e.to_string();
-        let Some(kind) = g.get_str("tokenizer.ggml.model").map_err(err)? else {
+    pub fn from_gguf(g: &Gguf) -> Result<Option<Self>, TokenizerError> {
+        let Some(kind) = g.get_str("tokenizer.ggml.model")? else {
             return Ok(None);
         };
-        let tokens = match g.get_array("tokenizer.ggml.tokens").map_err(err)? {
+        let tokens = match g.get_array("tokenizer.ggml.tokens")? {
             Some(a) => a
                 .as_strings()
-                .ok_or("tokenizer.ggml.tokens is not an array of strings")?
+                .ok_or_else(|| malformed("tokenizer.ggml.tokens is not an array of strings"))?
                 .to_vec(),
             None => Vec::new(),
         };
-        let merges = match g.get_array("tokenizer.ggml.merges").map_err(err)? {
+        let merges = match g.get_array("tokenizer.ggml.merges")? {
             Some(a) => a
                 .as_strings()
-                .ok_or("tokenizer.ggml.merges is not an array of strings")?
+                .ok_or_else(|| malformed("tokenizer.ggml.merges is not an array of strings"))?
                 .to_vec(),
             None => Vec::new(),
         };
         let mut special = BTreeMap::new();
         for (key, role) in GGUF_SPECIAL {
-            if let Some(id) = g.get_u64(&format!("tokenizer.ggml.{key}")).map_err(err)? {
+            if let Some(id) = g.get_u64(&format!("tokenizer.ggml.{key}"))? {
                 let text = tokens.get(id as usize).cloned().unwrap_or_default();
-                let id = u32::try_from(id).map_err(|_| format!("{key} {id} is out of range"))?;
+                let id = u32::try_from(id)
+                    .map_err(|_| malformed(format!("{key} {id} is out of range")))?;
                 special.insert(role.to_string(), SpecialToken { id, text });
             }
         }
@@ -96,48 +122,44 @@ impl TokenizerFacts {
         Ok(Some(Self {
             source: "gguf".into(),
             kind: kind.to_string(),
-            pre: g
-                .get_str("tokenizer.ggml.pre")
-                .map_err(err)?
-                .map(str::to_string),
+            pre: g.get_str("tokenizer.ggml.pre")?.map(str::to_string),
             vocab,
             vocab_size,
             merges,
             special,
-            add_bos: g.get_bool("tokenizer.ggml.add_bos_token").map_err(err)?,
-            add_eos: g.get_bool("tokenizer.ggml.add_eos_token").map_err(err)?,
-            chat_template: g
-                .get_str("tokenizer.chat_template")
-                .map_err(err)?
-                .map(str::to_string),
+            add_bos: g.get_bool("tokenizer.ggml.add_bos_token")?,
+            add_eos: g.get_bool("tokenizer.ggml.add_eos_token")?,
+            chat_template: g.get_str("tokenizer.chat_template")?.map(str::to_string),
         }))
     }
 
     /// Reads a Hugging Face tokenizer folder: `tokenizer.json`, plus `tokenizer_config.json`,
     /// `special_tokens_map.json` and `chat_template.jinja` when present. `None` without
     /// `tokenizer.json`.
-    pub fn from_folder(dir: &Path) -> Result<Option<Self>, String> {
+    pub fn from_folder(dir: &Path) -> Result<Option<Self>, TokenizerError> {
         let path = dir.join("tokenizer.json");
         if !path.is_file() {
             return Ok(None);
         }
-        let read_json = |name: &str| -> Result<Option<Json>, String> {
+        let read_json = |name: &'static str| -> Result<Option<Json>, TokenizerError> {
             let p = dir.join(name);
             if !p.is_file() {
                 return Ok(None);
             }
-            let text = std::fs::read_to_string(&p).map_err(|e| format!("{name}: {e}"))?;
+            let text = std::fs::read_to_string(&p)
+                .map_err(|source| TokenizerError::Read { file: name, source })?;
             serde_json::from_str(&text)
                 .map(Some)
-                .map_err(|e| format!("{name}: {e}"))
+                .map_err(|source| TokenizerError::Json { file: name, source })
         };
-        let tokenizer = read_json("tokenizer.json")?.ok_or("tokenizer.json vanished")?;
+        let tokenizer =
+            read_json("tokenizer.json")?.ok_or_else(|| malformed("tokenizer.json vanished"))?;
         let config = read_json("tokenizer_config.json")?.unwrap_or(Json::Null);
         let special_map = read_json("special_tokens_map.json")?.unwrap_or(Json::Null);
 
         let model = tokenizer
             .get("model")
-            .ok_or("tokenizer.json has no \"model\"")?;
+            .ok_or_else(|| malformed("tokenizer.json has no \"model\""))?;
         let kind = model
             .get("type")
             .and_then(Json::as_str)
@@ -152,7 +174,7 @@ impl TokenizerFacts {
                     None
                 }
             })
-            .ok_or("tokenizer.json model has no \"type\"")?;
+            .ok_or_else(|| malformed("tokenizer.json model has no \"type\""))?;
 
         let mut vocab: HashMap<String, u32> = HashMap::new();
         match model.get("vocab") {
@@ -161,21 +183,20 @@ impl TokenizerFacts {
                     let id = id
                         .as_u64()
                         .and_then(|id| u32::try_from(id).ok())
-                        .ok_or_else(|| format!("vocab entry {token:?} has id {id}"))?;
+                        .ok_or_else(|| malformed(format!("vocab entry {token:?} has id {id}")))?;
                     vocab.insert(token.clone(), id);
                 }
             }
             // Unigram: a list of [token, score]; the id is the position.
             Some(Json::Array(list)) => {
                 for (id, entry) in list.iter().enumerate() {
-                    let token = entry
-                        .get(0)
-                        .and_then(Json::as_str)
-                        .ok_or_else(|| format!("vocab entry {id} is not [token, score]"))?;
+                    let token = entry.get(0).and_then(Json::as_str).ok_or_else(|| {
+                        malformed(format!("vocab entry {id} is not [token, score]"))
+                    })?;
                     vocab.entry(token.to_string()).or_insert(id as u32);
                 }
             }
-            _ => return Err("tokenizer.json model has no vocab".into()),
+            _ => return Err(malformed("tokenizer.json model has no vocab")),
         }
         let mut added = Vec::new();
         if let Some(list) = tokenizer.get("added_tokens").and_then(Json::as_array) {
@@ -184,10 +205,10 @@ impl TokenizerFacts {
                     t.get("content").and_then(Json::as_str),
                     t.get("id").and_then(Json::as_u64),
                 ) else {
-                    return Err("added_tokens entry without content or id".into());
+                    return Err(malformed("added_tokens entry without content or id"));
                 };
                 let id = u32::try_from(id)
-                    .map_err(|_| format!("added token {content:?} has id {id}"))?;
+                    .map_err(|_| malformed(format!("added token {content:?} has id {id}")))?;
                 vocab.insert(content.to_string(), id);
                 added.push((content.to_string(), id));
             }
@@ -201,13 +222,13 @@ impl TokenizerFacts {
                     Json::Array(pair) if pair.len() == 2 => {
                         match (pair[0].as_str(), pair[1].as_str()) {
                             (Some(a), Some(b)) => Ok(format!("{a} {b}")),
-                            _ => Err("merge pair is not two strings".to_string()),
+                            _ => Err(malformed("merge pair is not two strings")),
                         }
                     }
-                    _ => Err("merge is neither \"a b\" nor [a, b]".to_string()),
+                    _ => Err(malformed("merge is neither \"a b\" nor [a, b]")),
                 })
                 .collect::<Result<_, _>>()?,
-            Some(_) => return Err("tokenizer.json merges is not a list".into()),
+            Some(_) => return Err(malformed("tokenizer.json merges is not a list")),
         };
 
         let token_text = |v: &Json| -> Option<String> {
@@ -251,10 +272,12 @@ impl TokenizerFacts {
             None => {
                 let jinja = dir.join("chat_template.jinja");
                 if jinja.is_file() {
-                    Some(
-                        std::fs::read_to_string(&jinja)
-                            .map_err(|e| format!("chat_template.jinja: {e}"))?,
-                    )
+                    Some(std::fs::read_to_string(&jinja).map_err(|source| {
+                        TokenizerError::Read {
+                            file: "chat_template.jinja",
+                            source,
+                        }
+                    })?)
                 } else {
                     None
                 }

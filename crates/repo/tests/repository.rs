@@ -28,7 +28,7 @@ fn options(name: &str, version: &str) -> ImportOptions<'static> {
         pipeline: None,
         build: build(),
         progress: &NoProgress,
-        rules_check: Some(guard::check_rules_file),
+        rules_check: Some(|text| Ok(guard::check_rules_file(text)?)),
         host_fingerprint: serde_json::to_value(host::fingerprint(&host::Context::default())).ok(),
     }
 }

@@ -105,7 +105,7 @@ impl Monitors {
         let text = std::fs::read_to_string(&path).ok()?;
         match serde_json::from_str::<Baseline>(&text)
             .map_err(|e| e.to_string())
-            .and_then(|b| b.validate().map(|()| b))
+            .and_then(|b| b.validate().map(|()| b).map_err(|e| e.to_string()))
         {
             Ok(b) => Some(b),
             Err(e) => {
@@ -166,7 +166,9 @@ impl Monitors {
         version: &str,
         baseline: Baseline,
     ) -> Result<(), MonitorError> {
-        baseline.validate().map_err(MonitorError)?;
+        baseline
+            .validate()
+            .map_err(|e| MonitorError(e.to_string()))?;
         if baseline.rows.is_empty() && baseline.categorical.is_empty() {
             return Err(MonitorError("the baseline holds no observation".into()));
         }

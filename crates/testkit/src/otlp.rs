@@ -265,16 +265,31 @@ impl Receiver {
     }
 }
 
+/// Why received spans are not one tree (see [`check_tree`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TreeError {
+    #[error("two spans share an id")]
+    DuplicateId,
+    #[error("the root {root:?} has parent {parent:?}, expected {expected:?}")]
+    RootParent {
+        root: String,
+        parent: String,
+        expected: String,
+    },
+    #[error("{count} spans have no parent in the trace: {names:?}", count = .names.len())]
+    Roots { names: Vec<String> },
+}
+
 /// Checks that `spans` form one tree: exactly one span whose parent is not among them (the
 /// root, whose parent must be `root_parent`: empty, or the caller's span id), and every other
 /// span's parent present. Returns the root, or what is wrong.
 pub fn check_tree<'a>(
     spans: &'a [ReceivedSpan],
     root_parent: &str,
-) -> Result<&'a ReceivedSpan, String> {
+) -> Result<&'a ReceivedSpan, TreeError> {
     let ids: std::collections::BTreeSet<&str> = spans.iter().map(|s| s.span_id.as_str()).collect();
     if ids.len() != spans.len() {
-        return Err("two spans share an id".into());
+        return Err(TreeError::DuplicateId);
     }
     let roots: Vec<&ReceivedSpan> = spans
         .iter()
@@ -282,15 +297,14 @@ pub fn check_tree<'a>(
         .collect();
     match roots.as_slice() {
         [root] if root.parent_span_id == root_parent => Ok(root),
-        [root] => Err(format!(
-            "the root {:?} has parent {:?}, expected {root_parent:?}",
-            root.name, root.parent_span_id
-        )),
-        _ => Err(format!(
-            "{} spans have no parent in the trace: {:?}",
-            roots.len(),
-            roots.iter().map(|s| &s.name).collect::<Vec<_>>()
-        )),
+        [root] => Err(TreeError::RootParent {
+            root: root.name.clone(),
+            parent: root.parent_span_id.clone(),
+            expected: root_parent.to_string(),
+        }),
+        _ => Err(TreeError::Roots {
+            names: roots.iter().map(|s| s.name.clone()).collect(),
+        }),
     }
 }
 

@@ -644,8 +644,8 @@ fn pcie_aer(env: &Env, gpus: &GpuFacts) -> Vec<Check> {
         .into_iter()
         .map(|(label, bus)| {
             let dir = format!("/sys/bus/pci/devices/{bus}");
-            let total = |kind: &str| -> Result<u64, String> {
-                let text = env.tree.read(&format!("{dir}/aer_dev_{kind}")).map_err(|e| e.to_string())?;
+            let total = |kind: &str| -> Result<u64, crate::tree::Unreadable> {
+                let text = env.tree.read(&format!("{dir}/aer_dev_{kind}"))?;
                 Ok(text
                     .lines()
                     .find(|l| l.starts_with("TOTAL_"))

@@ -128,8 +128,8 @@ pub(crate) fn checks(env: &Env) -> Vec<Check> {
 }
 
 /// Active swap devices and their total size.
-fn active_swap(env: &Env) -> Result<(usize, u64), String> {
-    let text = env.tree.read("/proc/swaps").map_err(|e| e.to_string())?;
+fn active_swap(env: &Env) -> Result<(usize, u64), crate::tree::Unreadable> {
+    let text = env.tree.read("/proc/swaps")?;
     let mut devices = 0;
     let mut bytes = 0;
     for line in text.lines().skip(1) {
@@ -143,7 +143,7 @@ fn active_swap(env: &Env) -> Result<(usize, u64), String> {
 }
 
 fn swap_check(
-    swap: &Result<(usize, u64), String>,
+    swap: &Result<(usize, u64), crate::tree::Unreadable>,
     swappiness: &Result<i64, crate::tree::Unreadable>,
 ) -> Check {
     match swap {
@@ -163,7 +163,7 @@ fn swap_check(
 }
 
 fn swappiness_check(
-    swap: &Result<(usize, u64), String>,
+    swap: &Result<(usize, u64), crate::tree::Unreadable>,
     swappiness: &Result<i64, crate::tree::Unreadable>,
 ) -> Check {
     match swappiness {
@@ -237,6 +237,7 @@ fn hugepages(env: &Env) -> Check {
         return HUGEPAGES.unknown(
             env.meminfo_value("HugePages_Total")
                 .err()
+                .map(|e| e.to_string())
                 .unwrap_or_default(),
         );
     };

@@ -173,13 +173,16 @@ impl<'a> Env<'a> {
         self.injected_probe.or(self.gpus().owned_probe.as_deref())
     }
 
-    pub fn meminfo_value(&self, key: &str) -> Result<u64, String> {
+    pub fn meminfo_value(&self, key: &str) -> Result<u64, ProcValueError> {
         match &self.meminfo {
             Ok(map) => map
                 .get(key)
                 .copied()
-                .ok_or_else(|| format!("no {key} in /proc/meminfo")),
-            Err(e) => Err(e.to_string()),
+                .ok_or_else(|| ProcValueError::Missing {
+                    what: key.to_string(),
+                    path: "/proc/meminfo".to_string(),
+                }),
+            Err(e) => Err(ProcValueError::Unreadable(e.clone())),
         }
     }
 
@@ -255,7 +258,7 @@ impl GpuFacts {
         if injected.is_none() {
             match crate::gpu::probe_for_root(tree.root()) {
                 Ok(p) => facts.owned_probe = Some(p),
-                Err(e) => facts.probe_error = Some(e),
+                Err(e) => facts.probe_error = Some(e.to_string()),
             }
         }
         if let Some(probe) = injected.or(facts.owned_probe.as_deref()) {
@@ -343,10 +346,19 @@ pub(crate) fn sysctl_path(key: &str) -> String {
     format!("/proc/sys/{}", key.replace('.', "/"))
 }
 
+/// Why a value of a `/proc` file is unknown.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum ProcValueError {
+    #[error(transparent)]
+    Unreadable(#[from] Unreadable),
+    #[error("no {what} in {path}")]
+    Missing { what: String, path: String },
+}
+
 /// Pressure stall information: `some avg10` of `/proc/pressure/<what>`.
-pub(crate) fn pressure_some_avg10(env: &Env, what: &str) -> Result<f64, String> {
+pub(crate) fn pressure_some_avg10(env: &Env, what: &str) -> Result<f64, ProcValueError> {
     let path = format!("/proc/pressure/{what}");
-    let text = env.tree.read(&path).map_err(|e| e.to_string())?;
+    let text = env.tree.read(&path)?;
     text.lines()
         .find(|l| l.starts_with("some"))
         .and_then(|l| {
@@ -354,7 +366,10 @@ pub(crate) fn pressure_some_avg10(env: &Env, what: &str) -> Result<f64, String> 
                 .find_map(|w| w.strip_prefix("avg10="))
                 .and_then(|v| v.parse().ok())
         })
-        .ok_or_else(|| format!("no `some avg10` in {path}"))
+        .ok_or_else(|| ProcValueError::Missing {
+            what: "`some avg10`".to_string(),
+            path,
+        })
 }
 
 #[cfg(test)]

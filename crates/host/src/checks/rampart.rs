@@ -295,8 +295,17 @@ fn writable(dir: &Path) -> bool {
     unsafe { libc::access(path.as_ptr(), libc::W_OK | libc::X_OK) == 0 }
 }
 
+/// Why the durable write test failed.
+#[derive(Debug, thiserror::Error)]
+enum DurableWriteError {
+    #[error("write + fsync failed: {0}")]
+    Write(#[source] std::io::Error),
+    #[error("removing the test file failed: {0}")]
+    Remove(#[source] std::io::Error),
+}
+
 /// Writes, fsyncs (file then directory) and removes a temporary file; the time it took.
-fn durable_write(dir: &Path) -> Result<f64, String> {
+fn durable_write(dir: &Path) -> Result<f64, DurableWriteError> {
     let name = format!(
         ".rampart-doctor-{}-{}",
         std::process::id(),
@@ -319,8 +328,8 @@ fn durable_write(dir: &Path) -> Result<f64, String> {
     })();
     let removed = std::fs::remove_file(&path);
     let elapsed = start.elapsed().as_secs_f64() * 1000.0;
-    result.map_err(|e| format!("write + fsync failed: {e}"))?;
-    removed.map_err(|e| format!("removing the test file failed: {e}"))?;
+    result.map_err(DurableWriteError::Write)?;
+    removed.map_err(DurableWriteError::Remove)?;
     Ok(elapsed)
 }
 

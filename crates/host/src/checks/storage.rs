@@ -2,9 +2,11 @@
 //! the repository, the audit log and the cache, mount options, I/O pressure.
 
 use super::{pressure_some_avg10, CheckSpec, Env};
-use crate::mounts::{block_device, host_view, is_network_fs, mount_for, space, Mount};
+use crate::mounts::{
+    block_device, host_view, is_network_fs, mount_for, space, Mount, NoBlockDevice,
+};
 use crate::report::{Area, Check};
-use crate::tree::human_bytes;
+use crate::tree::{human_bytes, Unreadable};
 use std::path::Path;
 
 const SCHEDULER: CheckSpec = CheckSpec {
@@ -115,16 +117,27 @@ pub(crate) fn checks(env: &Env) -> Vec<Check> {
     out
 }
 
+/// Why the repository's disk cannot be named.
+#[derive(Debug, thiserror::Error)]
+enum DeviceError {
+    #[error(transparent)]
+    Mounts(#[from] Unreadable),
+    #[error("no mount holds {0}")]
+    NoMount(String),
+    #[error(transparent)]
+    NoBlockDevice(#[from] NoBlockDevice),
+}
+
 /// The repository's disk as `/sys/block` names it, or why it cannot be named.
-fn repository_device(env: &Env, dir: &Path) -> Result<(String, String), String> {
-    let mounts = env.mounts.as_ref().map_err(|e| e.to_string())?;
+fn repository_device(env: &Env, dir: &Path) -> Result<(String, String), DeviceError> {
+    let mounts = env.mounts.as_ref().map_err(|e| e.clone())?;
     let view = host_view(&env.tree, dir);
-    let mount = mount_for(mounts, &view).ok_or_else(|| format!("no mount holds {view}"))?;
+    let mount = mount_for(mounts, &view).ok_or_else(|| DeviceError::NoMount(view.clone()))?;
     let disk = block_device(&env.tree, mount)?;
     Ok((disk, view))
 }
 
-fn scheduler(env: &Env, device: Option<&Result<(String, String), String>>) -> Check {
+fn scheduler(env: &Env, device: Option<&Result<(String, String), DeviceError>>) -> Check {
     let (disk, view) = match device {
         None => return SCHEDULER.unknown("no repository directory given"),
         Some(Err(e)) => return SCHEDULER.unknown(e),
@@ -159,7 +172,7 @@ fn scheduler(env: &Env, device: Option<&Result<(String, String), String>>) -> Ch
     }
 }
 
-fn read_ahead(env: &Env, device: Option<&Result<(String, String), String>>) -> Check {
+fn read_ahead(env: &Env, device: Option<&Result<(String, String), DeviceError>>) -> Check {
     let (disk, view) = match device {
         None => return READ_AHEAD.unknown("no repository directory given"),
         Some(Err(e)) => return READ_AHEAD.unknown(e),

@@ -7,7 +7,7 @@ mod fixture;
 mod nvml;
 
 pub use fixture::{FixtureDevice, FixtureError, FixtureGpu, FixtureSystem, FixtureTelemetry};
-pub use nvml::Nvml;
+pub use nvml::{Nvml, NvmlLoadError};
 
 use serde::{Deserialize, Serialize};
 use std::time::{Duration, Instant};
@@ -253,21 +253,31 @@ pub(crate) fn sample_spread<T>(
     out
 }
 
+/// Why a root has no GPU probe.
+#[derive(Debug, thiserror::Error)]
+pub enum NoGpuProbe {
+    /// The fixture's `nvml.json` is there but unusable.
+    #[error(transparent)]
+    Fixture(#[from] FixtureError),
+    /// A fixture tree without `nvml.json`.
+    #[error("the fixture tree has no .rampart-fixture/nvml.json")]
+    NoFixture,
+    /// A real host where NVML would not load.
+    #[error(transparent)]
+    Nvml(#[from] NvmlLoadError),
+}
+
 /// Picks the probe for a root: the fixture's `nvml.json` when there is one, NVML on a real
-/// host, nothing otherwise. The string says why there is none.
-pub fn probe_for_root(root: &std::path::Path) -> Result<Box<dyn GpuProbe>, String> {
+/// host, nothing otherwise. The error says why there is none.
+pub fn probe_for_root(root: &std::path::Path) -> Result<Box<dyn GpuProbe>, NoGpuProbe> {
     let fixture = root.join(".rampart-fixture").join("nvml.json");
     if fixture.is_file() {
-        return FixtureGpu::load(&fixture)
-            .map(|f| Box::new(f) as Box<dyn GpuProbe>)
-            .map_err(|e| e.to_string());
+        return Ok(Box::new(FixtureGpu::load(&fixture)?));
     }
     if root != std::path::Path::new("/") {
-        return Err("the fixture tree has no .rampart-fixture/nvml.json".into());
+        return Err(NoGpuProbe::NoFixture);
     }
-    Nvml::load()
-        .map(|n| Box::new(n) as Box<dyn GpuProbe>)
-        .map_err(|e| e.to_string())
+    Ok(Box::new(Nvml::load()?))
 }
 
 /// NVML clock event reason bits (nvml.h `nvmlClocksEventReason*`, renamed from

@@ -852,13 +852,33 @@ impl GpuProbe for Nvml {
     }
 }
 
+/// Why the CUDA copy load did not run (or stopped).
+#[derive(Clone, Debug, thiserror::Error)]
+enum CudaLoadError {
+    #[error("cannot start a thread: {0}")]
+    Thread(#[source] Arc<std::io::Error>),
+    #[error("libcuda.so.1 not loadable ({0})")]
+    Library(String),
+    #[error("libcuda has no {0}")]
+    MissingSymbol(&'static str),
+    #[error("bus id holds a NUL byte")]
+    BusIdNul,
+    /// A driver call answered an error code.
+    #[error("{call} failed (CUresult {rc})")]
+    Call { call: String, rc: CuResult },
+    #[error("no CUDA context or {mib} MiB of GPU memory (CUresult {rc})")]
+    NoMemory { mib: usize, rc: CuResult },
+    #[error("no CUDA context within {seconds} s")]
+    ContextTimeout { seconds: u64 },
+}
+
 /// Host-to-device copies on one GPU, in a thread of their own, while the caller samples the
 /// link. A copy needs the link at speed, so a link that stays below its maximum under it is
 /// downtrained, not resting.
 struct CudaCopyLoad {
     stop: Arc<AtomicBool>,
-    started: mpsc::Receiver<Result<(), String>>,
-    worker: Option<std::thread::JoinHandle<Result<(u64, u64), String>>>,
+    started: mpsc::Receiver<Result<(), CudaLoadError>>,
+    worker: Option<std::thread::JoinHandle<Result<(u64, u64), CudaLoadError>>>,
 }
 
 /// Bytes per copy: large enough that copies dominate the loop, small enough for any GPU.
@@ -882,7 +902,7 @@ impl CudaCopyLoad {
             },
             Err(e) => {
                 let (tx, rx) = mpsc::channel();
-                let _ = tx.send(Err(format!("cannot start a thread: {e}")));
+                let _ = tx.send(Err(CudaLoadError::Thread(Arc::new(e))));
                 CudaCopyLoad {
                     stop,
                     started: rx,
@@ -892,14 +912,16 @@ impl CudaCopyLoad {
         }
     }
 
-    fn started(&self, timeout: Duration) -> Result<(), String> {
+    fn started(&self, timeout: Duration) -> Result<(), CudaLoadError> {
         match self.started.recv_timeout(timeout) {
             Ok(result) => result,
             Err(_) => {
                 // A context that takes this long is itself a finding; the worker sees the stop
                 // flag before its first copy.
                 self.stop.store(true, Ordering::Relaxed);
-                Err(format!("no CUDA context within {} s", timeout.as_secs()))
+                Err(CudaLoadError::ContextTimeout {
+                    seconds: timeout.as_secs(),
+                })
             }
         }
     }
@@ -908,7 +930,7 @@ impl CudaCopyLoad {
         self.stop.store(true, Ordering::Relaxed);
         match self.worker.take().map(|w| w.join()) {
             Some(Ok(Ok((bytes, elapsed_ms)))) => LoadApplied::Copies { bytes, elapsed_ms },
-            Some(Ok(Err(reason))) => LoadApplied::None(reason),
+            Some(Ok(Err(reason))) => LoadApplied::None(reason.to_string()),
             Some(Err(_)) => LoadApplied::None("the CUDA load thread panicked".into()),
             None => LoadApplied::None("no CUDA load thread".into()),
         }
@@ -924,10 +946,10 @@ impl Drop for CudaCopyLoad {
 fn copy_loop(
     nvml_bus_id: &str,
     stop: &AtomicBool,
-    started: &mpsc::Sender<Result<(), String>>,
+    started: &mpsc::Sender<Result<(), CudaLoadError>>,
     max_run: Duration,
-) -> Result<(u64, u64), String> {
-    let fail = |reason: String| {
+) -> Result<(u64, u64), CudaLoadError> {
+    let fail = |reason: CudaLoadError| {
         let _ = started.send(Err(reason.clone()));
         Err(reason)
     };
@@ -935,7 +957,7 @@ fn copy_loop(
     // preconditions on our side.
     let lib = match unsafe { Library::new("libcuda.so.1") } {
         Ok(lib) => lib,
-        Err(e) => return fail(format!("libcuda.so.1 not loadable ({})", error_chain(&e))),
+        Err(e) => return fail(CudaLoadError::Library(error_chain(&e))),
     };
     macro_rules! cuda_fn {
         ($name:literal, $ty:ty) => {
@@ -943,7 +965,7 @@ fn copy_loop(
             // `lib` is loaded (it lives to the end of this function).
             match unsafe { lib.get::<$ty>($name) } {
                 Ok(symbol) => *symbol,
-                Err(_) => return fail(format!("libcuda has no {}", $name)),
+                Err(_) => return fail(CudaLoadError::MissingSymbol($name)),
             }
         };
     }
@@ -977,25 +999,32 @@ fn copy_loop(
     // SAFETY: cuda.h `CUresult cuInit(unsigned int Flags)`; Flags must be 0.
     let rc = unsafe { cu_init(0) };
     if rc != 0 {
-        return fail(format!("cuInit failed (CUresult {rc})"));
+        return fail(CudaLoadError::Call {
+            call: "cuInit".into(),
+            rc,
+        });
     }
     let Ok(bus) = std::ffi::CString::new(nvml_bus_id) else {
-        return fail("bus id holds a NUL byte".into());
+        return fail(CudaLoadError::BusIdNul);
     };
     let mut device: c_int = 0;
     // SAFETY: cuda.h `cuDeviceGetByPCIBusId(CUdevice *dev, const char *pciBusId)`; `bus` is
     // NUL-terminated and outlives the call.
     let rc = unsafe { cu_device_by_bus(&mut device, bus.as_ptr()) };
     if rc != 0 {
-        return fail(format!(
-            "cuDeviceGetByPCIBusId({nvml_bus_id}) failed (CUresult {rc})"
-        ));
+        return fail(CudaLoadError::Call {
+            call: format!("cuDeviceGetByPCIBusId({nvml_bus_id})"),
+            rc,
+        });
     }
     let mut context: *mut c_void = std::ptr::null_mut();
     // SAFETY: cuda.h `cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)`.
     let rc = unsafe { cu_retain(&mut context, device) };
     if rc != 0 {
-        return fail(format!("cuDevicePrimaryCtxRetain failed (CUresult {rc})"));
+        return fail(CudaLoadError::Call {
+            call: "cuDevicePrimaryCtxRetain".into(),
+            rc,
+        });
     }
     // SAFETY: cuda.h `cuCtxSetCurrent(CUcontext)` with the context just retained.
     let rc = unsafe { cu_set_current(context) };
@@ -1007,10 +1036,10 @@ fn copy_loop(
         rc
     };
     let outcome = if alloc_rc != 0 {
-        fail(format!(
-            "no CUDA context or {} MiB of GPU memory (CUresult {alloc_rc})",
-            COPY_BYTES >> 20
-        ))
+        fail(CudaLoadError::NoMemory {
+            mib: COPY_BYTES >> 20,
+            rc: alloc_rc,
+        })
     } else {
         let host = vec![0u8; COPY_BYTES];
         let _ = started.send(Ok(()));
@@ -1022,7 +1051,10 @@ fn copy_loop(
             // device buffer and `host` both hold COPY_BYTES.
             let rc = unsafe { cu_copy(device_buffer, host.as_ptr().cast(), COPY_BYTES) };
             if rc != 0 {
-                result = Err(format!("cuMemcpyHtoD failed (CUresult {rc})"));
+                result = Err(CudaLoadError::Call {
+                    call: "cuMemcpyHtoD".into(),
+                    rc,
+                });
                 break;
             }
             bytes += COPY_BYTES as u64;

@@ -121,11 +121,49 @@ impl std::fmt::Debug for GuardService {
     }
 }
 
-fn reference(name: &str) -> Result<ModelRef, String> {
+/// Why the guard's rules or classifier could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum GuardLoadError {
+    #[error("version {version:?}: {source}")]
+    Version {
+        version: String,
+        source: semver::Error,
+    },
+    #[error("{0}")]
+    Repository(#[from] repo::RepoError),
+    #[error("{0}")]
+    Head(#[from] guard::HeadError),
+    #[error("{0}")]
+    Embedder(#[from] engine::EngineError),
+    #[error("the head takes {head} dimensions, {dir} gives {embedder}")]
+    Dimensions {
+        head: usize,
+        dir: String,
+        embedder: usize,
+    },
+    #[error("{name} is a {kind} model, not rules")]
+    NotRules { name: String, kind: &'static str },
+    #[error("{0}: the manifest names no rules file")]
+    NoRulesFile(String),
+    #[error("{path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Rules(#[from] guard::RulesError),
+}
+
+fn reference(name: &str) -> Result<ModelRef, GuardLoadError> {
     let (name, version) = match name.split_once('@') {
         Some((n, v)) => (
             n,
-            Some(semver::Version::parse(v).map_err(|e| format!("version {v:?}: {e}"))?),
+            Some(
+                semver::Version::parse(v).map_err(|source| GuardLoadError::Version {
+                    version: v.to_string(),
+                    source,
+                })?,
+            ),
         ),
         None => (name, None),
     };
@@ -141,11 +179,9 @@ pub fn load_classifier(
     config: &GuardConfig,
     name: &str,
     threads: Option<usize>,
-) -> Result<(guard::Classifier, String), String> {
+) -> Result<(guard::Classifier, String), GuardLoadError> {
     let reference = reference(name)?;
-    let loaded = repository
-        .load(&reference, &repo::NoProgress)
-        .map_err(|e| e.to_string())?;
+    let loaded = repository.load(&reference, &repo::NoProgress)?;
     let classifier = classifier_from_dir(&loaded.version.dir, config, threads)?;
     Ok((
         classifier,
@@ -158,20 +194,19 @@ pub fn classifier_from_dir(
     dir: &std::path::Path,
     config: &GuardConfig,
     threads: Option<usize>,
-) -> Result<guard::Classifier, String> {
-    let head = guard::Head::load(&dir.join(&config.head_file)).map_err(|e| e.to_string())?;
+) -> Result<guard::Classifier, GuardLoadError> {
+    let head = guard::Head::load(&dir.join(&config.head_file))?;
     let mut options = engine::EmbedderOptions::default();
     if let Some(t) = threads {
         options.threads = t.max(1);
     }
-    let embedder = engine::Embedder::load_with(dir, &options).map_err(|e| e.to_string())?;
+    let embedder = engine::Embedder::load_with(dir, &options)?;
     if embedder.dimensions() != head.inputs() {
-        return Err(format!(
-            "the head takes {} dimensions, {} gives {}",
-            head.inputs(),
-            dir.display(),
-            embedder.dimensions()
-        ));
+        return Err(GuardLoadError::Dimensions {
+            head: head.inputs(),
+            dir: dir.display().to_string(),
+            embedder: embedder.dimensions(),
+        });
     }
     let mut classifier = guard::Classifier::new(head, Box::new(EngineEmbed(embedder)));
     classifier.segment_tokens = config.segment_tokens;
@@ -180,26 +215,27 @@ pub fn classifier_from_dir(
 }
 
 /// Loads a rules model's file (digests verified).
-pub fn load_rules(repository: &Repository, name: &str) -> Result<(Guard, String), String> {
+pub fn load_rules(repository: &Repository, name: &str) -> Result<(Guard, String), GuardLoadError> {
     let reference = reference(name)?;
-    let loaded = repository
-        .load(&reference, &repo::NoProgress)
-        .map_err(|e| e.to_string())?;
+    let loaded = repository.load(&reference, &repo::NoProgress)?;
     if loaded.manifest.model.kind != repo::Kind::Rules {
-        return Err(format!(
-            "{name} is a {} model, not rules",
-            loaded.manifest.model.kind.as_str()
-        ));
+        return Err(GuardLoadError::NotRules {
+            name: name.to_string(),
+            kind: loaded.manifest.model.kind.as_str(),
+        });
     }
     let file = loaded
         .manifest
         .model
         .weights
         .first()
-        .ok_or_else(|| format!("{name}: the manifest names no rules file"))?;
+        .ok_or_else(|| GuardLoadError::NoRulesFile(name.to_string()))?;
     let path = loaded.version.dir.join(file);
-    let text = std::fs::read_to_string(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let guard = Guard::from_rules_toml(&text).map_err(|e| e.to_string())?;
+    let text = std::fs::read_to_string(&path).map_err(|source| GuardLoadError::Read {
+        path: path.display().to_string(),
+        source,
+    })?;
+    let guard = Guard::from_rules_toml(&text)?;
     Ok((
         guard,
         format!("{}@{}", loaded.version.name, loaded.version.version),

@@ -12,6 +12,26 @@ use feedback::{ClassRule, Store};
 use crate::auth::SubmissionLimiter;
 use crate::config::FeedbackConfig;
 
+/// Why the feedback service could not open.
+#[derive(Debug, thiserror::Error)]
+pub enum FeedbackOpenError {
+    #[error("feedback directory {dir}: {source}")]
+    Directory { dir: String, source: std::io::Error },
+    #[error("feedback store: {0}")]
+    Postgres(feedback::FeedbackError),
+    #[error("feedback store in {dir}: {source}")]
+    Sqlite {
+        dir: String,
+        source: feedback::FeedbackError,
+    },
+    #[error("RAMPART_FEEDBACK_SECRET must be at least 16 characters")]
+    ShortSecret,
+    #[error("feedback link key: {0}")]
+    LinkKey(std::io::Error),
+    #[error("feedback correction log: {0}")]
+    CorrectionLog(std::io::Error),
+}
+
 /// The feedback store, the link key and the correction log of a server.
 pub struct FeedbackService {
     pub store: Arc<Store>,
@@ -41,26 +61,32 @@ impl FeedbackService {
     /// `[feedback] dir`, made when missing; blocking: call it off the async runtime), its link key
     /// (`RAMPART_FEEDBACK_SECRET` when set, so that replicas share it; else `link.key` there,
     /// made once) and the correction log.
-    pub fn open(config: &FeedbackConfig) -> Result<Arc<Self>, String> {
+    pub fn open(config: &FeedbackConfig) -> Result<Arc<Self>, FeedbackOpenError> {
         let dir = &config.dir;
-        std::fs::create_dir_all(dir)
-            .map_err(|e| format!("feedback directory {}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir).map_err(|source| FeedbackOpenError::Directory {
+            dir: dir.display().to_string(),
+            source,
+        })?;
         let url = std::env::var("RAMPART_FEEDBACK_POSTGRES_URL")
             .ok()
             .filter(|u| !u.is_empty())
             .or_else(|| config.postgres_url.clone());
         let store = match url {
-            Some(url) => Store::connect(&url).map_err(|e| format!("feedback store: {e}"))?,
-            None => Store::open(&dir.join("feedback.db"))
-                .map_err(|e| format!("feedback store in {}: {e}", dir.display()))?,
+            Some(url) => Store::connect(&url).map_err(FeedbackOpenError::Postgres)?,
+            None => Store::open(&dir.join("feedback.db")).map_err(|source| {
+                FeedbackOpenError::Sqlite {
+                    dir: dir.display().to_string(),
+                    source,
+                }
+            })?,
         };
         let key = match std::env::var("RAMPART_FEEDBACK_SECRET") {
             Ok(secret) if secret.len() >= 16 => LinkKey::from_secret(secret.as_bytes()),
             Ok(_) => {
-                return Err("RAMPART_FEEDBACK_SECRET must be at least 16 characters".into());
+                return Err(FeedbackOpenError::ShortSecret);
             }
             Err(_) => LinkKey::load_or_create(&dir.join("link.key"))
-                .map_err(|e| format!("feedback link key: {e}"))?,
+                .map_err(FeedbackOpenError::LinkKey)?,
         };
         let corrections = if config.corrections_log {
             Some(
@@ -68,7 +94,7 @@ impl FeedbackService {
                     .create(true)
                     .append(true)
                     .open(dir.join("corrections.jsonl"))
-                    .map_err(|e| format!("feedback correction log: {e}"))?,
+                    .map_err(FeedbackOpenError::CorrectionLog)?,
             )
         } else {
             None

@@ -191,7 +191,7 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
             tokio::task::spawn_blocking(move || feedback_routes::FeedbackService::open(&settings))
                 .await
                 .map_err(|e| ServeError::Config(format!("feedback store: {e}")))?;
-        Some(opened.map_err(ServeError::Config)?)
+        Some(opened.map_err(|e| ServeError::Config(e.to_string()))?)
     } else {
         None
     };

@@ -28,13 +28,26 @@ fn alarm_detail(v: &crate::monitors::MonitorView) -> Option<String> {
         .find_map(|o| o.alarm.map(|a| format!("{} {a}", o.feature)))
 }
 
+/// Why a release's version could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum VersionLoadError {
+    #[error("the loading task failed: {0}")]
+    Task(#[from] tokio::task::JoinError),
+    #[error("{name}@{version} cannot be loaded: {message}")]
+    Load {
+        name: String,
+        version: String,
+        message: String,
+    },
+}
+
 /// Loads `name@version` from the repository when this server does not serve it yet (with the
 /// model's configured settings).
 pub async fn ensure_loaded(
     state: &Arc<crate::state::AppState>,
     name: &str,
     version: &str,
-) -> Result<(), String> {
+) -> Result<(), VersionLoadError> {
     if state
         .front
         .registry
@@ -55,7 +68,7 @@ async fn load_version(
     state: &Arc<crate::state::AppState>,
     name: &str,
     version: &str,
-) -> Result<crate::registry::Entry, String> {
+) -> Result<crate::registry::Entry, VersionLoadError> {
     let mut model = state
         .config
         .model(name)
@@ -68,9 +81,12 @@ async fn load_version(
         let repository = repo::Repository::open(&config.repo);
         crate::loading::load(&config, &repository, &model, &prepare)
     })
-    .await
-    .map_err(|e| e.to_string())?;
-    loaded.map_err(|e| format!("{name}@{version} cannot be loaded: {}", e.message))
+    .await?;
+    loaded.map_err(|e| VersionLoadError::Load {
+        name: name.to_string(),
+        version: version.to_string(),
+        message: e.message,
+    })
 }
 
 /// Loads the release's control (a second copy of the stable) when the plan wants one and drops
@@ -125,7 +141,7 @@ async fn keep_control(
                         "release.control_failed",
                         Some(&m.name),
                         &format!("{}@{}", m.name, plan.stable),
-                        &e,
+                        &e.to_string(),
                         serde_json::json!({ "release_id": plan.state.release_id }),
                     );
                 }

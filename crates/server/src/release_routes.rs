@@ -220,7 +220,7 @@ async fn prepare(
     }
     crate::release_control::ensure_loaded(state, name, candidate)
         .await
-        .map_err(|e| ApiError::invalid_param("candidate", e))?;
+        .map_err(|e| ApiError::invalid_param("candidate", e.to_string()))?;
     state
         .act(
             principal,
@@ -279,7 +279,7 @@ async fn start_command(
     if tokenizer.is_none() || approved {
         crate::release_control::ensure_loaded(state, name, &candidate)
             .await
-            .map_err(|e| ApiError::invalid_param("candidate", e))?;
+            .map_err(|e| ApiError::invalid_param("candidate", e.to_string()))?;
     }
     let declared = releases
         .get(name)

@@ -250,14 +250,27 @@ fn role(field: &str) -> Option<Role> {
     }
 }
 
+/// Why a classification cannot take the shape a request asked for.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RenderError {
+    #[error("the label {0:?} is none of the schema's values")]
+    NotInSchema(String),
+    #[error("the label {0:?} is none of the choices")]
+    NotAChoice(String),
+    #[error("a grammar cannot be rendered")]
+    Grammar,
+    #[error("nothing of a rules answer fills {0:?}")]
+    Unfilled(String),
+}
+
 /// The label as the schema spells it (an `enum` value, compared without case).
-fn label_for(label: &str, schema: &Value) -> Result<Value, String> {
+fn label_for(label: &str, schema: &Value) -> Result<Value, RenderError> {
     match schema.get("enum").and_then(Value::as_array) {
         Some(values) => values
             .iter()
             .find(|v| v.as_str().is_some_and(|s| s.eq_ignore_ascii_case(label)))
             .cloned()
-            .ok_or_else(|| format!("the label {label:?} is none of the schema's values")),
+            .ok_or_else(|| RenderError::NotInSchema(label.to_string())),
         None => Ok(Value::String(label.to_string())),
     }
 }
@@ -282,16 +295,16 @@ fn reason_object(r: &guard::Reason, fields: Option<&Map<String, Value>>) -> Valu
 }
 
 /// The classification rendered into what the request asked for.
-fn render(c: &Classification, spec: &grammar::GrammarSpec) -> Result<String, String> {
+fn render(c: &Classification, spec: &grammar::GrammarSpec) -> Result<String, RenderError> {
     let label = c.label.as_deref().unwrap_or_default();
     match spec {
         grammar::GrammarSpec::Choice(choices) => choices
             .iter()
             .find(|choice| choice.eq_ignore_ascii_case(label))
             .cloned()
-            .ok_or_else(|| format!("the label {label:?} is none of the choices")),
+            .ok_or_else(|| RenderError::NotAChoice(label.to_string())),
         grammar::GrammarSpec::Regex(_) => Ok(label.to_string()),
-        grammar::GrammarSpec::Lark(_) => Err("a grammar cannot be rendered".into()),
+        grammar::GrammarSpec::Lark(_) => Err(RenderError::Grammar),
         grammar::GrammarSpec::JsonObject | grammar::GrammarSpec::JsonSchema { .. } => {
             let schema = spec.effective_schema().unwrap_or(Value::Bool(true));
             let Some(properties) = schema.get("properties").and_then(Value::as_object) else {
@@ -344,7 +357,7 @@ fn render(c: &Classification, spec: &grammar::GrammarSpec) -> Result<String, Str
                         }
                     },
                     None if required.contains(&field.as_str()) => {
-                        return Err(format!("nothing of a rules answer fills {field:?}"))
+                        return Err(RenderError::Unfilled(field.clone()))
                     }
                     None => continue,
                 };
@@ -421,7 +434,7 @@ mod tests {
     }
 
     fn checked(spec: &GrammarSpec) -> Result<Value, String> {
-        let text = render(&classification(), spec)?;
+        let text = render(&classification(), spec).map_err(|e| e.to_string())?;
         let check = grammar::OutputCheck::new(spec, 65536).unwrap();
         match grammar::FinalCheck::check(&check, &text, false) {
             grammar::Outcome::Valid => Ok(serde_json::from_str(&text).unwrap()),
@@ -461,6 +474,7 @@ mod tests {
         );
         assert!(render(&classification(), &no_such_label)
             .unwrap_err()
+            .to_string()
             .contains("none of the schema's values"));
         let unfillable = schema(
             json!({"category": {"type": "string"}, "customer_id": {"type": "string"}}),
@@ -468,6 +482,7 @@ mod tests {
         );
         assert!(render(&classification(), &unfillable)
             .unwrap_err()
+            .to_string()
             .contains("customer_id"));
         // Renders, but the check refuses it (a confidence that must be a string).
         let wrong_type = schema(json!({"confidence": {"type": "string"}}), &["confidence"]);

@@ -231,3 +231,23 @@ pub fn record_finished(record: &mut RecordBuilder, finished: &[Finished]) {
     let length = finished.iter().any(|f| f.reason == FinishReason::Length);
     r.finish_reason = Some(if length { "length" } else { "stop" }.into());
 }
+
+/// What the record keeps of an embedding answer: the vectors' count, width and digests (of the
+/// little-endian f32 bytes of each), not the vectors themselves.
+pub fn record_embeddings(record: &mut RecordBuilder, e: &crate::backend::Embeddings) {
+    record.payload_output(|| {
+        let digests: Vec<String> = e
+            .vectors
+            .iter()
+            .map(|v| {
+                let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                record::sha256_bytes_hex(&bytes)
+            })
+            .collect();
+        serde_json::json!({
+            "vectors": e.vectors.len(),
+            "dimensions": e.vectors.first().map_or(0, Vec::len),
+            "sha256": digests,
+        })
+    });
+}

@@ -282,11 +282,47 @@ pub async fn serve(
     // (A refusal before the route is counted without a model: the name asked for is the
     // client's text, and must not become a metric label.)
     rate_limit(front, principal, record)?;
+    let entry = locate(front, model, work.kind(), record).await?;
+    serve_from(front, principal, entry, work, None, record).await
+}
+
+/// The entry that answers `work` for `model`: the model loaded first when it loads on request
+/// (`residency = "cold"`), then [`route`]d. Protocols that decode after the route (KServe)
+/// call it before they read their input.
+pub async fn locate(
+    front: &Arc<Front>,
+    model: &ModelName,
+    work: WorkKind,
+    record: &mut RecordBuilder,
+) -> Result<Arc<Entry>, ApiError> {
     if let Some(on_demand) = front.on_demand.get() {
         on_demand.before_route(model, record).await?;
     }
-    let entry = route(front, model, work.kind(), record)?;
-    serve_from(front, principal, entry, work, None, record).await
+    route(front, model, work, record)
+}
+
+/// The tensors of a [`reserve`]d request through the rest of the pipeline, their input and
+/// output kept for the audit (`with_bytes`: the input's raw bytes too); the answer and the
+/// fallback that gave it.
+pub async fn serve_tensors(
+    front: &Arc<Front>,
+    principal: &str,
+    reserved: Reserved,
+    request: crate::backend::InferRequest,
+    with_bytes: bool,
+    record: &mut RecordBuilder,
+) -> Result<(crate::backend::InferResponse, Option<Fallback>), ApiError> {
+    record.record.input_sha256 = request.input_sha256();
+    record.payload_input(|| request.audit_input(with_bytes));
+    let admitted =
+        serve_reserved(front, principal, reserved, Work::Tensors(request), record).await?;
+    let Answer::Tensors(response) = admitted.answer else {
+        return Err(ApiError::Internal(
+            "the backend answered tensors with something else".into(),
+        ));
+    };
+    record.payload_output(|| response.audit_output());
+    Ok((response, admitted.fallback))
 }
 
 /// The key's request bucket and token budget (`[rate_limit]`): the first costly step's gate.

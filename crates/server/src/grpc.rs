@@ -25,7 +25,7 @@ use tonic::{Request, Response, Status, Streaming};
 use record::RecordBuilder;
 
 use crate::backend::tensor::wire_shape;
-use crate::backend::{Answer, InferRequest, InferResponse, RequestedOutput, Work, WorkKind};
+use crate::backend::{InferRequest, InferResponse, RequestedOutput, WorkKind};
 use crate::config::GrpcConfig;
 use crate::error::ApiError;
 use crate::error::WireError;
@@ -113,47 +113,31 @@ impl Inference {
         record: &mut RecordBuilder,
     ) -> Result<ModelInferResponse, ApiError> {
         let model = ModelName::versioned(&request.model_name, Some(&request.model_version));
-        crate::residency::before_route(&self.state, &model, record).await?;
-        let entry = front::route(&self.state.front, &model, WorkKind::Tensors, record)?;
+        let front = &self.state.front;
+        let entry = front::locate(front, &model, WorkKind::Tensors, record).await?;
         // The message is already decoded (bounded by `grpc.max_message_bytes`); its tensors are
         // converted in the model's slot, as over REST.
-        let reserved = front::reserve(&self.state.front, principal, entry, record).await?;
+        let reserved = front::reserve(front, principal, entry, record).await?;
         let limits = &self.state.config.limits;
         let decoded = decode(
             request,
             limits.max_tensor_elements,
             limits.max_tensor_decoded_bytes,
         )?;
-        record.record.input_sha256 = decoded.input_sha256();
         let with_bytes = self.state.config.audit.store_tensor_inputs;
-        record.payload_input(|| decoded.audit_input(with_bytes));
-        let admitted = front::serve_reserved(
-            &self.state.front,
-            principal,
-            reserved,
-            Work::Tensors(decoded),
-            record,
-        )
-        .await?;
-        match admitted.answer {
-            Answer::Tensors(response) => {
-                record.payload_output(|| response.audit_output());
-                let mut encoded = encode(response);
-                // A degraded answer says so in its parameters (and, unary, in the metadata).
-                if let Some(f) = &admitted.fallback {
-                    encoded.parameters.insert(
-                        FALLBACK_PARAMETER.to_string(),
-                        InferParameter {
-                            parameter_choice: Some(ParameterChoice::StringParam(f.header())),
-                        },
-                    );
-                }
-                Ok(encoded)
-            }
-            _ => Err(ApiError::Internal(
-                "the backend answered tensors with something else".into(),
-            )),
+        let (response, fallback) =
+            front::serve_tensors(front, principal, reserved, decoded, with_bytes, record).await?;
+        let mut encoded = encode(response);
+        // A degraded answer says so in its parameters (and, unary, in the metadata).
+        if let Some(f) = &fallback {
+            encoded.parameters.insert(
+                FALLBACK_PARAMETER.to_string(),
+                InferParameter {
+                    parameter_choice: Some(ParameterChoice::StringParam(f.header())),
+                },
+            );
         }
+        Ok(encoded)
     }
 }
 

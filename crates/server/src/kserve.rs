@@ -20,9 +20,7 @@ use serde_json::value::RawValue;
 use serde_json::{json, Value};
 
 use crate::backend::tensor::wire_shape;
-use crate::backend::{
-    Answer, InferRequest, InferResponse, Kind, RequestedOutput, TensorSpec, Work, WorkKind,
-};
+use crate::backend::{InferRequest, InferResponse, Kind, RequestedOutput, TensorSpec, WorkKind};
 use crate::error::ApiError;
 use crate::error::WireError;
 use crate::front;
@@ -519,58 +517,58 @@ async fn infer(
     body: Body,
     record: &mut RecordBuilder,
 ) -> Result<Response, ApiError> {
-    let limits = &state.config.limits;
     // The model is named in the path: an unknown one is refused before its body is read.
-    crate::residency::before_route(state, model, record).await?;
-    let entry = front::route(&state.front, model, WorkKind::Tensors, record)?;
+    let entry = front::locate(&state.front, model, WorkKind::Tensors, record).await?;
     // The body is read outside the model's slot (a slow sender holds no place in flight);
     // its decode, the costly part (typed buffers up to `max_tensor_decoded_bytes`), runs in it.
     let content_length = headers
         .get(axum::http::header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.trim().parse().ok());
-    let bytes =
-        identity::read_sized_body(body, content_length, limits.max_tensor_body_bytes, record)
-            .await?;
+    let limit = state.config.limits.max_tensor_body_bytes;
+    let bytes = identity::read_sized_body(body, content_length, limit, record).await?;
     let reserved = front::reserve(&state.front, principal, Arc::clone(&entry), record).await?;
     let raw_image = is_image_body(headers);
-    let request = if raw_image {
-        image_request(&entry, &model.name, bytes)?
-    } else {
-        // A long body off the async workers and below the compute's priority (100 MiB take
-        // a second to decode): on the prepare lane (crate::lane); a short one here. The typed tensors hold the data
-        // afterwards: the body's bytes go before the model runs.
-        let decode_limits = DecodeLimits::of(limits);
-        if bytes.len() <= INLINE_DECODE_BYTES {
-            decode_rest(headers, &bytes, decode_limits)?
-        } else {
-            let headers = headers.clone();
-            state
-                .prepare_lane
-                .run(move || decode_rest(&headers, &bytes, decode_limits))
-                .await??
-        }
-    };
-    record.record.input_sha256 = request.input_sha256();
+    let request = decode_body(state, &entry, &model.name, headers, bytes, raw_image).await?;
     let with_bytes = state.config.audit.store_tensor_inputs;
-    record.payload_input(|| request.audit_input(with_bytes));
-    let admitted = front::serve_reserved(
+    let (response, fallback) = front::serve_tensors(
         &state.front,
         principal,
         reserved,
-        Work::Tensors(request),
+        request,
+        with_bytes,
         record,
     )
     .await?;
-    let Answer::Tensors(response) = admitted.answer else {
-        return Err(ApiError::Internal(
-            "the backend answered tensors with something else".into(),
-        ));
-    };
-    record.payload_output(|| response.audit_output());
     let mut encoded = encode_rest(&response, raw_image);
-    crate::marks::mark_fallback(&mut encoded, admitted.fallback.as_ref());
+    crate::marks::mark_fallback(&mut encoded, fallback.as_ref());
     Ok(encoded)
+}
+
+/// A request body as the model's tensors: a raw image through the model's image input, or a
+/// KServe JSON body, a long one decoded on the prepare lane (off the async workers, below the
+/// compute's priority: 100 MiB take a second to decode), a short one here. The typed tensors
+/// hold the data afterwards: the body's bytes go before the model runs.
+async fn decode_body(
+    state: &AppState,
+    entry: &Entry,
+    model: &str,
+    headers: &HeaderMap,
+    bytes: axum::body::Bytes,
+    raw_image: bool,
+) -> Result<InferRequest, ApiError> {
+    if raw_image {
+        return image_request(entry, model, bytes);
+    }
+    let decode_limits = DecodeLimits::of(&state.config.limits);
+    if bytes.len() <= INLINE_DECODE_BYTES {
+        return decode_rest(headers, &bytes, decode_limits);
+    }
+    let headers = headers.clone();
+    state
+        .prepare_lane
+        .run(move || decode_rest(&headers, &bytes, decode_limits))
+        .await?
 }
 
 /// JSON bodies up to this size are decoded on the request's task (well under a millisecond);

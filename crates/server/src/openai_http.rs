@@ -124,17 +124,69 @@ async fn start(
     let bytes = identity::read_body(body, state.config.limits.max_body_bytes, record).await?;
     let (model, mut plan) = decode_generation(&bytes, endpoint, &state.config.limits)?;
     plan.language = language;
+    note_input(record, endpoint, &plan, state.config.monitor.enabled);
+    let shape = Shape {
+        stream: plan.stream,
+        include_usage: plan.include_usage,
+        logprobs: plan.logprobs,
+    };
+    let work = Work::Generate(Box::new(plan));
+    let admitted = front::serve(&state.front, principal, &model, work, record).await?;
+    let Answer::Generation(g) = admitted.answer else {
+        return Err(ApiError::Internal(
+            "the backend answered a generation with something else".into(),
+        ));
+    };
+    let id = response_id(endpoint, record);
+    let delivery = Delivery::new(g, admitted.entry, admitted.ticket, shape.stream, record);
+    Ok(Reply {
+        delivery,
+        fallback: admitted.fallback,
+        shape,
+        endpoint,
+        id,
+        created: now_s(),
+    })
+}
+
+/// What the record keeps of a generation's input: the user, the input's digest and payload,
+/// the monitors' observation, the sampling parameters.
+fn note_input(
+    record: &mut RecordBuilder,
+    endpoint: Endpoint,
+    plan: &crate::backend::GeneratePlan,
+    monitored: bool,
+) {
     record.record.user = plan.user.clone();
     record.record.input_sha256 = sha256_hex(&plan.input_for_hash);
     record.payload_input(|| audit_input(endpoint, &plan.input_for_hash));
-    if state.config.monitor.enabled {
+    if monitored {
         record.observe(crate::monitors::text_observation(
             endpoint == Endpoint::Chat,
             &plan.input_for_hash,
         ));
     }
+    record.record.params = Some(params_of(plan));
+}
+
+/// A fresh response id (`chatcmpl-…`, `cmpl-…`), named in the record and its timeline.
+fn response_id(endpoint: Endpoint, record: &mut RecordBuilder) -> String {
+    let prefix = match endpoint {
+        Endpoint::Chat => "chatcmpl",
+        Endpoint::Completions => "cmpl",
+    };
+    let id = format!("{prefix}-{}", uuid::Uuid::new_v4().simple());
+    record.record.response_id = Some(id.clone());
+    if let Some(t) = record.timeline_mut() {
+        t.response_id = Some(id.clone());
+    }
+    id
+}
+
+/// The sampling parameters a generation's record keeps.
+fn params_of(plan: &crate::backend::GeneratePlan) -> serde_json::Value {
     let sampling = &plan.request.sampling;
-    record.record.params = Some(serde_json::json!({
+    serde_json::json!({
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,
@@ -148,36 +200,6 @@ async fn start(
         "repetition_penalty": sampling.repetition_penalty,
         "logprobs": plan.logprobs,
         "structured": plan.structured.is_some(),
-    }));
-    let shape = Shape {
-        stream: plan.stream,
-        include_usage: plan.include_usage,
-        logprobs: plan.logprobs,
-    };
-    let work = Work::Generate(Box::new(plan));
-    let admitted = front::serve(&state.front, principal, &model, work, record).await?;
-    let Answer::Generation(g) = admitted.answer else {
-        return Err(ApiError::Internal(
-            "the backend answered a generation with something else".into(),
-        ));
-    };
-    let prefix = match endpoint {
-        Endpoint::Chat => "chatcmpl",
-        Endpoint::Completions => "cmpl",
-    };
-    let id = format!("{prefix}-{}", uuid::Uuid::new_v4().simple());
-    record.record.response_id = Some(id.clone());
-    if let Some(t) = record.timeline_mut() {
-        t.response_id = Some(id.clone());
-    }
-    let delivery = Delivery::new(g, admitted.entry, admitted.ticket, shape.stream, record);
-    Ok(Reply {
-        delivery,
-        fallback: admitted.fallback,
-        shape,
-        endpoint,
-        id,
-        created: now_s(),
     })
 }
 
@@ -270,22 +292,7 @@ async fn embed(
             "the backend answered embeddings with something else".into(),
         ));
     };
-    // The vectors' digests (the little-endian f32 bytes of each), not the vectors themselves.
-    record.payload_output(|| {
-        let digests: Vec<String> = e
-            .vectors
-            .iter()
-            .map(|v| {
-                let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-                record::sha256_bytes_hex(&bytes)
-            })
-            .collect();
-        serde_json::json!({
-            "vectors": e.vectors.len(),
-            "dimensions": e.vectors.first().map_or(0, Vec::len),
-            "sha256": digests,
-        })
-    });
+    pipeline::finish::record_embeddings(record, &e);
     Ok((
         encode_embeddings(e, plan.base64, &admitted.entry.name),
         admitted.fallback,

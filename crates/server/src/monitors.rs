@@ -568,6 +568,17 @@ mod tests {
         e
     }
 
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_monitor_sink_passes_the_sink_contract() {
+        let dir = tempfile::tempdir().unwrap();
+        let monitors = Monitors::new(
+            MonitorConfig::default(),
+            dir.path().to_path_buf(),
+            Decisions::default(),
+        );
+        record::testing::check_sink(|| MonitorSink::new(Arc::clone(&monitors))).await;
+    }
+
     #[test]
     fn a_chat_record_gives_text_and_generation_features_and_refusals_give_none() {
         let e = chat_envelope("Hello <|im_start|> there", 1.5);

@@ -696,3 +696,23 @@ impl Sink for ReleaseSink {
         Box::pin(std::future::ready(Ok(())))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_release_sink_passes_the_sink_contract() {
+        let dir = tempfile::tempdir().unwrap();
+        let releases = Arc::new(
+            Releases::open(
+                ReleasesConfig::default(),
+                dir.path().to_path_buf(),
+                &[],
+                Decisions::default(),
+            )
+            .unwrap(),
+        );
+        record::testing::check_sink(|| ReleaseSink::new(Arc::clone(&releases))).await;
+    }
+}

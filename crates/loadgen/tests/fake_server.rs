@@ -133,15 +133,29 @@ async fn serve_connection(mut socket: TcpStream, behaviour: Arc<Behaviour>, seen
                     .push((request.path.clone(), body.clone()));
                 let now = seen.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
                 seen.max_in_flight.fetch_max(now, Ordering::SeqCst);
-                let answered = match &behaviour.failure {
-                    Some((status, text)) => respond(&mut socket, *status, text).await,
+                // A request leaves flight before its last bytes go out: the client may send its
+                // next one (on another connection) as soon as it reads them.
+                match &behaviour.failure {
+                    Some((status, text)) => {
+                        seen.in_flight.fetch_sub(1, Ordering::SeqCst);
+                        respond(&mut socket, *status, text).await
+                    }
                     None => {
                         let chat = request.path == "/v1/chat/completions";
-                        stream_completion(&mut socket, &behaviour, &body, chat).await
+                        let left = std::sync::atomic::AtomicBool::new(false);
+                        let done = || {
+                            left.store(true, Ordering::SeqCst);
+                            seen.in_flight.fetch_sub(1, Ordering::SeqCst);
+                        };
+                        let answered =
+                            stream_completion(&mut socket, &behaviour, &body, chat, done).await;
+                        if !left.load(Ordering::SeqCst) {
+                            // Cut short (the client went away): it leaves flight now.
+                            seen.in_flight.fetch_sub(1, Ordering::SeqCst);
+                        }
+                        answered
                     }
-                };
-                seen.in_flight.fetch_sub(1, Ordering::SeqCst);
-                answered
+                }
             }
             _ => respond(&mut socket, 404, "not found").await,
         };
@@ -176,6 +190,7 @@ async fn stream_completion(
     behaviour: &Behaviour,
     request: &Value,
     chat: bool,
+    done: impl FnOnce(),
 ) -> std::io::Result<()> {
     let max_tokens = request["max_tokens"].as_u64().expect("max_tokens") as usize;
     socket
@@ -217,6 +232,7 @@ async fn stream_completion(
         ending.extend(sse(&json!({"choices": [], "usage": usage})));
     }
     ending.extend_from_slice(b"data: [DONE]\n\n");
+    done();
     write_http_chunk(socket, &ending).await?;
     socket.write_all(b"0\r\n\r\n").await
 }

@@ -1,18 +1,21 @@
 //! The front: the one pipeline every protocol calls once it has decoded its wire format.
 //!
-//! drain check → rate limit → route → guard → hand-off → backend chain (each step: breaker,
-//! admission, backend; see [`crate::chain`]). The key's rate limit comes before anything that
-//! costs (an on-demand load at the route, the guard's rules and classifier, a tensor decode),
-//! so a key past its limit burns no CPU. Each protocol's handler is decode → [`serve`] →
-//! encode; the KServe bindings, whose decode is the costly part, route from the URL (or the
+//! drain check → rate limit → locate (on-demand load, route) → guard → hand-off → backend
+//! chain (each step: breaker, admission, backend; see [`crate::chain`]) → the protocol's encoder
+//! drives the answer through [`crate::finish`]. The key's rate limit comes before anything that
+//! costs (an on-demand load at the route, the guard's rules and classifier, a tensor decode), so
+//! a key past its limit burns no CPU. Each protocol's handler is decode → [`serve`] → finish →
+//! encode; the KServe bindings, whose decode is the costly part, [`locate`] from the URL (or the
 //! message) first, [`reserve`] (drain, hand-off, rate limit, the model's admission slot), then
-//! decode in that slot and go on with [`serve_reserved`]. Nothing below this line knows the
-//! protocol, nothing above it knows the model. The record of the request is filled on the way (model, version, digest, queue time, the refusal
-//! and its reason, the attempts and the fallback that answered) and settled once by [`settle`].
+//! decode in that slot and go on with [`serve_tensors`]. Nothing below this line knows the
+//! protocol, nothing above it knows the model. The record of the request is filled on the way
+//! (model, version, digest, queue time, the refusal and its reason, the attempts and the
+//! fallback that answered) and settled once by [`settle`].
 //!
-//! The guard ([`crate::screen`]: injection rules and classifier) judges every generation after
-//! the route (its policy and the model's control tokens are the model's) and before anything
-//! else; the release plan's routing (canary, A/B) happens at the route ([`crate::release_plans`]).
+//! The guard ([`crate::guard_service`]: injection rules and classifier) judges every generation
+//! after the route (its policy and the model's control tokens are the model's) and before
+//! anything else; the release plans' routing (canary, A/B, shadow) happens at the route through
+//! [`Releases`], which the server implements over its plans.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -451,7 +454,7 @@ pub struct Reserved {
 }
 
 /// For protocols whose decode is the costly part (KServe tensors, read into typed buffers as
-/// large as the body): the steps of [`serve_routed`] that need no input (drain check, audit,
+/// large as the body): the steps of [`serve`] after the route that need no input (drain check, audit,
 /// hand-off, rate limit), then the routed model's admission slot ([`chain::reserve`]). The
 /// request decodes in its place in flight, as a generation tokenizes in its own, and a request
 /// refused here costs no decode. Go on with [`serve_reserved`].
@@ -514,20 +517,7 @@ fn handoff(front: &Front, entry: &Entry, record: &mut RecordBuilder) -> Result<(
     Ok(())
 }
 
-/// The pipeline after the route (for protocols that route first): rate limit, drain check,
-/// guard, hand-off, then the backend chain.
-pub async fn serve_routed(
-    front: &Arc<Front>,
-    principal: &str,
-    entry: Arc<Entry>,
-    work: Work,
-    record: &mut RecordBuilder,
-) -> Result<Admitted, ApiError> {
-    rate_limit(front, principal, record)?;
-    serve_from(front, principal, entry, work, None, record).await
-}
-
-/// After the rate limit and the route ([`serve`], [`serve_routed`]) or [`reserve`]: drain
+/// After the rate limit and the route ([`serve`]) or [`reserve`]: drain
 /// check, guard, hand-off, the backend chain; with a reservation, the checks [`reserve`] made
 /// are not made again.
 async fn serve_from(

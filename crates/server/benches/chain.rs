@@ -130,7 +130,9 @@ fn per_token(state: &Arc<AppState>, runtime: &tokio::runtime::Runtime, how: &str
             .expect("served");
         let began = Instant::now();
         for _ in 0..n {
-            let mut record = state.record("bench".into(), "bench".into(), "completions");
+            let mut record = state
+                .front
+                .record("bench".into(), "bench".into(), "completions");
             let answer = match how {
                 "direct" => entry
                     .backend
@@ -218,7 +220,9 @@ fn setup(runtime: &tokio::runtime::Runtime, first_token_ms: u64, trip: bool) -> 
 
 async fn one(state: &Arc<AppState>, model: &str) -> Duration {
     let began = Instant::now();
-    let mut record = state.record("bench".into(), "bench".into(), "embeddings");
+    let mut record = state
+        .front
+        .record("bench".into(), "bench".into(), "embeddings");
     let entry = state
         .front
         .registry

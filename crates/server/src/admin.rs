@@ -56,7 +56,7 @@ fn monitors_of(state: &AppState) -> Result<&Arc<crate::monitors::Monitors>, ApiE
 /// The monitors, for a change: refused in `fail_closed` while the audit log cannot keep it, or
 /// when the monitors are off.
 fn changing_monitors(state: &AppState) -> Result<&Arc<crate::monitors::Monitors>, ApiError> {
-    match state.audit_refusal() {
+    match state.front.audit_refusal() {
         Some(e) => Err(e),
         None => monitors_of(state),
     }
@@ -219,7 +219,7 @@ async fn note(
 
 /// `fail_closed`: no change is made while the audit log cannot keep it.
 fn refused(state: &AppState) -> Option<Response> {
-    state.audit_refusal().map(WireError::into_response)
+    state.front.audit_refusal().map(WireError::into_response)
 }
 
 #[derive(Serialize)]

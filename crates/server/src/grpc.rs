@@ -97,9 +97,10 @@ impl Inference {
         request: ModelInferRequest,
     ) -> Result<ModelInferResponse, ApiError> {
         identity::with_origin(origin, async {
-            let mut record = self
-                .state
-                .record(request_id, principal.to_string(), INFER_ENDPOINT);
+            let mut record =
+                self.state
+                    .front
+                    .record(request_id, principal.to_string(), INFER_ENDPOINT);
             let result = self.infer(principal, request, &mut record).await;
             front::conclude(&mut record, result).await
         })
@@ -423,7 +424,7 @@ impl GrpcInferenceService for Inference {
         self.authenticate(request.metadata(), ENDPOINT, &id).await?;
         let r = request.get_ref();
         let ready = match kserve::find(&self.state, &r.name, Some(&r.version)) {
-            Ok(_) => !self.state.is_draining(),
+            Ok(_) => !self.state.front.is_draining(),
             Err(ApiError::ModelNotFound(_)) => false,
             Err(e) => return Err(e.grpc_status()),
         };

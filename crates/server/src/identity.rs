@@ -82,7 +82,9 @@ pub fn authenticate(
                 scope.as_str(),
                 scopes.names().join(", ")
             ));
-            let mut record = state.record(request_id.to_string(), id.to_string(), endpoint);
+            let mut record = state
+                .front
+                .record(request_id.to_string(), id.to_string(), endpoint);
             record.refuse("insufficient_scope");
             error.record(&mut record);
             let _ = record.finish();
@@ -113,7 +115,9 @@ pub fn authenticate(
             "request refused before authentication: {message}"
         );
     }
-    let mut record = state.record(request_id.to_string(), "unauthenticated".into(), endpoint);
+    let mut record = state
+        .front
+        .record(request_id.to_string(), "unauthenticated".into(), endpoint);
     record.refuse("unauthorized");
     error.record(&mut record);
     let _ = record.finish();

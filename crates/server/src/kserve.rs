@@ -432,7 +432,7 @@ pub async fn model_version_ready(State(state): State<Arc<AppState>>, model: Mode
 
 fn ready_of(state: &AppState, name: &str, version: Option<&str>) -> Result<Response, ApiError> {
     let served = find(state, name, version)?;
-    let ready = !state.is_draining();
+    let ready = !state.front.is_draining();
     let status = if ready {
         StatusCode::OK
     } else {
@@ -498,7 +498,9 @@ async fn rest_infer(
     headers: HeaderMap,
     body: Body,
 ) -> Response {
-    let mut record = state.record(id.0, principal.0.clone(), "kserve_infer");
+    let mut record = state
+        .front
+        .record(id.0, principal.0.clone(), "kserve_infer");
     let model = ModelName::versioned(&name, version.as_deref());
     let result = infer(&state, &principal.0, &model, &headers, body, &mut record).await;
     let mut response = front::conclude(&mut record, result)

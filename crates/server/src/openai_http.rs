@@ -83,7 +83,9 @@ async fn generate(
     body: Body,
     endpoint: Endpoint,
 ) -> Response {
-    let mut record = state.record(id.0, principal.0.clone(), endpoint.name());
+    let mut record = state
+        .front
+        .record(id.0, principal.0.clone(), endpoint.name());
     let audit_id = record.record.audit_id.clone();
     let language = headers
         .get(header::ACCEPT_LANGUAGE)
@@ -249,7 +251,7 @@ pub async fn embeddings(
     Extension(principal): Extension<Principal>,
     body: Body,
 ) -> Response {
-    let mut record = state.record(id.0, principal.0.clone(), "embeddings");
+    let mut record = state.front.record(id.0, principal.0.clone(), "embeddings");
     let result = embed(&state, &principal.0, body, &mut record).await;
     let mut response = match front::conclude(&mut record, result).await {
         Ok((body, fallback)) => {

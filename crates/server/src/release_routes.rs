@@ -115,7 +115,7 @@ async fn act_inner(
     body: &[u8],
 ) -> Result<serde_json::Value, ApiError> {
     let releases = releases_of(state)?;
-    if let Some(refusal) = state.audit_refusal() {
+    if let Some(refusal) = state.front.audit_refusal() {
         return Err(refusal);
     }
     let body: CommandBody = if body.iter().all(u8::is_ascii_whitespace) {

@@ -176,7 +176,7 @@ pub async fn load(
     if let Some(entry) = state.front.registry.find(&ModelName::parse(name)) {
         return Ok(entry);
     }
-    if state.is_draining() {
+    if state.front.is_draining() {
         return Err(ApiError::draining());
     }
     let model = state

@@ -4,7 +4,7 @@
 use std::sync::{Arc, Mutex};
 
 use metrics_exporter_prometheus::PrometheusHandle;
-use record::{Bus, RecordBuilder};
+use record::Bus;
 
 use crate::auth::KeyStore;
 use crate::config::ServerConfig;
@@ -161,22 +161,6 @@ impl AppState {
             .as_ref()
     }
 
-    /// A fresh record for a request that just arrived.
-    pub fn record(
-        &self,
-        request_id: String,
-        principal: String,
-        endpoint: &'static str,
-    ) -> RecordBuilder {
-        self.front.record(request_id, principal, endpoint)
-    }
-
-    /// `fail_closed`: the refusal while the audit log cannot persist (nothing is served
-    /// unaudited).
-    pub fn audit_refusal(&self) -> Option<crate::error::ApiError> {
-        self.front.audit_refusal()
-    }
-
     /// An admin's action: published on the record bus, whose sinks log it with who and why
     /// (`rampart::admin`), count it (`rampart_admin_actions_total`) and keep it in the audit log.
     /// In `fail_closed` an action the log could not keep is an error; in `best_effort` the
@@ -219,10 +203,6 @@ impl AppState {
         }
     }
 
-    pub fn is_draining(&self) -> bool {
-        self.front.is_draining()
-    }
-
     /// A loaded model version goes into service: its engine is armed for the degradation
     /// controller (the first-token gate holds from its first request), then it is added to
     /// the registry, where requests find it.
@@ -247,7 +227,7 @@ impl AppState {
 
     /// Why the server is not ready, if it is not.
     pub fn not_ready_reason(&self) -> Option<String> {
-        if self.is_draining() {
+        if self.front.is_draining() {
             return Some("draining: the server is shutting down".into());
         }
         if *self.loading.lock().unwrap_or_else(|e| e.into_inner()) != Loading::Done {

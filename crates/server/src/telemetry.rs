@@ -467,7 +467,7 @@ mod record_tests {
             record::Bus::disconnected(),
         );
         assert_eq!(state.front.gpu_utilization(), None);
-        let builder = state.record("r1".into(), "p".into(), "chat");
+        let builder = state.front.record("r1".into(), "p".into(), "chat");
         let json = serde_json::to_value(&builder.record).expect("a record serializes");
         assert!(json.get("gpu_utilization").is_none(), "no GPU: no field");
         state.front.set_gpu_utilization(Some(0.25));

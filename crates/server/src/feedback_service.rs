@@ -1,6 +1,6 @@
 //! The feedback service of a server: the feedback store (SQLite or PostgreSQL), the key that
 //! signs the answers' feedback links, the correction log, and the submission limits. The routes
-//! are `feedback_api`'s, the correction stream `feedback_stream`'s.
+//! are `feedback_routes`'s, the correction stream `correction_stream`'s.
 
 use std::collections::HashMap;
 use std::io::Write;

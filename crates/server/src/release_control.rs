@@ -2,7 +2,7 @@
 //! the monitors' alarms and lets it decide (a step, a promotion, a rollback), loads a
 //! candidate a plan names that this server does not serve yet, and keeps each release's control
 //! (the stable's second copy) loaded while its release is under way. The plans, their route
-//! and their judge are `releases`'s.
+//! and their judge are `release_plans`'s.
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -6,8 +6,9 @@
 //! - The record sink ([`ReleaseSink`]) turns each answered request of a variant into a judge
 //!   sample (errors, TTFT, time per output token, E2E latency, entropy, confidence).
 //! - The controller task ([`crate::release_control::spawn`]) ticks every `[releases]
-//!   tick_ms`: it feeds the monitors' drift alarms, judges, moves weights, promotes and rolls back; each decision is written back
-//!   to the plan file atomically, logged, counted and kept in the audit log. A plan file changed
+//!   tick_ms`: it feeds the monitors' drift alarms, judges, moves weights, promotes and rolls
+//!   back; each decision is written back to the plan file atomically, logged, counted and kept
+//!   in the audit log. A plan file changed
 //!   by someone else (an edit, a Git checkout) is read at the next tick and adopted.
 //! - Commands (`/admin/releases/…`, `rampart release …`) go through [`Releases::command`].
 

@@ -45,9 +45,9 @@ impl std::fmt::Debug for Delivery {
 }
 
 impl Delivery {
-    /// A generation `entry` answered, held by `ticket`. `keep_texts`: the caller reads the
-    /// whole texts at the end (a non-streaming answer); they are kept anyway when the finish
-    /// needs them.
+    /// A generation `entry` answered, held by `ticket`. Not `streamed`: the caller reads the
+    /// whole texts at the end ([`Delivery::take_texts`]); a stream keeps them only when the
+    /// finish needs them (a structured-output check, an output watch, a sink of payloads).
     pub fn new(
         generation: Generation,
         entry: Arc<Entry>,
@@ -212,7 +212,7 @@ impl Ticket {
 }
 
 /// Fills the record's timings from the engine's account of each choice.
-pub fn record_finished(record: &mut RecordBuilder, finished: &[Finished]) {
+fn record_finished(record: &mut RecordBuilder, finished: &[Finished]) {
     let r = &mut record.record;
     r.completion_tokens = finished.iter().map(|f| f.completion_tokens).sum();
     r.cached_prompt_tokens = finished

@@ -91,8 +91,6 @@ pub trait OnDemand: Send + Sync {
 pub trait AuditGate: Send + Sync {
     /// The refusal while the audit log cannot persist.
     fn refusal(&self) -> Option<ApiError>;
-    /// Whether every request waits for its entry to be durable.
-    fn fail_closed(&self) -> bool;
 }
 
 /// What the front is built from.

@@ -107,9 +107,6 @@ fn loads_on_request(state: &AppState, model: &ModelName) -> bool {
         .contains_key(&model.name)
 }
 
-/// Before a request is routed: a cold model that is not loaded is loaded now (the request
-/// waits; its record gets the `model_load` stage). Nothing happens for hot models (no lookup:
-/// the route finds them) or loaded ones; the route marks the entry used.
 /// The residency's part in the pipeline: a model that loads on request is loaded before its
 /// route (the front holds this; the state it loads into, weakly).
 pub struct OnRequest(pub std::sync::Weak<AppState>);
@@ -137,7 +134,10 @@ impl pipeline::front::OnDemand for OnRequest {
     }
 }
 
-pub async fn before_route(
+/// Before a request is routed: a cold model that is not loaded is loaded now (the request
+/// waits; its record gets the `model_load` stage). Nothing happens for hot models (no lookup:
+/// the route finds them) or loaded ones; the route marks the entry used.
+async fn before_route(
     state: &Arc<AppState>,
     model: &ModelName,
     record: &mut record::RecordBuilder,

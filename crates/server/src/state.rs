@@ -35,10 +35,6 @@ impl pipeline::front::AuditGate for AuditLogGate {
             "the audit log cannot persist ({why}); requests are refused until it can"
         )))
     }
-
-    fn fail_closed(&self) -> bool {
-        self.mode == audit::Mode::FailClosed
-    }
 }
 
 /// Per-model load locks (single flight) and what was unloaded on purpose.

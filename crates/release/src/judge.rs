@@ -78,17 +78,27 @@
 //! # Memory
 //!
 //! Counts, errors and moments are exact over the whole step. The latency values kept for quantiles
-//! are a reservoir of at most `WINDOW_CAP` per variant and metric (a uniform sample of the step,
-//! replacement positions from a deterministic hash of the count, so runs are reproducible).
+//! are a log-bucketed histogram per variant and metric (each value is kept as its bucket's
+//! representative, within `SKETCH_ACCURACY` (0.5 %) of it, as in DDSketch): its size depends on
+//! the spread of the latencies, not on their count (about 230 buckets for a factor of ten).
+//!
+//! # Several replicas
+//!
+//! Every part of a window is a sufficient statistic that merges exactly: counts add, moments
+//! merge with Chan's formulas, histograms add bucket by bucket. A replica of a fleet publishes
+//! its window ([`StepWindow`] serializes), and the judge decides on [`StepWindow::pooled`], the
+//! merge of every replica's window of the step: the same verdict as one process that served all
+//! of their traffic (up to the floating point of the merged moments).
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::plan::{JudgeConfig, Schedule, Variant};
 
-/// Latency values kept per variant and metric (a reservoir beyond this).
-pub const WINDOW_CAP: usize = 20_000;
+/// The latency histograms' relative accuracy: a value is kept as its bucket's representative,
+/// within this share of it.
+pub const SKETCH_ACCURACY: f64 = 0.005;
 /// Stable samples needed before any comparative test runs or a step may pass.
 pub const MIN_REFERENCE_SAMPLES: u64 = 30;
 /// The same for a control (a copy of the stable at the candidate's share), which gets about as
@@ -125,8 +135,8 @@ pub struct Sample {
 }
 
 /// Running mean, variance and kurtosis (Welford's update, extended to the third and fourth
-/// central moments).
-#[derive(Debug, Clone, Default)]
+/// central moments), mergeable (Chan et al.).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 struct Moments {
     n: u64,
     mean: f64,
@@ -154,6 +164,37 @@ impl Moments {
         self.m2 += term1;
     }
 
+    /// Adds the moments of other values (Chan, Golub and LeVeque's pairwise update, to the
+    /// fourth moment): the same as pushing them one by one, up to rounding.
+    fn merge(&mut self, other: &Moments) {
+        if other.n == 0 {
+            return;
+        }
+        if self.n == 0 {
+            *self = other.clone();
+            return;
+        }
+        let (na, nb) = (self.n as f64, other.n as f64);
+        let n = na + nb;
+        let delta = other.mean - self.mean;
+        let (d2, d3, d4) = (delta * delta, delta.powi(3), delta.powi(4));
+        let m2 = self.m2 + other.m2 + d2 * na * nb / n;
+        let m3 = self.m3
+            + other.m3
+            + d3 * na * nb * (na - nb) / (n * n)
+            + 3.0 * delta * (na * other.m2 - nb * self.m2) / n;
+        let m4 = self.m4
+            + other.m4
+            + d4 * na * nb * (na * na - na * nb + nb * nb) / (n * n * n)
+            + 6.0 * d2 * (na * na * other.m2 + nb * nb * self.m2) / (n * n)
+            + 4.0 * delta * (na * other.m3 - nb * self.m3) / n;
+        self.mean += delta * nb / n;
+        self.n += other.n;
+        self.m2 = m2;
+        self.m3 = m3;
+        self.m4 = m4;
+    }
+
     /// The (non-excess) kurtosis, 3 for a normal distribution; 3 until there are enough
     /// samples to say more.
     fn kurtosis(&self) -> f64 {
@@ -176,17 +217,69 @@ impl Moments {
     }
 }
 
-fn splitmix64(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
+/// A log-bucketed histogram of positive values (DDSketch's mapping): value `x` lands in bucket
+/// `ceil(ln x / ln γ)` with `γ = (1 + a) / (1 − a)`, and stands for `2 γ^i / (1 + γ)`, within `a`
+/// of it. Two histograms merge by adding their buckets.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+struct Sketch {
+    /// Bucket index → count; sparse (a step's latencies span a few hundred buckets).
+    buckets: BTreeMap<i32, u64>,
+    count: u64,
 }
 
-/// One latency metric of one variant: a reservoir of values and the moments of their logs.
-#[derive(Debug, Clone, Default)]
+impl Sketch {
+    fn gamma() -> f64 {
+        (1.0 + SKETCH_ACCURACY) / (1.0 - SKETCH_ACCURACY)
+    }
+
+    fn index(x: f64) -> i32 {
+        (x.ln() / Self::gamma().ln()).ceil() as i32
+    }
+
+    fn value(index: i32) -> f64 {
+        let g = Self::gamma();
+        2.0 * g.powi(index) / (1.0 + g)
+    }
+
+    fn push(&mut self, x: f64) {
+        *self.buckets.entry(Self::index(x)).or_insert(0) += 1;
+        self.count += 1;
+    }
+
+    fn merge(&mut self, other: &Sketch) {
+        for (&i, &c) in &other.buckets {
+            *self.buckets.entry(i).or_insert(0) += c;
+        }
+        self.count += other.count;
+    }
+
+    /// The `rank`-th smallest value (1-based), as its bucket's representative.
+    fn nth(&self, rank: u64) -> Option<f64> {
+        let mut seen = 0;
+        for (&i, &c) in &self.buckets {
+            seen += c;
+            if seen >= rank {
+                return Some(Self::value(i));
+            }
+        }
+        None
+    }
+
+    /// How many values are above `threshold`.
+    fn count_above(&self, threshold: f64) -> u64 {
+        self.buckets
+            .iter()
+            .rev()
+            .take_while(|(&i, _)| Self::value(i) > threshold)
+            .map(|(_, &c)| c)
+            .sum()
+    }
+}
+
+/// One latency metric of one variant: a histogram of the values and the moments of their logs.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 struct Series {
-    values: Vec<f64>,
+    sketch: Sketch,
     seen: u64,
     log: Moments,
 }
@@ -198,40 +291,38 @@ impl Series {
         }
         self.seen += 1;
         self.log.push(x.ln());
-        if self.values.len() < WINDOW_CAP {
-            self.values.push(x);
-        } else {
-            let slot = splitmix64(self.seen) % self.seen;
-            if (slot as usize) < WINDOW_CAP {
-                self.values[slot as usize] = x;
-            }
-        }
+        self.sketch.push(x);
+    }
+
+    fn merge(&mut self, other: &Series) {
+        self.seen += other.seen;
+        self.log.merge(&other.log);
+        self.sketch.merge(&other.sketch);
     }
 
     /// An upper confidence bound of the `level` quantile: the order statistic `z` binomial
     /// standard errors above `level × n`; `None` while there are too few values for it.
     fn upper_quantile(&self, level: f64, z: f64) -> Option<f64> {
-        let n = self.values.len() as f64;
+        let n = self.sketch.count as f64;
         let rank = (level * n + z * (n * level * (1.0 - level)).sqrt()).ceil() + 1.0;
         if rank > n {
             return None;
         }
-        self.quantile(rank / n)
+        self.sketch.nth(rank as u64)
     }
 
     fn quantile(&self, level: f64) -> Option<f64> {
-        if self.values.is_empty() {
+        let n = self.sketch.count;
+        if n == 0 {
             return None;
         }
-        let mut v = self.values.clone();
-        let index = ((level * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
-        let (_, q, _) = v.select_nth_unstable_by(index, f64::total_cmp);
-        Some(*q)
+        let rank = ((level * n as f64).ceil() as u64).clamp(1, n);
+        self.sketch.nth(rank)
     }
 }
 
 /// What one variant showed during the step.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 struct Side {
     samples: u64,
     errors: u64,
@@ -276,12 +367,36 @@ impl Side {
             self.confidence.push(f64::from(c));
         }
     }
+
+    /// Adds another replica's view of the same variant in the same step. A drift alarm on
+    /// either is an alarm of the pooled side.
+    fn merge(&mut self, other: &Side) {
+        self.samples += other.samples;
+        self.errors += other.errors;
+        self.ttft.merge(&other.ttft);
+        self.tpot.merge(&other.tpot);
+        self.e2e.merge(&other.e2e);
+        self.entropy.merge(&other.entropy);
+        self.confidence.merge(&other.confidence);
+        self.helpful += other.helpful;
+        self.helpful_answers += other.helpful_answers;
+        self.last_ms = match (self.last_ms, other.last_ms) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+        if self.drift.is_none() {
+            self.drift.clone_from(&other.drift);
+        }
+    }
 }
 
 /// The samples of both variants since the step started, and the monitors' drift alarms. The
 /// stable's side holds every sample of the stable version (its main copy's and the control's);
 /// the control's are also kept apart, as the latency tests' reference when the release has one.
-#[derive(Debug, Clone)]
+///
+/// It serializes (without the per-answer ratings, which a fleet pools in its database): what a
+/// replica of a fleet publishes for the judge, who merges them with [`StepWindow::pooled`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepWindow {
     started_ms: u64,
     stable: Side,
@@ -293,6 +408,7 @@ pub struct StepWindow {
     agreed: u64,
     /// The rating each rated answer (by audit id) counts with in the helpful-rate test, and on
     /// which side: an answer counts once, with its latest rating, however often it is rated.
+    #[serde(skip)]
     ratings: HashMap<String, (Variant, bool)>,
 }
 
@@ -319,6 +435,45 @@ impl StepWindow {
 
     pub fn started_ms(&self) -> u64 {
         self.started_ms
+    }
+
+    /// The window of a step as one process would have seen it, from the windows of the same
+    /// step that several replicas saw (each one's samples once). The start is the earliest.
+    pub fn pooled<'a>(windows: impl IntoIterator<Item = &'a StepWindow>) -> Option<StepWindow> {
+        let mut windows = windows.into_iter();
+        let mut pooled = windows.next()?.clone();
+        for w in windows {
+            pooled.started_ms = pooled.started_ms.min(w.started_ms);
+            pooled.stable.merge(&w.stable);
+            pooled.control.merge(&w.control);
+            pooled.candidate.merge(&w.candidate);
+            pooled.compared += w.compared;
+            pooled.agreed += w.agreed;
+            for (answer, rating) in &w.ratings {
+                pooled.ratings.insert(answer.clone(), *rating);
+            }
+        }
+        Some(pooled)
+    }
+
+    /// The helpful-rate test's samples of a variant counted elsewhere (a fleet's ratings table,
+    /// one row per answer): `helpful` of `answers` rated answers, replacing this window's.
+    pub fn set_ratings(&mut self, variant: Variant, helpful: u64, answers: u64) {
+        let side = self.rated_side(variant);
+        side.helpful = helpful;
+        side.helpful_answers = answers;
+    }
+
+    /// Keeps only the window's statistics and drops the samples' count of ratings: a fleet's
+    /// replicas publish this, and the judge counts ratings from the shared table.
+    pub fn without_ratings(&self) -> StepWindow {
+        let mut w = self.clone();
+        w.ratings.clear();
+        for side in [&mut w.stable, &mut w.control, &mut w.candidate] {
+            side.helpful = 0;
+            side.helpful_answers = 0;
+        }
+        w
     }
 
     fn side(&self, variant: Variant) -> &Side {
@@ -873,11 +1028,7 @@ fn latency_tests(
     };
     let threshold_ms = ratio * reference;
     let p0 = 1.0 - TAIL_LEVEL;
-    let hits = candidate
-        .values
-        .iter()
-        .filter(|&&x| x > threshold_ms)
-        .count() as u64;
+    let hits = candidate.sketch.count_above(threshold_ms);
     out.push(MetricStat {
         metric,
         test: "tail",
@@ -885,7 +1036,7 @@ fn latency_tests(
         candidate: Some(q_c),
         statistic: q_c / q_s,
         threshold: ratio,
-        e_value: bernoulli_e_value(hits, candidate.values.len() as u64, p0),
+        e_value: bernoulli_e_value(hits, candidate.sketch.count, p0),
         alpha: alpha / 2.0,
     });
     location_test(cfg, metric, stable, candidate, alpha, out);
@@ -1008,6 +1159,13 @@ fn mean_stat(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn splitmix64(mut z: u64) -> u64 {
+        z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
 
     /// A small deterministic generator for the tests (splitmix64).
     struct Rng(u64);
@@ -1314,15 +1472,108 @@ mod tests {
     }
 
     #[test]
-    fn the_reservoir_keeps_memory_bounded() {
+    fn the_histogram_keeps_memory_bounded_and_quantiles_within_its_accuracy() {
         let mut s = Series::default();
-        for i in 0..(WINDOW_CAP as u64 * 2) {
-            s.push(1.0 + i as f64);
+        for i in 0..40_000u64 {
+            s.push(1.0 + i as f64 / 10.0);
         }
-        assert_eq!(s.values.len(), WINDOW_CAP);
-        assert_eq!(s.seen, WINDOW_CAP as u64 * 2);
-        // A uniform sample of 1..=40000: the median is near 20000.
-        let median = s.quantile(0.5).unwrap();
-        assert!((median - 20_000.0).abs() < 1_000.0, "{median}");
+        assert_eq!(s.seen, 40_000);
+        // 1 to 4000 ms: ln(4000) / ln(γ) ≈ 830 buckets, whatever the count.
+        assert!(s.sketch.buckets.len() < 900, "{}", s.sketch.buckets.len());
+        for (level, exact) in [(0.5, 2000.9), (0.95, 3800.9), (0.99, 3960.9)] {
+            let q = s.quantile(level).unwrap();
+            assert!(
+                (q - exact).abs() <= exact * SKETCH_ACCURACY * 1.01,
+                "{level}: {q} vs {exact}"
+            );
+        }
+        assert_eq!(s.sketch.count_above(5000.0), 0);
+        let above = s.sketch.count_above(2000.0) as f64;
+        assert!((above - 20_000.0).abs() < 20_000.0 * 0.02, "{above}");
+    }
+
+    #[test]
+    fn moments_merge_as_if_pushed_one_by_one() {
+        let mut rng = Rng(7);
+        let xs: Vec<f64> = (0..500)
+            .map(|_| rng.normal() * 3.0 + 10.0 + rng.uniform())
+            .collect();
+        let mut whole = Moments::default();
+        xs.iter().for_each(|&x| whole.push(x));
+        for cut in [0, 1, 17, 250, 499, 500] {
+            let (mut a, mut b) = (Moments::default(), Moments::default());
+            xs[..cut].iter().for_each(|&x| a.push(x));
+            xs[cut..].iter().for_each(|&x| b.push(x));
+            a.merge(&b);
+            assert_eq!(a.n, whole.n);
+            for (got, want) in [
+                (a.mean, whole.mean),
+                (a.m2, whole.m2),
+                (a.m3, whole.m3),
+                (a.m4, whole.m4),
+            ] {
+                assert!(
+                    (got - want).abs() <= 1e-9 * want.abs().max(1.0),
+                    "{cut}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    /// Three replicas' windows, each a third of the traffic, pooled and serialized through
+    /// JSON on the way (as a fleet's database carries them): the judge's verdict is the one
+    /// process's that saw it all.
+    #[test]
+    fn three_replicas_pooled_judge_as_one_process() {
+        let cfg = JudgeConfig::default();
+        let mut rng = Rng(11);
+        let mut whole = StepWindow::new(0);
+        let mut parts = [StepWindow::new(0), StepWindow::new(0), StepWindow::new(5)];
+        for i in 0..900u64 {
+            let candidate = i % 10 == 0;
+            let slow = if candidate { 1.6 } else { 1.0 };
+            let s = Sample {
+                variant: if candidate {
+                    Variant::Candidate
+                } else {
+                    Variant::Stable
+                },
+                time_ms: i,
+                error: rng.uniform() < 0.01,
+                ttft_ms: Some(100.0 * slow * (0.2 * rng.normal()).exp()),
+                tpot_ms: Some(20.0 * slow * (0.2 * rng.normal()).exp()),
+                e2e_ms: 300.0 * slow * (0.2 * rng.normal()).exp(),
+                entropy_mean: Some(1.0 + 0.3 * rng.normal() as f32),
+                confidence: Some(0.8),
+                helpful: None,
+            };
+            whole.push(&s);
+            parts[(i % 3) as usize].push(&s);
+        }
+        let carried: Vec<StepWindow> = parts
+            .iter()
+            .map(|w| serde_json::from_str(&serde_json::to_string(w).unwrap()).unwrap())
+            .collect();
+        let pooled = StepWindow::pooled(&carried).unwrap();
+        assert_eq!(pooled.started_ms(), 0);
+        assert_eq!(
+            pooled.samples(Variant::Candidate),
+            whole.samples(Variant::Candidate)
+        );
+        assert_eq!(pooled.stable.e2e.sketch, whole.stable.e2e.sketch);
+        let one = judge().evaluate(&cfg, &whole, 60_000);
+        let fleet = judge().evaluate(&cfg, &pooled, 60_000);
+        let (a, b) = (one.summary(), fleet.summary());
+        assert_eq!(a.metrics.len(), b.metrics.len());
+        for (x, y) in a.metrics.iter().zip(&b.metrics) {
+            assert_eq!((x.metric, x.test), (y.metric, y.test));
+            assert!((x.statistic - y.statistic).abs() < 1e-6, "{x:?} vs {y:?}");
+            assert!(
+                (x.e_value - y.e_value).abs() <= 1e-6 * x.e_value.abs().max(1.0),
+                "{x:?} vs {y:?}"
+            );
+        }
+        assert!(matches!(fleet, Verdict::Fail { .. }), "{fleet:?}");
+        assert_eq!(std::mem::discriminant(&one), std::mem::discriminant(&fleet));
     }
 }

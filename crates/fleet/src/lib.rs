@@ -229,6 +229,19 @@ impl FleetStore {
         replica: &str,
         lease_timeout: Duration,
     ) -> Result<FleetStore, FleetError> {
+        let store = Self::new(url, replica, lease_timeout)?;
+        store.with(|_| Ok(()))?;
+        Ok(store)
+    }
+
+    /// The store without connecting yet: the first call connects (and makes the schema), a
+    /// database that is down at start is one that is down later (replicas serve, decisions
+    /// wait).
+    pub fn new(
+        url: &str,
+        replica: &str,
+        lease_timeout: Duration,
+    ) -> Result<FleetStore, FleetError> {
         let mut config: postgres::Config = url
             .parse()
             .map_err(|e: postgres::Error| FleetError::Url(e.to_string()))?;
@@ -238,7 +251,7 @@ impl FleetStore {
             .connect_timeout(Duration::from_secs(3))
             .keepalives(true)
             .keepalives_idle(Duration::from_secs(5));
-        let store = FleetStore {
+        Ok(FleetStore {
             config,
             shown: shown_url(url),
             replica: replica.to_string(),
@@ -249,14 +262,7 @@ impl FleetStore {
                 client: None,
                 held: false,
             }),
-        };
-        store.with(|c| {
-            let mut tx = c.transaction()?;
-            tx.execute("SELECT pg_advisory_xact_lock($1)", &[&SCHEMA_LOCK])?;
-            tx.batch_execute(SCHEMA)?;
-            tx.commit()
-        })?;
-        Ok(store)
+        })
     }
 
     /// The database, without its password.
@@ -276,7 +282,13 @@ impl FleetStore {
     ) -> Result<T, FleetError> {
         let mut conn = lock(&self.conn);
         if conn.is_none() {
-            *conn = Some(self.config.connect(postgres::NoTls)?);
+            let mut client = self.config.connect(postgres::NoTls)?;
+            // One schema for all replicas: whoever connects first makes it, under a lock.
+            let mut tx = client.transaction()?;
+            tx.execute("SELECT pg_advisory_xact_lock($1)", &[&SCHEMA_LOCK])?;
+            tx.batch_execute(SCHEMA)?;
+            tx.commit()?;
+            *conn = Some(client);
         }
         let client = conn.as_mut().expect("connected above");
         match f(client) {

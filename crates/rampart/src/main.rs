@@ -6,6 +6,7 @@ mod bench_cmd;
 mod doctor_cmd;
 mod engine_args;
 mod feedback_cmd;
+mod fleet_cmd;
 mod generate_cmd;
 mod guard_cmd;
 mod metrics_cmd;
@@ -90,6 +91,9 @@ enum Command {
     /// The feedback store: per-class error rates, and datasets of corrected examples for
     /// fine-tuning (chat JSONL, preference pairs, CSV, Parquet).
     Feedback(feedback_cmd::FeedbackArgs),
+    /// A fleet of replicas sharing their releases: the replicas, the judge, the pooled
+    /// statistics (`status`, against a replica or the load balancer).
+    Fleet(fleet_cmd::FleetArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -122,6 +126,7 @@ fn main() -> ExitCode {
         Command::Monitor(args) => monitor_cmd::run(args),
         Command::Release(args) => release_cmd::run(args),
         Command::Feedback(args) => feedback_cmd::run(args),
+        Command::Fleet(args) => fleet_cmd::run(args),
     };
     match result {
         Ok(code) => code,

@@ -81,7 +81,9 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
             other => anyhow::bail!("--log-format {other:?}: json or text"),
         };
     }
-    server::log_metrics::init_logging(&config.log).map_err(anyhow::Error::msg)?;
+    let replica = config.in_fleet().then(|| config.fleet.replica_id());
+    server::log_metrics::init_logging(&config.log, replica.as_deref())
+        .map_err(anyhow::Error::msg)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("rampart-http")

@@ -187,6 +187,17 @@ impl Controller {
         }
     }
 
+    /// A controller over a plan and a window of its current step seen elsewhere: a fleet's
+    /// judge ticks one over the pooled window of every replica ([`StepWindow::pooled`]).
+    pub fn with_window(plan: ReleasePlan, window: StepWindow) -> Self {
+        Self {
+            plan,
+            window,
+            last_verdict: None,
+            last_tick_ms: 0,
+        }
+    }
+
     pub fn plan(&self) -> &ReleasePlan {
         &self.plan
     }

@@ -223,6 +223,109 @@ impl NatsConfig {
     }
 }
 
+/// `[fleet]`: replicas that share their releases (docs/fleet.md). Off by default: one server
+/// keeps its release plans in the plan files.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct FleetConfig {
+    /// Share the release state in PostgreSQL: `postgres_url`, or the feedback store's
+    /// database when it has one. Setting `postgres_url` turns it on too.
+    pub enabled: bool,
+    /// `postgresql://user:password@host:5432/db`. The environment's
+    /// `RAMPART_FLEET_POSTGRES_URL` takes precedence (keeps the password out of the file).
+    pub postgres_url: Option<String>,
+    /// This replica's id, in its heartbeats, decisions, logs, traces and audit origin. Default:
+    /// `RAMPART_REPLICA`, else `POD_NAME`, else `HOSTNAME`, else the host's name.
+    pub replica: Option<String>,
+    /// A judge that stopped ticking (hung, stopped, its node gone) loses its lease after this
+    /// many seconds; one that died loses it at once.
+    pub lease_timeout_s: u64,
+    /// A replica not heard from for this long is shown as gone in `/admin/fleet`.
+    pub stale_after_s: u64,
+}
+
+impl Default for FleetConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            postgres_url: None,
+            replica: None,
+            lease_timeout_s: 10,
+            stale_after_s: 15,
+        }
+    }
+}
+
+fn env_nonempty(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+impl ServerConfig {
+    /// Whether this server is a replica of a fleet (`[fleet]` on, with a database).
+    pub fn in_fleet(&self) -> bool {
+        self.fleet.effective_url(&self.feedback).is_some()
+    }
+
+    /// Names this replica where it was left to a default: the traces' `service.instance.id`
+    /// and, in a fleet, the audit log's origin (each replica's log is its own, verified on its
+    /// own beside the others').
+    pub fn identify(&mut self) {
+        let replica = self.fleet.replica_id();
+        if self.tracing.service_instance_id.is_empty() {
+            self.tracing.service_instance_id = replica.clone();
+        }
+        if self.in_fleet() && self.audit.origin == audit::AuditConfig::default().origin {
+            self.audit.origin = replica;
+        }
+    }
+}
+
+impl FleetConfig {
+    /// The database in effect, if the fleet is on: the environment's, the file's, or the
+    /// feedback store's.
+    pub fn effective_url(&self, feedback: &FeedbackConfig) -> Option<String> {
+        let own = env_nonempty("RAMPART_FLEET_POSTGRES_URL")
+            .or_else(|| self.postgres_url.clone().filter(|u| !u.is_empty()));
+        if own.is_some() {
+            return own;
+        }
+        if !self.enabled {
+            return None;
+        }
+        env_nonempty("RAMPART_FEEDBACK_POSTGRES_URL")
+            .or_else(|| feedback.postgres_url.clone().filter(|u| !u.is_empty()))
+    }
+
+    /// This replica's id (see `replica`).
+    pub fn replica_id(&self) -> String {
+        let raw = self
+            .replica
+            .clone()
+            .filter(|r| !r.trim().is_empty())
+            .or_else(|| env_nonempty("RAMPART_REPLICA"))
+            .or_else(|| env_nonempty("POD_NAME"))
+            .or_else(|| env_nonempty("HOSTNAME"))
+            .or_else(|| {
+                std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .ok()
+                    .map(|h| h.trim().to_string())
+                    .filter(|h| !h.is_empty())
+            })
+            .unwrap_or_else(|| "rampart".to_string());
+        // A label value, a key prefix and a log field: keep it to a safe alphabet.
+        raw.chars()
+            .map(|c| {
+                if c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.') {
+                    c
+                } else {
+                    '-'
+                }
+            })
+            .take(63)
+            .collect()
+    }
+}
+
 /// Everything `rampart serve` runs with.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -247,6 +350,11 @@ pub struct ServerConfig {
     pub unauthenticated_delay_ms: u64,
     /// Seconds in-flight requests get to finish after SIGTERM/SIGINT before they are cancelled.
     pub shutdown_timeout_s: u64,
+    /// Seconds between SIGTERM and the drain: readiness fails at once, but new requests are
+    /// still served for this long, so that a load balancer's health check takes the replica out
+    /// before it refuses anyone (set it above the check's interval × its fall count; behind a
+    /// Kubernetes Service, a few seconds). 0: refuse at once (one server, no balancer).
+    pub drain_delay_s: u64,
     /// Readiness fails when sequences are running and no token came for this many seconds.
     pub stall_timeout_s: u64,
     /// Compute threads (default: physical cores), shared by the models, one forward pass at a time.
@@ -285,6 +393,8 @@ pub struct ServerConfig {
     pub releases: ReleasesConfig,
     /// The feedback loop (docs/feedback.md).
     pub feedback: FeedbackConfig,
+    /// Several replicas sharing one release state in PostgreSQL (docs/fleet.md).
+    pub fleet: FleetConfig,
     /// The degradation controllers: memory watermarks and latency objectives move each
     /// language model's batch limits, prefill budget and admission (docs/resilience.md).
     pub degradation: DegradationConfig,
@@ -305,6 +415,7 @@ impl Default for ServerConfig {
             unauthenticated_summary_s: 60,
             unauthenticated_delay_ms: 200,
             shutdown_timeout_s: 30,
+            drain_delay_s: 0,
             stall_timeout_s: 60,
             threads: None,
             limits: Limits::default(),
@@ -325,6 +436,7 @@ impl Default for ServerConfig {
             monitor: MonitorConfig::default(),
             releases: ReleasesConfig::default(),
             feedback: FeedbackConfig::default(),
+            fleet: FleetConfig::default(),
             degradation: DegradationConfig::default(),
             memory: MemoryConfig::default(),
             models: Vec::new(),
@@ -728,6 +840,9 @@ pub struct TracingConfig {
     pub sampling_ratio: f64,
     /// The resource's `service.name`.
     pub service_name: String,
+    /// The resource's `service.instance.id`. Empty: the replica's id (`[fleet] replica`, the
+    /// pod name by default).
+    pub service_instance_id: String,
     /// Which GenAI semantic conventions the attribute names follow (`1.36`: `gen_ai.system`;
     /// `1.37` and later: `gen_ai.provider.name`, and `gen_ai.usage.cache_read.input_tokens`).
     pub semconv_version: String,
@@ -754,6 +869,7 @@ impl Default for TracingConfig {
             headers: Default::default(),
             sampling_ratio: 1.0,
             service_name: "rampart".into(),
+            service_instance_id: String::new(),
             semconv_version: SEMCONV_VERSIONS[SEMCONV_VERSIONS.len() - 1].into(),
             capture_content: false,
             token_events: 0.0,
@@ -1058,6 +1174,9 @@ impl ServerConfig {
         if let Some(v) = get("RAMPART_SHUTDOWN_TIMEOUT_S") {
             self.shutdown_timeout_s = parse("RAMPART_SHUTDOWN_TIMEOUT_S", &v)?;
         }
+        if let Some(v) = get("RAMPART_DRAIN_DELAY_S") {
+            self.drain_delay_s = parse("RAMPART_DRAIN_DELAY_S", &v)?;
+        }
         if let Some(v) = get("RAMPART_MAX_IN_FLIGHT") {
             self.admission.max_in_flight = parse("RAMPART_MAX_IN_FLIGHT", &v)?;
         }
@@ -1096,6 +1215,24 @@ impl ServerConfig {
     /// Checks values that parse but make no sense.
     pub fn validate(&self) -> Result<(), ConfigError> {
         self.tracing.validate()?;
+        if self.fleet.enabled && self.fleet.effective_url(&self.feedback).is_none() {
+            return Err(ConfigError(
+                "[fleet] enabled = true needs a database: fleet.postgres_url, \
+                 RAMPART_FLEET_POSTGRES_URL, or the feedback store's feedback.postgres_url"
+                    .into(),
+            ));
+        }
+        if self.fleet.effective_url(&self.feedback).is_some() && !self.releases.enabled {
+            return Err(ConfigError(
+                "[fleet] shares the releases' state, but [releases] enabled = false".into(),
+            ));
+        }
+        if self.fleet.lease_timeout_s == 0 {
+            return Err(ConfigError(
+                "fleet.lease_timeout_s = 0: at least 1 (a judge must keep its lease between two ticks)"
+                    .into(),
+            ));
+        }
         self.audit
             .validate()
             .map_err(|e| ConfigError(e.to_string()))?;

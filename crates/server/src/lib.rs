@@ -42,6 +42,7 @@ pub mod doctor;
 pub mod error;
 pub mod feedback_routes;
 pub mod feedback_service;
+pub mod fleet;
 pub mod grpc;
 pub mod http;
 pub mod identity;
@@ -119,10 +120,11 @@ pub fn load_keys(config: &ServerConfig) -> Result<Option<KeyStore>, ServeError> 
 
 /// Runs the server until SIGTERM/SIGINT, then drains: readiness fails, no new connections are
 /// taken, in-flight requests get `shutdown_timeout_s` to finish, the rest are cancelled.
-pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
+pub async fn serve(mut config: ServerConfig) -> Result<(), ServeError> {
     config
         .validate()
         .map_err(|e| ServeError::Config(e.to_string()))?;
+    config.identify();
     let keys = load_keys(&config)?;
     if keys.is_none() && !config.listen.ip().is_loopback() && !config.insecure_no_auth {
         return Err(ServeError::Config(format!(
@@ -184,7 +186,9 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
             decisions.clone(),
         )
     });
-    let releases = open_releases(&config, &decisions)?;
+    let fleet = fleet::Fleet::open(&config.fleet, &config.feedback)
+        .map_err(|e| ServeError::Config(format!("[fleet]: {e}")))?;
+    let releases = open_releases(&config, &decisions, fleet.clone())?;
     let feedback = if config.feedback.enabled {
         let settings = config.feedback.clone();
         let opened =
@@ -227,6 +231,9 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         state
             .front
             .set_releases(Arc::clone(&r) as Arc<dyn pipeline::front::Releases>);
+        if let Some(f) = fleet {
+            fleet::spawn_heartbeat(Arc::clone(&state), f, r.cfg.tick_ms);
+        }
         release_control::spawn(Arc::clone(&state), r);
     }
     if let Some(f) = feedback {
@@ -289,6 +296,18 @@ pub async fn serve(config: ServerConfig) -> Result<(), ServeError> {
         ))
     });
     shutdown_signal().await;
+    // Readiness fails first; behind a balancer, requests are still served until its health
+    // check has taken this replica out (`drain_delay_s`), so that nobody is refused.
+    state
+        .leaving
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    if state.config.drain_delay_s > 0 {
+        tracing::info!(
+            delay_s = state.config.drain_delay_s,
+            "leaving: not ready, still serving while the load balancer takes this replica out"
+        );
+        tokio::time::sleep(Duration::from_secs(state.config.drain_delay_s)).await;
+    }
     // Drain: readiness fails and new inference requests get 503 at once, while the requests
     // already admitted (running or waiting for a slot) finish, up to the timeout.
     state.front.drain();
@@ -366,6 +385,7 @@ struct Listening {
 fn open_releases(
     config: &ServerConfig,
     decisions: &pipeline::decisions::Decisions,
+    fleet: Option<Arc<fleet::Fleet>>,
 ) -> Result<Option<Arc<release_plans::Releases>>, ServeError> {
     if !config.releases.enabled {
         return Ok(None);
@@ -376,6 +396,7 @@ fn open_releases(
         config.repo.clone(),
         &names,
         decisions.clone(),
+        fleet,
     )
     .map(|r| Some(Arc::new(r)))
     .map_err(|e| ServeError::Config(e.to_string()))

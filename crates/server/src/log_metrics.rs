@@ -156,6 +156,10 @@ pub static METRICS: &[MetricInfo] = &[
     recorded("rampart_release_weight", MetricKind::Gauge, &["model", "version"], "The share of the model's routed requests a version serves under its release plan (stable 1 − w, candidate w)."),
     recorded("rampart_release_phase", MetricKind::Gauge, &["model"], "The release's phase: 0 idle, 1 gating, 2 awaiting approval, 3 running, 4 paused, 5 holding (no data), 6 promoted, 7 rolled back."),
     recorded("rampart_release_decisions_total", MetricKind::Counter, &["model", "result", "reason"], "Release decisions, by model, result (start, step, promote, rollback, hold, resume, pause, approve, gate_failed) and reason (the judge's metric, schedule, no_data, gates or command)."),
+    recorded("rampart_fleet_store_up", MetricKind::Gauge, &["replica"], "Fleet mode: 1 while the fleet's PostgreSQL answers this replica, 0 while it does not (the replica serves its last known plans; no release decides)."),
+    recorded("rampart_fleet_judge", MetricKind::Gauge, &["replica"], "Fleet mode: 1 while this replica holds the judge's lease (it decides every release of the fleet)."),
+    recorded("rampart_fleet_judge_changes_total", MetricKind::Counter, &["replica", "to"], "Fleet mode: this replica became the judge (to=judge) or stopped being it (to=follower)."),
+    recorded("rampart_fleet_store_errors_total", MetricKind::Counter, &["replica", "op"], "Fleet mode: calls to the fleet's PostgreSQL that failed, by operation (lease, heartbeat, plan, window, decide, command, rate, discover, view)."),
     recorded("rampart_release_mirrored_total", MetricKind::Counter, &["model", "result"], "Shadow releases: mirrored requests by whether the candidate's answer agreed with the control's (agreed, disagreed, or incomplete when one of them did not answer)."),
     recorded("rampart_feedback_total", MetricKind::Counter, &["model", "version", "class", "rating"], "Feedback taken (POST /v1/feedback), by the response's model, version and class (none without one) and the rating (helpful, not_helpful, 1 to 5, none for corrections without a rating)."),
     recorded("rampart_feedback_corrections_total", MetricKind::Counter, &["model", "version", "kind"], "Feedback that corrected the answer, by kind (label: the right class; text: the right answer)."),
@@ -677,8 +681,49 @@ fn gen_ai_metrics(r: &InferenceRecord) {
     }
 }
 
-/// Sets up `tracing`: JSON lines (fields at the top level) or text, to stdout or a file.
-pub fn init_logging(log: &Log) -> Result<(), ObserveError> {
+/// A JSON log line's writer that puts `"replica":"<id>"` first in every line (a replica of a
+/// fleet names itself in each of its lines). The formatter writes one whole line per call.
+struct Tagged<W> {
+    inner: W,
+    prefix: std::sync::Arc<[u8]>,
+}
+
+impl<W: std::io::Write> std::io::Write for Tagged<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        match buf.strip_prefix(b"{") {
+            Some(rest) => {
+                self.inner.write_all(&self.prefix)?;
+                self.inner.write_all(rest)?;
+            }
+            None => self.inner.write_all(buf)?,
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
+}
+
+struct TaggedWriter {
+    inner: tracing_subscriber::fmt::writer::BoxMakeWriter,
+    prefix: std::sync::Arc<[u8]>,
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for TaggedWriter {
+    type Writer = Tagged<Box<dyn std::io::Write + 'a>>;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        Tagged {
+            inner: self.inner.make_writer(),
+            prefix: std::sync::Arc::clone(&self.prefix),
+        }
+    }
+}
+
+/// Sets up `tracing`: JSON lines (fields at the top level) or text, to stdout or a file. A
+/// replica of a fleet (`replica`) names itself in every JSON line (`"replica"`, first).
+pub fn init_logging(log: &Log, replica: Option<&str>) -> Result<(), ObserveError> {
     use tracing_subscriber::EnvFilter;
     let filter = EnvFilter::try_from_default_env()
         .or_else(|_| EnvFilter::try_new(&log.level))
@@ -693,6 +738,16 @@ pub fn init_logging(log: &Log) -> Result<(), ObserveError> {
             tracing_subscriber::fmt::writer::BoxMakeWriter::new(std::sync::Mutex::new(file))
         }
         None => tracing_subscriber::fmt::writer::BoxMakeWriter::new(std::io::stdout),
+    };
+    let writer = match (replica, log.format) {
+        (Some(replica), LogFormat::Json) => {
+            let prefix = format!("{{\"replica\":{},", serde_json::Value::from(replica));
+            tracing_subscriber::fmt::writer::BoxMakeWriter::new(TaggedWriter {
+                inner: writer,
+                prefix: std::sync::Arc::from(prefix.into_bytes()),
+            })
+        }
+        _ => writer,
     };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

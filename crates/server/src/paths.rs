@@ -35,6 +35,7 @@ pub const ADMIN_DEGRADATION: &str = "/admin/degradation";
 pub const ADMIN_RELEASES: &str = "/admin/releases";
 pub const ADMIN_RELEASE: &str = "/admin/releases/{name}";
 pub const ADMIN_RELEASE_ACTION: &str = "/admin/releases/{name}/{action}";
+pub const ADMIN_FLEET: &str = "/admin/fleet";
 pub const ADMIN_MONITOR_BASELINE: &str = "/admin/monitors/{name}/versions/{version}/baseline";
 // The audit log's routes (scope `audit`).
 pub const ADMIN_AUDIT: &str = "/admin/audit";

@@ -176,6 +176,7 @@ pub fn spawn(state: Arc<crate::state::AppState>, releases: Arc<Releases>) {
                 .collect();
             names.dedup();
             releases.discover(&names);
+            releases.fleet_discover(&names).await;
             releases.tick(&drift).await;
             // A plan that names a candidate this server does not serve yet (a release started
             // on the file, or by Git): load it, once per version, after the start's loading.

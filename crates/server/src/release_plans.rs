@@ -11,9 +11,16 @@
 //!   in the audit log. A plan file changed
 //!   by someone else (an edit, a Git checkout) is read at the next tick and adopted.
 //! - Commands (`/admin/releases/…`, `rampart release …`) go through [`Releases::command`].
+//!
+//! In a fleet (`[fleet]`, docs/fleet.md) the plan lives in PostgreSQL instead of the file: each
+//! tick every replica adopts the fleet's newest revision, publishes its step window, and pools
+//! every replica's windows; the replica holding the judge's lease decides on the pooled window
+//! and writes the plan back (compare-and-set), so a decision is made once for the fleet. The
+//! plan file is then Git's: a version of it never adopted before becomes the next revision.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::SystemTime;
 
@@ -55,6 +62,12 @@ pub struct ModelRelease {
     /// The control: a second copy of the stable version (`[routing] control`), loaded while a
     /// release runs and dropped when it ends. Not in the registry: only the route reaches it.
     control: RwLock<Option<Arc<crate::registry::Entry>>>,
+    /// In a fleet: the shared plan's revision this replica routes by (0 before the first).
+    revision: AtomicI64,
+    /// In a fleet: the plan file's digest at the last look (a new one is offered to the fleet).
+    file_digest: Mutex<Option<String>>,
+    /// In a fleet: the status over every replica's window (what the judge judges).
+    pooled: Mutex<Option<Status>>,
 }
 
 impl std::fmt::Debug for ModelRelease {
@@ -76,7 +89,23 @@ impl ModelRelease {
             seen: Mutex::new(seen),
             writing: tokio::sync::Mutex::new(()),
             control: RwLock::new(None),
+            revision: AtomicI64::new(0),
+            file_digest: Mutex::new(None),
+            pooled: Mutex::new(None),
         }
+    }
+
+    /// In a fleet: routes by the fleet's plan at `revision` from now on (the window of this
+    /// replica's step is kept when the release and step are the same).
+    fn adopt(&self, plan: ReleasePlan, revision: i64) {
+        self.controller().replace_plan(plan.clone());
+        *self.routing.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(plan);
+        self.revision.store(revision, Ordering::Relaxed);
+    }
+
+    /// In a fleet: the shared plan's revision this replica routes by.
+    pub fn revision(&self) -> i64 {
+        self.revision.load(Ordering::Relaxed)
     }
 
     /// The loaded control, if any.
@@ -100,7 +129,16 @@ impl ModelRelease {
         Arc::clone(&self.routing.read().unwrap_or_else(|e| e.into_inner()))
     }
 
+    /// The release's status: in a fleet, the pooled one (every replica's samples).
     pub fn status(&self) -> Status {
+        if let Some(pooled) = self
+            .pooled
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+        {
+            return pooled;
+        }
         self.controller().status()
     }
 
@@ -189,6 +227,8 @@ pub struct Releases {
     unreadable: Mutex<BTreeMap<String, Option<SystemTime>>>,
     /// Where the controllers' decisions are published.
     decisions: Decisions,
+    /// In a fleet, the shared store: the plans live there, not in the files.
+    fleet: Option<Arc<crate::fleet::Fleet>>,
 }
 
 /// A command could not be carried out.
@@ -200,6 +240,8 @@ pub enum CommandError {
     NoPlan(String, String),
     #[error("{0}")]
     Release(#[from] release::plan::ReleaseError),
+    #[error("the fleet's database cannot be reached: the command cannot be made for every replica; try again")]
+    FleetUnavailable,
 }
 
 impl Releases {
@@ -210,6 +252,7 @@ impl Releases {
         repo: PathBuf,
         names: &[String],
         decisions: Decisions,
+        fleet: Option<Arc<crate::fleet::Fleet>>,
     ) -> Result<Self, release::plan::ReleaseError> {
         let mut models = BTreeMap::new();
         for name in names {
@@ -237,7 +280,13 @@ impl Releases {
             models: RwLock::new(models),
             unreadable: Mutex::new(BTreeMap::new()),
             decisions,
+            fleet,
         })
+    }
+
+    /// The fleet this server is a replica of, if any.
+    pub fn fleet(&self) -> Option<&Arc<crate::fleet::Fleet>> {
+        self.fleet.as_ref()
     }
 
     /// The versions a plan wants served: its stable, and its candidate while a release of it
@@ -317,10 +366,40 @@ impl Releases {
         answer: &str,
         helpful: Option<bool>,
     ) {
-        if let Some(m) = self.get(name) {
+        let Some(m) = self.get(name) else {
+            return;
+        };
+        let Some(fleet) = &self.fleet else {
             m.controller()
                 .observe_feedback(version, answered_ms, answer, helpful);
+            return;
+        };
+        // In a fleet the rating goes to the shared table (one row per answer, whichever
+        // replica served or rated it): the judge counts it from there.
+        let plan = m.plan();
+        let variant = if plan.candidate.as_deref() == Some(version) {
+            Variant::Candidate
+        } else if plan.stable == version {
+            Variant::Stable
+        } else {
+            return;
+        };
+        if !plan.state.phase.is_active() {
+            return;
         }
+        let (fleet, model, release_id, answer) = (
+            Arc::clone(fleet),
+            name.to_string(),
+            plan.state.release_id.clone(),
+            answer.to_string(),
+        );
+        tokio::spawn(async move {
+            fleet
+                .call("rate", move |s| {
+                    s.rate(&model, &release_id, &answer, variant, helpful, answered_ms)
+                })
+                .await;
+        });
     }
 
     /// One record into the judge of its model's release.
@@ -387,6 +466,9 @@ impl Releases {
         actor: &str,
     ) -> Result<Decision, CommandError> {
         let m = self.release_or_new(name, stable)?;
+        if let Some(fleet) = &self.fleet {
+            return self.fleet_command(fleet, &m, command, actor).await;
+        }
         let decision = m
             .controller()
             .command(command, now_ms(), actor)
@@ -438,6 +520,12 @@ impl Releases {
 
     /// One tick of every release: adopt changed files, feed drift, judge, decide, persist.
     pub async fn tick(&self, drift: &(dyn Fn(&str, &str) -> Option<String> + Sync)) {
+        if let Some(fleet) = &self.fleet {
+            for m in self.all() {
+                self.fleet_tick(fleet, &m, drift).await;
+            }
+            return;
+        }
         for m in self.all() {
             match m.reload_if_changed() {
                 Some(Ok(())) => {
@@ -698,6 +786,323 @@ impl Sink for ReleaseSink {
     }
 }
 
+/// What a fleet tick found of the local plan file.
+struct FileLook {
+    /// The file's digest (`None`: no file).
+    digest: Option<String>,
+    /// It could not be read as a plan.
+    error: Option<String>,
+    /// The fleet adopted it as this revision.
+    adopted: Option<i64>,
+}
+
+/// The plan file's bytes' digest and the plan they hold; `None` without a file.
+fn read_plan_file(path: &Path) -> Option<(String, Result<ReleasePlan, String>)> {
+    use sha2::Digest;
+    let bytes = std::fs::read(path).ok()?;
+    let digest = hex::encode(sha2::Sha256::digest(&bytes));
+    let plan = std::str::from_utf8(&bytes)
+        .map_err(|e| e.to_string())
+        .and_then(|t| ReleasePlan::from_toml_str(t).map_err(|e| e.to_string()));
+    Some((digest, plan))
+}
+
+/// The fleet's side of the releases (`[fleet]`): shared plans, pooled judge, shared commands.
+impl Releases {
+    /// Models served here whose plan only the fleet has (started on another replica): their
+    /// releases, so that this replica routes by the same plan.
+    pub async fn fleet_discover(&self, names: &[String]) {
+        let Some(fleet) = &self.fleet else {
+            return;
+        };
+        let missing: Vec<String> = names
+            .iter()
+            .filter(|n| self.get(n).is_none())
+            .cloned()
+            .collect();
+        if missing.is_empty() {
+            return;
+        }
+        let Some(found) = fleet
+            .call("discover", move |s| {
+                let mut found = Vec::new();
+                for name in missing {
+                    if let Some(row) = s.plan(&name)? {
+                        found.push((name, row));
+                    }
+                }
+                Ok(found)
+            })
+            .await
+        else {
+            return;
+        };
+        for (name, row) in found {
+            let Ok(path) = plan_path(&self.repo, &name) else {
+                continue;
+            };
+            tracing::warn!(target: "rampart::release", model = %name, stable = %row.plan.stable, phase = ?row.plan.state.phase, revision = row.revision, "the fleet has a release plan for a model served here: adopted");
+            let m = Arc::new(ModelRelease::new(name.clone(), path, row.plan.clone()));
+            m.revision.store(row.revision, Ordering::Relaxed);
+            set_gauges(&m);
+            self.models
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(name)
+                .or_insert(m);
+        }
+    }
+
+    /// One model's tick in a fleet: the shared plan (a changed plan file offered to it), this
+    /// replica's window published, every replica's pooled and judged; the judge writes its
+    /// decisions back.
+    async fn fleet_tick(
+        &self,
+        fleet: &Arc<crate::fleet::Fleet>,
+        m: &Arc<ModelRelease>,
+        drift: &(dyn Fn(&str, &str) -> Option<String> + Sync),
+    ) {
+        let Some((row, look)) = self.fleet_plan(fleet, m).await else {
+            return;
+        };
+        *m.file_digest.lock().unwrap_or_else(|e| e.into_inner()) = look.digest.clone();
+        if let Some(error) = &look.error {
+            tracing::error!(target: "rampart::release", model = %m.name, error = %error, "the release plan file changed but cannot be read: the fleet keeps its plan");
+            counter!("rampart_release_plan_errors_total", "model" => m.name.clone()).increment(1);
+        }
+        if let Some(revision) = look.adopted {
+            tracing::warn!(target: "rampart::release", model = %m.name, revision, stable = %row.plan.stable, phase = ?row.plan.state.phase, "release plan file changed: adopted by the fleet");
+            self.decisions.note(
+                "release.plan_changed",
+                Some(&m.name),
+                &m.name,
+                "the plan file changed on disk: the fleet adopted it",
+                serde_json::json!({
+                    "revision": revision,
+                    "stable": row.plan.stable,
+                    "candidate": row.plan.candidate,
+                    "phase": row.plan.state.phase,
+                    "weight": row.plan.state.weight,
+                }),
+            );
+        }
+        if row.revision != m.revision() {
+            let before = m.plan();
+            m.adopt(row.plan.clone(), row.revision);
+            if before.state != row.plan.state || before.candidate != row.plan.candidate {
+                tracing::info!(target: "rampart::release", model = %m.name, revision = row.revision, by = %row.updated_by, phase = ?row.plan.state.phase, weight = row.plan.state.weight, "the fleet's plan changed: adopted");
+            }
+            set_gauges(m);
+        }
+        let plan = m.plan();
+        if !plan.state.phase.is_active() {
+            self.fleet_ended_status(fleet, m, &plan).await;
+            return;
+        }
+        let window = {
+            let mut c = m.controller();
+            let s = drift(&m.name, &plan.stable);
+            c.set_drift(Variant::Stable, s.is_some(), s.as_deref().unwrap_or(""));
+            if let Some(candidate) = &plan.candidate {
+                let d = drift(&m.name, candidate);
+                c.set_drift(Variant::Candidate, d.is_some(), d.as_deref().unwrap_or(""));
+            }
+            c.window().clone()
+        };
+        let (name, release_id, step, started) = (
+            m.name.clone(),
+            plan.state.release_id.clone(),
+            plan.state.step,
+            plan.state.step_started_ms,
+        );
+        let Some((rows, ratings)) = fleet
+            .call("window", move |s| {
+                s.publish_window(&name, &release_id, step, &window)?;
+                let rows = s.windows(&name, &release_id, step)?;
+                let ratings = s.ratings(&name, &release_id, started)?;
+                Ok((rows, ratings))
+            })
+            .await
+        else {
+            return;
+        };
+        let mut pooled = release::judge::StepWindow::pooled(rows.iter().map(|r| &r.window))
+            .unwrap_or_else(|| release::judge::StepWindow::new(started));
+        pooled.set_ratings(Variant::Stable, ratings.stable.0, ratings.stable.1);
+        pooled.set_ratings(Variant::Candidate, ratings.candidate.0, ratings.candidate.1);
+        let mut judge = Controller::with_window((*plan).clone(), pooled);
+        let decisions = judge.tick(now_ms());
+        *m.pooled.lock().unwrap_or_else(|e| e.into_inner()) = Some(judge.status());
+        if decisions.is_empty() || !fleet.is_judge() {
+            return;
+        }
+        let decided = judge.plan().clone();
+        let (name, expected, plan_out, out) = (
+            m.name.clone(),
+            row.revision,
+            decided.clone(),
+            decisions.clone(),
+        );
+        match fleet
+            .call("decide", move |s| {
+                s.write_plan(&name, expected, &plan_out, &out)
+            })
+            .await
+        {
+            Some(Some(revision)) => {
+                m.adopt(decided, revision);
+                for d in &decisions {
+                    publish(&m.name, d);
+                    self.decisions.note(
+                        &format!("release.{}", action_name(d.action)),
+                        Some(&m.name),
+                        &format!("{}@{}", m.name, d.candidate.as_deref().unwrap_or(&d.stable)),
+                        &d.reason,
+                        serde_json::json!({
+                            "decision": d,
+                            "revision": revision,
+                            "replicas": rows.iter().map(|r| r.replica.as_str()).collect::<Vec<_>>(),
+                        }),
+                    );
+                }
+                set_gauges(m);
+            }
+            Some(None) => {
+                tracing::info!(target: "rampart::release", model = %m.name, "another replica changed the fleet's plan first: this tick's decisions are dropped, the newer plan is adopted at the next tick");
+            }
+            None => {}
+        }
+    }
+
+    /// An ended release's status over every replica's window of its last step (once per plan:
+    /// a follower's last pooled status was computed before the decision).
+    async fn fleet_ended_status(
+        &self,
+        fleet: &Arc<crate::fleet::Fleet>,
+        m: &Arc<ModelRelease>,
+        plan: &Arc<ReleasePlan>,
+    ) {
+        let current = m
+            .pooled
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_some_and(|s| s.release_id == plan.state.release_id && s.phase == plan.state.phase);
+        if current {
+            return;
+        }
+        if plan.state.release_id.is_empty() {
+            *m.pooled.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            return;
+        }
+        let (name, release_id, step) = (
+            m.name.clone(),
+            plan.state.release_id.clone(),
+            plan.state.step,
+        );
+        let Some(rows) = fleet
+            .call("window", move |s| s.windows(&name, &release_id, step))
+            .await
+        else {
+            return;
+        };
+        let window = release::judge::StepWindow::pooled(rows.iter().map(|r| &r.window))
+            .unwrap_or_else(|| release::judge::StepWindow::new(plan.state.step_started_ms));
+        let status = Controller::with_window((**plan).clone(), window).status();
+        *m.pooled.lock().unwrap_or_else(|e| e.into_inner()) = Some(status);
+    }
+
+    /// The fleet's plan of `m` (seeded from this replica's when the fleet has none), after
+    /// offering it the plan file when that changed since the last look.
+    async fn fleet_plan(
+        &self,
+        fleet: &Arc<crate::fleet::Fleet>,
+        m: &Arc<ModelRelease>,
+    ) -> Option<(fleet::PlanRow, FileLook)> {
+        let local = (*m.plan()).clone();
+        let path = m.path.clone();
+        let known = m
+            .file_digest
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let name = m.name.clone();
+        fleet
+            .call("plan", move |s| {
+                let file = read_plan_file(&path);
+                let digest = file.as_ref().map(|(d, _)| d.clone());
+                let mut row = match s.plan(&name)? {
+                    Some(row) => row,
+                    None => s.seed_plan(&name, &local, digest.as_deref())?,
+                };
+                let mut look = FileLook {
+                    digest: digest.clone(),
+                    error: None,
+                    adopted: None,
+                };
+                if digest != known {
+                    match file {
+                        Some((d, Ok(plan))) if row.file_digest.as_deref() != Some(d.as_str()) => {
+                            if let Some(revision) = s.adopt_file(&name, &plan, &d)? {
+                                look.adopted = Some(revision);
+                                row = s.plan(&name)?.unwrap_or(row);
+                            }
+                        }
+                        Some((_, Err(e))) => look.error = Some(e),
+                        _ => {}
+                    }
+                }
+                Ok((row, look))
+            })
+            .await
+    }
+
+    /// A command in a fleet: applied to the fleet's plan and written back compare-and-set (a
+    /// command racing a judge's decision is applied to the newer plan), then adopted here.
+    async fn fleet_command(
+        &self,
+        fleet: &Arc<crate::fleet::Fleet>,
+        m: &Arc<ModelRelease>,
+        command: Command,
+        actor: &str,
+    ) -> Result<Decision, CommandError> {
+        for _ in 0..5 {
+            let (name, local) = (m.name.clone(), (*m.plan()).clone());
+            let row = fleet
+                .call("command", move |s| match s.plan(&name)? {
+                    Some(row) => Ok(row),
+                    None => s.seed_plan(&name, &local, None),
+                })
+                .await
+                .ok_or(CommandError::FleetUnavailable)?;
+            let mut c = Controller::new(row.plan);
+            let decision = c
+                .command(command.clone(), now_ms(), actor)
+                .map_err(|e| CommandError::Refused(e.to_string()))?;
+            let plan = c.plan().clone();
+            let (name, written, d) = (m.name.clone(), plan.clone(), decision.clone());
+            match fleet
+                .call("command", move |s| {
+                    s.write_plan(&name, row.revision, &written, std::slice::from_ref(&d))
+                })
+                .await
+            {
+                None => return Err(CommandError::FleetUnavailable),
+                Some(None) => continue,
+                Some(Some(revision)) => {
+                    m.adopt(plan, revision);
+                    publish(&m.name, &decision);
+                    set_gauges(m);
+                    return Ok(decision);
+                }
+            }
+        }
+        Err(CommandError::Refused(
+            "the fleet's plan changed under the command five times in a row: try again".into(),
+        ))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -711,6 +1116,7 @@ mod tests {
                 dir.path().to_path_buf(),
                 &[],
                 Decisions::default(),
+                None,
             )
             .unwrap(),
         );

@@ -27,6 +27,22 @@ pub fn routes() -> Router<Arc<AppState>> {
         .route(paths::ADMIN_RELEASES, get(list))
         .route(paths::ADMIN_RELEASE, get(show))
         .route(paths::ADMIN_RELEASE_ACTION, post(act))
+        .route(paths::ADMIN_FLEET, get(fleet_view))
+}
+
+/// `GET /admin/fleet`: the replicas (last heartbeat, readiness, load, versions), the judge's
+/// holder and every release's pooled state; 404 `fleet_off` without `[fleet]`.
+async fn fleet_view(State(state): State<Arc<AppState>>) -> Response {
+    let Some(releases) = state.releases.get() else {
+        return ApiError::invalid("releases are off ([releases] enabled = false)").into_response();
+    };
+    let Some(fleet) = releases.fleet() else {
+        return ApiError::RouteNotFound(
+            "this server is not a replica of a fleet ([fleet] is off; docs/fleet.md)".into(),
+        )
+        .into_response();
+    };
+    Json(crate::fleet::view(fleet, releases).await).into_response()
 }
 
 fn releases_of(state: &AppState) -> Result<&Arc<Releases>, ApiError> {
@@ -151,6 +167,10 @@ async fn act_inner(
         CommandError::Refused(m) => ApiError::Conflict(m),
         CommandError::NoPlan(..) => ApiError::ModelNotFound(e.to_string()),
         CommandError::Release(e) => ApiError::Internal(e.to_string()),
+        CommandError::FleetUnavailable => ApiError::Unavailable {
+            message: e.to_string(),
+            retry_after_s: 5,
+        },
     };
     let mut decision = releases
         .command(name, stable.as_deref(), command, principal)

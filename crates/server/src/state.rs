@@ -84,6 +84,16 @@ pub struct AppState {
     pub degradation: crate::degradation::Degradation,
     /// Loading on demand, unloading and evicting within `[memory] models_budget`.
     pub residency: Residency,
+    /// SIGTERM came: readiness fails (the balancer takes this replica out) while requests are
+    /// still served for `drain_delay_s`, then the drain refuses new ones.
+    pub leaving: std::sync::atomic::AtomicBool,
+}
+
+impl AppState {
+    /// SIGTERM came (readiness fails; requests may still be served during `drain_delay_s`).
+    pub fn is_leaving(&self) -> bool {
+        self.leaving.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 impl std::fmt::Debug for AppState {
@@ -147,6 +157,7 @@ impl AppState {
             telemetry: std::sync::OnceLock::new(),
             degradation: crate::degradation::Degradation::default(),
             residency: Residency::default(),
+            leaving: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -223,7 +234,7 @@ impl AppState {
 
     /// Why the server is not ready, if it is not.
     pub fn not_ready_reason(&self) -> Option<String> {
-        if self.front.is_draining() {
+        if self.front.is_draining() || self.is_leaving() {
             return Some("draining: the server is shutting down".into());
         }
         if *self.loading.lock().unwrap_or_else(|e| e.into_inner()) != Loading::Done {

@@ -213,7 +213,10 @@ impl TraceSink {
         .map_err(|e| TraceSetupError(format!("exporter to {endpoint}: {e}")))?;
         let resource = opentelemetry_sdk::Resource::builder_empty()
             .with_service_name(config.service_name.clone())
-            .with_attributes([KeyValue::new("service.version", env!("CARGO_PKG_VERSION"))])
+            .with_attributes([
+                KeyValue::new("service.version", env!("CARGO_PKG_VERSION")),
+                KeyValue::new("service.instance.id", config.service_instance_id.clone()),
+            ])
             .build();
         exporter.set_resource(&resource);
         tracing::info!(

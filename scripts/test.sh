@@ -29,6 +29,13 @@ if ! command -v initdb >/dev/null 2>&1 && ! compgen -G "/usr/lib/postgresql/*/bi
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends postgresql >/dev/null
 fi
+# HAProxy: the fleet's end-to-end test puts three replicas behind a real load balancer.
+if ! command -v haproxy >/dev/null 2>&1 && [[ ! -x /usr/sbin/haproxy ]]; then
+  sudo=""
+  [[ $(id -u) -eq 0 ]] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends haproxy >/dev/null
+fi
 # Prometheus, promtool, amtool and the dashboard validator's npm packages: the end-to-end scrape
 # test needs the real prometheus, the monitoring checks need all of them.
 scripts/check-monitoring.sh --install

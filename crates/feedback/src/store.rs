@@ -265,6 +265,20 @@ impl PgConn {
     }
 }
 
+/// The blocking PostgreSQL client's drop blocks on a runtime of its own, which panics on an async
+/// runtime's thread (a server dropping its state at shutdown aborted so): the connection closes
+/// on a thread of its own.
+impl Drop for Backend {
+    fn drop(&mut self) {
+        if let Backend::Postgres { client, .. } = self {
+            let conn = client.get_mut().unwrap_or_else(|e| e.into_inner()).take();
+            if conn.is_some() {
+                let _ = std::thread::spawn(move || drop(conn)).join();
+            }
+        }
+    }
+}
+
 /// The feedback store.
 pub struct Store {
     backend: Backend,

@@ -222,3 +222,17 @@ fn on_postgresql_a_link_is_one_rater_and_an_old_store_is_converted() {
     );
     assert!(second.is_err(), "one link row per answer and item");
 }
+
+/// A server drops its state (and the store) on a runtime thread at shutdown: the blocking
+/// client's connection closes without panicking there (it aborted the process before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_dropped_on_the_async_runtime_closes_cleanly() {
+    let Some(pg) = testkit::postgres::Postgres::start() else {
+        return;
+    };
+    let url = pg.url();
+    let store = tokio::task::spawn_blocking(move || Store::connect(&url).unwrap())
+        .await
+        .unwrap();
+    drop(store);
+}

@@ -191,6 +191,19 @@ impl std::fmt::Debug for FleetStore {
     }
 }
 
+/// The blocking client's drop blocks on a runtime of its own, which panics (and aborts a
+/// shutting-down server) on an async runtime's thread: its connections close on a thread of
+/// their own.
+impl Drop for FleetStore {
+    fn drop(&mut self) {
+        let conn = lock(&self.conn).take();
+        let lease = lock(&self.lease).client.take();
+        if conn.is_some() || lease.is_some() {
+            let _ = std::thread::spawn(move || drop((conn, lease))).join();
+        }
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }

@@ -214,3 +214,21 @@ fn a_bad_address_is_a_clear_error() {
         "postgresql://ops@db:5432/rampart"
     );
 }
+
+/// Dropped on an async runtime's thread (a server's shutdown), the store closes its
+/// connections without panicking (the blocking client's own drop would).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_dropped_on_an_async_runtime_closes_cleanly() {
+    let Some(pg) = testkit::postgres::Postgres::start() else {
+        return;
+    };
+    let url = pg.url();
+    let store = tokio::task::spawn_blocking(move || {
+        let store = FleetStore::connect(&url, "r1", Duration::from_secs(5)).unwrap();
+        assert!(store.hold_judge().unwrap());
+        store
+    })
+    .await
+    .unwrap();
+    drop(store);
+}

@@ -1,6 +1,10 @@
 //! `rampart audit …`: read, verify and prove the audit log, on a local log directory or on what
 //! was shipped to S3 alone. Read-only: it never changes the log (a running server may be
 //! writing it).
+//!
+//! A fleet's replicas each keep their own log (their own origin and key) and ship it to
+//! `<prefix>/<replica>` (docs/fleet.md): `--s3 s3://bucket/<prefix>` finds every origin there and
+//! reads each; `verify` verifies each and reports each, and fails when one fails.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -71,8 +75,41 @@ pub enum AuditCommand {
     },
 }
 
-/// The log read from the directory or from S3 (the temporary copy is kept while in use).
-fn open(args: &AuditArgs) -> anyhow::Result<(Log, Option<tempfile::TempDir>)> {
+/// One log read: from the directory, or one origin found under the S3 prefix (its temporary
+/// copy is kept while in use).
+struct Opened {
+    /// The origin's prefix when read from S3.
+    origin: Option<String>,
+    log: Log,
+    _copy: Option<tempfile::TempDir>,
+}
+
+/// The logs under an S3 prefix: the prefix itself when a log's public key is there, else each
+/// folder right under it that holds one (a fleet's replicas).
+fn origins(keys: &[String], prefix: &str) -> Vec<String> {
+    let at = |p: &str| audit::ship::remote_key(p, audit::ship::REMOTE_KEY);
+    if keys.iter().any(|k| *k == at(prefix)) {
+        return vec![prefix.to_string()];
+    }
+    let under = if prefix.is_empty() {
+        String::new()
+    } else {
+        format!("{prefix}/")
+    };
+    let mut found: Vec<String> = keys
+        .iter()
+        .filter_map(|k| {
+            let rest = k.strip_prefix(&under)?;
+            let origin = rest.strip_suffix(&format!("/{}", audit::ship::REMOTE_KEY))?;
+            (!origin.is_empty() && !origin.contains('/')).then(|| format!("{under}{origin}"))
+        })
+        .collect();
+    found.sort();
+    found
+}
+
+/// The logs the arguments name.
+fn open(args: &AuditArgs) -> anyhow::Result<Vec<Opened>> {
     let key = args
         .public_key
         .as_deref()
@@ -85,7 +122,11 @@ fn open(args: &AuditArgs) -> anyhow::Result<(Log, Option<tempfile::TempDir>)> {
                 args.dir.display()
             );
         }
-        return Ok((read::load(&args.dir, key), None));
+        return Ok(vec![Opened {
+            origin: None,
+            log: read::load(&args.dir, key),
+            _copy: None,
+        }]);
     };
     let endpoint = args
         .s3_endpoint
@@ -99,15 +140,36 @@ fn open(args: &AuditArgs) -> anyhow::Result<(Log, Option<tempfile::TempDir>)> {
         ..Default::default()
     };
     let (client, prefix) = audit::ship::client_for(&ship)?;
-    let copy = tempfile::tempdir()?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let n = runtime.block_on(audit::ship::download(&client, &prefix, copy.path()))?;
-    if n == 0 {
-        bail!("nothing under {url}");
+    let listed = if prefix.is_empty() {
+        String::new()
+    } else {
+        format!("{prefix}/")
+    };
+    let keys = runtime.block_on(client.list(&listed))?;
+    let found = origins(&keys, &prefix);
+    if found.is_empty() {
+        bail!(
+            "no audit log under {url} (no {} there or one level below)",
+            audit::ship::REMOTE_KEY
+        );
     }
-    Ok((read::load(copy.path(), key), Some(copy)))
+    let mut out = Vec::new();
+    for origin in found {
+        let copy = tempfile::tempdir()?;
+        let n = runtime.block_on(audit::ship::download(&client, &origin, copy.path()))?;
+        if n == 0 {
+            bail!("nothing under s3://{}/{origin}", client.bucket());
+        }
+        out.push(Opened {
+            origin: Some(origin),
+            log: read::load(copy.path(), key),
+            _copy: Some(copy),
+        });
+    }
+    Ok(out)
 }
 
 fn time(text: &Option<String>) -> anyhow::Result<Option<u64>> {
@@ -126,67 +188,103 @@ fn time(text: &Option<String>) -> anyhow::Result<Option<u64>> {
         .transpose()
 }
 
-pub fn run(args: AuditArgs) -> anyhow::Result<ExitCode> {
-    let (log, _copy) = open(&args)?;
-    match &args.command {
-        AuditCommand::Verify => {
-            let report = log.report();
-            if args.json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            } else if let Some(p) = &report.problem {
-                println!("FAILED: {p}");
-                println!(
-                    "(read {} entries and {} checkpoints before it)",
-                    report.entries, report.checkpoints
-                );
-            } else {
-                println!(
-                    "ok: {} entries, {} sealed files, {} signed checkpoints; root {}",
-                    report.entries, report.sealed_files, report.checkpoints, report.root
-                );
-                if let Some(c) = &report.newest_checkpoint {
-                    println!(
-                        "newest checkpoint: size {} signed at {} ms by key {}",
-                        c.size, c.time_ms, c.key_id
-                    );
-                }
-                if report.uncovered > 0 {
-                    println!(
-                        "note: the newest {} entries are not yet covered by a signed checkpoint (a running server signs one within a second; a clean stop signs everything)",
-                        report.uncovered
-                    );
-                }
-                if let Some(t) = &report.torn_tail {
-                    println!("note: a torn tail after the last checkpoint (a crash mid-write; the server cuts it on start): {t}");
-                }
-            }
-            return Ok(if report.ok {
-                ExitCode::SUCCESS
-            } else {
-                ExitCode::from(1)
-            });
-        }
-        _ if log.problem.is_some() => {
-            let p = log
-                .problem
-                .as_ref()
-                .map(ToString::to_string)
-                .unwrap_or_default();
-            eprintln!("warning: the log does not verify ({p}); showing what was read before it");
-        }
-        _ => {}
+/// `verify` of one log: its lines (or JSON report) and whether it verified.
+fn verify(log: &Log, json: bool) -> (bool, serde_json::Value) {
+    let report = log.report();
+    if json {
+        return (report.ok, serde_json::to_value(&report).unwrap_or_default());
     }
+    if let Some(p) = &report.problem {
+        println!("FAILED: {p}");
+        println!(
+            "(read {} entries and {} checkpoints before it)",
+            report.entries, report.checkpoints
+        );
+    } else {
+        println!(
+            "ok: {} entries, {} sealed files, {} signed checkpoints; root {}",
+            report.entries, report.sealed_files, report.checkpoints, report.root
+        );
+        if let Some(c) = &report.newest_checkpoint {
+            println!(
+                "newest checkpoint: size {} signed at {} ms by key {}",
+                c.size, c.time_ms, c.key_id
+            );
+        }
+        if report.uncovered > 0 {
+            println!(
+                "note: the newest {} entries are not yet covered by a signed checkpoint (a running server signs one within a second; a clean stop signs everything)",
+                report.uncovered
+            );
+        }
+        if let Some(t) = &report.torn_tail {
+            println!("note: a torn tail after the last checkpoint (a crash mid-write; the server cuts it on start): {t}");
+        }
+    }
+    (report.ok, serde_json::Value::Null)
+}
+
+pub fn run(args: AuditArgs) -> anyhow::Result<ExitCode> {
+    let opened = open(&args)?;
+    if let AuditCommand::Verify = args.command {
+        let several = opened.len() > 1;
+        let mut failed = 0;
+        let mut reports = Vec::new();
+        for o in &opened {
+            if several && !args.json {
+                println!("origin {}:", o.origin.as_deref().unwrap_or("?"));
+            }
+            let (ok, report) = verify(&o.log, args.json);
+            failed += usize::from(!ok);
+            reports.push(serde_json::json!({ "origin": o.origin, "report": report }));
+        }
+        if args.json {
+            let out = if several {
+                serde_json::Value::Array(reports)
+            } else {
+                reports.remove(0)["report"].take()
+            };
+            println!("{}", serde_json::to_string_pretty(&out)?);
+        } else if several {
+            println!(
+                "{} origins: {} verified, {failed} failed",
+                opened.len(),
+                opened.len() - failed
+            );
+        }
+        return Ok(if failed == 0 {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::from(1)
+        });
+    }
+    for o in &opened {
+        if let Some(p) = &o.log.problem {
+            eprintln!(
+                "warning: the log{} does not verify ({p}); showing what was read before it",
+                o.origin
+                    .as_deref()
+                    .map(|o| format!(" of {o}"))
+                    .unwrap_or_default()
+            );
+        }
+    }
+    let logs: Vec<&Log> = opened.iter().map(|o| &o.log).collect();
     match args.command {
         AuditCommand::Verify => unreachable!("answered above"),
         AuditCommand::Get { audit_id } => {
-            let Some(l) = log.get(&audit_id) else {
+            let Some(l) = logs.iter().find_map(|log| log.get(&audit_id)) else {
                 bail!("no audit entry {audit_id:?}");
             };
             println!("{}", serde_json::to_string_pretty(&l.entry)?);
         }
         AuditCommand::List { user, from, to } => {
             let (from, to) = (time(&from)?, time(&to)?);
-            let found: Vec<_> = log.by_user(&user, from, to).map(|l| &l.entry).collect();
+            let found: Vec<_> = logs
+                .iter()
+                .flat_map(|log| log.by_user(&user, from, to))
+                .map(|l| &l.entry)
+                .collect();
             if args.json {
                 println!("{}", serde_json::to_string_pretty(&found)?);
             } else {
@@ -211,7 +309,7 @@ pub fn run(args: AuditArgs) -> anyhow::Result<ExitCode> {
             }
         }
         AuditCommand::Prove { audit_id } => {
-            let Some(proof) = log.prove(&audit_id) else {
+            let Some(proof) = logs.iter().find_map(|log| log.prove(&audit_id)) else {
                 bail!("no audit entry {audit_id:?} covered by a signed checkpoint");
             };
             let verified = proof.verify();
@@ -229,15 +327,37 @@ pub fn run(args: AuditArgs) -> anyhow::Result<ExitCode> {
                 )),
                 None => Box::new(std::io::stdout().lock()),
             };
-            for l in &log.entries {
+            let mut n = 0;
+            for l in logs.iter().flat_map(|log| &log.entries) {
                 serde_json::to_writer(&mut sink, &l.entry)?;
                 sink.write_all(b"\n")?;
+                n += 1;
             }
             sink.flush()?;
             if let Some(p) = out {
-                eprintln!("{} entries written to {}", log.entries.len(), p.display());
+                eprintln!("{n} entries written to {}", p.display());
             }
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn origins_are_the_prefix_or_each_folder_with_a_key() {
+        let keys = |k: &[&str]| k.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let one = keys(&["prod/_key.pub", "prod/segments/a.parquet"]);
+        assert_eq!(super::origins(&one, "prod"), ["prod"]);
+        let fleet = keys(&[
+            "prod/r2/_key.pub",
+            "prod/r1/_key.pub",
+            "prod/r1/segments/a.parquet",
+            "prod/r1/nested/_key.pub",
+            "prod/stray.txt",
+        ]);
+        assert_eq!(super::origins(&fleet, "prod"), ["prod/r1", "prod/r2"]);
+        assert_eq!(super::origins(&keys(&["r1/_key.pub"]), ""), ["r1"]);
+        assert!(super::origins(&keys(&["prod/x"]), "prod").is_empty());
+    }
 }

@@ -12,7 +12,7 @@ use crate::release_cmd::Api;
 pub struct FleetArgs {
     /// A replica (`http://host:port`), or the load balancer in front of them.
     #[arg(long, global = true, env = "RAMPART_URL", value_name = "URL")]
-    pub url: String,
+    pub url: Option<String>,
     /// The API key (scope `admin`).
     #[arg(
         long,
@@ -37,7 +37,10 @@ enum FleetCommand {
 
 pub fn run(args: FleetArgs) -> Result<ExitCode> {
     let FleetCommand::Status = args.command;
-    let (status, v) = Api::new(&args.url, args.key.clone())?.call("GET", "/admin/fleet", None)?;
+    let Some(url) = &args.url else {
+        bail!("`rampart fleet status` asks a running replica: give --url (or RAMPART_URL)");
+    };
+    let (status, v) = Api::new(url, args.key.clone())?.call("GET", "/admin/fleet", None)?;
     if status != 200 {
         let message = v["error"]["message"].as_str().unwrap_or("no message");
         bail!("GET /admin/fleet: {status}: {message}");

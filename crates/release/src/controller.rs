@@ -403,6 +403,19 @@ impl Controller {
         d
     }
 
+    /// Judges the current step without deciding anything: the status shows the verdict (a
+    /// fleet's replica that does not hold the judge's lease looks at the pooled window so).
+    pub fn look(&mut self, now_ms: u64) {
+        self.last_tick_ms = now_ms;
+        if matches!(
+            self.plan.state.phase,
+            Phase::Running | Phase::Holding | Phase::Paused
+        ) {
+            let judge = Judge::for_plan(&self.plan);
+            self.last_verdict = Some(judge.evaluate(&self.plan.judge, &self.window, now_ms));
+        }
+    }
+
     /// Judges the current step and moves the release. The decisions are already applied to the
     /// plan; persist it when the vector is not empty.
     pub fn tick(&mut self, now_ms: u64) -> Vec<Decision> {

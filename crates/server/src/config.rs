@@ -267,15 +267,23 @@ impl ServerConfig {
     }
 
     /// Names this replica where it was left to a default: the traces' `service.instance.id`
-    /// and, in a fleet, the audit log's origin (each replica's log is its own, verified on its
-    /// own beside the others').
+    /// and, in a fleet, the audit log's origin and its S3 prefix (`<url>/<replica>`: each
+    /// replica's log is its own, verified on its own beside the others').
     pub fn identify(&mut self) {
         let replica = self.fleet.replica_id();
         if self.tracing.service_instance_id.is_empty() {
             self.tracing.service_instance_id = replica.clone();
         }
-        if self.in_fleet() && self.audit.origin == audit::AuditConfig::default().origin {
-            self.audit.origin = replica;
+        if !self.in_fleet() {
+            return;
+        }
+        if self.audit.origin == audit::AuditConfig::default().origin {
+            self.audit.origin = replica.clone();
+        }
+        // Each replica's log ships beside the others', under the same prefix: `rampart audit
+        // verify --s3 <url>` finds and verifies every origin there.
+        if let Some(s3) = &mut self.audit.s3 {
+            s3.url = format!("{}/{replica}", s3.url.trim_end_matches('/'));
         }
     }
 }

@@ -890,7 +890,9 @@ impl Releases {
             let before = m.plan();
             m.adopt(row.plan.clone(), row.revision);
             if before.state != row.plan.state || before.candidate != row.plan.candidate {
-                tracing::info!(target: "rampart::release", model = %m.name, revision = row.revision, by = %row.updated_by, phase = ?row.plan.state.phase, weight = row.plan.state.weight, "the fleet's plan changed: adopted");
+                // How long after its write this replica routes by it (the writer's clock).
+                let lag_ms = now_ms().saturating_sub(row.updated_ms);
+                tracing::info!(target: "rampart::release", model = %m.name, revision = row.revision, by = %row.updated_by, phase = ?row.plan.state.phase, weight = row.plan.state.weight, lag_ms, "the fleet's plan changed: adopted");
             }
             set_gauges(m);
         }
@@ -930,10 +932,22 @@ impl Releases {
             .unwrap_or_else(|| release::judge::StepWindow::new(started));
         pooled.set_ratings(Variant::Stable, ratings.stable.0, ratings.stable.1);
         pooled.set_ratings(Variant::Candidate, ratings.candidate.0, ratings.candidate.1);
-        let mut judge = Controller::with_window((*plan).clone(), pooled);
-        let decisions = judge.tick(now_ms());
-        *m.pooled.lock().unwrap_or_else(|e| e.into_inner()) = Some(judge.status());
-        if decisions.is_empty() || !fleet.is_judge() {
+        let now = now_ms();
+        // What the fleet's judge sees: a replica without the lease only looks (its status
+        // shows the verdict, never a decision it did not make).
+        let looked = || {
+            let mut c = Controller::with_window((*plan).clone(), pooled.clone());
+            c.look(now);
+            c.status()
+        };
+        if !fleet.is_judge() {
+            *m.pooled.lock().unwrap_or_else(|e| e.into_inner()) = Some(looked());
+            return;
+        }
+        let mut judge = Controller::with_window((*plan).clone(), pooled.clone());
+        let decisions = judge.tick(now);
+        if decisions.is_empty() {
+            *m.pooled.lock().unwrap_or_else(|e| e.into_inner()) = Some(judge.status());
             return;
         }
         let decided = judge.plan().clone();
@@ -950,6 +964,7 @@ impl Releases {
             .await
         {
             Some(Some(revision)) => {
+                *m.pooled.lock().unwrap_or_else(|e| e.into_inner()) = Some(judge.status());
                 m.adopt(decided, revision);
                 for d in &decisions {
                     publish(&m.name, d);
@@ -968,9 +983,10 @@ impl Releases {
                 set_gauges(m);
             }
             Some(None) => {
+                *m.pooled.lock().unwrap_or_else(|e| e.into_inner()) = Some(looked());
                 tracing::info!(target: "rampart::release", model = %m.name, "another replica changed the fleet's plan first: this tick's decisions are dropped, the newer plan is adopted at the next tick");
             }
-            None => {}
+            None => *m.pooled.lock().unwrap_or_else(|e| e.into_inner()) = Some(looked()),
         }
     }
 

@@ -15,6 +15,9 @@
 //! - `rampart_release_ratings`: the helpful-rate test's samples, one row per rated answer
 //!   whatever replica served or rated it.
 //! - `rampart_fleet_replicas`: heartbeats (readiness, draining, load, versions served).
+//! - `rampart_fleet_faults`: fault drills scoped to the whole fleet (each replica applies them).
+//! - `rampart_fleet_claims`: what must happen once for the fleet however many replicas see
+//!   its trigger (the retrain hook: once per cool-down), claimed by the first.
 //!
 //! The judge is whoever holds a session advisory lock ([`FleetStore::hold_judge`]) on a
 //! connection of its own. When the holder dies its connection closes and PostgreSQL releases
@@ -78,6 +81,21 @@ CREATE TABLE IF NOT EXISTS rampart_release_windows (
     body text NOT NULL,
     updated_ms bigint NOT NULL,
     PRIMARY KEY (model, release_id, step, replica)
+);
+CREATE TABLE IF NOT EXISTS rampart_fleet_claims (
+    name text NOT NULL,
+    key text NOT NULL,
+    claimed_ms bigint NOT NULL,
+    replica text NOT NULL,
+    PRIMARY KEY (name, key)
+);
+CREATE TABLE IF NOT EXISTS rampart_fleet_faults (
+    id bigserial PRIMARY KEY,
+    body text NOT NULL,
+    by_principal text NOT NULL,
+    replica text NOT NULL,
+    until_ms bigint NOT NULL,
+    cleared_ms bigint
 );
 CREATE TABLE IF NOT EXISTS rampart_release_ratings (
     model text NOT NULL,
@@ -157,6 +175,17 @@ pub struct WindowRow {
     pub replica: String,
     pub updated_ms: u64,
     pub window: StepWindow,
+}
+
+/// A fault drill for every replica of the fleet.
+#[derive(Debug, Clone)]
+pub struct FleetFault {
+    pub id: i64,
+    /// The injection's request, as JSON (`POST /admin/faults`'s body).
+    pub body: String,
+    pub by: String,
+    /// When it ends (ms since the epoch, the injecting replica's clock).
+    pub until_ms: u64,
 }
 
 /// Ratings of a release's answers, per side: (helpful, rated answers).
@@ -633,6 +662,73 @@ impl FleetStore {
                 })
             })
             .collect()
+    }
+
+    /// Records a fault for every replica (`body`: the injection's request as JSON), lasting
+    /// `duration_ms`; its id.
+    pub fn add_fault(&self, body: &str, by: &str, duration_ms: u64) -> Result<i64, FleetError> {
+        let until = now_ms().saturating_add(duration_ms) as i64;
+        let row = self.with(|c| {
+            c.query_one(
+                "INSERT INTO rampart_fleet_faults (body, by_principal, replica, until_ms)
+                 VALUES ($1, $2, $3, $4) RETURNING id",
+                &[&body, &by, &self.replica, &until],
+            )
+        })?;
+        Ok(row.get(0))
+    }
+
+    /// The fleet's faults that have not ended and were not cleared.
+    pub fn active_faults(&self) -> Result<Vec<FleetFault>, FleetError> {
+        let now = now_ms() as i64;
+        let rows = self.with(|c| {
+            c.query(
+                "SELECT id, body, by_principal, until_ms FROM rampart_fleet_faults
+                 WHERE cleared_ms IS NULL AND until_ms > $1 ORDER BY id",
+                &[&now],
+            )
+        })?;
+        Ok(rows
+            .iter()
+            .map(|r| FleetFault {
+                id: r.get(0),
+                body: r.get(1),
+                by: r.get(2),
+                until_ms: r.get::<_, i64>(3).max(0) as u64,
+            })
+            .collect())
+    }
+
+    /// Clears fleet faults (every replica drops them at its next tick); how many.
+    pub fn clear_faults(&self, ids: &[i64]) -> Result<u64, FleetError> {
+        let now = now_ms() as i64;
+        self.with(|c| {
+            c.execute(
+                "UPDATE rampart_fleet_faults SET cleared_ms = $1
+                 WHERE id = ANY($2) AND cleared_ms IS NULL",
+                &[&now, &ids],
+            )
+        })
+    }
+
+    /// Claims `name` for `key` (the retrain hook for a model) unless some replica claimed it
+    /// less than `cooldown_ms` ago: `true` when this replica has it and should act. Atomic: of
+    /// replicas that see the same trigger at once, one wins.
+    pub fn claim(&self, name: &str, key: &str, cooldown_ms: u64) -> Result<bool, FleetError> {
+        let now = now_ms() as i64;
+        let before = now.saturating_sub(cooldown_ms as i64);
+        let row = self.with(|c| {
+            c.query_opt(
+                "INSERT INTO rampart_fleet_claims (name, key, claimed_ms, replica)
+                 VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (name, key) DO UPDATE
+                 SET claimed_ms = EXCLUDED.claimed_ms, replica = EXCLUDED.replica
+                 WHERE rampart_fleet_claims.claimed_ms <= $5
+                 RETURNING replica",
+                &[&name, &key, &now, &self.replica, &before],
+            )
+        })?;
+        Ok(row.is_some())
     }
 
     /// The latest rating of an answer a variant of a release gave at `answered_ms`: helpful

@@ -232,3 +232,53 @@ async fn a_store_dropped_on_an_async_runtime_closes_cleanly() {
     .unwrap();
     drop(store);
 }
+
+#[test]
+fn a_claim_is_won_once_per_cool_down_whoever_asks() {
+    let Some(pg) = testkit::postgres::Postgres::start() else {
+        return;
+    };
+    let fleet = replicas(&pg);
+    let won: Vec<bool> = fleet
+        .iter()
+        .map(|s| s.claim("retrain", "m", 60_000).unwrap())
+        .collect();
+    assert_eq!(won, [true, false, false]);
+    assert!(fleet[1].claim("retrain", "other", 60_000).unwrap());
+    // Past the cool-down (0 here), the next one wins again.
+    assert!(fleet[2].claim("retrain", "m", 0).unwrap());
+    assert!(!fleet[0].claim("retrain", "m", 60_000).unwrap());
+}
+
+#[test]
+fn fleet_faults_are_seen_by_every_replica_until_cleared() {
+    let Some(pg) = testkit::postgres::Postgres::start() else {
+        return;
+    };
+    let fleet = replicas(&pg);
+    let a = fleet[0]
+        .add_fault(r#"{"backend":"m","mode":"fail"}"#, "ops", 60_000)
+        .unwrap();
+    let b = fleet[1]
+        .add_fault(r#"{"backend":"n","mode":"fail"}"#, "ops", 60_000)
+        .unwrap();
+    fleet[1]
+        .add_fault(r#"{"backend":"old","mode":"fail"}"#, "ops", 0)
+        .unwrap();
+    let seen: Vec<i64> = fleet[2]
+        .active_faults()
+        .unwrap()
+        .iter()
+        .map(|f| f.id)
+        .collect();
+    assert_eq!(seen, [a, b]);
+    assert_eq!(fleet[2].clear_faults(&[a]).unwrap(), 1);
+    assert_eq!(fleet[2].clear_faults(&[a]).unwrap(), 0);
+    let seen: Vec<i64> = fleet[0]
+        .active_faults()
+        .unwrap()
+        .iter()
+        .map(|f| f.id)
+        .collect();
+    assert_eq!(seen, [b]);
+}

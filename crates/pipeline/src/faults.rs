@@ -39,8 +39,19 @@ impl FaultMode {
     }
 }
 
+/// Where a fault applies: this replica (the default), or every replica of its fleet (kept in
+/// the fleet's database; each replica applies it at its next tick, a replica that joins later
+/// too, until it ends or is cleared anywhere).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FaultScope {
+    #[default]
+    Replica,
+    Fleet,
+}
+
 /// The body of `POST /admin/faults`.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct FaultRequest {
     /// A backend id (`name@version`, `name@version:tract`, `canned:name`), or a model name for
@@ -56,6 +67,9 @@ pub struct FaultRequest {
     pub fraction: Option<f64>,
     /// `stall`: tokens that still come before the stall (default 2).
     pub after_tokens: Option<usize>,
+    /// `replica` (default) or `fleet`.
+    #[serde(default)]
+    pub scope: FaultScope,
 }
 
 fn default_duration_s() -> f64 {
@@ -76,6 +90,10 @@ pub struct Fault {
     pub after_tokens: Option<usize>,
     /// Who injected it.
     pub by: String,
+    pub scope: FaultScope,
+    /// A fleet's fault: its id in the fleet's database (the same on every replica).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fleet_id: Option<i64>,
     /// Milliseconds it has left.
     pub remaining_ms: u64,
     /// Calls it struck so far.
@@ -199,6 +217,8 @@ impl Faults {
             after_tokens: (request.mode == FaultMode::Stall)
                 .then(|| request.after_tokens.unwrap_or(2)),
             by: by.to_string(),
+            scope: request.scope,
+            fleet_id: None,
             remaining_ms: (request.duration_s * 1e3) as u64,
             struck: 0,
             until: Instant::now() + Duration::from_secs_f64(request.duration_s),
@@ -224,6 +244,14 @@ impl Faults {
         active.push(fault.clone());
         self.any.store(true, Ordering::Release);
         Ok(fault)
+    }
+
+    /// Marks a fault as the fleet's fault `fleet_id`.
+    pub fn set_fleet_id(&self, id: u64, fleet_id: i64) {
+        if let Some(f) = self.lock().iter_mut().find(|f| f.id == id) {
+            f.fleet_id = Some(fleet_id);
+            f.scope = FaultScope::Fleet;
+        }
     }
 
     /// Ends one fault (or all); returns how many ended.
@@ -335,6 +363,7 @@ mod tests {
             factor: None,
             fraction: None,
             after_tokens: None,
+            scope: Default::default(),
         }
     }
 

@@ -467,18 +467,31 @@ fn three_replicas_behind_haproxy_share_one_release_one_judge_and_one_truth() {
                 .then_some(v)
         },
     );
-    for r in &fleet.replicas {
-        let (s, _, t) = http(
-            r.port,
-            "POST",
-            "/admin/faults",
-            Some(&format!(
-                r#"{{"backend":"{MODEL}@1.1.0","mode":"slow","factor":3.0,"duration_s":900}}"#
-            )),
-            Some(ADMIN_KEY),
-        );
-        assert_eq!(s, 201, "{t}");
-    }
+    // One fault for the whole fleet, injected through the balancer on whichever replica: every
+    // replica applies it at its next tick.
+    let (s, _, t) = http(
+        lb,
+        "POST",
+        "/admin/faults",
+        Some(&format!(
+            r#"{{"backend":"{MODEL}@1.1.0","mode":"slow","factor":3.0,"duration_s":900,"scope":"fleet"}}"#
+        )),
+        Some(ADMIN_KEY),
+    );
+    assert_eq!(s, 201, "{t}");
+    let faults_everywhere = |n: usize| {
+        fleet.replicas.iter().all(|r| {
+            get_json(r.port, "/admin/faults").and_then(|v| {
+                v.as_array()
+                    .map(|a| a.iter().filter(|f| f["fleet_id"].is_i64()).count())
+            }) == Some(n)
+        })
+    };
+    wait_for(
+        Duration::from_secs(10),
+        "every replica applies the fleet's fault",
+        || faults_everywhere(1).then_some(serde_json::Value::Null),
+    );
     let started = Instant::now();
     let load = Load::start(&python, fleet._dir.path(), lb, "slow", 0);
     let r = wait_for(
@@ -560,10 +573,14 @@ fn three_replicas_behind_haproxy_share_one_release_one_judge_and_one_truth() {
     // 2. An identical candidate, its answers rated through the balancer; its judge is killed
     // with SIGKILL mid-release: another replica takes the lease, the release goes on and
     // promotes once; the balancer routes around the dead replica.
-    for r in &fleet.replicas {
-        let (s, _, t) = http(r.port, "DELETE", "/admin/faults/1", None, Some(ADMIN_KEY));
-        assert_eq!(s, 200, "{t}");
-    }
+    // Cleared through the balancer on whichever replica: every replica drops it.
+    let (s, _, t) = http(lb, "DELETE", "/admin/faults", None, Some(ADMIN_KEY));
+    assert_eq!(s, 200, "{t}");
+    wait_for(
+        Duration::from_secs(10),
+        "every replica drops the fleet's fault",
+        || faults_everywhere(0).then_some(serde_json::Value::Null),
+    );
     let (s, _, t) = http(
         lb,
         "POST",

@@ -266,6 +266,7 @@ fn fault(state: &AppState, backend: &str, mode: FaultMode) {
                 factor: None,
                 fraction: None,
                 after_tokens: None,
+                scope: Default::default(),
             },
             "bench",
             |_| true,

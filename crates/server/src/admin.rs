@@ -407,13 +407,41 @@ async fn inject_fault(
         "duration_s": request.duration_s,
     });
     let target = request.backend.clone();
+    let fleet = state.releases.get().and_then(|r| r.fleet()).cloned();
+    let scope = request.scope;
+    if scope == faults::FaultScope::Fleet && fleet.is_none() {
+        return ApiError::invalid_param(
+            "scope",
+            "scope fleet needs a fleet ([fleet]); this server is alone: use scope replica",
+        )
+        .into_response();
+    }
+    let shared = serde_json::to_string(&request).unwrap_or_default();
+    let duration_ms = (request.duration_s * 1e3) as u64;
     match state.front.faults.inject(request, &principal.0, known) {
-        Ok(fault) => {
+        Ok(mut fault) => {
             if let Err(e) = note(&state, &principal.0, "fault_inject", &target, None, detail).await
             {
                 // Not kept, so not made: the fault is taken back.
                 state.front.faults.clear(Some(fault.id), &principal.0);
                 return e.into_response();
+            }
+            if let (faults::FaultScope::Fleet, Some(fleet)) = (scope, fleet) {
+                let by = principal.0.clone();
+                let added = fleet
+                    .call("fault", move |s| s.add_fault(&shared, &by, duration_ms))
+                    .await;
+                let Some(fleet_id) = added else {
+                    state.front.faults.clear(Some(fault.id), &principal.0);
+                    return ApiError::Unavailable {
+                        message: "the fleet's database cannot be reached: a fleet fault cannot be given to every replica".into(),
+                        retry_after_s: 5,
+                    }
+                    .into_response();
+                };
+                state.front.faults.set_fleet_id(fault.id, fleet_id);
+                fault.fleet_id = Some(fleet_id);
+                tracing::warn!(target: "rampart::fleet", fault = fault.id, fleet_fault = fleet_id, backend = %fault.backend, "fault given to every replica of the fleet");
             }
             (StatusCode::CREATED, Json(fault)).into_response()
         }
@@ -440,8 +468,26 @@ async fn clear_faults(
     if let Err(e) = note(&state, &principal.0, "fault_clear", "*", None, detail).await {
         return e.into_response();
     }
+    let shared: Vec<i64> = state
+        .front
+        .faults
+        .list()
+        .iter()
+        .filter_map(|f| f.fleet_id)
+        .collect();
+    clear_in_fleet(&state, shared).await;
     let cleared = state.front.faults.clear(None, &principal.0);
     Json(Cleared { cleared }).into_response()
+}
+
+/// Clears fleet faults everywhere (each replica drops them at its next tick).
+async fn clear_in_fleet(state: &Arc<AppState>, ids: Vec<i64>) {
+    if ids.is_empty() {
+        return;
+    }
+    if let Some(fleet) = state.releases.get().and_then(|r| r.fleet()).cloned() {
+        fleet.call("fault", move |s| s.clear_faults(&ids)).await;
+    }
 }
 
 async fn clear_fault(
@@ -468,6 +514,15 @@ async fn clear_fault(
     {
         return e.into_response();
     }
+    let shared: Vec<i64> = state
+        .front
+        .faults
+        .list()
+        .iter()
+        .filter(|f| f.id == id)
+        .filter_map(|f| f.fleet_id)
+        .collect();
+    clear_in_fleet(&state, shared).await;
     let cleared = state.front.faults.clear(Some(id), &principal.0);
     Json(Cleared { cleared }).into_response()
 }

@@ -626,6 +626,11 @@ pub fn spawn(state: Arc<AppState>) {
                             error_rate_lower: Some(q.error_rate_lower),
                             by: "alert",
                         };
+                        // In a fleet every replica sees the same shared store's rates: the
+                        // hook runs once per cool-down for the fleet, by whoever claims it.
+                        if !claimed_for_fleet(&state, &service, &why.model).await {
+                            continue;
+                        }
                         let _ = run_hook(&state, &service, why, "rampart").await;
                     }
                     shown = publish(&table, shown);
@@ -634,6 +639,35 @@ pub fn spawn(state: Arc<AppState>) {
             }
         }
     });
+}
+
+/// Whether this replica runs the alert's retrain hook for `model`: outside a fleet always (its
+/// own cool-down applies); in a fleet when it claims the hook in the fleet's database (once per
+/// cool-down for the fleet), never while the database is down (the next look retries).
+async fn claimed_for_fleet(
+    state: &Arc<AppState>,
+    service: &Arc<FeedbackService>,
+    model: &str,
+) -> bool {
+    let Some(fleet) = state.releases.get().and_then(|r| r.fleet()).cloned() else {
+        return true;
+    };
+    if service.config.retrain.command.is_none() {
+        return false;
+    }
+    let cooldown_ms = service.config.retrain.cooldown_s.saturating_mul(1000);
+    let key = model.to_string();
+    let claimed = fleet
+        .call("claim", move |s| s.claim("retrain", &key, cooldown_ms))
+        .await;
+    match claimed {
+        Some(true) => true,
+        Some(false) => {
+            tracing::debug!(target: "rampart::feedback", model, "another replica ran the retrain hook within its cool-down");
+            false
+        }
+        None => false,
+    }
 }
 
 /// Why the retrain hook runs.

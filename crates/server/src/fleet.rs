@@ -158,6 +158,7 @@ pub fn spawn_heartbeat(state: Arc<crate::state::AppState>, fleet: Arc<Fleet>, ti
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_millis(tick_ms.max(10)));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut tried = std::collections::HashSet::new();
         loop {
             tick.tick().await;
             let draining = state.front.is_draining() || state.is_leaving();
@@ -177,8 +178,66 @@ pub fn spawn_heartbeat(state: Arc<crate::state::AppState>, fleet: Arc<Fleet>, ti
             fleet.set_judge(judge);
             let b = beat(&state, judge);
             fleet.call("heartbeat", move |s| s.heartbeat(&b)).await;
+            sync_faults(&state, &fleet, &mut tried).await;
         }
     });
+}
+
+/// Applies the fleet's faults here (a fault scoped to the fleet, injected on any replica) and
+/// drops the ones that ended or were cleared elsewhere. A fault whose backend this replica does
+/// not serve (yet) is said once and tried again at every tick.
+async fn sync_faults(
+    state: &Arc<crate::state::AppState>,
+    fleet: &Arc<Fleet>,
+    tried: &mut std::collections::HashSet<i64>,
+) {
+    if !state.front.faults.enabled() {
+        return;
+    }
+    let Some(active) = fleet.call("faults", |s| s.active_faults()).await else {
+        return;
+    };
+    let local = state.front.faults.list();
+    let wanted: std::collections::HashSet<i64> = active.iter().map(|f| f.id).collect();
+    for f in local
+        .iter()
+        .filter(|f| f.fleet_id.is_some_and(|id| !wanted.contains(&id)))
+    {
+        state.front.faults.clear(Some(f.id), "fleet");
+    }
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    for f in active {
+        if local.iter().any(|l| l.fleet_id == Some(f.id)) || tried.contains(&f.id) {
+            continue;
+        }
+        tried.insert(f.id);
+        let Ok(mut request) = serde_json::from_str::<pipeline::faults::FaultRequest>(&f.body)
+        else {
+            tracing::error!(target: "rampart::fleet", fleet_fault = f.id, "a fleet fault this replica cannot read: skipped");
+            continue;
+        };
+        request.duration_s = f.until_ms.saturating_sub(now) as f64 / 1e3;
+        let known = |backend: &str| {
+            state.front.registry.all().iter().any(|e| {
+                e.backends()
+                    .iter()
+                    .any(|b| pipeline::faults::covers(backend, &b.id))
+            })
+        };
+        match state.front.faults.inject(request, &f.by, known) {
+            Ok(fault) => {
+                state.front.faults.set_fleet_id(fault.id, f.id);
+                tracing::warn!(target: "rampart::fleet", fault = fault.id, fleet_fault = f.id, backend = %fault.backend, by = %f.by, "a fleet fault applied on this replica");
+            }
+            // (Its backend may still be loading here: tried again at the next tick.)
+            Err(e) if tried.insert(f.id) => {
+                tracing::warn!(target: "rampart::fleet", fleet_fault = f.id, error = %e, "a fleet fault cannot apply on this replica yet");
+            }
+            Err(_) => {}
+        }
+    }
 }
 
 /// A replica in `GET /admin/fleet`.

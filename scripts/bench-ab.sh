@@ -13,6 +13,11 @@
 #
 #   RAMPART_AB_OLD_TOML=$'[audit]\nenabled = false' \
 #   RAMPART_AB_NEW_TOML=$'[audit]\nrequired = true' scripts/bench-ab.sh BIN BIN 3
+#
+# RAMPART_AB_PLAN (a release plan's text) puts a release under way on both sides: SmolLM2 is
+# imported again as 1.1.0 and the release started on the file, so that the served requests are
+# routed and judged (the plan should keep its first step for the whole run). With a fleet on one
+# side (scripts/bench-fleet.sh does this), that side publishes and pools its windows too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 old="$1" new="$2" rounds="${3:-3}"
@@ -30,6 +35,12 @@ repo="$work/models"
 if [[ -f "$cache/injection-minilm/guard/injection_head.safetensors" ]]; then
   "$new" model import "$cache/injection-minilm" --repo "$repo" --name injection-minilm \
     --version 1.0.0 >/dev/null
+fi
+if [[ -n "${RAMPART_AB_PLAN:-}" ]]; then
+  "$new" model import "$cache/smollm2-135m/SmolLM2-135M-Instruct.Q4_1.gguf" --repo "$repo" \
+    --name smollm2-135m --version 1.1.0 >/dev/null
+  printf '%s\n' "$RAMPART_AB_PLAN" >"$repo/smollm2-135m/release.toml"
+  "$new" release start smollm2-135m --candidate 1.1.0 --repo "$repo" >/dev/null
 fi
 port=18480
 for side in old new; do

@@ -15,6 +15,8 @@
 //! - `rampart_release_ratings`: the helpful-rate test's samples, one row per rated answer
 //!   whatever replica served or rated it.
 //! - `rampart_fleet_replicas`: heartbeats (readiness, draining, load, versions served).
+//! - `rampart_fleet_handoffs`: each model's hand-off to people, fleet-wide (the replica that
+//!   handed it off or resumed it, why, until when).
 //! - `rampart_fleet_faults`: fault drills scoped to the whole fleet (each replica applies them).
 //! - `rampart_fleet_claims`: what must happen once for the fleet however many replicas see
 //!   its trigger (the retrain hook: once per cool-down), claimed by the first.
@@ -97,6 +99,15 @@ CREATE TABLE IF NOT EXISTS rampart_fleet_faults (
     until_ms bigint NOT NULL,
     cleared_ms bigint
 );
+CREATE TABLE IF NOT EXISTS rampart_fleet_handoffs (
+    model text PRIMARY KEY,
+    seq bigint NOT NULL,
+    active boolean NOT NULL,
+    why text NOT NULL,
+    replica text NOT NULL,
+    until_ms bigint,
+    changed_ms bigint NOT NULL
+);
 CREATE TABLE IF NOT EXISTS rampart_release_ratings (
     model text NOT NULL,
     release_id text NOT NULL,
@@ -175,6 +186,20 @@ pub struct WindowRow {
     pub replica: String,
     pub updated_ms: u64,
     pub window: StepWindow,
+}
+
+/// A model's hand-off as the fleet holds it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FleetHandoff {
+    pub model: String,
+    /// Grows with every change.
+    pub seq: i64,
+    pub active: bool,
+    pub why: String,
+    /// The replica whose change this is.
+    pub replica: String,
+    /// When it resumes by itself (ms since the epoch), if it does.
+    pub until_ms: Option<u64>,
 }
 
 /// A fault drill for every replica of the fleet.
@@ -662,6 +687,52 @@ impl FleetStore {
                 })
             })
             .collect()
+    }
+
+    /// Every model's hand-off state in the fleet.
+    pub fn handoffs(&self) -> Result<Vec<FleetHandoff>, FleetError> {
+        let rows = self.with(|c| {
+            c.query(
+                "SELECT model, seq, active, why, replica, until_ms FROM rampart_fleet_handoffs",
+                &[],
+            )
+        })?;
+        Ok(rows
+            .iter()
+            .map(|r| FleetHandoff {
+                model: r.get(0),
+                seq: r.get(1),
+                active: r.get(2),
+                why: r.get(3),
+                replica: r.get(4),
+                until_ms: r.get::<_, Option<i64>>(5).map(|v| v.max(0) as u64),
+            })
+            .collect())
+    }
+
+    /// This replica hands `model` off (`active`, why, until `for_ms` from now or until resumed)
+    /// or resumes it, for the fleet; the change's sequence number.
+    pub fn set_handoff(
+        &self,
+        model: &str,
+        active: bool,
+        why: &str,
+        for_ms: Option<u64>,
+    ) -> Result<i64, FleetError> {
+        let now = now_ms() as i64;
+        let until = for_ms.map(|ms| now.saturating_add(ms as i64));
+        let row = self.with(|c| {
+            c.query_one(
+                "INSERT INTO rampart_fleet_handoffs (model, seq, active, why, replica, until_ms, changed_ms)
+                 VALUES ($1, 1, $2, $3, $4, $5, $6)
+                 ON CONFLICT (model) DO UPDATE SET seq = rampart_fleet_handoffs.seq + 1,
+                    active = EXCLUDED.active, why = EXCLUDED.why, replica = EXCLUDED.replica,
+                    until_ms = EXCLUDED.until_ms, changed_ms = EXCLUDED.changed_ms
+                 RETURNING seq",
+                &[&model, &active, &why, &self.replica, &until, &now],
+            )
+        })?;
+        Ok(row.get(0))
     }
 
     /// Records a fault for every replica (`body`: the injection's request as JSON), lasting

@@ -282,3 +282,23 @@ fn fleet_faults_are_seen_by_every_replica_until_cleared() {
         .collect();
     assert_eq!(seen, [b]);
 }
+
+#[test]
+fn a_handoff_is_one_row_per_model_with_its_latest_change() {
+    let Some(pg) = testkit::postgres::Postgres::start() else {
+        return;
+    };
+    let fleet = replicas(&pg);
+    assert!(fleet[0].handoffs().unwrap().is_empty());
+    let first = fleet[0]
+        .set_handoff("m", true, "12 fallbacks in 60 s", Some(300_000))
+        .unwrap();
+    let second = fleet[1]
+        .set_handoff("m", false, "resumed by ops", None)
+        .unwrap();
+    assert!(second > first);
+    let rows = fleet[2].handoffs().unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!((rows[0].active, rows[0].replica.as_str()), (false, "r2"));
+    assert_eq!(rows[0].until_ms, None);
+}

@@ -24,6 +24,8 @@ pub enum Why {
     Fallbacks { fallbacks: u64, window_s: u64 },
     /// An admin paused it.
     Paused { by: String },
+    /// Another replica of the fleet handed it off (its cause in words); this replica follows.
+    Fleet { replica: String, cause: String },
 }
 
 impl std::fmt::Display for Why {
@@ -34,6 +36,7 @@ impl std::fmt::Display for Why {
                 window_s,
             } => write!(f, "{fallbacks} fallbacks in {window_s} s"),
             Why::Paused { by } => write!(f, "paused by {by}"),
+            Why::Fleet { replica, cause } => write!(f, "handed off by replica {replica}: {cause}"),
         }
     }
 }
@@ -142,6 +145,18 @@ impl HandoffState {
         changed.then_some(Change::HandedOff(why))
     }
 
+    /// Hands off for a cause from elsewhere (another replica of the fleet), until `until`
+    /// (`None`: until resumed).
+    pub fn follow(&mut self, why: Why, now: Instant, until: Option<Instant>) -> Option<Change> {
+        let changed = self.active.as_ref().map(|a| &a.why) != Some(&why);
+        self.active = Some(Active {
+            why: why.clone(),
+            since: now,
+            until,
+        });
+        changed.then_some(Change::HandedOff(why))
+    }
+
     pub fn resume_by(&mut self, by: &str) -> Option<Change> {
         let was = self.active.is_some();
         self.resume();
@@ -243,6 +258,17 @@ impl Handoff {
 
     pub fn pause(&self, by: &str) -> HandoffView {
         let change = self.lock().pause(by, Instant::now());
+        if let Some(c) = change {
+            self.note(&c);
+        }
+        self.view()
+    }
+
+    /// Follows another replica's hand-off for `for_s` seconds (`None`: until resumed).
+    pub fn follow(&self, why: Why, for_s: Option<u64>) -> HandoffView {
+        let now = Instant::now();
+        let until = for_s.map(|s| now + Duration::from_secs(s.max(1)));
+        let change = self.lock().follow(why, now, until);
         if let Some(c) = change {
             self.note(&c);
         }

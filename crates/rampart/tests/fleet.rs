@@ -713,6 +713,53 @@ fn three_replicas_behind_haproxy_share_one_release_one_judge_and_one_truth() {
         &missing[..missing.len().min(5)]
     );
 
+    // An admin's hand-off, given through the balancer to whichever replica, is the fleet's:
+    // every replica refuses with 503 human_handoff within a tick or two, and serves again when
+    // it is resumed.
+    let ask = |port: u16| {
+        let body = format!(
+            r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Hello"}}],"max_tokens":2}}"#
+        );
+        try_http(port, "POST", "/v1/chat/completions", Some(&body), Some(KEY))
+            .map_or((0, String::new()), |(s, _, b)| (s, b))
+    };
+    let handoff = |action: &str| {
+        let (s, _, t) = http(
+            lb,
+            "POST",
+            &format!("/admin/models/{MODEL}/handoff"),
+            Some(&format!(r#"{{"action":"{action}"}}"#)),
+            Some(ADMIN_KEY),
+        );
+        assert_eq!(s, 200, "{t}");
+    };
+    handoff("pause");
+    let paused = Instant::now();
+    wait_for(Duration::from_secs(10), "every replica hands off", || {
+        fleet
+            .replicas
+            .iter()
+            .all(|r| {
+                let (s, b) = ask(r.port);
+                s == 503 && b.contains("human_handoff")
+            })
+            .then_some(serde_json::Value::Null)
+    });
+    let paused = paused.elapsed();
+    handoff("resume");
+    wait_for(
+        Duration::from_secs(10),
+        "every replica serves again",
+        || {
+            fleet
+                .replicas
+                .iter()
+                .all(|r| ask(r.port).0 == 200)
+                .then_some(serde_json::Value::Null)
+        },
+    );
+    eprintln!("fleet: a hand-off paused every replica within {paused:?}");
+
     // 3. SIGTERM on a replica under load: readiness fails first, the balancer takes it out, its
     // stream finishes, and no client sees an error.
     let going = (dead + 1) % 3;

@@ -374,6 +374,30 @@ async fn handoff(
     } else {
         h.resume(&principal.0)
     };
+    // In a fleet an admin's pause or resume is the fleet's: every replica follows at its next
+    // tick.
+    if let Some(fleet) = state.releases.get().and_then(|r| r.fleet()).cloned() {
+        let (model, active) = (name.clone(), what == "handoff_pause");
+        let why = if active {
+            format!("paused by {}", principal.0)
+        } else {
+            format!("resumed by {}", principal.0)
+        };
+        let seq = fleet
+            .call("handoff", move |s| {
+                s.set_handoff(&model, active, &why, None)
+            })
+            .await;
+        if seq.is_none() {
+            return ApiError::Unavailable {
+                message:
+                    "the fleet's database cannot be reached: the change holds on this replica only"
+                        .into(),
+                retry_after_s: 5,
+            }
+            .into_response();
+        }
+    }
     Json(view).into_response()
 }
 

@@ -159,6 +159,7 @@ pub fn spawn_heartbeat(state: Arc<crate::state::AppState>, fleet: Arc<Fleet>, ti
         let mut tick = tokio::time::interval(Duration::from_millis(tick_ms.max(10)));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut tried = std::collections::HashSet::new();
+        let mut seen = std::collections::HashMap::new();
         loop {
             tick.tick().await;
             let draining = state.front.is_draining() || state.is_leaving();
@@ -179,8 +180,78 @@ pub fn spawn_heartbeat(state: Arc<crate::state::AppState>, fleet: Arc<Fleet>, ti
             let b = beat(&state, judge);
             fleet.call("heartbeat", move |s| s.heartbeat(&b)).await;
             sync_faults(&state, &fleet, &mut tried).await;
+            sync_handoffs(&state, &fleet, &mut seen).await;
         }
     });
+}
+
+/// Keeps each model's hand-off the fleet's: a hand-off this replica made (its fallbacks
+/// crossed the threshold) or ended (its cool-down) is written to the fleet's table; another
+/// replica's is followed (until its cool-down ends, or until resumed), and its end resumes
+/// here. An admin's pause or resume is written by the admin route itself.
+async fn sync_handoffs(
+    state: &Arc<crate::state::AppState>,
+    fleet: &Arc<Fleet>,
+    seen: &mut std::collections::HashMap<String, i64>,
+) {
+    use pipeline::handoff::Why;
+    let Some(rows) = fleet.call("handoffs", |s| s.handoffs()).await else {
+        return;
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    let mut handoffs = state.front.handoffs.all();
+    let served = state.front.registry.all();
+    for row in rows.iter().filter(|r| r.active) {
+        let known = handoffs.iter().any(|h| h.view().model == row.model);
+        if !known && served.iter().any(|e| e.name == row.model) {
+            handoffs.push(state.front.handoffs.get(&row.model));
+        }
+    }
+    for h in handoffs {
+        let view = h.view();
+        let row = rows.iter().find(|r| r.model == view.model);
+        let following = matches!(view.why, Some(Why::Fleet { .. }));
+        if let Some(row) = row {
+            let new = seen.get(&row.model).is_none_or(|s| row.seq > *s);
+            seen.insert(row.model.clone(), row.seq);
+            if new && row.replica != fleet.replica {
+                let still = row.until_ms.is_none_or(|u| u > now);
+                if row.active && still && !view.active {
+                    h.follow(
+                        Why::Fleet {
+                            replica: row.replica.clone(),
+                            cause: row.why.clone(),
+                        },
+                        row.until_ms.map(|u| u.saturating_sub(now).div_ceil(1000)),
+                    );
+                    tracing::warn!(target: "rampart::fleet", model = %row.model, from = %row.replica, cause = %row.why, "following the fleet's hand-off");
+                } else if !row.active && view.active {
+                    h.resume(&format!("fleet:{}", row.replica));
+                    tracing::warn!(target: "rampart::fleet", model = %row.model, from = %row.replica, cause = %row.why, "the fleet's hand-off ended: resumed here");
+                }
+                continue;
+            }
+        }
+        // This replica's own hand-off, or its end, for the others.
+        let published = row.is_some_and(|r| r.active && r.replica == fleet.replica);
+        let own = view.active && !following;
+        if own != published && (own || row.is_some_and(|r| r.replica == fleet.replica)) {
+            let model = view.model.clone();
+            let why = view
+                .why
+                .as_ref()
+                .map_or_else(|| "the cool-down is over".to_string(), ToString::to_string);
+            let for_ms = view.resumes_in_s.map(|s| s * 1000);
+            if let Some(seq) = fleet
+                .call("handoff", move |s| s.set_handoff(&model, own, &why, for_ms))
+                .await
+            {
+                seen.insert(view.model.clone(), seq);
+            }
+        }
+    }
 }
 
 /// Applies the fleet's faults here (a fault scoped to the fleet, injected on any replica) and

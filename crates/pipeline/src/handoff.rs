@@ -519,6 +519,29 @@ mod tests {
     }
 
     #[test]
+    fn another_replicas_hand_off_is_followed_until_its_end() {
+        let t0 = Instant::now();
+        let mut s = HandoffState::new(config(1000), t0);
+        let why = Why::Fleet {
+            replica: "r2".into(),
+            cause: "12 fallbacks in 60 s".into(),
+        };
+        let until = t0 + Duration::from_secs(30);
+        assert_eq!(
+            s.follow(why.clone(), t0, Some(until)),
+            Some(Change::HandedOff(why.clone()))
+        );
+        assert_eq!(s.follow(why, t0, Some(until)), None, "followed once");
+        assert_eq!(s.check(t0 + Duration::from_secs(29)), (true, None));
+        assert_eq!(s.retry_after_s(t0 + Duration::from_secs(20)), Some(10));
+        assert_eq!(
+            s.check(until),
+            (false, Some(Change::Resumed { by: None })),
+            "its cool-down ends here too"
+        );
+    }
+
+    #[test]
     fn a_disabled_handoff_never_engages() {
         let t0 = Instant::now();
         let mut s = HandoffState::new(

@@ -116,19 +116,6 @@ fn haproxy() -> Option<PathBuf> {
     .find(|p| p.is_file())
 }
 
-fn python_with_openai() -> Option<PathBuf> {
-    let candidates = [
-        std::env::var_os("RAMPART_TEST_PYTHON").map(PathBuf::from),
-        testkit::model_cache().map(|c| c.join("venv/bin/python")),
-    ];
-    candidates.into_iter().flatten().find(|p| {
-        Command::new(p)
-            .args(["-c", "import openai"])
-            .status()
-            .is_ok_and(|s| s.success())
-    })
-}
-
 fn required() -> bool {
     std::env::var("RAMPART_REQUIRE_MODELS").is_ok_and(|v| v == "1")
 }
@@ -243,6 +230,14 @@ fn wait_for(
         assert!(began.elapsed() < limit, "{what}: not within {limit:?}");
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// Waits until the release through the balancer ended (promoted or rolled back).
+fn until_decided(lb: u16, what: &str) -> serde_json::Value {
+    wait_for(Duration::from_secs(300), what, || {
+        let r = release(lb);
+        (!["running", "holding", "gating"].contains(&phase_of(&r))).then_some(r)
+    })
 }
 
 fn phase_of(r: &serde_json::Value) -> &str {
@@ -494,14 +489,7 @@ fn three_replicas_behind_haproxy_share_one_release_one_judge_and_one_truth() {
     );
     let started = Instant::now();
     let load = Load::start(&python, fleet._dir.path(), lb, "slow", 0);
-    let r = wait_for(
-        Duration::from_secs(300),
-        "the slower candidate rolled back",
-        || {
-            let r = release(lb);
-            (!["running", "holding", "gating"].contains(&phase_of(&r))).then_some(r)
-        },
-    );
+    let r = until_decided(lb, "the slower candidate rolled back");
     let took = started.elapsed();
     let summary = load.stop();
     assert_eq!(phase_of(&r), "rolled_back", "{r}");
@@ -612,14 +600,7 @@ fn three_replicas_behind_haproxy_share_one_release_one_judge_and_one_truth() {
         (v["judge"].is_string() && v["judge"] != judge.as_str()).then_some(v)
     });
     let failover = killed.elapsed();
-    let r = wait_for(
-        Duration::from_secs(300),
-        "the identical candidate decided",
-        || {
-            let r = release(lb);
-            (!["running", "holding", "gating"].contains(&phase_of(&r))).then_some(r)
-        },
-    );
+    let r = until_decided(lb, "the identical candidate decided");
     let took = started.elapsed();
     let summary = load.stop();
     assert_eq!(phase_of(&r), "promoted", "{r}");

@@ -37,19 +37,6 @@ fn start_with(extra: &str, more: &[(&str, PathBuf)]) -> Option<Server> {
     ))
 }
 
-fn python_with_openai() -> Option<PathBuf> {
-    let candidates = [
-        std::env::var_os("RAMPART_TEST_PYTHON").map(PathBuf::from),
-        testkit::model_cache().map(|c| c.join("venv/bin/python")),
-    ];
-    candidates.into_iter().flatten().find(|p| {
-        Command::new(p)
-            .args(["-c", "import openai"])
-            .status()
-            .is_ok_and(|s| s.success())
-    })
-}
-
 fn require_python() -> bool {
     std::env::var("RAMPART_REQUIRE_MODELS").is_ok_and(|v| v == "1")
 }

@@ -518,6 +518,19 @@ impl Releases {
         }
     }
 
+    /// A controller's decision: its log line and counter, and the decision record (log, metrics,
+    /// audit) with `detail`.
+    fn announce(&self, model: &str, d: &Decision, detail: serde_json::Value) {
+        publish(model, d);
+        self.decisions.note(
+            &format!("release.{}", action_name(d.action)),
+            Some(model),
+            &format!("{model}@{}", d.candidate.as_deref().unwrap_or(&d.stable)),
+            &d.reason,
+            detail,
+        );
+    }
+
     /// One tick of every release: adopt changed files, feed drift, judge, decide, persist.
     pub async fn tick(&self, drift: &(dyn Fn(&str, &str) -> Option<String> + Sync)) {
         if let Some(fleet) = &self.fleet {
@@ -583,14 +596,7 @@ impl Releases {
                     .increment(1);
             }
             for d in &decisions {
-                publish(&m.name, d);
-                self.decisions.note(
-                    &format!("release.{}", action_name(d.action)),
-                    Some(&m.name),
-                    &format!("{}@{}", m.name, d.candidate.as_deref().unwrap_or(&d.stable)),
-                    &d.reason,
-                    serde_json::to_value(d).unwrap_or_default(),
-                );
+                self.announce(&m.name, d, serde_json::to_value(d).unwrap_or_default());
             }
             set_gauges(&m);
         }
@@ -966,18 +972,12 @@ impl Releases {
             Some(Some(revision)) => {
                 *m.pooled.lock().unwrap_or_else(|e| e.into_inner()) = Some(judge.status());
                 m.adopt(decided, revision);
+                let replicas: Vec<&str> = rows.iter().map(|r| r.replica.as_str()).collect();
                 for d in &decisions {
-                    publish(&m.name, d);
-                    self.decisions.note(
-                        &format!("release.{}", action_name(d.action)),
-                        Some(&m.name),
-                        &format!("{}@{}", m.name, d.candidate.as_deref().unwrap_or(&d.stable)),
-                        &d.reason,
-                        serde_json::json!({
-                            "decision": d,
-                            "revision": revision,
-                            "replicas": rows.iter().map(|r| r.replica.as_str()).collect::<Vec<_>>(),
-                        }),
+                    self.announce(
+                        &m.name,
+                        d,
+                        serde_json::json!({ "decision": d, "revision": revision, "replicas": replicas }),
                     );
                 }
                 set_gauges(m);

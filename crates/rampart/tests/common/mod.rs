@@ -252,3 +252,18 @@ pub fn records_of(server: &Server) -> Vec<serde_json::Value> {
         .filter(|v| v["message"] == "inference record")
         .collect()
 }
+
+/// A Python with the official `openai` client: `RAMPART_TEST_PYTHON`, or the test setup's
+/// environment in the model cache (scripts/test.sh makes it).
+pub fn python_with_openai() -> Option<PathBuf> {
+    let candidates = [
+        std::env::var_os("RAMPART_TEST_PYTHON").map(PathBuf::from),
+        testkit::model_cache().map(|c| c.join("venv/bin/python")),
+    ];
+    candidates.into_iter().flatten().find(|p| {
+        Command::new(p)
+            .args(["-c", "import openai"])
+            .status()
+            .is_ok_and(|s| s.success())
+    })
+}

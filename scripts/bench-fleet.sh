@@ -1,24 +1,26 @@
 #!/usr/bin/env bash
 # The fleet's numbers (docs/perf.md): the judge's decision time with three replicas behind HAProxy
 # against one on the same client traffic, the judge's failover time after a SIGKILL
-# (scripts/bench_fleet.py), and with --overhead the cost of fleet mode on one replica's serving: a
-# paired A/B of the same binary alone and as a one-replica fleet, a release under way on both
-# sides (scripts/bench-ab.sh).
+# (scripts/bench_fleet.py), and the cost of fleet mode on one replica's serving: a paired A/B of
+# the same binary alone and as a one-replica fleet, a release under way on both sides
+# (scripts/bench-ab.sh).
 #
-#   scripts/bench-fleet.sh [BINARY] [ROUNDS] [--overhead]
+#   scripts/bench-fleet.sh [BINARY] [ROUNDS] [judge|overhead|all]     (default: all)
 #
 # Needs PostgreSQL (initdb, pg_ctl), HAProxy and the test environment's Python with the `openai`
 # client (scripts/test.sh makes it); the models from scripts/fetch-models.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bin="${1:-target/release/rampart}" rounds="${2:-3}" overhead="${3:-}"
+bin="${1:-target/release/rampart}" rounds="${2:-3}" part="${3:-all}"
 cache="${RAMPART_MODEL_CACHE:-$HOME/.cache/rampart/models}"
 python="${RAMPART_TEST_PYTHON:-$cache/venv/bin/python}"
 pg_bin="$(dirname "$(command -v initdb 2>/dev/null || ls /usr/lib/postgresql/*/bin/initdb | tail -1)")"
 haproxy="$(command -v haproxy 2>/dev/null || echo /usr/sbin/haproxy)"
 bin="$(realpath "$bin")"
-"$python" scripts/bench_fleet.py "$bin" "$python" "$pg_bin" "$haproxy" "$rounds"
-if [[ "$overhead" == "--overhead" ]]; then
+if [[ "$part" != overhead ]]; then
+  "$python" scripts/bench_fleet.py "$bin" "$python" "$pg_bin" "$haproxy" "$rounds"
+fi
+if [[ "$part" != judge ]]; then
   # One PostgreSQL for the fleet side of the A/B.
   work="$(mktemp -d)"
   [[ $(id -u) -eq 0 ]] && chown postgres "$work"

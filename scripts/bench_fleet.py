@@ -54,11 +54,19 @@ def call(port, method, path, body=None, key=ADMIN):
         req.add_header("Content-Type", "application/json")
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read() or b"null")
+            return r.status, parse(r.read())
     except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read() or b"null")
+        return e.code, parse(e.read())
     except OSError:
         return 0, None
+
+
+def parse(body):
+    """JSON, or None (the balancer's own 503 page is HTML)."""
+    try:
+        return json.loads(body or b"null")
+    except ValueError:
+        return None
 
 
 def wait(what, limit, check, every=0.05):

@@ -191,6 +191,16 @@ impl Load {
     }
 }
 
+/// A test that fails mid-phase leaves no client looping against a balancer that is gone.
+impl Drop for Load {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
 /// Answers that were not a 200 (server errors, connections cut).
 fn failed(summary: &serde_json::Value) -> u64 {
     summary["statuses"]
@@ -431,6 +441,29 @@ fn three_replicas_behind_haproxy_share_one_release_one_judge_and_one_truth() {
     assert!(
         ok && text.contains("judge: r") && text.contains("r3"),
         "{text}"
+    );
+
+    // An admin key polling the fleet view in a loop costs the database at most two reads a
+    // second, not one per request.
+    let port = fleet.replicas[1].port;
+    let reads = || metric_labelled(port, "rampart_fleet_store_calls_total", "op=\"view\"");
+    let before = reads();
+    let burst = Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..8 {
+            s.spawn(|| {
+                for _ in 0..25 {
+                    let (status, _, _) = http(port, "GET", "/admin/fleet", None, Some(ADMIN_KEY));
+                    assert_eq!(status, 200);
+                }
+            });
+        }
+    });
+    let (took, read) = (burst.elapsed(), reads() - before);
+    eprintln!("fleet: 200 fleet views in {took:?} read the database {read} times");
+    assert!(
+        read <= took.as_secs_f64() * 2.0 + 2.0,
+        "{read} reads for 200 views in {took:?}"
     );
 
     // 1. A slower candidate (every call of 1.1.0 three times as slow, on every replica): the

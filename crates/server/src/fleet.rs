@@ -21,7 +21,14 @@ pub struct Fleet {
     up: AtomicBool,
     /// When the store last failed, and whether that outage was said.
     outage: Mutex<Option<Instant>>,
+    /// `GET /admin/fleet`'s last answer and when it was read: the view is read from the
+    /// database at most once per `VIEW_TTL` however often it is asked (callers that come while
+    /// it is being read wait for that read).
+    view: tokio::sync::Mutex<Option<(Instant, Arc<FleetView>)>>,
 }
+
+/// How long `GET /admin/fleet`'s answer is reused.
+const VIEW_TTL: Duration = Duration::from_millis(500);
 
 impl std::fmt::Debug for Fleet {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -58,6 +65,7 @@ impl Fleet {
             judge: AtomicBool::new(false),
             up: AtomicBool::new(false),
             outage: Mutex::new(None),
+            view: tokio::sync::Mutex::new(None),
         })))
     }
 
@@ -91,6 +99,8 @@ impl Fleet {
         op: &'static str,
         f: impl FnOnce(&fleet::FleetStore) -> Result<T, fleet::FleetError> + Send + 'static,
     ) -> Option<T> {
+        counter!("rampart_fleet_store_calls_total", "replica" => self.replica.clone(), "op" => op)
+            .increment(1);
         let store = Arc::clone(&self.store);
         let result = tokio::task::spawn_blocking(move || f(&store))
             .await
@@ -352,6 +362,23 @@ pub struct WindowShare {
     pub samples_control: u64,
     pub samples_candidate: u64,
     pub updated_ms: u64,
+}
+
+/// The fleet's state, read from the database at most once per `VIEW_TTL` (an admin key polling
+/// in a loop costs the database two reads a second, not one per request).
+pub async fn cached_view(
+    fleet: &Arc<Fleet>,
+    releases: &crate::release_plans::Releases,
+) -> Arc<FleetView> {
+    let mut cached = fleet.view.lock().await;
+    if let Some((at, view)) = cached.as_ref() {
+        if at.elapsed() < VIEW_TTL {
+            return Arc::clone(view);
+        }
+    }
+    let fresh = Arc::new(view(fleet, releases).await);
+    *cached = Some((Instant::now(), Arc::clone(&fresh)));
+    fresh
 }
 
 /// The fleet's state as this replica reads it now.

@@ -31,7 +31,8 @@ pub fn routes() -> Router<Arc<AppState>> {
 }
 
 /// `GET /admin/fleet`: the replicas (last heartbeat, readiness, load, versions), the judge's
-/// holder and every release's pooled state; 404 `fleet_off` without `[fleet]`.
+/// holder and every release's pooled state; 404 without `[fleet]`. Read from the database at
+/// most twice a second, however often it is asked.
 async fn fleet_view(State(state): State<Arc<AppState>>) -> Response {
     let Some(releases) = state.releases.get() else {
         return ApiError::invalid("releases are off ([releases] enabled = false)").into_response();
@@ -42,7 +43,7 @@ async fn fleet_view(State(state): State<Arc<AppState>>) -> Response {
         )
         .into_response();
     };
-    Json(crate::fleet::view(fleet, releases).await).into_response()
+    Json(&*crate::fleet::cached_view(fleet, releases).await).into_response()
 }
 
 fn releases_of(state: &AppState) -> Result<&Arc<Releases>, ApiError> {

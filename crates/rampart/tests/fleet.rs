@@ -348,11 +348,8 @@ fn three_replicas_behind_haproxy_share_one_release_one_judge_and_one_truth() {
     );
     // Judged against the stable (no control copy: three replicas on two cores), a short
     // schedule so that a whole release fits the test.
-    std::fs::write(
-        repo.join(MODEL).join("release.toml"),
-        "stable = \"1.0.0\"\n\n[routing]\ncontrol = false\n\n[schedule]\nsteps = [30.0, 100.0]\nmin_step_secs = 3\nmin_samples = 10\n\n[judge]\nlatency_ratio = 1.5\n",
-    )
-    .unwrap();
+    let first_plan = "stable = \"1.0.0\"\n\n[routing]\ncontrol = false\n\n[schedule]\nsteps = [30.0, 100.0]\nmin_step_secs = 3\nmin_samples = 10\n\n[judge]\nlatency_ratio = 1.5\n";
+    std::fs::write(repo.join(MODEL).join("release.toml"), first_plan).unwrap();
     let config = format!(
         "shutdown_timeout_s = 20\ndrain_delay_s = 2\n\
          [faults]\nenabled = true\n[releases]\ntick_ms = {TICK_MS}\n\
@@ -610,11 +607,30 @@ fn three_replicas_behind_haproxy_share_one_release_one_judge_and_one_truth() {
         Some(ADMIN_KEY),
     );
     assert_eq!(s, 200, "{t}");
+    // The replica that took the command wrote it; the others adopt it at their next tick (the
+    // balancer may ask one that has not yet).
+    let id = serde_json::from_str::<serde_json::Value>(&t).unwrap()["status"]["release_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    wait_for(
+        Duration::from_secs(5),
+        "every replica routes by the new release",
+        || {
+            fleet
+                .replicas
+                .iter()
+                .all(|r| release(r.port)["status"]["release_id"] == id.as_str())
+                .then_some(serde_json::Value::Null)
+        },
+    );
     let started = Instant::now();
     let load = Load::start(&python, fleet._dir.path(), lb, "same", 3);
     wait_for(Duration::from_secs(120), "candidate samples pooled", || {
         let r = release(lb);
-        (r["status"]["samples_candidate"].as_u64()? >= 3).then_some(r)
+        (r["status"]["release_id"] == id.as_str()
+            && r["status"]["samples_candidate"].as_u64()? >= 3)
+            .then_some(r)
     });
     let judge = get_json(lb, "/admin/fleet").unwrap()["judge"]
         .as_str()
@@ -773,6 +789,36 @@ fn three_replicas_behind_haproxy_share_one_release_one_judge_and_one_truth() {
         },
     );
     eprintln!("fleet: a hand-off paused every replica within {paused:?}");
+
+    // GitOps: a plan file changed on disk (a commit) is adopted by the fleet once, by every
+    // replica; the file the fleet started from, written back (an old checkout), is not.
+    let plan_file = fleet.repo.join(MODEL).join("release.toml");
+    std::fs::write(
+        &plan_file,
+        first_plan
+            .replace("stable = \"1.0.0\"", "stable = \"1.1.0\"")
+            .replace("latency_ratio = 1.5", "latency_ratio = 1.6"),
+    )
+    .unwrap();
+    let adopted_by_all = |ratio: f64| {
+        fleet.replicas.iter().all(|r| {
+            let p = release(r.port);
+            p["plan"]["judge"]["latency_ratio"] == ratio && p["plan"]["stable"] == "1.1.0"
+        })
+    };
+    wait_for(
+        Duration::from_secs(10),
+        "every replica adopts the committed plan",
+        || adopted_by_all(1.6).then_some(serde_json::Value::Null),
+    );
+    std::fs::write(&plan_file, first_plan).unwrap();
+    std::thread::sleep(Duration::from_millis(6 * TICK_MS));
+    assert!(adopted_by_all(1.6), "an older file never comes back");
+    let files: i64 = db
+        .query_one("SELECT COUNT(*) FROM rampart_release_files", &[])
+        .unwrap()
+        .get(0);
+    assert_eq!(files, 2, "the first file and the commit, each adopted once");
 
     // 3. SIGTERM on a replica under load: readiness fails first, the balancer takes it out, its
     // stream finishes, and no client sees an error.

@@ -242,6 +242,19 @@ fn wait_for(
     }
 }
 
+/// Starts releasing 1.1.0 through the balancer (200 asserted); the answer's body.
+fn start_release(lb: u16) -> String {
+    let (s, _, t) = http(
+        lb,
+        "POST",
+        &format!("/admin/releases/{MODEL}/start"),
+        Some(r#"{"candidate":"1.1.0"}"#),
+        Some(ADMIN_KEY),
+    );
+    assert_eq!(s, 200, "{t}");
+    t
+}
+
 /// Waits until the release through the balancer ended (promoted or rolled back).
 fn until_decided(lb: u16, what: &str) -> serde_json::Value {
     wait_for(Duration::from_secs(300), what, || {
@@ -466,14 +479,7 @@ fn three_replicas_behind_haproxy_share_one_release_one_judge_and_one_truth() {
     // 1. A slower candidate (every call of 1.1.0 three times as slow, on every replica): the
     // judge rolls it back once, for the fleet, on the pooled samples; every replica routes by
     // the rollback within two ticks.
-    let (s, _, t) = http(
-        lb,
-        "POST",
-        &format!("/admin/releases/{MODEL}/start"),
-        Some(r#"{"candidate":"1.1.0"}"#),
-        Some(ADMIN_KEY),
-    );
-    assert_eq!(s, 200, "{t}");
+    start_release(lb);
     // Every replica loads the candidate the fleet's plan names (within a tick or two of the
     // start), then every call of it is made three times as slow.
     wait_for(
@@ -599,14 +605,7 @@ fn three_replicas_behind_haproxy_share_one_release_one_judge_and_one_truth() {
         "every replica drops the fleet's fault",
         || faults_everywhere(0).then_some(serde_json::Value::Null),
     );
-    let (s, _, t) = http(
-        lb,
-        "POST",
-        &format!("/admin/releases/{MODEL}/start"),
-        Some(r#"{"candidate":"1.1.0"}"#),
-        Some(ADMIN_KEY),
-    );
-    assert_eq!(s, 200, "{t}");
+    let t = start_release(lb);
     // The replica that took the command wrote it; the others adopt it at their next tick (the
     // balancer may ask one that has not yet).
     let id = serde_json::from_str::<serde_json::Value>(&t).unwrap()["status"]["release_id"]

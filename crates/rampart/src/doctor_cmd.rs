@@ -37,6 +37,10 @@ pub struct DoctorArgs {
     /// `rampart model verify`).
     #[arg(long)]
     pub verify: bool,
+    /// Which findings fail the run: `warning` (exit 1 on warnings, 2 on errors), `error` (exit 2
+    /// on errors, 0 on warnings: a pod's init container), `never` (always 0: report only).
+    #[arg(long, value_name = "LEVEL", default_value = "warning")]
+    pub fail_on: FailOn,
     /// The server configuration (rampart.toml) whose settings the Rampart checks judge.
     #[arg(long, short = 'c', value_name = "FILE")]
     pub config: Option<PathBuf>,
@@ -82,7 +86,18 @@ pub fn run(args: DoctorArgs) -> Result<ExitCode> {
     } else {
         print!("{}", report.render_text());
     }
-    Ok(ExitCode::from(report.exit_code() as u8))
+    let code = match (args.fail_on, report.exit_code()) {
+        (FailOn::Never, _) | (FailOn::Error, 1) => 0,
+        (_, code) => code,
+    };
+    Ok(ExitCode::from(code as u8))
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum FailOn {
+    Warning,
+    Error,
+    Never,
 }
 
 /// Every version's digests, as `rampart model verify` checks them: `Ok(summary)`, or

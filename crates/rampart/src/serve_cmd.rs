@@ -44,6 +44,11 @@ pub struct ServeArgs {
     /// Log format: json (default) or text.
     #[arg(long, value_name = "FORMAT")]
     pub log_format: Option<String>,
+    /// Read and validate the configuration (file, environment, flags), print it as the server
+    /// would run it, and exit: 0 when valid, 2 otherwise. Binds nothing, loads no model and opens
+    /// none of the files it names (keys, certificates).
+    #[arg(long)]
+    pub check: bool,
 }
 
 pub fn run(args: ServeArgs) -> Result<ExitCode> {
@@ -80,6 +85,26 @@ pub fn run(args: ServeArgs) -> Result<ExitCode> {
             "text" => LogFormat::Text,
             other => anyhow::bail!("--log-format {other:?}: json or text"),
         };
+    }
+    if args.check {
+        return Ok(match config.validate() {
+            Ok(()) => {
+                println!(
+                    "configuration ok: listen {}, repository {}, {} model{} listed, gRPC {}, fleet {}",
+                    config.listen,
+                    config.repo.display(),
+                    config.models.len(),
+                    if config.models.len() == 1 { "" } else { "s" },
+                    if config.grpc.enabled { "on" } else { "off" },
+                    if config.in_fleet() { "on" } else { "off" },
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(2)
+            }
+        });
     }
     let replica = config.in_fleet().then(|| config.fleet.replica_id());
     server::log_metrics::init_logging(&config.log, replica.as_deref())

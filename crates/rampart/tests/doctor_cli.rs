@@ -144,6 +144,21 @@ fn the_exit_code_is_0_on_a_healthy_tree_1_on_a_degraded_one_2_on_a_bad_one() {
         // The text report says the same.
         let text = fixture.run(&[]);
         assert_eq!(code(&text), expected);
+        // A pod's init container fails on errors only; `never` reports and passes.
+        let init = fixture.run(&["--fail-on", "error"]);
+        assert_eq!(code(&init), if expected == 2 { 2 } else { 0 });
+        let counts = |o: &Output| {
+            stdout(o)
+                .lines()
+                .last()
+                .unwrap()
+                .split(" in ")
+                .next()
+                .unwrap()
+                .to_string()
+        };
+        assert_eq!(counts(&init), counts(&text), "the same report");
+        assert_eq!(code(&fixture.run(&["--fail-on", "never"])), 0);
         assert!(
             stdout(&text).starts_with("rampart doctor (root "),
             "{}",
@@ -471,5 +486,46 @@ fn serve_logs_the_fingerprint_and_each_finding_at_start() {
     assert_eq!(
         findings,
         host_line["warn"].as_u64().unwrap() + host_line["error"].as_u64().unwrap()
+    );
+}
+
+#[test]
+fn serve_check_validates_the_configuration_and_binds_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let serve = |toml: &str| {
+        let file = dir.path().join("rampart.toml");
+        std::fs::write(&file, toml).unwrap();
+        Command::new(assert_cmd::cargo::cargo_bin("rampart"))
+            .args(["serve", "--check", "--config"])
+            .arg(&file)
+            .current_dir(dir.path())
+            .env_remove("RAMPART_REPO")
+            .output()
+            .unwrap()
+    };
+    // A port in use is no error for a check: nothing is bound.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port();
+    let ok = serve(&format!(
+        "listen = \"127.0.0.1:{port}\"\napi_keys_file = \"/nonexistent/keys.txt\"\n\
+         [[models]]\nname = \"a\"\n"
+    ));
+    assert_eq!(code(&ok), 0, "{}", String::from_utf8_lossy(&ok.stderr));
+    assert!(
+        stdout(&ok).starts_with("configuration ok: listen 127.0.0.1:"),
+        "{}",
+        stdout(&ok)
+    );
+    assert!(stdout(&ok).contains("1 model listed"), "{}", stdout(&ok));
+    // An unknown key and a value out of range are errors, with what is wrong.
+    let unknown = serve("listn = \"127.0.0.1:8080\"\n");
+    assert_ne!(code(&unknown), 0);
+    assert!(String::from_utf8_lossy(&unknown.stderr).contains("listn"));
+    let invalid = serve("[degradation]\nscaling = 1.5\n");
+    assert_eq!(
+        code(&invalid),
+        2,
+        "{}",
+        String::from_utf8_lossy(&invalid.stderr)
     );
 }

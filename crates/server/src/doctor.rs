@@ -49,11 +49,81 @@ pub fn serving_context(config: &ServerConfig) -> host::Context {
             .grpc
             .enabled
             .then_some(config.grpc.max_message_bytes as u64),
-        // The configuration knows none of the deployment's probes, and the probe check judges
-        // the drain timeout only against a grace period, so there is nothing to give it.
-        probes: None,
+        probes: probe_timings(config, |name| std::env::var(name).ok()),
         ..host::Context::default()
     }
+}
+
+/// The deployment's probes, as the Helm chart (deploy/helm/rampart) echoes them into the
+/// container's environment in seconds, beside what Rampart needs: the drain (`drain_delay_s` +
+/// `shutdown_timeout_s`) and an estimate of the model load. `None` outside such a deployment
+/// (no `RAMPART_PROBE_*` variable set): the check then says it has nothing to judge.
+pub fn probe_timings(
+    config: &ServerConfig,
+    env: impl Fn(&str) -> Option<String>,
+) -> Option<host::ProbeTimings> {
+    let ms = |name: &str| -> Option<u64> {
+        let text = env(name)?;
+        let seconds: f64 = text.trim().parse().ok().filter(|s: &f64| *s >= 0.0)?;
+        Some((seconds * 1000.0).round() as u64)
+    };
+    let probes = host::ProbeTimings {
+        liveness_period_ms: ms("RAMPART_PROBE_LIVENESS_PERIOD_S"),
+        liveness_timeout_ms: ms("RAMPART_PROBE_LIVENESS_TIMEOUT_S"),
+        readiness_period_ms: ms("RAMPART_PROBE_READINESS_PERIOD_S"),
+        readiness_timeout_ms: ms("RAMPART_PROBE_READINESS_TIMEOUT_S"),
+        startup_budget_ms: ms("RAMPART_PROBE_STARTUP_BUDGET_S"),
+        termination_grace_ms: ms("RAMPART_TERMINATION_GRACE_S"),
+        ..host::ProbeTimings::default()
+    };
+    if probes == host::ProbeTimings::default() {
+        return None;
+    }
+    Some(host::ProbeTimings {
+        // The health routes answer from memory (no model runs): well under a millisecond here,
+        // 100 ms is the margin a loaded node's scheduler may add.
+        health_check_ms: Some(100),
+        model_load_ms: model_load_estimate_ms(config),
+        shutdown_timeout_ms: Some((config.drain_delay_s + config.shutdown_timeout_s) * 1000),
+        ..probes
+    })
+}
+
+/// Reading (and hashing) the models served at start at 100 MiB/s, a network volume's pace,
+/// plus 5 s to start: each hot model's configured (else latest) version, or the latest of
+/// every model when none is listed. `None` when the repository cannot be read.
+fn model_load_estimate_ms(config: &ServerConfig) -> Option<u64> {
+    let repository = repo::Repository::open(&config.repo);
+    let served: Vec<(String, Option<String>)> = if config.models.is_empty() {
+        repository
+            .models()
+            .ok()?
+            .into_iter()
+            .map(|n| (n, None))
+            .collect()
+    } else {
+        config
+            .models
+            .iter()
+            .filter(|m| m.residency == crate::config::Residency::Hot)
+            .map(|m| (m.name.clone(), m.version.clone()))
+            .collect()
+    };
+    let mut bytes = 0u64;
+    for (name, version) in served {
+        let versions = repository.versions(&name).unwrap_or_default();
+        let chosen = match &version {
+            Some(v) => versions.iter().find(|m| m.version.to_string() == *v),
+            None => versions.last(),
+        };
+        let Some(chosen) = chosen else {
+            continue;
+        };
+        if let Ok(manifest) = repository.manifest(chosen) {
+            bytes += manifest.files.iter().map(|f| f.bytes).sum::<u64>();
+        }
+    }
+    Some(5_000 + bytes / (100 * 1024 * 1024 / 1000))
 }
 
 /// The report names directories by their absolute path: `audit` alone does not say where.
@@ -206,5 +276,58 @@ mod tests {
         assert_eq!(ctx.kv_memory_bytes, None);
         assert_eq!(ctx.cache_dir, None);
         assert_eq!(context(&config).ports.len(), 1);
+    }
+
+    #[test]
+    fn the_pods_probes_come_from_its_environment() {
+        let repo = tempfile::tempdir().unwrap();
+        let config = ServerConfig {
+            repo: repo.path().to_path_buf(),
+            shutdown_timeout_s: 30,
+            drain_delay_s: 5,
+            ..ServerConfig::default()
+        };
+        assert_eq!(probe_timings(&config, |_| None), None, "outside a pod");
+        let pod = [
+            ("RAMPART_PROBE_LIVENESS_PERIOD_S", "10"),
+            ("RAMPART_PROBE_LIVENESS_TIMEOUT_S", "0.05"),
+            ("RAMPART_PROBE_READINESS_PERIOD_S", "5"),
+            ("RAMPART_PROBE_READINESS_TIMEOUT_S", "3"),
+            ("RAMPART_PROBE_STARTUP_BUDGET_S", "4"),
+            ("RAMPART_TERMINATION_GRACE_S", "30"),
+        ];
+        let env = |name: &str| {
+            pod.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| v.to_string())
+        };
+        let probes = probe_timings(&config, env).unwrap();
+        assert_eq!(probes.liveness_timeout_ms, Some(50));
+        assert_eq!(probes.readiness_period_ms, Some(5000));
+        assert_eq!(probes.shutdown_timeout_ms, Some(35_000), "delay + drain");
+        assert_eq!(
+            probes.model_load_ms,
+            Some(5_000),
+            "an empty repository: the start alone"
+        );
+        let ctx = host::Context {
+            probes: Some(probes),
+            ..host::Context::default()
+        };
+        let report = host::run(&ctx, Some(host::Area::Rampart));
+        let check = report
+            .checks_with_id("rampart.probe_timings")
+            .next()
+            .unwrap();
+        assert_eq!(check.status, host::Status::Error, "{check:?}");
+        let fix = &check.fix;
+        for wanted in [
+            "--set probes.startup.failureThreshold=1",
+            "--set probes.liveness.timeoutSeconds=1",
+            "--set terminationGracePeriodSeconds=45",
+        ] {
+            assert!(fix.contains(wanted), "{wanted} not in {fix}");
+        }
+        assert!(!fix.contains("probes.readiness"), "{fix}");
     }
 }

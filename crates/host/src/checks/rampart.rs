@@ -71,7 +71,7 @@ const GRPC_MESSAGE_LIMIT: CheckSpec = CheckSpec {
 const PROBE_TIMINGS: CheckSpec = CheckSpec {
     id: "rampart.probe_timings",
     area: Area::Rampart,
-    reads: "Context.probes (the deployment's liveness, readiness and startup probes, grace period)",
+    reads: "Context.probes (the deployment's liveness, readiness and startup probes and grace period: the Helm chart's RAMPART_PROBE_* and RAMPART_TERMINATION_GRACE_S in the pod; the drain, drain_delay_s + shutdown_timeout_s; the model load, estimated from the served versions' bytes at 100 MiB/s + 5 s)",
     expected: "timeouts above the health check's time, periods ≥ timeouts, a startup budget above the model load time, a grace period above the drain timeout",
     why: "A liveness timeout shorter than the check restarts healthy pods; a startup budget \
           shorter than the model load kills the pod before it serves; a grace period shorter \
@@ -430,7 +430,47 @@ fn probe_timings(env: &Env) -> Check {
     if facts.is_empty() {
         return PROBE_TIMINGS.unknown("probe timings given without values");
     }
-    let fix = "# adjust the Deployment's probes (deploy/): timeoutSeconds, periodSeconds, startupProbe failureThreshold × periodSeconds, terminationGracePeriodSeconds";
+    // The Helm chart's values (deploy/helm/rampart/values.yaml), as the pod echoes them.
+    let mut sets = Vec::new();
+    if let (Some(budget), Some(load)) = (p.startup_budget_ms, p.model_load_ms) {
+        if (budget as f64) < load as f64 * 1.5 {
+            sets.push(format!(
+                "# startup budget (failureThreshold × periodSeconds) ≥ {} s, twice the model load:\n\
+                 #   --set probes.startup.failureThreshold={}  (with probes.startup.periodSeconds=10)",
+                (load * 2).div_ceil(1000),
+                (load * 2).div_ceil(10_000)
+            ));
+        }
+    }
+    if let Some(check) = p.health_check_ms {
+        for (kind, timeout) in [
+            ("liveness", p.liveness_timeout_ms),
+            ("readiness", p.readiness_timeout_ms),
+        ] {
+            if timeout.is_some_and(|t| t < check * 2) {
+                sets.push(format!(
+                    "#   --set probes.{kind}.timeoutSeconds={}",
+                    (check * 2).div_ceil(1000).max(1)
+                ));
+            }
+        }
+    }
+    if let (Some(grace), Some(drain)) = (p.termination_grace_ms, p.shutdown_timeout_ms) {
+        if grace <= drain {
+            sets.push(format!(
+                "#   --set terminationGracePeriodSeconds={}  (drain_delay_s + shutdown_timeout_s + 10)",
+                drain.div_ceil(1000) + 10
+            ));
+        }
+    }
+    let fix = format!(
+        "# the Deployment's probes: with the Helm chart (deploy/helm/rampart), helm upgrade RELEASE deploy/helm/rampart --reuse-values with\n{}",
+        if sets.is_empty() {
+            "#   probes.liveness/readiness.timeoutSeconds and periodSeconds (period ≥ timeout)".to_string()
+        } else {
+            sets.join("\n")
+        }
+    );
     if !errors.is_empty() {
         errors.extend(warnings);
         PROBE_TIMINGS.error(errors.join("; "), fix)

@@ -3,9 +3,10 @@
 //! ONNX Runtime is the reference runtime for ONNX graphs. Rampart does not link it: the shared
 //! library is opened (`dlopen`) the first time a model asks for it, so a build stays
 //! self-contained and a machine without the library serves on tract. The library is, in order:
-//! [`LoadOptions::onnxruntime_library`], `ORT_DYLIB_PATH`, or the `libonnxruntime.so*` inside a
-//! Python `onnxruntime` package in the model cache's `venv` (`$RAMPART_MODEL_CACHE/venv`, then
-//! `~/.cache/rampart/models/venv`).
+//! [`LoadOptions::onnxruntime_library`], `ORT_DYLIB_PATH`, the library that
+//! `scripts/fetch-onnxruntime.sh` extracted from the pinned wheel into the model cache
+//! (`onnxruntime/<version>/`), or the `libonnxruntime.so*` inside a Python `onnxruntime` package
+//! in the model cache's `venv` (`$RAMPART_MODEL_CACHE`, then `~/.cache/rampart/models`).
 //!
 //! ONNX Runtime allows one environment per process, so the first library that loads stays for
 //! the life of the process; a failed attempt leaves nothing behind and the next model may retry.
@@ -48,8 +49,9 @@ pub struct LibraryChoice {
     pub origin: &'static str,
 }
 
-/// Finds the ONNX Runtime library: `explicit`, else `ORT_DYLIB_PATH`, else a Python
-/// `onnxruntime` package in the model cache's venv.
+/// Finds the ONNX Runtime library: `explicit`, else `ORT_DYLIB_PATH`, else the library
+/// `scripts/fetch-onnxruntime.sh` extracted into the model cache, else a Python `onnxruntime`
+/// package in the model cache's venv.
 pub fn locate_library(explicit: Option<&Path>) -> Result<LibraryChoice, ClassicError> {
     if let Some(path) = explicit {
         return Ok(LibraryChoice {
@@ -63,7 +65,15 @@ pub fn locate_library(explicit: Option<&Path>) -> Result<LibraryChoice, ClassicE
             origin: "ORT_DYLIB_PATH",
         });
     }
-    let venvs = venv_folders();
+    for cache in cache_folders() {
+        if let Some(path) = fetched_library(&cache.join("onnxruntime")) {
+            return Ok(LibraryChoice {
+                path,
+                origin: "the library scripts/fetch-onnxruntime.sh put in the model cache",
+            });
+        }
+    }
+    let venvs: Vec<PathBuf> = cache_folders().iter().map(|c| c.join("venv")).collect();
     for venv in &venvs {
         if let Some(path) = library_in_venv(venv) {
             return Ok(LibraryChoice {
@@ -83,19 +93,39 @@ pub fn locate_library(explicit: Option<&Path>) -> Result<LibraryChoice, ClassicE
     )))
 }
 
-/// `$RAMPART_MODEL_CACHE/venv`, then `~/.cache/rampart/models/venv`.
-fn venv_folders() -> Vec<PathBuf> {
+/// `$RAMPART_MODEL_CACHE`, then `~/.cache/rampart/models`.
+fn cache_folders() -> Vec<PathBuf> {
     let mut out = Vec::new();
     if let Some(cache) = std::env::var_os("RAMPART_MODEL_CACHE").filter(|c| !c.is_empty()) {
-        out.push(PathBuf::from(cache).join("venv"));
+        out.push(PathBuf::from(cache));
     }
     if let Some(home) = std::env::var_os("HOME").filter(|h| !h.is_empty()) {
-        let default = PathBuf::from(home).join(".cache/rampart/models/venv");
+        let default = PathBuf::from(home).join(".cache/rampart/models");
         if !out.contains(&default) {
             out.push(default);
         }
     }
     out
+}
+
+/// `onnxruntime/<version>/libonnxruntime.so.<version>` (scripts/fetch-onnxruntime.sh); with
+/// several versions, the highest.
+fn fetched_library(folder: &Path) -> Option<PathBuf> {
+    let mut versions: Vec<(Vec<u64>, PathBuf)> = std::fs::read_dir(folder)
+        .ok()?
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name().into_string().ok()?;
+            let key: Vec<u64> = name
+                .split('.')
+                .map(|p| p.parse().ok())
+                .collect::<Option<_>>()?;
+            let library = entry.path().join(format!("libonnxruntime.so.{name}"));
+            library.is_file().then_some((key, library))
+        })
+        .collect();
+    versions.sort();
+    versions.pop().map(|(_, library)| library)
 }
 
 /// `venv/lib/python3*/site-packages/onnxruntime/capi/libonnxruntime.so*`; with several Python
@@ -476,5 +506,29 @@ impl Session for OrtRunner {
                 from_ort(&name, &value)
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fetched_library_is_the_highest_version_present() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(fetched_library(&dir.path().join("none")), None);
+        for (version, present) in [("1.9.0", true), ("1.32.0", true), ("1.40.0", false)] {
+            let folder = dir.path().join(version);
+            std::fs::create_dir_all(&folder).unwrap();
+            if present {
+                std::fs::write(folder.join(format!("libonnxruntime.so.{version}")), b"").unwrap();
+            }
+        }
+        std::fs::create_dir_all(dir.path().join("latest")).unwrap();
+        assert_eq!(
+            fetched_library(dir.path()),
+            Some(dir.path().join("1.32.0/libonnxruntime.so.1.32.0")),
+            "numeric order, a folder without its library skipped"
+        );
     }
 }

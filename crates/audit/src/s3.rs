@@ -519,6 +519,32 @@ impl S3Client {
         .await
     }
 
+    /// The current version's body, handed to `sink` a chunk at a time as it arrives (a model
+    /// file need not fit in memory); the total length on success. The request is retried as
+    /// usual; a body that breaks off midway is a transport error, and the caller starts over
+    /// (the sink has seen part of it).
+    pub async fn get_object_into(
+        &self,
+        key: &str,
+        sink: &mut (dyn FnMut(&[u8]) -> std::io::Result<()> + Send),
+    ) -> Result<u64, S3Error> {
+        check_key(key)?;
+        let request = S3Request::new(Method::GET, Some(key));
+        let mut response = self.with_retries(|| self.send(&request)).await?;
+        let what = self.what(&request);
+        let mut total = 0u64;
+        loop {
+            let chunk = response.chunk().await.map_err(|err| {
+                S3Error::Transport(format!("{what}: the body broke off: {}", error_chain(&err)))
+            })?;
+            let Some(chunk) = chunk else {
+                return Ok(total);
+            };
+            sink(&chunk).map_err(|err| S3Error::Invalid(format!("{what}: writing it: {err}")))?;
+            total += chunk.len() as u64;
+        }
+    }
+
     /// The current version's metadata, `None` when there is no such key (or its current version is
     /// a delete marker).
     pub async fn head_object(&self, key: &str) -> Result<Option<ObjectMeta>, S3Error> {

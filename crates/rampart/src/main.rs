@@ -11,6 +11,7 @@ mod generate_cmd;
 mod guard_cmd;
 mod metrics_cmd;
 mod model_cmd;
+mod model_transfer;
 mod monitor_cmd;
 mod progress_bar;
 mod quantize_cmd;

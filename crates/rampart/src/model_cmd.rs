@@ -96,6 +96,36 @@ pub enum ModelCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Upload one version (NAME@VERSION) to S3 (`s3://bucket/prefix`) or a folder, as
+    /// PREFIX/NAME/VERSION/<files> with its DIGESTS last; prints the version digest to pin.
+    Push {
+        /// NAME@VERSION.
+        model: String,
+        /// `s3://bucket/prefix`, or a folder (another repository's root).
+        #[arg(long, value_name = "LOCATION")]
+        to: String,
+        #[command(flatten)]
+        s3: crate::model_transfer::S3Args,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Fetch one version (NAME@VERSION) from S3 or a folder into the repository, verified by
+    /// its digests (and against --digest) before it appears; a version already here is
+    /// verified instead (what a pod's init container runs on every start).
+    Pull {
+        /// NAME@VERSION.
+        model: String,
+        /// `s3://bucket/prefix`, or a folder (another repository's root, e.g. a model image's).
+        #[arg(long, value_name = "LOCATION")]
+        from: String,
+        /// The version digest it must have (`sha256:…`, as `push` and `inspect` print it).
+        #[arg(long, value_name = "DIGEST")]
+        digest: Option<String>,
+        #[command(flatten)]
+        s3: crate::model_transfer::S3Args,
+        #[arg(long)]
+        json: bool,
+    },
     /// Delete one version (NAME@VERSION).
     Remove {
         /// NAME@VERSION.
@@ -226,6 +256,19 @@ pub fn run(args: ModelArgs) -> Result<ExitCode> {
             json,
         } => diff_cmd(&repo, &old, &new, tokenizer_threshold, json),
         ModelCommand::Remove { model } => remove(&repo, &model),
+        ModelCommand::Push {
+            model,
+            to,
+            s3,
+            json,
+        } => crate::model_transfer::push(&repo, &model, &to, &s3, json),
+        ModelCommand::Pull {
+            model,
+            from,
+            digest,
+            s3,
+            json,
+        } => crate::model_transfer::pull(&repo, &model, &from, digest.as_deref(), &s3, json),
         ModelCommand::Quantize {
             source,
             plan,

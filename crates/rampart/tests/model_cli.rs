@@ -722,3 +722,116 @@ rules = [
     ));
     assert!(!repo.join("tiny/1.2.0").exists());
 }
+
+/// A generated model imported as tiny@1.0.0 into `repo`.
+fn tiny_version(repo: &Path) {
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("tiny.gguf");
+    std::fs::write(&source, TinyLlama::default().to_gguf().unwrap()).unwrap();
+    import(repo, &source, "tiny", "1.0.0", &[]);
+}
+
+/// Push to a location and pull into a fresh repository: the same version, verified, pinned;
+/// a tampered copy, a wrong pin or a half-pushed version arrive as nothing at all.
+fn push_and_pull(location: &str, env: &[(&str, String)], tamper: impl Fn(&str)) {
+    let dir = tempfile::tempdir().unwrap();
+    let (here, there) = (dir.path().join("here"), dir.path().join("there"));
+    tiny_version(&here);
+    let with_env = |mut cmd: Command| {
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        cmd
+    };
+    let pushed = json_of(with_env(rampart(
+        &here,
+        &["push", "tiny@1.0.0", "--to", location, "--json"],
+    )));
+    let digest = pushed["version_digest"].as_str().unwrap().to_string();
+    assert_eq!(pushed["files"], 4, "{pushed}");
+    let pull = |args: &[&str]| {
+        let mut all = vec!["pull", "tiny@1.0.0", "--from", location];
+        all.extend_from_slice(args);
+        with_env(rampart(&there, &all))
+    };
+    // A wrong pin: refused before anything is fetched.
+    let wrong = format!("sha256:{}", "0".repeat(64));
+    pull(&["--digest", &wrong])
+        .assert()
+        .failure()
+        .stderr(predicate::str::contains("not the pinned"));
+    assert!(!there.join("tiny").exists());
+    let pulled = json_of(pull(&["--digest", &digest, "--json"]));
+    assert_eq!(pulled["outcome"], "pulled", "{pulled}");
+    assert_eq!(pulled["version_digest"], digest.as_str());
+    rampart(&there, &["verify", "tiny@1.0.0"])
+        .assert()
+        .success();
+    let inspected = json_of(rampart(&there, &["inspect", "tiny@1.0.0", "--json"]));
+    assert_eq!(inspected["version_digest"], digest.as_str(), "{inspected}");
+    // Again (a pod's restart): verified in place, nothing fetched.
+    assert_eq!(json_of(pull(&["--json"]))["outcome"], "verified");
+    // A tampered weight file at the source: the pull fails and leaves nothing.
+    rampart(&there, &["remove", "tiny@1.0.0"])
+        .assert()
+        .success();
+    tamper("tiny/1.0.0/tiny.gguf");
+    pull(&[])
+        .assert()
+        .failure()
+        .stderr(predicate::str::contains("DIGESTS says"));
+    assert!(!there.join("tiny/1.0.0").exists());
+    let leftovers: Vec<_> = std::fs::read_dir(&there)
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(".pull-"))
+        .collect();
+    assert!(leftovers.is_empty(), "staging left behind");
+    // No such version (or not pushed whole: DIGESTS goes last).
+    with_env(rampart(&there, &["pull", "tiny@9.9.9", "--from", location]))
+        .assert()
+        .failure()
+        .stderr(predicate::str::contains("no DIGESTS at"));
+    // A transfer names one version.
+    with_env(rampart(&there, &["pull", "tiny", "--from", location]))
+        .assert()
+        .failure()
+        .stderr(predicate::str::contains("give NAME@VERSION"));
+}
+
+#[test]
+fn push_and_pull_through_a_folder() {
+    let far = tempfile::tempdir().unwrap();
+    let root = far.path().to_path_buf();
+    push_and_pull(root.to_str().unwrap(), &[], |relative| {
+        flip_byte(&root.join(relative), 200);
+    });
+}
+
+#[test]
+fn push_and_pull_through_s3() {
+    let Some(s3) = audit::testing_s3::SeaweedFs::start() else {
+        return;
+    };
+    let config = s3.config("models");
+    let client = audit::s3::S3Client::new(config.clone()).unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(client.create_bucket(false)).unwrap();
+    let env = [
+        ("RAMPART_S3_ENDPOINT", config.endpoint.clone()),
+        ("AWS_ACCESS_KEY_ID", config.access_key.clone()),
+        ("AWS_SECRET_ACCESS_KEY", config.secret_key.clone()),
+        ("AWS_REGION", config.region.clone()),
+    ];
+    push_and_pull("s3://models/releases", &env, |relative| {
+        let key = format!("releases/{relative}");
+        let mut body = runtime.block_on(client.get_object(&key)).unwrap();
+        body[200] ^= 0xff;
+        runtime
+            .block_on(client.put_object(&key, body, None))
+            .unwrap();
+    });
+}

@@ -283,6 +283,17 @@ def cmd_render(args):
                     problems.append("%s: %s refers to $(%s) before it is defined (Kubernetes leaves it as text)"
                                     % (name_of(dep), e["name"], ref))
             defined.add(e["name"])
+        # The image sets these, and the environment wins over rampart.toml: they must agree.
+        for var, key in (("RAMPART_LISTEN", ("listen",)), ("RAMPART_GRPC_LISTEN", ("grpc", "listen")),
+                         ("RAMPART_REPO", ("repo",))):
+            in_file = toml
+            for k in key:
+                in_file = in_file.get(k, {}) if isinstance(in_file, dict) else {}
+            if var not in env:
+                problems.append("%s: %s is not set (the image's own value would win over rampart.toml)"
+                                % (name_of(dep), var))
+            elif in_file and in_file != env[var]:
+                problems.append("%s: %s=%s, rampart.toml says %s" % (name_of(dep), var, env[var], in_file))
         if server["args"][:3] != ["serve", "--config", "/etc/rampart/rampart.toml"]:
             problems.append("%s: server args %r" % (name_of(dep), server["args"]))
         doctor = next((c for c in pod.get("initContainers", []) if c["name"] == "doctor"), None)

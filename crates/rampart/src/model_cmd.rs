@@ -113,12 +113,14 @@ pub enum ModelCommand {
     /// its digests (and against --digest) before it appears; a version already here is
     /// verified instead (what a pod's init container runs on every start).
     Pull {
-        /// NAME@VERSION.
-        model: String,
+        /// NAME@VERSION, one or more; NAME@VERSION=sha256:HEX pins each one's version digest.
+        #[arg(required = true, value_name = "NAME@VERSION[=DIGEST]")]
+        models: Vec<String>,
         /// `s3://bucket/prefix`, or a folder (another repository's root, e.g. a model image's).
         #[arg(long, value_name = "LOCATION")]
         from: String,
-        /// The version digest it must have (`sha256:…`, as `push` and `inspect` print it).
+        /// The version digest it must have (`sha256:…`, as `push` and `inspect` print it); with
+        /// one model only.
         #[arg(long, value_name = "DIGEST")]
         digest: Option<String>,
         #[command(flatten)]
@@ -263,12 +265,12 @@ pub fn run(args: ModelArgs) -> Result<ExitCode> {
             json,
         } => crate::model_transfer::push(&repo, &model, &to, &s3, json),
         ModelCommand::Pull {
-            model,
+            models,
             from,
             digest,
             s3,
             json,
-        } => crate::model_transfer::pull(&repo, &model, &from, digest.as_deref(), &s3, json),
+        } => crate::model_transfer::pull_all(&repo, &models, &from, digest.as_deref(), &s3, json),
         ModelCommand::Quantize {
             source,
             plan,

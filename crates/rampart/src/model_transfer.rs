@@ -282,14 +282,39 @@ pub fn push(repo: &Repository, model: &str, to: &str, s3: &S3Args, json: bool) -
     Ok(ExitCode::SUCCESS)
 }
 
-pub fn pull(
+/// Pulls each `NAME@VERSION[=sha256:HEX]` in turn (one store, opened once); stops at the first
+/// that fails, keeping the ones already pulled (each is whole and verified).
+pub fn pull_all(
+    repo: &Repository,
+    models: &[String],
+    from: &str,
+    digest: Option<&str>,
+    s3: &S3Args,
+    json: bool,
+) -> Result<ExitCode> {
+    if digest.is_some() && models.len() > 1 {
+        bail!("--digest pins one model; pin several as NAME@VERSION=sha256:HEX");
+    }
+    let mut store = None;
+    for spec in models {
+        let (model, pin) = match spec.split_once('=') {
+            Some((model, pin)) => (model, Some(pin)),
+            None => (spec.as_str(), digest),
+        };
+        pull(repo, model, from, pin, s3, json, &mut store)?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn pull(
     repo: &Repository,
     model: &str,
     from: &str,
     digest: Option<&str>,
     s3: &S3Args,
     json: bool,
-) -> Result<ExitCode> {
+    store: &mut Option<Store>,
+) -> Result<()> {
     let reference: ModelRef = model.parse()?;
     let Some(version) = reference.version.clone() else {
         bail!("{model}: give NAME@VERSION (a transfer names one version)");
@@ -339,15 +364,17 @@ pub fn pull(
                 );
             }
         }
-        report(
+        return report(
             "verified",
             &here.version_digest,
             here.files_checked,
             here.bytes_checked,
-        )?;
-        return Ok(ExitCode::SUCCESS);
+        );
     }
-    let store = Store::open(from, s3)?;
+    if store.is_none() {
+        *store = Some(Store::open(from, s3)?);
+    }
+    let store = store.as_ref().expect("opened above");
     let digests_relative = format!("{base}/{}", repo::digests::DIGESTS_FILE);
     let text = store.read(&digests_relative)?.with_context(|| {
         format!(
@@ -413,8 +440,7 @@ pub fn pull(
         let theirs = verify_dir(&target, &NoProgress).ok();
         match theirs {
             Some(r) if r.ok() && r.version_digest == version_digest => {
-                report("verified", &version_digest, files, bytes)?;
-                return Ok(ExitCode::SUCCESS);
+                return report("verified", &version_digest, files, bytes);
             }
             _ => {
                 return Err(e)
@@ -422,6 +448,5 @@ pub fn pull(
             }
         }
     }
-    report("pulled", &version_digest, files, bytes)?;
-    Ok(ExitCode::SUCCESS)
+    report("pulled", &version_digest, files, bytes)
 }

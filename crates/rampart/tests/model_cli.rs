@@ -761,6 +761,30 @@ fn push_and_pull(location: &str, env: &[(&str, String)], tamper: impl Fn(&str)) 
         .failure()
         .stderr(predicate::str::contains("not the pinned"));
     assert!(!there.join("tiny").exists());
+    // Several at once pin each their own digest; --digest pins one model only.
+    let pinned_wrong = format!("tiny@1.0.0={wrong}");
+    with_env(rampart(
+        &there,
+        &["pull", &pinned_wrong, "--from", location],
+    ))
+    .assert()
+    .failure()
+    .stderr(predicate::str::contains("not the pinned"));
+    with_env(rampart(
+        &there,
+        &[
+            "pull",
+            "tiny@1.0.0",
+            "tiny@1.0.0",
+            "--digest",
+            &digest,
+            "--from",
+            location,
+        ],
+    ))
+    .assert()
+    .failure()
+    .stderr(predicate::str::contains("--digest pins one model"));
     let pulled = json_of(pull(&["--digest", &digest, "--json"]));
     assert_eq!(pulled["outcome"], "pulled", "{pulled}");
     assert_eq!(pulled["version_digest"], digest.as_str());

@@ -108,6 +108,19 @@ step "yamllint (values, kustomize, adapter rules)"
 yamllint --strict -c deploy/helm/yamllint.yaml "$chart/values.yaml" "$chart"/ci/*.yaml deploy/helm/tests/*.yaml \
   "$chart/files/prometheus-adapter-rules.yaml" "$chart/Chart.yaml" deploy/kustomize || fail "yamllint"
 
+# NOTES.txt renders only at install (which needs a cluster): a copy of the chart renders it as a
+# ConfigMap through tpl, so a broken NOTES.txt fails here.
+cp -r "$chart" "$work/notes-chart"
+cp "$chart/templates/NOTES.txt" "$work/notes-chart/notes.txt"
+cat >"$work/notes-chart/templates/notes-check.yaml" <<'EOF'
+apiVersion: v1
+kind: ConfigMap
+metadata:
+  name: notes-check
+data:
+  notes: {{ tpl (.Files.Get "notes.txt") . | quote }}
+EOF
+
 value_sets=("$chart"/ci/*.yaml deploy/helm/tests/config*-values.yaml)
 for values in "${value_sets[@]}"; do
   set_name=$(basename "$values" .yaml)
@@ -118,6 +131,8 @@ for values in "${value_sets[@]}"; do
     helm template rampart "$chart" --namespace rampart -f "$values" --kube-version "$kv" \
       >"$work/render/$kv/$set_name.yaml" || fail "helm template $set_name (Kubernetes $kv)"
   done
+  helm template rampart "$work/notes-chart" --namespace rampart -f "$values" \
+    --show-only templates/notes-check.yaml >/dev/null || fail "NOTES.txt with $set_name"
   out="$work/render/${kube_versions[0]}/$set_name.yaml"
   "$py" scripts/check_kubernetes.py render --values "$values" --toml-out "$work/$set_name.toml" "$out" ||
     fail "render checks $set_name"

@@ -405,6 +405,7 @@ def cmd_signals(args):
         adapter = {r["name"]["as"] for r in yaml.safe_load(f)["rules"]}
     with open(args.values_schema, encoding="utf-8") as f:
         schema = json.load(f)
+    jsonschema.Draft7Validator.check_schema(schema)
     enum = set(schema["properties"]["autoscaling"]["properties"]["metrics"]["items"]["properties"]["name"]["enum"])
     with open(args.helpers, encoding="utf-8") as f:
         keda = set(re.findall(r'eq \$metric\.name "([a-z0-9_]+)"', f.read()))

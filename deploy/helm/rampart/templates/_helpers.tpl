@@ -166,7 +166,7 @@ The configuration as a map (YAML): `config` with the keys the chart owns set ove
 {{- $url := printf "s3://%s" $v.audit.s3.bucket -}}
 {{- if $v.audit.s3.prefix -}}{{- $url = printf "%s/%s" $url (trimAll "/" $v.audit.s3.prefix) -}}{{- end -}}
 {{- $_ := set $s3 "url" $url -}}
-{{- if $v.audit.s3.endpoint -}}{{- $_ := set $s3 "endpoint" $v.audit.s3.endpoint -}}{{- end -}}
+{{- $_ := set $s3 "endpoint" (include "rampart.s3Endpoint" $v.audit.s3) -}}
 {{- $_ := set $s3 "region" $v.audit.s3.region -}}
 {{- $_ := set $s3 "path_style" $v.audit.s3.pathStyle -}}
 {{- $_ := set $s3 "lock_mode" $v.audit.s3.lockMode -}}
@@ -205,6 +205,11 @@ The configuration as a map (YAML): `config` with the keys the chart owns set ove
 {{- $_ := set $cfg "threads" (int $cpu) -}}
 {{- end -}}
 {{- toYaml $cfg -}}
+{{- end -}}
+
+{{/* An S3 endpoint: the one given, else AWS's for the region. */}}
+{{- define "rampart.s3Endpoint" -}}
+{{- .endpoint | default (printf "https://s3.%s.amazonaws.com" .region) -}}
 {{- end -}}
 
 {{/* rampart.toml as the pod reads it. */}}

@@ -307,6 +307,17 @@ def cmd_render(args):
                 problems.append("%s: the doctor init container's resources differ from the server's" % name_of(dep))
             if doctor["args"][:4] != ["doctor", "--config", "/etc/rampart/rampart.toml", "--fail-on"]:
                 problems.append("%s: doctor args %r" % (name_of(dep), doctor["args"]))
+        # References to a Secret of the same render name one of its keys.
+        secrets = {d["metadata"]["name"]: set(d.get("stringData", {})) | set(d.get("data", {}))
+                   for d in docs if d["kind"] == "Secret"}
+        refs = [(e["valueFrom"]["secretKeyRef"]["name"], e["valueFrom"]["secretKeyRef"]["key"])
+                for c in pod["containers"] + pod.get("initContainers", []) for e in c.get("env", [])
+                if "secretKeyRef" in e.get("valueFrom", {})]
+        refs += [(src["secret"]["name"], item["key"]) for v in pod.get("volumes", []) if "projected" in v
+                 for src in v["projected"]["sources"] if "secret" in src for item in src["secret"].get("items", [])]
+        for secret, key in sorted(set(refs)):
+            if secret in secrets and key not in secrets[secret]:
+                problems.append("%s: Secret %s has no key %s" % (name_of(dep), secret, key))
         if pod.get("automountServiceAccountToken") is not False:
             problems.append("%s: automountServiceAccountToken is not false" % name_of(dep))
         if autoscaled and "replicas" in dep["spec"]:

@@ -7,9 +7,10 @@
             refused, as the API server's strict field validation does) with metadata against
             Kubernetes' ObjectMeta; an object with neither fails.
   render    what a render must hold beyond its schema: the grace period covers the drain, the
-            probes' echoes (RAMPART_PROBE_*) equal the probes, the ports equal rampart.toml's,
-            the doctor init container sees the server's environment and volumes, no replicas
-            beside an autoscaler; every `config` value of the values file is in rampart.toml as
+            probes' echoes (RAMPART_PROBE_*) equal the probes, the ports and the environment the
+            image sets equal rampart.toml's, the doctor init container sees the server's
+            environment, volumes and resources, every Secret reference names a key the render's
+            Secret has, no replicas beside an autoscaler; every `config` value of the values file is in rampart.toml as
             given (the chart's own TOML writer). Writes its rampart.toml, and the server's environment
             with stand-ins for Secrets (FILE.env), for `rampart serve --check`.
   base      writes the kustomize base from a render of the chart's defaults.

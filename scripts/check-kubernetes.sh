@@ -16,7 +16,8 @@
 #   scripts/check_kubernetes.py render                      (grace period, probe echoes, ports,
 #                                                            doctor = server, config written as given)
 #   checkov --framework kubernetes                          (skips: deploy/helm/checkov-skips.txt)
-#   $RAMPART_BIN serve --config rampart.toml --check        (when RAMPART_BIN is set)
+#   $RAMPART_BIN serve --config rampart.toml --check        (when RAMPART_BIN is set; and the
+#                                                            arguments the pods give rampart parse)
 # and: every tests/bad-*.yaml must fail to render with the message its first line names; the
 # chart's rule files are deploy/monitoring/rules' byte for byte; the kustomize base is what the
 # chart's defaults render; the autoscaling signals agree; the chart's README lists every value.
@@ -223,6 +224,13 @@ if [[ -n "${RAMPART_BIN:-}" ]]; then
     fi
   done
   echo "$(ls "$work"/*.toml | wc -l) files read"
+  step "rampart parses the arguments the pods give it (server, doctor, fetch-model)"
+  while IFS=$'\t' read -r -a argv; do
+    [[ ${#argv[@]} -gt 0 ]] || continue
+    # --help after the arguments: clap refuses an unknown flag or value before it prints the help.
+    "$RAMPART_BIN" "${argv[@]}" --help >/dev/null 2>"$work/args.txt" ||
+      { cat "$work/args.txt"; fail "rampart ${argv[*]}"; }
+  done < <(sort -u "$work"/*.toml.args)
 else
   echo "== rampart serve --check: skipped (RAMPART_BIN is not set)"
 fi

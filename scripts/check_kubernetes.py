@@ -11,8 +11,9 @@
             image sets equal rampart.toml's, the doctor init container sees the server's
             environment, volumes and resources, every Secret reference names a key the render's
             Secret has, no replicas beside an autoscaler; every `config` value of the values file is in rampart.toml as
-            given (the chart's own TOML writer). Writes its rampart.toml, and the server's environment
-            with stand-ins for Secrets (FILE.env), for `rampart serve --check`.
+            given (the chart's own TOML writer). Writes its rampart.toml, the server's environment
+            with stand-ins for Secrets (FILE.env), for `rampart serve --check`, and the argument
+            lists the pod runs the Rampart image with (FILE.args, one a line, tab-separated).
   base      writes the kustomize base from a render of the chart's defaults.
   signals   the autoscaling signals are the same in the adapter rules, the values schema and the
             chart's KEDA queries.
@@ -247,7 +248,10 @@ def cmd_render(args):
         except tomllib.TOMLDecodeError as e:
             problems.append("%s: rampart.toml does not parse: %s" % (name_of(dep), e))
             continue
-        tomls.append((text, pod_env(server)))
+        # The argument lists the Rampart image runs (server, doctor, fetch-model), for the CLI to parse.
+        commands = [c["args"] for c in [server] + pod.get("initContainers", [])
+                    if c.get("image") == server.get("image") and "command" not in c and c.get("args")]
+        tomls.append((text, pod_env(server), commands))
         drain = toml.get("drain_delay_s", 0) + toml.get("shutdown_timeout_s", 30)
         grace = pod.get("terminationGracePeriodSeconds", 30)
         env = env_of(server)
@@ -336,6 +340,8 @@ def cmd_render(args):
             f.write(tomls[0][0])
         with open(args.toml_out + ".env", "w", encoding="utf-8") as f:
             f.write("".join(line + "\n" for line in tomls[0][1]))
+        with open(args.toml_out + ".args", "w", encoding="utf-8") as f:
+            f.write("".join("\t".join(c) + "\n" for c in tomls[0][2]))
     return 1 if problems else 0
 
 

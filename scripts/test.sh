@@ -2,7 +2,9 @@
 # The test suite: fetch the real models the integration tests use (cached, checked by sha256),
 # make a Python environment with the official `openai` client for the server's end-to-end tests
 # and `onnxruntime`, whose shared library the ONNX Runtime backend finds there, then run every
-# test of the workspace. With RAMPART_REQUIRE_MODELS=1 a missing model (or client, or ONNX
+# test of the workspace; then the Kubernetes chart and manifests (rendered, validated), the
+# container image (built from the tested binary and run read-only under a private Docker daemon)
+# and the shipped monitoring. With RAMPART_REQUIRE_MODELS=1 a missing model (or client, or ONNX
 # Runtime library) fails the tests instead of skipping them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,11 +38,34 @@ if ! command -v haproxy >/dev/null 2>&1 && [[ ! -x /usr/sbin/haproxy ]]; then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends haproxy >/dev/null
 fi
+# The container image's tools (mmdebstrap, umoci, skopeo) and a Docker daemon to run it in.
+if ! command -v mmdebstrap >/dev/null 2>&1 || ! command -v umoci >/dev/null 2>&1 \
+  || ! command -v skopeo >/dev/null 2>&1 || ! command -v dockerd >/dev/null 2>&1; then
+  sudo=""
+  [[ $(id -u) -eq 0 ]] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+    mmdebstrap umoci skopeo docker.io >/dev/null
+fi
 # Prometheus, promtool, amtool and the dashboard validator's npm packages: the end-to-end scrape
 # test needs the real prometheus, the monitoring checks need all of them.
 scripts/check-monitoring.sh --install
-RAMPART_REQUIRE_MODELS=1 cargo test --workspace --locked "$@"
+# helm, kubectl and the Kubernetes validators (pip) install while the workspace builds.
+k8s_log="$(mktemp)"
+scripts/check-kubernetes.sh --install >"$k8s_log" 2>&1 &
+k8s_pid=$!
+if ! RAMPART_REQUIRE_MODELS=1 cargo test --workspace --locked "$@"; then
+  wait "$k8s_pid" || true
+  exit 1
+fi
+wait "$k8s_pid" || { cat "$k8s_log"; echo "installing the Kubernetes checks' tools failed"; exit 1; }
+rampart_bin="${CARGO_TARGET_DIR:-target}/debug/rampart"
+# The chart and the kustomize manifests, rendered and validated (docs/kubernetes.md), each
+# rendered configuration through `rampart serve --check` of the binary just tested.
+RAMPART_BIN="$rampart_bin" scripts/check-kubernetes.sh
+# The image, built from the binary just tested and run as a pod would run it (docs/kubernetes.md).
+scripts/test-image.sh "$rampart_bin"
 # The shipped alert rules, their unit tests and the dashboards, against the server just tested:
 # its binary as the tests built it (`cargo run -p rampart` would build the workspace again with
 # the features of one crate: minutes on two cores).
-RAMPART_BIN="${CARGO_TARGET_DIR:-target}/debug/rampart" scripts/check-monitoring.sh
+RAMPART_BIN="$rampart_bin" scripts/check-monitoring.sh

@@ -426,12 +426,14 @@ and the same signal over the release's pods for KEDA, with KEDA's metric type.
 {{- $root := index . 0 -}}
 {{- $metric := index . 1 -}}
 {{- $sel := printf "namespace=%q,pod=~%q" $root.Release.Namespace (printf "%s-[a-z0-9]+-[a-z0-9]+" (include "rampart.fullname" $root)) -}}
-{{- if eq $metric.name "rampart_queue_depth" -}}
+{{- if eq $metric.name "rampart_concurrency" -}}
+{{- toYaml (dict "query" (printf "sum(avg_over_time(rampart_requests_in_flight{%s}[1m]))\n+ sum(avg_over_time(rampart_queue_depth{%s}[1m]))" $sel $sel) "metricType" "AverageValue") -}}
+{{- else if eq $metric.name "rampart_queue_depth" -}}
 {{- toYaml (dict "query" (printf "sum(rampart_queue_depth{%s})" $sel) "metricType" "AverageValue") -}}
 {{- else if eq $metric.name "rampart_tensor_queue_depth" -}}
 {{- toYaml (dict "query" (printf "sum(rampart_tensor_queue_depth{%s})" $sel) "metricType" "AverageValue") -}}
 {{- else if eq $metric.name "rampart_shed_per_second" -}}
-{{- toYaml (dict "query" (printf "sum(rate(rampart_requests_total{%s,status=\"429\"}[2m]))" $sel) "metricType" "AverageValue") -}}
+{{- toYaml (dict "query" (printf "sum(rate(rampart_rejected_requests_total{%s,reason=~\"queue_full|shedding|queue_timeout\"}[2m]))" $sel) "metricType" "AverageValue") -}}
 {{- else if eq $metric.name "rampart_ttft_p99_seconds" -}}
 {{- toYaml (dict "query" (printf "histogram_quantile(0.99, sum by (le) (rate(rampart_time_to_first_token_seconds_bucket{%s}[2m])))" $sel) "metricType" "Value") -}}
 {{- else -}}

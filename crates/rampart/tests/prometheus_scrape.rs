@@ -1,7 +1,8 @@
 //! The real Prometheus (Debian's `prometheus`, installed by scripts/check-monitoring.sh) scrapes
 //! the real `rampart serve` on SmolLM2 with the shipped rule files loaded, and the test reads
 //! the series back through Prometheus's HTTP API: request counts, the time-to-first-token
-//! histogram, host telemetry, a recording rule and the Watchdog alert. Without a `prometheus`
+//! histogram, host telemetry, a recording rule, the Watchdog alert, and the Helm chart's
+//! prometheus-adapter queries (the autoscaling signals) for one pod. Without a `prometheus`
 //! binary the test says so and passes, except in CI or under scripts/test.sh
 //! (RAMPART_REQUIRE_MODELS=1), where it fails.
 
@@ -16,6 +17,9 @@ use testkit::models::SMOLLM2_GGUF;
 
 const KEY: &str = "sk-test-key-0001";
 const MODEL: &str = "smollm2-135m";
+/// The labels a Kubernetes scrape (the chart's ServiceMonitor) gives every series.
+const NAMESPACE: &str = "serving";
+const POD: &str = "rampart-5f7c9d8b6-x2k4q";
 
 /// A child process killed when the test ends.
 struct Process(Child);
@@ -203,7 +207,8 @@ fn prometheus_scrapes_the_server_and_evaluates_the_shipped_rules() {
         format!(
             "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n\
              rule_files:\n  - {}/rampart-recording.yml\n  - {}/rampart-alerts.yml\n\
-             scrape_configs:\n  - job_name: rampart\n    static_configs:\n      - targets: [\"127.0.0.1:{port}\"]\n",
+             scrape_configs:\n  - job_name: rampart\n    static_configs:\n      - targets: [\"127.0.0.1:{port}\"]\n\
+             \x20       labels: {{namespace: {NAMESPACE}, pod: {POD}}}\n",
             rules.display(),
             rules.display()
         ),
@@ -269,6 +274,24 @@ fn prometheus_scrapes_the_server_and_evaluates_the_shipped_rules() {
     .expect("a TTFT median");
     assert!(median > 0.0 && median < 120.0, "{median}");
 
+    // The autoscaling signals as prometheus-adapter asks for them (the chart's rules, with the
+    // adapter's template filled in for one pod): every query evaluates, and the load signals
+    // have a value for the pod.
+    let signals = adapter_queries();
+    assert!(signals.len() >= 5, "{signals:?}");
+    for (name, promql) in &signals {
+        let path = format!("/api/v1/query?query={}", encode(promql));
+        let (status, body) = http(prometheus, "GET", &path, "", None).expect("Prometheus answers");
+        assert_eq!(status, 200, "{name}: {promql}: {body}");
+        let result = query(prometheus, promql);
+        if matches!(name.as_str(), "rampart_concurrency" | "rampart_queue_depth") {
+            assert_eq!(result.len(), 1, "{name}: one value for the pod: {result:?}");
+            assert_eq!(result[0]["metric"]["pod"], POD, "{name}: {result:?}");
+            let v: f64 = result[0]["value"][1].as_str().unwrap().parse().unwrap();
+            assert!(v >= 0.0, "{name} = {v}");
+        }
+    }
+
     // Host telemetry of this machine, and no GPU series where there is no NVML.
     let rss = value(
         prometheus,
@@ -320,4 +343,35 @@ fn prometheus_scrapes_the_server_and_evaluates_the_shipped_rules() {
         "the target is up"
     );
     drop(server);
+}
+
+/// The chart's prometheus-adapter rules (deploy/helm/rampart/files/prometheus-adapter-rules.yaml)
+/// as the adapter runs them for one pod: (metric name, PromQL).
+fn adapter_queries() -> Vec<(String, String)> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../deploy/helm/rampart/files/prometheus-adapter-rules.yaml");
+    let text = std::fs::read_to_string(&path).expect("the adapter rules");
+    let quoted = |line: &str, key: &str| -> Option<String> {
+        let rest = line.trim().strip_prefix(key)?.trim();
+        Some(rest.trim_matches(|c| c == '\'' || c == '"').to_string())
+    };
+    let (mut series, mut name) = (None, None);
+    let mut out = Vec::new();
+    for line in text.lines() {
+        if let Some(q) = quoted(line, "- seriesQuery:") {
+            series = Some(q.split('{').next().unwrap().to_string());
+        } else if let Some(n) = quoted(line, "as:") {
+            name = Some(n);
+        } else if let Some(m) = quoted(line, "metricsQuery:") {
+            let promql = m
+                .replace("<<.Series>>", series.as_deref().expect("seriesQuery first"))
+                .replace(
+                    "<<.LabelMatchers>>",
+                    &format!("namespace=\"{NAMESPACE}\",pod=~\"{POD}\""),
+                )
+                .replace("<<.GroupBy>>", "pod");
+            out.push((name.take().expect("a name per rule"), promql));
+        }
+    }
+    out
 }

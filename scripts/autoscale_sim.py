@@ -14,9 +14,9 @@ for five minutes and a fall-off), with Poisson arrivals.
 The autoscaler is the HPA's own algorithm (autoscaling/v2, Kubernetes 1.27+): every 15 s the
 metric's average over the ready pods is compared with the target, a ratio within the 10 %
 tolerance changes nothing, otherwise `desired = ceil(ready * value / target)`; scale-up follows
-the chart's policy (at most +100 % or +4 pods per 15 s, whichever is more), scale-down its
+the chart's policy (at most +100 % or +4 pods per 30 s, whichever is more), scale-down its
 stabilisation window (the highest recommendation of the last 600 s) and at most one pod per
-60 s. The metric is what prometheus-adapter serves (deploy/helm/rampart/files/
+120 s. The metric is what prometheus-adapter serves (deploy/helm/rampart/files/
 prometheus-adapter-rules.yaml): Prometheus scrapes every 15 s, rates and quantiles look at the
 last minute.
 
@@ -50,7 +50,9 @@ HPA_PERIOD_S = 15
 SCRAPE_S = 15
 TOLERANCE = 0.10
 SCALE_DOWN_WINDOW_S = 600
-SCALE_DOWN_PODS_PER_60S = 1
+SCALE_DOWN_PODS = 1  # per SCALE_DOWN_PERIOD_S
+SCALE_DOWN_PERIOD_S = 120
+SCALE_UP_PERIOD_S = 30  # at most +100 % or +4 pods, the larger, per period
 MIN_PODS, MAX_PODS = 2, 20
 
 # One replica (2 cores, SmolLM2-135M Q4_1, ~64-token answers; docs/perf.md measured 8 req/s
@@ -167,6 +169,7 @@ def simulate(kind, rates, seed):
     history = {k: collections.deque() for k in ("concurrency", "queue", "shed")}
     recommendations = collections.deque()
     last_down = -1e9
+    ups = collections.deque()  # (time, pods before) of the scale-ups in the last period
     shed_total = over_objective_s = arrivals_total = pod_seconds = 0.0
     events = 0
     series = []
@@ -215,15 +218,20 @@ def simulate(kind, rates, seed):
             recommendations.append((now, desired))
             while recommendations and recommendations[0][0] < now - SCALE_DOWN_WINDOW_S:
                 recommendations.popleft()
+            while ups and ups[0][0] <= now - SCALE_UP_PERIOD_S:
+                ups.popleft()
             if desired > current:
-                step = max(current, 4)  # +100 % or +4 pods per period, the larger
-                new = min(desired, current + step)
-                pods.extend(Pod(now + STARTUP_S) for _ in range(new - current))
-                events += 1
+                # The policy counts from the pods at the start of the period.
+                base = ups[0][1] if ups else current
+                new = min(desired, base + max(base, 4))
+                if new > current:
+                    ups.append((now, current) if not ups else (now, ups[0][1]))
+                    pods.extend(Pod(now + STARTUP_S) for _ in range(new - current))
+                    events += 1
             else:
                 stabilised = max(d for (_, d) in recommendations)
-                if stabilised < current and now - last_down >= 60:
-                    drop = min(SCALE_DOWN_PODS_PER_60S, current - stabilised)
+                if stabilised < current and now - last_down >= SCALE_DOWN_PERIOD_S:
+                    drop = min(SCALE_DOWN_PODS, current - stabilised)
                     # The newest pods go first (the ReplicaSet's choice: not ready, then youngest).
                     pods.sort(key=lambda p: p.ready_at)
                     for _ in range(drop):

@@ -270,7 +270,7 @@ def cmd_render(args):
         if env.get("RAMPART_PROBE_STARTUP_BUDGET_S") != str(budget):
             problems.append("%s: RAMPART_PROBE_STARTUP_BUDGET_S %r, startup budget %d"
                             % (name_of(dep), env.get("RAMPART_PROBE_STARTUP_BUDGET_S"), budget))
-        for probe, path in (("startupProbe", "/health/live"), ("livenessProbe", "/health/live"),
+        for probe, path in (("startupProbe", "/health/ready"), ("livenessProbe", "/health/live"),
                             ("readinessProbe", "/health/ready")):
             if server[probe]["httpGet"]["path"] != path:
                 problems.append("%s: %s on %s, not %s" % (name_of(dep), probe, server[probe]["httpGet"]["path"], path))

@@ -101,33 +101,14 @@ impl Store {
         }
     }
 
-    fn key(prefix: &str, relative: &str) -> String {
-        if prefix.is_empty() {
-            relative.to_string()
-        } else {
-            format!("{prefix}/{relative}")
-        }
-    }
-
     /// A small file whole; `None` when it is not there.
     fn read(&self, relative: &str) -> Result<Option<Vec<u8>>> {
         match self {
-            Store::S3(s3) => {
-                let S3Store {
-                    client,
-                    prefix,
-                    runtime,
-                    ..
-                } = s3.as_ref();
-                let key = Self::key(prefix, relative);
-                match runtime.block_on(client.get_object(&key)) {
-                    Ok(body) => Ok(Some(body)),
-                    Err(e) if e.status() == Some(404) => Ok(None),
-                    Err(e) => {
-                        Err(e).with_context(|| format!("reading {}", self.describe(relative)))
-                    }
-                }
-            }
+            Store::S3(s3) => match s3.runtime.block_on(s3.client.get_object(&s3.key(relative))) {
+                Ok(body) => Ok(Some(body)),
+                Err(e) if e.status() == Some(404) => Ok(None),
+                Err(e) => Err(e).with_context(|| format!("reading {}", self.describe(relative))),
+            },
             Store::Dir(dir) => match std::fs::read(dir.join(relative)) {
                 Ok(body) => Ok(Some(body)),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
@@ -146,19 +127,12 @@ impl Store {
         let mut hasher = Sha256::new();
         let bytes = match self {
             Store::S3(s3) => {
-                let S3Store {
-                    client,
-                    prefix,
-                    runtime,
-                    ..
-                } = s3.as_ref();
-                let key = Self::key(prefix, relative);
                 let mut sink = |chunk: &[u8]| {
                     hasher.update(chunk);
                     file.write_all(chunk)
                 };
-                runtime
-                    .block_on(client.get_object_into(&key, &mut sink))
+                s3.runtime
+                    .block_on(s3.client.get_object_into(&s3.key(relative), &mut sink))
                     .with_context(|| format!("fetching {}", self.describe(relative)))?
             }
             Store::Dir(dir) => {
@@ -184,12 +158,6 @@ impl Store {
     fn put(&self, relative: &str, source: &Path) -> Result<()> {
         match self {
             Store::S3(s3) => {
-                let S3Store {
-                    client,
-                    prefix,
-                    runtime,
-                    ..
-                } = s3.as_ref();
                 let len = std::fs::metadata(source)?.len();
                 // One PUT per file (S3's single-request limit is 5 GiB); larger files would need
                 // a multipart upload, which this client does not speak.
@@ -201,8 +169,8 @@ impl Store {
                     );
                 }
                 let body = std::fs::read(source)?;
-                runtime
-                    .block_on(client.put_object(&Self::key(prefix, relative), body, None))
+                s3.runtime
+                    .block_on(s3.client.put_object(&s3.key(relative), body, None))
                     .with_context(|| format!("uploading {}", self.describe(relative)))?;
                 Ok(())
             }
@@ -216,6 +184,13 @@ impl Store {
                 Ok(())
             }
         }
+    }
+}
+
+impl S3Store {
+    /// The object key of `NAME/VERSION/<relative>` under the prefix.
+    fn key(&self, relative: &str) -> String {
+        audit::ship::remote_key(&self.prefix, relative)
     }
 }
 

@@ -15,7 +15,7 @@
 #   --base  the Rampart image's OCI layout and tag, LAYOUT:TAG (default: target/image/oci:<crate
 #           version>, as scripts/build-image.sh leaves it)
 #   --out   where the layout and archives go (default: target/image)
-# Writes OUT/oci (tag VERSION under the name rampart-model-NAME), OUT/rampart-model-NAME-VERSION.
+# Writes OUT/oci (its tag rampart-model-NAME-VERSION), OUT/rampart-model-NAME-VERSION.
 # {oci,docker}.tar, and prints the image digest. Needs (apt): umoci skopeo.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -20,7 +20,7 @@ scripts/fetch-onnxruntime.sh >/dev/null || echo "demo: no ONNX Runtime; tensor m
 # docs/perf.md#build-profiles has both builds' time and speed).
 profile="${RAMPART_DEMO_PROFILE:-demo}"
 cargo build --profile "$profile" --locked -p rampart
-rampart="target/$profile/rampart"
+rampart="${CARGO_TARGET_DIR:-target}/$profile/rampart"
 
 import() { # SOURCE NAME [extra args]
   local source="$1" name="$2"; shift 2

@@ -365,7 +365,7 @@ fn cgroup_quota(env: &Env) -> Check {
     match env.ctx.threads {
         Some(threads) if threads as f64 > quota + 1e-9 => CGROUP_QUOTA.error(
             format!("{observed}; {threads} compute threads configured"),
-            format!("# set threads = {whole} in the server configuration, or raise the container's CPU limit to {threads}"),
+            format!("# set threads = {whole} in the server configuration, or raise the container's CPU limit to {threads}\n# (Helm chart: --set resources.limits.cpu={threads} --set resources.requests.cpu={threads}; a whole-number limit sets threads)"),
         ),
         Some(threads) => CGROUP_QUOTA.ok(format!("{observed}; {threads} compute threads configured")),
         None => CGROUP_QUOTA.ok(format!(

@@ -170,7 +170,7 @@ fn cgroup_memory(env: &Env) -> Check {
         .map(|u| format!(", {} in use", human_bytes(u)))
         .unwrap_or_default();
     let observed = format!("limit {}{used}; {kv_text}", human_bytes(limit));
-    let fix = "# lower the models' kv_cache_memory, or raise the container's memory limit";
+    let fix = "# lower the models' kv_cache_memory, or raise the container's memory limit\n# (Helm chart: resources.limits.memory and resources.requests.memory; memory.modelsBudgetFraction is the models' share of it)";
     match kv {
         Some(k) if k > limit => CGROUP_MEMORY.error(observed, fix),
         Some(k) if k as f64 > limit as f64 * 0.8 => CGROUP_MEMORY.warn(observed, fix),

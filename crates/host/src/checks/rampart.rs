@@ -128,7 +128,7 @@ fn kv_memory(env: &Env) -> Check {
         parts.push(format!("{} left under the cgroup limit", human_bytes(h)));
     }
     let observed = parts.join(", ");
-    let fix = "# lower kv_cache_memory of the models (or serve fewer at once), or give the host/container more memory";
+    let fix = "# lower kv_cache_memory of the models (or serve fewer at once), or give the host/container more memory\n# (Helm chart: resources.limits.memory and resources.requests.memory)";
     if kv > room {
         KV_MEMORY.error(observed, fix)
     } else if kv as f64 > room as f64 * 0.8 {

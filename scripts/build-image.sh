@@ -82,17 +82,16 @@ install -m 0755 "$binary" "$app/usr/local/bin/rampart"
 ort="$(scripts/fetch-onnxruntime.sh)"
 install -m 0644 "$ort" "$app/opt/onnxruntime/lib/$(basename "$ort")"
 ln -s "$(basename "$ort")" "$app/opt/onnxruntime/lib/libonnxruntime.so"
-tar_layer() { # DIR TAR
-  tar --sort=name --mtime="@$SOURCE_DATE_EPOCH" --owner=0 --group=0 --numeric-owner \
-    --pax-option=exthdr.name=%d/PaxHeaders/%f,delete=atime,delete=ctime -C "$1" -cf "$2" .
+# A reproducible tar of folders of $app: sorted, the epoch's time, numeric owners, no access or
+# change times. The folders the server writes belong to its user.
+app_tar() { # -c|-r OWNER PATH...
+  local mode="$1" owner="$2"; shift 2
+  tar --sort=name --mtime="@$SOURCE_DATE_EPOCH" --numeric-owner \
+    --pax-option=exthdr.name=%d/PaxHeaders/%f,delete=atime,delete=ctime -C "$app" "${mode}f" "$work/app.tar" \
+    --owner="$owner" --group="$owner" "$@"
 }
-# The folders the server writes belong to its user (mode and owner set in the tar).
-tar --sort=name --mtime="@$SOURCE_DATE_EPOCH" --numeric-owner \
-  --pax-option=exthdr.name=%d/PaxHeaders/%f,delete=atime,delete=ctime -C "$app" -cf "$work/app.tar" \
-  --owner=0 --group=0 ./usr ./opt ./etc
-tar --sort=name --mtime="@$SOURCE_DATE_EPOCH" --numeric-owner \
-  --pax-option=exthdr.name=%d/PaxHeaders/%f,delete=atime,delete=ctime -C "$app" -rf "$work/app.tar" \
-  --owner=10001 --group=10001 ./var ./models
+app_tar -c 0 ./usr ./opt ./etc
+app_tar -r 10001 ./var ./models
 
 say "OCI image rampart:$tag"
 rm -rf "$out/oci"

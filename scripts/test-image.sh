@@ -26,9 +26,11 @@ need=()
 for tool in mmdebstrap umoci skopeo dockerd; do command -v "$tool" >/dev/null || need+=("$tool"); done
 if [[ ${#need[@]} -gt 0 ]]; then
   say "installing mmdebstrap umoci skopeo docker.io"
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get install -y -q mmdebstrap umoci skopeo docker.io >/dev/null \
-    || { apt-get update -q >/dev/null && apt-get install -y -q mmdebstrap umoci skopeo docker.io >/dev/null; }
+  sudo=""
+  [[ $(id -u) -eq 0 ]] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+    mmdebstrap umoci skopeo docker.io >/dev/null
 fi
 # Debian's client beside Debian's daemon (another docker client on PATH may be far newer).
 docker=/usr/bin/docker

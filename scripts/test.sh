@@ -38,15 +38,6 @@ if ! command -v haproxy >/dev/null 2>&1 && [[ ! -x /usr/sbin/haproxy ]]; then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends haproxy >/dev/null
 fi
-# The container image's tools (mmdebstrap, umoci, skopeo) and a Docker daemon to run it in.
-if ! command -v mmdebstrap >/dev/null 2>&1 || ! command -v umoci >/dev/null 2>&1 \
-  || ! command -v skopeo >/dev/null 2>&1 || ! command -v dockerd >/dev/null 2>&1; then
-  sudo=""
-  [[ $(id -u) -eq 0 ]] || sudo="sudo"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
-    mmdebstrap umoci skopeo docker.io >/dev/null
-fi
 # Prometheus, promtool, amtool and the dashboard validator's npm packages: the end-to-end scrape
 # test needs the real prometheus, the monitoring checks need all of them.
 scripts/check-monitoring.sh --install
@@ -63,7 +54,8 @@ rampart_bin="${CARGO_TARGET_DIR:-target}/debug/rampart"
 # The chart and the kustomize manifests, rendered and validated (docs/kubernetes.md), each
 # rendered configuration through `rampart serve --check` of the binary just tested.
 RAMPART_BIN="$rampart_bin" scripts/check-kubernetes.sh
-# The image, built from the binary just tested and run as a pod would run it (docs/kubernetes.md).
+# The image, built from the binary just tested and run as a pod would run it (docs/kubernetes.md;
+# the script installs mmdebstrap, umoci, skopeo and Docker when they are missing).
 scripts/test-image.sh "$rampart_bin"
 # The shipped alert rules, their unit tests and the dashboards, against the server just tested:
 # its binary as the tests built it (`cargo run -p rampart` would build the workspace again with

@@ -52,6 +52,8 @@ fn import(
                 progress: &repo::NoProgress,
                 rules_check: None,
                 host_fingerprint: None,
+                card: None,
+                stable: false,
             },
         )
         .unwrap();

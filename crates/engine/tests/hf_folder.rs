@@ -429,6 +429,8 @@ fn repository_imports_and_serves_a_hugging_face_folder() {
                 progress: &NoProgress,
                 rules_check: None,
                 host_fingerprint: None,
+                card: None,
+                stable: false,
             },
         )
         .unwrap();

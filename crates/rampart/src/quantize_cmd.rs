@@ -147,6 +147,8 @@ pub fn quantize(
         progress: progress.as_ref(),
         rules_check: Some(|text| Ok(guard::check_rules_file(text)?)),
         host_fingerprint: crate::host_fingerprint(),
+        card: None,
+        stable: false,
     };
     let loaded = repo
         .import(&out, &options)

@@ -301,6 +301,8 @@ fn verify_judges_the_repository_by_its_digests() {
                 progress: &repo::NoProgress,
                 rules_check: None,
                 host_fingerprint: None,
+                card: None,
+                stable: false,
             },
         )
         .unwrap();

@@ -29,6 +29,16 @@ pub enum RepoError {
         version: String,
         available: String,
     },
+    #[error("model {name:?} has versions {available} and no stable version: name one ({name}@VERSION), or choose what users get with `rampart model promote {name}@VERSION`")]
+    NoStable { name: String, available: String },
+    #[error("the stable version of {name:?} is {version}, which {problem}: promote a version that is there (`rampart model promote {name}@VERSION`)")]
+    StableBroken {
+        name: String,
+        version: String,
+        problem: String,
+    },
+    #[error("{name}@{version} is the stable version (what users get): promote another version first (`rampart model promote {name}@VERSION`)")]
+    StableInUse { name: String, version: String },
     #[error("{name}@{version} already exists in {path}; versions are immutable: import under a new version")]
     VersionExists {
         name: String,

@@ -10,12 +10,14 @@
 //!       SmolLM2-135M-Instruct.Q4_1.gguf
 //! ```
 //!
-//! This crate imports models ([`Repository::import`]), lists and resolves them (`name[@version]`,
-//! latest by semver), verifies digests before anything is served ([`Repository::load`]) and
+//! This crate imports models ([`Repository::import`]), lists and resolves them (`name@version`,
+//! or `name` to the version users get: its `stable` alias, [`aliases`]), verifies digests before anything is served ([`Repository::load`]) and
 //! compares versions ([`diff`]), tokenizers included. It reads model files through `formats` and
 //! knows nothing of inference or serving. Progress reporting is a trait ([`Progress`]) so that the
 //! command line can draw bars while servers stay quiet.
 
+pub mod aliases;
+pub mod card;
 pub mod describe;
 pub mod diff;
 pub mod digests;
@@ -28,6 +30,8 @@ pub mod progress;
 pub mod repository;
 pub mod tokenizer;
 
+pub use aliases::{AliasSetting, Aliases, Choice};
+pub use card::ModelCard;
 pub use describe::RulesCheck;
 pub use digests::{Digests, VerifyReport};
 pub use error::RepoError;

@@ -2,6 +2,8 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::aliases::{AliasSetting, Aliases, Choice};
+use crate::card::{ModelCard, CARD_FILE};
 use crate::describe::describe;
 use crate::digests::{copy_and_hash, hash_file, verify_dir, Digests, VerifyReport};
 use crate::error::RepoError;
@@ -64,6 +66,12 @@ pub struct ImportOptions<'a> {
     pub rules_check: Option<crate::describe::RulesCheck>,
     /// The host's hardware fingerprint for the lineage (`host::fingerprint`, as JSON).
     pub host_fingerprint: Option<serde_json::Value>,
+    /// The model card (`MODEL_CARD.md` in the version); a source folder's own `MODEL_CARD.md`
+    /// or `README.md` is imported with it otherwise.
+    pub card: Option<PathBuf>,
+    /// Make the version the model's stable one (what users get) at once. Without it, only the
+    /// first version of a model becomes stable by itself.
+    pub stable: bool,
 }
 
 /// Removes a staging folder unless the import completed.
@@ -185,43 +193,163 @@ impl Repository {
         Ok(versions)
     }
 
-    /// Resolves `name@version`, or `name` to its latest version: the highest release by semver,
-    /// or the highest pre-release when there is no release.
+    /// Resolves `name@version`, or `name` to the version users get: the `stable` alias
+    /// ([`crate::aliases`]), or the model's only version when it has one and no alias. A model
+    /// with several versions and no alias is an error naming the way out, never "the newest".
     pub fn resolve(&self, model: &ModelRef) -> Result<ModelVersion, RepoError> {
+        match &model.version {
+            Some(_) => self.resolve_exact(model),
+            None => self.chosen(&model.name).map(|(v, _)| v),
+        }
+    }
+
+    fn not_found(&self, name: &str) -> Result<RepoError, RepoError> {
+        let models = self.models()?;
+        Ok(RepoError::ModelNotFound {
+            name: name.to_string(),
+            repo: self.root.clone(),
+            available: if models.is_empty() {
+                "none".into()
+            } else {
+                models.join(", ")
+            },
+        })
+    }
+
+    fn version_list(versions: &[ModelVersion]) -> String {
+        versions
+            .iter()
+            .map(|v| v.version.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    fn resolve_exact(&self, model: &ModelRef) -> Result<ModelVersion, RepoError> {
         let versions = self.versions(&model.name)?;
         if versions.is_empty() {
-            let models = self.models()?;
-            return Err(RepoError::ModelNotFound {
-                name: model.name.clone(),
-                repo: self.root.clone(),
-                available: if models.is_empty() {
-                    "none".into()
-                } else {
-                    models.join(", ")
-                },
-            });
+            return Err(self.not_found(&model.name)?);
         }
-        let found = match &model.version {
-            Some(wanted) => versions.iter().find(|v| &v.version == wanted),
-            None => versions
+        versions
+            .iter()
+            .find(|v| Some(&v.version) == model.version.as_ref())
+            .cloned()
+            .ok_or_else(|| RepoError::VersionNotFound {
+                name: model.name.clone(),
+                version: model
+                    .version
+                    .as_ref()
+                    .map(ToString::to_string)
+                    .unwrap_or_default(),
+                available: Self::version_list(&versions),
+            })
+    }
+
+    /// The version users get of a model and why ([`Choice`]).
+    pub fn chosen(&self, name: &str) -> Result<(ModelVersion, Choice), RepoError> {
+        let versions = self.versions(name)?;
+        if versions.is_empty() {
+            return Err(self.not_found(name)?);
+        }
+        if let Some(setting) = self.stable(name)? {
+            let broken = |problem: String| RepoError::StableBroken {
+                name: name.to_string(),
+                version: setting.version.clone(),
+                problem,
+            };
+            let wanted = parse_version(&setting.version)
+                .map_err(|_| broken("is not a semver version".into()))?;
+            let version = versions
                 .iter()
-                .rev()
-                .find(|v| v.version.pre.is_empty())
-                .or_else(|| versions.last()),
+                .find(|v| v.version == wanted)
+                .cloned()
+                .ok_or_else(|| {
+                    broken(format!(
+                        "is not in the repository (versions: {})",
+                        Self::version_list(&versions)
+                    ))
+                })?;
+            // The alias names the digest it was set on: a version replaced under the same
+            // number is not what was chosen.
+            let digest = self.version_digest(&version)?;
+            if digest != setting.digest {
+                return Err(broken(format!(
+                    "now has the digest {digest}, not {} as when it was made stable",
+                    setting.digest
+                )));
+            }
+            return Ok((version, Choice::Stable { setting }));
+        }
+        match versions.as_slice() {
+            [only] => Ok((only.clone(), Choice::OnlyVersion)),
+            _ => Err(RepoError::NoStable {
+                name: name.to_string(),
+                available: Self::version_list(&versions),
+            }),
+        }
+    }
+
+    /// The `stable` alias of a model, if set.
+    pub fn stable(&self, name: &str) -> Result<Option<AliasSetting>, RepoError> {
+        validate_name(name)?;
+        Ok(Aliases::read(&self.root.join(name))?.stable)
+    }
+
+    /// A model's aliases file (the stable alias and its history).
+    pub fn aliases(&self, name: &str) -> Result<Aliases, RepoError> {
+        validate_name(name)?;
+        Aliases::read(&self.root.join(name))
+    }
+
+    /// The version digest (`sha256:…`) its `DIGESTS` file records (not re-hashed).
+    pub fn version_digest(&self, version: &ModelVersion) -> Result<String, RepoError> {
+        Ok(format!("sha256:{}", self.digests(version)?.version_digest()))
+    }
+
+    /// Makes `version` the stable one of its model: what users get from now on (at a server's
+    /// next start, or its next load of the model). Returns the new setting.
+    pub fn set_stable(
+        &self,
+        version: &ModelVersion,
+        by: &str,
+        cause: &str,
+    ) -> Result<AliasSetting, RepoError> {
+        let model_dir = self.root.join(&version.name);
+        let mut aliases = Aliases::read(&model_dir)?;
+        let setting = AliasSetting {
+            version: version.version.to_string(),
+            digest: self.version_digest(version)?,
+            set_at: now_rfc3339(),
+            set_by: by.to_string(),
+            cause: cause.to_string(),
         };
-        found.cloned().ok_or_else(|| RepoError::VersionNotFound {
-            name: model.name.clone(),
-            version: model
-                .version
-                .as_ref()
-                .map(ToString::to_string)
-                .unwrap_or_default(),
-            available: versions
-                .iter()
-                .map(|v| v.version.to_string())
-                .collect::<Vec<_>>()
-                .join(", "),
-        })
+        aliases.set_stable(setting.clone());
+        aliases.write(&model_dir)?;
+        Ok(setting)
+    }
+
+    /// Makes a version stable when it is its model's first (no alias, no other version): a
+    /// new model serves as simply as before. Returns the setting when it made one.
+    pub fn adopt_first(&self, version: &ModelVersion) -> Result<Option<AliasSetting>, RepoError> {
+        if self.stable(&version.name)?.is_some() || self.versions(&version.name)?.len() != 1 {
+            return Ok(None);
+        }
+        let by = current_user().unwrap_or_else(|| "unknown".into());
+        self.set_stable(version, &by, "first version").map(Some)
+    }
+
+    /// Versions of a model newer than the one users get: candidates waiting for a release.
+    pub fn waiting(&self, name: &str) -> Result<Vec<ModelVersion>, RepoError> {
+        let (served, _) = self.chosen(name)?;
+        Ok(self
+            .versions(name)?
+            .into_iter()
+            .filter(|v| v.version > served.version)
+            .collect())
+    }
+
+    /// The model card of a version, if it has one.
+    pub fn card(&self, version: &ModelVersion) -> Result<Option<ModelCard>, RepoError> {
+        ModelCard::read(&version.dir)
     }
 
     pub fn manifest(&self, version: &ModelVersion) -> Result<Manifest, RepoError> {
@@ -303,8 +431,25 @@ impl Repository {
             return Err(exists());
         }
         let source = std::path::absolute(source).map_err(RepoError::io(source))?;
-        let description = describe(&source, options.kind, options.rules_check)?;
+        let mut description = describe(&source, options.kind, options.rules_check)?;
         let pipeline = declared_pipeline(&source, options.pipeline.as_ref(), &description)?;
+        if let Some(card) = &options.card {
+            if description.files.iter().any(|f| f.relative == CARD_FILE) {
+                return Err(RepoError::UnsupportedSource {
+                    path: source.clone(),
+                    reason: format!("it has its own {CARD_FILE}; --card would replace it"),
+                });
+            }
+            // Read first: a card that is not one fails before anything is written.
+            ModelCard::read_file(card, CARD_FILE)?;
+            let bytes = std::fs::metadata(card).map_err(RepoError::io(card))?.len();
+            description.files.push(crate::describe::SourceEntry {
+                relative: CARD_FILE.to_string(),
+                path: card.clone(),
+                role: crate::manifest::FileRole::Other,
+                bytes,
+            });
+        }
 
         std::fs::create_dir_all(&model_dir).map_err(RepoError::io(&model_dir))?;
         let unique = std::time::SystemTime::now()
@@ -435,22 +580,43 @@ impl Repository {
             })
             .collect();
         seal(&target, &linked).map_err(RepoError::io(&target))?;
+        let imported = ModelVersion {
+            name: options.name.clone(),
+            version,
+            dir: target,
+        };
+        if options.stable {
+            let by = current_user().unwrap_or_else(|| "unknown".into());
+            self.set_stable(&imported, &by, "import --stable")?;
+        } else {
+            self.adopt_first(&imported)?;
+        }
         Ok(LoadedVersion {
-            version: ModelVersion {
-                name: options.name.clone(),
-                version,
-                dir: target,
-            },
+            version: imported,
             manifest,
             version_digest: digests.version_digest(),
         })
     }
 
-    /// Deletes a version. The model's folder goes too when no version is left in it.
+    /// Deletes a version. The stable version goes only when it is the model's last (its alias
+    /// with it); the model's folder goes too when nothing else is left in it.
     pub fn remove(&self, version: &ModelVersion) -> Result<(), RepoError> {
+        let model_dir = self.root.join(&version.name);
+        let last = self.versions(&version.name)?.len() <= 1;
+        if let Some(stable) = self.stable(&version.name)? {
+            if stable.version == version.version.to_string() {
+                if !last {
+                    return Err(RepoError::StableInUse {
+                        name: version.name.clone(),
+                        version: stable.version,
+                    });
+                }
+                let path = Aliases::path(&model_dir);
+                std::fs::remove_file(&path).map_err(RepoError::io(&path))?;
+            }
+        }
         make_writable(&version.dir).map_err(RepoError::io(&version.dir))?;
         std::fs::remove_dir_all(&version.dir).map_err(RepoError::io(&version.dir))?;
-        let model_dir = self.root.join(&version.name);
         if std::fs::read_dir(&model_dir).is_ok_and(|mut entries| entries.next().is_none()) {
             let _ = std::fs::remove_dir(&model_dir);
         }

@@ -30,6 +30,8 @@ fn options(name: &str, version: &str) -> ImportOptions<'static> {
         progress: &NoProgress,
         rules_check: Some(|text| Ok(guard::check_rules_file(text)?)),
         host_fingerprint: serde_json::to_value(host::fingerprint(&host::Context::default())).ok(),
+        card: None,
+        stable: false,
     }
 }
 
@@ -236,19 +238,42 @@ fn verify_detects_changed_missing_and_extra_files() {
 }
 
 #[test]
-fn resolves_latest_by_semver() {
+fn a_name_resolves_to_the_stable_version_never_to_the_newest() {
     let tmp = tempfile::tempdir().unwrap();
     let src = write_tiny(tmp.path(), "tiny.gguf", &TinyLlama::default());
     let repo = Repository::open(tmp.path().join("models"));
     for v in ["1.2.0", "1.10.0", "1.9.3", "2.0.0-rc.1"] {
         repo.import(&src, &options("tiny", v)).unwrap();
     }
-    let latest = repo.resolve(&"tiny".parse().unwrap()).unwrap();
+    // The first version to arrive became the stable one; later imports changed nothing.
+    let served = repo.resolve(&"tiny".parse().unwrap()).unwrap();
+    assert_eq!(served.version.to_string(), "1.2.0");
+    let setting = repo.stable("tiny").unwrap().unwrap();
+    assert_eq!(setting.cause, "first version");
+    assert!(setting.digest.starts_with("sha256:"), "{setting:?}");
+    let waiting: Vec<String> = repo
+        .waiting("tiny")
+        .unwrap()
+        .iter()
+        .map(|v| v.version.to_string())
+        .collect();
+    assert_eq!(waiting, ["1.9.3", "1.10.0", "2.0.0-rc.1"]);
+
+    // Promoting moves it, and keeps the history.
+    let v110 = repo.resolve(&"tiny@1.10.0".parse().unwrap()).unwrap();
+    repo.set_stable(&v110, "alice", "promote: passed the gates")
+        .unwrap();
     assert_eq!(
-        latest.version.to_string(),
-        "1.10.0",
-        "releases beat pre-releases; 10 > 9 numerically"
+        repo.resolve(&"tiny".parse().unwrap())
+            .unwrap()
+            .version
+            .to_string(),
+        "1.10.0"
     );
+    let aliases = repo.aliases("tiny").unwrap();
+    assert_eq!(aliases.history.len(), 1);
+    assert_eq!(aliases.stable.unwrap().set_by, "alice");
+
     let rc = repo.resolve(&"tiny@2.0.0-rc.1".parse().unwrap()).unwrap();
     assert_eq!(rc.version.to_string(), "2.0.0-rc.1");
     let listed: Vec<String> = repo
@@ -266,6 +291,91 @@ fn resolves_latest_by_semver() {
     );
     let err = repo.resolve(&"other".parse().unwrap()).unwrap_err();
     assert!(err.to_string().contains("models: tiny"), "{err}");
+
+    // `--stable` makes an import what users get at once.
+    let mut opts = options("tiny", "1.11.0");
+    opts.stable = true;
+    repo.import(&src, &opts).unwrap();
+    assert_eq!(repo.stable("tiny").unwrap().unwrap().version, "1.11.0");
+}
+
+#[test]
+fn several_versions_without_a_stable_one_are_an_error_not_a_guess() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = write_tiny(tmp.path(), "tiny.gguf", &TinyLlama::default());
+    let repo = Repository::open(tmp.path().join("models"));
+    repo.import(&src, &options("tiny", "1.0.0")).unwrap();
+    repo.import(&src, &options("tiny", "1.1.0")).unwrap();
+    // A repository from before aliases: no ALIASES.json.
+    std::fs::remove_file(tmp.path().join("models/tiny/ALIASES.json")).unwrap();
+    let err = repo.resolve(&"tiny".parse().unwrap()).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("1.0.0, 1.1.0") && text.contains("rampart model promote tiny@VERSION"),
+        "{text}"
+    );
+    // One version and no alias: served, as simply as before.
+    let other = repo.import(&src, &options("solo", "1.0.0")).unwrap().version;
+    std::fs::remove_file(tmp.path().join("models/solo/ALIASES.json")).unwrap();
+    assert_eq!(repo.resolve(&"solo".parse().unwrap()).unwrap(), other);
+    assert_eq!(
+        repo.chosen("solo").unwrap().1,
+        repo::Choice::OnlyVersion
+    );
+}
+
+#[test]
+fn an_alias_whose_version_changed_under_it_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = write_tiny(tmp.path(), "tiny.gguf", &TinyLlama::default());
+    let other = write_tiny(
+        tmp.path(),
+        "other.gguf",
+        &TinyLlama {
+            seed: 99,
+            ..TinyLlama::default()
+        },
+    );
+    let repo = Repository::open(tmp.path().join("models"));
+    let v1 = repo.import(&src, &options("tiny", "1.0.0")).unwrap().version;
+    repo.import(&src, &options("tiny", "1.1.0")).unwrap();
+    // 1.0.0 removed by hand (the alias stays) and imported again with other weights.
+    make_writable(&v1.dir);
+    std::fs::remove_dir_all(&v1.dir).unwrap();
+    let err = repo.resolve(&"tiny".parse().unwrap()).unwrap_err();
+    assert!(err.to_string().contains("is not in the repository"), "{err}");
+    repo.import(&other, &options("tiny", "1.0.0")).unwrap();
+    let err = repo.resolve(&"tiny".parse().unwrap()).unwrap_err();
+    assert!(err.to_string().contains("now has the digest"), "{err}");
+}
+
+#[test]
+fn a_model_card_is_imported_digest_checked_and_read() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = write_tiny(tmp.path(), "tiny.gguf", &TinyLlama::default());
+    let card = tmp.path().join("card.md");
+    std::fs::write(
+        &card,
+        "# tiny\n\n## Intended use\nTests.\n\n## Limitations\nNone known.\n",
+    )
+    .unwrap();
+    let repo = Repository::open(tmp.path().join("models"));
+    let mut opts = options("tiny", "1.0.0");
+    opts.card = Some(card);
+    let v = repo.import(&src, &opts).unwrap().version;
+    let read = repo.card(&v).unwrap().unwrap();
+    assert_eq!(read.file, "MODEL_CARD.md");
+    assert_eq!(read.missing(), vec!["evaluation data", "licence"]);
+    assert!(repo.verify(&v, &NoProgress).unwrap().ok());
+    // Edited after the import, the card fails verification like any other file.
+    make_writable(&v.dir);
+    let path = v.dir.join("MODEL_CARD.md");
+    let mut perms = std::fs::metadata(&path).unwrap().permissions();
+    #[allow(clippy::permissions_set_readonly_false)]
+    perms.set_readonly(false);
+    std::fs::set_permissions(&path, perms).unwrap();
+    std::fs::write(&path, "## Intended use\nAnything.\n").unwrap();
+    assert!(!repo.verify(&v, &NoProgress).unwrap().ok());
 }
 
 #[test]
@@ -391,9 +501,15 @@ fn remove_deletes_the_version_and_the_empty_model_folder() {
         .import(&src, &options("tiny", "1.1.0"))
         .unwrap()
         .version;
+    // 1.0.0 is what users get: it goes only after another version is promoted.
+    let err = repo.remove(&a).unwrap_err();
+    assert!(err.to_string().contains("promote another version first"), "{err}");
+    assert!(a.dir.exists());
+    repo.set_stable(&b, "test", "promote").unwrap();
     repo.remove(&a).unwrap();
     assert!(!a.dir.exists());
     assert_eq!(repo.models().unwrap(), ["tiny"]);
+    // The last version goes with its alias, and the model's folder with them.
     repo.remove(&b).unwrap();
     assert!(!tmp.path().join("models/tiny").exists());
     assert!(repo.models().unwrap().is_empty());

@@ -95,6 +95,8 @@ pub fn import(root: &Path, source: &Path, name: &str) -> LoadedVersion {
         progress: &NoProgress,
         rules_check: None,
         host_fingerprint: None,
+        card: None,
+        stable: false,
     };
     repo.import(source, &options)
         .expect("the cached model imports")

@@ -196,6 +196,10 @@ impl std::fmt::Display for ModelName {
 #[derive(Debug, Default)]
 pub struct Registry {
     entries: RwLock<Vec<Arc<Entry>>>,
+    /// The version each model's name serves (its stable: the repository's alias, a configured
+    /// pin, or its release plan's), whatever other versions are loaded (a candidate prepared
+    /// for a release, a version an operator loaded): loading one never moves users to it.
+    stable: RwLock<std::collections::HashMap<String, String>>,
     /// Where the breakers of the entries it serves publish their transitions.
     decisions: Decisions,
 }
@@ -212,8 +216,26 @@ impl Registry {
     pub fn new(decisions: Decisions) -> Self {
         Self {
             entries: RwLock::default(),
+            stable: RwLock::default(),
             decisions,
         }
+    }
+
+    /// `name` without a version serves `version` from now on; returns the one it served before.
+    pub fn set_stable(&self, name: &str, version: &str) -> Option<String> {
+        self.stable
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.to_string(), version.to_string())
+    }
+
+    /// The version `name` without a version serves, when one was set.
+    pub fn stable_version(&self, name: &str) -> Option<String> {
+        self.stable
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(name)
+            .cloned()
     }
 
     /// Serves `entry` from now on; the shared entry requests will find.
@@ -253,13 +275,19 @@ impl Registry {
             .is_empty()
     }
 
-    /// The one lookup: `name` at `version`, or its newest loaded version.
+    /// The one lookup: `name` at `version`, or without a version its stable version
+    /// ([`Registry::set_stable`]): `None` while that one is not loaded (a cold model loads it
+    /// by name). A name whose stable was never set (an entry added directly, as in tests)
+    /// serves its newest loaded version.
     pub fn find(&self, model: &ModelName) -> Option<Arc<Entry>> {
         let entries = self.entries.read().unwrap_or_else(|e| e.into_inner());
         let mut named = entries.iter().filter(|e| e.name == model.name);
         match &model.version {
             Some(version) => named.find(|e| &e.version == version).cloned(),
-            None => named.max_by(|a, b| newer(a, b)).cloned(),
+            None => match self.stable_version(&model.name) {
+                Some(stable) => named.find(|e| e.version == stable).cloned(),
+                None => named.max_by(|a, b| newer(a, b)).cloned(),
+            },
         }
     }
 

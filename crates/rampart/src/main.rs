@@ -9,6 +9,7 @@ mod feedback_cmd;
 mod fleet_cmd;
 mod generate_cmd;
 mod guard_cmd;
+mod maturity_cmd;
 mod metrics_cmd;
 mod model_cmd;
 mod model_transfer;
@@ -64,7 +65,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Manage the model repository: import, list, inspect, verify, diff, remove.
+    /// Manage the model repository: import, list, inspect, verify, diff, promote, maturity,
+    /// remove.
     Model(ModelArgs),
     /// Generate text with an LLM (streams to the terminal).
     Generate(generate_cmd::GenerateArgs),

@@ -50,7 +50,47 @@ pub enum ModelCommand {
         /// `rampart.toml` in a source folder is read.
         #[arg(long, value_name = "FILE")]
         manifest: Option<PathBuf>,
+        /// The model card (Markdown: intended use, limits, evaluation data, licence), imported
+        /// as MODEL_CARD.md and covered by the digests. A source folder's own MODEL_CARD.md or
+        /// README.md is imported without it.
+        #[arg(long, value_name = "FILE")]
+        card: Option<PathBuf>,
+        /// Make this version the stable one at once (what users get by the model's name).
+        /// Without it only a model's first version becomes stable; later ones wait for
+        /// `rampart model promote` or a release.
+        #[arg(long)]
+        stable: bool,
         /// Print the result as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Make NAME@VERSION the stable version: what users get by the model's name (at a server's
+    /// next start; a running server moves users with a release instead). Refused for a model
+    /// that has a release plan: its releases decide its stable.
+    Promote {
+        /// NAME@VERSION.
+        model: String,
+        /// Why (kept in the alias's history).
+        #[arg(long)]
+        reason: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// The maturity report of a version (the stable one when none is given): checks in six
+    /// sections with their evidence from the repository and the server's configuration, a
+    /// level per section and the overall level (the lowest). Exits 4 when it is below
+    /// --require.
+    Maturity {
+        /// NAME or NAME@VERSION.
+        model: String,
+        /// The server's configuration file (what it would run with); without it, the
+        /// defaults.
+        #[arg(long, value_name = "FILE")]
+        config: Option<PathBuf>,
+        /// Exit with status 4 when the overall level is below this one (experimental,
+        /// staging, production).
+        #[arg(long, value_name = "LEVEL")]
+        require: Option<String>,
         #[arg(long)]
         json: bool,
     },
@@ -221,6 +261,8 @@ pub fn run(args: ModelArgs) -> Result<ExitCode> {
             git_commit,
             dataset_version,
             manifest,
+            card,
+            stable,
             json,
         } => {
             let pipeline = match manifest {
@@ -244,10 +286,23 @@ pub fn run(args: ModelArgs) -> Result<ExitCode> {
                     git_commit,
                     dataset_version,
                     pipeline,
+                    card,
+                    stable,
                 },
                 json,
             )
         }
+        ModelCommand::Promote {
+            model,
+            reason,
+            json,
+        } => promote(&repo, &model, &reason, json),
+        ModelCommand::Maturity {
+            model,
+            config,
+            require,
+            json,
+        } => crate::maturity_cmd::run(&args.repo, &model, config.as_deref(), require.as_deref(), json),
         ModelCommand::List { json } => list(&repo, json),
         ModelCommand::Inspect { model, json } => inspect(&repo, &model, json),
         ModelCommand::Verify { model, json } => verify(&repo, model.as_deref(), json),
@@ -323,6 +378,8 @@ struct ImportArgs {
     git_commit: Option<String>,
     dataset_version: Option<String>,
     pipeline: Option<repo::Pipeline>,
+    card: Option<PathBuf>,
+    stable: bool,
 }
 
 fn import(repo: &Repository, source: PathBuf, args: ImportArgs, json: bool) -> Result<ExitCode> {
@@ -334,6 +391,8 @@ fn import(repo: &Repository, source: PathBuf, args: ImportArgs, json: bool) -> R
         git_commit,
         dataset_version,
         pipeline,
+        card,
+        stable,
     } = args;
     let progress = progress_bar::for_stderr(json);
     let options = ImportOptions {
@@ -349,6 +408,8 @@ fn import(repo: &Repository, source: PathBuf, args: ImportArgs, json: bool) -> R
         progress: progress.as_ref(),
         rules_check: Some(|text| Ok(guard::check_rules_file(text)?)),
         host_fingerprint: crate::host_fingerprint(),
+        card,
+        stable,
     };
     let loaded = repo
         .import(&source, &options)
@@ -361,6 +422,7 @@ fn import(repo: &Repository, source: PathBuf, args: ImportArgs, json: bool) -> R
                 "model": loaded.version.to_string(),
                 "dir": loaded.version.dir,
                 "version_digest": format!("sha256:{}", loaded.version_digest),
+                "stable": repo.stable(&loaded.version.name)?,
                 "manifest": loaded.manifest,
             }))?
         );
@@ -375,6 +437,55 @@ fn import(repo: &Repository, source: PathBuf, args: ImportArgs, json: bool) -> R
             loaded.version.dir.display()
         );
         println!("version digest sha256:{}", loaded.version_digest);
+        match repo.stable(&loaded.version.name)? {
+            Some(s) if s.version == loaded.version.version.to_string() => {
+                println!("stable: users get {} by its name ({})", loaded.version, s.cause);
+            }
+            Some(s) => println!(
+                "stable: users still get {}@{}; {} waits for a release or `rampart model promote {}`",
+                loaded.version.name, s.version, loaded.version, loaded.version
+            ),
+            None => {}
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn promote(repo: &Repository, model: &str, reason: &str, json: bool) -> Result<ExitCode> {
+    let version = versioned(repo, model)?;
+    if reason.trim().is_empty() {
+        bail!("--reason must say why {version} becomes the stable version");
+    }
+    let plan = release::plan::plan_path(repo.root(), &version.name)?;
+    if plan.is_file() {
+        bail!(
+            "{} has a release plan ({}): its releases decide its stable version; move users with `rampart release start {} --candidate {}` and promote the release",
+            version.name,
+            plan.display(),
+            version.name,
+            version.version
+        );
+    }
+    // A version that fails verification does not become what users get.
+    repo.verified(&version, &repo::NoProgress)?;
+    let previous = repo.stable(&version.name)?;
+    let by = repo::lineage::current_user().unwrap_or_else(|| "unknown".into());
+    let setting = repo.set_stable(&version, &by, &format!("promote: {reason}"))?;
+    if json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({
+                "model": version.name,
+                "stable": setting,
+                "previous": previous,
+            }))?
+        );
+    } else {
+        println!(
+            "{version} is the stable version of {} (was {}); a running server serves it from its next start",
+            version.name,
+            previous.map_or_else(|| "none".to_string(), |p| p.version)
+        );
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -383,7 +494,9 @@ fn list(repo: &Repository, json: bool) -> Result<ExitCode> {
     let mut rows = Vec::new();
     let mut items = Vec::new();
     for name in repo.models()? {
+        let stable = repo.chosen(&name).ok().map(|(v, _)| v.version);
         for v in repo.versions(&name)? {
+            let is_stable = stable.as_ref() == Some(&v.version);
             let manifest = repo.manifest(&v)?;
             let digest = repo.digests(&v)?.version_digest();
             let m = &manifest.model;
@@ -395,6 +508,7 @@ fn list(repo: &Repository, json: bool) -> Result<ExitCode> {
                 count(m.parameter_count),
                 bytes(m.size_bytes),
                 digest[..12].to_string(),
+                if is_stable { "stable" } else { "" }.to_string(),
             ]);
             items.push(json!({
                 "name": name,
@@ -404,6 +518,7 @@ fn list(repo: &Repository, json: bool) -> Result<ExitCode> {
                 "parameter_count": m.parameter_count,
                 "size_bytes": m.size_bytes,
                 "version_digest": format!("sha256:{digest}"),
+                "stable": is_stable,
                 "dir": v.dir,
             }));
         }
@@ -419,7 +534,7 @@ fn list(repo: &Repository, json: bool) -> Result<ExitCode> {
         print!(
             "{}",
             table(
-                &["NAME", "VERSION", "KIND", "FORMAT", "PARAMS", "SIZE", "DIGEST"],
+                &["NAME", "VERSION", "KIND", "FORMAT", "PARAMS", "SIZE", "DIGEST", "SERVED"],
                 &rows
             )
         );
@@ -436,6 +551,8 @@ fn inspect(repo: &Repository, model: &str, json: bool) -> Result<ExitCode> {
     let manifest = repo.manifest(&version)?;
     let digest = repo.digests(&version)?.version_digest();
     let lineage = repo.lineage(&version).ok();
+    let card = repo.card(&version)?;
+    let stable = repo.stable(&version.name)?;
     if json {
         println!(
             "{}",
@@ -443,13 +560,49 @@ fn inspect(repo: &Repository, model: &str, json: bool) -> Result<ExitCode> {
                 "model": version.to_string(),
                 "dir": version.dir,
                 "version_digest": format!("sha256:{digest}"),
+                "stable": stable,
                 "manifest": manifest,
                 "lineage": lineage,
+                "card": card,
             }))?
         );
         return Ok(ExitCode::SUCCESS);
     }
     print!("{}", render_manifest(&version, &manifest, &digest));
+    let mut s = Section::new("served");
+    match &stable {
+        Some(st) if st.version == version.version.to_string() => {
+            s.row(
+                "stable",
+                format!("yes, since {} ({}, by {})", st.set_at, st.cause, st.set_by),
+            );
+        }
+        Some(st) => {
+            s.row("stable", format!("no: users get {}@{}", version.name, st.version));
+        }
+        None => {
+            s.row("stable", "no alias (a model with one version serves it)");
+        }
+    }
+    print!("{}", s.render());
+    let mut s = Section::new("model card");
+    match &card {
+        Some(c) => {
+            s.row("file", &c.file);
+            s.opt("intended use", c.intended_use.as_deref().map(preview));
+            s.opt("limits", c.limits.as_deref().map(preview));
+            s.opt("evaluation data", c.evaluation_data.as_deref().map(preview));
+            s.opt("licence", c.licence.as_deref().map(preview));
+            let missing = c.missing();
+            if !missing.is_empty() {
+                s.row("missing", missing.join(", "));
+            }
+        }
+        None => {
+            s.row("file", "none (import one with --card FILE)");
+        }
+    }
+    print!("{}", s.render());
     if let Some(l) = lineage {
         let mut s = Section::new("lineage");
         s.row(

@@ -287,6 +287,13 @@ fn pull(
     let base = format!("{}/{version}", reference.name);
     let target = repo.root().join(&reference.name).join(version.to_string());
     let report = |outcome: &str, version_digest: &str, files: usize, bytes: u64| -> Result<()> {
+        // A model's first version becomes its stable one, as an import's does.
+        let arrived = repo::ModelVersion {
+            name: reference.name.clone(),
+            version: version.clone(),
+            dir: target.clone(),
+        };
+        let adopted = repo.adopt_first(&arrived)?;
         if json {
             println!(
                 "{}",
@@ -297,6 +304,7 @@ fn pull(
                     "files": files,
                     "bytes": bytes,
                     "version_digest": format!("sha256:{version_digest}"),
+                    "made_stable": adopted.is_some(),
                 }))?
             );
         } else {

@@ -11,6 +11,8 @@
 //!   promotes and rolls back; every transition is a `Decision` with its cause.
 //! - `gates`, `golden`: the checks before any traffic (eval on a golden set, latency, data quality,
 //!   feature consistency) as pure functions over results the server computes.
+//! - `maturity`: the maturity report's shape, levels and verdict (the server gathers the
+//!   evidence).
 //!
 //! Not here: HTTP, tasks, clocks, files other than the plan. The server feeds samples, calls
 //! `tick` with the time, persists the plan and turns each decision into a record.
@@ -19,5 +21,6 @@ pub mod controller;
 pub mod gates;
 pub mod golden;
 pub mod judge;
+pub mod maturity;
 pub mod plan;
 pub mod router;

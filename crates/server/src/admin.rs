@@ -1,7 +1,8 @@
 //! The admin API under `/admin/…` (keys with the `admin` scope): the backends with their chains,
 //! breakers and hand-offs; pausing and resuming a model's hand-off; fault injection for drills;
 //! the doctor's report on the host (`GET /admin/doctor`, itself an audited action); the
-//! monitors' state and baselines (`/admin/monitors`).
+//! monitors' state and baselines (`/admin/monitors`); a model version's maturity report
+//! (`GET /admin/models/{name}/maturity`, docs/maturity.md).
 //! Every call that changes something is logged with who made it (the key and `X-Operator-Id`),
 //! counted in `rampart_admin_actions_total{action}` and kept in the audit log; in `fail_closed`
 //! a change the audit log cannot keep is refused before it is made.
@@ -38,6 +39,7 @@ pub fn routes() -> Router<Arc<AppState>> {
         )
         .route(paths::ADMIN_FAULT, delete(clear_fault))
         .route(paths::ADMIN_DOCTOR, get(doctor_report))
+        .route(paths::ADMIN_MATURITY, get(maturity_report))
         .route(paths::ADMIN_MONITORS, get(monitors))
         .route(paths::ADMIN_DEGRADATION, get(degradation))
         .route(
@@ -580,4 +582,90 @@ async fn doctor_report(
         return e.into_response();
     }
     Json(view).into_response()
+}
+
+/// `?version=` of `GET /admin/models/{name}/maturity`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MaturityQuery {
+    version: Option<String>,
+}
+
+/// `GET /admin/models/{name}/maturity[?version=V]`: the maturity report of a version (the one
+/// the name serves when none is given) with the evidence of this server: its configuration,
+/// the doctor on this host, the Prometheus it names. A read, audited like the doctor's. One
+/// report is made at a time (a version that is not loaded is hashed): a second caller gets
+/// 429 with Retry-After.
+async fn maturity_report(
+    State(state): State<Arc<AppState>>,
+    Extension(principal): Extension<Principal>,
+    Path(name): Path<String>,
+    axum::extract::Query(query): axum::extract::Query<MaturityQuery>,
+) -> Response {
+    static ONE_AT_A_TIME: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
+    let Ok(_permit) = ONE_AT_A_TIME.try_acquire() else {
+        return ApiError::Overloaded {
+            code: "maturity_busy",
+            message: "a maturity report is being made; retry shortly".into(),
+            retry_after_s: 2,
+        }
+        .into_response();
+    };
+    let reference = match &query.version {
+        Some(v) => format!("{name}@{v}"),
+        None => name.clone(),
+    };
+    let repository = repo::Repository::open(&state.config.repo);
+    let version = match crate::maturity::version_of(&repository, &reference) {
+        Ok(v) => v,
+        Err(e @ (repo::RepoError::InvalidName { .. } | repo::RepoError::InvalidVersion { .. } | repo::RepoError::InvalidRef(_))) => {
+            return ApiError::invalid_param("model", e.to_string()).into_response()
+        }
+        Err(e) => return ApiError::ModelNotFound(e.to_string()).into_response(),
+    };
+    let loaded = state
+        .front
+        .registry
+        .find(&crate::registry::ModelName::versioned(
+            &version.name,
+            Some(&version.version.to_string()),
+        ))
+        .is_some();
+    let alerts_loaded = match &state.config.maturity.prometheus_url {
+        Some(url) => Some(crate::maturity::alerts_loaded(url).await),
+        None => None,
+    };
+    let config = state.config.clone();
+    let made = tokio::task::spawn_blocking(move || {
+        let live = crate::maturity::Live {
+            // A loaded version was verified as it loaded.
+            verified: loaded.then_some(Ok(())),
+            doctor: Some(doctor::examine(&config).report),
+            alerts_loaded,
+        };
+        crate::maturity::report(&config, &repository, &version, &live)
+    })
+    .await;
+    let report = match made {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => return ApiError::Internal(e.to_string()).into_response(),
+        Err(e) => return ApiError::Internal(format!("the report failed: {e}")).into_response(),
+    };
+    let detail = serde_json::json!({
+        "version": report.version,
+        "level": report.level,
+    });
+    if let Err(e) = note(
+        &state,
+        &principal.0,
+        "maturity",
+        &format!("{}@{}", report.model, report.version),
+        Some(&report.model),
+        detail,
+    )
+    .await
+    {
+        return e.into_response();
+    }
+    Json(report).into_response()
 }

@@ -223,6 +223,33 @@ impl NatsConfig {
     }
 }
 
+/// `[maturity]`: the maturity gate (docs/maturity.md). A model's required level is its
+/// `[[models]] min_maturity`, else `min_level` here. Releases refuse a candidate below it;
+/// in `production` mode the server also refuses to serve a stable version below it.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct MaturityConfig {
+    /// Production mode: a model whose stable version is below its required level is not
+    /// served (unless its `maturity_override` says why, audited).
+    pub production: bool,
+    /// The level every model needs (experimental, staging, production); none: only the
+    /// models that set `min_maturity` have one.
+    pub min_level: Option<release::maturity::Level>,
+    /// The shipped alert rules (deploy/monitoring/rules/rampart-alerts.yml) as deployed: the
+    /// monitoring section's `alerts` check reads it.
+    pub alert_rules: Option<PathBuf>,
+    /// A Prometheus that should have loaded them (`http://prometheus:9090`): the check asks its
+    /// `/api/v1/rules` whether Rampart's alert group is loaded.
+    pub prometheus_url: Option<String>,
+}
+
+impl MaturityConfig {
+    /// The level `model` must reach, if any.
+    pub fn required(&self, model: &ModelConfig) -> Option<release::maturity::Level> {
+        model.min_maturity.or(self.min_level)
+    }
+}
+
 /// `[fleet]`: replicas that share their releases (docs/fleet.md). Off by default: one server
 /// keeps its release plans in the plan files.
 #[derive(Debug, Clone, Deserialize)]
@@ -408,7 +435,9 @@ pub struct ServerConfig {
     pub degradation: DegradationConfig,
     /// The memory the degradation controllers measure against.
     pub memory: MemoryConfig,
-    /// Models to serve; empty: the latest version of every LLM in the repository.
+    /// The maturity gate (docs/maturity.md).
+    pub maturity: MaturityConfig,
+    /// Models to serve; empty: every model in the repository, each at its stable version.
     pub models: Vec<ModelConfig>,
 }
 
@@ -447,6 +476,7 @@ impl Default for ServerConfig {
             fleet: FleetConfig::default(),
             degradation: DegradationConfig::default(),
             memory: MemoryConfig::default(),
+            maturity: MaturityConfig::default(),
             models: Vec::new(),
         }
     }
@@ -1027,6 +1057,12 @@ pub struct ModelConfig {
     /// This model's guard settings over the server's `[guard]`.
     #[serde(default)]
     pub guard: GuardOverride,
+    /// The maturity level its versions need (docs/maturity.md): releases refuse a candidate
+    /// below it, and a production server (`[maturity] production`) a stable below it.
+    pub min_maturity: Option<release::maturity::Level>,
+    /// Serve the stable version although it is below its level, for this reason (an
+    /// emergency): logged and audited at every start.
+    pub maturity_override: Option<String>,
 }
 
 fn default_first_token_timeout_ms() -> u64 {
@@ -1062,6 +1098,8 @@ impl ModelConfig {
             handoff: None,
             parse_special_tokens: false,
             guard: GuardOverride::default(),
+            min_maturity: None,
+            maturity_override: None,
         }
     }
 }
@@ -1265,6 +1303,19 @@ impl ServerConfig {
         }
         for m in &self.models {
             validate_guard(&m.guard, &format!("models.{}.guard", m.name))?;
+            if m.maturity_override.as_deref().is_some_and(|r| r.trim().is_empty()) {
+                return Err(ConfigError(format!(
+                    "models.{}.maturity_override is empty: say why the model is served below its maturity level",
+                    m.name
+                )));
+            }
+        }
+        if self.maturity.prometheus_url.as_deref().is_some_and(|u| {
+            !(u.starts_with("http://") || u.starts_with("https://"))
+        }) {
+            return Err(ConfigError(
+                "maturity.prometheus_url must be an http:// or https:// URL".into(),
+            ));
         }
         if let Some(budget) = &self.memory.models_budget {
             budget.parse::<engine::KvMemory>().map_err(|e| {

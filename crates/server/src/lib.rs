@@ -50,6 +50,7 @@ pub mod kserve;
 pub mod loading;
 pub mod log_metrics;
 pub mod marks;
+pub mod maturity;
 pub mod model_path;
 pub mod monitors;
 pub mod openai;
@@ -532,7 +533,18 @@ pub fn load_models(state: &AppState) {
     } else {
         wanted
     };
-    for model in wanted {
+    let mut named = std::collections::BTreeSet::new();
+    let mut below = std::collections::BTreeSet::new();
+    let mut doctor = None;
+    for model in &wanted {
+        if named.insert(model.name.clone()) {
+            choose_stable(state, &repository, model);
+            if !maturity_gate(state, &repository, model, &mut doctor) {
+                below.insert(model.name.clone());
+            }
+        }
+    }
+    for model in wanted.into_iter().filter(|m| !below.contains(&m.name)) {
         // Cold models load on their first request (or an operator's `load`), unless their
         // release is under way (a release serves its versions from the start).
         let releasing = state.config.releases.enabled
@@ -551,6 +563,144 @@ pub fn load_models(state: &AppState) {
     }
     check_chains(state);
     state.loaded();
+}
+
+/// The version a model's name serves (its release plan's stable, else its configured pin,
+/// else the repository's stable alias), set in the registry before anything loads so that no
+/// other loaded version (a candidate, an operator's load) takes its users. Versions newer than
+/// it are candidates waiting for a release: logged, never served by name.
+fn choose_stable(state: &AppState, repository: &Repository, model: &config::ModelConfig) {
+    let plan = state
+        .config
+        .releases
+        .enabled
+        .then(|| release_plans::Releases::versions_wanted(&state.config.repo, &model.name))
+        .flatten();
+    let (version, by) = match (&plan, &model.version) {
+        (Some((stable, _)), _) => (stable.clone(), "release plan".to_string()),
+        (None, Some(pinned)) => (pinned.clone(), "configured version".to_string()),
+        (None, None) => match repository.chosen(&model.name) {
+            Ok((v, repo::Choice::Stable { setting })) => (
+                v.version.to_string(),
+                format!("stable alias ({}, set by {} at {})", setting.cause, setting.set_by, setting.set_at),
+            ),
+            Ok((v, repo::Choice::OnlyVersion)) => (v.version.to_string(), "only version".into()),
+            // Loading by name fails with the same error, which readiness then gives.
+            Err(_) => return,
+        },
+    };
+    state.front.registry.set_stable(&model.name, &version);
+    tracing::info!(model = %model.name, version, by, "the version users get");
+    let waiting: Vec<String> = repository
+        .versions(&model.name)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|v| semver::Version::parse(&version).is_ok_and(|s| v.version > s))
+        .map(|v| v.version.to_string())
+        .collect();
+    if !waiting.is_empty() {
+        let release_under_way = plan.as_ref().is_some_and(|(_, c)| c.is_some());
+        tracing::warn!(
+            model = %model.name,
+            stable = version,
+            waiting = waiting.join(", "),
+            release_under_way,
+            "newer versions are waiting: users get the stable until a release (`rampart release start {} --candidate VERSION`) or `rampart model promote` moves them",
+            model.name
+        );
+    }
+}
+
+/// In production mode (`[maturity] production`), a model whose stable version is below its
+/// required level is not served: refused with the failing checks named (readiness gives it),
+/// unless its `maturity_override` says why, which is logged and audited. Either is a decision.
+/// Returns whether the model may be served.
+fn maturity_gate(
+    state: &AppState,
+    repository: &Repository,
+    model: &config::ModelConfig,
+    doctor: &mut Option<host::Report>,
+) -> bool {
+    let cfg = &state.config.maturity;
+    let Some(required) = cfg.required(model).filter(|_| cfg.production) else {
+        return true;
+    };
+    let Some(stable) = state.front.registry.stable_version(&model.name) else {
+        return true; // Loading by name fails with its own reason.
+    };
+    let version = match repository.resolve(&repo::ModelRef {
+        name: model.name.clone(),
+        version: semver::Version::parse(&stable).ok(),
+    }) {
+        Ok(v) => v,
+        Err(_) => return true,
+    };
+    let doctor = doctor
+        .get_or_insert_with(|| doctor::examine(&state.config).report)
+        .clone();
+    let alerts_loaded = state.config.maturity.prometheus_url.as_deref().map(|url| {
+        tokio::runtime::Handle::current().block_on(maturity::alerts_loaded(url))
+    });
+    let live = maturity::Live {
+        // Loading verifies every file (and refuses a version that does not).
+        verified: Some(Ok(())),
+        doctor: Some(doctor),
+        alerts_loaded,
+    };
+    let report = match maturity::report(&state.config, repository, &version, &live) {
+        Ok(r) => r,
+        Err(e) => {
+            state.refuse(crate::registry::LoadError::new(
+                &model.name,
+                format!("its maturity cannot be judged: {e}"),
+            ));
+            return false;
+        }
+    };
+    let Some(shortfall) = report.shortfall(required) else {
+        tracing::info!(target: "rampart::maturity", model = %model.name, version = %report.version, level = %report.level, required = %required, "maturity: the stable version reaches its level");
+        return true;
+    };
+    let missing: Vec<String> = report
+        .missing_for(required)
+        .iter()
+        .map(|c| c.id.clone())
+        .collect();
+    let detail = serde_json::json!({
+        "version": report.version,
+        "level": report.level,
+        "required": required,
+        "missing": missing,
+        "override": model.maturity_override,
+    });
+    let target = format!("{}@{}", report.model, report.version);
+    match &model.maturity_override {
+        Some(reason) => {
+            tracing::warn!(target: "rampart::maturity", model = %model.name, version = %report.version, level = %report.level, required = %required, reason, missing = missing.join(", "), "maturity override: the stable version is served below its level");
+            state.front.decisions.note(
+                "maturity.override",
+                Some(&model.name),
+                &target,
+                &format!("override: {reason}; {shortfall}"),
+                detail,
+            );
+            true
+        }
+        None => {
+            state.front.decisions.note(
+                "maturity.refused",
+                Some(&model.name),
+                &target,
+                &shortfall,
+                detail,
+            );
+            state.refuse(crate::registry::LoadError::new(
+                &model.name,
+                format!("{shortfall} (production mode: set maturity_override = \"why\" on the model to serve it anyway, audited)"),
+            ));
+            false
+        }
+    }
 }
 
 /// The models to load with their release plans' versions: a model served by name serves its

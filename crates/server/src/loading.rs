@@ -20,8 +20,8 @@ use crate::chain::{Policy, Step, Target};
 use crate::config::{ModelConfig, ServerConfig};
 use crate::registry::{Entry, LoadError, ModelName};
 
-/// What to load: the configured models, or the latest version of every LLM and embedding model
-/// in the repository.
+/// What to load: the configured models, or every LLM, embedding, tensor and rules model in the
+/// repository at the version its name serves (its stable alias, or its only version).
 pub fn models_to_load(
     config: &ServerConfig,
     repository: &Repository,
@@ -47,8 +47,15 @@ pub fn models_to_load(
             name: name.clone(),
             version: None,
         };
-        let Ok(version) = repository.resolve(&reference) else {
-            continue;
+        let version = match repository.resolve(&reference) {
+            Ok(v) => v,
+            // Several versions and no stable one: it is not guessed; loading it by name
+            // fails with the reason and the way out, which readiness gives.
+            Err(repo::RepoError::NoStable { .. } | repo::RepoError::StableBroken { .. }) => {
+                out.push(ModelConfig::named(name));
+                continue;
+            }
+            Err(_) => continue,
         };
         let Ok(manifest) = repository.manifest(&version) else {
             continue;

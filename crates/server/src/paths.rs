@@ -27,6 +27,7 @@ pub const V2_REPOSITORY_UNLOAD: &str = "/v2/repository/models/{name}/unload";
 // The admin API (scope `admin`).
 pub const ADMIN_BACKENDS: &str = "/admin/backends";
 pub const ADMIN_HANDOFF: &str = "/admin/models/{name}/handoff";
+pub const ADMIN_MATURITY: &str = "/admin/models/{name}/maturity";
 pub const ADMIN_FAULTS: &str = "/admin/faults";
 pub const ADMIN_FAULT: &str = "/admin/faults/{id}";
 pub const ADMIN_DOCTOR: &str = "/admin/doctor";

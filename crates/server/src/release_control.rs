@@ -158,6 +158,7 @@ pub fn spawn(state: Arc<crate::state::AppState>, releases: Arc<Releases>) {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut tried = std::collections::HashSet::new();
         let mut control_tried = std::collections::HashSet::new();
+        let mut followed = std::collections::HashMap::new();
         loop {
             tick.tick().await;
             let views = state.monitors.get().map(|m| m.views()).unwrap_or_default();
@@ -178,6 +179,9 @@ pub fn spawn(state: Arc<crate::state::AppState>, releases: Arc<Releases>) {
             releases.discover(&names);
             releases.fleet_discover(&names).await;
             releases.tick(&drift).await;
+            releases
+                .follow_stables(&state.front.registry, &mut followed)
+                .await;
             // A plan that names a candidate this server does not serve yet (a release started
             // on the file, or by Git): load it, once per version, after the start's loading.
             let loading = matches!(

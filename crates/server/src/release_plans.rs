@@ -531,6 +531,77 @@ impl Releases {
         );
     }
 
+    /// Keeps what a model's name serves with its plan's stable: after a promotion (decided
+    /// here or by the fleet's judge) or an edit of the plan, the registry serves the new stable
+    /// by name and the repository's stable alias follows it (cause `release <id>`), so a
+    /// restart, a server without releases and `rampart model maturity` agree with the
+    /// release. Each change is a decision (log, metrics, audit). `followed` remembers, per
+    /// model, the stable already followed (a plan that did not move costs nothing).
+    pub async fn follow_stables(
+        &self,
+        registry: &crate::registry::Registry,
+        followed: &mut std::collections::HashMap<String, String>,
+    ) {
+        for m in self.all() {
+            let plan = m.plan();
+            if followed.get(&m.name) == Some(&plan.stable) {
+                continue;
+            }
+            followed.insert(m.name.clone(), plan.stable.clone());
+            let before = registry.set_stable(&m.name, &plan.stable);
+            let (repo, name, stable) = (self.repo.clone(), m.name.clone(), plan.stable.clone());
+            let cause = format!("release {}", plan.state.release_id);
+            let by = self
+                .fleet
+                .as_ref()
+                .map_or_else(|| "release controller".to_string(), |f| format!("release controller ({})", f.replica));
+            let cause_in = cause.clone();
+            let written = tokio::task::spawn_blocking(move || {
+                let repository = repo::Repository::open(&repo);
+                let current = repository.stable(&name)?;
+                if current.as_ref().is_some_and(|c| c.version == stable) {
+                    return Ok(None);
+                }
+                let version = repository.resolve(&repo::ModelRef::new(&name, Some(&stable))?)?;
+                repository.set_stable(&version, &by, &cause_in).map(|s| Some((current, s)))
+            })
+            .await
+            .map_err(|e| repo::RepoError::Io {
+                path: self.repo.clone(),
+                source: std::io::Error::other(e.to_string()),
+            })
+            .and_then(|r| r);
+            match written {
+                Ok(None) => {
+                    if before.is_some_and(|b| b != plan.stable) {
+                        tracing::info!(target: "rampart::release", model = %m.name, stable = %plan.stable, "the model's name serves the release plan's stable");
+                    }
+                }
+                Ok(Some((previous, setting))) => {
+                    let previous = previous.map(|p| p.version);
+                    tracing::warn!(target: "rampart::release", model = %m.name, stable = %setting.version, previous = previous.as_deref().unwrap_or(""), cause, "the model's stable version follows its release: users get it by name, and the repository's alias says so");
+                    self.decisions.note(
+                        "model.stable",
+                        Some(&m.name),
+                        &format!("{}@{}", m.name, setting.version),
+                        &cause,
+                        serde_json::json!({
+                            "version": setting.version,
+                            "previous": previous,
+                            "digest": setting.digest,
+                            "by": setting.set_by,
+                        }),
+                    );
+                }
+                Err(e) => {
+                    // A read-only repository (a pod's image): the registry follows the plan;
+                    // a restart reads the plan again.
+                    tracing::warn!(target: "rampart::release", model = %m.name, stable = %plan.stable, error = %e, "the repository's stable alias cannot follow the release plan: this process serves the plan's stable, a restart reads the plan again");
+                }
+            }
+        }
+    }
+
     /// One tick of every release: adopt changed files, feed drift, judge, decide, persist.
     pub async fn tick(&self, drift: &(dyn Fn(&str, &str) -> Option<String> + Sync)) {
         if let Some(fleet) = &self.fleet {

@@ -93,6 +93,9 @@ struct CommandBody {
     /// `start`: the gates' results (`rampart release gate … --start` runs them against this
     /// server's stable and candidate on the model's golden set).
     gates: Option<GateSubmission>,
+    /// `start`, `promote`: go on although the candidate is below its maturity level, for this
+    /// reason (audited with the failing checks).
+    maturity_override: Option<String>,
 }
 
 /// The gates' results a `start` carries; kept beside the plan (`gates/<candidate>.json`).
@@ -141,6 +144,26 @@ async fn act_inner(
         serde_json::from_slice(body)
             .map_err(|e| ApiError::invalid(format!("the body is not a release command: {e}")))?
     };
+    // The gates' results are evidence whatever follows: kept before the maturity check reads
+    // them.
+    if let (Some(gates), "start") = (&body.gates, action) {
+        keep_gates(
+            state,
+            name,
+            body.candidate.as_deref().unwrap_or(""),
+            principal,
+            gates,
+        )
+        .await;
+    }
+    let promoted = match action {
+        "start" => body.candidate.clone(),
+        "promote" => releases.get(name).and_then(|m| m.plan().candidate.clone()),
+        _ => None,
+    };
+    if let Some(candidate) = promoted {
+        check_maturity(state, principal, name, &candidate, action, &body).await?;
+    }
     let command = match action {
         "prepare" => return prepare(state, releases, name, &body, principal).await,
         "start" => start_command(state, releases, name, &body).await?,
@@ -180,14 +203,6 @@ async fn act_inner(
     // A start with the gates' results: kept beside the plan, then judged (a refused gate ends
     // the release before any traffic, with the table in the history's reason).
     if let (Some(gates), "start") = (&body.gates, action) {
-        keep_gates(
-            state,
-            name,
-            body.candidate.as_deref().unwrap_or(""),
-            principal,
-            gates,
-        )
-        .await;
         decision = releases
             .command(
                 name,
@@ -217,6 +232,90 @@ async fn act_inner(
         .await?;
     let status = releases.get(name).map(|m| m.status());
     Ok(serde_json::json!({ "decision": detail, "status": status }))
+}
+
+/// A candidate below its model's maturity level (`[[models]] min_maturity`, else `[maturity]
+/// min_level`) does not start or get promoted: refused (409) with the failing checks named,
+/// unless the command carries `maturity_override` with a reason. Either way an audited action.
+async fn check_maturity(
+    state: &Arc<AppState>,
+    principal: &str,
+    name: &str,
+    candidate: &str,
+    action: &str,
+    body: &CommandBody,
+) -> Result<(), ApiError> {
+    let model = crate::maturity::model_config(&state.config, name);
+    let Some(required) = state.config.maturity.required(&model) else {
+        return Ok(());
+    };
+    let repository = repo::Repository::open(&state.config.repo);
+    let version = crate::maturity::version_of(&repository, &format!("{name}@{candidate}"))
+        .map_err(|e| ApiError::invalid_param("candidate", e.to_string()))?;
+    let loaded = state
+        .front
+        .registry
+        .find(&crate::registry::ModelName::versioned(name, Some(candidate)))
+        .is_some();
+    let alerts_loaded = match &state.config.maturity.prometheus_url {
+        Some(url) => Some(crate::maturity::alerts_loaded(url).await),
+        None => None,
+    };
+    let config = state.config.clone();
+    let report = tokio::task::spawn_blocking(move || {
+        let live = crate::maturity::Live {
+            verified: loaded.then_some(Ok(())),
+            doctor: Some(crate::doctor::examine(&config).report),
+            alerts_loaded,
+        };
+        crate::maturity::report(&config, &repository, &version, &live)
+    })
+    .await
+    .map_err(|e| ApiError::Internal(e.to_string()))?
+    .map_err(|e| ApiError::Internal(e.to_string()))?;
+    let Some(shortfall) = report.shortfall(required) else {
+        return Ok(());
+    };
+    let missing: Vec<String> = report
+        .missing_for(required)
+        .iter()
+        .map(|c| c.id.clone())
+        .collect();
+    let reason = body
+        .maturity_override
+        .as_deref()
+        .map(str::trim)
+        .filter(|r| !r.is_empty());
+    state
+        .act(
+            principal,
+            Some(name),
+            audit::Action {
+                name: format!("release.{action}.maturity"),
+                target: Some(format!("{name}@{candidate}")),
+                cause: Some(match reason {
+                    Some(r) => format!("override: {r}; {shortfall}"),
+                    None => shortfall.clone(),
+                }),
+                outcome: if reason.is_some() { "overridden" } else { "refused" }.into(),
+                detail: serde_json::json!({
+                    "level": report.level,
+                    "required": required,
+                    "missing": missing,
+                    "override": reason,
+                }),
+            },
+        )
+        .await?;
+    match reason {
+        Some(r) => {
+            tracing::warn!(target: "rampart::maturity", model = name, candidate, level = %report.level, required = %required, reason = r, "maturity override: the release goes on below the required level");
+            Ok(())
+        }
+        None => Err(ApiError::Conflict(format!(
+            "{shortfall}; `GET /admin/models/{name}/maturity?version={candidate}` shows each check's evidence and fix, and \"maturity_override\": \"why\" goes on anyway (audited)"
+        ))),
+    }
 }
 
 /// `prepare`: loads the candidate (for the gates to run against it before any traffic goes
@@ -258,9 +357,14 @@ async fn prepare(
     Ok(serde_json::json!({ "model": name, "candidate": candidate, "loaded": true }))
 }
 
-/// The version a new plan starts from: the newest served version other than the candidate.
+/// The version a new plan starts from: the one the model's name serves (its stable), or,
+/// when none was set, the newest served version other than the candidate.
 fn served_stable(state: &AppState, name: &str, candidate: Option<&str>) -> Option<String> {
-    state.front.registry.newest_version(name, candidate)
+    state
+        .front
+        .registry
+        .stable_version(name)
+        .or_else(|| state.front.registry.newest_version(name, candidate))
 }
 
 /// `start`: the candidate exists in the repository and is loaded (loaded now when it is not),

@@ -600,8 +600,15 @@ async fn maturity_report(
     State(state): State<Arc<AppState>>,
     Extension(principal): Extension<Principal>,
     Path(name): Path<String>,
-    axum::extract::Query(query): axum::extract::Query<MaturityQuery>,
+    query: Result<
+        axum::extract::Query<MaturityQuery>,
+        axum::extract::rejection::QueryRejection,
+    >,
 ) -> Response {
+    let query = match query {
+        Ok(axum::extract::Query(q)) => q,
+        Err(e) => return ApiError::invalid(format!("the query: {}", e.body_text())).into_response(),
+    };
     static ONE_AT_A_TIME: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
     let Ok(_permit) = ONE_AT_A_TIME.try_acquire() else {
         return ApiError::Overloaded {

@@ -322,8 +322,10 @@ pub fn report(
         pass_if(plan_ok.is_some() && config.releases.enabled),
         match (&plan, config.releases.enabled) {
             (Some(Ok(p)), true) => format!(
-                "release plan: stable {}, mode {:?}, phase {:?}",
-                p.stable, p.mode, p.state.phase
+                "release plan: stable {}, mode {}, phase {}",
+                p.stable,
+                format!("{:?}", p.mode).to_lowercase(),
+                format!("{:?}", p.state.phase).to_lowercase()
             ),
             (Some(Ok(_)), false) => "a release plan, but [releases] enabled = false".into(),
             (Some(Err(e)), _) => format!("the release plan does not read: {e}"),
@@ -507,7 +509,11 @@ pub fn report(
         "the prompt-injection guard judges its inputs",
         if is_llm { pass_if(guard_on) } else { Outcome::NotApplicable },
         if is_llm {
-            format!("guard {}, mode {guard_mode:?}", if guard_on { "on" } else { "off" })
+            format!(
+                "guard {}, mode {}",
+                if guard_on { "on" } else { "off" },
+                format!("{guard_mode:?}").to_lowercase()
+            )
         } else {
             "not a language model".into()
         },
@@ -523,7 +529,11 @@ pub fn report(
         } else {
             Outcome::NotApplicable
         },
-        if is_llm { format!("mode {guard_mode:?}") } else { "not a language model".into() },
+        if is_llm {
+            format!("mode {}", format!("{guard_mode:?}").to_lowercase())
+        } else {
+            "not a language model".into()
+        },
         "set the guard's mode = \"block\" once its shadow measurements are good (docs/guard.md)",
     );
     let required = config.audit.enabled && config.audit.mode() == audit::Mode::FailClosed;
@@ -533,7 +543,10 @@ pub fn report(
         Level::Production,
         "nothing is served that the audit log did not keep (fail closed)",
         pass_if(required),
-        format!("[audit] mode {:?}", config.audit.mode()),
+        match config.audit.mode() {
+            audit::Mode::FailClosed => "[audit] fail closed",
+            audit::Mode::BestEffort => "[audit] best effort",
+        },
         "set [audit] required = true",
     );
     let (doctor_outcome, doctor_evidence) = match &live.doctor {
@@ -632,4 +645,287 @@ pub async fn alerts_loaded(prometheus_url: &str) -> Result<bool, String> {
 /// The version a report is about: `NAME@VERSION`, or the one the name serves.
 pub fn version_of(repository: &Repository, reference: &str) -> Result<ModelVersion, repo::RepoError> {
     repository.resolve(&reference.parse::<repo::ModelRef>()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use formats::tiny::TinyLlama;
+    use repo::ImportOptions;
+
+    const CARD: &str = "# triage\n\n## Intended use\nRoutes support tickets.\n\n## Limitations\nEnglish only.\n\n## Evaluation data\nTickets of 2026-Q3.\n\n## Licence\nApache-2.0\n";
+
+    fn import(repo: &Repository, dir: &Path, version: &str, full: bool) -> ModelVersion {
+        let model = dir.join("tiny.gguf");
+        if !model.exists() {
+            std::fs::write(&model, TinyLlama::default().to_gguf().unwrap()).unwrap();
+        }
+        let card = dir.join("card.md");
+        std::fs::write(&card, CARD).unwrap();
+        let options = ImportOptions {
+            name: "triage".into(),
+            version: version.into(),
+            kind: None,
+            link: false,
+            git_commit: full.then(|| "4f1c2e9".into()),
+            dataset_version: full.then(|| "tickets-2026q3".into()),
+            derived_from: None,
+            pipeline: None,
+            build: repo::BuildInfo {
+                version: "test".into(),
+                git_commit: None,
+                rustc: None,
+            },
+            progress: &repo::NoProgress,
+            rules_check: None,
+            host_fingerprint: None,
+            card: full.then_some(card),
+            stable: false,
+        };
+        repo.import(&model, &options).unwrap().version
+    }
+
+    fn doctor(error: bool) -> host::Report {
+        let checks = error
+            .then(|| host::Check {
+                id: "memory.swap".into(),
+                area: host::Area::Memory,
+                subject: None,
+                status: host::Status::Error,
+                observed: "on".into(),
+                expected: "off".into(),
+                why: String::new(),
+                fix: String::new(),
+            })
+            .into_iter()
+            .collect();
+        host::Report {
+            schema_version: host::SCHEMA_VERSION,
+            host: host::HostSummary::default(),
+            only: None,
+            gpu_load_sample: false,
+            elapsed_ms: 0,
+            counts: host::Counts::default(),
+            checks,
+        }
+    }
+
+    fn outcomes(r: &Report) -> std::collections::BTreeMap<String, Outcome> {
+        r.sections
+            .iter()
+            .flat_map(|s| &s.checks)
+            .map(|c| (c.id.clone(), c.outcome))
+            .collect()
+    }
+
+    /// Everything a production version has: 1.0.0 (the stable) and 1.1.0 (the candidate, gated).
+    fn production(dir: &Path) -> (ServerConfig, Repository, ModelVersion) {
+        let repo = Repository::open(dir.join("models"));
+        import(&repo, dir, "1.0.0", true);
+        let v = import(&repo, dir, "1.1.0", true);
+        let model_dir = dir.join("models/triage");
+        std::fs::create_dir_all(model_dir.join("golden")).unwrap();
+        std::fs::write(
+            model_dir.join("golden/cases.jsonl"),
+            "{\"id\": \"t1\", \"prompt\": \"2+2=\", \"expected\": {\"exact\": \"4\"}}\n",
+        )
+        .unwrap();
+        let digest = release::golden::GoldenSet::load_dir(&model_dir.join("golden"))
+            .unwrap()
+            .digest();
+        std::fs::create_dir_all(model_dir.join("gates")).unwrap();
+        std::fs::write(
+            model_dir.join("gates/1.1.0.json"),
+            serde_json::json!({"gates": {"passed": true, "summary": "eval: passed", "golden_digest": digest}}).to_string(),
+        )
+        .unwrap();
+        std::fs::write(
+            model_dir.join("release.toml"),
+            "stable = \"1.0.0\"\n[gates]\ngolden = \"golden\"\nmin_accuracy = 0.9\n",
+        )
+        .unwrap();
+        std::fs::create_dir_all(model_dir.join("monitors")).unwrap();
+        std::fs::write(model_dir.join("monitors/1.1.0.json"), "{}").unwrap();
+        let rules = dir.join("rampart-alerts.yml");
+        std::fs::write(&rules, "groups:\n  - name: rampart-alerts\n    rules: []\n").unwrap();
+        let keys = dir.join("keys.txt");
+        std::fs::write(&keys, "ops:sk-ops-0000000000000001 admin\n").unwrap();
+        let config: ServerConfig = toml::from_str(&format!(
+            r#"
+repo = "{repo}"
+api_keys_file = "{keys}"
+[audit]
+required = true
+[maturity]
+alert_rules = "{rules}"
+[[models]]
+name = "triage"
+entropy_band = [0.5, 3.0]
+latency_objective_ms = 800
+[[models.fallback]]
+canned = "Sorry, try again later."
+"#,
+            repo = dir.join("models").display(),
+            keys = keys.display(),
+            rules = rules.display(),
+        ))
+        .unwrap();
+        (config, repo, v)
+    }
+
+    fn live(doctor_error: bool) -> Live {
+        Live {
+            verified: None,
+            doctor: Some(doctor(doctor_error)),
+            alerts_loaded: None,
+        }
+    }
+
+    #[test]
+    fn a_version_with_everything_is_production_and_each_check_passes() {
+        let dir = tempfile::tempdir().unwrap();
+        let (config, repo, v) = production(dir.path());
+        let r = report(&config, &repo, &v, &live(false)).unwrap();
+        let failing: Vec<_> = r.missing_for(Level::Production);
+        assert!(failing.is_empty(), "{failing:#?}");
+        assert_eq!(r.level, Level::Production);
+        assert_eq!(outcomes(&r).len(), 25);
+        assert!(outcomes(&r).values().all(|o| *o == Outcome::Pass), "{r:#?}");
+    }
+
+    /// Each check fails on its own when its evidence goes, and the level drops to the one
+    /// below the check's.
+    #[test]
+    fn each_check_fails_when_its_evidence_goes() {
+        type Break = fn(&Path, &mut ServerConfig, &mut Live);
+        let cases: Vec<(&str, Break)> = vec![
+            ("lineage.digests", |d, _, _| {
+                let f = d.join("models/triage/1.1.0/tiny.gguf");
+                std::fs::set_permissions(&f, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+                let mut bytes = std::fs::read(&f).unwrap();
+                let last = bytes.len() - 1;
+                bytes[last] ^= 1;
+                std::fs::write(&f, bytes).unwrap();
+            }),
+            ("evaluation.golden_set", |d, _, _| {
+                std::fs::remove_dir_all(d.join("models/triage/golden")).unwrap();
+            }),
+            ("evaluation.gates_passed", |d, _, _| {
+                // A new case: the results were measured on another golden set.
+                std::fs::write(
+                    d.join("models/triage/golden/more.jsonl"),
+                    "{\"id\": \"t2\", \"prompt\": \"3+3=\", \"expected\": {\"exact\": \"6\"}}\n",
+                )
+                .unwrap();
+            }),
+            ("evaluation.gates_declared", |d, _, _| {
+                std::fs::write(d.join("models/triage/release.toml"), "stable = \"1.0.0\"\n").unwrap();
+            }),
+            ("release.plan", |_, c, _| c.releases.enabled = false),
+            ("monitoring.monitors", |_, c, _| c.monitor.enabled = false),
+            ("monitoring.baseline", |d, _, _| {
+                std::fs::remove_file(d.join("models/triage/monitors/1.1.0.json")).unwrap();
+            }),
+            ("monitoring.output_band", |_, c, _| c.models[0].entropy_band = None),
+            ("monitoring.alerts", |_, _, l| l.alerts_loaded = Some(Ok(false))),
+            ("resilience.objective", |_, c, _| c.models[0].latency_objective_ms = None),
+            ("resilience.fallback", |_, c, _| c.models[0].fallback.clear()),
+            ("resilience.degradation", |_, c, _| c.degradation.enabled = false),
+            ("security.api_keys", |_, c, _| c.api_keys_file = None),
+            ("audit.enabled", |_, c, _| c.audit.enabled = false),
+            ("security.guard", |_, c, _| c.models[0].guard.enabled = Some(false)),
+            ("security.guard_blocks", |_, c, _| c.models[0].guard.mode = Some(guard::Mode::Flag)),
+            ("audit.required", |_, c, _| c.audit.required = false),
+            ("security.doctor", |_, _, l| l.doctor = Some(doctor(true))),
+        ];
+        for (id, breaks) in cases {
+            let dir = tempfile::tempdir().unwrap();
+            let (mut config, repo, v) = production(dir.path());
+            let mut l = live(false);
+            breaks(dir.path(), &mut config, &mut l);
+            let r = report(&config, &repo, &v, &l).unwrap();
+            let failing: Vec<&str> = r
+                .sections
+                .iter()
+                .flat_map(|s| &s.checks)
+                .filter(|c| !c.passed())
+                .map(|c| c.id.as_str())
+                .collect();
+            // Disabling the audit log also makes it not required.
+            let expected: Vec<&str> = match id {
+                "audit.enabled" => vec!["audit.enabled", "audit.required"],
+                "security.guard" => vec!["security.guard", "security.guard_blocks"],
+                "evaluation.golden_set" => vec!["evaluation.golden_set", "evaluation.gates_passed"],
+                other => vec![other],
+            };
+            assert_eq!(failing, expected, "breaking {id}");
+            let check = r.sections.iter().flat_map(|s| &s.checks).find(|c| c.id == id).unwrap();
+            assert!(!check.fix.is_empty(), "{id} says how to pass it");
+            let below = match check.required_from {
+                Level::Experimental => Level::None,
+                Level::Staging => Level::Experimental,
+                _ => Level::Staging,
+            };
+            assert_eq!(r.level, below, "breaking {id}");
+        }
+    }
+
+    #[test]
+    fn lineage_card_and_stable_checks_fail_on_a_bare_import() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = Repository::open(dir.path().join("models"));
+        let v = import(&repo, dir.path(), "1.0.0", false);
+        // A repository from before aliases, with one version: served as the only one.
+        std::fs::remove_file(dir.path().join("models/triage/ALIASES.json")).unwrap();
+        let config = ServerConfig {
+            repo: dir.path().join("models"),
+            ..ServerConfig::default()
+        };
+        let r = report(&config, &repo, &v, &live(false)).unwrap();
+        let o = outcomes(&r);
+        for id in [
+            "lineage.commit",
+            "lineage.dataset",
+            "lineage.card",
+            "lineage.card_complete",
+            "release.explicit_stable",
+            "release.plan",
+            "security.api_keys",
+        ] {
+            assert_eq!(o[id], Outcome::Fail, "{id}");
+        }
+        assert_eq!(o["lineage.digests"], Outcome::Pass);
+        assert_eq!(o["lineage.record"], Outcome::Pass);
+        // The model's first version has nothing to roll back to.
+        assert_eq!(o["release.rollback"], Outcome::NotApplicable);
+        assert_eq!(r.level, Level::None);
+        // Promoted explicitly, the stable check passes.
+        repo.set_stable(&v, "ops", "promote: reviewed").unwrap();
+        let r = report(&config, &repo, &v, &live(false)).unwrap();
+        assert_eq!(outcomes(&r)["release.explicit_stable"], Outcome::Pass);
+        // A removed previous stable leaves nothing to roll back to.
+        let v2 = import(&repo, dir.path(), "1.1.0", false);
+        repo.set_stable(&v2, "ops", "promote").unwrap();
+        let v3 = import(&repo, dir.path(), "1.2.0", false);
+        repo.set_stable(&v3, "ops", "promote").unwrap();
+        repo.remove(&v2).unwrap();
+        let r = report(&config, &repo, &v3, &live(false)).unwrap();
+        assert_eq!(outcomes(&r)["release.rollback"], Outcome::Fail);
+    }
+
+    #[test]
+    fn the_alert_rules_must_hold_rampart_s_group_and_be_loaded_when_asked() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("rules.yml");
+        assert!(!alert_rules_evidence(None, None).0);
+        assert!(!alert_rules_evidence(Some(&f), None).0);
+        std::fs::write(&f, "groups:\n  - name: other\n").unwrap();
+        assert!(!alert_rules_evidence(Some(&f), None).0);
+        std::fs::write(&f, "groups:\n  - name: rampart-alerts\n").unwrap();
+        assert!(alert_rules_evidence(Some(&f), None).0);
+        assert!(alert_rules_evidence(Some(&f), Some(&Ok(true))).0);
+        assert!(!alert_rules_evidence(Some(&f), Some(&Ok(false))).0);
+        let (ok, why) = alert_rules_evidence(Some(&f), Some(&Err("refused".into())));
+        assert!(!ok && why.contains("refused"));
+    }
 }

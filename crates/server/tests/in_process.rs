@@ -654,6 +654,42 @@ async fn a_stuck_lossy_sink_never_slows_requests_and_its_drops_are_counted() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_name_serves_its_stable_version_whatever_newer_one_is_loaded() {
+    let h = harness(
+        vec![
+            ("echo@1.0.0", Arc::new(FakeTensor)),
+            ("echo@1.1.0", Arc::new(FakeTensor)),
+        ],
+        Options::default(),
+    )
+    .await;
+    let tensors = serde_json::json!({
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1.0]}]
+    });
+    let version = |body: serde_json::Value| body["model_version"].as_str().unwrap().to_string();
+    // The server sets each name's stable version as it loads; 1.1.0 is a candidate loaded
+    // beside it (a release's prepare, an operator's load): it answers only by its version.
+    h.state.front.registry.set_stable("echo", "1.0.0");
+    let r = h.post("/v2/models/echo/infer", tensors.clone()).await;
+    assert_eq!(version(r.json().await.unwrap()), "1.0.0");
+    let r = h
+        .post("/v2/models/echo/versions/1.1.0/infer", tensors.clone())
+        .await;
+    assert_eq!(version(r.json().await.unwrap()), "1.1.0");
+    // A promotion moves the name.
+    assert_eq!(
+        h.state.front.registry.set_stable("echo", "1.1.0").as_deref(),
+        Some("1.0.0")
+    );
+    let r = h.post("/v2/models/echo/infer", tensors.clone()).await;
+    assert_eq!(version(r.json().await.unwrap()), "1.1.0");
+    // A stable version that is not loaded is not replaced by another one.
+    h.state.front.registry.set_stable("echo", "2.0.0");
+    let r = h.post("/v2/models/echo/infer", tensors).await;
+    assert_eq!(r.status(), 404, "{:?}", r.text().await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kserve_rest_embeddings_and_model_lists_share_the_one_registry() {
     let h = harness(
         vec![

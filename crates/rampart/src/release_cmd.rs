@@ -54,6 +54,10 @@ pub enum ReleaseCommand {
         /// `canary` (default), `ab` or `shadow`.
         #[arg(long)]
         mode: Option<String>,
+        /// Start although the candidate is below its maturity level (docs/maturity.md), for
+        /// this reason (audited). With --url.
+        #[arg(long, value_name = "REASON")]
+        maturity_override: Option<String>,
     },
     /// Run the gates before any traffic: the model's golden set (`<repo>/<model>/golden/*.jsonl`)
     /// through the server's stable and the candidate (loaded for it), the eval gate (accuracy,
@@ -94,7 +98,13 @@ pub enum ReleaseCommand {
     /// Let a release waiting for approval go on (start or promotion).
     Approve { model: String },
     /// Make the candidate the stable now.
-    Promote { model: String },
+    Promote {
+        model: String,
+        /// Promote although the candidate is below its maturity level, for this reason
+        /// (audited). With --url.
+        #[arg(long, value_name = "REASON")]
+        maturity_override: Option<String>,
+    },
     /// Freeze the weights and the schedule.
     Pause { model: String },
     /// Let a paused or holding release go on.
@@ -660,14 +670,14 @@ fn remote(args: &ReleaseArgs, url: &str) -> Result<ExitCode> {
             model,
             candidate,
             mode: m,
-            ..
+            maturity_override,
         } => {
             mode(m.as_deref())?;
-            (
-                "POST",
-                format!("/admin/releases/{model}/start"),
-                Some(serde_json::json!({ "candidate": candidate, "mode": m })),
-            )
+            let mut body = serde_json::json!({ "candidate": candidate, "mode": m });
+            if let Some(reason) = maturity_override {
+                body["maturity_override"] = serde_json::json!(reason);
+            }
+            ("POST", format!("/admin/releases/{model}/start"), Some(body))
         }
         ReleaseCommand::Status { model: None } => ("GET", "/admin/releases".to_string(), None),
         ReleaseCommand::Status { model: Some(m) } | ReleaseCommand::History { model: m } => {
@@ -676,9 +686,16 @@ fn remote(args: &ReleaseArgs, url: &str) -> Result<ExitCode> {
         ReleaseCommand::Approve { model } => {
             ("POST", format!("/admin/releases/{model}/approve"), None)
         }
-        ReleaseCommand::Promote { model } => {
-            ("POST", format!("/admin/releases/{model}/promote"), None)
-        }
+        ReleaseCommand::Promote {
+            model,
+            maturity_override,
+        } => (
+            "POST",
+            format!("/admin/releases/{model}/promote"),
+            maturity_override
+                .as_ref()
+                .map(|reason| serde_json::json!({ "maturity_override": reason })),
+        ),
         ReleaseCommand::Pause { model } => ("POST", format!("/admin/releases/{model}/pause"), None),
         ReleaseCommand::Resume { model } => {
             ("POST", format!("/admin/releases/{model}/resume"), None)
@@ -731,6 +748,17 @@ fn now_ms() -> u64 {
 
 /// On the plan file (no server).
 fn local(args: &ReleaseArgs) -> Result<ExitCode> {
+    if let ReleaseCommand::Start {
+        maturity_override: Some(_),
+        ..
+    }
+    | ReleaseCommand::Promote {
+        maturity_override: Some(_),
+        ..
+    } = &args.command
+    {
+        bail!("--maturity-override is for a running server's gate: give --url (or RAMPART_URL)");
+    }
     let model = match &args.command {
         ReleaseCommand::Status { model: None } => {
             return local_status_all(args);
@@ -738,7 +766,7 @@ fn local(args: &ReleaseArgs) -> Result<ExitCode> {
         ReleaseCommand::Status { model: Some(m) }
         | ReleaseCommand::History { model: m }
         | ReleaseCommand::Approve { model: m }
-        | ReleaseCommand::Promote { model: m }
+        | ReleaseCommand::Promote { model: m, .. }
         | ReleaseCommand::Pause { model: m }
         | ReleaseCommand::Resume { model: m }
         | ReleaseCommand::Rollback { model: m, .. }

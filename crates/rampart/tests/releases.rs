@@ -1145,3 +1145,196 @@ fn a_replayed_feedback_link_is_one_rating_of_its_answer_and_is_rate_limited() {
     assert_eq!(operators, wanted, "the latest: not helpful");
     drop(server);
 }
+
+/// `rampart serve` on `repo` in `dir` with `config` (tables after the release settings); the
+/// server is returned before it is ready.
+fn maturity_server(dir: &Path, repo: &Path, config: &str, log: &str) -> Server {
+    let (port, grpc_port) = (free_port(), free_port());
+    let log = dir.join(log);
+    let child = spawn_server(
+        dir,
+        repo,
+        port,
+        grpc_port,
+        &format!("[releases]\ntick_ms = 100\n{config}"),
+        &log,
+    );
+    Server {
+        child,
+        port,
+        grpc_port,
+        _dir: tempfile::tempdir().unwrap(),
+        log,
+    }
+}
+
+/// The readiness answer once loading is over (200, or 503 for another reason than loading).
+fn settled_readiness(port: u16) -> (u16, String) {
+    let start = Instant::now();
+    loop {
+        if let Some((status, _, body)) = try_http(port, "GET", "/health/ready", None, None) {
+            if status == 200 || !body.contains("loading") {
+                return (status, body);
+            }
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "never settled");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The issue's new user: import 1.0.0, import a candidate 1.1.0, serve. Users get 1.0.0 (the
+/// stable), the candidate waits, a release of it starts, and its promotion moves the repository's
+/// stable alias. With a required maturity level the start is refused with the failing checks
+/// named until an audited override; in production mode the server refuses to serve a stable
+/// below its level until the model's audited override.
+#[test]
+fn a_new_version_waits_for_its_release_and_maturity_gates_it() {
+    let Some(model) = cached_model(SMOLLM2_GGUF) else {
+        return;
+    };
+    let _shared = beside_others();
+    let dir = tempfile::tempdir().unwrap();
+    let repo = import_repository(
+        dir.path(),
+        &[(MODEL, "1.0.0", model.clone()), (MODEL, "1.1.0", model)],
+    );
+    let models = format!("[[models]]\nname = \"{MODEL}\"\ncontext = 512\nkv_cache_memory = \"64MiB\"\n");
+    let server = maturity_server(
+        dir.path(),
+        &repo,
+        &format!("[maturity]\nmin_level = \"staging\"\n{models}"),
+        "first.log",
+    );
+    wait_ready(server.port);
+    let (_, _, listed) = http(server.port, "GET", "/v1/models", None, Some(KEY));
+    let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
+    let versions: Vec<&str> = listed["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["version"].as_str().unwrap())
+        .collect();
+    assert_eq!(versions, ["1.0.0"], "users get the stable, not the newest import");
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    assert!(log.contains("newer versions are waiting"), "{log}");
+
+    // The report says why 1.1.0 is not staging.
+    let (status, _, body) = http(
+        server.port,
+        "GET",
+        &format!("/admin/models/{MODEL}/maturity?version=1.1.0"),
+        None,
+        Some(ADMIN_KEY),
+    );
+    assert_eq!(status, 200, "{body}");
+    let report: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(report["level"], "experimental", "{report:#}");
+    let (status, _, _) = http(
+        server.port,
+        "GET",
+        &format!("/admin/models/{MODEL}/maturity"),
+        None,
+        Some(KEY),
+    );
+    assert_eq!(status, 403, "an infer key reads no maturity report");
+
+    // The release start is refused below staging, naming the failing checks…
+    let (status, body) = command(
+        server.port,
+        "start",
+        r#"{"candidate": "1.1.0"}"#,
+        ADMIN_KEY,
+    );
+    assert_eq!(status, 409, "{body}");
+    assert!(
+        body.contains("below staging") && body.contains("lineage.commit") && body.contains("evaluation.golden_set"),
+        "{body}"
+    );
+    // …and goes on with a reason, both audited.
+    let (status, body) = command(
+        server.port,
+        "start",
+        r#"{"candidate": "1.1.0", "maturity_override": "the tenant's pilot, signed off by ops"}"#,
+        ADMIN_KEY,
+    );
+    assert_eq!(status, 200, "{body}");
+    let (status, body) = command(server.port, "promote", "{}", ADMIN_KEY);
+    assert_eq!(status, 409, "the promotion is gated too: {body}");
+    let (status, body) = command(
+        server.port,
+        "promote",
+        r#"{"maturity_override": "pilot over, promoting"}"#,
+        ADMIN_KEY,
+    );
+    assert_eq!(status, 200, "{body}");
+    // The promotion moves the repository's stable alias (the controller's next tick).
+    let aliases = repo.join(MODEL).join("ALIASES.json");
+    let start = Instant::now();
+    let alias = loop {
+        let a: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&aliases).unwrap()).unwrap();
+        if a["stable"]["version"] == "1.1.0" {
+            break a;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "{a:#}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(
+        alias["stable"]["cause"].as_str().unwrap().starts_with("release 1.0.0→1.1.0@"),
+        "{alias:#}"
+    );
+    assert_eq!(alias["history"][0]["version"], "1.0.0");
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    for needle in [
+        "release.start.maturity",
+        "\"outcome\":\"refused\"",
+        "\"outcome\":\"overridden\"",
+        "release.promote.maturity",
+        "model.stable",
+    ] {
+        assert!(log.contains(needle), "{needle} in the log");
+    }
+    drop(server);
+
+    // Production mode: the stable (now 1.1.0) is below staging, so it is not served…
+    std::fs::remove_file(repo.join(MODEL).join("release.toml")).unwrap();
+    let server = maturity_server(
+        dir.path(),
+        &repo,
+        &format!("[maturity]\nproduction = true\nmin_level = \"staging\"\n{models}"),
+        "production.log",
+    );
+    let (status, body) = settled_readiness(server.port);
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body.contains("1.1.0 is experimental, below staging") && body.contains("maturity_override"),
+        "{body}"
+    );
+    let (status, _, _) = http(
+        server.port,
+        "POST",
+        "/v1/chat/completions",
+        Some(&format!(
+            r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Hi"}}],"max_tokens":2}}"#
+        )),
+        Some(KEY),
+    );
+    assert_eq!(status, 404, "a refused model answers nobody");
+    drop(server);
+    // …until the model's override says why, which every start logs and audits.
+    let server = maturity_server(
+        dir.path(),
+        &repo,
+        &format!(
+            "[maturity]\nproduction = true\nmin_level = \"staging\"\n{models}maturity_override = \"incident 4711\"\n"
+        ),
+        "override.log",
+    );
+    let (status, body) = settled_readiness(server.port);
+    assert_eq!(status, 200, "{body}");
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    assert!(
+        log.contains("maturity.override") && log.contains("incident 4711"),
+        "{log}"
+    );
+}

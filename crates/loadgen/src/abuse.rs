@@ -886,6 +886,16 @@ async fn traversal(
                     admin,
                 ),
                 (
+                    reqwest::Method::GET,
+                    format!("/admin/models/{name}/maturity"),
+                    admin,
+                ),
+                (
+                    reqwest::Method::GET,
+                    format!("/admin/models/{model}/maturity?version={name}"),
+                    admin,
+                ),
+                (
                     reqwest::Method::POST,
                     format!("/admin/releases/{name}/start"),
                     admin,

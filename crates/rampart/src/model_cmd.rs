@@ -302,7 +302,13 @@ pub fn run(args: ModelArgs) -> Result<ExitCode> {
             config,
             require,
             json,
-        } => crate::maturity_cmd::run(&args.repo, &model, config.as_deref(), require.as_deref(), json),
+        } => crate::maturity_cmd::run(
+            &args.repo,
+            &model,
+            config.as_deref(),
+            require.as_deref(),
+            json,
+        ),
         ModelCommand::List { json } => list(&repo, json),
         ModelCommand::Inspect { model, json } => inspect(&repo, &model, json),
         ModelCommand::Verify { model, json } => verify(&repo, model.as_deref(), json),
@@ -578,7 +584,10 @@ fn inspect(repo: &Repository, model: &str, json: bool) -> Result<ExitCode> {
             );
         }
         Some(st) => {
-            s.row("stable", format!("no: users get {}@{}", version.name, st.version));
+            s.row(
+                "stable",
+                format!("no: users get {}@{}", version.name, st.version),
+            );
         }
         None => {
             s.row("stable", "no alias (a model with one version serves it)");

@@ -1198,7 +1198,8 @@ fn a_new_version_waits_for_its_release_and_maturity_gates_it() {
         dir.path(),
         &[(MODEL, "1.0.0", model.clone()), (MODEL, "1.1.0", model)],
     );
-    let models = format!("[[models]]\nname = \"{MODEL}\"\ncontext = 512\nkv_cache_memory = \"64MiB\"\n");
+    let models =
+        format!("[[models]]\nname = \"{MODEL}\"\ncontext = 512\nkv_cache_memory = \"64MiB\"\n");
     let server = maturity_server(
         dir.path(),
         &repo,
@@ -1214,7 +1215,11 @@ fn a_new_version_waits_for_its_release_and_maturity_gates_it() {
         .iter()
         .map(|m| m["version"].as_str().unwrap())
         .collect();
-    assert_eq!(versions, ["1.0.0"], "users get the stable, not the newest import");
+    assert_eq!(
+        versions,
+        ["1.0.0"],
+        "users get the stable, not the newest import"
+    );
     let log = std::fs::read_to_string(&server.log).unwrap();
     assert!(log.contains("newer versions are waiting"), "{log}");
 
@@ -1237,17 +1242,46 @@ fn a_new_version_waits_for_its_release_and_maturity_gates_it() {
         Some(KEY),
     );
     assert_eq!(status, 403, "an infer key reads no maturity report");
+    // One report at a time (a version that is not loaded is hashed whole): the others are
+    // told when to come back.
+    let port = server.port;
+    let answers: Vec<Exchange> = (0..4)
+        .map(|_| {
+            std::thread::spawn(move || {
+                http(
+                    port,
+                    "GET",
+                    &format!("/admin/models/{MODEL}/maturity?version=1.1.0"),
+                    None,
+                    Some(ADMIN_KEY),
+                )
+            })
+        })
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|t| t.join().unwrap())
+        .collect();
+    let statuses: Vec<u16> = answers.iter().map(|a| a.0).collect();
+    assert!(
+        statuses.contains(&200) && statuses.contains(&429),
+        "{statuses:?}"
+    );
+    for (status, headers, body) in &answers {
+        if *status == 429 {
+            assert!(
+                header(headers, "retry-after").is_some() && body.contains("maturity_busy"),
+                "{body}"
+            );
+        }
+    }
 
     // The release start is refused below staging, naming the failing checks…
-    let (status, body) = command(
-        server.port,
-        "start",
-        r#"{"candidate": "1.1.0"}"#,
-        ADMIN_KEY,
-    );
+    let (status, body) = command(server.port, "start", r#"{"candidate": "1.1.0"}"#, ADMIN_KEY);
     assert_eq!(status, 409, "{body}");
     assert!(
-        body.contains("below staging") && body.contains("lineage.commit") && body.contains("evaluation.golden_set"),
+        body.contains("below staging")
+            && body.contains("lineage.commit")
+            && body.contains("evaluation.golden_set"),
         "{body}"
     );
     // …and goes on with a reason, both audited.
@@ -1280,7 +1314,10 @@ fn a_new_version_waits_for_its_release_and_maturity_gates_it() {
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(
-        alias["stable"]["cause"].as_str().unwrap().starts_with("release 1.0.0→1.1.0@"),
+        alias["stable"]["cause"]
+            .as_str()
+            .unwrap()
+            .starts_with("release 1.0.0→1.1.0@"),
         "{alias:#}"
     );
     assert_eq!(alias["history"][0]["version"], "1.0.0");

@@ -179,12 +179,21 @@ pub fn level_of<'a>(checks: impl IntoIterator<Item = &'a Check> + Clone) -> Leve
 
 impl Report {
     /// Sorts the checks into their sections and computes every level.
-    pub fn new(model: &str, version: &str, digest: &str, checks: Vec<Check>, made_at: String) -> Self {
+    pub fn new(
+        model: &str,
+        version: &str,
+        digest: &str,
+        checks: Vec<Check>,
+        made_at: String,
+    ) -> Self {
         let sections: Vec<SectionReport> = Section::ALL
             .iter()
             .map(|&section| {
-                let checks: Vec<Check> =
-                    checks.iter().filter(|c| c.section == section).cloned().collect();
+                let checks: Vec<Check> = checks
+                    .iter()
+                    .filter(|c| c.section == section)
+                    .cloned()
+                    .collect();
                 SectionReport {
                     section,
                     title: section.title().to_string(),

@@ -144,7 +144,10 @@ mod tests {
             a.set_stable(setting(&format!("1.0.{i}")));
         }
         assert_eq!(a.history.len(), HISTORY_MAX);
-        assert_eq!(a.history.last().unwrap().version, format!("1.0.{}", HISTORY_MAX + 18));
+        assert_eq!(
+            a.history.last().unwrap().version,
+            format!("1.0.{}", HISTORY_MAX + 18)
+        );
     }
 
     #[test]

@@ -302,7 +302,10 @@ impl Repository {
 
     /// The version digest (`sha256:…`) its `DIGESTS` file records (not re-hashed).
     pub fn version_digest(&self, version: &ModelVersion) -> Result<String, RepoError> {
-        Ok(format!("sha256:{}", self.digests(version)?.version_digest()))
+        Ok(format!(
+            "sha256:{}",
+            self.digests(version)?.version_digest()
+        ))
     }
 
     /// Makes `version` the stable one of its model: what users get from now on (at a server's

@@ -315,13 +315,13 @@ fn several_versions_without_a_stable_one_are_an_error_not_a_guess() {
         "{text}"
     );
     // One version and no alias: served, as simply as before.
-    let other = repo.import(&src, &options("solo", "1.0.0")).unwrap().version;
+    let other = repo
+        .import(&src, &options("solo", "1.0.0"))
+        .unwrap()
+        .version;
     std::fs::remove_file(tmp.path().join("models/solo/ALIASES.json")).unwrap();
     assert_eq!(repo.resolve(&"solo".parse().unwrap()).unwrap(), other);
-    assert_eq!(
-        repo.chosen("solo").unwrap().1,
-        repo::Choice::OnlyVersion
-    );
+    assert_eq!(repo.chosen("solo").unwrap().1, repo::Choice::OnlyVersion);
 }
 
 #[test]
@@ -337,13 +337,19 @@ fn an_alias_whose_version_changed_under_it_is_refused() {
         },
     );
     let repo = Repository::open(tmp.path().join("models"));
-    let v1 = repo.import(&src, &options("tiny", "1.0.0")).unwrap().version;
+    let v1 = repo
+        .import(&src, &options("tiny", "1.0.0"))
+        .unwrap()
+        .version;
     repo.import(&src, &options("tiny", "1.1.0")).unwrap();
     // 1.0.0 removed by hand (the alias stays) and imported again with other weights.
     make_writable(&v1.dir);
     std::fs::remove_dir_all(&v1.dir).unwrap();
     let err = repo.resolve(&"tiny".parse().unwrap()).unwrap_err();
-    assert!(err.to_string().contains("is not in the repository"), "{err}");
+    assert!(
+        err.to_string().contains("is not in the repository"),
+        "{err}"
+    );
     repo.import(&other, &options("tiny", "1.0.0")).unwrap();
     let err = repo.resolve(&"tiny".parse().unwrap()).unwrap_err();
     assert!(err.to_string().contains("now has the digest"), "{err}");
@@ -503,7 +509,10 @@ fn remove_deletes_the_version_and_the_empty_model_folder() {
         .version;
     // 1.0.0 is what users get: it goes only after another version is promoted.
     let err = repo.remove(&a).unwrap_err();
-    assert!(err.to_string().contains("promote another version first"), "{err}");
+    assert!(
+        err.to_string().contains("promote another version first"),
+        "{err}"
+    );
     assert!(a.dir.exists());
     repo.set_stable(&b, "test", "promote").unwrap();
     repo.remove(&a).unwrap();

@@ -600,23 +600,13 @@ async fn maturity_report(
     State(state): State<Arc<AppState>>,
     Extension(principal): Extension<Principal>,
     Path(name): Path<String>,
-    query: Result<
-        axum::extract::Query<MaturityQuery>,
-        axum::extract::rejection::QueryRejection,
-    >,
+    query: Result<axum::extract::Query<MaturityQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Response {
     let query = match query {
         Ok(axum::extract::Query(q)) => q,
-        Err(e) => return ApiError::invalid(format!("the query: {}", e.body_text())).into_response(),
-    };
-    static ONE_AT_A_TIME: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
-    let Ok(_permit) = ONE_AT_A_TIME.try_acquire() else {
-        return ApiError::Overloaded {
-            code: "maturity_busy",
-            message: "a maturity report is being made; retry shortly".into(),
-            retry_after_s: 2,
+        Err(e) => {
+            return ApiError::invalid(format!("the query: {}", e.body_text())).into_response()
         }
-        .into_response();
     };
     let reference = match &query.version {
         Some(v) => format!("{name}@{v}"),
@@ -625,10 +615,22 @@ async fn maturity_report(
     let repository = repo::Repository::open(&state.config.repo);
     let version = match crate::maturity::version_of(&repository, &reference) {
         Ok(v) => v,
-        Err(e @ (repo::RepoError::InvalidName { .. } | repo::RepoError::InvalidVersion { .. } | repo::RepoError::InvalidRef(_))) => {
-            return ApiError::invalid_param("model", e.to_string()).into_response()
-        }
+        Err(
+            e @ (repo::RepoError::InvalidName { .. }
+            | repo::RepoError::InvalidVersion { .. }
+            | repo::RepoError::InvalidRef(_)),
+        ) => return ApiError::invalid_param("model", e.to_string()).into_response(),
         Err(e) => return ApiError::ModelNotFound(e.to_string()).into_response(),
+    };
+    // After the name is checked: a bad name never takes the one permit.
+    static ONE_AT_A_TIME: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1);
+    let Ok(_permit) = ONE_AT_A_TIME.try_acquire() else {
+        return ApiError::Overloaded {
+            code: "maturity_busy",
+            message: "a maturity report is being made; retry shortly".into(),
+            retry_after_s: 2,
+        }
+        .into_response();
     };
     let loaded = state
         .front

@@ -1303,16 +1303,22 @@ impl ServerConfig {
         }
         for m in &self.models {
             validate_guard(&m.guard, &format!("models.{}.guard", m.name))?;
-            if m.maturity_override.as_deref().is_some_and(|r| r.trim().is_empty()) {
+            if m.maturity_override
+                .as_deref()
+                .is_some_and(|r| r.trim().is_empty())
+            {
                 return Err(ConfigError(format!(
                     "models.{}.maturity_override is empty: say why the model is served below its maturity level",
                     m.name
                 )));
             }
         }
-        if self.maturity.prometheus_url.as_deref().is_some_and(|u| {
-            !(u.starts_with("http://") || u.starts_with("https://"))
-        }) {
+        if self
+            .maturity
+            .prometheus_url
+            .as_deref()
+            .is_some_and(|u| !(u.starts_with("http://") || u.starts_with("https://")))
+        {
             return Err(ConfigError(
                 "maturity.prometheus_url must be an http:// or https:// URL".into(),
             ));

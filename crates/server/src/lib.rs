@@ -582,7 +582,10 @@ fn choose_stable(state: &AppState, repository: &Repository, model: &config::Mode
         (None, None) => match repository.chosen(&model.name) {
             Ok((v, repo::Choice::Stable { setting })) => (
                 v.version.to_string(),
-                format!("stable alias ({}, set by {} at {})", setting.cause, setting.set_by, setting.set_at),
+                format!(
+                    "stable alias ({}, set by {} at {})",
+                    setting.cause, setting.set_by, setting.set_at
+                ),
             ),
             Ok((v, repo::Choice::OnlyVersion)) => (v.version.to_string(), "only version".into()),
             // Loading by name fails with the same error, which readiness then gives.
@@ -638,9 +641,12 @@ fn maturity_gate(
     let doctor = doctor
         .get_or_insert_with(|| doctor::examine(&state.config).report)
         .clone();
-    let alerts_loaded = state.config.maturity.prometheus_url.as_deref().map(|url| {
-        tokio::runtime::Handle::current().block_on(maturity::alerts_loaded(url))
-    });
+    let alerts_loaded = state
+        .config
+        .maturity
+        .prometheus_url
+        .as_deref()
+        .map(|url| tokio::runtime::Handle::current().block_on(maturity::alerts_loaded(url)));
     let live = maturity::Live {
         // Loading verifies every file (and refuses a version that does not).
         verified: Some(Ok(())),

@@ -41,12 +41,10 @@ pub struct Live {
 struct Checks(Vec<Check>);
 
 impl Checks {
+    /// `(id, section, required from, title)`, what came out, its evidence and fix.
     fn add(
         &mut self,
-        id: &str,
-        section: Section,
-        required_from: Level,
-        title: &str,
+        (id, section, required_from, title): (&str, Section, Level, &str),
         outcome: Outcome,
         evidence: impl Into<String>,
         fix: impl Into<String>,
@@ -110,10 +108,7 @@ pub fn report(
         },
     };
     c.add(
-        "lineage.digests",
-        Section::Lineage,
-        Level::Experimental,
-        "every file matches the version's DIGESTS",
+        ("lineage.digests", Section::Lineage, Level::Experimental, "every file matches the version's DIGESTS"),
         pass_if(verified.is_ok()),
         match &verified {
             Ok(()) => format!("verified, version digest {digest}"),
@@ -123,11 +118,17 @@ pub fn report(
     );
     let lineage = repository.lineage(version).ok();
     c.add(
-        "lineage.record",
-        Section::Lineage,
-        Level::Experimental,
-        "LINEAGE.json records the source, its digest and the build that imported it",
-        pass_if(lineage.as_ref().is_some_and(|l| !l.source.sha256.is_empty())),
+        (
+            "lineage.record",
+            Section::Lineage,
+            Level::Experimental,
+            "LINEAGE.json records the source, its digest and the build that imported it",
+        ),
+        pass_if(
+            lineage
+                .as_ref()
+                .is_some_and(|l| !l.source.sha256.is_empty()),
+        ),
         lineage.as_ref().map_or_else(
             || "no readable LINEAGE.json".to_string(),
             |l| {
@@ -145,22 +146,32 @@ pub fn report(
     );
     let commit = lineage.as_ref().and_then(|l| l.git_commit.clone());
     c.add(
-        "lineage.commit",
-        Section::Lineage,
-        Level::Staging,
-        "the commit of the code that produced the model is recorded",
+        (
+            "lineage.commit",
+            Section::Lineage,
+            Level::Staging,
+            "the commit of the code that produced the model is recorded",
+        ),
         pass_if(commit.is_some()),
-        commit.map_or_else(|| "no git_commit in LINEAGE.json".into(), |x| format!("git_commit {x}")),
+        commit.map_or_else(
+            || "no git_commit in LINEAGE.json".into(),
+            |x| format!("git_commit {x}"),
+        ),
         "import it again under a new version with --git-commit COMMIT (lineage is immutable)",
     );
     let dataset = lineage.as_ref().and_then(|l| l.dataset_version.clone());
     c.add(
-        "lineage.dataset",
-        Section::Lineage,
-        Level::Staging,
-        "the version of the data it was trained and evaluated on is recorded",
+        (
+            "lineage.dataset",
+            Section::Lineage,
+            Level::Staging,
+            "the version of the data it was trained and evaluated on is recorded",
+        ),
         pass_if(dataset.is_some()),
-        dataset.map_or_else(|| "no dataset_version in LINEAGE.json".into(), |x| format!("dataset_version {x}")),
+        dataset.map_or_else(
+            || "no dataset_version in LINEAGE.json".into(),
+            |x| format!("dataset_version {x}"),
+        ),
         "import it again under a new version with --dataset-version VERSION",
     );
     let card = repository.card(version);
@@ -172,29 +183,35 @@ pub fn report(
                 basic,
                 missing.is_empty(),
                 if missing.is_empty() {
-                    format!("{}: intended use, limits, evaluation data, licence", card.file)
+                    format!(
+                        "{}: intended use, limits, evaluation data, licence",
+                        card.file
+                    )
                 } else {
                     format!("{} lacks: {}", card.file, missing.join(", "))
                 },
             )
         }
-        Ok(None) => (false, false, "no MODEL_CARD.md or README.md in the version".into()),
+        Ok(None) => (
+            false,
+            false,
+            "no MODEL_CARD.md or README.md in the version".into(),
+        ),
         Err(e) => (false, false, format!("unreadable card: {e}")),
     };
     c.add(
-        "lineage.card",
-        Section::Lineage,
-        Level::Staging,
-        "a model card says what the model is for and where it fails",
+        (
+            "lineage.card",
+            Section::Lineage,
+            Level::Staging,
+            "a model card says what the model is for and where it fails",
+        ),
         pass_if(card_basic),
         card_evidence.clone(),
         "import a new version with --card MODEL_CARD.md (## Intended use, ## Limitations)",
     );
     c.add(
-        "lineage.card_complete",
-        Section::Lineage,
-        Level::Production,
-        "the model card also names its evaluation data and licence",
+        ("lineage.card_complete", Section::Lineage, Level::Production, "the model card also names its evaluation data and licence"),
         pass_if(card_full),
         card_evidence,
         "add ## Evaluation data and ## Licence (or `license:` front matter) to the card of a new version",
@@ -210,10 +227,12 @@ pub fn report(
         _ => None,
     };
     c.add(
-        "evaluation.golden_set",
-        Section::Evaluation,
-        Level::Staging,
-        "a golden set of evaluation cases is kept with the model",
+        (
+            "evaluation.golden_set",
+            Section::Evaluation,
+            Level::Staging,
+            "a golden set of evaluation cases is kept with the model",
+        ),
         pass_if(golden_digest.is_some()),
         match &golden {
             Some(Ok(set)) if !set.is_empty() => format!(
@@ -226,7 +245,10 @@ pub fn report(
             Some(Err(e)) => format!("{} does not read: {e}", golden_dir.display()),
             None => format!("no {}", golden_dir.display()),
         },
-        format!("write cases to {}/*.jsonl (docs/releases.md#gates)", golden_dir.display()),
+        format!(
+            "write cases to {}/*.jsonl (docs/releases.md#gates)",
+            golden_dir.display()
+        ),
     );
     let gates_file = model_dir.join("gates").join(format!("{v}.json"));
     let gates: Option<serde_json::Value> = std::fs::read(&gates_file)
@@ -240,10 +262,12 @@ pub fn report(
         .and_then(|g| g["gates"]["golden_digest"].as_str().map(str::to_string));
     let on_current_set = golden_digest.is_some() && gates_digest == golden_digest;
     c.add(
-        "evaluation.gates_passed",
-        Section::Evaluation,
-        Level::Production,
-        "this version passed the release gates on the current golden set",
+        (
+            "evaluation.gates_passed",
+            Section::Evaluation,
+            Level::Production,
+            "this version passed the release gates on the current golden set",
+        ),
         pass_if(gates_passed && on_current_set),
         match &gates {
             None => format!("no gate results for {v} ({})", gates_file.display()),
@@ -252,7 +276,11 @@ pub fn report(
                 gates_file.display(),
                 if gates_passed { "passed" } else { "refused" },
                 gates_digest.as_deref().unwrap_or("?"),
-                if on_current_set { "" } else { " (not the current set)" }
+                if on_current_set {
+                    ""
+                } else {
+                    " (not the current set)"
+                }
             ),
         }
         .replace('\n', " "),
@@ -268,10 +296,7 @@ pub fn report(
         _ => None,
     };
     c.add(
-        "evaluation.gates_declared",
-        Section::Evaluation,
-        Level::Production,
-        "the release plan declares gates, so the next candidate is evaluated before any traffic",
+        ("evaluation.gates_declared", Section::Evaluation, Level::Production, "the release plan declares gates, so the next candidate is evaluated before any traffic"),
         pass_if(plan_ok.is_some_and(|p| !p.gates.is_empty())),
         match &plan {
             Some(Ok(p)) if !p.gates.is_empty() => format!(
@@ -282,14 +307,20 @@ pub fn report(
             Some(Err(e)) => format!("the release plan does not read: {e}"),
             None => "no release plan".into(),
         },
-        format!("add [gates] (golden = …, min_accuracy = …) to {}/{name}/release.toml", repository.root().display()),
+        format!(
+            "add [gates] (golden = …, min_accuracy = …) to {}/{name}/release.toml",
+            repository.root().display()
+        ),
     );
 
     // Release safety.
     let chosen = repository.chosen(name);
     let pinned = model.version.clone();
     let (explicit, chosen_evidence) = match (&pinned, plan_ok, &chosen) {
-        (Some(p), _, _) => (true, format!("pinned by the configuration ([[models]] version = {p:?})")),
+        (Some(p), _, _) => (
+            true,
+            format!("pinned by the configuration ([[models]] version = {p:?})"),
+        ),
         (None, Some(p), _) if config.releases.enabled => {
             (true, format!("the release plan's stable, {}", p.stable))
         }
@@ -300,25 +331,23 @@ pub fn report(
                 s.version, setting.set_at, setting.set_by, setting.cause
             ),
         ),
-        (None, _, Ok((s, repo::Choice::OnlyVersion))) => {
-            (false, format!("{} is served as the only version, with no stable alias", s.version))
-        }
+        (None, _, Ok((s, repo::Choice::OnlyVersion))) => (
+            false,
+            format!(
+                "{} is served as the only version, with no stable alias",
+                s.version
+            ),
+        ),
         (None, _, Err(e)) => (false, e.to_string()),
     };
     c.add(
-        "release.explicit_stable",
-        Section::ReleaseSafety,
-        Level::Staging,
-        "what users get is chosen explicitly (stable alias, pin or release), never by what was imported last",
+        ("release.explicit_stable", Section::ReleaseSafety, Level::Staging, "what users get is chosen explicitly (stable alias, pin or release), never by what was imported last"),
         pass_if(explicit),
         chosen_evidence,
         format!("`rampart model promote {name}@VERSION --reason …`"),
     );
     c.add(
-        "release.plan",
-        Section::ReleaseSafety,
-        Level::Staging,
-        "new versions reach users through a release (canary or A/B, judged, reversible)",
+        ("release.plan", Section::ReleaseSafety, Level::Staging, "new versions reach users through a release (canary or A/B, judged, reversible)"),
         pass_if(plan_ok.is_some() && config.releases.enabled),
         match (&plan, config.releases.enabled) {
             (Some(Ok(p)), true) => format!(
@@ -364,10 +393,12 @@ pub fn report(
         ),
     };
     c.add(
-        "release.rollback",
-        Section::ReleaseSafety,
-        Level::Production,
-        "an earlier version is at hand to roll back to",
+        (
+            "release.rollback",
+            Section::ReleaseSafety,
+            Level::Production,
+            "an earlier version is at hand to roll back to",
+        ),
         rollback,
         rollback_evidence,
         "keep the previous stable version in the repository",
@@ -375,21 +406,25 @@ pub fn report(
 
     // Monitoring.
     c.add(
-        "monitoring.monitors",
-        Section::Monitoring,
-        Level::Staging,
-        "input drift and output monitors run",
+        (
+            "monitoring.monitors",
+            Section::Monitoring,
+            Level::Staging,
+            "input drift and output monitors run",
+        ),
         pass_if(config.monitor.enabled),
-        if config.monitor.enabled { "[monitor] enabled" } else { "[monitor] enabled = false" },
+        if config.monitor.enabled {
+            "[monitor] enabled"
+        } else {
+            "[monitor] enabled = false"
+        },
         "set [monitor] enabled = true",
     );
-    let baseline = crate::monitors::baseline_path(&config.monitor, repository.root(), name, &v).ok();
+    let baseline =
+        crate::monitors::baseline_path(&config.monitor, repository.root(), name, &v).ok();
     let has_baseline = baseline.as_deref().is_some_and(Path::is_file);
     c.add(
-        "monitoring.baseline",
-        Section::Monitoring,
-        Level::Staging,
-        "a drift baseline for this version",
+        ("monitoring.baseline", Section::Monitoring, Level::Staging, "a drift baseline for this version"),
         pass_if(has_baseline),
         baseline.map_or_else(
             || "no baseline path".to_string(),
@@ -404,28 +439,34 @@ pub fn report(
         format!("`rampart monitor baseline {name}@{v} --inputs DIR` (or serve it: the first requests make one)"),
     );
     c.add(
-        "monitoring.output_band",
-        Section::Monitoring,
-        Level::Production,
-        "the output entropy has a band its alarm watches",
+        (
+            "monitoring.output_band",
+            Section::Monitoring,
+            Level::Production,
+            "the output entropy has a band its alarm watches",
+        ),
         if is_llm {
             pass_if(model.entropy_band.is_some())
         } else {
             Outcome::NotApplicable
         },
         match (is_llm, model.entropy_band) {
-            (false, _) => "not a language model (its confidence is monitored without a band)".to_string(),
+            (false, _) => {
+                "not a language model (its confidence is monitored without a band)".to_string()
+            }
             (true, Some([lo, hi])) => format!("entropy_band = [{lo}, {hi}]"),
             (true, None) => "no entropy_band".into(),
         },
-        format!("set entropy_band = [LOW, HIGH] in [[models]] name = {name:?} (docs/monitoring.md)"),
+        format!(
+            "set entropy_band = [LOW, HIGH] in [[models]] name = {name:?} (docs/monitoring.md)"
+        ),
     );
-    let alerts = alert_rules_evidence(config.maturity.alert_rules.as_deref(), live.alerts_loaded.as_ref());
+    let alerts = alert_rules_evidence(
+        config.maturity.alert_rules.as_deref(),
+        live.alerts_loaded.as_ref(),
+    );
     c.add(
-        "monitoring.alerts",
-        Section::Monitoring,
-        Level::Production,
-        "Rampart's alert rules are deployed (and loaded by Prometheus when one is named)",
+        ("monitoring.alerts", Section::Monitoring, Level::Production, "Rampart's alert rules are deployed (and loaded by Prometheus when one is named)"),
         pass_if(alerts.0),
         alerts.1,
         "deploy deploy/monitoring/rules/rampart-alerts.yml and name it in [maturity] alert_rules (and prometheus_url)",
@@ -434,10 +475,12 @@ pub fn report(
     // Resilience.
     let objective = model.slo.ttft_p99_ms.or(model.latency_objective_ms);
     c.add(
-        "resilience.objective",
-        Section::Resilience,
-        Level::Staging,
-        "a latency objective the admission and the breaker hold",
+        (
+            "resilience.objective",
+            Section::Resilience,
+            Level::Staging,
+            "a latency objective the admission and the breaker hold",
+        ),
         pass_if(objective.is_some()),
         match (model.slo.ttft_p99_ms, model.latency_objective_ms) {
             (Some(t), _) => format!("[models.slo] ttft_p99_ms = {t}"),
@@ -447,10 +490,12 @@ pub fn report(
         format!("set [models.slo] ttft_p99_ms (or latency_objective_ms) for {name}"),
     );
     c.add(
-        "resilience.fallback",
-        Section::Resilience,
-        Level::Production,
-        "a fallback chain answers when the model cannot",
+        (
+            "resilience.fallback",
+            Section::Resilience,
+            Level::Production,
+            "a fallback chain answers when the model cannot",
+        ),
         pass_if(!model.fallback.is_empty()),
         if model.fallback.is_empty() {
             "no fallback steps".to_string()
@@ -460,22 +505,30 @@ pub fn report(
         format!("add [[models.fallback]] steps to {name} (docs/resilience.md)"),
     );
     c.add(
-        "resilience.degradation",
-        Section::Resilience,
-        Level::Production,
-        "the degradation controllers adapt batches and admission under pressure",
+        (
+            "resilience.degradation",
+            Section::Resilience,
+            Level::Production,
+            "the degradation controllers adapt batches and admission under pressure",
+        ),
         pass_if(config.degradation.enabled),
-        if config.degradation.enabled { "[degradation] enabled" } else { "[degradation] enabled = false" },
+        if config.degradation.enabled {
+            "[degradation] enabled"
+        } else {
+            "[degradation] enabled = false"
+        },
         "set [degradation] enabled = true",
     );
 
     // Audit and security.
     let keys = !config.insecure_no_auth && config.api_keys_file.is_some();
     c.add(
-        "security.api_keys",
-        Section::AuditSecurity,
-        Level::Experimental,
-        "every route needs an API key",
+        (
+            "security.api_keys",
+            Section::AuditSecurity,
+            Level::Experimental,
+            "every route needs an API key",
+        ),
         pass_if(keys),
         if config.insecure_no_auth {
             "insecure_no_auth = true".to_string()
@@ -487,10 +540,12 @@ pub fn report(
         "set api_keys_file (docs/security.md); never insecure_no_auth",
     );
     c.add(
-        "audit.enabled",
-        Section::AuditSecurity,
-        Level::Staging,
-        "every request and action is in the tamper-evident audit log",
+        (
+            "audit.enabled",
+            Section::AuditSecurity,
+            Level::Staging,
+            "every request and action is in the tamper-evident audit log",
+        ),
         pass_if(config.audit.enabled),
         if config.audit.enabled {
             format!("[audit] enabled, {}", config.audit.dir.display())
@@ -503,11 +558,17 @@ pub fn report(
     let guard_on = guard.enabled.unwrap_or(true);
     let guard_mode = guard.mode.unwrap_or_default();
     c.add(
-        "security.guard",
-        Section::AuditSecurity,
-        Level::Staging,
-        "the prompt-injection guard judges its inputs",
-        if is_llm { pass_if(guard_on) } else { Outcome::NotApplicable },
+        (
+            "security.guard",
+            Section::AuditSecurity,
+            Level::Staging,
+            "the prompt-injection guard judges its inputs",
+        ),
+        if is_llm {
+            pass_if(guard_on)
+        } else {
+            Outcome::NotApplicable
+        },
         if is_llm {
             format!(
                 "guard {}, mode {}",
@@ -520,10 +581,12 @@ pub fn report(
         format!("remove guard.enabled = false for {name}"),
     );
     c.add(
-        "security.guard_blocks",
-        Section::AuditSecurity,
-        Level::Production,
-        "the guard refuses what it catches (mode block)",
+        (
+            "security.guard_blocks",
+            Section::AuditSecurity,
+            Level::Production,
+            "the guard refuses what it catches (mode block)",
+        ),
         if is_llm {
             pass_if(guard_on && guard_mode == guard::Mode::Block)
         } else {
@@ -538,10 +601,12 @@ pub fn report(
     );
     let required = config.audit.enabled && config.audit.mode() == audit::Mode::FailClosed;
     c.add(
-        "audit.required",
-        Section::AuditSecurity,
-        Level::Production,
-        "nothing is served that the audit log did not keep (fail closed)",
+        (
+            "audit.required",
+            Section::AuditSecurity,
+            Level::Production,
+            "nothing is served that the audit log did not keep (fail closed)",
+        ),
         pass_if(required),
         match config.audit.mode() {
             audit::Mode::FailClosed => "[audit] fail closed",
@@ -569,10 +634,12 @@ pub fn report(
         None => (Outcome::Fail, "the doctor did not run".to_string()),
     };
     c.add(
-        "security.doctor",
-        Section::AuditSecurity,
-        Level::Production,
-        "the host passes the doctor's preflight (no error)",
+        (
+            "security.doctor",
+            Section::AuditSecurity,
+            Level::Production,
+            "the host passes the doctor's preflight (no error)",
+        ),
         doctor_outcome,
         doctor_evidence,
         "`rampart doctor --fix` shows each error's fix",
@@ -610,11 +677,17 @@ fn alert_rules_evidence(
         None => (true, format!("{} holds {ALERT_GROUP}", file.display())),
         Some(Ok(true)) => (
             true,
-            format!("{} holds {ALERT_GROUP}, loaded by Prometheus", file.display()),
+            format!(
+                "{} holds {ALERT_GROUP}, loaded by Prometheus",
+                file.display()
+            ),
         ),
         Some(Ok(false)) => (
             false,
-            format!("{} holds {ALERT_GROUP}, but Prometheus has not loaded it", file.display()),
+            format!(
+                "{} holds {ALERT_GROUP}, but Prometheus has not loaded it",
+                file.display()
+            ),
         ),
         Some(Err(e)) => (false, format!("Prometheus could not be asked: {e}")),
     }
@@ -622,7 +695,10 @@ fn alert_rules_evidence(
 
 /// Asks Prometheus (`GET /api/v1/rules`) whether it has loaded Rampart's alert group.
 pub async fn alerts_loaded(prometheus_url: &str) -> Result<bool, String> {
-    let url = format!("{}/api/v1/rules?type=alert", prometheus_url.trim_end_matches('/'));
+    let url = format!(
+        "{}/api/v1/rules?type=alert",
+        prometheus_url.trim_end_matches('/')
+    );
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(5))
         .build()
@@ -643,7 +719,10 @@ pub async fn alerts_loaded(prometheus_url: &str) -> Result<bool, String> {
 }
 
 /// The version a report is about: `NAME@VERSION`, or the one the name serves.
-pub fn version_of(repository: &Repository, reference: &str) -> Result<ModelVersion, repo::RepoError> {
+pub fn version_of(
+    repository: &Repository,
+    reference: &str,
+) -> Result<ModelVersion, repo::RepoError> {
     repository.resolve(&reference.parse::<repo::ModelRef>()?)
 }
 
@@ -801,7 +880,8 @@ canned = "Sorry, try again later."
         let cases: Vec<(&str, Break)> = vec![
             ("lineage.digests", |d, _, _| {
                 let f = d.join("models/triage/1.1.0/tiny.gguf");
-                std::fs::set_permissions(&f, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+                std::fs::set_permissions(&f, std::os::unix::fs::PermissionsExt::from_mode(0o644))
+                    .unwrap();
                 let mut bytes = std::fs::read(&f).unwrap();
                 let last = bytes.len() - 1;
                 bytes[last] ^= 1;
@@ -819,22 +899,37 @@ canned = "Sorry, try again later."
                 .unwrap();
             }),
             ("evaluation.gates_declared", |d, _, _| {
-                std::fs::write(d.join("models/triage/release.toml"), "stable = \"1.0.0\"\n").unwrap();
+                std::fs::write(d.join("models/triage/release.toml"), "stable = \"1.0.0\"\n")
+                    .unwrap();
             }),
             ("release.plan", |_, c, _| c.releases.enabled = false),
             ("monitoring.monitors", |_, c, _| c.monitor.enabled = false),
             ("monitoring.baseline", |d, _, _| {
                 std::fs::remove_file(d.join("models/triage/monitors/1.1.0.json")).unwrap();
             }),
-            ("monitoring.output_band", |_, c, _| c.models[0].entropy_band = None),
-            ("monitoring.alerts", |_, _, l| l.alerts_loaded = Some(Ok(false))),
-            ("resilience.objective", |_, c, _| c.models[0].latency_objective_ms = None),
-            ("resilience.fallback", |_, c, _| c.models[0].fallback.clear()),
-            ("resilience.degradation", |_, c, _| c.degradation.enabled = false),
+            ("monitoring.output_band", |_, c, _| {
+                c.models[0].entropy_band = None
+            }),
+            ("monitoring.alerts", |_, _, l| {
+                l.alerts_loaded = Some(Ok(false))
+            }),
+            ("resilience.objective", |_, c, _| {
+                c.models[0].latency_objective_ms = None
+            }),
+            ("resilience.fallback", |_, c, _| {
+                c.models[0].fallback.clear()
+            }),
+            ("resilience.degradation", |_, c, _| {
+                c.degradation.enabled = false
+            }),
             ("security.api_keys", |_, c, _| c.api_keys_file = None),
             ("audit.enabled", |_, c, _| c.audit.enabled = false),
-            ("security.guard", |_, c, _| c.models[0].guard.enabled = Some(false)),
-            ("security.guard_blocks", |_, c, _| c.models[0].guard.mode = Some(guard::Mode::Flag)),
+            ("security.guard", |_, c, _| {
+                c.models[0].guard.enabled = Some(false)
+            }),
+            ("security.guard_blocks", |_, c, _| {
+                c.models[0].guard.mode = Some(guard::Mode::Flag)
+            }),
             ("audit.required", |_, c, _| c.audit.required = false),
             ("security.doctor", |_, _, l| l.doctor = Some(doctor(true))),
         ];
@@ -859,7 +954,12 @@ canned = "Sorry, try again later."
                 other => vec![other],
             };
             assert_eq!(failing, expected, "breaking {id}");
-            let check = r.sections.iter().flat_map(|s| &s.checks).find(|c| c.id == id).unwrap();
+            let check = r
+                .sections
+                .iter()
+                .flat_map(|s| &s.checks)
+                .find(|c| c.id == id)
+                .unwrap();
             assert!(!check.fix.is_empty(), "{id} says how to pass it");
             let below = match check.required_from {
                 Level::Experimental => Level::None,

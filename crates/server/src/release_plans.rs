@@ -551,10 +551,10 @@ impl Releases {
             let before = registry.set_stable(&m.name, &plan.stable);
             let (repo, name, stable) = (self.repo.clone(), m.name.clone(), plan.stable.clone());
             let cause = format!("release {}", plan.state.release_id);
-            let by = self
-                .fleet
-                .as_ref()
-                .map_or_else(|| "release controller".to_string(), |f| format!("release controller ({})", f.replica));
+            let by = self.fleet.as_ref().map_or_else(
+                || "release controller".to_string(),
+                |f| format!("release controller ({})", f.replica),
+            );
             let cause_in = cause.clone();
             let written = tokio::task::spawn_blocking(move || {
                 let repository = repo::Repository::open(&repo);
@@ -563,7 +563,9 @@ impl Releases {
                     return Ok(None);
                 }
                 let version = repository.resolve(&repo::ModelRef::new(&name, Some(&stable))?)?;
-                repository.set_stable(&version, &by, &cause_in).map(|s| Some((current, s)))
+                repository
+                    .set_stable(&version, &by, &cause_in)
+                    .map(|s| Some((current, s)))
             })
             .await
             .map_err(|e| repo::RepoError::Io {

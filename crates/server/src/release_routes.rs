@@ -255,7 +255,10 @@ async fn check_maturity(
     let loaded = state
         .front
         .registry
-        .find(&crate::registry::ModelName::versioned(name, Some(candidate)))
+        .find(&crate::registry::ModelName::versioned(
+            name,
+            Some(candidate),
+        ))
         .is_some();
     let alerts_loaded = match &state.config.maturity.prometheus_url {
         Some(url) => Some(crate::maturity::alerts_loaded(url).await),
@@ -297,7 +300,12 @@ async fn check_maturity(
                     Some(r) => format!("override: {r}; {shortfall}"),
                     None => shortfall.clone(),
                 }),
-                outcome: if reason.is_some() { "overridden" } else { "refused" }.into(),
+                outcome: if reason.is_some() {
+                    "overridden"
+                } else {
+                    "refused"
+                }
+                .into(),
                 detail: serde_json::json!({
                     "level": report.level,
                     "required": required,

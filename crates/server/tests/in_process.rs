@@ -678,7 +678,11 @@ async fn a_name_serves_its_stable_version_whatever_newer_one_is_loaded() {
     assert_eq!(version(r.json().await.unwrap()), "1.1.0");
     // A promotion moves the name.
     assert_eq!(
-        h.state.front.registry.set_stable("echo", "1.1.0").as_deref(),
+        h.state
+            .front
+            .registry
+            .set_stable("echo", "1.1.0")
+            .as_deref(),
         Some("1.0.0")
     );
     let r = h.post("/v2/models/echo/infer", tensors.clone()).await;

@@ -400,6 +400,15 @@ fn import(repo: &Repository, source: PathBuf, args: ImportArgs, json: bool) -> R
         card,
         stable,
     } = args;
+    if stable {
+        let plan = release::plan::plan_path(repo.root(), &name)?;
+        if plan.is_file() {
+            bail!(
+                "{name} has a release plan ({}): its releases decide its stable version; import without --stable and release it (`rampart release start {name} --candidate {version}`)",
+                plan.display()
+            );
+        }
+    }
     let progress = progress_bar::for_stderr(json);
     let options = ImportOptions {
         name,

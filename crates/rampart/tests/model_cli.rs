@@ -859,3 +859,115 @@ fn push_and_pull_through_s3() {
             .unwrap();
     });
 }
+
+/// The stable alias and the model card from the command line: the first import is stable, a
+/// later one waits, `promote` moves users (with a reason), `remove` keeps the stable, and
+/// `maturity` reports the level with exit 4 below `--require`.
+#[test]
+fn promote_cards_and_maturity_from_the_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = dir.path().join("models");
+    let source = dir.path().join("tiny.gguf");
+    std::fs::write(&source, TinyLlama::default().to_gguf().unwrap()).unwrap();
+    let card = dir.path().join("card.md");
+    std::fs::write(
+        &card,
+        "# tiny\n\n## Intended use\nTests.\n\n## Limitations\nNone of use.\n",
+    )
+    .unwrap();
+    import(&repo, &source, "tiny", "1.0.0", &[]);
+    let out = stdout_of(rampart(
+        &repo,
+        &[
+            "import",
+            source.to_str().unwrap(),
+            "--name",
+            "tiny",
+            "--version",
+            "1.1.0",
+            "--card",
+            card.to_str().unwrap(),
+            "--git-commit",
+            "4f1c2e9",
+            "--dataset-version",
+            "d1",
+        ],
+    ));
+    assert!(out.contains("users still get tiny@1.0.0"), "{out}");
+    let list = json_of(rampart(&repo, &["list", "--json"]));
+    let stable: Vec<(&str, bool)> = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| {
+            (
+                v["version"].as_str().unwrap(),
+                v["stable"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(stable, [("1.0.0", true), ("1.1.0", false)]);
+
+    // A promotion needs a reason, and a version that verifies.
+    rampart(&repo, &["promote", "tiny@1.1.0"])
+        .assert()
+        .failure();
+    rampart(&repo, &["promote", "tiny@1.1.0", "--reason", "reviewed"])
+        .assert()
+        .success()
+        .stdout(predicate::str::contains(
+            "tiny@1.1.0 is the stable version of tiny (was 1.0.0)",
+        ));
+    let inspect = json_of(rampart(&repo, &["inspect", "tiny", "--json"]));
+    assert_eq!(inspect["model"], "tiny@1.1.0");
+    assert_eq!(inspect["stable"]["cause"], "promote: reviewed");
+    assert_eq!(inspect["card"]["limits"], "None of use.");
+    assert!(inspect["card"]["licence"].is_null());
+    rampart(&repo, &["remove", "tiny@1.1.0"])
+        .assert()
+        .failure()
+        .stderr(predicate::str::contains("promote another version first"));
+
+    // The report: no keys file in the default configuration, so not even experimental.
+    let report = json_of(rampart(&repo, &["maturity", "tiny", "--json"]));
+    assert_eq!(report["version"], "1.1.0");
+    assert_eq!(report["level"], "none");
+    let keys = dir.path().join("keys.txt");
+    std::fs::write(&keys, "ops:sk-ops-0000000000000001 admin\n").unwrap();
+    let config = dir.path().join("rampart.toml");
+    std::fs::write(
+        &config,
+        format!("api_keys_file = {:?}\n", keys.display().to_string()),
+    )
+    .unwrap();
+    let out = rampart(
+        &repo,
+        &[
+            "maturity",
+            "tiny",
+            "--config",
+            config.to_str().unwrap(),
+            "--require",
+            "staging",
+        ],
+    )
+    .assert()
+    .code(4)
+    .get_output()
+    .stdout
+    .clone();
+    let out = String::from_utf8(out).unwrap();
+    assert!(
+        out.contains("level: experimental")
+            && out.contains("pass  staging       lineage.commit")
+            && out.contains("to reach staging:")
+            && out.contains("evaluation.golden_set"),
+        "{out}"
+    );
+    // A model with a release plan is promoted by its releases.
+    std::fs::write(repo.join("tiny/release.toml"), "stable = \"1.1.0\"\n").unwrap();
+    rampart(&repo, &["promote", "tiny@1.0.0", "--reason", "back"])
+        .assert()
+        .failure()
+        .stderr(predicate::str::contains("its releases decide"));
+}

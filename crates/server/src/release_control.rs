@@ -203,6 +203,32 @@ pub fn spawn(state: Arc<crate::state::AppState>, releases: Arc<Releases>) {
                     tracing::error!(target: "rampart::release", model = %m.name, candidate, error = %e, "the release's candidate cannot be loaded: its requests go to the stable");
                 }
             }
+            // A plan whose stable this server does not serve (a replica that started before the
+            // fleet's promotion reached its repository): the name serves the plan's stable, so
+            // it is loaded, once per version, when some version of the model is loaded.
+            for m in releases.all().into_iter().filter(|_| !loading) {
+                let stable = m.plan().stable.clone();
+                let registry = &state.front.registry;
+                if registry.versions(&m.name).is_empty()
+                    || registry
+                        .find(&crate::registry::ModelName::versioned(
+                            &m.name,
+                            Some(&stable),
+                        ))
+                        .is_some()
+                    || !tried.insert((m.name.clone(), stable.clone()))
+                {
+                    continue;
+                }
+                match ensure_loaded(&state, &m.name, &stable).await {
+                    Ok(()) => {
+                        tracing::warn!(target: "rampart::release", model = %m.name, stable, "the release plan's stable was not loaded here: loaded, and the model's name serves it")
+                    }
+                    Err(e) => {
+                        tracing::error!(target: "rampart::release", model = %m.name, stable, error = %e, "the release plan's stable cannot be loaded: requests for the model's name fail until it is")
+                    }
+                }
+            }
             for m in releases.all().into_iter().filter(|_| !loading) {
                 keep_control(&state, &m, &mut control_tried).await;
             }

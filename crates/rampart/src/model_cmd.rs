@@ -100,7 +100,8 @@ pub enum ModelCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Show a version's manifest, digest and lineage (the latest version when none is given).
+    /// Show a version's manifest, digest, lineage, stable alias and model card (the stable
+    /// version when none is given).
     Inspect {
         /// NAME or NAME@VERSION.
         model: String,

@@ -31,7 +31,7 @@ pub enum MonitorCommand {
 
 #[derive(Debug, clap::Args)]
 pub struct BaselineArgs {
-    /// The model: `NAME` (the version the configuration serves, else the latest) or
+    /// The model: `NAME` (the version the configuration serves, else the stable one) or
     /// `NAME@VERSION`.
     pub model: String,
     /// The reference set: a folder (images; .txt/.md texts, one input each; .jsonl files, one
@@ -132,7 +132,13 @@ fn baseline(args: BaselineArgs) -> Result<ExitCode> {
         max_tokens: args.max_tokens,
         temperature: args.temperature,
     };
-    let (requests, skipped) = baseline::reference_requests(kind, &name, &args.inputs, &ask)?;
+    // The requests name the version asked for: by its name alone the model serves its stable
+    // version (or its release plan's), which may be another one.
+    let target = match &wanted.version {
+        Some(v) => format!("{name}@{v}"),
+        None => name.clone(),
+    };
+    let (requests, skipped) = baseline::reference_requests(kind, &target, &args.inputs, &ask)?;
     let source = format!(
         "reference set {} ({} inputs)",
         args.inputs.display(),

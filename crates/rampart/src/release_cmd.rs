@@ -856,9 +856,15 @@ fn local(args: &ReleaseArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The newest version of `model` in the repository other than `candidate`: a new plan's stable.
+/// A new plan's stable: the version the model's name serves (its stable alias, or its only
+/// version) unless that is the candidate, else the newest other version.
 fn newest_other(repo_dir: &Path, model: &str, candidate: &str) -> Result<String> {
     let repository = repo::Repository::open(repo_dir);
+    if let Ok((served, _)) = repository.chosen(model) {
+        if served.version.to_string() != candidate {
+            return Ok(served.version.to_string());
+        }
+    }
     let mut versions: Vec<semver::Version> = repository
         .versions(model)
         .with_context(|| format!("{model} in {}", repo_dir.display()))?

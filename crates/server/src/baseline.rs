@@ -197,8 +197,12 @@ impl Maker<'_> {
         }
     }
 
+    /// KServe's path for the model, or for one version of it (`NAME@VERSION`).
     fn infer_path(&self) -> String {
-        format!("/v2/models/{}/infer", self.model)
+        match self.model.split_once('@') {
+            Some((name, version)) => format!("/v2/models/{name}/versions/{version}/infer"),
+            None => format!("/v2/models/{}/infer", self.model),
+        }
     }
 
     fn image(&self, file: &Path) -> Result<ReferenceRequest, ReferenceError> {
@@ -434,7 +438,11 @@ pub async fn run(
     entry.fallback.clear();
     config.models = vec![entry];
     config.grpc.enabled = false;
+    // The reference run is not served to anyone: no audit log, whatever the deployment
+    // requires of its serving (a production configuration has `required = true`).
     config.audit.enabled = false;
+    config.audit.required = false;
+    config.audit.mode = None;
     // The request path measures inputs only when the monitors are on.
     config.monitor.enabled = true;
     config

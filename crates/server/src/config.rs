@@ -51,7 +51,7 @@ impl Default for MonitorConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct ReleasesConfig {
     /// Release plans are read, routed by and judged (off: every request gets the version it
-    /// names, or the newest).
+    /// names, or the model's stable one).
     pub enabled: bool,
     /// The header that names the end user when the request's `user` field does not; the
     /// route's sticky hash takes the `user`, else this header, else the API key's id.
@@ -1002,7 +1002,8 @@ impl TracingConfig {
 pub struct ModelConfig {
     /// Name in the repository (the model id in the API).
     pub name: String,
-    /// Version to serve (default: the latest).
+    /// Version to serve (default: the stable version: the release plan's, else the
+    /// repository's alias).
     pub version: Option<String>,
     /// `hot` (default): loaded at start, never evicted. `cold`: loaded by its first request
     /// (or `POST /v2/repository/models/{name}/load`), evicted least recently used when

@@ -90,7 +90,7 @@ pub fn probe_timings(
 }
 
 /// Reading (and hashing) the models served at start at 100 MiB/s, a network volume's pace,
-/// plus 5 s to start: each hot model's configured (else latest) version, or the latest of
+/// plus 5 s to start: each hot model's configured (else stable) version, or the stable one of
 /// every model when none is listed. `None` when the repository cannot be read.
 fn model_load_estimate_ms(config: &ServerConfig) -> Option<u64> {
     let repository = repo::Repository::open(&config.repo);

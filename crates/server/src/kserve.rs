@@ -41,7 +41,7 @@ pub struct ModelMetadata {
     pub outputs: Vec<TensorSpec>,
 }
 
-/// The tensor or embedding model `name` (at `version`, or its newest).
+/// The tensor or embedding model `name` (at `version`, or its stable version).
 pub fn find(state: &AppState, name: &str, version: Option<&str>) -> Result<Arc<Entry>, ApiError> {
     state
         .front

@@ -151,7 +151,7 @@ async fn before_route(
     loaded.map(|_| ())
 }
 
-/// Loads `name` (its configured version, else the newest in the repository) unless it is
+/// Loads `name` (its configured version, else its stable one in the repository) unless it is
 /// loaded; single flight per model. `cause`: `request`, `admin`.
 pub async fn load(
     state: &Arc<AppState>,

@@ -632,33 +632,9 @@ async fn maturity_report(
         }
         .into_response();
     };
-    let loaded = state
-        .front
-        .registry
-        .find(&crate::registry::ModelName::versioned(
-            &version.name,
-            Some(&version.version.to_string()),
-        ))
-        .is_some();
-    let alerts_loaded = match &state.config.maturity.prometheus_url {
-        Some(url) => Some(crate::maturity::alerts_loaded(url).await),
-        None => None,
-    };
-    let config = state.config.clone();
-    let made = tokio::task::spawn_blocking(move || {
-        let live = crate::maturity::Live {
-            // A loaded version was verified as it loaded.
-            verified: loaded.then_some(Ok(())),
-            doctor: Some(doctor::examine(&config).report),
-            alerts_loaded,
-        };
-        crate::maturity::report(&config, &repository, &version, &live)
-    })
-    .await;
-    let report = match made {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => return ApiError::Internal(e.to_string()).into_response(),
-        Err(e) => return ApiError::Internal(format!("the report failed: {e}")).into_response(),
+    let report = match crate::maturity::report_served(&state, repository, version).await {
+        Ok(r) => r,
+        Err(e) => return ApiError::Internal(e).into_response(),
     };
     let detail = serde_json::json!({
         "version": report.version,

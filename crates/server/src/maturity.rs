@@ -654,6 +654,39 @@ pub fn report(
     ))
 }
 
+/// The report of `version` with what this server sees: a loaded version counts as verified
+/// (it was, as it loaded; any other is hashed), the doctor on this host now, and the
+/// Prometheus `[maturity] prometheus_url` names.
+pub async fn report_served(
+    state: &crate::state::AppState,
+    repository: Repository,
+    version: ModelVersion,
+) -> Result<Report, String> {
+    let loaded = state
+        .front
+        .registry
+        .find(&crate::registry::ModelName::versioned(
+            &version.name,
+            Some(&version.version.to_string()),
+        ))
+        .is_some();
+    let alerts_loaded = match &state.config.maturity.prometheus_url {
+        Some(url) => Some(alerts_loaded(url).await),
+        None => None,
+    };
+    let config = state.config.clone();
+    tokio::task::spawn_blocking(move || {
+        let live = Live {
+            verified: loaded.then_some(Ok(())),
+            doctor: Some(crate::doctor::examine(&config).report),
+            alerts_loaded,
+        };
+        report(&config, &repository, &version, &live).map_err(|e| e.to_string())
+    })
+    .await
+    .map_err(|e| format!("the report failed: {e}"))?
+}
+
 /// Whether the alert rules are deployed (a rules file that holds Rampart's group) and, when a
 /// Prometheus was asked, loaded there.
 fn alert_rules_evidence(

@@ -252,30 +252,9 @@ async fn check_maturity(
     let repository = repo::Repository::open(&state.config.repo);
     let version = crate::maturity::version_of(&repository, &format!("{name}@{candidate}"))
         .map_err(|e| ApiError::invalid_param("candidate", e.to_string()))?;
-    let loaded = state
-        .front
-        .registry
-        .find(&crate::registry::ModelName::versioned(
-            name,
-            Some(candidate),
-        ))
-        .is_some();
-    let alerts_loaded = match &state.config.maturity.prometheus_url {
-        Some(url) => Some(crate::maturity::alerts_loaded(url).await),
-        None => None,
-    };
-    let config = state.config.clone();
-    let report = tokio::task::spawn_blocking(move || {
-        let live = crate::maturity::Live {
-            verified: loaded.then_some(Ok(())),
-            doctor: Some(crate::doctor::examine(&config).report),
-            alerts_loaded,
-        };
-        crate::maturity::report(&config, &repository, &version, &live)
-    })
-    .await
-    .map_err(|e| ApiError::Internal(e.to_string()))?
-    .map_err(|e| ApiError::Internal(e.to_string()))?;
+    let report = crate::maturity::report_served(state, repository, version)
+        .await
+        .map_err(ApiError::Internal)?;
     let Some(shortfall) = report.shortfall(required) else {
         return Ok(());
     };

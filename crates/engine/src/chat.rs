@@ -1,8 +1,13 @@
 //! Chat templates: the Jinja templates models ship (`tokenizer.chat_template`), rendered with
 //! minijinja plus the helpers Hugging Face templates call (`raise_exception`, `strftime_now`,
-//! Python string methods such as `.strip()` and `.startswith()`, `tojson`).
+//! Python string methods such as `.strip()` and `.startswith()`, and a `tojson` that writes what
+//! Python's `json.dumps` writes, as Hugging Face's does). Tools and tool calls reach the
+//! template in the shape Hugging Face templates read: `tools` as a list of
+//! `{"type": "function", "function": {...}}`, an assistant message's `tool_calls` as
+//! `{"id", "type", "function": {"name", "arguments"}}` with the arguments an object.
 
-use minijinja::{context, Environment, Error, ErrorKind};
+use minijinja::value::{Kwargs, ValueKind};
+use minijinja::{context, Environment, Error, ErrorKind, Value};
 use serde::{Deserialize, Serialize};
 
 use crate::error::EngineError;
@@ -13,6 +18,18 @@ pub struct ChatMessage {
     /// `system`, `user`, `assistant` (or `tool`).
     pub role: String,
     pub content: String,
+    /// An assistant message's calls of tools.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// A tool message: the call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A tool message: the function that answered (some templates print it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// A system message's tools as JSON text, for templates that read them there (Phi-4-mini).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tools: Option<String>,
 }
 
 impl ChatMessage {
@@ -20,8 +37,28 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            tool_calls: Vec::new(),
+            tool_call_id: None,
+            name: None,
+            tools: None,
         }
     }
+}
+
+/// One call of a tool, as an assistant message in the history holds it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ToolCall {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionCall,
+}
+
+/// The function a [`ToolCall`] calls, with its arguments as a JSON value (an object).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FunctionCall {
+    pub name: String,
+    pub arguments: serde_json::Value,
 }
 
 /// A compiled chat template.
@@ -29,6 +66,7 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    source: String,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -131,6 +169,172 @@ fn days_from_civil(year: i64, month: u32, day: u32) -> i64 {
     era * 146_097 + doe - 719_468
 }
 
+/// `tojson` as Hugging Face's templates have it: Python's `json.dumps(value, ensure_ascii=False,
+/// indent=indent, sort_keys=sort_keys)`. Separators `", "` and `": "` (`","` between items
+/// when indenting), keys in their order, non-ASCII text as it is. Models were trained on
+/// what that writes, so the spacing matters.
+fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
+    let indent: Option<Value> = kwargs.get("indent")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let separators: Option<Value> = kwargs.get("separators")?;
+    let _: Option<bool> = kwargs.get("ensure_ascii")?;
+    kwargs.assert_all_used()?;
+    let indent = match indent {
+        None => None,
+        Some(v) if v.is_none() => None,
+        Some(v) => match v.kind() {
+            ValueKind::Number => Some(" ".repeat(i64::try_from(v)?.max(0) as usize)),
+            ValueKind::String => Some(v.as_str().unwrap_or_default().to_string()),
+            _ => {
+                return Err(Error::new(
+                    ErrorKind::InvalidOperation,
+                    "tojson: indent must be a number or a string",
+                ))
+            }
+        },
+    };
+    let (item, key) = match separators {
+        Some(s) if !s.is_none() => {
+            let a = s.get_item(&Value::from(0))?;
+            let b = s.get_item(&Value::from(1))?;
+            (
+                a.as_str().unwrap_or(", ").to_string(),
+                b.as_str().unwrap_or(": ").to_string(),
+            )
+        }
+        _ if indent.is_some() => (",".to_string(), ": ".to_string()),
+        _ => (", ".to_string(), ": ".to_string()),
+    };
+    let layout = PyJson {
+        indent,
+        item,
+        key,
+        sort_keys: sort_keys.unwrap_or(false),
+    };
+    let mut out = String::new();
+    layout.write(&value, 0, &mut out)?;
+    Ok(Value::from_safe_string(out))
+}
+
+/// How [`tojson`] lays JSON out.
+struct PyJson {
+    indent: Option<String>,
+    item: String,
+    key: String,
+    sort_keys: bool,
+}
+
+impl PyJson {
+    fn newline(&self, depth: usize, out: &mut String) {
+        if let Some(indent) = &self.indent {
+            out.push('\n');
+            for _ in 0..depth {
+                out.push_str(indent);
+            }
+        }
+    }
+
+    fn write(&self, value: &Value, depth: usize, out: &mut String) -> Result<(), Error> {
+        match value.kind() {
+            ValueKind::Undefined | ValueKind::None => out.push_str("null"),
+            ValueKind::Bool => out.push_str(if value.is_true() { "true" } else { "false" }),
+            ValueKind::Number => {
+                if let Ok(i) = i64::try_from(value.clone()) {
+                    out.push_str(&i.to_string());
+                } else {
+                    let f = f64::try_from(value.clone())?;
+                    out.push_str(&python_float(f));
+                }
+            }
+            ValueKind::String | ValueKind::Bytes => {
+                write_string(value.as_str().unwrap_or_default(), out)
+            }
+            ValueKind::Seq | ValueKind::Iterable => {
+                let items: Vec<Value> = value.try_iter()?.collect();
+                if items.is_empty() {
+                    out.push_str("[]");
+                    return Ok(());
+                }
+                out.push('[');
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(&self.item);
+                    }
+                    self.newline(depth + 1, out);
+                    self.write(item, depth + 1, out)?;
+                }
+                self.newline(depth, out);
+                out.push(']');
+            }
+            ValueKind::Map => {
+                let mut keys: Vec<Value> = value.try_iter()?.collect();
+                if self.sort_keys {
+                    keys.sort();
+                }
+                if keys.is_empty() {
+                    out.push_str("{}");
+                    return Ok(());
+                }
+                out.push('{');
+                for (i, k) in keys.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(&self.item);
+                    }
+                    self.newline(depth + 1, out);
+                    match k.as_str() {
+                        Some(s) => write_string(s, out),
+                        None => write_string(&k.to_string(), out),
+                    }
+                    out.push_str(&self.key);
+                    self.write(&value.get_item(k)?, depth + 1, out)?;
+                }
+                self.newline(depth, out);
+                out.push('}');
+            }
+            _ => write_string(&value.to_string(), out),
+        }
+        Ok(())
+    }
+}
+
+/// A float as Python's `repr` writes it (`1.0`, `0.5`, `1e-07`).
+fn python_float(f: f64) -> String {
+    if f.is_nan() {
+        return "NaN".into();
+    }
+    if f.is_infinite() {
+        return if f > 0.0 { "Infinity" } else { "-Infinity" }.into();
+    }
+    let s = format!("{f:?}");
+    if f != 0.0 && (f.abs() >= 1e16 || f.abs() < 1e-4) {
+        let e = format!("{f:e}");
+        let (mantissa, exp) = e.split_once('e').unwrap_or((&e, "0"));
+        let exp: i32 = exp.parse().unwrap_or(0);
+        let sign = if exp < 0 { '-' } else { '+' };
+        return format!("{mantissa}e{sign}{:02}", exp.abs());
+    }
+    s
+}
+
+/// A JSON string as `json.dumps(..., ensure_ascii=False)` writes it.
+fn write_string(s: &str, out: &mut String) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            '\u{8}' => out.push_str("\\b"),
+            '\u{c}' => out.push_str("\\f"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
 fn strftime_now(format: String) -> String {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -147,8 +351,11 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
-        env.set_trim_blocks(false);
-        env.set_lstrip_blocks(false);
+        env.add_filter("tojson", tojson);
+        // As Hugging Face's apply_chat_template compiles them: a block tag's own line break and
+        // the indentation before it are not output.
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| {
                 EngineError::ChatTemplate(format!("the template does not compile: {e:#}"))
@@ -157,7 +364,19 @@ impl ChatTemplate {
             env,
             bos_token: bos_token.into(),
             eos_token: eos_token.into(),
+            source: source.into(),
         })
+    }
+
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Whether the template reads a request's tools (`tools` or Llama's `custom_tools`).
+    pub fn takes_tools(&self) -> bool {
+        let s = &self.source;
+        s.contains("tools")
     }
 
     /// Renders a conversation; with `add_generation_prompt` the text ends where the assistant's
@@ -165,6 +384,17 @@ impl ChatTemplate {
     pub fn render(
         &self,
         messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, EngineError> {
+        self.render_with_tools(messages, &[], add_generation_prompt)
+    }
+
+    /// [`ChatTemplate::render`] with the request's tools (`{"type": "function", "function":
+    /// {...}}` objects); none: the template sees no `tools` variable.
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[serde_json::Value],
         add_generation_prompt: bool,
     ) -> Result<String, EngineError> {
         if messages.is_empty() {
@@ -179,6 +409,7 @@ impl ChatTemplate {
         template
             .render(context! {
                 messages => messages,
+                tools => (!tools.is_empty()).then_some(tools),
                 add_generation_prompt => add_generation_prompt,
                 bos_token => self.bos_token,
                 eos_token => self.eos_token,

@@ -195,6 +195,11 @@ pub struct GenerateRequest {
     pub ignore_eos: bool,
     /// Limits the output to a grammar (structured output); each choice starts its own state.
     pub constraint: Option<Constraint>,
+    /// A chat's tools (`{"type": "function", "function": {...}}`), rendered by the template.
+    pub tools: Vec<serde_json::Value>,
+    /// Control tokens whose text the output shows (a tool call's markers); the others stay
+    /// hidden.
+    pub reveal: Vec<u32>,
 }
 
 impl GenerateRequest {
@@ -206,6 +211,8 @@ impl GenerateRequest {
             stop: Vec::new(),
             ignore_eos: false,
             constraint: None,
+            tools: Vec::new(),
+            reveal: Vec::new(),
         }
     }
 }
@@ -724,6 +731,26 @@ impl Engine {
             .encode_chat_with(template, messages, add_generation_prompt)
     }
 
+    /// Token ids of a chat with the request's tools ([`Engine::encode_chat`]).
+    pub fn encode_chat_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[serde_json::Value],
+    ) -> Result<Vec<u32>, EngineError> {
+        let template =
+            self.core.template.as_ref().ok_or_else(|| {
+                EngineError::ChatTemplate("the model has no chat template".into())
+            })?;
+        self.core
+            .tokenizer
+            .encode_chat_tools(template, messages, tools, true)
+    }
+
+    /// The model's chat template, if it has one.
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.core.template.as_ref()
+    }
+
     /// Validates and tokenizes a request. Every request error surfaces here, before streaming.
     pub fn prepare(&self, request: GenerateRequest) -> Result<Prepared, EngineError> {
         let vocab = self.core.model.config.vocab_size;
@@ -742,7 +769,7 @@ impl Engine {
         let tokens = match &request.prompt {
             Prompt::Text(text) => tokenizer.encode(text, true)?,
             Prompt::PlainText(text) => tokenizer.encode_plain(text, true)?,
-            Prompt::Chat(messages) => self.encode_chat(messages)?,
+            Prompt::Chat(messages) => self.encode_chat_tools(messages, &request.tools)?,
             Prompt::Tokens(ids) => {
                 if let Some(bad) = ids.iter().find(|&&id| id as usize >= vocab) {
                     return Err(EngineError::InvalidRequest(format!(
@@ -831,6 +858,7 @@ impl Engine {
             max_tokens: request.max_tokens,
             ignore_eos: request.ignore_eos,
             stop: request.stop,
+            reveal: request.reveal,
             events,
             cancel: Arc::clone(&cancel),
             arrived: Instant::now(),

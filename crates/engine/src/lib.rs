@@ -43,7 +43,7 @@ pub mod tokenizer;
 pub mod weights;
 
 pub use bert::{EmbedOptions, Embedder, EmbedderOptions};
-pub use chat::ChatMessage;
+pub use chat::{ChatMessage, ChatTemplate, FunctionCall, ToolCall};
 pub use constraint::{Constraint, ConstraintError, ConstraintFactory, TokenConstraint, TokenMask};
 pub use error::EngineError;
 pub use generate::{

@@ -461,6 +461,8 @@ pub struct NewSequence {
     pub max_tokens: usize,
     pub ignore_eos: bool,
     pub stop: Vec<String>,
+    /// Control tokens whose text the output shows.
+    pub reveal: Vec<u32>,
     pub sampler: Sampler,
     /// Limits which tokens may come next (structured output).
     pub constraint: Option<Box<dyn TokenConstraint>>,
@@ -491,6 +493,7 @@ struct Sequence {
     /// The constraint's mask for the token about to be sampled, or why it could not be made.
     mask: Result<TokenMask, ConstraintError>,
     detok: Detokenizer,
+    reveal: Vec<u32>,
     stops: StopMatcher,
     events: UnboundedSender<Event>,
     cancel: Arc<AtomicBool>,
@@ -732,6 +735,7 @@ impl Scheduler {
             constraint: new.constraint,
             mask: Ok(TokenMask::default()),
             detok: Detokenizer::default(),
+            reveal: new.reveal,
             stops: StopMatcher::new(&new.stop),
             events: new.events,
             cancel: new.cancel,
@@ -1665,7 +1669,8 @@ fn emit_token(
         }
         complete = constraint.is_complete();
     }
-    let piece = seq.detok.push(tokenizer, choice.id, false);
+    let reveal = seq.reveal.contains(&choice.id);
+    let piece = seq.detok.push(tokenizer, choice.id, reveal);
     let (text, stopped) = seq.stops.push(&piece);
     let top_logprobs = choice
         .top

@@ -797,18 +797,78 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>, EngineError> {
+        self.encode_chat_tools(template, messages, &[], add_generation_prompt)
+    }
+
+    /// [`Tokenizer::encode_chat_with`] with the request's tools. Every client string (each
+    /// message's content, a tool call's name and arguments, a tool's definition, keys
+    /// included) is protected: a special-token text in it stays plain text.
+    pub fn encode_chat_tools(
+        &self,
+        template: &ChatTemplate,
+        messages: &[ChatMessage],
+        tools: &[Json],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<u32>, EngineError> {
         let mut table = Protected::default();
         let protected = messages
             .iter()
             .map(|m| {
+                let mut calls = m.tool_calls.clone();
+                for call in &mut calls {
+                    call.id = self.protect(&call.id, &mut table)?;
+                    call.function.name = self.protect(&call.function.name, &mut table)?;
+                    self.protect_json(&mut call.function.arguments, &mut table)?;
+                }
                 Ok(ChatMessage {
                     role: m.role.clone(),
                     content: self.protect(&m.content, &mut table)?,
+                    tool_calls: calls,
+                    tool_call_id: m
+                        .tool_call_id
+                        .as_deref()
+                        .map(|id| self.protect(id, &mut table))
+                        .transpose()?,
+                    name: m
+                        .name
+                        .as_deref()
+                        .map(|n| self.protect(n, &mut table))
+                        .transpose()?,
+                    tools: m
+                        .tools
+                        .as_deref()
+                        .map(|t| self.protect(t, &mut table))
+                        .transpose()?,
                 })
             })
             .collect::<Result<Vec<_>, EngineError>>()?;
-        let rendered = template.render(&protected, add_generation_prompt)?;
+        let mut tools = tools.to_vec();
+        for tool in &mut tools {
+            self.protect_json(tool, &mut table)?;
+        }
+        let rendered = template.render_with_tools(&protected, &tools, add_generation_prompt)?;
         self.encode_protected(&rendered, &table, false)
+    }
+
+    /// [`Self::protect`] on every string of a JSON value, object keys included.
+    fn protect_json(&self, value: &mut Json, table: &mut Protected) -> Result<(), EngineError> {
+        match value {
+            Json::String(s) => *s = self.protect(s, table)?,
+            Json::Array(items) => {
+                for item in items {
+                    self.protect_json(item, table)?;
+                }
+            }
+            Json::Object(map) => {
+                let old = std::mem::take(map);
+                for (k, mut v) in old {
+                    self.protect_json(&mut v, table)?;
+                    map.insert(self.protect(&k, table)?, v);
+                }
+            }
+            _ => {}
+        }
+        Ok(())
     }
 
     /// What the constructors leave out: byte tokens and the special-token matcher.

@@ -196,6 +196,7 @@ impl Harness {
         let cancel = Arc::new(AtomicBool::new(false));
         self.queued.fetch_add(1, Ordering::Relaxed);
         self.scheduler.add(NewSequence {
+            reveal: Vec::new(),
             sampler: Sampler::new(SamplingParams::greedy(), &prompt),
             constraint: None,
             tokens: prompt.clone(),
@@ -959,6 +960,7 @@ fn constraints_mask_every_sampled_token_off_the_engine_thread() {
         h.queued.fetch_add(1, Ordering::Relaxed);
         let prompt: Vec<u32> = (0..9).map(|i| 3 + (i * 11 + k as u32) % 200).collect();
         h.scheduler.add(NewSequence {
+            reveal: Vec::new(),
             sampler: Sampler::new(SamplingParams::greedy(), &prompt),
             constraint: Some(Box::new(constraint)),
             tokens: prompt,

@@ -187,6 +187,20 @@ impl Default for TinyLlama {
     }
 }
 
+/// A family's control-token spelling (never a byte token or a merge of the default vocabulary).
+fn looks_like_control(t: &str) -> bool {
+    let bracketed = t.len() > 2
+        && t.starts_with('[')
+        && t.ends_with(']')
+        && t[1..t.len() - 1]
+            .bytes()
+            .all(|b| b.is_ascii_uppercase() || b == b'_' || b == b'/');
+    (t.len() > 4 && t.starts_with("<|") && t.ends_with("|>"))
+        || bracketed
+        || t == "<s>"
+        || t == "</s>"
+}
+
 /// splitmix64: a tiny, good-enough deterministic generator for test weights.
 struct SplitMix(u64);
 
@@ -403,9 +417,15 @@ impl TinyLlama {
         w.to_bytes()
     }
 
-    /// Which tokens are special (the first three: `<|endoftext|>`, `<|im_start|>`, `<|im_end|>`).
+    /// Which tokens are special: the first three (`<|endoftext|>`, `<|im_start|>`,
+    /// `<|im_end|>`) and any added token written as a family's control tokens are (`<|...|>`,
+    /// `[UPPER_CASE]`, `<s>`, `</s>`), so a test can give a model Llama's, Mistral's or Phi's.
     fn special(&self) -> Vec<bool> {
-        (0..self.tokens.len()).map(|i| i < 3).collect()
+        self.tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| i < 3 || looks_like_control(t))
+            .collect()
     }
 
     /// Writes the same model as a Hugging Face checkpoint folder into `dir` (created if needed):

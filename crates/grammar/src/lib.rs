@@ -9,6 +9,7 @@
 pub mod bench;
 pub mod compiler;
 pub mod spec;
+pub mod tools;
 mod vocab;
 
 pub use compiler::{

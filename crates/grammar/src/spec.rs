@@ -167,7 +167,7 @@ impl GrammarSpec {
 /// `json.dumps` writes). Fixed separators keep a small model from wandering into whitespace
 /// and make the output byte-for-byte predictable. A schema may override it with its own
 /// `x-guidance` object (llguidance's options).
-fn json_layout() -> Value {
+pub(crate) fn json_layout() -> Value {
     json!({
         "item_separator": ", ",
         "key_separator": ": ",

@@ -33,6 +33,9 @@ pub struct Delivery {
     /// The text reaches the client as it comes (a stream): what finishing finds wrong cannot
     /// withhold it, so the audit keeps it whatever the check says.
     streamed: bool,
+    /// The ids of each choice's tool calls, made when the encoder first names a call; the
+    /// audit entry names the same.
+    tool_ids: Vec<Vec<String>>,
 }
 
 impl std::fmt::Debug for Delivery {
@@ -58,6 +61,7 @@ impl Delivery {
         let choices = generation.choices;
         let keep_texts = !streamed
             || generation.structured.is_some()
+            || generation.tools.is_some()
             || generation.watch.is_some()
             || record.wants_payload();
         let delivered_to = if choices == 1 {
@@ -69,6 +73,7 @@ impl Delivery {
             delivered_to,
             texts: keep_texts.then(|| vec![String::new(); choices]),
             finished: vec![None; choices],
+            tool_ids: vec![Vec::new(); choices],
             generation,
             entry,
             ticket,
@@ -87,6 +92,19 @@ impl Delivery {
 
     pub fn prompt_tokens(&self) -> usize {
         self.generation.prompt_tokens
+    }
+
+    /// The tool-calling session, when the request offered tools to a model that takes them.
+    pub fn tools(&self) -> Option<&Arc<grammar::tools::ToolSession>> {
+        self.generation.tools.as_ref()
+    }
+
+    /// The id of choice `i`'s call `index` (made on first use, in the format's shape).
+    pub fn tool_call_id(&mut self, i: usize, index: usize) -> String {
+        match self.generation.tools.clone() {
+            Some(session) => call_id(&session, &mut self.tool_ids[i], index),
+            None => String::new(),
+        }
     }
 
     /// The next event of any choice (none: the backend stopped).
@@ -163,11 +181,68 @@ impl Delivery {
             .generation
             .check_outputs(record, &outputs)
             .map_err(ApiError::from);
+        let calls = self.generation.tools.clone().map(|session| {
+            tool_calls(
+                &session,
+                &mut self.tool_ids,
+                &self.entry.name,
+                record,
+                &outputs,
+            )
+        });
         if checked.is_ok() || self.streamed {
-            record.payload_output(|| serde_json::json!({ "choices": texts }));
+            record.payload_output(|| match &calls {
+                Some(calls) => serde_json::json!({ "choices": texts, "tool_calls": calls }),
+                None => serde_json::json!({ "choices": texts }),
+            });
         }
         checked
     }
+}
+
+/// Call `index`'s id among a choice's `ids` (made on first use).
+fn call_id(session: &grammar::tools::ToolSession, ids: &mut Vec<String>, index: usize) -> String {
+    while ids.len() <= index {
+        ids.push(session.new_id());
+    }
+    ids[index].clone()
+}
+
+/// Each choice's tool calls (id, function, arguments), counted per function, their names in
+/// the record.
+fn tool_calls(
+    session: &grammar::tools::ToolSession,
+    tool_ids: &mut [Vec<String>],
+    model: &str,
+    record: &mut RecordBuilder,
+    outputs: &[(&str, &Finished)],
+) -> Vec<Vec<serde_json::Value>> {
+    let mut all = Vec::with_capacity(outputs.len());
+    for (i, (text, f)) in outputs.iter().enumerate() {
+        let read = session.read(text);
+        let cut = f.reason == FinishReason::Length || f.stop.is_some();
+        if read.problem.is_some() && !cut {
+            metrics::counter!("rampart_tool_calls_invalid_total", "model" => model.to_string())
+                .increment(1);
+        }
+        let mut calls = Vec::with_capacity(read.calls.len());
+        for (index, (name, arguments)) in read.calls.iter().enumerate() {
+            metrics::counter!(
+                "rampart_tool_calls_total",
+                "model" => model.to_string(),
+                "function" => crate::tool_metrics::function_label(model, name)
+            )
+            .increment(1);
+            record.record.tool_calls.push(name.clone());
+            calls.push(serde_json::json!({
+                "id": call_id(session, &mut tool_ids[i], index),
+                "name": name,
+                "arguments": arguments,
+            }));
+        }
+        all.push(calls);
+    }
+    all
 }
 
 /// Held until the response ends: the admission slot, and the principal whose token budget the

@@ -29,6 +29,7 @@ pub mod policy;
 pub mod rate_limit;
 pub mod registry;
 pub mod shadow;
+pub mod tool_metrics;
 pub mod watch;
 
 pub use front::Front;

@@ -93,6 +93,9 @@ pub struct InferenceRecord {
     pub stream: bool,
     /// Structured-output requests: the constraint and what the final check said.
     pub structured: Option<StructuredRecord>,
+    /// Tool-calling requests: the functions the answer called, in order over the choices (the
+    /// arguments are in the audit entry's output).
+    pub tool_calls: Vec<String>,
     /// Tensor models with declared post-processing: the mean over the batch of each input's
     /// confidence (top class probability, or best detection score).
     pub confidence: Option<f32>,
@@ -121,7 +124,8 @@ pub struct Attempt {
 /// The structured-output part of a record.
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct StructuredRecord {
-    /// `json_schema`, `json_object`, `regex`, `choice` or `grammar`.
+    /// `json_schema`, `json_object`, `regex`, `choice`, `grammar`, or `tools` (a tool-calling
+    /// request's grammar: calls in the model's format, arguments held to each schema).
     pub kind: &'static str,
     /// sha256 of the canonical constraint (the compile cache's key).
     pub grammar_sha256: String,
@@ -227,6 +231,7 @@ impl InferenceRecord {
             attempts: Vec::new(),
             stream: false,
             structured: None,
+            tool_calls: Vec::new(),
             confidence: None,
             confidence_min: None,
             items: 0,

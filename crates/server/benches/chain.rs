@@ -92,6 +92,7 @@ impl InferenceBackend for Talker {
             choices: 1,
             prompt_tokens: 1,
             structured: None,
+            tools: None,
             watch: None,
         }))))
     }
@@ -112,6 +113,7 @@ fn generate_work(stream: bool) -> Work {
         input_for_hash: String::new(),
         default_max_tokens: false,
         structured: None,
+        tools: None,
         language: None,
         parse_special_tokens: None,
         fallback_level: 0,

@@ -1064,6 +1064,11 @@ pub struct ModelConfig {
     /// Serve the stable version although it is below its level, for this reason (an
     /// emergency): logged and audited at every start.
     pub maturity_override: Option<String>,
+    /// The tool-call format of a model whose chat template has none, or another than the one
+    /// its template shows: `hermes`, `llama3`, `mistral`, `phi4-mini` or `smollm2`
+    /// (docs/api.md, Tool calling). Unset: the template's format, and requests with tools to
+    /// a template without one are refused.
+    pub tool_format: Option<String>,
 }
 
 fn default_first_token_timeout_ms() -> u64 {
@@ -1101,6 +1106,7 @@ impl ModelConfig {
             guard: GuardOverride::default(),
             min_maturity: None,
             maturity_override: None,
+            tool_format: None,
         }
     }
 }

@@ -447,6 +447,12 @@ fn load_llm(
         Duration::from_secs(config.stall_timeout_s.max(1)),
     )
     .with_parse_special_tokens(model.parse_special_tokens)
+    .with_tool_format(
+        model
+            .tool_format
+            .as_deref()
+            .and_then(grammar::tools::ToolFormat::parse),
+    )
     .with_prepare_lane(prepare.clone());
     Ok(entry(config, model, &version, digest, backend).with_engine(engine))
 }

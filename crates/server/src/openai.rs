@@ -54,6 +54,61 @@ pub struct ChatMessageIn {
     pub role: String,
     pub content: Option<MessageContent>,
     pub name: Option<String>,
+    /// An assistant message's calls of tools (as a response returned them).
+    pub tool_calls: Option<Vec<ToolCallIn>>,
+    /// A tool message: the id of the call it answers.
+    pub tool_call_id: Option<String>,
+}
+
+/// A tool call in the history.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct ToolCallIn {
+    pub id: Option<String>,
+    #[serde(rename = "type")]
+    pub kind: Option<String>,
+    pub function: FunctionCallIn,
+}
+
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct FunctionCallIn {
+    pub name: String,
+    /// The arguments as a JSON text (an object), as responses return them.
+    pub arguments: String,
+}
+
+/// A tool call in an answer.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ToolCallOut {
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionCallOut,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct FunctionCallOut {
+    pub name: String,
+    /// JSON text of an object that follows the function's parameter schema.
+    pub arguments: String,
+}
+
+/// A tool call's piece in a stream: the first carries id, type and name, the later ones
+/// fragments of the arguments.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ToolCallDelta {
+    pub index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionDelta,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct FunctionDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub arguments: String,
 }
 
 /// Sampling and output fields shared by both endpoints.
@@ -100,6 +155,16 @@ pub struct SamplingFields {
 pub struct ChatCompletionRequest {
     pub model: String,
     pub messages: Vec<ChatMessageIn>,
+    /// Functions the model may call: `[{"type": "function", "function": {"name",
+    /// "description", "parameters", "strict"}}]` (at most 128).
+    #[schema(value_type = Option<Vec<Object>>)]
+    pub tools: Option<serde_json::Value>,
+    /// `none`, `auto` (the default with tools), `required`, or `{"type": "function",
+    /// "function": {"name": ...}}`.
+    #[schema(value_type = Option<Object>)]
+    pub tool_choice: Option<serde_json::Value>,
+    /// Whether one answer may call several tools (default true; Llama 3 calls one at a time).
+    pub parallel_tool_calls: Option<bool>,
     /// Newer name of max_tokens (wins when both are given).
     pub max_completion_tokens: Option<i64>,
     /// Return log-probabilities of the output tokens.
@@ -170,7 +235,10 @@ pub struct ChatLogprobs {
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct AssistantMessage {
     pub role: &'static str,
-    pub content: String,
+    /// The text answer; null when the model called tools.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallOut>>,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -199,6 +267,8 @@ pub struct ChatDelta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -459,7 +529,47 @@ pub fn engine_messages(input: &[ChatMessageIn]) -> Result<Vec<ChatMessage>, ApiE
                 text
             }
         };
-        messages.push(ChatMessage::new(role, &content));
+        let mut message = ChatMessage::new(role, &content);
+        if let Some(calls) = &m.tool_calls {
+            if role != "assistant" {
+                return Err(ApiError::invalid_param(
+                    "messages",
+                    format!("messages[{i}]: only assistant messages carry tool_calls"),
+                ));
+            }
+            for (k, call) in calls.iter().enumerate() {
+                if call.kind.as_deref().is_some_and(|k| k != "function") {
+                    return Err(ApiError::invalid_param(
+                        "messages",
+                        format!("messages[{i}].tool_calls[{k}].type must be function"),
+                    ));
+                }
+                let arguments: serde_json::Value = serde_json::from_str(&call.function.arguments)
+                    .ok()
+                    .filter(serde_json::Value::is_object)
+                    .ok_or_else(|| {
+                        ApiError::invalid_param(
+                            "messages",
+                            format!(
+                                "messages[{i}].tool_calls[{k}].function.arguments must be the JSON text of an object"
+                            ),
+                        )
+                    })?;
+                message.tool_calls.push(engine::ToolCall {
+                    id: call.id.clone().unwrap_or_else(|| format!("call_{i}_{k}")),
+                    kind: "function".into(),
+                    function: engine::FunctionCall {
+                        name: call.function.name.clone(),
+                        arguments,
+                    },
+                });
+            }
+        }
+        if role == "tool" {
+            message.tool_call_id = m.tool_call_id.clone();
+            message.name = m.name.clone();
+        }
+        messages.push(message);
     }
     Ok(messages)
 }
@@ -480,12 +590,31 @@ impl ChatCompletionRequest {
         };
         let max_tokens = self.max_completion_tokens.or(self.sampling.max_tokens);
         let (mut request, n) = self.sampling.to_plan(limits, max_tokens, top)?;
-        let input_for_hash = serde_json::to_string(
-            &messages
-                .iter()
-                .map(|m| (m.role.as_str(), m.content.as_str()))
-                .collect::<Vec<_>>(),
+        let tools = grammar::tools::ToolRequest::from_openai(
+            self.tools.as_ref(),
+            self.tool_choice.as_ref(),
+            self.parallel_tool_calls,
         )
+        .map_err(|(param, e)| ApiError::invalid_param(&param, e.to_string()))?;
+        let with_tools = tools.is_some()
+            || messages
+                .iter()
+                .any(|m| !m.tool_calls.is_empty() || m.tool_call_id.is_some());
+        // What the digest and the audit cover: the messages as (role, content) pairs, or, when
+        // tools take part, the messages whole and the tools.
+        let input_for_hash = if with_tools {
+            serde_json::to_string(&serde_json::json!({
+                "messages": messages,
+                "tools": tools.as_ref().map(|t| t.template_tools()),
+            }))
+        } else {
+            serde_json::to_string(
+                &messages
+                    .iter()
+                    .map(|m| (m.role.as_str(), m.content.as_str()))
+                    .collect::<Vec<_>>(),
+            )
+        }
         .unwrap_or_default();
         request.prompt = Prompt::Chat(messages.clone());
         Ok(GeneratePlan {
@@ -506,6 +635,7 @@ impl ChatCompletionRequest {
             user: self.sampling.user.clone(),
             input_for_hash,
             structured: self.sampling.structured()?,
+            tools,
         })
     }
 }
@@ -583,6 +713,7 @@ impl CompletionRequest {
             user: self.sampling.user.clone(),
             input_for_hash,
             structured: self.sampling.structured()?,
+            tools: None,
         })
     }
 }

@@ -530,10 +530,12 @@ async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Respon
         return e.into_response();
     }
     let texts = reply.delivery.take_texts();
+    let calls = read_tool_calls(&mut reply.delivery, &texts);
     let response = encode_collected(
         &reply,
         states,
         texts,
+        calls,
         reply.usage(record.record.completion_tokens),
     );
     // The answer leaves only once its audit entry is durable (fail_closed).
@@ -543,11 +545,50 @@ async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Respon
     response
 }
 
+/// Each choice's tool calls read out of its text (none without tools): the text answer (none
+/// when it called tools) and the calls.
+fn read_tool_calls(
+    delivery: &mut Delivery,
+    texts: &[String],
+) -> Vec<Option<(Option<String>, Vec<ToolCallOut>)>> {
+    let Some(session) = delivery.tools().cloned() else {
+        return vec![None; texts.len()];
+    };
+    texts
+        .iter()
+        .enumerate()
+        .map(|(i, text)| {
+            let read = session.read(text);
+            let calls = read
+                .calls
+                .into_iter()
+                .enumerate()
+                .map(|(index, (name, arguments))| ToolCallOut {
+                    id: delivery.tool_call_id(i, index),
+                    kind: "function",
+                    function: FunctionCallOut { name, arguments },
+                })
+                .collect();
+            Some((read.content, calls))
+        })
+        .collect()
+}
+
+/// A chat choice's finish reason: `tool_calls` when it ended by itself after calling tools.
+fn chat_finish_reason(f: &Finished, called: bool) -> String {
+    if called && f.reason == FinishReason::Stop {
+        "tool_calls".into()
+    } else {
+        finish_reason(f)
+    }
+}
+
 /// The one JSON body of a non-streaming generation.
 fn encode_collected(
     reply: &Reply,
     states: Vec<ChoiceState>,
     texts: Vec<String>,
+    calls: Vec<Option<(Option<String>, Vec<ToolCallOut>)>>,
     usage: Usage,
 ) -> Response {
     match reply.endpoint {
@@ -559,17 +600,29 @@ fn encode_collected(
             choices: states
                 .into_iter()
                 .zip(texts)
+                .zip(calls)
                 .enumerate()
-                .map(|(index, (s, text))| ChatChoice {
-                    index,
-                    finish_reason: s.finish.as_ref().map(finish_reason),
-                    logprobs: reply.shape.logprobs.then_some(ChatLogprobs {
-                        content: s.chat_logprobs,
-                    }),
-                    message: AssistantMessage {
-                        role: "assistant",
-                        content: text,
-                    },
+                .map(|(index, ((s, text), calls))| {
+                    let (content, tool_calls) = match calls {
+                        None => (Some(text), None),
+                        Some((content, calls)) if calls.is_empty() => (content, None),
+                        Some((content, calls)) => (content, Some(calls)),
+                    };
+                    ChatChoice {
+                        index,
+                        finish_reason: s
+                            .finish
+                            .as_ref()
+                            .map(|f| chat_finish_reason(f, tool_calls.is_some())),
+                        logprobs: reply.shape.logprobs.then_some(ChatLogprobs {
+                            content: s.chat_logprobs,
+                        }),
+                        message: AssistantMessage {
+                            role: "assistant",
+                            content,
+                            tool_calls,
+                        },
+                    }
                 })
                 .collect(),
             usage,
@@ -611,6 +664,8 @@ struct Streaming {
     receipt: Option<record::Receipt>,
     /// The choices' finish chunks, held until every choice finished.
     finishes: Vec<String>,
+    /// Each choice's tool-call parser (a request with tools).
+    parsers: Vec<grammar::tools::ToolParser>,
 }
 
 impl Streaming {
@@ -693,10 +748,64 @@ impl Streaming {
         .unwrap_or_default()
     }
 
+    /// A chat choice's text read for tool calls: the chunks of what it adds (content, a
+    /// call's start, argument fragments), the first of them carrying `logprobs`.
+    fn tool_chunks(&mut self, i: usize, text: &str, mut logprobs: Option<ChatLogprobs>) {
+        let events = self.parsers[i].push(text);
+        if events.is_empty() {
+            if let Some(lp) = logprobs {
+                let chunk = self.chunk_chat(i, ChatDelta::default(), Some(lp), None);
+                self.pending.push_back(chunk);
+            }
+            return;
+        }
+        for event in events {
+            let delta = match event {
+                grammar::tools::ToolEvent::Content(c) => ChatDelta {
+                    content: Some(c),
+                    ..ChatDelta::default()
+                },
+                grammar::tools::ToolEvent::Call { index, name } => ChatDelta {
+                    tool_calls: Some(vec![ToolCallDelta {
+                        index,
+                        id: Some(self.reply.delivery.tool_call_id(i, index)),
+                        kind: Some("function"),
+                        function: FunctionDelta {
+                            name: Some(name),
+                            arguments: String::new(),
+                        },
+                    }]),
+                    ..ChatDelta::default()
+                },
+                grammar::tools::ToolEvent::Arguments { index, fragment } => ChatDelta {
+                    tool_calls: Some(vec![ToolCallDelta {
+                        index,
+                        id: None,
+                        kind: None,
+                        function: FunctionDelta {
+                            name: None,
+                            arguments: fragment,
+                        },
+                    }]),
+                    ..ChatDelta::default()
+                },
+            };
+            let chunk = self.chunk_chat(i, delta, logprobs.take(), None);
+            self.pending.push_back(chunk);
+        }
+    }
+
     fn on_token(&mut self, i: usize, t: Token) {
         self.reply.delivery.on_token(&mut self.record, i, &t);
         let want_logprobs = self.reply.shape.logprobs;
         if t.text.is_empty() && !want_logprobs {
+            return;
+        }
+        if !self.parsers.is_empty() {
+            let logprobs = want_logprobs.then(|| ChatLogprobs {
+                content: vec![self.reply.token_logprob(&t)],
+            });
+            self.tool_chunks(i, &t.text, logprobs);
             return;
         }
         let chunk = match self.reply.endpoint {
@@ -707,8 +816,8 @@ impl Streaming {
                 self.chunk_chat(
                     i,
                     ChatDelta {
-                        role: None,
                         content: Some(t.text.clone()),
+                        ..ChatDelta::default()
                     },
                     logprobs,
                     None,
@@ -731,11 +840,27 @@ impl Streaming {
     fn on_finished(&mut self, i: usize, f: Finished) {
         let reason = Some(finish_reason(&f));
         let chunk = match self.reply.endpoint {
+            Endpoint::Chat if !self.parsers.is_empty() => {
+                self.tool_chunks(i, &f.trailing_text, None);
+                let held = self.parsers[i].finish();
+                for event in held {
+                    if let grammar::tools::ToolEvent::Content(c) = event {
+                        let delta = ChatDelta {
+                            content: Some(c),
+                            ..ChatDelta::default()
+                        };
+                        let chunk = self.chunk_chat(i, delta, None, None);
+                        self.pending.push_back(chunk);
+                    }
+                }
+                let reason = Some(chat_finish_reason(&f, self.parsers[i].calling()));
+                self.chunk_chat(i, ChatDelta::default(), None, reason)
+            }
             Endpoint::Chat => self.chunk_chat(
                 i,
                 ChatDelta {
-                    role: None,
                     content: (!f.trailing_text.is_empty()).then(|| f.trailing_text.clone()),
+                    ..ChatDelta::default()
                 },
                 None,
                 reason,
@@ -785,7 +910,12 @@ impl Streaming {
 
 fn stream_response(reply: Reply, record: RecordBuilder) -> Response {
     let choices = reply.delivery.choices();
+    let parsers = match (reply.endpoint, reply.delivery.tools()) {
+        (Endpoint::Chat, Some(session)) => (0..choices).map(|_| session.parser()).collect(),
+        _ => Vec::new(),
+    };
     let mut state = Streaming {
+        parsers,
         text_len: vec![0; choices],
         reply,
         record,
@@ -801,6 +931,7 @@ fn stream_response(reply: Reply, record: RecordBuilder) -> Response {
                 ChatDelta {
                     role: Some("assistant"),
                     content: Some(String::new()),
+                    tool_calls: None,
                 },
                 None,
                 None,

@@ -110,6 +110,7 @@ impl InferenceBackend for FakeLlm {
                 prompt_tokens: 3,
                 structured: None,
                 watch: None,
+                tools: None,
             }))
         })
     }

@@ -101,6 +101,7 @@ impl InferenceBackend for CannedBackend {
                     prompt_tokens: 0,
                     structured: None,
                     watch: None,
+                    tools: None,
                 }))
             }
             other => Err(BackendError::invalid(format!(

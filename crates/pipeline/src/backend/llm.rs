@@ -11,6 +11,7 @@ use record::{RecordBuilder, StructuredRecord};
 use tracing::Instrument;
 
 use crate::lane::Lane;
+use grammar::tools::{prepare_history, ToolFormat, ToolRendering, ToolSession};
 
 use super::{
     Answer, BackendError, Description, GeneratePlan, Generated, Generation, Health,
@@ -37,6 +38,9 @@ pub struct LlmBackend {
     /// Where long prompts are rendered and tokenized (below the compute's priority, the
     /// server's prepare lane); short ones, and all of them without a lane, on the blocking pool.
     prepare: Option<Lane>,
+    /// The tool-call format the operator declared (`[[models]] tool_format`); none: the one
+    /// the chat template shows, if any.
+    tool_format: Option<ToolFormat>,
 }
 
 /// Prompts up to this many bytes (all of a request's texts together) are rendered and tokenized
@@ -62,7 +66,14 @@ impl LlmBackend {
             progress: Mutex::new((0, Instant::now())),
             parse_special_tokens: false,
             prepare: None,
+            tool_format: None,
         }
+    }
+
+    /// Declares the model's tool-call format (a template without tools, or another format).
+    pub fn with_tool_format(mut self, format: Option<ToolFormat>) -> Self {
+        self.tool_format = format;
+        self
     }
 
     /// Renders and tokenizes long prompts on `lane` (crate::lane).
@@ -113,14 +124,21 @@ impl LlmBackend {
             }
         }
         let began = Instant::now();
-        let long = prompt_bytes(&prepare_plan.prompts) > INLINE_PROMPT_BYTES;
+        let long = prompt_bytes(&prepare_plan.prompts)
+            + prepare_plan.tools.as_ref().map_or(0, |t| t.size())
+            > INLINE_PROMPT_BYTES;
+        let declared = self.tool_format;
         let prepare = move || {
+            let tools = prepare_tools(&engine, declared, &mut prepare_plan)?;
+            let param = if tools.is_some() {
+                "tools"
+            } else {
+                "response_format"
+            };
             // The grammar first: a bad schema is refused before any tokenization work.
             let structured = match &prepare_plan.structured {
                 Some(spec) => Some(compiler.compile(spec).map_err(|e| match e {
-                    grammar::GrammarError::Invalid(m) => {
-                        BackendError::invalid_param("response_format", m)
-                    }
+                    grammar::GrammarError::Invalid(m) => BackendError::invalid_param(param, m),
                     grammar::GrammarError::Internal(m) => BackendError::Failed(m),
                 })?),
                 None => None,
@@ -143,7 +161,7 @@ impl LlmBackend {
                 }
                 out.push(prepared);
             }
-            Ok::<_, BackendError>((out, structured))
+            Ok::<_, BackendError>((out, structured, tools))
         };
         let prepared = async {
             match &self.prepare {
@@ -157,10 +175,14 @@ impl LlmBackend {
         .await
         .map_err(|e| BackendError::Failed(format!("tokenization task failed: {e}")));
         record.stage_since("tokenize", began);
-        let (prepared, structured) = prepared??;
+        let (prepared, structured, tools) = prepared??;
         if let Some((compiled, cached)) = &structured {
             record.record.structured = Some(StructuredRecord {
-                kind: compiled.spec.kind(),
+                kind: if tools.is_some() {
+                    "tools"
+                } else {
+                    compiled.spec.kind()
+                },
                 grammar_sha256: compiled.hash.clone(),
                 compile_ms: if *cached {
                     0.0
@@ -200,10 +222,88 @@ impl LlmBackend {
             events: events.boxed(),
             choices: index,
             prompt_tokens,
-            structured: structured.map(|(compiled, _)| compiled as Arc<dyn grammar::FinalCheck>),
+            structured: match &tools {
+                Some(session) => Some(Arc::new(grammar::tools::ToolCheck(Arc::clone(session)))
+                    as Arc<dyn grammar::FinalCheck>),
+                None => structured.map(|(compiled, _)| compiled as Arc<dyn grammar::FinalCheck>),
+            },
             watch: None,
+            tools,
         })
     }
+}
+
+/// Makes a chat with tools (or with earlier calls in its history) ready for the model: the
+/// format its calls take, the tools and history where its template reads them, the grammar
+/// that holds the output to the format and each function's schema, and the control tokens the
+/// output must show. A request with tools for a model without a tool format is refused.
+fn prepare_tools(
+    engine: &Engine,
+    declared: Option<ToolFormat>,
+    plan: &mut GeneratePlan,
+) -> Result<Option<Arc<ToolSession>>, BackendError> {
+    let has_calls = plan.prompts.iter().any(|p| match p {
+        Prompt::Chat(messages) => messages
+            .iter()
+            .any(|m| !m.tool_calls.is_empty() || m.tool_call_id.is_some()),
+        _ => false,
+    });
+    if plan.tools.is_none() && !has_calls {
+        return Ok(None);
+    }
+    let Some(template) = engine.chat_template() else {
+        return match plan.tools {
+            Some(_) => Err(BackendError::invalid_param(
+                "tools",
+                "this model has no chat template, so it cannot be offered tools",
+            )),
+            None => Ok(None),
+        };
+    };
+    let detected = ToolFormat::detect(template.source());
+    let format = declared.or(detected);
+    let rendering = if declared.is_some() && !template.takes_tools() {
+        ToolRendering::Prompt
+    } else {
+        ToolRendering::of(template.source())
+    };
+    let Some(format) = format else {
+        return match plan.tools {
+            Some(_) => Err(BackendError::invalid_param(
+                "tools",
+                "this model's chat template has no tool-call format (it never reads `tools`), so it cannot be offered tools; an operator who knows the model was tuned for one can declare it with [[models]] tool_format (hermes, llama3, mistral, phi4-mini, smollm2)",
+            )),
+            None => Ok(None),
+        };
+    };
+    let template_tools = plan
+        .tools
+        .as_ref()
+        .map(|t| t.template_tools())
+        .unwrap_or_default();
+    let mut request_tools = Vec::new();
+    for prompt in &mut plan.prompts {
+        if let Prompt::Chat(messages) = prompt {
+            request_tools = prepare_history(messages, format, rendering, &template_tools);
+        }
+    }
+    plan.request.tools = request_tools;
+    let Some(request) = plan.tools.clone() else {
+        return Ok(None);
+    };
+    let session = ToolSession::new(
+        request,
+        format,
+        engine.tokenizer(),
+        plan.structured.as_ref(),
+    )
+    .map_err(|e| match e {
+        grammar::GrammarError::Invalid(m) => BackendError::invalid_param("tools", m),
+        grammar::GrammarError::Internal(m) => BackendError::Failed(m),
+    })?;
+    plan.structured = session.grammar().cloned();
+    plan.request.reveal = session.reveal().to_vec();
+    Ok(Some(Arc::new(session)))
 }
 
 /// An engine event in the seam's terms: token texts resolved only when logprobs were asked for.
@@ -350,7 +450,14 @@ fn prompt_bytes(prompts: &[Prompt]) -> usize {
             Prompt::Text(t) | Prompt::PlainText(t) => t.len(),
             Prompt::Chat(messages) => messages
                 .iter()
-                .map(|m| m.role.len() + m.content.len())
+                .map(|m| {
+                    m.role.len()
+                        + m.content.len()
+                        + m.tool_calls
+                            .iter()
+                            .map(|c| c.function.name.len() + c.function.arguments.to_string().len())
+                            .sum::<usize>()
+                })
                 .sum(),
             Prompt::Tokens(ids) => ids.len() * 4,
         })

@@ -98,6 +98,8 @@ pub struct GeneratePlan {
     pub default_max_tokens: bool,
     /// What the output must follow (structured output).
     pub structured: Option<GrammarSpec>,
+    /// The functions the model may call and how (`tools`, `tool_choice`).
+    pub tools: Option<grammar::tools::ToolRequest>,
     /// The request's `Accept-Language` (canned answers pick their text by it).
     pub language: Option<String>,
     /// The request's `parse_special_tokens` (completions); none: the model's default.
@@ -157,6 +159,8 @@ pub struct Generation {
     pub structured: Option<Arc<dyn grammar::FinalCheck>>,
     /// The guard's output watch (the system message's canary), set by the front.
     pub watch: Option<Arc<crate::watch::OutputWatch>>,
+    /// A tool-calling request's session: how the encoders read calls out of the output.
+    pub tools: Option<Arc<grammar::tools::ToolSession>>,
 }
 
 /// The end of a choice a backend wrote at once (rules, canned answers): no prompt, no time.

@@ -123,6 +123,7 @@ impl RulesBackend {
             prompt_tokens: 0,
             structured: check.map(|(_, c)| Arc::new(c) as Arc<dyn grammar::FinalCheck>),
             watch: None,
+            tools: None,
         })
     }
 

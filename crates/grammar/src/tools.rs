@@ -906,10 +906,12 @@ fn build_grammar(
             }
             Some(format!("%json {schema}"))
         }
-        Some(other) => return Err(GrammarError::Invalid(format!(
+        Some(other) => {
+            return Err(GrammarError::Invalid(format!(
             "a {} response_format cannot be combined with tools (json_schema and json_object can)",
             other.kind()
-        ))),
+        )))
+        }
     };
     let prefix = format!("{}{}", layout.open.text(), layout.call_open);
     let mut g = String::new();
@@ -1095,7 +1097,7 @@ fn scan_calls<'t>(layout: &Layout, prefix: &str, close: &str, text: &'t str) -> 
     let mut rest = text;
     // Matches `expected` at the front of `rest`: Some(true) matched, Some(false) `rest` ended
     // inside it, None it differs.
-    fn take<'a>(rest: &mut &'a str, expected: &str) -> Option<bool> {
+    fn take(rest: &mut &str, expected: &str) -> Option<bool> {
         if rest.starts_with(expected) {
             *rest = &rest[expected.len()..];
             Some(true)

@@ -212,6 +212,7 @@ fn conversations_with_tools_render_as_the_reference_does() {
     let request = ToolRequest::from_openai(Some(&tools()), None, None)
         .unwrap()
         .unwrap();
+    let dated = regex::Regex::new("Today Date: [^\n]*").unwrap();
     for name in ["qwen2.5", "qwen3", "llama3.2", "mistral-v0.3"] {
         let family = Family {
             template: "qwen2.5",
@@ -255,7 +256,6 @@ fn conversations_with_tools_render_as_the_reference_does() {
         let mut ours = template.render_with_tools(&messages, &tools, true).unwrap();
         let expected = std::fs::read_to_string(data().join(format!("{name}.expected"))).unwrap();
         // Llama prints today's date; the reference was rendered on a fixed one.
-        let dated = regex::Regex::new("Today Date: [^\n]*").unwrap();
         ours = dated.replace(&ours, "Today Date: 26 Jul 2024").into_owned();
         if ours != expected {
             let at = ours

@@ -2664,3 +2664,46 @@ fn two_servers_sharing_a_postgresql_store_see_the_same_feedback() {
     feedback_datasets(&python, dir.path(), &["--postgres", &url], &summary);
     drop(servers);
 }
+
+#[test]
+fn tool_calling_through_the_openai_client() {
+    let Some(python) = python_with_openai() else {
+        assert!(
+            !require_python(),
+            "no Python with the openai package (scripts/test.sh installs one)"
+        );
+        eprintln!("skipped: no Python with the openai package");
+        return;
+    };
+    // SmolLM2's template has no tools: the operator declares the format it was tuned on.
+    let Some(model) = cached_model(SMOLLM2_GGUF) else {
+        return;
+    };
+    let server = start_repository(
+        &[(MODEL, "1.0.0", model)],
+        &format!(
+            "[[models]]\nname = \"{MODEL}\"\ncontext = 2048\nkv_cache_memory = \"256MiB\"\ntool_format = \"smollm2\"\n"
+        ),
+    );
+    wait_ready(server.port);
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2e/tools.py");
+    let out = Command::new(python)
+        .arg(script)
+        .env("RAMPART_URL", format!("http://127.0.0.1:{}", server.port))
+        .env("RAMPART_KEY", KEY)
+        .env("RAMPART_MODEL", MODEL)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "the client checks failed");
+    assert!(stdout.contains("all tool calling checks passed"));
+    // Every call is in the record and counted per function; none was invalid.
+    let records = records_of(&server);
+    assert!(records.iter().any(|r| r["structured"] == "tools"
+        && r["tool_calls"]
+            .as_str()
+            .is_some_and(|t| t.contains("search_flights"))));
+    assert!(metric(server.port, "rampart_tool_calls_total") >= 20.0);
+    assert_eq!(metric(server.port, "rampart_tool_calls_invalid_total"), 0.0);
+}

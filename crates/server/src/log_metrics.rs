@@ -496,6 +496,7 @@ fn log_record(r: &InferenceRecord) {
         structured_problem = r.structured.as_ref().and_then(|s| s.problem.as_deref()),
         grammar_sha256 = r.structured.as_ref().map(|s| s.grammar_sha256.as_str()),
         grammar_compile_ms = r.structured.as_ref().map(|s| s.compile_ms),
+        tool_calls = %GuardReasons(&r.tool_calls),
         items = r.items,
         compute_ms = r.compute_ms,
         confidence = r.confidence,

@@ -373,12 +373,6 @@ impl ChatTemplate {
         &self.source
     }
 
-    /// Whether the template reads a request's tools (`tools` or Llama's `custom_tools`).
-    pub fn takes_tools(&self) -> bool {
-        let s = &self.source;
-        s.contains("tools")
-    }
-
     /// Renders a conversation; with `add_generation_prompt` the text ends where the assistant's
     /// reply begins.
     pub fn render(

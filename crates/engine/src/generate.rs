@@ -722,13 +722,9 @@ impl Engine {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>, EngineError> {
-        let template =
-            self.core.template.as_ref().ok_or_else(|| {
-                EngineError::ChatTemplate("the model has no chat template".into())
-            })?;
         self.core
             .tokenizer
-            .encode_chat_with(template, messages, add_generation_prompt)
+            .encode_chat_with(self.template()?, messages, add_generation_prompt)
     }
 
     /// Token ids of a chat with the request's tools ([`Engine::encode_chat`]).
@@ -737,18 +733,19 @@ impl Engine {
         messages: &[ChatMessage],
         tools: &[serde_json::Value],
     ) -> Result<Vec<u32>, EngineError> {
-        let template =
-            self.core.template.as_ref().ok_or_else(|| {
-                EngineError::ChatTemplate("the model has no chat template".into())
-            })?;
         self.core
             .tokenizer
-            .encode_chat_tools(template, messages, tools, true)
+            .encode_chat_tools(self.template()?, messages, tools, true)
     }
 
     /// The model's chat template, if it has one.
     pub fn chat_template(&self) -> Option<&ChatTemplate> {
         self.core.template.as_ref()
+    }
+
+    fn template(&self) -> Result<&ChatTemplate, EngineError> {
+        self.chat_template()
+            .ok_or_else(|| EngineError::ChatTemplate("the model has no chat template".into()))
     }
 
     /// Validates and tokenizes a request. Every request error surfaces here, before streaming.

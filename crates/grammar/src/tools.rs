@@ -270,10 +270,13 @@ impl Marker {
     }
 }
 
-/// The id of the control token whose text is `text`.
+/// The id of the control token whose text is `text` (the tokenizer's special-token matcher
+/// turns such a text into its one token).
 fn special_id(tokenizer: &Tokenizer, text: &str) -> Option<u32> {
-    (0..tokenizer.vocab_size() as u32)
-        .find(|&id| tokenizer.is_special(id) && tokenizer.token_bytes(id) == text.as_bytes())
+    match tokenizer.encode(text, false).ok()?.as_slice() {
+        [id] if tokenizer.is_special(*id) => Some(*id),
+        _ => None,
+    }
 }
 
 /// JSON as Python's `json.dumps` writes it (what templates print and models were tuned on).
@@ -743,7 +746,7 @@ impl ToolSession {
         let prefix = format!("{}{}", layout.open.text(), layout.call_open);
         let mut reveal = layout.open.token_ids(tokenizer);
         reveal.extend(layout.close.token_ids(tokenizer));
-        let grammar = build_grammar(&request, format, layout, tokenizer, text_grammar)?;
+        let grammar = build_grammar(&request, format, &prefix, tokenizer, text_grammar)?;
         Ok(Self {
             format,
             layout,
@@ -892,18 +895,14 @@ fn effective_parameters(t: &ToolDef) -> Value {
 fn build_grammar(
     request: &ToolRequest,
     format: ToolFormat,
-    layout: Layout,
+    prefix: &str,
     tokenizer: &Tokenizer,
     text_grammar: Option<&GrammarSpec>,
 ) -> Result<Option<GrammarSpec>, GrammarError> {
     let text_rule = match text_grammar {
         None => None,
         Some(spec @ (GrammarSpec::JsonSchema { .. } | GrammarSpec::JsonObject)) => {
-            let mut schema = spec.effective_schema().unwrap_or(json!({}));
-            if let Value::Object(m) = &mut schema {
-                m.entry("x-guidance")
-                    .or_insert_with(crate::spec::json_layout);
-            }
+            let schema = with_layout(spec.effective_schema().unwrap_or(json!({})));
             Some(format!("%json {schema}"))
         }
         Some(other) => {
@@ -913,7 +912,7 @@ fn build_grammar(
         )))
         }
     };
-    let prefix = format!("{}{}", layout.open.text(), layout.call_open);
+    let layout = format.layout();
     let mut g = String::new();
     let functions: Vec<&ToolDef> = match &request.choice {
         ToolChoice::None => {
@@ -929,7 +928,7 @@ fn build_grammar(
             let text = text_rule.unwrap_or_else(|| "TEXT".into());
             let _ = writeln!(g, "start: {text} | calls");
             // A text answer never begins as a call does (the parser tells them apart by it).
-            let _ = writeln!(g, "TEXT: /(?s:.+)/ & ~/(?s:{}.*)/", regex_escape(&prefix));
+            let _ = writeln!(g, "TEXT: /(?s:.+)/ & ~/(?s:{}.*)/", regex_escape(prefix));
         }
         _ => {
             let _ = writeln!(g, "start: calls");
@@ -946,11 +945,7 @@ fn build_grammar(
     let alternatives: Vec<String> = (0..functions.len()).map(|i| format!("call_{i}")).collect();
     let _ = writeln!(g, "call: {}", alternatives.join(" | "));
     for (i, t) in functions.iter().enumerate() {
-        let mut schema = effective_parameters(t);
-        if let Value::Object(m) = &mut schema {
-            m.entry("x-guidance")
-                .or_insert_with(crate::spec::json_layout);
-        }
+        let schema = with_layout(effective_parameters(t));
         let _ = writeln!(
             g,
             "call_{i}: {} %json {schema} {}",
@@ -959,6 +954,15 @@ fn build_grammar(
         );
     }
     Ok(Some(GrammarSpec::Lark(g)))
+}
+
+/// A schema with the JSON layout structured output uses (unless it sets its own).
+fn with_layout(mut schema: Value) -> Value {
+    if let Value::Object(m) = &mut schema {
+        m.entry("x-guidance")
+            .or_insert_with(crate::spec::json_layout);
+    }
+    schema
 }
 
 /// `s` as a regex matching it literally (llguidance's regex syntax, which is Rust's).

@@ -148,10 +148,11 @@ const FAMILIES: [Family; 5] = [
     },
 ];
 
-fn model(family: &Family, dir: &Path) -> Engine {
+/// A tiny model with `family`'s control tokens and the template `name`.
+fn model(family: &Family, name: &str, dir: &Path) -> Engine {
     let mut tiny = TinyLlama {
         context_length: 4096,
-        chat_template: Some(template(family.template)),
+        chat_template: Some(template(name)),
         ..TinyLlama::default()
     };
     tiny.tokens
@@ -159,7 +160,7 @@ fn model(family: &Family, dir: &Path) -> Engine {
     let id = |t: &str| tiny.tokens.iter().position(|x| x == t).unwrap() as u32;
     tiny.bos_token_id = id(family.bos);
     tiny.eos_token_id = id(family.eos);
-    let path = dir.join(format!("{}.gguf", family.template));
+    let path = dir.join(format!("{name}.gguf"));
     std::fs::write(&path, tiny.to_gguf().unwrap()).unwrap();
     let options = EngineOptions {
         threads: 2,
@@ -214,36 +215,12 @@ fn conversations_with_tools_render_as_the_reference_does() {
         .unwrap();
     let dated = regex::Regex::new("Today Date: [^\n]*").unwrap();
     for name in ["qwen2.5", "qwen3", "llama3.2", "mistral-v0.3"] {
-        let family = Family {
-            template: "qwen2.5",
-            ..FAMILIES[0]
-        };
         let family = match name {
             "llama3.2" => &FAMILIES[1],
             "mistral-v0.3" => &FAMILIES[2],
-            _ => &family,
+            _ => &FAMILIES[0],
         };
-        let mut tiny = TinyLlama {
-            context_length: 4096,
-            chat_template: Some(template(name)),
-            ..TinyLlama::default()
-        };
-        tiny.tokens
-            .extend(family.controls.iter().map(|c| c.to_string()));
-        let id = |t: &str| tiny.tokens.iter().position(|x| x == t).unwrap() as u32;
-        tiny.bos_token_id = id(family.bos);
-        tiny.eos_token_id = id(family.eos);
-        let path = dir.path().join(format!("{name}.gguf"));
-        std::fs::write(&path, tiny.to_gguf().unwrap()).unwrap();
-        let engine = Engine::load(
-            &path,
-            &EngineOptions {
-                threads: 1,
-                context: Some(4096),
-                ..EngineOptions::default()
-            },
-        )
-        .unwrap();
+        let engine = model(family, name, dir.path());
         let template = engine.chat_template().unwrap();
         let format = ToolFormat::detect(template.source()).unwrap();
         let mut messages = conversation();
@@ -351,7 +328,7 @@ fn every_call_parses_validates_and_streams_the_same() {
     let per_choice = 50;
     let (mut total, mut ended, mut calls_checked) = (0, 0, 0);
     for family in &FAMILIES {
-        let engine = model(family, dir.path());
+        let engine = model(family, family.template, dir.path());
         let compiler = Compiler::new(engine.shared_tokenizer(), GrammarLimits::default()).unwrap();
         let template = engine.chat_template().unwrap();
         let format = family

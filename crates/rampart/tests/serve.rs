@@ -22,6 +22,11 @@ fn start(extra: &str) -> Option<Server> {
 
 /// As [`start`], with more models imported and served: `(name, source)` pairs.
 fn start_with(extra: &str, more: &[(&str, PathBuf)]) -> Option<Server> {
+    start_model(extra, "", more)
+}
+
+/// As [`start_with`], with `model_lines` more in SmolLM2's `[[models]]` table.
+fn start_model(extra: &str, model_lines: &str, more: &[(&str, PathBuf)]) -> Option<Server> {
     let model = cached_model(SMOLLM2_GGUF)?;
     let mut models = vec![(MODEL, "1.0.0", model)];
     let mut more_models = String::new();
@@ -32,7 +37,7 @@ fn start_with(extra: &str, more: &[(&str, PathBuf)]) -> Option<Server> {
     Some(start_repository(
         &models,
         &format!(
-            "shutdown_timeout_s = 20\n{extra}\n[[models]]\nname = \"{MODEL}\"\ncontext = 2048\nkv_cache_memory = \"256MiB\"\n{more_models}"
+            "shutdown_timeout_s = 20\n{extra}\n[[models]]\nname = \"{MODEL}\"\ncontext = 2048\nkv_cache_memory = \"256MiB\"\n{model_lines}\n{more_models}"
         ),
     ))
 }
@@ -45,6 +50,15 @@ fn require_python() -> bool {
 /// client; the script must end by printing `done_line`. Returns the server (for its log and
 /// metrics) and the records of its log. `None`: no Python with the client, or no model.
 fn run_client_script(script: &str, done_line: &str) -> Option<(Server, Vec<serde_json::Value>)> {
+    run_client_script_on(script, done_line, "")
+}
+
+/// [`run_client_script`] on a server whose SmolLM2 table has `model_lines` more.
+fn run_client_script_on(
+    script: &str,
+    done_line: &str,
+    model_lines: &str,
+) -> Option<(Server, Vec<serde_json::Value>)> {
     let Some(python) = python_with_openai() else {
         assert!(
             !require_python(),
@@ -53,7 +67,7 @@ fn run_client_script(script: &str, done_line: &str) -> Option<(Server, Vec<serde
         eprintln!("skipped: no Python with the openai package");
         return None;
     };
-    let server = start("")?;
+    let server = start_model("", model_lines, &[])?;
     wait_ready(server.port);
     let script = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/e2e")
@@ -2667,39 +2681,15 @@ fn two_servers_sharing_a_postgresql_store_see_the_same_feedback() {
 
 #[test]
 fn tool_calling_through_the_openai_client() {
-    let Some(python) = python_with_openai() else {
-        assert!(
-            !require_python(),
-            "no Python with the openai package (scripts/test.sh installs one)"
-        );
-        eprintln!("skipped: no Python with the openai package");
-        return;
-    };
     // SmolLM2's template has no tools: the operator declares the format it was tuned on.
-    let Some(model) = cached_model(SMOLLM2_GGUF) else {
+    let Some((server, records)) = run_client_script_on(
+        "tools.py",
+        "all tool calling checks passed",
+        "tool_format = \"smollm2\"",
+    ) else {
         return;
     };
-    let server = start_repository(
-        &[(MODEL, "1.0.0", model)],
-        &format!(
-            "[[models]]\nname = \"{MODEL}\"\ncontext = 2048\nkv_cache_memory = \"256MiB\"\ntool_format = \"smollm2\"\n"
-        ),
-    );
-    wait_ready(server.port);
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2e/tools.py");
-    let out = Command::new(python)
-        .arg(script)
-        .env("RAMPART_URL", format!("http://127.0.0.1:{}", server.port))
-        .env("RAMPART_KEY", KEY)
-        .env("RAMPART_MODEL", MODEL)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    eprintln!("{stdout}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(out.status.success(), "the client checks failed");
-    assert!(stdout.contains("all tool calling checks passed"));
     // Every call is in the record and counted per function; none was invalid.
-    let records = records_of(&server);
     assert!(records.iter().any(|r| r["structured"] == "tools"
         && r["tool_calls"]
             .as_str()

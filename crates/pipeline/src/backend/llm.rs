@@ -262,11 +262,8 @@ fn prepare_tools(
     };
     let detected = ToolFormat::detect(template.source());
     let format = declared.or(detected);
-    let rendering = if declared.is_some() && !template.takes_tools() {
-        ToolRendering::Prompt
-    } else {
-        ToolRendering::of(template.source())
-    };
+    // A template that never reads tools renders as `Prompt`: only a declared format gets there.
+    let rendering = ToolRendering::of(template.source());
     let Some(format) = format else {
         return match plan.tools {
             Some(_) => Err(BackendError::invalid_param(

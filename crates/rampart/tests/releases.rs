@@ -1323,14 +1323,23 @@ fn a_new_version_waits_for_its_release_and_maturity_gates_it() {
         "{alias:#}"
     );
     assert_eq!(alias["history"][0]["version"], "1.0.0");
-    let log = std::fs::read_to_string(&server.log).unwrap();
-    for needle in [
+    // The alias is written before its decision reaches the log: wait for the log line.
+    let needles = [
         "release.start.maturity",
         "\"outcome\":\"refused\"",
         "\"outcome\":\"overridden\"",
         "release.promote.maturity",
         "model.stable",
-    ] {
+    ];
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let log = loop {
+        let log = std::fs::read_to_string(&server.log).unwrap();
+        if needles.iter().all(|n| log.contains(n)) || Instant::now() > deadline {
+            break log;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    for needle in needles {
         assert!(log.contains(needle), "{needle} in the log");
     }
     drop(server);

@@ -114,6 +114,8 @@ pub static METRICS: &[MetricInfo] = &[
     recorded("rampart_grammar_compile_seconds", MetricKind::Histogram, &["kind"], "Time to compile a structured-output grammar (cache misses), by kind."),
     recorded("rampart_grammar_mask_seconds", MetricKind::Histogram, &["kind"], "Time to compute one token's allowed-token mask, by kind."),
     recorded("rampart_grammar_cache_total", MetricKind::Counter, &["result"], "Compiled-grammar cache lookups, by result (hit, miss)."),
+    recorded("rampart_tool_calls_total", MetricKind::Counter, &["model", "function"], "Tool calls in answers, by model and function (each model labels its first 64 function names; the rest count as _other)."),
+    recorded("rampart_tool_calls_invalid_total", MetricKind::Counter, &["model"], "Tool-calling answers that ended by themselves yet failed the final check (expected 0)."),
     recorded("rampart_prompt_tokens_total", MetricKind::Counter, &["model"], "Prompt tokens of finished requests."),
     recorded("rampart_generated_tokens_total", MetricKind::Counter, &["model"], "Tokens generated for finished requests."),
     recorded("rampart_rejected_requests_total", MetricKind::Counter, &["model", "reason"], "Requests refused before any compute, by reason."),

@@ -47,6 +47,8 @@ pub struct Slot {
     admission: Arc<Admission>,
     /// How long the request waited for it.
     pub queued: Duration,
+    /// When it was granted.
+    pub admitted: Instant,
 }
 
 impl Drop for Slot {
@@ -191,10 +193,12 @@ impl Admission {
         };
         let now = self.in_flight.fetch_add(1, Ordering::Relaxed) + 1 + self.waiting();
         self.peak.fetch_max(now, Ordering::Relaxed);
+        let admitted = Instant::now();
         Ok(Slot {
             _permit: permit,
             admission: Arc::clone(self),
-            queued: start.elapsed(),
+            queued: admitted.saturating_duration_since(start),
+            admitted,
         })
     }
 }

@@ -105,9 +105,10 @@ fn level_of(entry: &Entry) -> u8 {
     }
 }
 
-/// The primary's admission, taken before the request's costly decode ([`reserve`]).
+/// The primary's admission, taken before the request's costly decode ([`reserve`]), and when
+/// the taking began: the primary's attempt counts from there, its decode run in its place.
 #[derive(Debug, Default)]
-pub struct Reservation(Option<Result<Slot, ApiError>>);
+pub struct Reservation(Option<(Instant, Result<Slot, ApiError>)>);
 
 /// Takes `primary`'s admission slot ahead of the chain, for a request whose decode is the
 /// costly part (a KServe tensor body): it then decodes in its place in flight, as a generation
@@ -125,8 +126,8 @@ pub async fn reserve(
     }
     let began = Instant::now();
     match primary.admission.acquire().await {
-        Ok(slot) => Ok(Reservation(Some(Ok(slot)))),
-        Err(e) if !primary.policy.steps.is_empty() => Ok(Reservation(Some(Err(e)))),
+        Ok(slot) => Ok(Reservation(Some((began, Ok(slot))))),
+        Err(e) if !primary.policy.steps.is_empty() => Ok(Reservation(Some((began, Err(e))))),
         Err(e) => {
             record.refuse(admission_refusal(&e));
             note_attempt(
@@ -357,7 +358,10 @@ async fn attempt(
     reservation: Reservation,
     record: &mut RecordBuilder,
 ) -> Result<(Answer, Slot), Miss> {
-    let began = Instant::now();
+    let began = reservation
+        .0
+        .as_ref()
+        .map_or_else(Instant::now, |(began, _)| *began);
     let result = try_backend(parts, entry, work, streaming, reservation, record)
         .instrument(tracing::debug_span!("attempt", backend = %entry.id))
         .await;
@@ -416,7 +420,7 @@ async fn try_backend(
         });
     }
     let admitted = match reservation.0 {
-        Some(reserved) => reserved,
+        Some((_, reserved)) => reserved,
         None => entry.admission.acquire().await,
     };
     let slot = match admitted {
@@ -430,11 +434,13 @@ async fn try_backend(
     };
     // What an earlier attempt's backend wrote of its own (tokens, its constraint, confidences)
     // is not this backend's.
-    let admitted = Instant::now();
+    // The slot's own times: a reserved one was granted before this attempt's decode.
     record.stage(
         "admission",
-        admitted.checked_sub(slot.queued).unwrap_or(admitted),
-        admitted,
+        slot.admitted
+            .checked_sub(slot.queued)
+            .unwrap_or(slot.admitted),
+        slot.admitted,
     );
     let r = &mut record.record;
     r.refusal = None;

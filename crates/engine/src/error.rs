@@ -39,6 +39,10 @@ pub enum EngineError {
         backlog_tokens: usize,
         tokens_per_second: f64,
         retry_after_s: u64,
+        /// The same, to the millisecond (`retry-after-ms`).
+        retry_after_ms: u64,
+        /// The identity its booking is kept under, when it was booked.
+        booked: Option<u64>,
     },
     #[error("the engine just started and has not measured how fast it reads prompts yet: {backlog_tokens} prompt tokens are ahead of this one, and no more than {limit_tokens} are let in before the first step measures it; retry later")]
     Warming {

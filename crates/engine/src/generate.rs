@@ -25,6 +25,7 @@ use crate::error::EngineError;
 use crate::kv_store::{KvLayout, KvStore, SequenceCache};
 use crate::kv_tier::{KvTier, TierConfig};
 use crate::model::{Batch, ForwardState, LogitRows, Model, ModelConfig, WeightFormat};
+use crate::reservations::Claim;
 use crate::sampler::{Sampler, SamplingParams};
 use crate::scheduler::{
     Executor, LatencySamples, NewSequence, Scheduler, SchedulerConfig, SchedulerHandles,
@@ -200,6 +201,9 @@ pub struct GenerateRequest {
     /// Control tokens whose text the output shows (a tool call's markers); the others stay
     /// hidden.
     pub reveal: Vec<u32>,
+    /// Who the request is, for the first-token gate's bookings and fair order
+    /// ([`crate::reservations`]); none: an anonymous newcomer, never booked.
+    pub claim: Option<Claim>,
 }
 
 impl GenerateRequest {
@@ -213,6 +217,7 @@ impl GenerateRequest {
             constraint: None,
             tools: Vec::new(),
             reveal: Vec::new(),
+            claim: None,
         }
     }
 }
@@ -810,7 +815,10 @@ impl Engine {
                 limit: self.max_waiting,
             });
         }
-        let predicted_read_ms = match self.limits.admit_prompt(tokens.len()) {
+        let predicted_read_ms = match self
+            .limits
+            .admit_prompt(tokens.len(), request.claim.as_ref())
+        {
             Ok(predicted) => predicted,
             Err(refused) => {
                 self.queued.fetch_sub(1, Ordering::AcqRel);
@@ -821,15 +829,20 @@ impl Engine {
                         retry_after_s: 1,
                     });
                 }
-                let over_s =
-                    (refused.predicted_ms + refused.margin_ms - refused.max_wait_ms as f64) / 1e3;
+                // Without a booking: when the prompts ahead would have drained enough.
+                let over_ms = refused.predicted_ms + refused.margin_ms - refused.max_wait_ms as f64;
+                let retry_after_ms = refused
+                    .booked
+                    .map_or(over_ms.clamp(1.0, 60_000.0) as u64, |b| b.retry_after_ms);
                 return Err(EngineError::Shedding {
                     predicted_ms: refused.predicted_ms,
                     margin_ms: refused.margin_ms,
                     max_wait_ms: refused.max_wait_ms,
                     backlog_tokens: refused.backlog_tokens,
                     tokens_per_second: refused.tokens_per_second,
-                    retry_after_s: over_s.ceil().clamp(1.0, 60.0) as u64,
+                    retry_after_s: retry_after_ms.div_ceil(1000).clamp(1, 600),
+                    retry_after_ms,
+                    booked: refused.booked.map(|b| b.identity),
                 });
             }
         };

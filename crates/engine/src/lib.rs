@@ -34,6 +34,7 @@ pub mod hf;
 pub mod kv_store;
 pub mod kv_tier;
 pub mod model;
+pub mod reservations;
 pub mod sampler;
 pub mod scheduler;
 pub mod sentencepiece;
@@ -51,5 +52,6 @@ pub use generate::{
     ParseKvMemoryError, Prompt, SchedulerOptions, Shed, Stream, TokenEvent,
 };
 pub use kernels::KvDType;
+pub use reservations::{Booked, Claim, ReservationStats};
 pub use sampler::SamplingParams;
 pub use scheduler::{GateRefusal, LatencySamples, SchedulerLimits, SchedulerSnapshot};

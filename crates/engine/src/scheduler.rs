@@ -42,6 +42,7 @@ use crate::generate::{Event, FinishReason, Finished, Shed, StopMatcher, TokenEve
 use crate::kv_store::KvStore;
 use crate::kv_tier::{KvTier, TierStats};
 use crate::model::Batch;
+use crate::reservations::{Booked, Claim, Gate, Ledger, ReservationStats, Verdict};
 use crate::sampler::{Sampler, TokenChoice};
 use crate::step_cost::StepCost;
 use crate::tokenizer::{Detokenizer, Tokenizer};
@@ -91,7 +92,12 @@ pub struct SchedulerLimits {
     /// The model's time-to-first-token objective (ms; 0: none): prompts that can be read
     /// within it are read in arrival order (see [`SchedulerLimits::ttft_objective_ms`]).
     ttft_objective_ms: AtomicU64,
+    /// The gate's bookings and weighted fair order ([`crate::reservations`]).
+    ledger: Mutex<Ledger>,
 }
+
+/// Bookings an engine keeps by default.
+pub const DEFAULT_RESERVATIONS: usize = 1_024;
 
 /// First tokens the gate's margin is measured on.
 pub const MARGIN_SAMPLES: usize = 256;
@@ -112,6 +118,8 @@ pub struct GateRefusal {
     /// from): the most prompt tokens let in ahead of a step that measures it, two prefill
     /// budgets; the prediction's fields are 0 then.
     pub unmeasured_limit_tokens: Option<usize>,
+    /// The prompt's booking, when it named itself ([`Claim`]) and the ledger had room.
+    pub booked: Option<Booked>,
 }
 
 impl SchedulerLimits {
@@ -135,7 +143,39 @@ impl SchedulerLimits {
             first_token_misses: Mutex::new(VecDeque::with_capacity(MARGIN_SAMPLES)),
             first_token_margin: AtomicU64::new(0),
             ttft_objective_ms: AtomicU64::new(0),
+            ledger: Mutex::new(Ledger::new(DEFAULT_RESERVATIONS)),
         }
+    }
+
+    /// The most bookings the gate keeps (0: none are made; the fair order still holds).
+    pub fn set_max_reservations(&self, value: usize) {
+        self.ledger().set_capacity(value);
+    }
+
+    pub fn max_reservations(&self) -> usize {
+        self.ledger().capacity()
+    }
+
+    /// The gate's bookings and counters now.
+    pub fn reservations(&self) -> ReservationStats {
+        self.ledger().stats(Instant::now())
+    }
+
+    /// How long a new prompt of `tokens` would be predicted to wait to be read now: the
+    /// backlog, every booking and its own over the measured rate, plus the margin (ms; none
+    /// before the rate is measured). The autoscaler's signal: it grows with the demand the
+    /// gate turned away, where TTFT of what was let in does not.
+    pub fn predicted_wait_ms(&self, tokens: usize) -> Option<f64> {
+        let rate = self.prefill_rate();
+        (rate > 0.0).then(|| {
+            let booked = self.reservations().tokens;
+            (self.prefill_backlog() + booked + tokens) as f64 / rate * 1e3
+                + self.first_token_margin_ms()
+        })
+    }
+
+    fn ledger(&self) -> std::sync::MutexGuard<'_, Ledger> {
+        self.ledger.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// The time-to-first-token objective the prefill order serves (ms; 0: none). With one,
@@ -270,7 +310,11 @@ impl SchedulerLimits {
     ///
     /// With nothing ahead a prompt always passes: refusing it would not make it faster, and
     /// it would be refused again on every retry.
-    pub fn admit_prompt(&self, tokens: usize) -> Result<Option<f32>, GateRefusal> {
+    pub fn admit_prompt(
+        &self,
+        tokens: usize,
+        claim: Option<&Claim>,
+    ) -> Result<Option<f32>, GateRefusal> {
         let max_wait_ms = self.max_prefill_wait_ms();
         let rate = self.prefill_rate();
         let backlog = self.prefill_backlog();
@@ -291,21 +335,39 @@ impl SchedulerLimits {
                     backlog_tokens: backlog,
                     tokens_per_second: 0.0,
                     unmeasured_limit_tokens: Some(limit),
+                    booked: None,
                 });
             }
         }
-        if let Some(predicted_ms) = predicted_ms.filter(|_| backlog > 0) {
+        if max_wait_ms > 0 && rate > 0.0 {
+            // The prediction with the bookings ahead of it, in the weighted fair order.
             let margin_ms = self.first_token_margin_ms();
-            if predicted_ms + margin_ms > max_wait_ms as f64 {
-                self.gate_refusals.fetch_add(1, Ordering::Relaxed);
-                return Err(GateRefusal {
-                    predicted_ms,
-                    margin_ms,
-                    max_wait_ms,
-                    backlog_tokens: backlog,
-                    tokens_per_second: rate,
-                    unmeasured_limit_tokens: None,
-                });
+            let gate = Gate {
+                backlog,
+                rate,
+                allowance_ms: max_wait_ms as f64 - margin_ms,
+            };
+            let verdict = self.ledger().judge(Instant::now(), claim, tokens, gate);
+            match verdict {
+                Verdict::Admit { ahead_tokens, .. } => {
+                    self.inbox_tokens.fetch_add(tokens, Ordering::Relaxed);
+                    return Ok(Some(((ahead_tokens + tokens) as f64 / rate * 1e3) as f32));
+                }
+                Verdict::Refuse {
+                    ahead_tokens,
+                    booked,
+                } => {
+                    self.gate_refusals.fetch_add(1, Ordering::Relaxed);
+                    return Err(GateRefusal {
+                        predicted_ms: (ahead_tokens + tokens) as f64 / rate * 1e3,
+                        margin_ms,
+                        max_wait_ms,
+                        backlog_tokens: ahead_tokens,
+                        tokens_per_second: rate,
+                        unmeasured_limit_tokens: None,
+                        booked,
+                    });
+                }
             }
         }
         self.inbox_tokens.fetch_add(tokens, Ordering::Relaxed);
@@ -1785,37 +1847,37 @@ mod tests {
     fn the_first_token_gate_refuses_a_prompt_predicted_to_be_read_too_late() {
         let limits = SchedulerLimits::new(8, 512);
         // Off: everybody passes and is counted.
-        limits.admit_prompt(400).unwrap();
+        limits.admit_prompt(400, None).unwrap();
         assert_eq!(limits.prefill_backlog(), 400);
         limits.set_max_prefill_wait_ms(800);
-        limits.admit_prompt(400).unwrap();
+        limits.admit_prompt(400, None).unwrap();
         // Before the rate is measured, two budgets (1,024 tokens) are let in, no more.
-        let refused = limits.admit_prompt(300).unwrap_err();
+        let refused = limits.admit_prompt(300, None).unwrap_err();
         assert_eq!(refused.unmeasured_limit_tokens, Some(1024));
         assert_eq!(refused.backlog_tokens, 800);
-        limits.admit_prompt(224).unwrap();
+        limits.admit_prompt(224, None).unwrap();
         assert_eq!(limits.gate_refusals(), 1);
         limits.gate_refusals.store(0, Ordering::Relaxed);
         limits
             .prefill_rate
             .store(1000f64.to_bits(), Ordering::Relaxed);
         set_backlog(&limits, 0);
-        limits.admit_prompt(2000).unwrap();
+        limits.admit_prompt(2000, None).unwrap();
         // 2,000 tokens ahead at 1,000 a second: 2.1 s predicted for 100 more, above 800 ms.
-        let refused = limits.admit_prompt(100).unwrap_err();
+        let refused = limits.admit_prompt(100, None).unwrap_err();
         assert_eq!(refused.backlog_tokens, 2000);
         assert!((refused.predicted_ms - 2100.0).abs() < 1e-6);
         assert_eq!(refused.margin_ms, 0.0);
         assert_eq!(limits.prefill_backlog(), 2000, "a refusal is not counted");
         set_backlog(&limits, 300);
-        limits.admit_prompt(400).unwrap();
-        assert!(limits.admit_prompt(200).is_err());
+        limits.admit_prompt(400, None).unwrap();
+        assert!(limits.admit_prompt(200, None).is_err());
         assert_eq!(limits.gate_refusals(), 2);
         // Measured at 1,024 prompt tokens a step, the budget now 512: half the rate.
         limits.prefill_rate_read.store(1024, Ordering::Relaxed);
         assert!((limits.prefill_rate() - 500.0).abs() < 1e-9);
         limits.set_max_prefill_wait_ms(0);
-        limits.admit_prompt(10_000).unwrap();
+        limits.admit_prompt(10_000, None).unwrap();
     }
 
     #[test]
@@ -1853,7 +1915,7 @@ mod tests {
             .store(1000f64.to_bits(), Ordering::Relaxed);
         set_backlog(&limits, 300);
         // The prediction is handed back: 300 ahead plus 200 at 1,000 a second.
-        let predicted = limits.admit_prompt(200).unwrap().unwrap();
+        let predicted = limits.admit_prompt(200, None).unwrap().unwrap();
         assert!((predicted - 500.0).abs() < 1e-3);
         // First tokens 100-199 ms later than predicted: no margin before 20 of them.
         for i in 0..MIN_MARGIN_SAMPLES - 1 {
@@ -1867,13 +1929,13 @@ mod tests {
         assert!((limits.first_token_margin_ms() - 195.0).abs() < 1e-3);
         // 500 ahead plus 100: 600 ms predicted, 795 with the margin: in; 110 more: out.
         set_backlog(&limits, 500);
-        limits.admit_prompt(100).unwrap();
+        limits.admit_prompt(100, None).unwrap();
         set_backlog(&limits, 500);
-        let refused = limits.admit_prompt(110).unwrap_err();
+        let refused = limits.admit_prompt(110, None).unwrap_err();
         assert!((refused.margin_ms - 195.0).abs() < 1e-3);
         // Nothing ahead: in, whatever the margin.
         set_backlog(&limits, 0);
-        limits.admit_prompt(5000).unwrap();
+        limits.admit_prompt(5000, None).unwrap();
         // Early first tokens make no negative margin; only the latest 256 count.
         for _ in 0..MARGIN_SAMPLES {
             limits.record_first_token(500.0, 300.0);

@@ -843,7 +843,7 @@ fn the_backlog_and_the_reading_rate_follow_the_steps() {
     assert!(h.limits.prefill_rate() > 0.0);
     // A prompt admitted while a step runs is on its way through the engine's inbox when the
     // step ends and recounts the backlog: it stays counted, then and once it is queued.
-    h.limits.admit_prompt(50).unwrap();
+    h.limits.admit_prompt(50, None).unwrap();
     assert_eq!(h.limits.prefill_backlog(), 318);
     h.step();
     assert_eq!(h.limits.prefill_backlog(), 286);
@@ -852,7 +852,7 @@ fn the_backlog_and_the_reading_rate_follow_the_steps() {
     h.step();
     assert_eq!(h.limits.prefill_backlog(), 254);
     // Admitted and then failed before it was handed over: out of the backlog.
-    h.limits.admit_prompt(40).unwrap();
+    h.limits.admit_prompt(40, None).unwrap();
     h.limits.withdraw_prompt(40);
     assert_eq!(h.limits.prefill_backlog(), 254);
     h.run_to_end();

@@ -147,6 +147,7 @@ impl Admission {
                 ),
                 retry_after_s: self.retry_after_s(),
                 code: "shedding",
+                booking: None,
             });
         }
         let permit = match Arc::clone(&self.permits).try_acquire_owned() {
@@ -165,6 +166,7 @@ impl Admission {
                         ),
                         retry_after_s: self.retry_after_s(),
                         code: "queue_full",
+                        booking: None,
                     });
                 }
                 let timeout = Duration::from_millis(self.config.queue_timeout_ms);
@@ -213,6 +215,12 @@ pub struct AdmissionConfig {
     pub max_waiting: usize,
     /// Longest wait for a slot; beyond this, 503.
     pub queue_timeout_ms: u64,
+    /// Bookings a language model's first-token gate keeps for the requests it refuses (0:
+    /// none; `engine::reservations`).
+    pub reservations: usize,
+    /// Tenants' weights in the first-token gate's fair order (a key's `tenant=`, or its id for
+    /// a key of its own, to a weight; everyone else weighs 1).
+    pub weights: std::collections::BTreeMap<String, f64>,
 }
 
 impl Default for AdmissionConfig {
@@ -221,7 +229,16 @@ impl Default for AdmissionConfig {
             max_in_flight: 64,
             max_waiting: 128,
             queue_timeout_ms: 30_000,
+            reservations: engine::scheduler::DEFAULT_RESERVATIONS,
+            weights: std::collections::BTreeMap::new(),
         }
+    }
+}
+
+impl AdmissionConfig {
+    /// A tenant's weight in the fair order.
+    pub fn weight(&self, tenant: &str) -> f64 {
+        self.weights.get(tenant).copied().unwrap_or(1.0)
     }
 }
 
@@ -235,6 +252,7 @@ mod tests {
             max_in_flight: 1,
             max_waiting: 1,
             queue_timeout_ms: 50,
+            ..AdmissionConfig::default()
         });
         let first = admission.acquire().await.unwrap();
         assert_eq!(admission.in_flight(), 1);
@@ -260,6 +278,7 @@ mod tests {
             max_in_flight: 4,
             max_waiting: 8,
             queue_timeout_ms: 1000,
+            ..AdmissionConfig::default()
         });
         admission.set_limit(2);
         let a = admission.acquire().await.unwrap();

@@ -53,6 +53,9 @@ pub enum ApiError {
         retry_after_s: u64,
         /// `queue_full`, `rate_limited` or `shedding` (the degradation controller).
         code: &'static str,
+        /// The first-token gate's precise wait and the request's booking, when it was
+        /// booked (`retry-after-ms`, `x-rampart-reservation`).
+        booking: Option<Booking>,
     },
     /// Waited too long for a slot, the server is draining, or the model is not ready.
     #[error("{message}")]
@@ -86,6 +89,28 @@ pub enum ApiError {
         message: String,
         reasons: Vec<String>,
     },
+}
+
+/// A refused request's booking at the first-token gate (`engine::reservations`): come back
+/// after `retry_after_ms` with the same identity (the `x-rampart-reservation` token, the
+/// `Idempotency-Key` or `X-Request-Id`, or the same body) to be let in ahead of newcomers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Booking {
+    pub retry_after_ms: u64,
+    /// The reservation token (none when the refusal made no booking).
+    pub token: Option<String>,
+}
+
+/// The reservation token of a booking's identity (what `x-rampart-reservation` carries).
+pub fn reservation_token(identity: u64) -> String {
+    format!("{identity:016x}")
+}
+
+/// The identity a reservation token names (none when it is not one).
+pub fn parse_reservation_token(token: &str) -> Option<u64> {
+    (token.len() == 16)
+        .then(|| u64::from_str_radix(token, 16).ok())
+        .flatten()
 }
 
 impl ApiError {
@@ -220,15 +245,32 @@ impl From<EngineError> for BackendError {
                 message: format!("the engine's queue is full ({limit} requests); retry later"),
                 retry_after_s: 1,
                 code: "queue_full",
+                booking: None,
             },
             // The first-token gate's refusal and the saturation's: both the degradation
             // controller shedding load before any compute.
-            e @ (EngineError::Shedding { retry_after_s, .. }
-            | EngineError::Warming { retry_after_s, .. }
+            // A gate refusal says to the millisecond when to come back, with the
+            // request's booking when it named itself.
+            e @ EngineError::Shedding {
+                retry_after_s,
+                retry_after_ms,
+                booked,
+                ..
+            } => BackendError::Overloaded {
+                message: e.to_string(),
+                retry_after_s,
+                code: "shedding",
+                booking: Some(Booking {
+                    retry_after_ms,
+                    token: booked.map(reservation_token),
+                }),
+            },
+            e @ (EngineError::Warming { retry_after_s, .. }
             | EngineError::Saturated { retry_after_s, .. }) => BackendError::Overloaded {
                 message: e.to_string(),
                 retry_after_s,
                 code: "shedding",
+                booking: None,
             },
             EngineError::Stopped => BackendError::Unavailable {
                 message: "the engine has stopped (the server is shutting down)".into(),
@@ -247,6 +289,7 @@ impl From<ClassicError> for BackendError {
                 message: e.to_string(),
                 retry_after_s: 1,
                 code: "queue_full",
+                booking: None,
             },
             e @ ClassicError::QueueTimeout { .. } => BackendError::Timeout {
                 message: e.to_string(),
@@ -282,10 +325,12 @@ impl From<BackendError> for ApiError {
                 message,
                 retry_after_s,
                 code,
+                booking,
             } => ApiError::Overloaded {
                 message,
                 retry_after_s,
                 code,
+                booking,
             },
             // A backend that timed out is unavailable to the client (503 with Retry-After).
             BackendError::Unavailable {

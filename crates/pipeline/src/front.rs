@@ -348,6 +348,7 @@ fn rate_limit(front: &Front, principal: &str, record: &mut RecordBuilder) -> Res
             message: format!("rate limit of key {principal:?} reached; retry in {wait} s"),
             retry_after_s: wait,
             code: "rate_limited",
+            booking: None,
         }
     })
 }

@@ -257,12 +257,14 @@ impl GuardService {
                 max_in_flight: config.config.workers.max(1),
                 max_waiting: config.config.queue,
                 queue_timeout_ms: config.config.queue_timeout_ms,
+                ..Default::default()
             }),
             lane: crate::lane::Lane::start("guard", config.config.workers, config.background_nice),
             short_pool: crate::admission::Admission::new(crate::admission::AdmissionConfig {
                 max_in_flight: config.config.workers.max(1),
                 max_waiting: config.config.queue,
                 queue_timeout_ms: config.config.queue_timeout_ms,
+                ..Default::default()
             }),
             short_lane: crate::lane::Lane::start("guard-short", config.config.workers, 0),
         }
@@ -633,6 +635,7 @@ async fn judge_on_lane(
                 ),
                 retry_after_s,
                 code: "queue_full",
+                booking: None,
             },
             _ => ApiError::Unavailable {
                 message: format!(

@@ -627,6 +627,7 @@ async fn maturity_report(
     let Ok(_permit) = ONE_AT_A_TIME.try_acquire() else {
         return ApiError::Overloaded {
             code: "maturity_busy",
+            booking: None,
             message: "a maturity report is being made; retry shortly".into(),
             retry_after_s: 2,
         }

@@ -1394,6 +1394,19 @@ impl ServerConfig {
                 "admission.max_in_flight must be at least 1".into(),
             ));
         }
+        if self.admission.reservations > 1_000_000 {
+            return Err(ConfigError(format!(
+                "admission.reservations = {}: at most 1000000 bookings per model",
+                self.admission.reservations
+            )));
+        }
+        for (tenant, weight) in &self.admission.weights {
+            if !(weight.is_finite() && (0.01..=1000.0).contains(weight)) {
+                return Err(ConfigError(format!(
+                    "admission.weights.{tenant} = {weight}: a weight between 0.01 and 1000"
+                )));
+            }
+        }
         let f = &self.feedback;
         if f.link_ttl_s == 0 || f.window_s == 0 || f.refresh_s == 0 || f.lane_capacity == 0 {
             return Err(ConfigError(

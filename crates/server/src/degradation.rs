@@ -172,6 +172,17 @@ pub struct GateView {
     pub margin_ms: f64,
     /// Prompts it refused since the engine started.
     pub refused: u64,
+    /// Capacity signals for an autoscaler: prompts the gate let in and refused per second
+    /// over the last window (a refused client that retries is counted each time).
+    pub admitted_per_second: f64,
+    pub shed_per_second: f64,
+    /// How long a new prompt would be predicted to wait to be read now: the backlog, every
+    /// booking and the margin (none before the reading rate is measured). Above `max_wait_ms`
+    /// the model needs more capacity than it has.
+    pub predicted_wait_ms: Option<f64>,
+    /// The bookings of refused requests (`[admission] reservations`): outstanding, their
+    /// prompt tokens, and what became of them.
+    pub reservations: engine::ReservationStats,
 }
 
 /// The share of the TTFT objective a prompt may be predicted to wait to be read (the rest is
@@ -185,6 +196,8 @@ struct ModelState {
     held_steps: u64,
     /// The engine's count of prompts its first-token gate refused, at the last window.
     gate_refusals: u64,
+    /// The gate's bookings' counters at the last window.
+    reservations: engine::ReservationStats,
     view: ModelView,
 }
 
@@ -353,6 +366,43 @@ fn gauges(entry: &Entry, d: &Decision) {
     .set(f64::from(d.level));
 }
 
+/// The capacity signals an autoscaler scales on, and what became of the gate's bookings.
+fn capacity_metrics(entry: &Entry, gate: &GateView, before: &engine::ReservationStats) {
+    let (model, version) = (entry.name.clone(), entry.version.clone());
+    let r = &gate.reservations;
+    for (name, value) in [
+        (
+            "rampart_capacity_admitted_per_second",
+            gate.admitted_per_second,
+        ),
+        ("rampart_capacity_shed_per_second", gate.shed_per_second),
+        (
+            "rampart_capacity_predicted_wait_seconds",
+            gate.predicted_wait_ms.unwrap_or(0.0) / 1e3,
+        ),
+        ("rampart_reservations_outstanding", r.outstanding as f64),
+        ("rampart_reservation_tokens", r.tokens as f64),
+    ] {
+        gauge!(name, "model" => model.clone(), "version" => version.clone()).set(value);
+    }
+    for (outcome, now, then) in [
+        ("issued", r.issued, before.issued),
+        ("honoured", r.honoured, before.honoured),
+        ("rebooked", r.rebooked, before.rebooked),
+        ("expired", r.expired, before.expired),
+        ("evicted", r.evicted, before.evicted),
+        ("unbooked", r.unbooked, before.unbooked),
+    ] {
+        counter!(
+            "rampart_reservations_total",
+            "model" => model.clone(),
+            "version" => version.clone(),
+            "outcome" => outcome
+        )
+        .increment(now.saturating_sub(then));
+    }
+}
+
 /// The 99th percentile of one window's samples, to a tenth of a millisecond.
 fn window_p99(samples: &[f32]) -> Option<f64> {
     degrade::p99_of(to_f64(samples), 1).map(|p| (p * 10.0).round() / 10.0)
@@ -371,6 +421,7 @@ fn arm_engine(config: &ServerConfig, engine: &Engine, ceilings: &Limits, objecti
     limits.set_saturation_wait_ms(config.degradation.saturation_wait_ms);
     // Prompts read within the TTFT objective are read earliest deadline first.
     limits.set_ttft_objective_ms(objectives.ttft_p99_ms.unwrap_or(0));
+    limits.set_max_reservations(config.admission.reservations);
 }
 
 /// Arms a language model's engine as its version is added to the registry, before its first
@@ -424,6 +475,7 @@ impl Degradation {
                     engine: Arc::clone(&engine),
                     held_steps: engine.snapshot().prefill_held_steps,
                     gate_refusals: engine.limits().gate_refusals(),
+                    reservations: engine.limits().reservations(),
                     view: ModelView {
                         backend: entry.id.clone(),
                         model: entry.name.clone(),
@@ -517,13 +569,23 @@ impl Degradation {
             state.view.signals = decision.signals;
             state.view.window = decision.window;
             let gate = state.engine.limits();
+            let reservations = gate.reservations();
+            let before = std::mem::replace(&mut state.reservations, reservations);
             state.view.first_token_gate = (gate.max_prefill_wait_ms() > 0).then(|| GateView {
                 max_wait_ms: gate.max_prefill_wait_ms(),
                 backlog_tokens: gate.prefill_backlog(),
                 prompt_tokens_per_second: gate.prefill_rate(),
                 margin_ms: gate.first_token_margin_ms(),
                 refused: gate.gate_refusals(),
+                admitted_per_second: reservations.admitted.saturating_sub(before.admitted) as f64
+                    / window_s,
+                shed_per_second: observation.gate_refused as f64 / window_s,
+                predicted_wait_ms: gate.predicted_wait_ms(0),
+                reservations,
             });
+            if let Some(view) = &state.view.first_token_gate {
+                capacity_metrics(entry, view, &before);
+            }
             state.view.saturation_refused = gate.saturation_refusals();
             state.view.prefill_depth_equivalent = snapshot.prefill_depth_equivalent;
             state.view.itl_window = itl_window;

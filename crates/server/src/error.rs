@@ -92,6 +92,23 @@ impl WireError for ApiError {
                 HeaderValue::from(seconds.max(1)),
             );
         }
+        // The first-token gate's wait to the millisecond (what the official OpenAI clients
+        // read first) and the request's booking.
+        if let ApiError::Overloaded {
+            booking: Some(booking),
+            ..
+        } = &self
+        {
+            let headers = response.headers_mut();
+            headers.insert("retry-after-ms", HeaderValue::from(booking.retry_after_ms));
+            if let Some(token) = booking
+                .token
+                .as_deref()
+                .and_then(|t| HeaderValue::from_str(t).ok())
+            {
+                headers.insert(crate::claims::RESERVATION_HEADER, token);
+            }
+        }
         if matches!(self, ApiError::Unauthorized(_)) {
             response.headers_mut().insert(
                 axum::http::header::WWW_AUTHENTICATE,

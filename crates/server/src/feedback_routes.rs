@@ -423,6 +423,7 @@ fn admit(limiter: &SubmissionLimiter, key: &str, who: &str) -> Result<(), Refusa
                 ),
                 retry_after_s: wait,
                 code: "rate_limited",
+                booking: None,
             },
             "rate_limited",
         )

@@ -1078,6 +1078,7 @@ mod tests {
                     message: "queue full".into(),
                     retry_after_s: 3,
                     code: "queue_full",
+                    booking: None,
                 },
                 Code::ResourceExhausted,
             ),
@@ -1099,6 +1100,7 @@ mod tests {
             message: "x".into(),
             retry_after_s: 3,
             code: "rate_limited",
+            booking: None,
         }
         .grpc_status();
         assert_eq!(s.metadata().get("retry-after").unwrap(), "3");

@@ -34,6 +34,7 @@ pub use pipeline::{
 pub mod audit_routes;
 pub mod auth;
 pub mod baseline;
+pub mod claims;
 pub mod config;
 pub mod connections;
 pub mod correction_stream;

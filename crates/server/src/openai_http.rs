@@ -91,24 +91,33 @@ async fn generate(
         .get(header::ACCEPT_LANGUAGE)
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
-    let mut response =
-        match start(&state, &principal.0, body, endpoint, language, &mut record).await {
-            Ok(reply) => {
-                record.record.stream = reply.shape.stream;
-                let fallback = reply.fallback.clone();
-                let mut response = if reply.shape.stream {
-                    stream_response(reply, record)
-                } else {
-                    collect_response(reply, record).await
-                };
-                crate::marks::mark_fallback(&mut response, fallback.as_ref());
-                response
-            }
-            Err(e) => {
-                let _ = front::settle::<()>(&mut record, Err(&e)).await;
-                e.into_response()
-            }
-        };
+    let mut response = match start(
+        &state,
+        &principal.0,
+        headers,
+        body,
+        endpoint,
+        language,
+        &mut record,
+    )
+    .await
+    {
+        Ok(reply) => {
+            record.record.stream = reply.shape.stream;
+            let fallback = reply.fallback.clone();
+            let mut response = if reply.shape.stream {
+                stream_response(reply, record)
+            } else {
+                collect_response(reply, record).await
+            };
+            crate::marks::mark_fallback(&mut response, fallback.as_ref());
+            response
+        }
+        Err(e) => {
+            let _ = front::settle::<()>(&mut record, Err(&e)).await;
+            e.into_response()
+        }
+    };
     crate::marks::mark_audit(&mut response, &audit_id);
     crate::feedback_routes::stamp(&state, &mut response, &audit_id);
     response
@@ -118,6 +127,7 @@ async fn generate(
 async fn start(
     state: &Arc<AppState>,
     principal: &str,
+    headers: &HeaderMap,
     body: Body,
     endpoint: Endpoint,
     language: Option<String>,
@@ -126,6 +136,17 @@ async fn start(
     let bytes = identity::read_body(body, state.config.limits.max_body_bytes, record).await?;
     let (model, mut plan) = decode_generation(&bytes, endpoint, &state.config.limits)?;
     plan.language = language;
+    // Who it is, for the first-token gate's bookings and fair order.
+    let tenant = state
+        .keys
+        .as_ref()
+        .map_or(principal, |keys| keys.tenant(principal));
+    plan.request.claim = Some(crate::claims::claim(
+        tenant,
+        state.config.admission.weight(tenant),
+        headers,
+        &bytes,
+    ));
     note_input(record, endpoint, &plan, state.config.monitor.enabled);
     let shape = Shape {
         stream: plan.stream,

@@ -135,6 +135,7 @@ impl AppState {
                 max_in_flight: config.limits.tokenize_in_flight.max(1),
                 max_waiting: config.limits.tokenize_waiting,
                 queue_timeout_ms: config.limits.tokenize_timeout_ms,
+                ..Default::default()
             }),
             tokenize_lane: crate::lane::Lane::start(
                 "tokenize",

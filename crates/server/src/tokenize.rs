@@ -146,6 +146,7 @@ async fn admit(state: &AppState, principal: &str) -> Result<Slot, ApiError> {
             message: format!("rate limit of key {principal:?} reached; retry in {wait} s"),
             retry_after_s: wait,
             code: "rate_limited",
+            booking: None,
         });
     }
     state.tokenizing.acquire().await.inspect_err(|e| {

@@ -150,6 +150,7 @@ impl InferenceBackend for FakeTensor {
                     message: "the batcher's queue is full".into(),
                     retry_after_s: 2,
                     code: "queue_full",
+                    booking: None,
                 });
             }
             record.record.items = input.batch();
@@ -389,6 +390,7 @@ async fn typed_backend_errors_become_their_status_codes() {
                 message: "queue full".into(),
                 retry_after_s: 3,
                 code: "queue_full",
+                booking: None,
             },
             429,
             "rate_limit_error",

@@ -277,6 +277,8 @@ pub enum BackendError {
         message: String,
         retry_after_s: u64,
         code: &'static str,
+        /// The first-token gate's booking, when it made one.
+        booking: Option<crate::error::Booking>,
     },
     /// The backend is stopping or not ready.
     #[error("{message}")]
@@ -428,6 +430,7 @@ mod tests {
                     message: "full".into(),
                     retry_after_s: 1,
                     code: "queue_full",
+                    booking: None,
                 },
                 FailureClass::Overload,
             ),

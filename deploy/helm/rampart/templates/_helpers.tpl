@@ -434,6 +434,8 @@ and the same signal over the release's pods for KEDA, with KEDA's metric type.
 {{- toYaml (dict "query" (printf "sum(rampart_tensor_queue_depth{%s})" $sel) "metricType" "AverageValue") -}}
 {{- else if eq $metric.name "rampart_shed_per_second" -}}
 {{- toYaml (dict "query" (printf "sum(rate(rampart_rejected_requests_total{%s,reason=~\"queue_full|shedding|queue_timeout\"}[2m]))" $sel) "metricType" "AverageValue") -}}
+{{- else if eq $metric.name "rampart_predicted_wait_seconds" -}}
+{{- toYaml (dict "query" (printf "max(rampart_capacity_predicted_wait_seconds{%s})" $sel) "metricType" "Value") -}}
 {{- else if eq $metric.name "rampart_ttft_p99_seconds" -}}
 {{- toYaml (dict "query" (printf "histogram_quantile(0.99, sum by (le) (rate(rampart_time_to_first_token_seconds_bucket{%s}[2m])))" $sel) "metricType" "Value") -}}
 {{- else -}}

@@ -14,6 +14,12 @@ Prints one JSON object: the admitted requests' TTFT and inter-token latency perc
 output tokens per second over the run, the refusals (how many, how fast they came back, whether
 they carried Retry-After) and any other errors.
 
+With --official-retries N the client is the official one as users run it: it retries a 429 by
+itself, up to N times, with the same request (openai-python waits `retry-after-ms`, else
+`Retry-After` when at most 60 s, else its own backoff), and the numbers are the user's: TTFT
+counted from the first attempt ("user_ttft_ms"), beside the admitted attempt's own ("ttft_ms"),
+the attempts each request took, and the requests that never succeeded ("gave_up").
+
     python3 scripts/bench_slo.py --url http://127.0.0.1:8080/v1 --model smollm2-135m \
         --clients 48 --duration 120 --seed 1
 """
@@ -57,11 +63,42 @@ def by_words(samples, args):
             for k, v in sorted(bins.items(), key=lambda kv: int(kv[0].split("-")[0]))}
 
 
+def official_client(args):
+    """One client of its own (its hooks see only its own requests): the official retries, and
+    the time each attempt was sent."""
+    try:  # the HTTP client the installed openai package is built on
+        import httpx2 as httpx
+    except ImportError:
+        import httpx
+
+    sent = []
+    refused = []
+
+    async def on_request(request):
+        sent.append(time.monotonic())
+
+    async def on_response(response):
+        if response.status_code == 429:
+            refused.append(response.headers.get("retry-after-ms") or response.headers.get("retry-after"))
+
+    http = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=4),
+                             event_hooks={"request": [on_request], "response": [on_response]})
+    client = openai.AsyncOpenAI(base_url=args.url, api_key=args.api_key,
+                                max_retries=args.official_retries, timeout=600, http_client=http)
+    return client, sent, refused
+
+
 async def client_loop(client, args, rng, deadline, out, long=False):
+    sent = refused = None
+    if args.official_retries is not None:
+        client, sent, refused = official_client(args)
     while time.monotonic() < deadline:
         words = args.long_words if long else rng.randint(args.min_words, args.max_words)
         prompt = " ".join(rng.choice(WORDS) for _ in range(words))
         start = time.monotonic()
+        if sent is not None:
+            sent.clear()
+            refused.clear()
         first = None
         last = None
         gaps = []
@@ -87,12 +124,23 @@ async def client_loop(client, args, rng, deadline, out, long=False):
                 tokens += 1
             end = time.monotonic()
             if first is not None and end <= deadline + args.grace:
-                out["ttft"].append(first - start)
-                out["ttft_words"].append((words, first - start))
+                # The admitted attempt's own TTFT; the user's counts from the first attempt.
+                admitted_at = sent[-1] if sent else start
+                out["ttft"].append(first - admitted_at)
+                out["user_ttft"].append(first - start)
+                out["attempts"].append(len(sent) if sent else 1)
+                out["refused"] += len(refused) if refused else 0
+                out["ttft_words"].append((words, first - admitted_at))
                 out["itl"].extend(gaps)
                 out["tokens"] += tokens
                 out["done"] += 1
         except openai.RateLimitError as e:
+            if sent is not None:
+                # The official client gave up after its retries.
+                if time.monotonic() <= deadline + args.grace:
+                    out["gave_up"] += 1
+                    out["refused"] += len(refused)
+                continue
             took = time.monotonic() - start
             retry = e.response.headers.get("retry-after")
             out["refused"] += 1
@@ -122,14 +170,15 @@ async def main():
     p.add_argument("--grace", type=float, default=0.0)
     p.add_argument("--long-clients", type=int, default=0)
     p.add_argument("--long-words", type=int, default=3500)
+    p.add_argument("--official-retries", type=int, default=None,
+                   help="let the official client retry 429s itself, up to N times (user TTFT)")
     args = p.parse_args()
     client = openai.AsyncOpenAI(base_url=args.url, api_key=args.api_key, max_retries=0, timeout=600)
-    warm = {"ttft": [], "itl": [], "tokens": 0, "done": 0, "refused": 0,
-            "refusal_seconds": [], "with_retry_after": 0, "errors": {}, "ttft_words": []}
-    out = {"ttft": [], "itl": [], "tokens": 0, "done": 0, "refused": 0,
-           "refusal_seconds": [], "with_retry_after": 0, "errors": {}, "ttft_words": []}
-    long_out = {"ttft": [], "itl": [], "tokens": 0, "done": 0, "refused": 0,
-                "refusal_seconds": [], "with_retry_after": 0, "errors": {}, "ttft_words": []}
+    def tally():
+        return {"ttft": [], "itl": [], "tokens": 0, "done": 0, "refused": 0,
+                "refusal_seconds": [], "with_retry_after": 0, "errors": {}, "ttft_words": [],
+                "user_ttft": [], "attempts": [], "gave_up": 0}
+    warm, out, long_out = tally(), tally(), tally()
     if args.warmup > 0:
         deadline = time.monotonic() + args.warmup
         await asyncio.gather(*(client_loop(client, args, random.Random(args.seed * 1000 + 500 + i),
@@ -168,6 +217,16 @@ async def main():
             "ttft_ms_max": ms(max(long_out["ttft"]) if long_out["ttft"] else None),
             "refused": long_out["refused"], "errors": long_out["errors"]},
         "itl_ms_max": ms(max(out["itl"]) if out["itl"] else None),
+        "official_retries": args.official_retries,
+        "user_ttft_ms": None if args.official_retries is None else {
+            "p50": ms(percentile(out["user_ttft"], 50)), "p90": ms(percentile(out["user_ttft"], 90)),
+            "p99": ms(percentile(out["user_ttft"], 99)),
+            "max": ms(max(out["user_ttft"]) if out["user_ttft"] else None)},
+        "gave_up": out["gave_up"],
+        "gave_up_share": round(out["gave_up"] / max(1, out["gave_up"] + out["done"]), 4),
+        "attempts": None if not out["attempts"] else {
+            "mean": round(sum(out["attempts"]) / len(out["attempts"]), 2),
+            "p99": percentile(out["attempts"], 99), "max": max(out["attempts"])},
     }))
 
 

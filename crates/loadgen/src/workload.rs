@@ -33,6 +33,11 @@ impl SplitMix64 {
     pub fn below(&mut self, bound: usize) -> usize {
         ((u128::from(self.next_u64()) * bound as u128) >> 64) as usize
     }
+
+    /// A uniform float in `[0, 1)`: the top 53 bits, as Python's `random()` has them.
+    pub fn unit_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
 }
 
 /// Common English words, each a single token (with a leading space) in GPT-2, Llama and SmolLM
@@ -128,21 +133,41 @@ impl WorkloadConfig {
     /// requests; distinct streams (the warm-up, each concurrency level) give distinct prompts, so
     /// that one level does not find its prompts in a server's prefix cache left by another.
     pub fn plan(&self, stream: u64, count: usize) -> Vec<PlannedRequest> {
-        let mut rng = SplitMix64::new(self.seed ^ stream.wrapping_mul(0xD1B5_4A32_D192_ED03));
-        (0..count)
-            .map(|_| {
-                let prompt_words = sample_length(&mut rng, self.prompt_tokens, self.prompt_spread);
-                let max_tokens = sample_length(&mut rng, self.output_tokens, self.output_spread);
-                let words: Vec<&str> = (0..prompt_words)
-                    .map(|_| WORDS[rng.below(WORDS.len())])
-                    .collect();
-                PlannedRequest {
-                    prompt: words.join(" "),
-                    prompt_words,
-                    max_tokens,
-                }
-            })
-            .collect()
+        self.requests(stream).take(count).collect()
+    }
+
+    /// The endless requests of stream `stream`, drawn one at a time: [`plan`](Self::plan) for a
+    /// run whose length is a duration, not a count.
+    pub fn requests(&self, stream: u64) -> PlannedRequests {
+        PlannedRequests {
+            workload: self.clone(),
+            rng: SplitMix64::new(self.seed ^ stream.wrapping_mul(0xD1B5_4A32_D192_ED03)),
+        }
+    }
+}
+
+/// The requests of one stream in order (see [`WorkloadConfig::requests`]); never ends.
+#[derive(Debug, Clone)]
+pub struct PlannedRequests {
+    workload: WorkloadConfig,
+    rng: SplitMix64,
+}
+
+impl Iterator for PlannedRequests {
+    type Item = PlannedRequest;
+
+    fn next(&mut self) -> Option<PlannedRequest> {
+        let (workload, rng) = (&self.workload, &mut self.rng);
+        let prompt_words = sample_length(rng, workload.prompt_tokens, workload.prompt_spread);
+        let max_tokens = sample_length(rng, workload.output_tokens, workload.output_spread);
+        let words: Vec<&str> = (0..prompt_words)
+            .map(|_| WORDS[rng.below(WORDS.len())])
+            .collect();
+        Some(PlannedRequest {
+            prompt: words.join(" "),
+            prompt_words,
+            max_tokens,
+        })
     }
 }
 
@@ -174,6 +199,20 @@ mod tests {
     }
 
     #[test]
+    fn unit_floats_are_in_range_and_uniform() {
+        let mut rng = SplitMix64::new(5);
+        let draws: Vec<f64> = (0..10_000).map(|_| rng.unit_f64()).collect();
+        assert!(draws.iter().all(|&u| (0.0..1.0).contains(&u)));
+        let mean = draws.iter().sum::<f64>() / draws.len() as f64;
+        assert!((mean - 0.5).abs() < 0.01, "mean {mean}");
+        let below_tenth = draws.iter().filter(|&&u| u < 0.1).count();
+        assert!(
+            (900..1100).contains(&below_tenth),
+            "{below_tenth} below 0.1"
+        );
+    }
+
+    #[test]
     fn words_are_distinct_single_words() {
         let mut sorted = WORDS.to_vec();
         sorted.sort_unstable();
@@ -200,8 +239,10 @@ mod tests {
             ..config.clone()
         };
         assert_ne!(config.plan(1, 10), other_seed.plan(1, 10));
-        // A longer plan starts with the shorter one.
+        // A longer plan starts with the shorter one, and the endless stream with both.
         assert_eq!(config.plan(1, 20)[..10], config.plan(1, 10)[..]);
+        let drawn: Vec<PlannedRequest> = config.requests(1).take(20).collect();
+        assert_eq!(drawn, config.plan(1, 20));
     }
 
     #[test]

@@ -1,11 +1,13 @@
 //! The load generator against a tiny in-process OpenAI server: hand-written HTTP/1.1 over a
-//! TcpListener, streaming SSE in chunked encoding with known delays, events split across writes.
+//! TcpListener, streaming SSE in chunked encoding with known delays, events split across writes;
+//! it can refuse each prompt a number of times first, with the headers of a shedding server.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use loadgen::{Benchmark, BenchmarkConfig, Endpoint, LoadgenError, WorkloadConfig};
+use loadgen::{Arrivals, Benchmark, BenchmarkConfig, Endpoint, LoadgenError, WorkloadConfig};
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -20,14 +22,37 @@ struct Behaviour {
     usage: Option<(usize, usize)>,
     /// Answer every completion request with this status and body instead of a stream.
     failure: Option<(u16, String)>,
+    /// Refuse each distinct prompt this way before streaming it.
+    refusal: Option<Refusal>,
+}
+
+#[derive(Clone)]
+struct Refusal {
+    /// Attempts refused per prompt (`usize::MAX`: always).
+    times: usize,
+    status: u16,
+    headers: Vec<(&'static str, &'static str)>,
+    body: &'static str,
+}
+
+/// One completion request as the server received it.
+#[derive(Clone)]
+struct Received {
+    path: String,
+    body: Value,
+    /// Lower-case names.
+    headers: HashMap<String, String>,
+    at: Instant,
 }
 
 #[derive(Default)]
 struct Seen {
     in_flight: AtomicUsize,
     max_in_flight: AtomicUsize,
-    /// (path, JSON body) of every completion request.
-    requests: Mutex<Vec<(String, Value)>>,
+    /// Every completion request, in the order received.
+    received: Mutex<Vec<Received>>,
+    /// Refusals so far, by prompt.
+    refused: Mutex<HashMap<String, usize>>,
 }
 
 struct FakeServer {
@@ -68,7 +93,14 @@ impl FakeServer {
     }
 
     fn requests(&self) -> Vec<(String, Value)> {
-        self.seen.requests.lock().expect("not poisoned").clone()
+        self.received()
+            .into_iter()
+            .map(|received| (received.path, received.body))
+            .collect()
+    }
+
+    fn received(&self) -> Vec<Received> {
+        self.seen.received.lock().expect("not poisoned").clone()
     }
 
     fn max_in_flight(&self) -> usize {
@@ -79,6 +111,7 @@ impl FakeServer {
 struct HttpRequest {
     method: String,
     path: String,
+    headers: HashMap<String, String>,
     body: Vec<u8>,
 }
 
@@ -103,17 +136,25 @@ async fn read_request(socket: &mut TcpStream, buffer: &mut Vec<u8>) -> Option<Ht
         request_line.next()?.to_string(),
         request_line.next()?.to_string(),
     );
-    let content_length: usize = lines
+    let headers: HashMap<String, String> = lines
         .filter_map(|line| line.split_once(':'))
-        .find(|(name, _)| name.eq_ignore_ascii_case("content-length"))
-        .and_then(|(_, value)| value.trim().parse().ok())
+        .map(|(name, value)| (name.to_ascii_lowercase(), value.trim().to_string()))
+        .collect();
+    let content_length: usize = headers
+        .get("content-length")
+        .and_then(|value| value.parse().ok())
         .unwrap_or(0);
     while buffer.len() < header_end + content_length {
         read_more(socket, buffer).await?;
     }
     let body = buffer[header_end..header_end + content_length].to_vec();
     buffer.drain(..header_end + content_length);
-    Some(HttpRequest { method, path, body })
+    Some(HttpRequest {
+        method,
+        path,
+        headers,
+        body,
+    })
 }
 
 async fn serve_connection(mut socket: TcpStream, behaviour: Arc<Behaviour>, seen: Arc<Seen>) {
@@ -127,10 +168,34 @@ async fn serve_connection(mut socket: TcpStream, behaviour: Arc<Behaviour>, seen
             }
             ("POST", "/v1/completions" | "/v1/chat/completions") => {
                 let body: Value = serde_json::from_slice(&request.body).expect("JSON request body");
-                seen.requests
-                    .lock()
-                    .expect("not poisoned")
-                    .push((request.path.clone(), body.clone()));
+                seen.received.lock().expect("not poisoned").push(Received {
+                    path: request.path.clone(),
+                    body: body.clone(),
+                    headers: request.headers.clone(),
+                    at: Instant::now(),
+                });
+                if let Some(refusal) = &behaviour.refusal {
+                    let prompt = body.get("prompt").unwrap_or(&body["messages"]).to_string();
+                    let refused = {
+                        let mut refused = seen.refused.lock().expect("not poisoned");
+                        let count = refused.entry(prompt).or_default();
+                        *count += 1;
+                        *count <= refusal.times
+                    };
+                    if refused {
+                        let answered = respond_with(
+                            &mut socket,
+                            refusal.status,
+                            &refusal.headers,
+                            refusal.body,
+                        )
+                        .await;
+                        if answered.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                }
                 let now = seen.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
                 seen.max_in_flight.fetch_max(now, Ordering::SeqCst);
                 // A request leaves flight before its last bytes go out: the client may send its
@@ -166,8 +231,21 @@ async fn serve_connection(mut socket: TcpStream, behaviour: Arc<Behaviour>, seen
 }
 
 async fn respond(socket: &mut TcpStream, status: u16, body: &str) -> std::io::Result<()> {
+    respond_with(socket, status, &[], body).await
+}
+
+async fn respond_with(
+    socket: &mut TcpStream,
+    status: u16,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> std::io::Result<()> {
+    let extra: String = headers
+        .iter()
+        .map(|(name, value)| format!("{name}: {value}\r\n"))
+        .collect();
     let head = format!(
-        "HTTP/1.1 {status} Fake\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        "HTTP/1.1 {status} Fake\r\ncontent-type: application/json\r\n{extra}content-length: {}\r\n\r\n",
         body.len()
     );
     socket.write_all(head.as_bytes()).await?;
@@ -454,4 +532,262 @@ fn unreachable_server_fails_model_lookup_and_requests() {
         "{:?}",
         level.errors
     );
+}
+
+const SHED_429: Refusal = Refusal {
+    times: 2,
+    status: 429,
+    headers: Vec::new(),
+    body: r#"{"error":{"message":"overloaded","type":"rate_limit_error"}}"#,
+};
+
+#[test]
+fn refused_requests_are_sent_again_identically_and_users_wait_for_it() {
+    let server = FakeServer::start(Behaviour {
+        time_to_first_token: Duration::from_millis(10),
+        inter_token: Duration::from_millis(5),
+        refusal: Some(Refusal {
+            headers: vec![("retry-after-ms", "50"), ("retry-after", "1")],
+            ..SHED_429
+        }),
+        ..Behaviour::default()
+    });
+    let mut benchmark = Benchmark::new(BenchmarkConfig {
+        max_retries: 30,
+        send_request_id: true,
+        api_key: Some("sk-test".to_string()),
+        ..config(&server.url, 3, 1)
+    })
+    .expect("benchmark starts");
+    let level = benchmark.run_level(1).expect("level runs");
+    assert_eq!((level.requests, level.completed, level.failed), (1, 1, 0));
+    assert_eq!(
+        (level.gave_up, level.retries, level.responses_429),
+        (0, 2, 2)
+    );
+    assert!(level.errors.is_empty(), "{:?}", level.errors);
+
+    let received = server.received();
+    assert_eq!(received.len(), 3, "two refusals, then the stream");
+    for (retries, attempt) in received.iter().enumerate() {
+        assert_eq!(attempt.body, received[0].body, "the same body every time");
+        assert_eq!(
+            attempt.headers["x-stainless-retry-count"],
+            retries.to_string()
+        );
+        for header in ["x-request-id", "authorization", "content-type"] {
+            assert_eq!(
+                attempt.headers[header], received[0].headers[header],
+                "{header}"
+            );
+        }
+    }
+    assert!(received[0].headers["x-request-id"].starts_with("loadgen-"));
+    assert_eq!(received[0].headers["authorization"], "Bearer sk-test");
+    // retry-after-ms (50 ms) wins over Retry-After (1 s).
+    for pair in received.windows(2) {
+        let gap = pair[1].at - pair[0].at;
+        assert!(
+            gap >= Duration::from_millis(50) && gap < Duration::from_millis(900),
+            "{gap:?} between attempts"
+        );
+    }
+
+    let user = level.user_ttft_ms.expect("user TTFT").p50;
+    let admitted = level.ttft_ms.expect("admitted TTFT").p50;
+    assert!(user >= 100.0, "user TTFT {user} ms counts both waits");
+    assert!(
+        user - admitted >= 100.0,
+        "user {user} ms, admitted {admitted} ms"
+    );
+    assert!(
+        admitted < 100.0,
+        "the admitted attempt waited {admitted} ms"
+    );
+    let user_e2e = level.user_e2e_ms.expect("user E2E").p50;
+    assert!(user_e2e - level.e2e_ms.expect("E2E").p50 >= 100.0);
+}
+
+#[test]
+fn a_server_that_always_refuses_is_given_up_on_after_max_retries() {
+    let server = FakeServer::start(Behaviour {
+        refusal: Some(Refusal {
+            times: usize::MAX,
+            headers: vec![("retry-after-ms", "10")],
+            ..SHED_429
+        }),
+        ..Behaviour::default()
+    });
+    let mut benchmark = Benchmark::new(BenchmarkConfig {
+        max_retries: 3,
+        ..config(&server.url, 3, 2)
+    })
+    .expect("benchmark starts");
+    let level = benchmark.run_level(2).expect("level runs");
+    assert_eq!((level.requests, level.completed, level.failed), (2, 0, 2));
+    assert_eq!(level.gave_up, 2);
+    assert_eq!((level.retries, level.responses_429), (6, 8));
+    assert_eq!(server.received().len(), 8, "1 + 3 attempts each");
+    assert_eq!(level.errors.len(), 1);
+    assert_eq!(level.errors[0].count, 2);
+    assert!(
+        level.errors[0].message.starts_with("HTTP 429: "),
+        "{:?}",
+        level.errors
+    );
+    assert!(level.user_ttft_ms.is_none() && level.ttft_ms.is_none());
+    let warmup = benchmark.warm_up();
+    let report = benchmark.report(warmup, vec![level]);
+    assert!(report.every_request_failed());
+    let json = serde_json::to_value(&report).expect("serializes");
+    assert_eq!(json["max_retries"], 3);
+    assert_eq!(json["levels"][0]["gave_up"], 2);
+}
+
+#[test]
+fn retry_after_beyond_60_s_falls_back_to_the_backoff() {
+    let server = FakeServer::start(Behaviour {
+        refusal: Some(Refusal {
+            times: 1,
+            status: 503,
+            headers: vec![("retry-after", "120")],
+            body: "restarting",
+        }),
+        ..Behaviour::default()
+    });
+    let mut benchmark = Benchmark::new(BenchmarkConfig {
+        max_retries: 2,
+        ..config(&server.url, 2, 1)
+    })
+    .expect("benchmark starts");
+    let level = benchmark.run_level(1).expect("level runs");
+    assert_eq!(
+        (level.completed, level.retries, level.responses_429),
+        (1, 1, 0)
+    );
+    let received = server.received();
+    assert_eq!(received.len(), 2);
+    // The first backoff: 0.5 s less up to a quarter of jitter, not 120 s.
+    let gap = received[1].at - received[0].at;
+    assert!(
+        gap >= Duration::from_millis(370) && gap < Duration::from_secs(5),
+        "{gap:?} between attempts"
+    );
+}
+
+#[test]
+fn refusals_the_clients_do_not_retry_end_the_request() {
+    for (status, headers) in [(429, vec![("x-should-retry", "false")]), (400, vec![])] {
+        let server = FakeServer::start(Behaviour {
+            refusal: Some(Refusal {
+                times: usize::MAX,
+                status,
+                headers,
+                body: "no",
+            }),
+            ..Behaviour::default()
+        });
+        let mut benchmark = Benchmark::new(BenchmarkConfig {
+            max_retries: 5,
+            ..config(&server.url, 2, 1)
+        })
+        .expect("benchmark starts");
+        let level = benchmark.run_level(1).expect("level runs");
+        assert_eq!(
+            (level.failed, level.gave_up, level.retries),
+            (1, 0, 0),
+            "{status}"
+        );
+        assert_eq!(server.received().len(), 1);
+    }
+}
+
+#[test]
+fn bursts_arrive_together_and_the_cap_drops_the_excess() {
+    let behaviour = Behaviour {
+        time_to_first_token: Duration::from_millis(60),
+        inter_token: Duration::from_millis(10),
+        ..Behaviour::default()
+    };
+    let bursts = Arrivals::Burst {
+        size: 3,
+        every_s: 0.5,
+        rate_per_s: 0.0,
+    };
+    let server = FakeServer::start(behaviour.clone());
+    let mut benchmark = Benchmark::new(config(&server.url, 3, 6)).expect("benchmark starts");
+    let level = benchmark.run(bursts).expect("level runs");
+    assert_eq!((level.requests, level.completed, level.dropped), (6, 6, 0));
+    assert_eq!(level.arrivals, bursts);
+    assert_eq!(server.max_in_flight(), 3, "a burst at a time");
+    assert_eq!(level.peak_outstanding, 3);
+    assert_eq!(level.concurrency, 3, "an open loop reports its peak");
+    let at: Vec<Instant> = server.received().iter().map(|r| r.at).collect();
+    assert!(
+        at[2] - at[0] < Duration::from_millis(250),
+        "{:?}",
+        at[2] - at[0]
+    );
+    assert!(
+        at[3] - at[0] >= Duration::from_millis(400),
+        "{:?}",
+        at[3] - at[0]
+    );
+    assert!(
+        at[5] - at[3] < Duration::from_millis(250),
+        "{:?}",
+        at[5] - at[3]
+    );
+    assert!(level.duration_s >= 0.5);
+
+    // With at most 2 outstanding, the third of each burst is dropped, never sent.
+    let server = FakeServer::start(behaviour);
+    let mut benchmark = Benchmark::new(BenchmarkConfig {
+        max_outstanding: 2,
+        ..config(&server.url, 3, 6)
+    })
+    .expect("benchmark starts");
+    let level = benchmark.run(bursts).expect("level runs");
+    assert_eq!((level.requests, level.completed, level.dropped), (4, 4, 2));
+    assert_eq!(level.peak_outstanding, 2);
+    assert_eq!(server.received().len(), 4);
+}
+
+#[test]
+fn poisson_arrivals_run_for_the_duration() {
+    let server = FakeServer::start(Behaviour {
+        time_to_first_token: Duration::from_millis(5),
+        inter_token: Duration::from_millis(5),
+        ..Behaviour::default()
+    });
+    let mut benchmark = Benchmark::new(BenchmarkConfig {
+        open_loop_duration: Some(Duration::from_millis(800)),
+        ..config(&server.url, 2, 1)
+    })
+    .expect("benchmark starts");
+    let level = benchmark
+        .run(Arrivals::Poisson { rate_per_s: 40.0 })
+        .expect("level runs");
+    // 32 expected; the count is a draw of the seeded schedule.
+    assert!(
+        (10..70).contains(&level.requests),
+        "{} requests",
+        level.requests
+    );
+    assert_eq!(
+        (level.completed, level.failed, level.dropped),
+        (level.requests, 0, 0)
+    );
+    assert!(level.duration_s >= 0.6, "{} s", level.duration_s);
+    assert_eq!(level.user_ttft_ms, level.ttft_ms, "nothing retried");
+    // Without retries or --request-id, requests carry neither header (as before).
+    for received in server.received() {
+        assert!(!received.headers.contains_key("x-stainless-retry-count"));
+        assert!(!received.headers.contains_key("x-request-id"));
+    }
+    let warmup = benchmark.warm_up();
+    let report = benchmark.report(warmup, vec![level]);
+    let json = serde_json::to_value(&report).expect("serializes");
+    assert_eq!(json["open_loop_duration_s"], 0.8);
+    assert_eq!(json["levels"][0]["arrivals"]["kind"], "poisson");
 }

@@ -10,7 +10,8 @@ use anyhow::{bail, Context, Result};
 use clap::builder::RangedU64ValueParser;
 use clap::Subcommand;
 use engine::bench::{batched, median, perplexity, prefix_reuse, throughput};
-use loadgen::{report::TABLE_HEADER, Benchmark, BenchmarkConfig, Endpoint, WorkloadConfig};
+use loadgen::report::{TABLE_HEADER, USER_TABLE_HEADER};
+use loadgen::{Arrivals, Benchmark, BenchmarkConfig, Endpoint, WorkloadConfig};
 use serde_json::json;
 
 use crate::engine_args::ModelChoice;
@@ -209,7 +210,9 @@ pub enum BenchCommand {
     },
     /// Load a running OpenAI-compatible server (Rampart, llama-server, vLLM) with concurrent
     /// streaming requests; report throughput and TTFT, TPOT, ITL and end-to-end latency per
-    /// concurrency level (like vLLM's benchmark_serving.py).
+    /// concurrency level (like vLLM's benchmark_serving.py). Open-loop arrivals (Poisson,
+    /// bursts) and the official OpenAI clients' retries show a shedding server as its users
+    /// see it: retries, give-ups and the time to first token from a request's first attempt.
     Serve(ServeArgs),
     /// Attack a running Rampart as a holder of an ordinary key (or of none) would: floods of
     /// unauthenticated requests, lying and oversized tensor bodies, guard-cost bombs, feedback
@@ -290,6 +293,18 @@ pub enum EndpointArg {
     Chat,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ArrivalsArg {
+    /// A closed loop: --concurrency clients, each sending its next request when its last one
+    /// finished.
+    Closed,
+    /// An open loop: --rate requests per second on average, exponential gaps between them.
+    Poisson,
+    /// An open loop: --burst requests at once at the start and every --every-s seconds, over
+    /// Poisson arrivals at --rate (default 0: bursts only).
+    Burst,
+}
+
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
     /// The server's base URL (with or without /v1).
@@ -304,15 +319,48 @@ pub struct ServeArgs {
     /// Which OpenAI endpoint to load.
     #[arg(long, value_enum, default_value_t = EndpointArg::Completions)]
     endpoint: EndpointArg,
-    /// Requests in flight at once; a comma-separated list (1,4,16) runs one level after another.
+    /// Requests in flight at once in the closed loop [default: 1]; a comma-separated list
+    /// (1,4,16) runs one level after another.
     #[arg(
         long,
-        default_value = "1",
         value_delimiter = ',',
         value_parser = RangedU64ValueParser::<usize>::new().range(1..)
     )]
     concurrency: Vec<usize>,
-    /// Requests measured at each concurrency level.
+    /// How requests arrive: a closed loop of --concurrency clients, or an open loop whose
+    /// arrivals do not wait for the server (each a new request in flight beside the others).
+    #[arg(long, value_enum, default_value_t = ArrivalsArg::Closed)]
+    arrivals: ArrivalsArg,
+    /// Open loop: mean arrivals per second (poisson: required; burst: the Poisson background,
+    /// default 0); a comma-separated list (2,4,8) runs one level after another.
+    #[arg(long, value_delimiter = ',')]
+    rate: Vec<f64>,
+    /// --arrivals burst: requests that arrive at once.
+    #[arg(long, value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
+    burst: Option<usize>,
+    /// --arrivals burst: seconds between bursts (the first comes at the start).
+    #[arg(long, visible_alias = "every")]
+    every_s: Option<f64>,
+    /// Open loop: arrivals for this many seconds per level instead of --requests of them; the
+    /// requests still outstanding at the end are waited for.
+    #[arg(long, visible_alias = "duration")]
+    duration_s: Option<f64>,
+    /// Open loop: the most requests outstanding at once (streaming or waiting to retry); an
+    /// arrival beyond it is dropped, never sent, and counted.
+    #[arg(long, default_value_t = 1024, value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
+    max_outstanding: usize,
+    /// Retries of a request refused with 429, 408, 409 or 5xx, not connected or not answered in
+    /// time, waiting as the official OpenAI clients wait (retry-after-ms, else Retry-After, if
+    /// at most 60 s; else 0.5 s doubling to 8 s, less up to 25% jitter) and sending
+    /// x-stainless-retry-count. The official clients retry 2 times by default; 0 sends each
+    /// request once.
+    #[arg(long, default_value_t = 0)]
+    max_retries: u32,
+    /// Send an X-Request-Id with each request, the same on all its attempts.
+    #[arg(long)]
+    request_id: bool,
+    /// Requests measured at each concurrency level; in an open loop without --duration-s, the
+    /// arrivals of each level.
     #[arg(long, default_value_t = 64, value_parser = RangedU64ValueParser::<usize>::new().range(1..))]
     requests: usize,
     /// Mean prompt length in tokens — approximate: prompts are common English words, about one
@@ -340,7 +388,7 @@ pub struct ServeArgs {
     /// Unmeasured requests sent one at a time before the first level.
     #[arg(long, default_value_t = 2)]
     warmup: usize,
-    /// Limit on each whole request, in seconds.
+    /// Limit on each whole request (each attempt of it, with --max-retries), in seconds.
     #[arg(long, default_value_t = 600.0)]
     timeout_s: f64,
     /// Print the result as JSON.
@@ -747,14 +795,79 @@ fn abuse(args: AbuseArgs) -> Result<ExitCode> {
     })
 }
 
+/// The levels `rampart bench serve` runs, from --arrivals and the flags that shape it.
+fn serve_levels(args: &ServeArgs) -> Result<Vec<Arrivals>> {
+    let open_loop = args.arrivals != ArrivalsArg::Closed;
+    if open_loop && !args.concurrency.is_empty() {
+        bail!(
+            "--concurrency is for the closed loop; an open loop's requests in flight are \
+             bounded by --max-outstanding"
+        );
+    }
+    if !open_loop && (!args.rate.is_empty() || args.duration_s.is_some()) {
+        bail!("--rate and --duration-s are for an open loop (--arrivals poisson or burst)");
+    }
+    if args.arrivals != ArrivalsArg::Burst && (args.burst.is_some() || args.every_s.is_some()) {
+        bail!("--burst and --every-s are for --arrivals burst");
+    }
+    let levels: Vec<Arrivals> = match args.arrivals {
+        ArrivalsArg::Closed if args.concurrency.is_empty() => {
+            vec![Arrivals::Closed { concurrency: 1 }]
+        }
+        ArrivalsArg::Closed => args
+            .concurrency
+            .iter()
+            .map(|&concurrency| Arrivals::Closed { concurrency })
+            .collect(),
+        ArrivalsArg::Poisson => {
+            if args.rate.is_empty() {
+                bail!("--arrivals poisson needs --rate (requests per second)");
+            }
+            args.rate
+                .iter()
+                .map(|&rate_per_s| Arrivals::Poisson { rate_per_s })
+                .collect()
+        }
+        ArrivalsArg::Burst => {
+            let size = args.burst.context("--arrivals burst needs --burst N")?;
+            let every_s = args.every_s.context("--arrivals burst needs --every-s S")?;
+            let rates = if args.rate.is_empty() {
+                vec![0.0]
+            } else {
+                args.rate.clone()
+            };
+            rates
+                .into_iter()
+                .map(|rate_per_s| Arrivals::Burst {
+                    size,
+                    every_s,
+                    rate_per_s,
+                })
+                .collect()
+        }
+    };
+    for level in &levels {
+        level.validate()?;
+    }
+    Ok(levels)
+}
+
 fn serve(args: ServeArgs) -> Result<ExitCode> {
     let request_timeout = Duration::try_from_secs_f64(args.timeout_s)
         .ok()
         .filter(|timeout| !timeout.is_zero())
         .with_context(|| format!("--timeout-s {} is not a positive duration", args.timeout_s))?;
-    if args.concurrency.is_empty() {
-        bail!("--concurrency needs at least one level");
-    }
+    let levels_to_run = serve_levels(&args)?;
+    let open_loop_duration = match args.duration_s {
+        Some(duration_s) => Some(
+            Duration::try_from_secs_f64(duration_s)
+                .ok()
+                .filter(|duration| !duration.is_zero())
+                .with_context(|| format!("--duration-s {duration_s} is not a positive duration"))?,
+        ),
+        None => None,
+    };
+    let open_loop = args.arrivals != ArrivalsArg::Closed;
     let workload = WorkloadConfig {
         prompt_tokens: args.prompt_tokens,
         prompt_spread: args.prompt_spread,
@@ -776,6 +889,10 @@ fn serve(args: ServeArgs) -> Result<ExitCode> {
         requests_per_level: args.requests,
         warmup_requests: args.warmup,
         request_timeout,
+        max_retries: args.max_retries,
+        send_request_id: args.request_id,
+        max_outstanding: args.max_outstanding,
+        open_loop_duration,
     })?;
 
     if !args.json {
@@ -785,10 +902,14 @@ fn serve(args: ServeArgs) -> Result<ExitCode> {
             args.url,
             endpoint.name()
         );
+        let per_level = match (open_loop, args.duration_s) {
+            (false, _) => format!("{} requests per level", args.requests),
+            (true, None) => format!("{} arrivals per level", args.requests),
+            (true, Some(duration_s)) => format!("arrivals for {duration_s} s per level"),
+        };
         println!(
-            "workload  {} requests per level; prompt ~{} tokens ±{:.0}% (approximate: one word \
-             ≈ one token); output {} tokens ±{:.0}%; temperature {}; seed {}",
-            args.requests,
+            "workload  {per_level}; prompt ~{} tokens ±{:.0}% (approximate: one word ≈ one \
+             token); output {} tokens ±{:.0}%; temperature {}; seed {}",
             workload.prompt_tokens,
             100.0 * workload.prompt_spread,
             workload.output_tokens,
@@ -796,6 +917,25 @@ fn serve(args: ServeArgs) -> Result<ExitCode> {
             args.temperature,
             workload.seed
         );
+        if open_loop {
+            println!(
+                "arrivals  open loop, at most {} requests outstanding (more are dropped); conc \
+                 below: the most outstanding at once",
+                args.max_outstanding
+            );
+        }
+        if args.max_retries > 0 || args.request_id {
+            println!(
+                "retries   up to {} per request, as the official OpenAI clients retry (429, 408, \
+                 409, 5xx, connection; they default to 2){}",
+                args.max_retries,
+                if args.request_id {
+                    "; X-Request-Id on every attempt"
+                } else {
+                    ""
+                }
+            );
+        }
     }
     let warmup = benchmark.warm_up();
     if !args.json {
@@ -813,11 +953,19 @@ fn serve(args: ServeArgs) -> Result<ExitCode> {
         println!("{TABLE_HEADER}");
     }
 
-    let mut levels = Vec::with_capacity(args.concurrency.len());
-    for &concurrency in &args.concurrency {
-        let level = benchmark.run_level(concurrency)?;
+    // An open loop's row is labelled with its arrivals: its first column is a measurement.
+    let label = |level: &loadgen::LevelReport| {
+        if open_loop {
+            format!("  {}", level.arrivals)
+        } else {
+            String::new()
+        }
+    };
+    let mut levels = Vec::with_capacity(levels_to_run.len());
+    for arrivals in levels_to_run {
+        let level = benchmark.run(arrivals)?;
         if !args.json {
-            println!("{}", level.table_row());
+            println!("{}{}", level.table_row(), label(&level));
         }
         levels.push(level);
     }
@@ -826,6 +974,17 @@ fn serve(args: ServeArgs) -> Result<ExitCode> {
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
     } else {
+        if open_loop || args.max_retries > 0 {
+            println!();
+            println!(
+                "users: a request's TTFT and E2E from its first attempt (admitted: from the \
+                 attempt that streamed)"
+            );
+            println!("{USER_TABLE_HEADER}");
+            for level in &report.levels {
+                println!("{}{}", level.user_table_row(), label(level));
+            }
+        }
         let completed: usize = report.levels.iter().map(|level| level.completed).sum();
         let input_reported: usize = report
             .levels
@@ -850,7 +1009,7 @@ fn serve(args: ServeArgs) -> Result<ExitCode> {
             .iter()
             .filter(|level| !level.errors.is_empty())
         {
-            println!("\nerrors at concurrency {}:", level.concurrency);
+            println!("\nerrors at {}:", level.arrivals);
             for error in &level.errors {
                 println!("  {:>5} × {}", error.count, error.message);
             }
@@ -1091,6 +1250,105 @@ fn embed_bench(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct ServeCli {
+        #[command(flatten)]
+        args: ServeArgs,
+    }
+
+    fn serve_args(argv: &[&str]) -> ServeArgs {
+        let argv = std::iter::once("serve").chain(argv.iter().copied());
+        ServeCli::try_parse_from(argv).expect("flags parse").args
+    }
+
+    #[test]
+    fn serve_runs_closed_loops_by_default_and_open_loops_when_asked() {
+        let default = serve_args(&[]);
+        assert_eq!(
+            serve_levels(&default).unwrap(),
+            vec![Arrivals::Closed { concurrency: 1 }]
+        );
+        assert_eq!((default.max_retries, default.max_outstanding), (0, 1024));
+        assert!(!default.request_id);
+        assert_eq!(
+            serve_levels(&serve_args(&["--concurrency", "1,4"])).unwrap(),
+            vec![
+                Arrivals::Closed { concurrency: 1 },
+                Arrivals::Closed { concurrency: 4 }
+            ]
+        );
+        let poisson = serve_args(&[
+            "--arrivals",
+            "poisson",
+            "--rate",
+            "4",
+            "--duration",
+            "60",
+            "--max-retries",
+            "30",
+            "--request-id",
+        ]);
+        assert_eq!(
+            serve_levels(&poisson).unwrap(),
+            vec![Arrivals::Poisson { rate_per_s: 4.0 }]
+        );
+        assert_eq!((poisson.duration_s, poisson.max_retries), (Some(60.0), 30));
+        assert!(poisson.request_id);
+        assert_eq!(
+            serve_levels(&serve_args(&["--arrivals", "poisson", "--rate", "2,8"])).unwrap(),
+            vec![
+                Arrivals::Poisson { rate_per_s: 2.0 },
+                Arrivals::Poisson { rate_per_s: 8.0 }
+            ]
+        );
+        let burst = ["--arrivals", "burst", "--burst", "8", "--every-s", "2"];
+        assert_eq!(
+            serve_levels(&serve_args(&burst)).unwrap(),
+            vec![Arrivals::Burst {
+                size: 8,
+                every_s: 2.0,
+                rate_per_s: 0.0
+            }]
+        );
+        let over_background = serve_args(&[
+            "--arrivals",
+            "burst",
+            "--burst",
+            "8",
+            "--every",
+            "2",
+            "--rate",
+            "1",
+        ]);
+        assert_eq!(
+            serve_levels(&over_background).unwrap(),
+            vec![Arrivals::Burst {
+                size: 8,
+                every_s: 2.0,
+                rate_per_s: 1.0
+            }]
+        );
+    }
+
+    #[test]
+    fn serve_refuses_flags_of_the_other_loop() {
+        for argv in [
+            &["--arrivals", "poisson"][..],
+            &["--arrivals", "poisson", "--rate", "0"],
+            &["--arrivals", "poisson", "--rate", "4", "--concurrency", "4"],
+            &["--arrivals", "poisson", "--rate", "4", "--burst", "4"],
+            &["--rate", "4"],
+            &["--duration-s", "60"],
+            &["--arrivals", "burst", "--burst", "4"],
+            &["--arrivals", "burst", "--every-s", "1"],
+            &["--arrivals", "burst", "--burst", "4", "--every-s", "0"],
+        ] {
+            assert!(serve_levels(&serve_args(argv)).is_err(), "{argv:?}");
+        }
+    }
 
     #[test]
     fn generated_sentences_are_the_peer_benchmarks() {

@@ -557,8 +557,10 @@ mod tests {
         }
         let ratio = f64::from(admitted[0]) / f64::from(admitted[1]);
         let s = ledger.stats(start + Duration::from_secs(60));
-        eprintln!("{admitted:?} {s:?}");
         assert!((2.6..=3.4).contains(&ratio), "{admitted:?}: {ratio:.2}");
+        // Holders came back at their time and were let in: the waits counted the sends of
+        // the other tenant still to come before them (the fluid model), so few were rebooked.
+        assert!(s.rebooked * 20 <= s.honoured, "{s:?}");
         // The engine was kept busy, not starved by bookings nobody used.
         let total = admitted[0] + admitted[1];
         assert!(total >= 560, "{admitted:?}");

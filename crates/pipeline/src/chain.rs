@@ -287,6 +287,23 @@ pub async fn run_reserved(
     Err(primary_error)
 }
 
+/// Who the work is for, in the admission queue's fair order: a generation's claim (its
+/// tenant and weight, `engine::Claim`); other work is anonymous.
+fn who_of(work: &Work) -> crate::admission::Who {
+    match work {
+        Work::Generate(plan) => plan
+            .request
+            .claim
+            .map_or(crate::admission::Who::ANONYMOUS, |c| {
+                crate::admission::Who {
+                    tenant: c.tenant,
+                    weight: c.weight,
+                }
+            }),
+        _ => crate::admission::Who::ANONYMOUS,
+    }
+}
+
 /// Tells the work it runs as a fallback (a rules model then answers only when a rule matched).
 fn set_fallback_level(mut work: Work, level: u8) -> Work {
     match &mut work {
@@ -421,7 +438,7 @@ async fn try_backend(
     }
     let admitted = match reservation.0 {
         Some((_, reserved)) => reserved,
-        None => entry.admission.acquire().await,
+        None => entry.admission.acquire_as(who_of(&work)).await,
     };
     let slot = match admitted {
         Ok(slot) => slot,

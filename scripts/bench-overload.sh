@@ -17,7 +17,7 @@
 # RAMPART_OVERLOAD_SIDES picks the servers (default "default nobooking objective llama").
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bin="$1" llama="${2:-}" levels="${3:-16,48}" seconds="${4:-90}" rounds="${5:-1}"
+bin="$(realpath "$1")" llama="${2:-}" levels="${3:-16,48}" seconds="${4:-90}" rounds="${5:-1}"
 ttft="${RAMPART_TTFT_MS:-800}"
 cache="${RAMPART_MODEL_CACHE:-$HOME/.cache/rampart/models}"
 python="${RAMPART_TEST_PYTHON:-$cache/venv/bin/python}"
@@ -53,7 +53,7 @@ TOML
 done
 wait_ready() {
   for _ in $(seq 1 600); do
-    curl -fs "http://127.0.0.1:$port/health${1:-/ready}" >/dev/null 2>&1 && return 0
+    curl -fs "http://127.0.0.1:$port/health${1-/ready}" >/dev/null 2>&1 && return 0
     sleep 0.2
   done
   return 1

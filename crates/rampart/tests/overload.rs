@@ -184,3 +184,60 @@ fn two_tenants_weighted_3_to_1_overloading_one_model_are_let_in_3_to_1_in_booked
         "the bookings' outcomes are metrics"
     );
 }
+
+/// Without an objective: one key fills the model's admission queue; another key's request
+/// still gets in (it takes the place of the first key's latest waiter, which is told so).
+#[test]
+fn a_key_that_fills_the_admission_queue_does_not_shut_another_out() {
+    let Some(model) = cached_model(SMOLLM2_GGUF) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let repo = import_repository(dir.path(), &[(MODEL, "1.0.0", model)]);
+    let (port, grpc_port) = (free_port(), free_port());
+    let log = dir.path().join("server.log");
+    let config = format!(
+        "[admission]\nmax_in_flight = 1\nmax_waiting = 4\n[[models]]\nname = \"{MODEL}\"\ncontext = 1024\nkv_cache_memory = \"64MiB\"\n"
+    );
+    let child = spawn_server(dir.path(), &repo, port, grpc_port, &config, &log);
+    let _server = Server {
+        child,
+        port,
+        grpc_port,
+        _dir: dir,
+        log,
+    };
+    wait_ready(port);
+    let body = |tag: &str| {
+        format!(
+            r#"{{"model":"{MODEL}","prompt":"{tag} Once upon a time","max_tokens":160,"ignore_eos":true}}"#
+        )
+    };
+    // Five at once from one key: one in flight, four waiting, the queue full.
+    let heavy: Vec<_> = (0..5)
+        .map(|i| {
+            let body = body(&format!("heavy {i}"));
+            std::thread::spawn(move || {
+                http(port, "POST", "/v1/completions", Some(&body), Some(KEY))
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let (status, _, text) = http(
+        port,
+        "POST",
+        "/v1/completions",
+        Some(&body("light")),
+        Some(LIGHT_KEY),
+    );
+    assert_eq!(status, 200, "the other key got in: {text}");
+    let answers: Vec<_> = heavy.into_iter().map(|h| h.join().unwrap()).collect();
+    let displaced: Vec<_> = answers.iter().filter(|a| a.0 == 429).collect();
+    assert_eq!(displaced.len(), 1, "{answers:?}");
+    assert!(
+        displaced[0].2.contains("gave its place"),
+        "{}",
+        displaced[0].2
+    );
+    assert_eq!(answers.iter().filter(|a| a.0 == 200).count(), 4);
+}

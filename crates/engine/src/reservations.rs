@@ -14,10 +14,15 @@
 //! weight`, where `V` is the start tag of the latest prompt let in and `F_tenant` the tenant's
 //! latest finish tag. A newcomer is let in only when the prompt tokens ahead of it — the
 //! engine's backlog and the bookings with smaller tags that are due within the objective —
-//! can be read within the objective with its own; a booking holder that comes back is judged
-//! the same way against the bookings ahead of it. A tenant that sends three times as much as
-//! its weight only lines up behind its own bookings: two tenants of weights 3 and 1 that both
-//! overload a model are let in about 3 : 1, and nobody is starved (tags only grow).
+//! can be read within the objective with its own. A booking is due when the tokens ahead of
+//! it in that order, the ones booked and those its competitors will still send before its
+//! turn (the fluid model of fair queueing), will have been read; a holder that comes back is
+//! let in when the engine's backlog and other tenants' bookings before it that are due leave
+//! it room (first come first served among one tenant's holders), and otherwise keeps its tag
+//! and gets a new, shorter wait. A tenant that sends three times
+//! as much as its weight only lines up behind its own bookings: two tenants of weights 3 and
+//! 1 that both overload a model are let in about 3 : 1, and nobody is starved (tags only
+//! grow).
 //!
 //! Bounds: at most `capacity` bookings per engine; when full, a booking with a smaller tag
 //! takes the place of the one with the largest (the heaviest sender's latest), which then
@@ -206,11 +211,16 @@ impl Ledger {
         });
         if let Some((key, mut booking)) = held {
             let identity = key.0;
-            let ahead = gate.backlog + self.booked_before(booking.tag, Some(window));
+            // Behind other tenants' bookings before it that are due now; its own tenant's
+            // holders take the room in the order they come back (their due times already
+            // spread them): judged behind its own tenant's bookings too, a holder waited for
+            // those that came back late or were booked again, a cascade of rebookings (two per
+            // booking at 48 clients of one key on 2 cores).
+            let ahead = gate.backlog + self.others_before(booking.tag, key.1, window);
             if gate.fits(ahead, tokens) {
                 self.stats.honoured += 1;
                 self.stats.admitted += 1;
-                self.virtual_now = self.virtual_now.max(booking.start);
+                self.advance(booking.start);
                 self.served = self.served.max(booking.tag);
                 return Verdict::Admit {
                     ahead_tokens: ahead,
@@ -219,7 +229,9 @@ impl Ledger {
             }
             // Still no room (the prediction was short): it keeps its tag, so its place.
             let wait = gate.wait_ms(
-                ahead.max(gate.backlog + self.fluid_ahead(booking.tag, key.1, booking.weight, tokens)),
+                ahead.max(
+                    gate.backlog + self.fluid_ahead(booking.tag, key.1, booking.weight, tokens),
+                ),
                 tokens,
             );
             booking.tokens = tokens;
@@ -250,7 +262,7 @@ impl Ledger {
         let ahead = gate.backlog + self.booked_before(tag, Some(window));
         if gate.fits(ahead, tokens) {
             self.charge(tenant, start, tag);
-            self.virtual_now = self.virtual_now.max(start);
+            self.advance(start);
             self.served = self.served.max(tag);
             self.stats.admitted += 1;
             return Verdict::Admit {
@@ -327,6 +339,28 @@ impl Ledger {
         }
         let all = ((tag - self.served).max(0.0) * weights) as usize;
         all.saturating_sub(tokens)
+    }
+
+    /// The virtual clock after a prompt that started at `start` was let in: never past the
+    /// earliest booking still waiting (prompts are let in out of the fair order — holders as
+    /// they come back, newcomers while there is room — and a clock run ahead would forgive a
+    /// heavy tenant the share it already took).
+    fn advance(&mut self, start: f64) {
+        let waiting = self
+            .bookings
+            .values()
+            .map(|b| b.start)
+            .fold(f64::INFINITY, f64::min);
+        self.virtual_now = self.virtual_now.max(start.min(waiting));
+    }
+
+    /// Prompt tokens of other tenants' bookings ordered before `tag` and due by `until`.
+    fn others_before(&self, tag: f64, tenant: u64, until: Instant) -> usize {
+        self.bookings
+            .values()
+            .filter(|b| b.tag < tag && b.tenant != tenant && b.due <= until)
+            .map(|b| b.tokens)
+            .sum()
     }
 
     /// Prompt tokens of bookings ordered before `tag` (and due by `until`, when given).

@@ -28,7 +28,7 @@ struct Tally {
 /// One client: sends a fresh request, and on a 429 the same request again after the wait it
 /// was told (as openai-python does with `retry-after-ms`), until `stop`.
 fn client(port: u16, key: &'static str, tag: String, stop: Arc<AtomicBool>) -> Tally {
-    let prompt = "the quick brown fox jumps over the lazy dog ".repeat(12);
+    let prompt = "the quick brown fox jumps over the lazy dog ".repeat(30);
     let mut tally = Tally {
         admitted: 0,
         refused: 0,
@@ -128,12 +128,12 @@ fn two_tenants_weighted_3_to_1_overloading_one_model_are_let_in_3_to_1_in_booked
         let (status, _, text) = http(port, "POST", "/v1/completions", Some(&body), Some(KEY));
         assert_eq!(status, 200, "{text}");
     }
-    // Eight clients per tenant, each always with a request outstanding: far more than the
+    // Twelve clients per tenant, each always with a request outstanding: far more than the
     // engine reads within the objective.
     let stop = Arc::new(AtomicBool::new(false));
     let mut clients = Vec::new();
     for (key, name) in [(KEY, "heavy"), (LIGHT_KEY, "light")] {
-        for c in 0..8 {
+        for c in 0..12 {
             let stop = Arc::clone(&stop);
             let tag = format!("{name}-{c}");
             clients.push((

@@ -35,6 +35,10 @@ use std::time::{Duration, Instant};
 
 /// A booking's holder may come back this long after it was due, plus half its wait.
 pub const GRACE_MS: u64 = 2_000;
+/// How late a holder may be before the room kept for it is given to others (the official
+/// clients come back exactly at `retry-after-ms`; a client that never retries would otherwise
+/// keep room idle until its booking expires).
+pub const LATE_MS: u64 = 250;
 /// The shortest wait a booking is given.
 pub const MIN_WAIT_MS: f64 = 20.0;
 /// A booking is due when the prompt tokens ahead of it and its own can be read within this
@@ -82,7 +86,8 @@ pub enum Verdict {
 /// What the ledger holds and has done (capacity signals).
 #[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
 pub struct ReservationStats {
-    /// Bookings outstanding, and their prompt tokens.
+    /// Bookings outstanding, and the prompt tokens of those whose holders are still awaited
+    /// (not more than [`LATE_MS`] late).
     pub outstanding: usize,
     pub tokens: usize,
     /// Bookings made, holders let in, holders booked again, bookings that expired unused,
@@ -107,6 +112,15 @@ struct Booking {
     tag: f64,
     due: Instant,
     expires: Instant,
+}
+
+impl Booking {
+    /// Whether its holder is still expected: not more than [`LATE_MS`] past its time. A
+    /// holder later than that keeps its booking until it expires, but nobody waits for it:
+    /// a client that does not retry (or gave up) would otherwise hold room idle.
+    fn awaited(&self, now: Instant) -> bool {
+        now <= self.due + Duration::from_millis(LATE_MS)
+    }
 }
 
 /// The bookings of one engine.
@@ -182,17 +196,13 @@ impl Ledger {
         self.expire(now);
         let mut s = self.stats;
         s.outstanding = self.bookings.len();
-        s.tokens = self.bookings.values().map(|b| b.tokens).sum();
-        s
-    }
-
-    /// Prompt tokens booked and due by `until`.
-    pub fn due_tokens(&self, until: Instant) -> usize {
-        self.bookings
+        s.tokens = self
+            .bookings
             .values()
-            .filter(|b| b.due <= until)
+            .filter(|b| b.awaited(now))
             .map(|b| b.tokens)
-            .sum()
+            .sum();
+        s
     }
 
     /// Judges a prompt of `tokens` at `now`.
@@ -216,7 +226,7 @@ impl Ledger {
             // spread them): judged behind its own tenant's bookings too, a holder waited for
             // those that came back late or were booked again, a cascade of rebookings (two per
             // booking at 48 clients of one key on 2 cores).
-            let ahead = gate.backlog + self.others_before(booking.tag, key.1, window);
+            let ahead = gate.backlog + self.others_before(booking.tag, key.1, now, window);
             if gate.fits(ahead, tokens) {
                 self.stats.honoured += 1;
                 self.stats.admitted += 1;
@@ -259,7 +269,7 @@ impl Ledger {
             .virtual_now
             .max(self.finish.get(&tenant).copied().unwrap_or(0.0));
         let tag = start + tokens as f64 / weight;
-        let ahead = gate.backlog + self.booked_before(tag, Some(window));
+        let ahead = gate.backlog + self.booked_before(tag, now, Some(window));
         if gate.fits(ahead, tokens) {
             self.charge(tenant, start, tag);
             self.advance(start);
@@ -295,7 +305,7 @@ impl Ledger {
         // Every booking ahead of it in the order, due soon or not: it comes after them all.
         let ahead_all = gate.backlog
             + self
-                .booked_before(tag, None)
+                .booked_before(tag, now, None)
                 .max(self.fluid_ahead(tag, tenant, weight, tokens));
         let wait = gate.wait_ms(ahead_all, tokens);
         self.charge(tenant, start, tag);
@@ -355,19 +365,19 @@ impl Ledger {
     }
 
     /// Prompt tokens of other tenants' bookings ordered before `tag` and due by `until`.
-    fn others_before(&self, tag: f64, tenant: u64, until: Instant) -> usize {
+    fn others_before(&self, tag: f64, tenant: u64, now: Instant, until: Instant) -> usize {
         self.bookings
             .values()
-            .filter(|b| b.tag < tag && b.tenant != tenant && b.due <= until)
+            .filter(|b| b.tag < tag && b.tenant != tenant && b.due <= until && b.awaited(now))
             .map(|b| b.tokens)
             .sum()
     }
 
     /// Prompt tokens of bookings ordered before `tag` (and due by `until`, when given).
-    fn booked_before(&self, tag: f64, until: Option<Instant>) -> usize {
+    fn booked_before(&self, tag: f64, now: Instant, until: Option<Instant>) -> usize {
         self.bookings
             .values()
-            .filter(|b| b.tag < tag && until.is_none_or(|u| b.due <= u))
+            .filter(|b| b.tag < tag && b.awaited(now) && until.is_none_or(|u| b.due <= u))
             .map(|b| b.tokens)
             .sum()
     }
@@ -598,5 +608,26 @@ mod tests {
         // The engine was kept busy, not starved by bookings nobody used.
         let total = admitted[0] + admitted[1];
         assert!(total >= 560, "{admitted:?}");
+    }
+
+    #[test]
+    fn a_holder_that_does_not_come_back_stops_holding_room_once_late() {
+        // Room for one booking: the newcomers below are refused without one of their own.
+        let mut ledger = Ledger::new(1);
+        let now = Instant::now();
+        let b = booked(ledger.judge(now, Some(&claim(1, 1, 1.0)), 300, gate(700)));
+        // At its time the engine is idle: a newcomer of the same tenant waits for the holder...
+        let due = now + Duration::from_millis(b.retry_after_ms);
+        let v = ledger.judge(due, Some(&claim(2, 1, 1.0)), 600, gate(0));
+        assert!(matches!(v, Verdict::Refuse { .. }), "{v:?}");
+        // ...but not once it is late: it never came back (a client that does not retry).
+        let late = due + Duration::from_millis(LATE_MS + 1);
+        let v = ledger.judge(late, Some(&claim(3, 1, 1.0)), 600, gate(0));
+        assert!(matches!(v, Verdict::Admit { .. }), "{v:?}");
+        // A late holder is still let in as one while its booking lasts.
+        assert!(matches!(
+            ledger.judge(late, Some(&claim(1, 1, 1.0)), 300, gate(0)),
+            Verdict::Admit { held: true, .. }
+        ));
     }
 }

@@ -256,15 +256,24 @@ impl From<EngineError> for BackendError {
                 retry_after_ms,
                 booked,
                 ..
-            } => BackendError::Overloaded {
-                message: e.to_string(),
-                retry_after_s,
-                code: "shedding",
-                booking: Some(Booking {
-                    retry_after_ms,
-                    token: booked.map(reservation_token),
-                }),
-            },
+            } => {
+                let token = booked.map(reservation_token);
+                let mut message = e.to_string();
+                if let Some(token) = &token {
+                    message.push_str(&format!(
+                        "; booked: the same request sent again in {retry_after_ms} ms (or with x-rampart-reservation: {token}) is let in ahead of newcomers"
+                    ));
+                }
+                BackendError::Overloaded {
+                    message,
+                    retry_after_s,
+                    code: "shedding",
+                    booking: Some(Booking {
+                        retry_after_ms,
+                        token,
+                    }),
+                }
+            }
             e @ (EngineError::Warming { retry_after_s, .. }
             | EngineError::Saturated { retry_after_s, .. }) => BackendError::Overloaded {
                 message: e.to_string(),

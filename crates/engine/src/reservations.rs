@@ -187,10 +187,6 @@ impl Ledger {
         }
     }
 
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
     /// The counters, and the bookings outstanding at `now`.
     pub fn stats(&mut self, now: Instant) -> ReservationStats {
         self.expire(now);
@@ -539,63 +535,63 @@ mod tests {
         let mut admitted = [0u32; 2];
         let mut pending: Vec<(Instant, u64, u64)> = Vec::new();
         let mut next_id = 1u64;
+        // One prompt of `tenant` offered at `now`: let in (counted), or booked (to come back).
+        let mut offer = |ledger: &mut Ledger,
+                         backlog: &mut usize,
+                         pending: &mut Vec<(Instant, u64, u64)>,
+                         now: Instant,
+                         identity: u64,
+                         tenant: u64| {
+            let weight = if tenant == 0 { 3.0 } else { 1.0 };
+            match ledger.judge(
+                now,
+                Some(&claim(identity, tenant, weight)),
+                100,
+                gate(*backlog),
+            ) {
+                Verdict::Admit { .. } => {
+                    *backlog += 100;
+                    admitted[tenant as usize] += 1;
+                }
+                Verdict::Refuse {
+                    booked: Some(b), ..
+                } => pending.push((
+                    now + Duration::from_millis(b.retry_after_ms),
+                    identity,
+                    tenant,
+                )),
+                Verdict::Refuse { booked: None, .. } => {}
+            }
+        };
         for tick in 0..600u64 {
             let now = start + Duration::from_millis(tick * 100);
             backlog = backlog.saturating_sub(100);
             // Holders due now come back first (as clients would, at their time).
-            let mut still = Vec::new();
-            for (due, identity, tenant) in pending.drain(..) {
-                if due > now {
-                    still.push((due, identity, tenant));
-                    continue;
-                }
-                let weight = if tenant == 0 { 3.0 } else { 1.0 };
-                match ledger.judge(
+            let (due, later): (Vec<_>, Vec<_>) =
+                pending.drain(..).partition(|(due, _, _)| *due <= now);
+            pending = later;
+            for (_, identity, tenant) in due {
+                offer(
+                    &mut ledger,
+                    &mut backlog,
+                    &mut pending,
                     now,
-                    Some(&claim(identity, tenant, weight)),
-                    100,
-                    gate(backlog),
-                ) {
-                    Verdict::Admit { .. } => {
-                        backlog += 100;
-                        admitted[tenant as usize] += 1;
-                    }
-                    Verdict::Refuse {
-                        booked: Some(b), ..
-                    } => still.push((
-                        now + Duration::from_millis(b.retry_after_ms),
-                        identity,
-                        tenant,
-                    )),
-                    Verdict::Refuse { booked: None, .. } => {}
-                }
+                    identity,
+                    tenant,
+                );
             }
-            pending = still;
             // Each tenant sends 3 new prompts a tick (three times what the engine reads).
             for tenant in [0u64, 1] {
                 for _ in 0..3 {
-                    let weight = if tenant == 0 { 3.0 } else { 1.0 };
-                    let identity = next_id;
-                    next_id += 1;
-                    match ledger.judge(
+                    offer(
+                        &mut ledger,
+                        &mut backlog,
+                        &mut pending,
                         now,
-                        Some(&claim(identity, tenant, weight)),
-                        100,
-                        gate(backlog),
-                    ) {
-                        Verdict::Admit { .. } => {
-                            backlog += 100;
-                            admitted[tenant as usize] += 1;
-                        }
-                        Verdict::Refuse {
-                            booked: Some(b), ..
-                        } => pending.push((
-                            now + Duration::from_millis(b.retry_after_ms),
-                            identity,
-                            tenant,
-                        )),
-                        Verdict::Refuse { booked: None, .. } => {}
-                    }
+                        next_id,
+                        tenant,
+                    );
+                    next_id += 1;
                 }
             }
         }

@@ -152,10 +152,6 @@ impl SchedulerLimits {
         self.ledger().set_capacity(value);
     }
 
-    pub fn max_reservations(&self) -> usize {
-        self.ledger().capacity()
-    }
-
     /// The gate's bookings and counters now.
     pub fn reservations(&self) -> ReservationStats {
         self.ledger().stats(Instant::now())

@@ -82,10 +82,6 @@ fn client(port: u16, key: &'static str, tag: String, stop: Arc<AtomicBool>) -> T
 }
 
 fn start(model: PathBuf) -> Server {
-    let dir = tempfile::tempdir().unwrap();
-    let repo = import_repository(dir.path(), &[(MODEL, "1.0.0", model)]);
-    let (port, grpc_port) = (free_port(), free_port());
-    let log = dir.path().join("server.log");
     let config = format!(
         r#"
 [degradation]
@@ -105,14 +101,7 @@ max_num_batched_tokens = 256
 ttft_p99_ms = 1500
 "#
     );
-    let child = spawn_server(dir.path(), &repo, port, grpc_port, &config, &log);
-    Server {
-        child,
-        port,
-        grpc_port,
-        _dir: dir,
-        log,
-    }
+    start_repository(&[(MODEL, "1.0.0", model)], &config)
 }
 
 #[test]
@@ -198,21 +187,11 @@ fn a_key_that_fills_the_admission_queue_does_not_shut_another_out() {
     let Some(model) = cached_model(SMOLLM2_GGUF) else {
         return;
     };
-    let dir = tempfile::tempdir().unwrap();
-    let repo = import_repository(dir.path(), &[(MODEL, "1.0.0", model)]);
-    let (port, grpc_port) = (free_port(), free_port());
-    let log = dir.path().join("server.log");
     let config = format!(
         "[admission]\nmax_in_flight = 1\nmax_waiting = 4\n[[models]]\nname = \"{MODEL}\"\ncontext = 1024\nkv_cache_memory = \"64MiB\"\n"
     );
-    let child = spawn_server(dir.path(), &repo, port, grpc_port, &config, &log);
-    let _server = Server {
-        child,
-        port,
-        grpc_port,
-        _dir: dir,
-        log,
-    };
+    let server = start_repository(&[(MODEL, "1.0.0", model)], &config);
+    let port = server.port;
     wait_ready(port);
     let body = |tag: &str| {
         format!(

@@ -874,24 +874,6 @@ fn hostile_kserve_bodies_are_refused_early_and_cheaply() {
     assert_eq!(status, 200, "{body}");
 }
 
-/// Imports `(name, version, source)` into a fresh repository and starts the server with
-/// `config` (the listen addresses and the keys are added: `tester` with scope infer, `ops`
-/// with admin and infer). `config` may start with top-level settings.
-fn start_repository(models: &[(&str, &str, PathBuf)], config: &str) -> Server {
-    let dir = tempfile::tempdir().unwrap();
-    let repo = import_repository(dir.path(), models);
-    let (port, grpc_port) = (free_port(), free_port());
-    let log = dir.path().join("server.log");
-    let child = spawn_server(dir.path(), &repo, port, grpc_port, config, &log);
-    Server {
-        child,
-        port,
-        grpc_port,
-        _dir: dir,
-        log,
-    }
-}
-
 #[test]
 fn a_fallback_drill_with_faults_through_the_admin_api() {
     let Some(model) = cached_model(SMOLLM2_GGUF) else {

@@ -136,6 +136,7 @@ async fn start(
     let bytes = identity::read_body(body, state.config.limits.max_body_bytes, record).await?;
     let (model, mut plan) = decode_generation(&bytes, endpoint, &state.config.limits)?;
     plan.language = language;
+    note_input(record, endpoint, &plan, state.config.monitor.enabled);
     // Who it is, for the first-token gate's bookings and fair order.
     let tenant = state
         .keys
@@ -145,9 +146,8 @@ async fn start(
         tenant,
         state.config.admission.weight(tenant),
         headers,
-        &bytes,
+        &record.record.input_sha256,
     ));
-    note_input(record, endpoint, &plan, state.config.monitor.enabled);
     let shape = Shape {
         stream: plan.stream,
         include_usage: plan.include_usage,

@@ -182,6 +182,24 @@ pub fn import_repository(dir: &Path, models: &[(&str, &str, PathBuf)]) -> PathBu
 
 /// `rampart serve` in `dir` (its working directory: the audit log lands in `dir/audit`) on
 /// `repo` with the test keys and `config`, its log to `log`.
+/// Imports `(name, version, source)` into a fresh repository and starts the server with
+/// `config` (the listen addresses and the keys are added: `tester` with scope infer, `ops`
+/// with admin and infer). `config` may start with top-level settings.
+pub fn start_repository(models: &[(&str, &str, PathBuf)], config: &str) -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let repo = import_repository(dir.path(), models);
+    let (port, grpc_port) = (free_port(), free_port());
+    let log = dir.path().join("server.log");
+    let child = spawn_server(dir.path(), &repo, port, grpc_port, config, &log);
+    Server {
+        child,
+        port,
+        grpc_port,
+        _dir: dir,
+        log,
+    }
+}
+
 pub fn spawn_server(
     dir: &Path,
     repo: &Path,

@@ -14,7 +14,10 @@
 #   scripts/bench-overload.sh RAMPART_BIN [LLAMA_SERVER] [CONCURRENCIES] [SECONDS] [ROUNDS]
 #
 # RAMPART_TTFT_MS sets the objective (default 800); RAMPART_TEST_PYTHON a Python with `openai`;
-# RAMPART_OVERLOAD_SIDES picks the servers (default "default nobooking objective llama").
+# RAMPART_OVERLOAD_SIDES picks the servers (default "default nobooking objective llama");
+# RAMPART_OVERLOAD_TRACE a folder for each run's per-request attempts (bench_slo.py --trace);
+# RAMPART_OVERLOAD_ARGS more bench_slo.py arguments (--drain-warmup: the counted window opens
+# with all clients arriving at once).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bin="$(realpath "$1")" llama="${2:-}" levels="${3:-16,48}" seconds="${4:-90}" rounds="${5:-1}"
@@ -74,7 +77,9 @@ for round in $(seq 1 "$rounds"); do
       fi
       result=$("$python" scripts/bench_slo.py --url "http://127.0.0.1:$port/v1" \
         --model smollm2-135m --clients "$clients" --duration "$seconds" --warmup 10 \
-        --seed "$round" --official-retries 30 --grace 60)
+        --seed "$round" --official-retries 30 --grace 60 \
+        ${RAMPART_OVERLOAD_TRACE:+--trace "$RAMPART_OVERLOAD_TRACE/$side-$clients-$round.jsonl"} \
+        ${RAMPART_OVERLOAD_ARGS:-})
       gate="null"
       if [[ $side != llama ]]; then
         gate=$(curl -fs "http://127.0.0.1:$port/admin/degradation" |

@@ -88,7 +88,8 @@ def official_client(args):
     return client, sent, refused
 
 
-async def client_loop(client, args, rng, deadline, out, long=False):
+async def client_loop(client, args, rng, deadline, out, long=False, counted_from=None, warm=None):
+    """Requests until `deadline`; those that start before `counted_from` go to `warm`."""
     sent = refused = None
     if args.official_retries is not None:
         client, sent, refused = official_client(args)
@@ -96,6 +97,7 @@ async def client_loop(client, args, rng, deadline, out, long=False):
         words = args.long_words if long else rng.randint(args.min_words, args.max_words)
         prompt = " ".join(rng.choice(WORDS) for _ in range(words))
         start = time.monotonic()
+        tally = warm if counted_from is not None and start < counted_from else out
         if sent is not None:
             sent.clear()
             refused.clear()
@@ -126,31 +128,37 @@ async def client_loop(client, args, rng, deadline, out, long=False):
             if first is not None and end <= deadline + args.grace:
                 # The admitted attempt's own TTFT; the user's counts from the first attempt.
                 admitted_at = sent[-1] if sent else start
-                out["ttft"].append(first - admitted_at)
-                out["user_ttft"].append(first - start)
-                out["attempts"].append(len(sent) if sent else 1)
-                out["refused"] += len(refused) if refused else 0
-                out["ttft_words"].append((words, first - admitted_at))
-                out["itl"].extend(gaps)
-                out["tokens"] += tokens
-                out["done"] += 1
+                tally["ttft"].append(first - admitted_at)
+                tally["user_ttft"].append(first - start)
+                tally["attempts"].append(len(sent) if sent else 1)
+                tally["refused"] += len(refused) if refused else 0
+                tally["ttft_words"].append((words, first - admitted_at))
+                if sent:
+                    tally["trace"].append({"words": words, "start": round(start, 3),
+                                         "user_ttft": round(first - start, 3),
+                                         "ttft": round(first - admitted_at, 3),
+                                         "sent": [round(t - start, 3) for t in sent],
+                                         "waits": list(refused)})
+                tally["itl"].extend(gaps)
+                tally["tokens"] += tokens
+                tally["done"] += 1
         except openai.RateLimitError as e:
             if sent is not None:
                 # The official client gave up after its retries.
                 if time.monotonic() <= deadline + args.grace:
-                    out["gave_up"] += 1
-                    out["refused"] += len(refused)
+                    tally["gave_up"] += 1
+                    tally["refused"] += len(refused)
                 continue
             took = time.monotonic() - start
             retry = e.response.headers.get("retry-after")
-            out["refused"] += 1
-            out["refusal_seconds"].append(took)
-            out["with_retry_after"] += retry is not None
+            tally["refused"] += 1
+            tally["refusal_seconds"].append(took)
+            tally["with_retry_after"] += retry is not None
             pause = min(float(retry or 1), args.retry_cap)
             await asyncio.sleep(pause)
         except Exception as e:  # noqa: BLE001 - every other failure is counted by kind
             key = type(e).__name__
-            out["errors"][key] = out["errors"].get(key, 0) + 1
+            tally["errors"][key] = tally["errors"].get(key, 0) + 1
             await asyncio.sleep(0.1)
 
 
@@ -172,26 +180,48 @@ async def main():
     p.add_argument("--long-words", type=int, default=3500)
     p.add_argument("--official-retries", type=int, default=None,
                    help="let the official client retry 429s itself, up to N times (user TTFT)")
+    p.add_argument("--drain-warmup", action="store_true",
+                   help="finish the warm-up before the counted clients start (they then all "
+                        "start at once: a burst of CLIENTS on an idle server)")
+    p.add_argument("--trace", default=None,
+                   help="write each answered request's attempts (JSON lines) to this file")
     args = p.parse_args()
     client = openai.AsyncOpenAI(base_url=args.url, api_key=args.api_key, max_retries=0, timeout=600)
     def tally():
         return {"ttft": [], "itl": [], "tokens": 0, "done": 0, "refused": 0,
                 "refusal_seconds": [], "with_retry_after": 0, "errors": {}, "ttft_words": [],
-                "user_ttft": [], "attempts": [], "gave_up": 0}
+                "user_ttft": [], "attempts": [], "gave_up": 0, "trace": []}
     warm, out, long_out = tally(), tally(), tally()
-    if args.warmup > 0:
-        deadline = time.monotonic() + args.warmup
-        await asyncio.gather(*(client_loop(client, args, random.Random(args.seed * 1000 + 500 + i),
-                                           deadline, warm) for i in range(args.clients)))
-    start = time.monotonic()
+    if args.drain_warmup:
+        # The old way: every warm-up request finishes before the counted clients start, so
+        # the counted window opens with all CLIENTS arriving at once on an idle server.
+        if args.warmup > 0:
+            deadline = time.monotonic() + args.warmup
+            await asyncio.gather(*(client_loop(client, args,
+                                               random.Random(args.seed * 1000 + 500 + i),
+                                               deadline, warm) for i in range(args.clients)))
+        counted_from = None
+        start = time.monotonic()
+    else:
+        # The clients run through the warm-up into the counted window: requests that start
+        # after the warm-up are counted (steady state, no synchronized start).
+        start = time.monotonic() + args.warmup
+        counted_from = start
     deadline = start + args.duration
     await asyncio.gather(
-        *(client_loop(client, args, random.Random(args.seed * 1000 + i), deadline, out)
+        *(client_loop(client, args, random.Random(args.seed * 1000 + i), deadline, out,
+                      counted_from=counted_from, warm=warm)
           for i in range(args.clients)),
         *(client_loop(client, args, random.Random(args.seed * 1000 + 900 + i), deadline, long_out,
-                      long=True)
+                      long=True, counted_from=counted_from, warm=warm)
           for i in range(args.long_clients)))
     elapsed = time.monotonic() - start
+    if args.trace:
+        # One line per answered request: its attempts (sent, seconds after the first) and the
+        # waits the server asked for, to see what the tail is made of.
+        with open(args.trace, "w") as f:
+            for t in sorted(out["trace"], key=lambda t: t["start"]):
+                f.write(json.dumps(t) + "\n")
     ms = lambda v: None if v is None else round(v * 1000, 1)
     print(json.dumps({
         "clients": args.clients,

@@ -357,3 +357,50 @@ pub fn prefix_reuse(
     }
     Ok(report)
 }
+
+/// One greedy generation for the prompt-lookup benchmark: the tokens, and how long decoding took
+/// after the first token (`Finished::decode_seconds`).
+#[derive(Debug, Clone)]
+pub struct DecodeRun {
+    pub ids: Vec<u32>,
+    pub decode_seconds: f64,
+    /// Guessed and kept tokens during this run (the engine's counters before and after).
+    pub guessed: u64,
+    pub kept: u64,
+}
+
+impl DecodeRun {
+    /// Tokens per second after the first.
+    pub fn decode_tps(&self) -> f64 {
+        self.ids.len().saturating_sub(1) as f64 / self.decode_seconds.max(1e-9)
+    }
+}
+
+/// Generates `max_tokens` greedily for a chat alone on the engine (nothing else running).
+pub fn decode_alone(
+    engine: &Engine,
+    messages: &[crate::ChatMessage],
+    max_tokens: usize,
+) -> Result<DecodeRun, EngineError> {
+    let before = engine.snapshot();
+    let mut request = GenerateRequest::new(Prompt::Chat(messages.to_vec()), max_tokens);
+    request.sampling = SamplingParams::greedy();
+    let mut ids = Vec::with_capacity(max_tokens);
+    for event in engine.generate(request)? {
+        match event {
+            Event::Token(t) => ids.push(t.id),
+            Event::Finished(done) => {
+                let after = engine.snapshot();
+                return Ok(DecodeRun {
+                    ids,
+                    decode_seconds: done.decode_seconds,
+                    guessed: after.speculated_tokens - before.speculated_tokens,
+                    kept: after.speculated_accepted - before.speculated_accepted,
+                });
+            }
+            Event::Failed(e) => return Err(EngineError::Failed(e)),
+            Event::Shed(_) => return Err(EngineError::Failed("shed".into())),
+        }
+    }
+    Err(EngineError::Failed("the stream ended early".into()))
+}

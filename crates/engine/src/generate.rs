@@ -126,6 +126,8 @@ pub struct SchedulerOptions {
     pub max_waiting: usize,
     /// Share of the pool kept free when admitting a new sequence.
     pub watermark: f64,
+    /// Prompt lookup: speculative decoding without a draft model (off by default).
+    pub speculation: crate::speculation::Speculation,
 }
 
 impl Default for SchedulerOptions {
@@ -136,6 +138,7 @@ impl Default for SchedulerOptions {
             max_prefill_tokens: None,
             max_waiting: 1024,
             watermark: 0.01,
+            speculation: Default::default(),
         }
     }
 }
@@ -566,6 +569,7 @@ impl Engine {
             let config = SchedulerConfig {
                 watermark: sched.watermark.clamp(0.0, 0.5),
                 context,
+                speculation: sched.speculation,
             };
             let (core, handles) = (Arc::clone(&core), handles.clone());
             let prefix_caching = kv.prefix_caching;

@@ -38,6 +38,7 @@ pub mod reservations;
 pub mod sampler;
 pub mod scheduler;
 pub mod sentencepiece;
+pub mod speculation;
 pub mod step_cost;
 pub mod synthetic;
 pub mod tokenizer;

@@ -44,6 +44,7 @@ use crate::kv_tier::{KvTier, TierStats};
 use crate::model::Batch;
 use crate::reservations::{Booked, Claim, Gate, Ledger, ReservationStats, Verdict};
 use crate::sampler::{Sampler, TokenChoice};
+use crate::speculation::{propose, Acceptance, Speculation};
 use crate::step_cost::StepCost;
 use crate::tokenizer::{Detokenizer, Tokenizer};
 
@@ -455,6 +456,9 @@ pub struct SchedulerSnapshot {
     pub steps: u64,
     pub prefill_tokens: u64,
     pub decode_tokens: u64,
+    /// Tokens guessed by prompt lookup and verified, and how many of them were kept.
+    pub speculated_tokens: u64,
+    pub speculated_accepted: u64,
     /// Tokens generated so far (a counter that moves while the engine makes progress).
     pub generated_tokens: u64,
     pub last_step_tokens: usize,
@@ -573,6 +577,9 @@ struct Sequence {
     text_done: bool,
     /// Whether this sequence was ever admitted (its queue slot is given back then).
     admitted: bool,
+    /// Tokens guessed for this step (prompt lookup), verified with its next token.
+    draft: Vec<u32>,
+    acceptance: Acceptance,
 }
 
 impl Sequence {
@@ -649,6 +656,8 @@ pub struct SchedulerConfig {
     pub watermark: f64,
     /// Most positions of a sequence.
     pub context: usize,
+    /// Prompt lookup (speculative decoding without a draft model; off by default).
+    pub speculation: Speculation,
 }
 
 /// The queues, the pool and the tier of one model; stepped by the engine thread.
@@ -806,6 +815,8 @@ impl Scheduler {
             cached_tokens: 0,
             text_done: false,
             admitted: false,
+            draft: Vec::new(),
+            acceptance: Acceptance::default(),
         };
         self.next_id += 1;
         self.waiting.push_back(seq);
@@ -837,18 +848,31 @@ impl Scheduler {
         }
         self.batch.clear();
         let mut samplers = Vec::new();
+        // Sequences that verify a guess: (index, first row, rows), their logit rows last.
+        let mut guessed: Vec<(usize, usize, usize)> = Vec::new();
         let mut positions = 0u64;
         for &(i, n) in &scheduled {
             let seq = &mut self.running[i];
             seq.first_scheduled.get_or_insert(started);
             let from = seq.computed;
             positions += (n * from + n * (n + 1) / 2) as u64;
-            self.batch
-                .push_sequence(&seq.table, &seq.tokens[from..from + n], from, false);
-            if from + n == seq.tokens.len() {
-                self.batch.logit_rows.push(self.batch.len() - 1);
-                samplers.push(i);
+            if seq.draft.is_empty() {
+                self.batch
+                    .push_sequence(&seq.table, &seq.tokens[from..from + n], from, false);
+                if from + n == seq.tokens.len() {
+                    self.batch.logit_rows.push(self.batch.len() - 1);
+                    samplers.push(i);
+                }
+            } else {
+                let mut chunk = Vec::with_capacity(n);
+                chunk.push(seq.tokens[from]);
+                chunk.extend_from_slice(&seq.draft);
+                self.batch.push_sequence(&seq.table, &chunk, from, false);
+                guessed.push((i, self.batch.len() - n, n));
             }
+        }
+        for &(_, first, n) in &guessed {
+            self.batch.logit_rows.extend(first..first + n);
         }
         let tokens = self.batch.len();
         // The batch boundary, for traces: what this step computes.
@@ -930,11 +954,9 @@ impl Scheduler {
                 return 0;
             }
         };
-        let vocab = if samplers.is_empty() {
-            0
-        } else {
-            logits.len() / samplers.len()
-        };
+        let rows = samplers.len() + guessed.iter().map(|g| g.2).sum::<usize>();
+        let vocab = logits.len().checked_div(rows).unwrap_or(0);
+        let (logits, guessed_logits) = logits.split_at_mut(samplers.len() * vocab);
         let mut read = 0;
         for &(i, n) in &scheduled {
             let seq = &mut self.running[i];
@@ -945,7 +967,8 @@ impl Scheduler {
             }
             self.stats.prefill_tokens += prefill as u64;
             self.stats.decode_tokens += (n - prefill) as u64;
-            seq.computed += n;
+            // A guess's positions count once kept (below); its sequence's own token now.
+            seq.computed += if seq.draft.is_empty() { n } else { 1 };
         }
         // Register the blocks that filled up.
         for &(i, _) in &scheduled {
@@ -977,6 +1000,50 @@ impl Scheduler {
                 });
             }
             self.stats.generated_tokens += 1;
+            if self.config.speculation.enabled() {
+                seq.acceptance.plain(1);
+            }
+        }
+        // Guesses: each row sampled in order with the sequence's own sampler; a sample equal
+        // to the guess keeps it and the next row is sampled, the first that differs ends it.
+        let mut offset = 0;
+        for &(i, _, n) in &guessed {
+            let seq = &mut self.running[i];
+            let draft = std::mem::take(&mut seq.draft);
+            let mut kept = 0;
+            let mut emitted = 0;
+            for j in 0..n {
+                let row = &mut guessed_logits[(offset + j) * vocab..(offset + j + 1) * vocab];
+                let choice = seq.sampler.sample(row);
+                let id = choice.id;
+                emitted += 1;
+                if let Some(reason) =
+                    emit_token(seq, Some(choice), &self.tokenizer, self.config.context)
+                {
+                    finished.push((i, reason));
+                    break;
+                }
+                if draft.get(j) != Some(&id) {
+                    break;
+                }
+                kept += 1;
+            }
+            offset += n;
+            seq.computed += kept;
+            seq.acceptance.verified(draft.len(), kept);
+            self.stats.speculated_tokens += draft.len() as u64;
+            self.stats.speculated_accepted += kept as u64;
+            self.stats.generated_tokens += emitted as u64;
+            register_full_blocks(&mut self.pool, seq);
+            // The first token's gap is the step's; the ones kept with it came at once.
+            let now = Instant::now();
+            if let Some(before) = seq.last_token.replace(now) {
+                gaps.push((
+                    None,
+                    now.saturating_duration_since(before).as_secs_f32() * 1e3,
+                ));
+                gaps.extend(std::iter::repeat_n((None, 0.0), emitted - 1));
+            }
         }
         if !gaps.is_empty() {
             let mut samples = self.latency.lock().unwrap_or_else(|e| e.into_inner());
@@ -1145,14 +1212,46 @@ impl Scheduler {
         let mut held = false;
         let mut scheduled = Vec::new();
         let mut preempted = false;
+        // Prompt lookup while few sequences decode (see `crate::speculation`).
+        let speculation = self.config.speculation;
+        let guessing = speculation.enabled() && decoding <= speculation.max_batch;
+        let context = self.config.context;
+        for seq in &mut self.running {
+            seq.draft.clear();
+        }
         let mut i = 0;
         while i < self.running.len() && budget > 0 {
             let pending = self.running[i].tokens.len() - self.running[i].computed;
-            let n = if pending <= 1 {
+            let mut n = if pending <= 1 {
                 pending.min(budget)
             } else {
                 running_share[i].min(budget)
             };
+            let seq = &mut self.running[i];
+            if guessing
+                && n == 1
+                && pending == 1
+                && seq.constraint.is_none()
+                && seq.completion_tokens() >= 1
+                && seq.acceptance.guessing()
+            {
+                // Room: the step's budget, the tokens it may still generate (every guess
+                // kept and one more), and the context (the guesses' positions).
+                let room = seq
+                    .acceptance
+                    .length(speculation.max_draft)
+                    .min(budget - 1)
+                    .min(seq.max_tokens.saturating_sub(seq.completion_tokens() + 1))
+                    .min(context.saturating_sub(seq.tokens.len()));
+                let draft = propose(
+                    &seq.tokens,
+                    speculation.ngram_min,
+                    speculation.ngram_max,
+                    room,
+                );
+                seq.draft.extend_from_slice(draft);
+                n += seq.draft.len();
+            }
             if n == 0 {
                 held = true;
                 i += 1;
@@ -1454,6 +1553,7 @@ impl Scheduler {
     /// Preempts running sequence `i`: to the tier when there is one, else for recomputation.
     fn preempt(&mut self, i: usize) {
         let mut seq = self.running.remove(i);
+        seq.draft.clear();
         self.stats.preemptions += 1;
         if let Some(tier) = self.tier.as_mut() {
             let blocks = seq.table.len();

@@ -170,6 +170,7 @@ impl Harness {
             SchedulerConfig {
                 watermark: 0.01,
                 context: 10_000,
+                speculation: Default::default(),
             },
             handles,
             tokenizer(),

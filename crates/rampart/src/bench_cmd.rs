@@ -68,6 +68,25 @@ pub enum BenchCommand {
         #[arg(long, default_value_t = 1)]
         seed: u64,
     },
+    /// Prompt lookup (speculative decoding without a draft model) on and off, alternated:
+    /// decode tokens/s of one greedy chat at a time on answers that copy from their prompt
+    /// (repeat a text, edit code, quote) and on plain chat, whether the outputs are identical,
+    /// and how many guesses were kept.
+    Lookup {
+        #[command(flatten)]
+        model: ModelChoice,
+        /// Most tokens guessed per step with prompt lookup on.
+        #[arg(long, default_value_t = 8)]
+        guess: usize,
+        /// Tokens generated per chat.
+        #[arg(long, default_value_t = 200)]
+        max_tokens: usize,
+        #[arg(long, short = 'r', default_value_t = 3)]
+        rounds: usize,
+        /// Print the result as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Aggregate decode tokens/s of N sequences decoding together (like llama-batched-bench:
     /// distinct random prompts prefilled together, then --gen-tokens decode steps).
     Batched {
@@ -528,6 +547,13 @@ pub fn run(command: BenchCommand) -> Result<ExitCode> {
                 bytes as f64 / 1e9
             );
         }
+        BenchCommand::Lookup {
+            mut model,
+            guess,
+            max_tokens,
+            rounds,
+            json,
+        } => return lookup(&mut model, guess, max_tokens, rounds, json),
         BenchCommand::Batched {
             mut model,
             prompt_tokens,
@@ -1245,6 +1271,148 @@ fn embed_bench(
         );
     }
     Ok(())
+}
+
+/// The prompt-lookup benchmark's chats: answers that copy from their prompt, and plain chat.
+fn lookup_workloads() -> [(&'static str, Vec<&'static str>); 2] {
+    [
+        (
+            "copy",
+            vec![
+                "Repeat the following paragraph exactly, word for word:\n\nThe committee met on \
+                 Tuesday to review the budget for the coming year. After a long discussion, the \
+                 members agreed to increase the funding for public libraries by ten percent, to \
+                 keep the parks open until nine in the evening during the summer, and to repair \
+                 the bridge on River Street before the winter. The mayor thanked everyone for \
+                 their work and said that the new budget would be published on the city website \
+                 next week.",
+                "Add a docstring to this Python function and return the whole function:\n\n\
+                 def moving_average(values, window):\n    if window <= 0:\n        raise \
+                 ValueError(\"window must be positive\")\n    result = []\n    total = 0.0\n    \
+                 for i, value in enumerate(values):\n        total += value\n        if i >= \
+                 window:\n            total -= values[i - window]\n        if i >= window - 1:\n\
+                 \x20           result.append(total / window)\n    return result\n",
+                "Here is a list of items: apples, bananas, cherries, dates, elderberries, figs, \
+                 grapes, honeydew melons, kiwis, lemons, mangoes, nectarines, oranges, papayas. \
+                 Write the same list again, one item per line, each line starting with a dash.",
+            ],
+        ),
+        (
+            "chat",
+            vec![
+                "Tell me about the history of the bicycle.",
+                "Write a short poem about autumn leaves.",
+                "What are three tips for sleeping better?",
+            ],
+        ),
+    ]
+}
+
+fn lookup(
+    model: &mut ModelChoice,
+    guess: usize,
+    max_tokens: usize,
+    rounds: usize,
+    json: bool,
+) -> Result<ExitCode> {
+    use engine::bench::decode_alone;
+    use engine::ChatMessage;
+    model.kv.speculative_tokens = 0;
+    let plain = model.load(Some(2048))?;
+    model.kv.speculative_tokens = guess;
+    let guessing = model.load(Some(2048))?;
+    let workloads = lookup_workloads();
+    // Warm-up: one chat each.
+    let warm = [ChatMessage::new("user", "Hello!")];
+    decode_alone(&plain, &warm, 8)?;
+    decode_alone(&guessing, &warm, 8)?;
+    let mut results = Vec::new();
+    if !json {
+        println!("model    {}", model.model);
+        println!("backend  {}", plain.backend().describe());
+        println!(
+            "guess    {guess} tokens a step, n-grams {}..{}",
+            model.kv.prompt_lookup_min, model.kv.prompt_lookup_max
+        );
+        println!(
+            "{:<6} {:>5} {:>10} {:>10} {:>7} {:>9} {:>10}",
+            "kind", "round", "off tok/s", "on tok/s", "ratio", "kept", "identical"
+        );
+    }
+    for (kind, prompts) in &workloads {
+        let (mut off_total, mut on_total) = ((0usize, 0f64), (0usize, 0f64));
+        let (mut guessed, mut kept, mut identical) = (0u64, 0u64, true);
+        for round in 0..rounds {
+            let (mut off, mut on) = ((0usize, 0f64), (0usize, 0f64));
+            for prompt in prompts {
+                let messages = [ChatMessage::new("user", prompt)];
+                // Alternated: off first in even rounds, on first in odd ones.
+                let (a, b) = if round % 2 == 0 {
+                    let a = decode_alone(&plain, &messages, max_tokens)?;
+                    (a, decode_alone(&guessing, &messages, max_tokens)?)
+                } else {
+                    let b = decode_alone(&guessing, &messages, max_tokens)?;
+                    (decode_alone(&plain, &messages, max_tokens)?, b)
+                };
+                identical &= a.ids == b.ids;
+                off.0 += a.ids.len().saturating_sub(1);
+                off.1 += a.decode_seconds;
+                on.0 += b.ids.len().saturating_sub(1);
+                on.1 += b.decode_seconds;
+                guessed += b.guessed;
+                kept += b.kept;
+            }
+            let (off_tps, on_tps) = (off.0 as f64 / off.1, on.0 as f64 / on.1);
+            if !json {
+                println!(
+                    "{:<6} {:>5} {:>10.1} {:>10.1} {:>7.2} {:>9} {:>10}",
+                    kind,
+                    round + 1,
+                    off_tps,
+                    on_tps,
+                    on_tps / off_tps,
+                    "",
+                    ""
+                );
+            }
+            off_total = (off_total.0 + off.0, off_total.1 + off.1);
+            on_total = (on_total.0 + on.0, on_total.1 + on.1);
+        }
+        let (off_tps, on_tps) = (
+            off_total.0 as f64 / off_total.1,
+            on_total.0 as f64 / on_total.1,
+        );
+        let share = kept as f64 / guessed.max(1) as f64;
+        if !json {
+            println!(
+                "{:<6} {:>5} {:>10.1} {:>10.1} {:>7.2} {:>8.0}% {:>10}",
+                kind,
+                "all",
+                off_tps,
+                on_tps,
+                on_tps / off_tps,
+                share * 100.0,
+                identical
+            );
+        }
+        results.push(json!({
+            "kind": kind,
+            "off_tps": off_tps,
+            "on_tps": on_tps,
+            "ratio": on_tps / off_tps,
+            "guessed": guessed,
+            "kept": kept,
+            "identical": identical,
+        }));
+    }
+    if json {
+        println!(
+            "{}",
+            json!({"model": model.model, "guess": guess, "max_tokens": max_tokens,
+                   "rounds": rounds, "backend": plain.backend().describe(), "results": results})
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 #[cfg(test)]

@@ -68,6 +68,16 @@ pub struct KvArgs {
     /// Most requests waiting for admission.
     #[arg(long, default_value_t = 1024)]
     pub max_waiting: usize,
+    /// Prompt lookup (speculative decoding without a draft model): most tokens guessed per
+    /// step from earlier occurrences of a sequence's last tokens (0: off).
+    #[arg(long, default_value_t = 0)]
+    pub speculative_tokens: usize,
+    /// The longest n-gram prompt lookup matches.
+    #[arg(long, default_value_t = 4)]
+    pub prompt_lookup_max: usize,
+    /// The shortest n-gram prompt lookup matches.
+    #[arg(long, default_value_t = 2)]
+    pub prompt_lookup_min: usize,
 }
 
 impl KvArgs {
@@ -84,6 +94,9 @@ impl KvArgs {
             max_num_seqs: 64,
             max_num_batched_tokens: 512,
             max_waiting: 1024,
+            speculative_tokens: 0,
+            prompt_lookup_max: 4,
+            prompt_lookup_min: 2,
         }
     }
 }
@@ -121,6 +134,12 @@ impl KvArgs {
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,
             max_waiting: self.max_waiting,
+            speculation: engine::speculation::Speculation {
+                max_draft: self.speculative_tokens,
+                ngram_max: self.prompt_lookup_max,
+                ngram_min: self.prompt_lookup_min,
+                ..Default::default()
+            },
             ..SchedulerOptions::default()
         };
     }

@@ -996,6 +996,12 @@ impl TracingConfig {
     }
 }
 
+/// Most tokens prompt lookup may guess per step (`[[models]] speculative_tokens`): each is a
+/// row of the step, computed whether it is kept or not.
+pub const MAX_SPECULATIVE_TOKENS: usize = 16;
+/// The longest n-gram prompt lookup may match (`prompt_lookup_max`).
+pub const MAX_PROMPT_LOOKUP: usize = 16;
+
 /// One served model.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -1024,6 +1030,12 @@ pub struct ModelConfig {
     /// Most prompt tokens per engine step, after every running stream's decode token (the
     /// degradation controller's ceiling for the prefill budget; default: the batch's).
     pub max_prefill_tokens: Option<usize>,
+    /// Prompt lookup: most tokens guessed per step from earlier occurrences of a sequence's
+    /// last tokens, verified in the same step (0 or none: off; docs/engine.md).
+    pub speculative_tokens: Option<usize>,
+    /// The longest and shortest n-grams prompt lookup matches (default 4 and 2).
+    pub prompt_lookup_max: Option<usize>,
+    pub prompt_lookup_min: Option<usize>,
     /// The latency objectives the degradation controller keeps.
     #[serde(default)]
     pub slo: SloConfig,
@@ -1093,6 +1105,9 @@ impl ModelConfig {
             max_num_seqs: None,
             max_num_batched_tokens: None,
             max_prefill_tokens: None,
+            speculative_tokens: None,
+            prompt_lookup_max: None,
+            prompt_lookup_min: None,
             slo: SloConfig::default(),
             batch_degrade_threshold: None,
             quantization: None,
@@ -1377,6 +1392,19 @@ impl ServerConfig {
                 .map_err(|e| ConfigError(format!("memory.limit: {e}")))?;
         }
         for m in &self.models {
+            let lookup_min = m.prompt_lookup_min.unwrap_or(2);
+            let lookup_max = m.prompt_lookup_max.unwrap_or(4);
+            if m.speculative_tokens.unwrap_or(0) > MAX_SPECULATIVE_TOKENS
+                || lookup_min == 0
+                || lookup_max < lookup_min
+                || lookup_max > MAX_PROMPT_LOOKUP
+            {
+                return Err(ConfigError(format!(
+                    "models.{}: speculative_tokens is at most {MAX_SPECULATIVE_TOKENS}, and \
+                     1 <= prompt_lookup_min <= prompt_lookup_max <= {MAX_PROMPT_LOOKUP}",
+                    m.name
+                )));
+            }
             if m.max_prefill_tokens == Some(0)
                 || m.slo.ttft_p99_ms == Some(0)
                 || m.slo.itl_p99_ms == Some(0)

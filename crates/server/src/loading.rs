@@ -405,6 +405,10 @@ fn load_llm(
     if let Some(n) = model.max_num_batched_tokens {
         options.scheduler.max_num_batched_tokens = n;
     }
+    let speculation = &mut options.scheduler.speculation;
+    speculation.max_draft = model.speculative_tokens.unwrap_or(0);
+    speculation.ngram_max = model.prompt_lookup_max.unwrap_or(speculation.ngram_max);
+    speculation.ngram_min = model.prompt_lookup_min.unwrap_or(speculation.ngram_min);
     if let Some(spec) = &model.quantization {
         options.quantization = Some(
             engine::convert::InSitu::from_spec(spec, model.quantization_cache_dir.clone())

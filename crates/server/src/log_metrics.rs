@@ -136,6 +136,8 @@ pub static METRICS: &[MetricInfo] = &[
     recorded("rampart_prefix_cache_hits_total", MetricKind::Counter, &["model"], "Prompt blocks found in the prefix cache."),
     recorded("rampart_prefix_cache_lookups_total", MetricKind::Counter, &["model"], "Prompt blocks looked up in the prefix cache."),
     recorded("rampart_preemptions_total", MetricKind::Counter, &["model"], "Sequences preempted for lack of KV blocks."),
+    recorded("rampart_speculative_tokens_total", MetricKind::Counter, &["model"], "Tokens guessed by prompt lookup (speculative decoding without a draft model) and verified."),
+    recorded("rampart_speculative_accepted_total", MetricKind::Counter, &["model"], "Tokens guessed by prompt lookup that the model's own sampling kept."),
     recorded("rampart_record_dropped_total", MetricKind::Counter, &["sink", "reason"], "Records a sink's lane lost, by sink and reason (lane_full, overflow, timeout, closed, write_failed)."),
     recorded("rampart_record_written_total", MetricKind::Counter, &["sink"], "Records a sink wrote, by sink."),
     recorded("rampart_model_ready", MetricKind::Gauge, &["model"], "1 while the model is loaded and its last readiness check passed, 0 while it fails (stalled, stopped)."),
@@ -330,6 +332,8 @@ pub fn refresh_gauges(registry: &Registry, handoffs: &crate::handoff::Handoffs, 
         counter!("rampart_prefix_cache_lookups_total", &labels)
             .absolute(s.prefix.hits + s.prefix.misses);
         counter!("rampart_preemptions_total", &labels).absolute(s.preemptions);
+        counter!("rampart_speculative_tokens_total", &labels).absolute(s.speculated_tokens);
+        counter!("rampart_speculative_accepted_total", &labels).absolute(s.speculated_accepted);
     }
     for lane in bus.counters() {
         for (reason, n) in &lane.dropped {

@@ -277,6 +277,9 @@ pub struct Finished {
     pub trailing_text: String,
     /// The stop string that ended the text (reason `stop`), when one did.
     pub stop: Option<String>,
+    /// Tokens guessed by prompt lookup and verified for it, and how many were kept.
+    pub speculated_tokens: u64,
+    pub speculated_accepted: u64,
 }
 
 /// What the stream carries.
@@ -928,6 +931,8 @@ impl Engine {
                             decode_seconds: started.elapsed().as_secs_f64(),
                             trailing_text: String::new(),
                             stop: None,
+                            speculated_tokens: 0,
+                            speculated_accepted: 0,
                         });
                     }
                 }

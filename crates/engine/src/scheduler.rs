@@ -1886,6 +1886,8 @@ fn finish(seq: &mut Sequence, reason: FinishReason) {
         decode_seconds: now.saturating_duration_since(first_token).as_secs_f64(),
         trailing_text,
         stop: seq.stops.matched.clone(),
+        speculated_tokens: seq.acceptance.proposed,
+        speculated_accepted: seq.acceptance.accepted,
     };
     let _ = seq.events.send(Event::Finished(done));
 }

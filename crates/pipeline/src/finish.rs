@@ -295,6 +295,8 @@ fn record_finished(record: &mut RecordBuilder, finished: &[Finished]) {
         .map(|f| f.cached_prompt_tokens)
         .max()
         .unwrap_or(0);
+    r.speculated_tokens = finished.iter().map(|f| f.speculated_tokens).sum();
+    r.speculated_accepted = finished.iter().map(|f| f.speculated_accepted).sum();
     r.prefill_ms = finished
         .iter()
         .map(|f| f.prefill_seconds * 1e3)

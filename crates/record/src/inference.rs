@@ -58,6 +58,10 @@ pub struct InferenceRecord {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub cached_prompt_tokens: usize,
+    /// Tokens guessed by prompt lookup and verified, and how many of them were kept (the
+    /// acceptance; 0 and 0 without prompt lookup).
+    pub speculated_tokens: u64,
+    pub speculated_accepted: u64,
     pub queue_ms: f64,
     pub prefill_ms: f64,
     pub ttft_ms: f64,
@@ -212,6 +216,8 @@ impl InferenceRecord {
             prompt_tokens: 0,
             completion_tokens: 0,
             cached_prompt_tokens: 0,
+            speculated_tokens: 0,
+            speculated_accepted: 0,
             queue_ms: 0.0,
             prefill_ms: 0.0,
             ttft_ms: 0.0,

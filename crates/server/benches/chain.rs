@@ -85,6 +85,8 @@ impl InferenceBackend for Talker {
                 decode_seconds: 0.0,
                 trailing_text: String::new(),
                 stop: None,
+                speculated_tokens: 0,
+                speculated_accepted: 0,
             }),
         ));
         Box::pin(std::future::ready(Ok(Answer::Generation(Generation {

@@ -485,6 +485,8 @@ fn log_record(r: &InferenceRecord) {
         prompt_tokens = r.prompt_tokens,
         completion_tokens = r.completion_tokens,
         cached_prompt_tokens = r.cached_prompt_tokens,
+        speculated_tokens = r.speculated_tokens,
+        speculated_accepted = r.speculated_accepted,
         queue_ms = r.queue_ms,
         prefill_ms = r.prefill_ms,
         ttft_ms = r.ttft_ms,

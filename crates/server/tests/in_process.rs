@@ -54,6 +54,8 @@ fn finished(completion_tokens: usize) -> Finished {
         decode_seconds: 0.002,
         trailing_text: String::new(),
         stop: None,
+        speculated_tokens: 0,
+        speculated_accepted: 0,
     }
 }
 

@@ -175,6 +175,8 @@ pub(crate) fn finished_at_once(completion_tokens: usize) -> Finished {
         decode_seconds: 0.0,
         trailing_text: String::new(),
         stop: None,
+        speculated_tokens: 0,
+        speculated_accepted: 0,
     }
 }
 

@@ -228,8 +228,10 @@ impl Ledger {
             let reading =
                 now + Duration::from_secs_f64(gate.read_ms(gate.backlog + tokens).max(0.0) / 1e3);
             let ahead = gate.backlog
-                + self.others_before(booking.tag, key.1, now, window)
-                + self.own_before(booking.tag, key.1, now, reading);
+                + self.booked_before(booking.tag, now, |b| {
+                    let until = if b.tenant == key.1 { reading } else { window };
+                    b.due <= until
+                });
             if gate.fits(ahead, tokens) {
                 self.stats.honoured += 1;
                 self.stats.admitted += 1;
@@ -272,7 +274,7 @@ impl Ledger {
             .virtual_now
             .max(self.finish.get(&tenant).copied().unwrap_or(0.0));
         let tag = start + tokens as f64 / weight;
-        let ahead = gate.backlog + self.booked_before(tag, now, Some(window));
+        let ahead = gate.backlog + self.booked_before(tag, now, |b| b.due <= window);
         if gate.fits(ahead, tokens) {
             self.charge(tenant, start, tag);
             self.advance(start);
@@ -308,7 +310,7 @@ impl Ledger {
         // Every booking ahead of it in the order, due soon or not: it comes after them all.
         let ahead_all = gate.backlog
             + self
-                .booked_before(tag, now, None)
+                .booked_before(tag, now, |_| true)
                 .max(self.fluid_ahead(tag, tenant, weight, tokens));
         let wait = gate.wait_ms(ahead_all, tokens);
         self.charge(tenant, start, tag);
@@ -367,30 +369,11 @@ impl Ledger {
         self.virtual_now = self.virtual_now.max(start.min(waiting));
     }
 
-    /// Prompt tokens of other tenants' bookings ordered before `tag` and due by `until`.
-    fn others_before(&self, tag: f64, tenant: u64, now: Instant, until: Instant) -> usize {
+    /// Prompt tokens of the awaited bookings ordered before `tag` that `keep` keeps.
+    fn booked_before(&self, tag: f64, now: Instant, keep: impl Fn(&Booking) -> bool) -> usize {
         self.bookings
             .values()
-            .filter(|b| b.tag < tag && b.tenant != tenant && b.due <= until && b.awaited(now))
-            .map(|b| b.tokens)
-            .sum()
-    }
-
-    /// Prompt tokens of `tenant`'s own bookings ordered before `tag` whose holders are awaited
-    /// by `until`.
-    fn own_before(&self, tag: f64, tenant: u64, now: Instant, until: Instant) -> usize {
-        self.bookings
-            .values()
-            .filter(|b| b.tag < tag && b.tenant == tenant && b.due <= until && b.awaited(now))
-            .map(|b| b.tokens)
-            .sum()
-    }
-
-    /// Prompt tokens of bookings ordered before `tag` (and due by `until`, when given).
-    fn booked_before(&self, tag: f64, now: Instant, until: Option<Instant>) -> usize {
-        self.bookings
-            .values()
-            .filter(|b| b.tag < tag && b.awaited(now) && until.is_none_or(|u| b.due <= u))
+            .filter(|b| b.tag < tag && b.awaited(now) && keep(b))
             .map(|b| b.tokens)
             .sum()
     }

@@ -87,8 +87,6 @@ pub struct Acceptance {
     /// Tokens guessed and tokens kept, over the sequence's life.
     pub proposed: u64,
     pub accepted: u64,
-    /// Steps that verified a guess.
-    pub steps: u64,
     /// Moving average of the share kept per step.
     average: f64,
     /// Tokens still to generate before guessing again, and the next pause's length.
@@ -104,7 +102,6 @@ impl Default for Acceptance {
         Self {
             proposed: 0,
             accepted: 0,
-            steps: 0,
             average: 1.0,
             paused: 0,
             next_pause: FIRST_PAUSE,
@@ -136,7 +133,6 @@ impl Acceptance {
         }
         self.proposed += proposed as u64;
         self.accepted += accepted as u64;
-        self.steps += 1;
         self.average = 0.7 * self.average + 0.3 * (accepted as f64 / proposed as f64);
         // A copied run goes on until it does not: guess further while whole guesses are kept,
         // and just past what was kept after one was not.

@@ -19,19 +19,10 @@ fn serve(top: &str, model: &str, tables: &str) -> Option<(Server, PathBuf)> {
     let source = cached_model(SMOLLM2_GGUF)?;
     let dir = tempfile::tempdir().unwrap();
     let repo = import_repository(dir.path(), &[(MODEL, "1.0.0", source)]);
-    let (port, grpc_port) = (free_port(), free_port());
-    let log = dir.path().join("server.log");
     let config = format!(
         "shutdown_timeout_s = 5\n{top}\n[[models]]\nname = \"{MODEL}\"\ncontext = 2048\nkv_cache_memory = \"128MiB\"\n{model}\n{tables}"
     );
-    let child = spawn_server(dir.path(), &repo, port, grpc_port, &config, &log);
-    let server = Server {
-        child,
-        port,
-        grpc_port,
-        _dir: dir,
-        log,
-    };
+    let server = Server::start(dir, &repo, &config, &[]);
     wait_ready(server.port);
     Some((server, repo))
 }

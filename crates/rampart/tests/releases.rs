@@ -63,16 +63,7 @@ fn release_server_of(
     let config = format!(
         "[faults]\nenabled = true\n[releases]\ntick_ms = 250\n{config}\n[[models]]\nname = \"{MODEL}\"\n{pinned}context = 512\nkv_cache_memory = \"64MiB\"\n"
     );
-    let (port, grpc_port) = (free_port(), free_port());
-    let log = dir.path().join("server.log");
-    let child = spawn_server(dir.path(), &repo, port, grpc_port, &config, &log);
-    let server = Server {
-        child,
-        port,
-        grpc_port,
-        _dir: dir,
-        log,
-    };
+    let server = Server::start(dir, &repo, &config, &[]);
     wait_ready(server.port);
     server
 }
@@ -745,19 +736,10 @@ fn the_gates_refuse_a_classifier_whose_labels_were_mixed_up() {
         ));
     }
     std::fs::write(golden.join("pages.jsonl"), cases).unwrap();
-    let (port, grpc_port) = (free_port(), free_port());
-    let log = dir.path().join("server.log");
     let config = format!(
         "[tensor]\nbackend = \"tract\"\n[[models]]\nname = \"{name}\"\nversion = \"1.0.0\"\n"
     );
-    let child = spawn_server(dir.path(), &repo, port, grpc_port, &config, &log);
-    let server = Server {
-        child,
-        port,
-        grpc_port,
-        _dir: dir,
-        log,
-    };
+    let server = Server::start(dir, &repo, &config, &[]);
     wait_ready(server.port);
     let (code, table) = gate(
         server.port,

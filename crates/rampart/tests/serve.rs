@@ -2590,20 +2590,7 @@ fn two_servers_sharing_a_postgresql_store_see_the_same_feedback() {
         feedback_config("")
     );
     let servers: Vec<Server> = (0..2)
-        .map(|_| {
-            let dir = tempfile::tempdir().unwrap();
-            let (port, grpc_port) = (free_port(), free_port());
-            let log = dir.path().join("server.log");
-            let child =
-                spawn_server_with_env(dir.path(), &repo, port, grpc_port, &config, &log, &env);
-            Server {
-                child,
-                port,
-                grpc_port,
-                _dir: dir,
-                log,
-            }
-        })
+        .map(|_| Server::start(tempfile::tempdir().unwrap(), &repo, &config, &env))
         .collect();
     for s in &servers {
         wait_ready(s.port);

@@ -63,20 +63,8 @@ fn start(tls: &str) -> Option<(Server, tempfile::TempDir)> {
     let model = orientation_source(sources.path())?;
     let dir = tempfile::tempdir().unwrap();
     let repo = import_repository(dir.path(), &[(ORIENTATION, "1.0.0", model)]);
-    let (port, grpc_port) = (free_port(), free_port());
-    let log = dir.path().join("server.log");
     let config = format!("[[models]]\nname = \"{ORIENTATION}\"\n{tls}\n");
-    let child = spawn_server(dir.path(), &repo, port, grpc_port, &config, &log);
-    Some((
-        Server {
-            child,
-            port,
-            grpc_port,
-            _dir: dir,
-            log,
-        },
-        sources,
-    ))
+    Some((Server::start(dir, &repo, &config, &[]), sources))
 }
 
 /// An HTTPS client trusting only `ca` (no connection pool sharing between clients: each new

@@ -20,6 +20,28 @@ pub struct Server {
     pub log: PathBuf,
 }
 
+impl Server {
+    /// Starts a server in `dir` (its keys, configuration and `server.log` are written there)
+    /// on `repo` with `config` and free ports; does not wait for it to be ready.
+    pub fn start(
+        dir: tempfile::TempDir,
+        repo: &Path,
+        config: &str,
+        env: &[(&str, &str)],
+    ) -> Server {
+        let (port, grpc_port) = (free_port(), free_port());
+        let log = dir.path().join("server.log");
+        let child = spawn_server_with_env(dir.path(), repo, port, grpc_port, config, &log, env);
+        Server {
+            child,
+            port,
+            grpc_port,
+            _dir: dir,
+            log,
+        }
+    }
+}
+
 impl Drop for Server {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -188,16 +210,7 @@ pub fn import_repository(dir: &Path, models: &[(&str, &str, PathBuf)]) -> PathBu
 pub fn start_repository(models: &[(&str, &str, PathBuf)], config: &str) -> Server {
     let dir = tempfile::tempdir().unwrap();
     let repo = import_repository(dir.path(), models);
-    let (port, grpc_port) = (free_port(), free_port());
-    let log = dir.path().join("server.log");
-    let child = spawn_server(dir.path(), &repo, port, grpc_port, config, &log);
-    Server {
-        child,
-        port,
-        grpc_port,
-        _dir: dir,
-        log,
-    }
+    Server::start(dir, &repo, config, &[])
 }
 
 pub fn spawn_server(

@@ -91,6 +91,26 @@ impl Fleet {
             .expect("a replica")
     }
 
+    /// The last `n` lines of each replica's logs, for a failure's message.
+    fn tails(&self, n: usize) -> String {
+        let mut all = String::new();
+        for r in &self.replicas {
+            for entry in std::fs::read_dir(&r.dir).unwrap().flatten() {
+                let p = entry.path();
+                if p.extension().is_some_and(|e| e == "log") {
+                    let text = std::fs::read_to_string(&p).unwrap_or_default();
+                    let lines: Vec<&str> = text.lines().collect();
+                    all.push_str(&format!("--- {} {}\n", r.name, p.display()));
+                    for l in &lines[lines.len().saturating_sub(n)..] {
+                        all.push_str(l);
+                        all.push('\n');
+                    }
+                }
+            }
+        }
+        all
+    }
+
     fn logs(&self) -> String {
         let mut all = String::new();
         for r in &self.replicas {
@@ -242,6 +262,18 @@ fn wait_for(
     }
 }
 
+/// Whether `done` holds within `limit`, asked every 50 ms.
+fn wait_until(limit: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let began = Instant::now();
+    while began.elapsed() < limit {
+        if done() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    false
+}
+
 /// Starts releasing 1.1.0 through the balancer (200 asserted); the answer's body.
 fn start_release(lb: u16) -> String {
     let (s, _, t) = http(
@@ -252,6 +284,10 @@ fn start_release(lb: u16) -> String {
         Some(ADMIN_KEY),
     );
     assert_eq!(s, 200, "{t}");
+    // The answer is the started release, not the one that ended before it.
+    let answer: serde_json::Value = serde_json::from_str(&t).unwrap();
+    assert_eq!(phase_of(&answer), "running", "{t}");
+    assert_eq!(answer["status"]["candidate"], "1.1.0", "{t}");
     t
 }
 
@@ -628,12 +664,22 @@ fn three_replicas_behind_haproxy_share_one_release_one_judge_and_one_truth() {
     );
     let started = Instant::now();
     let load = Load::start(&python, fleet._dir.path(), lb, "same", 3);
-    wait_for(Duration::from_secs(120), "candidate samples pooled", || {
+    let mut last = serde_json::Value::Null;
+    let pooled = wait_until(Duration::from_secs(120), || {
         let r = release(lb);
-        (r["status"]["release_id"] == id.as_str()
-            && r["status"]["samples_candidate"].as_u64()? >= 3)
-            .then_some(r)
+        let done = r["status"]["release_id"] == id.as_str()
+            && r["status"]["samples_candidate"].as_u64().unwrap_or(0) >= 3;
+        last = r;
+        done
     });
+    if !pooled {
+        let summary = load.stop();
+        panic!(
+            "candidate samples not pooled within 120 s; load {summary}; last release view {last}; fleet {}; logs:\n{}",
+            get_json(lb, "/admin/fleet").unwrap_or_default(),
+            fleet.tails(40)
+        );
+    }
     let judge = get_json(lb, "/admin/fleet").unwrap()["judge"]
         .as_str()
         .unwrap()

@@ -129,13 +129,23 @@ impl ModelRelease {
         Arc::clone(&self.routing.read().unwrap_or_else(|e| e.into_inner()))
     }
 
-    /// The release's status: in a fleet, the pooled one (every replica's samples).
+    /// The release's status: in a fleet, the pooled one (every replica's samples), while it
+    /// describes the plan this replica routes by. A command applied here (a start, a pause)
+    /// changes the plan before the next tick pools its window: until then the pooled status is
+    /// the previous release's or step's, and this replica's own is shown (a start answered with
+    /// the ended release's id sent a client waiting on the wrong release).
     pub fn status(&self) -> Status {
+        let plan = self.plan();
         if let Some(pooled) = self
             .pooled
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+            .filter(|s| {
+                s.release_id == plan.state.release_id
+                    && s.phase == plan.state.phase
+                    && s.step == plan.state.step
+            })
         {
             return pooled;
         }

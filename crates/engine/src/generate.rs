@@ -22,16 +22,18 @@ use crate::block_pool::BlockPool;
 use crate::chat::{ChatMessage, ChatTemplate};
 use crate::constraint::Constraint;
 use crate::error::EngineError;
+use crate::explain::AttentionRequest;
 use crate::kv_store::{KvLayout, KvStore, SequenceCache};
 use crate::kv_tier::{KvTier, TierConfig};
 use crate::model::{Batch, ForwardState, LogitRows, Model, ModelConfig, WeightFormat};
 use crate::reservations::Claim;
 use crate::sampler::{Sampler, SamplingParams};
 use crate::scheduler::{
-    Executor, LatencySamples, NewSequence, Scheduler, SchedulerConfig, SchedulerHandles,
+    Executor, Forwarded, LatencySamples, NewSequence, Scheduler, SchedulerConfig, SchedulerHandles,
     SchedulerLimits, SchedulerSnapshot,
 };
 use crate::tokenizer::Tokenizer;
+use kernels::paged::Attended;
 
 /// How much memory the KV block pool takes.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -207,6 +209,9 @@ pub struct GenerateRequest {
     /// Who the request is, for the first-token gate's bookings and fair order
     /// ([`crate::reservations`]); none: an anonymous newcomer, never booked.
     pub claim: Option<Claim>,
+    /// The attention export ([`crate::explain`]), normalized and bounded by the caller
+    /// ([`AttentionRequest::normalize`]); the engine checks it against the model again.
+    pub attention: Option<AttentionRequest>,
 }
 
 impl GenerateRequest {
@@ -221,6 +226,7 @@ impl GenerateRequest {
             tools: Vec::new(),
             reveal: Vec::new(),
             claim: None,
+            attention: None,
         }
     }
 }
@@ -237,6 +243,10 @@ pub struct TokenEvent {
     pub entropy: f32,
     /// Most likely alternatives: (id, token text, logprob).
     pub top_logprobs: Vec<(u32, String, f32)>,
+    /// The attention export of this token when the request asked for it and this token
+    /// (layers × heads × top_k entries, in the request's order; [`Attended::NONE`] past the
+    /// keys it saw); empty otherwise.
+    pub attention: Vec<Attended>,
 }
 
 /// Why generation ended.
@@ -435,13 +445,20 @@ struct ModelExecutor {
 }
 
 impl Executor for ModelExecutor {
-    fn forward(&mut self, batch: &Batch, store: &mut KvStore) -> Result<&mut [f32], EngineError> {
+    fn forward(
+        &mut self,
+        batch: &Batch,
+        store: &mut KvStore,
+    ) -> Result<Forwarded<'_>, EngineError> {
         let _compute = self.core.compute.lock().unwrap_or_else(|e| e.into_inner());
         let _turn = self.core.backend.turn();
         self.core
             .model
             .forward_batch(self.core.backend.as_ref(), batch, store, &mut self.state)?;
-        Ok(&mut self.state.logits)
+        Ok(Forwarded {
+            logits: &mut self.state.logits,
+            attention: &self.state.attention,
+        })
     }
 
     fn threads(&self) -> crate::scheduler::ForEach {
@@ -791,6 +808,17 @@ impl Engine {
         if tokens.is_empty() {
             return Err(EngineError::InvalidRequest("the prompt is empty".into()));
         }
+        if let Some(asked) = &request.attention {
+            let mut checked = asked.clone();
+            checked
+                .normalize(self.config(), request.max_tokens, usize::MAX)
+                .map_err(EngineError::InvalidRequest)?;
+            if &checked != asked {
+                return Err(EngineError::InvalidRequest(
+                    "explain.attention must be normalized before it reaches the engine".into(),
+                ));
+            }
+        }
         if tokens.len() + request.max_tokens > self.context {
             return Err(EngineError::ContextExceeded {
                 prompt_tokens: tokens.len(),
@@ -880,6 +908,7 @@ impl Engine {
             cancel: Arc::clone(&cancel),
             arrived: Instant::now(),
             predicted_read_ms,
+            attention: request.attention,
         };
         let prompt_tokens = new.tokens.len();
         let sent = self

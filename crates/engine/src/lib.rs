@@ -29,6 +29,7 @@ pub mod chat;
 pub mod constraint;
 pub mod convert;
 pub mod error;
+pub mod explain;
 pub mod generate;
 pub mod hf;
 pub mod kv_store;
@@ -48,10 +49,12 @@ pub use bert::{EmbedOptions, Embedder, EmbedderOptions};
 pub use chat::{ChatMessage, ChatTemplate, FunctionCall, ToolCall};
 pub use constraint::{Constraint, ConstraintError, ConstraintFactory, TokenConstraint, TokenMask};
 pub use error::EngineError;
+pub use explain::{AttentionDigest, AttentionRequest};
 pub use generate::{
     Engine, EngineOptions, Event, FinishReason, Finished, GenerateRequest, KvMemory, KvOptions,
     ParseKvMemoryError, Prompt, SchedulerOptions, Shed, Stream, TokenEvent,
 };
+pub use kernels::paged::Attended;
 pub use kernels::KvDType;
 pub use reservations::{Booked, Claim, ReservationStats};
 pub use sampler::SamplingParams;

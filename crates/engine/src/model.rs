@@ -12,6 +12,7 @@ use std::path::Path;
 
 use formats::gguf::GgufFile;
 use kernels::ops::{Rope, RopeScaling};
+use kernels::paged::{Attended, Capture, NOT_CAPTURED};
 use kernels::quant::dequantize_row;
 use kernels::{Backend, Matrix, QueryRow, Scratch};
 
@@ -492,6 +493,43 @@ impl Model {
         let (hid, qd, kvd) = (c.hidden, c.heads * c.head_dim, c.kv_heads * c.head_dim);
         state.ensure(c, m);
         let s = state;
+        // The attention export's entries, layer after layer (see `Batch::capture_slots`).
+        let per_layer = if batch.capture_layers.is_empty() {
+            0
+        } else {
+            if batch.capture_slots.len() != m {
+                return Err(EngineError::InvalidRequest(format!(
+                    "the attention capture names {} rows, the batch has {m}",
+                    batch.capture_slots.len()
+                )));
+            }
+            if let Some(&bad) = batch
+                .capture_layers
+                .iter()
+                .find(|&&l| l >= self.layers.len())
+            {
+                return Err(EngineError::InvalidRequest(format!(
+                    "the attention capture names layer {bad} of {}",
+                    self.layers.len()
+                )));
+            }
+            let mut seen: Vec<u32> = batch
+                .capture_slots
+                .iter()
+                .copied()
+                .filter(|&x| x != NOT_CAPTURED)
+                .collect();
+            seen.sort_unstable();
+            if seen.iter().enumerate().any(|(i, &x)| x as usize != i) {
+                return Err(EngineError::InvalidRequest(
+                    "the attention capture's slots are not 0..n, one per captured row".into(),
+                ));
+            }
+            seen.len() * c.heads * batch.capture_top_k
+        };
+        s.attention.clear();
+        s.attention
+            .resize(batch.capture_layers.len() * per_layer, Attended::NONE);
         let embd = self.matrix(&self.embeddings);
         for (i, &t) in batch.tokens.iter().enumerate() {
             dequantize_row(
@@ -577,7 +615,13 @@ impl Model {
                 })
                 .collect();
             let att = &mut s.att[..m * qd];
-            backend.paged_attention(c.heads, q, &rows, &store.layer(l), att);
+            let captured = batch.capture_layers.iter().position(|&cl| cl == l);
+            let mut capture = captured.map(|at| Capture {
+                slots: &batch.capture_slots,
+                top_k: batch.capture_top_k,
+                out: &mut s.attention[at * per_layer..(at + 1) * per_layer],
+            });
+            backend.paged_attention(c.heads, q, &rows, &store.layer(l), att, capture.as_mut());
             let o = &mut s.o[..m * hid];
             backend.matmul(&self.matrix(&layer.wo), att, m, o, &mut s.scratch);
             if let Some(norm) = &layer.post_attn_norm {
@@ -659,6 +703,15 @@ pub struct Batch {
     pub row_seq: Vec<usize>,
     /// Rows whose logits are wanted, in output order.
     pub logit_rows: Vec<usize>,
+    /// The attention export ([`crate::explain`]): per row its capture slot or
+    /// [`NOT_CAPTURED`] (empty: nothing captured), the layers captured (ascending) and the keys
+    /// kept per head. The slots must be `0..n` without gaps: the pass writes
+    /// `capture_layers × n × heads × capture_top_k` entries to [`ForwardState::attention`],
+    /// layer `capture_layers[i]` at `i·n·heads·top_k`, slot `s`, head `h` at
+    /// `(s·heads + h)·top_k` within it.
+    pub capture_slots: Vec<u32>,
+    pub capture_layers: Vec<usize>,
+    pub capture_top_k: usize,
     table_blocks: Vec<u32>,
     table_ranges: Vec<Range<usize>>,
 }
@@ -669,6 +722,9 @@ impl Batch {
         self.positions.clear();
         self.row_seq.clear();
         self.logit_rows.clear();
+        self.capture_slots.clear();
+        self.capture_layers.clear();
+        self.capture_top_k = 0;
         self.table_blocks.clear();
         self.table_ranges.clear();
     }
@@ -734,6 +790,8 @@ pub struct ForwardState {
     fused: Vec<f32>,
     /// Logits of the selected rows, `rows × vocab`.
     pub logits: Vec<f32>,
+    /// The attention export of the last pass (see [`Batch::capture_slots`]).
+    pub attention: Vec<Attended>,
     scratch: Scratch,
     batch: Batch,
 }

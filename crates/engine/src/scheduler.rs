@@ -38,6 +38,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use crate::block_pool::{block_hash, BlockHash, BlockId, BlockPool, PrefixStats, ROOT_HASH};
 use crate::constraint::{ConstraintError, TokenConstraint, TokenMask};
 use crate::error::EngineError;
+use crate::explain::AttentionRequest;
 use crate::generate::{Event, FinishReason, Finished, Shed, StopMatcher, TokenEvent};
 use crate::kv_store::KvStore;
 use crate::kv_tier::{KvTier, TierStats};
@@ -47,6 +48,7 @@ use crate::sampler::{Sampler, TokenChoice};
 use crate::speculation::{propose, Acceptance, Speculation};
 use crate::step_cost::StepCost;
 use crate::tokenizer::{Detokenizer, Tokenizer};
+use kernels::paged::{Attended, NOT_CAPTURED};
 
 /// The limits a step works under; adjustable while running (the degradation controller's
 /// levers).
@@ -505,13 +507,21 @@ fn prefill_key(tag: u64, prompt_len: usize, deadline_tokens: Option<u64>) -> u64
 /// Runs one forward pass over a batch, writing keys and values into the store; returns the
 /// logits of the batch's `logit_rows` (`rows × vocab`).
 pub trait Executor: Send {
-    fn forward(&mut self, batch: &Batch, store: &mut KvStore) -> Result<&mut [f32], EngineError>;
+    fn forward(&mut self, batch: &Batch, store: &mut KvStore)
+        -> Result<Forwarded<'_>, EngineError>;
 
     /// Runs tasks over the executor's threads (the sampling of a step's sequences), usable
     /// while the logits of a forward pass are borrowed. By default one after the other.
     fn threads(&self) -> ForEach {
         Arc::new(|items, task| (0..items).for_each(task))
     }
+}
+
+/// What a forward pass leaves: the logits of the batch's `logit_rows` (`rows × vocab`) and its
+/// attention export (see [`Batch::capture_slots`]; empty when nothing was captured).
+pub struct Forwarded<'a> {
+    pub logits: &'a mut [f32],
+    pub attention: &'a [Attended],
 }
 
 /// Runs `task(i)` for every `i < items` (see [`Executor::threads`]).
@@ -533,6 +543,8 @@ pub struct NewSequence {
     pub arrived: Instant,
     /// The first-token gate's prediction at submission (ms), to learn its margin from.
     pub predicted_read_ms: Option<f32>,
+    /// The attention export asked for (checked against the model).
+    pub attention: Option<AttentionRequest>,
 }
 
 struct Sequence {
@@ -580,6 +592,9 @@ struct Sequence {
     /// Tokens guessed for this step (prompt lookup), verified with its next token.
     draft: Vec<u32>,
     acceptance: Acceptance,
+    attention: Option<AttentionRequest>,
+    /// The export of the token about to be sampled (layers × heads × top_k), sent with it.
+    attended: Vec<Attended>,
 }
 
 impl Sequence {
@@ -817,6 +832,8 @@ impl Scheduler {
             admitted: false,
             draft: Vec::new(),
             acceptance: Acceptance::default(),
+            attention: new.attention,
+            attended: Vec::new(),
         };
         self.next_id += 1;
         self.waiting.push_back(seq);
@@ -848,6 +865,8 @@ impl Scheduler {
         }
         self.batch.clear();
         let mut samplers = Vec::new();
+        // Sampled rows whose attention is exported: (sequence, row); a row's slot is its rank.
+        let mut explained: Vec<(usize, usize)> = Vec::new();
         // Sequences that verify a guess: (index, first row, rows), their logit rows last.
         let mut guessed: Vec<(usize, usize, usize)> = Vec::new();
         let mut positions = 0u64;
@@ -862,6 +881,13 @@ impl Scheduler {
                 if from + n == seq.tokens.len() {
                     self.batch.logit_rows.push(self.batch.len() - 1);
                     samplers.push(i);
+                    if seq
+                        .attention
+                        .as_ref()
+                        .is_some_and(|a| a.wants(seq.completion_tokens()))
+                    {
+                        explained.push((i, self.batch.len() - 1));
+                    }
                 }
             } else {
                 let mut chunk = Vec::with_capacity(n);
@@ -873,6 +899,19 @@ impl Scheduler {
         }
         for &(_, first, n) in &guessed {
             self.batch.logit_rows.extend(first..first + n);
+        }
+        if !explained.is_empty() {
+            self.batch
+                .capture_slots
+                .resize(self.batch.len(), NOT_CAPTURED);
+            for (slot, &(i, row)) in explained.iter().enumerate() {
+                self.batch.capture_slots[row] = slot as u32;
+                let asked = self.running[i].attention.as_ref().expect("explained");
+                self.batch.capture_layers.extend_from_slice(&asked.layers);
+                self.batch.capture_top_k = self.batch.capture_top_k.max(asked.top_k);
+            }
+            self.batch.capture_layers.sort_unstable();
+            self.batch.capture_layers.dedup();
         }
         let tokens = self.batch.len();
         // The batch boundary, for traces: what this step computes.
@@ -940,7 +979,16 @@ impl Scheduler {
             }
         }
         let logits = match result {
-            Ok(logits) => logits,
+            Ok(Forwarded { logits, attention }) => {
+                take_attention(
+                    &mut self.running,
+                    &explained,
+                    attention,
+                    &self.batch.capture_layers,
+                    self.batch.capture_top_k,
+                );
+                logits
+            }
             Err(e) => {
                 let message = format!("forward pass failed: {e}");
                 let mut failed: Vec<usize> = scheduled.iter().map(|&(i, _)| i).collect();
@@ -1232,6 +1280,7 @@ impl Scheduler {
                 && n == 1
                 && pending == 1
                 && seq.constraint.is_none()
+                && seq.attention.is_none()
                 && seq.completion_tokens() >= 1
                 && seq.acceptance.guessing()
             {
@@ -1787,6 +1836,39 @@ fn sample_rows(
         .collect()
 }
 
+/// Hands each explained sequence its token's export from the pass's (`attention`: layer-major
+/// over `layers`, slot `s` = rank in `explained`, then `heads × top_k`): its own layers and
+/// heads, its own top_k (each head's list is sorted, so the first `top_k` are its top).
+fn take_attention(
+    running: &mut [Sequence],
+    explained: &[(usize, usize)],
+    attention: &[Attended],
+    layers: &[usize],
+    top_k: usize,
+) {
+    let per_layer = attention.len().checked_div(layers.len()).unwrap_or(0);
+    let heads = per_layer.checked_div(explained.len() * top_k).unwrap_or(0);
+    for (slot, &(i, _)) in explained.iter().enumerate() {
+        let seq = &mut running[i];
+        let Some(asked) = seq.attention.as_ref() else {
+            continue;
+        };
+        let mut out = Vec::with_capacity(asked.entries_per_token());
+        for l in &asked.layers {
+            let Some(at) = layers.iter().position(|x| x == l) else {
+                continue;
+            };
+            for &h in &asked.heads {
+                let from = at * per_layer + (slot * heads + h) * top_k;
+                if let Some(entries) = attention.get(from..from + asked.top_k) {
+                    out.extend_from_slice(entries);
+                }
+            }
+        }
+        seq.attended = out;
+    }
+}
+
 /// Sends the token chosen for a sequence (`None`: its structured-output mask failed); the
 /// finish reason when the sequence ends with it.
 fn emit_token(
@@ -1841,6 +1923,7 @@ fn emit_token(
         logprob: choice.logprob,
         entropy: choice.entropy,
         top_logprobs,
+        attention: std::mem::take(&mut seq.attended),
     });
     if seq.events.send(event).is_err() {
         seq.cancel.store(true, Ordering::Relaxed);

@@ -397,6 +397,16 @@ fn gelu_tanh(x: f32) -> f32 {
 
 /// The reference: every position's logits, computed the slow, obvious way.
 fn reference_logits(w: &Weights, tokens: &[u32], spec: &Spec) -> Vec<Vec<f32>> {
+    reference(w, tokens, spec).0
+}
+
+/// Attention probabilities of the reference: `[layer][position][head]` → (key position,
+/// weight) for every key the query saw.
+type Probabilities = Vec<Vec<Vec<Vec<(usize, f32)>>>>;
+
+/// The reference's logits and its attention probabilities.
+fn reference(w: &Weights, tokens: &[u32], spec: &Spec) -> (Vec<Vec<f32>>, Probabilities) {
+    let mut probabilities: Probabilities = Vec::new();
     let qwen2 = spec.arch == "qwen2";
     let gemma = spec.gemma();
     let head_dim = spec.head_dim();
@@ -457,8 +467,10 @@ fn reference_logits(w: &Weights, tokens: &[u32], spec: &Spec) -> Vec<Vec<f32>> {
             ks.push(k);
             vs.push(v);
         }
+        let mut layer_probs = Vec::new();
         for (pos, x) in xs.iter_mut().enumerate() {
             let mut att = vec![0f32; HEADS * head_dim];
+            let mut row_probs = Vec::new();
             for h in 0..HEADS {
                 let kvh = h / (HEADS / KV_HEADS);
                 let q = &qs[pos][h * head_dim..(h + 1) * head_dim];
@@ -479,12 +491,19 @@ fn reference_logits(w: &Weights, tokens: &[u32], spec: &Spec) -> Vec<Vec<f32>> {
                 let max = scores.iter().cloned().fold(f32::MIN, f32::max);
                 let exps: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
                 let sum: f32 = exps.iter().sum();
+                row_probs.push(
+                    exps.iter()
+                        .enumerate()
+                        .map(|(j, e)| (first + j, e / sum))
+                        .collect::<Vec<_>>(),
+                );
                 for (j, e) in exps.iter().enumerate() {
                     for d in 0..head_dim {
                         att[h * head_dim + d] += e / sum * vs[first + j][kvh * head_dim + d];
                     }
                 }
             }
+            layer_probs.push(row_probs);
             let mut o = matvec(w.get(&n("attn_output.weight")), &att, HIDDEN);
             if gemma {
                 o = rms_norm(&o, w.get(&n("post_attention_norm.weight")));
@@ -517,6 +536,7 @@ fn reference_logits(w: &Weights, tokens: &[u32], spec: &Spec) -> Vec<Vec<f32>> {
             }
             x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
         }
+        probabilities.push(layer_probs);
     }
     let _ = qwen2;
     let output = if spec.separate_output() {
@@ -524,9 +544,11 @@ fn reference_logits(w: &Weights, tokens: &[u32], spec: &Spec) -> Vec<Vec<f32>> {
     } else {
         w.get("token_embd.weight")
     };
-    xs.iter()
+    let logits = xs
+        .iter()
         .map(|x| matvec(output, &rms_norm(x, w.get("output_norm.weight")), w.vocab))
-        .collect()
+        .collect();
+    (logits, probabilities)
 }
 
 #[test]
@@ -589,6 +611,101 @@ fn every_weight_type_matches_the_reference_forward() {
     eprintln!("max relative logit error per model: {}", report.join(", "));
     assert!(failed.is_empty(), "{failed:?}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The attention export of a generation (every layer, every head, top 4) equals the
+/// reference's softmax at each generated token's row: the prompt's last row for the first token,
+/// the previous token's after it; sliding-window layers (Gemma 3) export only their window.
+#[test]
+fn exported_attention_matches_the_reference_softmax() {
+    let dir = tempfile::tempdir().unwrap();
+    let prompt = [1u32, 40, 77, 200, 13, 150, 9, 31, 64, 5, 120, 44];
+    let options = engine::EngineOptions {
+        threads: 2,
+        context: Some(64),
+        kv: engine::KvOptions {
+            dtype: engine::KvDType::F32,
+            ..engine::KvOptions::default()
+        },
+        ..engine::EngineOptions::default()
+    };
+    let top_k = 4;
+    for arch in ["llama", "qwen2", "gemma3"] {
+        let spec = Spec {
+            arch,
+            dtype: DType::F32,
+        };
+        let (file, weights) = build(&spec);
+        let path = dir.path().join(format!("{arch}.gguf"));
+        std::fs::write(&path, file).unwrap();
+        let engine = engine::Engine::load(&path, &options).unwrap();
+        let mut request = engine::GenerateRequest::new(engine::Prompt::Tokens(prompt.to_vec()), 6);
+        request.ignore_eos = true;
+        request.sampling.temperature = 0.0;
+        let mut asked = engine::AttentionRequest {
+            layers: (0..spec.layers()).collect(),
+            heads: (0..HEADS).collect(),
+            top_k,
+            positions: None,
+        };
+        asked
+            .normalize(engine.config(), request.max_tokens, usize::MAX)
+            .unwrap();
+        request.attention = Some(asked);
+        let mut generated = Vec::new();
+        let mut exports = Vec::new();
+        for event in engine.generate(request).unwrap() {
+            match event {
+                engine::Event::Token(t) => {
+                    generated.push(t.id);
+                    exports.push(t.attention);
+                }
+                engine::Event::Finished(_) => break,
+                other => panic!("{arch}: {other:?}"),
+            }
+        }
+        assert_eq!(generated.len(), 6, "{arch}");
+        let tokens: Vec<u32> = prompt.iter().chain(&generated).copied().collect();
+        let (_, probs) = reference(&weights, &tokens, &spec);
+        let mut worst = 0f32;
+        for (i, export) in exports.iter().enumerate() {
+            let row = prompt.len() - 1 + i;
+            assert_eq!(
+                export.len(),
+                spec.layers() * HEADS * top_k,
+                "{arch} token {i}"
+            );
+            for l in 0..spec.layers() {
+                for h in 0..HEADS {
+                    let mut want = probs[l][row][h].clone();
+                    want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                    let got = &export[(l * HEADS + h) * top_k..][..top_k];
+                    for (n, g) in got.iter().enumerate() {
+                        let what = format!("{arch} token {i} layer {l} head {h} entry {n}");
+                        let Some(&(pos, w)) = want.get(n) else {
+                            assert_eq!(*g, engine::Attended::NONE, "{what}");
+                            continue;
+                        };
+                        worst = worst.max((g.weight - w).abs());
+                        assert!((g.weight - w).abs() <= 1e-4, "{what}: {} vs {w}", g.weight);
+                        let tied = want.iter().any(|&(p, v)| p != pos && (v - w).abs() <= 1e-4);
+                        assert!(
+                            g.position as usize == pos || tied,
+                            "{what}: position {} vs {pos}",
+                            g.position
+                        );
+                        if spec.sliding(l) {
+                            assert!(
+                                g.position as usize + WINDOW > row,
+                                "{what}: outside the window"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        eprintln!("{arch}: largest exported weight error {worst:e}");
+    }
 }
 
 #[test]

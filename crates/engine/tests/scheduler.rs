@@ -18,7 +18,7 @@ use engine::kv_tier::{KvTier, TierConfig};
 use engine::model::Batch;
 use engine::sampler::Sampler;
 use engine::scheduler::{
-    Executor, LatencySamples, NewSequence, Scheduler, SchedulerConfig, SchedulerHandles,
+    Executor, Forwarded, LatencySamples, NewSequence, Scheduler, SchedulerConfig, SchedulerHandles,
     SchedulerLimits, SchedulerSnapshot,
 };
 use engine::tokenizer::Tokenizer;
@@ -70,7 +70,11 @@ impl ChainModel {
 }
 
 impl Executor for ChainModel {
-    fn forward(&mut self, batch: &Batch, store: &mut KvStore) -> Result<&mut [f32], EngineError> {
+    fn forward(
+        &mut self,
+        batch: &Batch,
+        store: &mut KvStore,
+    ) -> Result<Forwarded<'_>, EngineError> {
         let bt = store.layout().block_tokens;
         for i in 0..batch.len() {
             let (pos, token) = (batch.positions[i], batch.tokens[i]);
@@ -99,7 +103,10 @@ impl Executor for ChainModel {
             self.logits
                 .extend((0..VOCAB).map(|j| if j == target { 10.0 } else { 0.0 }));
         }
-        Ok(&mut self.logits)
+        Ok(Forwarded {
+            logits: &mut self.logits,
+            attention: &[],
+        })
     }
 }
 
@@ -208,6 +215,7 @@ impl Harness {
             cancel: Arc::clone(&cancel),
             arrived: Instant::now(),
             predicted_read_ms: None,
+            attention: None,
         });
         self.requests.push(Request {
             prompt,
@@ -972,6 +980,7 @@ fn constraints_mask_every_sampled_token_off_the_engine_thread() {
             cancel: Arc::new(AtomicBool::new(false)),
             arrived: Instant::now(),
             predicted_read_ms: None,
+            attention: None,
         });
         runs.push((step, fail_at, committed, mask_threads, receiver));
     }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use crate::dispatch::Isa;
 use crate::matmul::{matmul, matmul_many, Matrix, Scratch};
 use crate::ops::{attention, rms_norm, AttentionShape};
-use crate::paged::{paged_attention, PagedKv, QueryRow};
+use crate::paged::{paged_attention, Capture, PagedKv, QueryRow};
 use crate::pool::{ThreadPool, Turn};
 
 /// The operations of a transformer forward pass.
@@ -55,6 +55,7 @@ pub trait Backend: Send + Sync {
         rows: &[QueryRow<'_>],
         kv: &PagedKv<'_>,
         out: &mut [f32],
+        capture: Option<&mut Capture<'_>>,
     );
 }
 
@@ -139,8 +140,9 @@ impl Backend for CpuBackend {
         rows: &[QueryRow<'_>],
         kv: &PagedKv<'_>,
         out: &mut [f32],
+        capture: Option<&mut Capture<'_>>,
     ) {
-        paged_attention(&self.pool, self.isa, heads, q, rows, kv, out);
+        paged_attention(&self.pool, self.isa, heads, q, rows, kv, out, capture);
     }
 }
 

@@ -216,12 +216,46 @@ pub struct QueryRow<'a> {
     pub keys: usize,
 }
 
+/// One exported attention weight: a key position (absolute, in its sequence) and the softmax
+/// weight a query head gave it.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct Attended {
+    pub position: u32,
+    pub weight: f32,
+}
+
+impl Attended {
+    /// An unused entry (a row with fewer keys than `top_k`).
+    pub const NONE: Attended = Attended {
+        position: u32::MAX,
+        weight: 0.0,
+    };
+}
+
+/// A query row that is not captured in [`Capture::slots`].
+pub const NOT_CAPTURED: u32 = u32::MAX;
+
+/// What one [`paged_attention`] call exports: for every query head of the chosen rows, the
+/// `top_k` keys it attends to most, with their softmax weights. Only captured rows pay (a
+/// selection over the scores the kernel computed anyway); the rest run as without a capture.
+#[derive(Debug)]
+pub struct Capture<'a> {
+    /// Per query row: its slot among the captured rows, or [`NOT_CAPTURED`].
+    pub slots: &'a [u32],
+    pub top_k: usize,
+    /// `slots × heads × top_k` entries: slot `s`, head `h` at `(s·heads + h)·top_k`, each
+    /// head's in descending weight (ties: the lower position first), [`Attended::NONE`] past
+    /// the row's keys.
+    pub out: &'a mut [Attended],
+}
+
 /// Grouped-query attention of `rows.len()` query rows (`q`: rows × heads·head_dim, RoPE already
 /// applied) over paged K/V; `out` like `q`. Scale 1/sqrt(head_dim); `heads % kv_heads == 0`.
 ///
 /// Panics on inconsistent sizes, a query row with no keys, a table shorter than its row's keys
 /// need, or a block id outside the storage (the engine guarantees all of these; they are checked
 /// on the calling thread before any work is handed out).
+#[allow(clippy::too_many_arguments)]
 pub fn paged_attention(
     pool: &ThreadPool,
     isa: Isa,
@@ -230,6 +264,7 @@ pub fn paged_attention(
     rows: &[QueryRow<'_>],
     kv: &PagedKv<'_>,
     out: &mut [f32],
+    capture: Option<&mut Capture<'_>>,
 ) {
     let PagedKv {
         dtype,
@@ -274,7 +309,31 @@ pub fn paged_attention(
             panic!("query row {i}: block {bad} is outside the cache's {blocks} blocks");
         }
     }
-    let group_len = heads / kv_heads * head_dim;
+    let captured = capture.map(|c| {
+        assert_eq!(c.slots.len(), rows.len(), "one capture slot per query row");
+        let slots = c
+            .slots
+            .iter()
+            .filter(|&&s| s != NOT_CAPTURED)
+            .map(|&s| s as usize + 1)
+            .max()
+            .unwrap_or(0);
+        assert!(
+            c.out.len() >= slots * heads * c.top_k,
+            "the capture's output holds {} entries, {slots} slots need {}",
+            c.out.len(),
+            slots * heads * c.top_k
+        );
+        // Items write disjoint slots' heads (a slot is one row's, asserted here).
+        let mut seen = vec![false; slots];
+        for &s in c.slots.iter().filter(|&&s| s != NOT_CAPTURED) {
+            assert!(!seen[s as usize], "capture slot {s} is given to two rows");
+            seen[s as usize] = true;
+        }
+        (c.slots, c.top_k, SharedAttended(c.out.as_mut_ptr()))
+    });
+    let group = heads / kv_heads;
+    let group_len = group * head_dim;
     let scale = 1.0 / (head_dim as f32).sqrt();
     let out_ptr = SharedOut::new(out.as_mut_ptr());
     pool.for_each(rows.len() * kv_heads, &|item| {
@@ -284,6 +343,17 @@ pub fn paged_attention(
         // of row i grouped on this KV head; in bounds as out.len() == q.len() == rows·q_stride
         // (asserted above), and `out` outlives `for_each`.
         let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(start), group_len) };
+        let export = captured.as_ref().and_then(|(slots, top_k, ptr)| {
+            let slot = slots[i];
+            (slot != NOT_CAPTURED && *top_k > 0).then(|| {
+                let at = (slot as usize * heads + kv_head * group) * top_k;
+                // SAFETY: item (i, kv_head) alone writes the entries of row i's slot for the
+                // query heads grouped on this KV head: slots are distinct per row (asserted),
+                // the range is in bounds (out holds slots·heads·top_k, asserted), and the
+                // capture's buffer outlives `for_each`.
+                unsafe { std::slice::from_raw_parts_mut(ptr.0.add(at), group * top_k) }
+            })
+        });
         GROUP_SCRATCH.with(|scratch| {
             attend_group(
                 isa,
@@ -294,9 +364,52 @@ pub fn paged_attention(
                 scale,
                 &mut scratch.borrow_mut(),
                 dst,
+                export,
             );
         });
     });
+}
+
+/// The capture's output, written by the pool's items at disjoint ranges.
+struct SharedAttended(*mut Attended);
+
+// SAFETY: every item writes its own range of the buffer (see `paged_attention`).
+unsafe impl Send for SharedAttended {}
+// SAFETY: as above; no two items touch one entry.
+unsafe impl Sync for SharedAttended {}
+
+/// The `top.len()` largest of `numerators` (one head's softmax numerators of keys `from..`),
+/// divided by `sum`, into `top` in descending weight (ties: the lower position first).
+fn top_keys(numerators: &[f32], sum: f32, from: usize, top: &mut [Attended]) {
+    let k = top.len().min(numerators.len());
+    if k == 0 {
+        top.fill(Attended::NONE);
+        return;
+    }
+    let mut n = 0;
+    for (j, &w) in numerators.iter().enumerate() {
+        // Positions come in ascending order: an equal weight never displaces an earlier one.
+        if n == k && w <= top[k - 1].weight {
+            continue;
+        }
+        let mut at = n.min(k - 1);
+        if n < k {
+            n += 1;
+        }
+        while at > 0 && top[at - 1].weight < w {
+            top[at] = top[at - 1];
+            at -= 1;
+        }
+        top[at] = Attended {
+            position: (from + j) as u32,
+            weight: w,
+        };
+    }
+    let inv = 1.0 / sum;
+    for t in &mut top[..n] {
+        t.weight *= inv;
+    }
+    top[n..].fill(Attended::NONE);
 }
 
 /// Per-thread buffers of one work item, grown to the largest item seen on the thread.
@@ -337,6 +450,7 @@ fn attend_group(
     scale: f32,
     scratch: &mut GroupScratch,
     out: &mut [f32],
+    export: Option<&mut [Attended]>,
 ) {
     let head_dim = kv.head_dim;
     let group = q.len() / head_dim;
@@ -393,6 +507,16 @@ fn attend_group(
     }
     for (sum, head_scores) in sums.iter_mut().zip(scores.chunks_exact_mut(keys)) {
         *sum = softmax_numerators(isa, head_scores);
+    }
+    if let Some(export) = export {
+        let top_k = export.len() / group;
+        for ((top, head_scores), &sum) in export
+            .chunks_exact_mut(top_k)
+            .zip(scores.chunks_exact(keys))
+            .zip(sums.iter())
+        {
+            top_keys(head_scores, sum, from, top);
+        }
     }
     out.fill(0.0);
     let mut ahead = runs.clone().skip(1);
@@ -687,6 +811,25 @@ mod tests {
         }
 
         fn paged(&self, dtype: KvDType, isa: Isa, threads: usize) -> Vec<f32> {
+            self.paged_with(dtype, isa, threads, None)
+        }
+
+        fn paged_captured(
+            &self,
+            isa: Isa,
+            threads: usize,
+            capture: Option<&mut Capture<'_>>,
+        ) -> Vec<f32> {
+            self.paged_with(KvDType::F32, isa, threads, capture)
+        }
+
+        fn paged_with(
+            &self,
+            dtype: KvDType,
+            isa: Isa,
+            threads: usize,
+            capture: Option<&mut Capture<'_>>,
+        ) -> Vec<f32> {
             let rows: Vec<QueryRow<'_>> = self
                 .rows
                 .iter()
@@ -706,7 +849,9 @@ mod tests {
             };
             let mut out = vec![f32::NAN; self.q.len()];
             let pool = ThreadPool::new(threads);
-            paged_attention(&pool, isa, self.heads, &self.q, &rows, &kv, &mut out);
+            paged_attention(
+                &pool, isa, self.heads, &self.q, &rows, &kv, &mut out, capture,
+            );
             out
         }
 
@@ -827,6 +972,133 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The exported top-k of every query head of the captured rows equals a scalar softmax over
+    /// the same keys (f64, from the sequences' own keys), in order; the attention output is
+    /// the same bits with and without a capture; rows not captured write nothing.
+    #[test]
+    fn captured_weights_match_a_scalar_softmax() {
+        for (heads, kv_heads, head_dim) in [(4, 1, 64), (9, 3, 64), (4, 2, 12)] {
+            for (block_tokens, window) in [(16, None), (5, None), (5, Some(7))] {
+                let (lengths, rows) = layouts(block_tokens);
+                let mut scenario = Scenario::new(
+                    KvDType::F32,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    block_tokens,
+                    &lengths,
+                    &rows,
+                    (heads * 100 + head_dim + block_tokens) as u64,
+                );
+                scenario.window = window;
+                let top_k = 5;
+                // Every other row captured, in reverse slot order.
+                let captured: Vec<usize> = (0..rows.len()).step_by(2).collect();
+                let mut slots = vec![NOT_CAPTURED; rows.len()];
+                for (n, &r) in captured.iter().rev().enumerate() {
+                    slots[r] = n as u32;
+                }
+                for isa in Isa::available() {
+                    let plain = scenario.paged(KvDType::F32, isa, 3);
+                    let mut exported = vec![Attended::NONE; captured.len() * heads * top_k];
+                    let got = scenario.paged_captured(
+                        isa,
+                        3,
+                        Some(&mut Capture {
+                            slots: &slots,
+                            top_k,
+                            out: &mut exported,
+                        }),
+                    );
+                    assert_eq!(
+                        got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        plain.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        "a capture changes no output"
+                    );
+                    for (r, &(seq, keys)) in rows.iter().enumerate() {
+                        if slots[r] == NOT_CAPTURED {
+                            continue;
+                        }
+                        let first = scenario.first(keys);
+                        let s = &scenario.sequences[seq];
+                        for h in 0..heads {
+                            let kvh = h / (heads / kv_heads);
+                            let q = &scenario.q[(r * heads + h) * head_dim..][..head_dim];
+                            let scores: Vec<f64> = (first..keys)
+                                .map(|p| {
+                                    let k = &s.k[(p * kv_heads + kvh) * head_dim..][..head_dim];
+                                    q.iter()
+                                        .zip(k)
+                                        .map(|(&a, &b)| a as f64 * b as f64)
+                                        .sum::<f64>()
+                                        / (head_dim as f64).sqrt()
+                                })
+                                .collect();
+                            let max = scores.iter().cloned().fold(f64::MIN, f64::max);
+                            let sum: f64 = scores.iter().map(|x| (x - max).exp()).sum();
+                            let mut want: Vec<(usize, f64)> = scores
+                                .iter()
+                                .enumerate()
+                                .map(|(j, x)| (first + j, (x - max).exp() / sum))
+                                .collect();
+                            want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                            let at = (slots[r] as usize * heads + h) * top_k;
+                            let got = &exported[at..at + top_k];
+                            let what = format!(
+                                "{isa:?} heads {heads}/{kv_heads}×{head_dim}, blocks of \
+                                 {block_tokens}, window {window:?}, row {r} head {h}"
+                            );
+                            for (n, g) in got.iter().enumerate() {
+                                let Some(&(pos, w)) = want.get(n) else {
+                                    assert_eq!(*g, Attended::NONE, "{what}: entry {n}");
+                                    continue;
+                                };
+                                assert!(
+                                    (g.weight as f64 - w).abs() <= 1e-5,
+                                    "{what}: entry {n}: {} vs {w}",
+                                    g.weight
+                                );
+                                // Positions agree unless the reference's neighbours tie.
+                                let tied =
+                                    want.iter().any(|&(p, v)| p != pos && (v - w).abs() <= 1e-6);
+                                assert!(
+                                    g.position as usize == pos || tied,
+                                    "{what}: entry {n}: position {} vs {pos}",
+                                    g.position
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn top_keys_keeps_the_largest_in_order_and_the_earlier_of_a_tie() {
+        let mut top = [Attended::NONE; 3];
+        top_keys(&[1.0, 4.0, 2.0, 4.0, 3.0], 10.0, 7, &mut top);
+        let got: Vec<(u32, f32)> = top.iter().map(|a| (a.position, a.weight)).collect();
+        assert_eq!(got, vec![(8, 0.4), (10, 0.4), (11, 0.3)]);
+        let mut top = [Attended::NONE; 4];
+        top_keys(&[1.0, 1.0], 2.0, 0, &mut top);
+        assert_eq!(
+            top[0],
+            Attended {
+                position: 0,
+                weight: 0.5
+            }
+        );
+        assert_eq!(
+            top[1],
+            Attended {
+                position: 1,
+                weight: 0.5
+            }
+        );
+        assert_eq!(&top[2..], &[Attended::NONE; 2]);
     }
 
     /// Sliding-window rows (the last `window` keys only, windows inside a block, on a block's
@@ -1102,6 +1374,7 @@ mod tests {
             }],
             &kv,
             &mut out,
+            None,
         );
     }
 

@@ -1,0 +1,271 @@
+//! Attention export: for the layers and query heads a request names, the `top_k` input positions
+//! each head attends to most when it computes a generated token, with their softmax weights.
+//!
+//! The paged-attention kernel computes every score anyway; for the rows a request captures it
+//! also selects the top keys per head ([`kernels::paged::Capture`]), so only exporting requests
+//! pay, and they pay a selection per head, never a second pass or a whole attention matrix. A
+//! generated token's row is the one whose logits drew it: the prompt's last row for the first
+//! token, the previous token's row after it.
+//!
+//! What is exported can be checked later: [`AttentionDigest`] hashes it with the model version's
+//! digest, the sampling seed and the kernel's identity, and the request's audit entry keeps that
+//! hash.
+
+use kernels::paged::Attended;
+use sha2::{Digest, Sha256};
+
+use crate::model::ModelConfig;
+
+/// The most keys a head may export per token.
+pub const MAX_TOP_K: usize = 64;
+
+/// What the kernel's build and CPU level contribute to a replay's identity: the same weights
+/// through another SIMD level round differently, so a replay compares hashes only under the same
+/// kernel identity.
+pub fn kernel_identity(isa: kernels::Isa) -> String {
+    format!("rampart-kernels {} {isa:?}", env!("CARGO_PKG_VERSION"))
+}
+
+/// A request's attention export.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionRequest {
+    /// Layers, ascending, each below the model's layer count.
+    pub layers: Vec<usize>,
+    /// Query heads, ascending, each below the model's head count.
+    pub heads: Vec<usize>,
+    /// Keys per head and token (1..=[`MAX_TOP_K`]).
+    pub top_k: usize,
+    /// Indices of the generated tokens to export (the first generated token is 0); none: every
+    /// generated token.
+    pub positions: Option<Vec<usize>>,
+}
+
+impl AttentionRequest {
+    /// The defaults: the last two layers (where attention follows the output most closely in
+    /// decoder models), every query head, the top 8 keys, every generated token.
+    pub fn defaults(config: &ModelConfig) -> Self {
+        Self {
+            layers: (config.block_count.saturating_sub(2)..config.block_count).collect(),
+            heads: (0..config.heads).collect(),
+            top_k: 8,
+            positions: None,
+        }
+    }
+
+    /// Entries one exported token carries.
+    pub fn entries_per_token(&self) -> usize {
+        self.layers.len() * self.heads.len() * self.top_k
+    }
+
+    /// Tokens exported for a completion of at most `max_tokens`.
+    pub fn tokens(&self, max_tokens: usize) -> usize {
+        self.positions.as_ref().map_or(max_tokens, |p| {
+            p.iter().filter(|&&i| i < max_tokens).count()
+        })
+    }
+
+    /// Whether generated token `index` is exported.
+    pub fn wants(&self, index: usize) -> bool {
+        self.positions
+            .as_ref()
+            .is_none_or(|p| p.binary_search(&index).is_ok())
+    }
+
+    /// Sorts and deduplicates the lists, then checks them against the model and the bound on
+    /// entries per request (layers × heads × top_k × exported tokens).
+    pub fn normalize(
+        &mut self,
+        config: &ModelConfig,
+        max_tokens: usize,
+        max_entries: usize,
+    ) -> Result<(), String> {
+        for list in [&mut self.layers, &mut self.heads] {
+            list.sort_unstable();
+            list.dedup();
+        }
+        if let Some(p) = &mut self.positions {
+            p.sort_unstable();
+            p.dedup();
+            if p.is_empty() {
+                return Err("explain.attention.positions is empty".into());
+            }
+        }
+        if self.layers.is_empty() || self.heads.is_empty() {
+            return Err("explain.attention needs at least one layer and one head".into());
+        }
+        if let Some(&l) = self.layers.iter().find(|&&l| l >= config.block_count) {
+            return Err(format!(
+                "explain.attention.layers: layer {l} is outside the model's {} layers (0..{})",
+                config.block_count,
+                config.block_count - 1
+            ));
+        }
+        if let Some(&h) = self.heads.iter().find(|&&h| h >= config.heads) {
+            return Err(format!(
+                "explain.attention.heads: head {h} is outside the model's {} query heads (0..{})",
+                config.heads,
+                config.heads - 1
+            ));
+        }
+        if self.top_k == 0 || self.top_k > MAX_TOP_K {
+            return Err(format!(
+                "explain.attention.top_k must be between 1 and {MAX_TOP_K}, not {}",
+                self.top_k
+            ));
+        }
+        let entries = self.entries_per_token() * self.tokens(max_tokens);
+        if entries > max_entries {
+            return Err(format!(
+                "explain.attention asks for up to {entries} weights ({} layers × {} heads × top {} × {} tokens); the limit is {max_entries}: ask for fewer layers, heads, keys or positions, or a lower max_tokens",
+                self.layers.len(),
+                self.heads.len(),
+                self.top_k,
+                self.tokens(max_tokens)
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The hash of one request's export, built token by token: what the audit entry keeps and a
+/// replay recomputes.
+pub struct AttentionDigest {
+    hash: Sha256,
+    tokens: usize,
+}
+
+impl AttentionDigest {
+    /// A digest over the export of `request` by the model version `version_digest` with
+    /// sampling `seed` (none: unseeded) under `kernel` ([`kernel_identity`]).
+    pub fn new(
+        request: &AttentionRequest,
+        version_digest: &str,
+        seed: Option<u64>,
+        kernel: &str,
+    ) -> Self {
+        let mut hash = Sha256::new();
+        hash.update(b"rampart-attention-v1\0");
+        for part in [version_digest, kernel] {
+            hash.update((part.len() as u64).to_le_bytes());
+            hash.update(part.as_bytes());
+        }
+        hash.update(seed.map_or([0xff; 8], u64::to_le_bytes));
+        for list in [&request.layers, &request.heads] {
+            hash.update((list.len() as u64).to_le_bytes());
+            for &x in list {
+                hash.update((x as u64).to_le_bytes());
+            }
+        }
+        hash.update((request.top_k as u64).to_le_bytes());
+        Self { hash, tokens: 0 }
+    }
+
+    /// Adds generated token `index`'s entries (layers × heads × top_k, as exported).
+    pub fn token(&mut self, index: usize, entries: &[Attended]) {
+        self.hash.update((index as u64).to_le_bytes());
+        self.hash.update((entries.len() as u64).to_le_bytes());
+        for e in entries {
+            self.hash.update(e.position.to_le_bytes());
+            self.hash.update(e.weight.to_bits().to_le_bytes());
+        }
+        self.tokens += 1;
+    }
+
+    /// Tokens added so far.
+    pub fn tokens(&self) -> usize {
+        self.tokens
+    }
+
+    /// `sha256:` and the hex digest.
+    pub fn finish(self) -> String {
+        format!("sha256:{}", hex::encode(self.hash.finalize()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> ModelConfig {
+        ModelConfig {
+            architecture: "llama".into(),
+            block_count: 4,
+            hidden: 48,
+            ffn: 96,
+            heads: 6,
+            kv_heads: 2,
+            head_dim: 8,
+            context_length: 256,
+            vocab_size: 300,
+            norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            rope_dims: 8,
+            rope_scaling: kernels::ops::RopeScaling::None,
+            sliding_window: None,
+            query_pre_attn_scalar: None,
+        }
+    }
+
+    #[test]
+    fn requests_are_normalized_and_bounded() {
+        let c = config();
+        let mut r = AttentionRequest::defaults(&c);
+        assert_eq!(r.layers, vec![2, 3]);
+        assert_eq!(r.heads.len(), 6);
+        r.normalize(&c, 100, 2 * 6 * 8 * 100).unwrap();
+        let err = r.normalize(&c, 100, 2 * 6 * 8 * 100 - 1).unwrap_err();
+        assert!(err.contains("9600") && err.contains("limit"), "{err}");
+        r.positions = Some(vec![5, 1, 5, 400]);
+        r.normalize(&c, 100, 2 * 6 * 8 * 2).unwrap();
+        assert_eq!(r.positions, Some(vec![1, 5, 400]));
+        assert!(r.wants(5) && !r.wants(2));
+        let mut bad = r.clone();
+        bad.layers = vec![4];
+        assert!(bad
+            .normalize(&c, 10, usize::MAX)
+            .unwrap_err()
+            .contains("layer 4"));
+        let mut bad = r.clone();
+        bad.heads = vec![0, 6];
+        assert!(bad
+            .normalize(&c, 10, usize::MAX)
+            .unwrap_err()
+            .contains("head 6"));
+        let mut bad = r.clone();
+        bad.top_k = MAX_TOP_K + 1;
+        assert!(bad
+            .normalize(&c, 10, usize::MAX)
+            .unwrap_err()
+            .contains("top_k"));
+        let mut bad = r;
+        bad.positions = Some(Vec::new());
+        assert!(bad.normalize(&c, 10, usize::MAX).is_err());
+    }
+
+    #[test]
+    fn the_digest_changes_with_any_weight_bit() {
+        let r = AttentionRequest::defaults(&config());
+        let entries = vec![
+            Attended {
+                position: 3,
+                weight: 0.5,
+            },
+            Attended {
+                position: 1,
+                weight: 0.25,
+            },
+        ];
+        let digest = |e: &[Attended], seed| {
+            let mut d = AttentionDigest::new(&r, "sha256:ab", seed, "k");
+            d.token(0, e);
+            d.finish()
+        };
+        let base = digest(&entries, Some(1));
+        assert_eq!(base, digest(&entries, Some(1)));
+        let mut changed = entries.clone();
+        changed[1].weight = f32::from_bits(changed[1].weight.to_bits() + 1);
+        assert_ne!(base, digest(&changed, Some(1)));
+        assert_ne!(base, digest(&entries, None));
+        assert!(base.starts_with("sha256:") && base.len() == 7 + 64);
+    }
+}

@@ -19,11 +19,15 @@ use crate::model::ModelConfig;
 /// The most keys a head may export per token.
 pub const MAX_TOP_K: usize = 64;
 
-/// What the kernel's build and CPU level contribute to a replay's identity: the same weights
-/// through another SIMD level round differently, so a replay compares hashes only under the same
-/// kernel identity.
-pub fn kernel_identity(isa: kernels::Isa) -> String {
-    format!("rampart-kernels {} {isa:?}", env!("CARGO_PKG_VERSION"))
+/// What the kernels' build, SIMD level and threads contribute to a replay's identity: the same
+/// weights through another SIMD level round differently, so a replay compares digests only
+/// under the same kernel identity.
+pub fn kernel_identity(backend: &dyn kernels::Backend) -> String {
+    format!(
+        "rampart-kernels {} {}",
+        env!("CARGO_PKG_VERSION"),
+        backend.describe()
+    )
 }
 
 /// A request's attention export.

@@ -99,6 +99,11 @@ impl Delivery {
         self.generation.tools.as_ref()
     }
 
+    /// The attention export the tokens carry, when the request asked and the model answered.
+    pub fn explain(&self) -> Option<&crate::backend::ExplainInfo> {
+        self.generation.explain.as_ref()
+    }
+
     /// The id of choice `i`'s call `index` (made on first use, in the format's shape).
     pub fn tool_call_id(&mut self, i: usize, index: usize) -> String {
         match self.generation.tools.clone() {

@@ -2666,3 +2666,120 @@ fn tool_calling_through_the_openai_client() {
     assert!(metric(server.port, "rampart_tool_calls_total") >= 20.0);
     assert_eq!(metric(server.port, "rampart_tool_calls_invalid_total"), 0.0);
 }
+
+/// `explain.attention` through the HTTP API on SmolLM2: every generated token's top keys per
+/// layer and head (defaults: the last two layers, every head, top 8), weights in order and
+/// within the keys the token saw; the same request twice exports the same digest, which the
+/// audit entry keeps; bad or oversized asks are 400s naming `explain`.
+#[test]
+fn attention_export_over_http_is_bounded_deterministic_and_audited() {
+    let Some(server) = start("[limits]\nmax_attention_entries = 4096\n") else {
+        return;
+    };
+    let port = server.port;
+    wait_ready(port);
+    let ask = |explain: &str, max_tokens: usize, stream: bool| {
+        let body = format!(
+            r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Name three colours."}}],"max_tokens":{max_tokens},"temperature":0,"seed":7,"stream":{stream},"explain":{explain}}}"#
+        );
+        try_http(port, "POST", "/v1/chat/completions", Some(&body), Some(KEY)).unwrap_or_else(|| {
+            panic!(
+                "the server is gone: {}",
+                std::fs::read_to_string(&server.log).unwrap_or_default()
+            )
+        })
+    };
+    let (status, headers, text) = ask(r#"{"attention":{"top_k":4}}"#, 12, false);
+    assert_eq!(
+        status,
+        200,
+        "{text} {}",
+        std::fs::read_to_string(&server.log).unwrap_or_default()
+    );
+    let answer: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let export = &answer["choices"][0]["explain"]["attention"];
+    assert_eq!(export["layers"], serde_json::json!([28, 29]), "{export}");
+    assert_eq!(export["heads"].as_array().unwrap().len(), 9);
+    assert_eq!(export["top_k"], 4);
+    let prompt_tokens = export["prompt_tokens"].as_u64().unwrap() as usize;
+    assert_eq!(prompt_tokens, answer["usage"]["prompt_tokens"].as_u64().unwrap() as usize);
+    let tokens = export["tokens"].as_array().unwrap();
+    let completion = answer["usage"]["completion_tokens"].as_u64().unwrap() as usize;
+    // An end-of-sequence token is not shown, and not exported.
+    assert!(tokens.len() == completion || tokens.len() + 1 == completion, "{export}");
+    for t in tokens {
+        let index = t["index"].as_u64().unwrap() as usize;
+        let layers = t["top"].as_array().unwrap();
+        assert_eq!(layers.len(), 2);
+        for heads in layers {
+            for head in heads.as_array().unwrap() {
+                let entries = head.as_array().unwrap();
+                assert_eq!(entries.len(), 4, "{head}");
+                let mut last = f64::INFINITY;
+                let mut total = 0.0;
+                for e in entries {
+                    let (p, w) = (e[0].as_u64().unwrap() as usize, e[1].as_f64().unwrap());
+                    assert!(p < prompt_tokens + index, "position {p} of token {index}: {head}");
+                    assert!(w <= last && w > 0.0, "{head}");
+                    last = w;
+                    total += w;
+                }
+                assert!(total <= 1.0 + 1e-5, "{head}");
+            }
+        }
+    }
+    let positions = export["positions"].as_array().unwrap();
+    assert!(!positions.is_empty());
+    let digest = export["digest"].as_str().unwrap().to_string();
+    assert!(digest.starts_with("sha256:"), "{digest}");
+    assert!(export["kernel"].as_str().unwrap().starts_with("rampart-kernels"));
+    // Alone on the server, the same request exports the same weights.
+    let (status, _, again) = ask(r#"{"attention":{"top_k":4}}"#, 12, false);
+    assert_eq!(status, 200);
+    let again: serde_json::Value = serde_json::from_str(&again).unwrap();
+    assert_eq!(again["choices"][0]["explain"]["attention"]["digest"], digest.as_str());
+    // The audit entry keeps the digest.
+    let audit_id = header(&headers, "x-rampart-audit-id").unwrap().to_string();
+    let (status, _, entry) = http(
+        port,
+        "GET",
+        &format!("/admin/audit/{audit_id}"),
+        None,
+        Some(AUDIT_KEY),
+    );
+    assert_eq!(status, 200, "{entry}");
+    assert!(entry.contains(&digest), "{entry}");
+    // Chosen layers, heads and tokens.
+    let (status, _, text) = ask(
+        r#"{"attention":{"layers":[0],"heads":[2,1],"top_k":2,"positions":[1,0]}}"#,
+        6,
+        false,
+    );
+    assert_eq!(status, 200, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let export = &v["choices"][0]["explain"]["attention"];
+    assert_eq!(export["heads"], serde_json::json!([1, 2]));
+    let indices: Vec<u64> = export["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["index"].as_u64().unwrap())
+        .collect();
+    assert_eq!(indices, vec![0, 1]);
+    // Refusals: each a 400 that names explain.
+    for (explain, max_tokens, stream, what) in [
+        (r#"{"attention":{"top_k":65}}"#, 4, false, "top_k"),
+        (r#"{"attention":{"layers":[30]}}"#, 4, false, "layer 30"),
+        (r#"{"attention":{"heads":[-1]}}"#, 4, false, "-1"),
+        (r#"{"attention":{"weights":true}}"#, 4, false, "weights"),
+        // 2 layers × 9 heads × 8 keys × 40 tokens = 5760 > 4096.
+        (r#"{"attention":{}}"#, 40, false, "limit is 4096"),
+        (r#"{"attention":{}}"#, 4, true, "stream"),
+    ] {
+        let (status, _, text) = ask(explain, max_tokens, stream);
+        assert_eq!(status, 400, "{explain}: {text}");
+        assert!(text.contains(what), "{explain}: {text}");
+    }
+    let (status, _, _) = http(port, "GET", "/health/ready", None, None);
+    assert_eq!(status, 200);
+}

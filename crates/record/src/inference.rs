@@ -62,6 +62,10 @@ pub struct InferenceRecord {
     /// acceptance; 0 and 0 without prompt lookup).
     pub speculated_tokens: u64,
     pub speculated_accepted: u64,
+    /// The digest of each choice's attention export (comma-separated, choice order), when the
+    /// request asked for one: what `rampart explain verify` recomputes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attention_sha256: Option<String>,
     pub queue_ms: f64,
     pub prefill_ms: f64,
     pub ttft_ms: f64,
@@ -217,6 +221,7 @@ impl InferenceRecord {
             completion_tokens: 0,
             cached_prompt_tokens: 0,
             speculated_tokens: 0,
+            attention_sha256: None,
             speculated_accepted: 0,
             queue_ms: 0.0,
             prefill_ms: 0.0,

@@ -69,6 +69,7 @@ impl InferenceBackend for Talker {
                         text: "tok".into(),
                         entropy: 0.5,
                         logprobs: None,
+                        attention: Vec::new(),
                     }),
                 )
             })
@@ -96,6 +97,7 @@ impl InferenceBackend for Talker {
             structured: None,
             tools: None,
             watch: None,
+            explain: None,
         }))))
     }
     fn describe(&self) -> Description {
@@ -119,6 +121,7 @@ fn generate_work(stream: bool) -> Work {
         language: None,
         parse_special_tokens: None,
         fallback_level: 0,
+        explain: None,
     }))
 }
 

@@ -498,6 +498,9 @@ pub struct Limits {
     pub max_stop: usize,
     /// Most alternatives per token in `top_logprobs` / `logprobs`.
     pub max_top_logprobs: usize,
+    /// Most attention weights one request may export (`explain.attention`: layers × heads ×
+    /// top_k × exported tokens, over all its choices).
+    pub max_attention_entries: usize,
     /// Most prompts in one `/v1/completions` request.
     pub max_prompts: usize,
     /// Largest JSON schema, regex, choice list or grammar of a structured-output request.
@@ -549,6 +552,7 @@ impl Default for Limits {
             max_n: 8,
             max_stop: 4,
             max_top_logprobs: 20,
+            max_attention_entries: 131_072,
             max_prompts: 16,
             max_grammar_bytes: 64 * 1024,
             grammar_compile_timeout_ms: 2000,

@@ -111,6 +111,64 @@ pub struct FunctionDelta {
     pub arguments: String,
 }
 
+/// `explain` in a request.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExplainField {
+    pub attention: Option<AttentionField>,
+}
+
+/// `explain.attention`: what is left out takes the model's defaults (the last two layers,
+/// every query head, the top 8 keys, every generated token).
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AttentionField {
+    /// Layers, 0-based.
+    pub layers: Option<Vec<i64>>,
+    /// Query heads, 0-based.
+    pub heads: Option<Vec<i64>>,
+    /// Keys per head and token (1–64).
+    pub top_k: Option<i64>,
+    /// Generated tokens to export (0 is the first), none: all.
+    pub positions: Option<Vec<i64>>,
+}
+
+/// One choice's attention export.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ChoiceExplain {
+    pub attention: AttentionExport,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct AttentionExport {
+    pub layers: Vec<usize>,
+    pub heads: Vec<usize>,
+    pub top_k: usize,
+    /// Positions below it are the prompt's; the rest the completion's, in order.
+    pub prompt_tokens: usize,
+    /// One entry per exported token.
+    pub tokens: Vec<ExportedToken>,
+    /// Per position attended: the mean exported weight over the tokens, layers and heads
+    /// (a weight outside a head's top_k counts 0), positions ascending.
+    #[schema(value_type = Vec<Vec<f64>>)]
+    pub positions: Vec<(u32, f32)>,
+    /// `sha256:` of the export with the model version's digest, the seed and the kernel: the
+    /// audit entry keeps it.
+    pub digest: String,
+    /// The kernels' identity a replay must match (build, SIMD level, threads).
+    pub kernel: String,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ExportedToken {
+    /// The token's index in the completion (0: the first).
+    pub index: usize,
+    /// `[layer][head]` lists of `[position, weight]`, heaviest first (layers and heads in the
+    /// order of `layers` and `heads`).
+    #[schema(value_type = Vec<Vec<Vec<Vec<f64>>>>)]
+    pub top: Vec<Vec<Vec<(u32, f32)>>>,
+}
+
 /// Sampling and output fields shared by both endpoints.
 #[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct SamplingFields {
@@ -135,6 +193,10 @@ pub struct SamplingFields {
     pub user: Option<String>,
     /// Extension: keep generating past end-of-sequence tokens (benchmarks).
     pub ignore_eos: Option<bool>,
+    /// Extension: `{"attention": {"layers", "heads", "top_k", "positions"}}` exports, for every
+    /// generated token (or the chosen ones), the input positions each head attended to most
+    /// (docs/explain.md).
+    pub explain: Option<ExplainField>,
     /// Structured output: `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`,
     /// `{"type": "json_object"}` or `{"type": "text"}`; extensions `{"type": "regex", "regex"}`,
     /// `{"type": "choice", "choices"}` and `{"type": "grammar", "grammar"}` (Lark).
@@ -248,6 +310,9 @@ pub struct ChatChoice {
     pub logprobs: Option<ChatLogprobs>,
     /// `stop` or `length`.
     pub finish_reason: Option<String>,
+    /// Extension: the attention export, when the request asked for one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub explain: Option<ChoiceExplain>,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -307,6 +372,9 @@ pub struct CompletionChoice {
     pub index: usize,
     pub logprobs: Option<CompletionLogprobs>,
     pub finish_reason: Option<String>,
+    /// Extension: the attention export, when the request asked for one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub explain: Option<ChoiceExplain>,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -386,6 +454,66 @@ impl SamplingFields {
         };
         grammar::from_request(self.response_format.as_ref(), &guided)
             .map_err(|e| ApiError::invalid_param(param, e.to_string()))
+    }
+
+    /// `explain.attention` checked for shape (the model's backend checks it against the model):
+    /// non-negative indices, short lists, the server's bound on weights shared by the choices.
+    fn explain_spec(
+        &self,
+        limits: &Limits,
+        choices: usize,
+    ) -> Result<Option<crate::backend::ExplainSpec>, ApiError> {
+        let Some(attention) = self.explain.as_ref().and_then(|e| e.attention.as_ref()) else {
+            return Ok(None);
+        };
+        if self.stream == Some(true) {
+            return Err(ApiError::invalid_param(
+                "explain",
+                "explain.attention is answered in whole responses: set stream to false",
+            ));
+        }
+        let list =
+            |name: &str, values: &Option<Vec<i64>>| -> Result<Option<Vec<usize>>, ApiError> {
+                let Some(values) = values else {
+                    return Ok(None);
+                };
+                if values.len() > 4096 {
+                    return Err(ApiError::invalid_param(
+                        "explain",
+                        format!("explain.attention.{name} may list at most 4096 values"),
+                    ));
+                }
+                values
+                    .iter()
+                    .map(|&v| {
+                        usize::try_from(v).map_err(|_| {
+                            ApiError::invalid_param(
+                                "explain",
+                                format!("explain.attention.{name}: {v} is not a 0-based index"),
+                            )
+                        })
+                    })
+                    .collect::<Result<Vec<_>, _>>()
+                    .map(Some)
+            };
+        let max_k = engine::explain::MAX_TOP_K;
+        let top_k = match attention.top_k {
+            Some(k) if (1..=max_k as i64).contains(&k) => Some(k as usize),
+            Some(k) => {
+                return Err(ApiError::invalid_param(
+                    "explain",
+                    format!("explain.attention.top_k must be between 1 and {max_k}, got {k}"),
+                ))
+            }
+            None => None,
+        };
+        Ok(Some(crate::backend::ExplainSpec {
+            layers: list("layers", &attention.layers)?,
+            heads: list("heads", &attention.heads)?,
+            top_k,
+            positions: list("positions", &attention.positions)?,
+            max_entries: limits.max_attention_entries / choices.max(1),
+        }))
     }
 
     /// Validates the fields and builds the engine's request (prompt filled in by the caller).
@@ -590,6 +718,7 @@ impl ChatCompletionRequest {
         };
         let max_tokens = self.max_completion_tokens.or(self.sampling.max_tokens);
         let (mut request, n) = self.sampling.to_plan(limits, max_tokens, top)?;
+        let prompt_count = 1;
         let tools = grammar::tools::ToolRequest::from_openai(
             self.tools.as_ref(),
             self.tool_choice.as_ref(),
@@ -636,6 +765,7 @@ impl ChatCompletionRequest {
             input_for_hash,
             structured: self.sampling.structured()?,
             tools,
+            explain: self.sampling.explain_spec(limits, n * prompt_count)?,
         })
     }
 }
@@ -677,6 +807,7 @@ impl CompletionRequest {
             Some(k) => (count("logprobs", k, 0, limits.max_top_logprobs)?, true),
             None => (0, false),
         };
+        let prompt_count = prompts.len();
         let (request, n) = self
             .sampling
             .to_plan(limits, self.sampling.max_tokens, top)?;
@@ -714,6 +845,7 @@ impl CompletionRequest {
             input_for_hash,
             structured: self.sampling.structured()?,
             tools: None,
+            explain: self.sampling.explain_spec(limits, n * prompt_count)?,
         })
     }
 }

@@ -152,6 +152,8 @@ async fn start(
         stream: plan.stream,
         include_usage: plan.include_usage,
         logprobs: plan.logprobs,
+        n: plan.n,
+        seed: plan.request.sampling.seed,
     };
     let work = Work::Generate(Box::new(plan));
     let admitted = front::serve(&state.front, principal, &model, work, record).await?;
@@ -409,6 +411,9 @@ struct Shape {
     stream: bool,
     include_usage: bool,
     logprobs: bool,
+    /// Choices per prompt and the request's seed (each choice's is the seed + its number).
+    n: usize,
+    seed: Option<u64>,
 }
 
 /// An admitted generation on its way to the client.
@@ -429,6 +434,80 @@ struct ChoiceState {
     chat_logprobs: Vec<TokenLogprob>,
     completion_logprobs: CompletionLogprobs,
     finish: Option<Finished>,
+    explain: Option<ExplainState>,
+}
+
+/// One choice's attention export while its tokens arrive.
+struct ExplainState {
+    info: crate::backend::ExplainInfo,
+    digest: engine::AttentionDigest,
+    /// Tokens seen so far (the next one's index).
+    seen: usize,
+    tokens: Vec<ExportedToken>,
+    /// Exported weight per position, summed.
+    sums: std::collections::BTreeMap<u32, f64>,
+}
+
+impl ExplainState {
+    fn new(info: &crate::backend::ExplainInfo, version_digest: &str, seed: Option<u64>) -> Self {
+        Self {
+            digest: engine::AttentionDigest::new(&info.request, version_digest, seed, &info.kernel),
+            info: info.clone(),
+            seen: 0,
+            tokens: Vec::new(),
+            sums: Default::default(),
+        }
+    }
+
+    fn on_token(&mut self, attention: &[engine::Attended]) {
+        let index = self.seen;
+        self.seen += 1;
+        if attention.is_empty() {
+            return;
+        }
+        self.digest.token(index, attention);
+        let k = self.info.request.top_k;
+        let heads = self.info.request.heads.len();
+        let top = attention
+            .chunks(heads * k)
+            .map(|layer| {
+                layer
+                    .chunks(k)
+                    .map(|head| {
+                        head.iter()
+                            .filter(|a| **a != engine::Attended::NONE)
+                            .map(|a| {
+                                *self.sums.entry(a.position).or_default() += a.weight as f64;
+                                (a.position, a.weight)
+                            })
+                            .collect()
+                    })
+                    .collect()
+            })
+            .collect();
+        self.tokens.push(ExportedToken { index, top });
+    }
+
+    fn finish(self, prompt_tokens: usize) -> ChoiceExplain {
+        let r = &self.info.request;
+        let rows = (self.tokens.len() * r.layers.len() * r.heads.len()).max(1) as f64;
+        ChoiceExplain {
+            attention: AttentionExport {
+                layers: r.layers.clone(),
+                heads: r.heads.clone(),
+                top_k: r.top_k,
+                prompt_tokens,
+                positions: self
+                    .sums
+                    .iter()
+                    .map(|(&p, &w)| (p, (w / rows) as f32))
+                    .collect(),
+                tokens: self.tokens,
+                digest: self.digest.finish(),
+                kernel: self.info.kernel,
+            },
+        }
+    }
 }
 
 /// Tokens a structured-output constraint ruled out have log-probability −∞, which JSON cannot
@@ -507,6 +586,17 @@ impl Reply {
 async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Response {
     let choices = reply.delivery.choices();
     let mut states: Vec<ChoiceState> = (0..choices).map(|_| ChoiceState::default()).collect();
+    if let Some(info) = reply.delivery.explain() {
+        // Choice i of prompt p is the n·p + k-th; its seed the request's + k (the backend's).
+        let n = reply.shape.n.max(1);
+        for (i, s) in states.iter_mut().enumerate() {
+            let seed = reply
+                .shape
+                .seed
+                .map(|seed| seed.wrapping_add((i % n) as u64));
+            s.explain = Some(ExplainState::new(info, &record.record.version_digest, seed));
+        }
+    }
     let mut done = false;
     while !done {
         let Some((i, event)) = reply.delivery.next().await else {
@@ -519,6 +609,9 @@ async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Respon
         };
         match event {
             Generated::Token(t) => {
+                if let Some(e) = states[i].explain.as_mut() {
+                    e.on_token(&t.attention);
+                }
                 if reply.shape.logprobs {
                     match reply.endpoint {
                         Endpoint::Chat => {
@@ -552,9 +645,28 @@ async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Respon
     }
     let texts = reply.delivery.take_texts();
     let calls = read_tool_calls(&mut reply.delivery, &texts);
+    // Each choice's export finished; their digests go into the record (and the audit entry).
+    let explains: Vec<Option<ChoiceExplain>> = states
+        .iter_mut()
+        .map(|s| {
+            let prompt_tokens = s.finish.as_ref().map_or(0, |f| f.prompt_tokens);
+            s.explain.take().map(|e| e.finish(prompt_tokens))
+        })
+        .collect();
+    if explains.iter().any(Option::is_some) {
+        record.record.attention_sha256 = Some(
+            explains
+                .iter()
+                .flatten()
+                .map(|e| e.attention.digest.as_str())
+                .collect::<Vec<_>>()
+                .join(","),
+        );
+    }
     let response = encode_collected(
         &reply,
         states,
+        explains,
         texts,
         calls,
         reply.usage(record.record.completion_tokens),
@@ -608,6 +720,7 @@ fn chat_finish_reason(f: &Finished, called: bool) -> String {
 fn encode_collected(
     reply: &Reply,
     states: Vec<ChoiceState>,
+    explains: Vec<Option<ChoiceExplain>>,
     texts: Vec<String>,
     calls: Vec<Option<(Option<String>, Vec<ToolCallOut>)>>,
     usage: Usage,
@@ -622,8 +735,9 @@ fn encode_collected(
                 .into_iter()
                 .zip(texts)
                 .zip(calls)
+                .zip(explains)
                 .enumerate()
-                .map(|(index, ((s, text), calls))| {
+                .map(|(index, (((s, text), calls), explain))| {
                     let (content, tool_calls) = match calls {
                         None => (Some(text), None),
                         Some((content, calls)) if calls.is_empty() => (content, None),
@@ -643,6 +757,7 @@ fn encode_collected(
                             content,
                             tool_calls,
                         },
+                        explain,
                     }
                 })
                 .collect(),
@@ -658,12 +773,14 @@ fn encode_collected(
             choices: states
                 .into_iter()
                 .zip(texts)
+                .zip(explains)
                 .enumerate()
-                .map(|(index, (s, text))| CompletionChoice {
+                .map(|(index, ((s, text), explain))| CompletionChoice {
                     index,
                     finish_reason: s.finish.as_ref().map(finish_reason),
                     logprobs: reply.shape.logprobs.then_some(s.completion_logprobs),
                     text,
+                    explain,
                 })
                 .collect(),
             usage: Some(usage),
@@ -731,6 +848,7 @@ impl Streaming {
                 index,
                 logprobs,
                 finish_reason: finish,
+                explain: None,
             }],
             usage: None,
             system_fingerprint: self.reply.fingerprint(),

@@ -64,6 +64,7 @@ fn token(text: &'static str) -> Generated {
         text: text.into(),
         entropy: 0.5,
         logprobs: None,
+        attention: Vec::new(),
     })
 }
 
@@ -113,6 +114,7 @@ impl InferenceBackend for FakeLlm {
                 structured: None,
                 watch: None,
                 tools: None,
+                explain: None,
             }))
         })
     }

@@ -91,6 +91,7 @@ impl InferenceBackend for CannedBackend {
                             text: text.clone(),
                             entropy: 0.0,
                             logprobs: None,
+                            attention: Vec::new(),
                         }),
                     ));
                     events.push((index, Generated::Finished(super::finished_at_once(1))));
@@ -102,6 +103,7 @@ impl InferenceBackend for CannedBackend {
                     structured: None,
                     watch: None,
                     tools: None,
+                    explain: None,
                 }))
             }
             other => Err(BackendError::invalid(format!(

@@ -14,8 +14,9 @@ use crate::lane::Lane;
 use grammar::tools::{prepare_history, ToolFormat, ToolRendering, ToolSession};
 
 use super::{
-    Answer, BackendError, Description, GeneratePlan, Generated, Generation, Health,
-    InferenceBackend, Kind, StartFuture, Token, TokenLogprobs, TopToken, Work, WorkKind,
+    Answer, BackendError, Description, ExplainInfo, ExplainSpec, GeneratePlan, Generated,
+    Generation, Health, InferenceBackend, Kind, StartFuture, Token, TokenLogprobs, TopToken, Work,
+    WorkKind,
 };
 
 /// One served language model version.
@@ -159,6 +160,10 @@ impl LlmBackend {
                     let factory: Arc<dyn engine::ConstraintFactory> = compiled.clone();
                     prepared.request.constraint = Some(engine::Constraint(factory));
                 }
+                if let Some(spec) = &prepare_plan.explain {
+                    let asked = attention_request(spec, engine.config(), &prepared.request)?;
+                    prepared.request.attention = Some(asked);
+                }
                 out.push(prepared);
             }
             Ok::<_, BackendError>((out, structured, tools))
@@ -218,7 +223,15 @@ impl LlmBackend {
                 index += 1;
             }
         }
+        let explain = prepared
+            .first()
+            .and_then(|p| p.request.attention.clone())
+            .map(|request| ExplainInfo {
+                request,
+                kernel: engine::explain::kernel_identity(self.engine.backend()),
+            });
         Ok(Generation {
+            explain,
             events: events.boxed(),
             choices: index,
             prompt_tokens,
@@ -303,6 +316,26 @@ fn prepare_tools(
     Ok(Some(Arc::new(session)))
 }
 
+/// A request's `explain.attention` resolved for this model (defaults for what it left out) and
+/// bounded by the server's entries per request (layers × heads × top_k × exported tokens).
+fn attention_request(
+    spec: &ExplainSpec,
+    config: &engine::model::ModelConfig,
+    request: &engine::GenerateRequest,
+) -> Result<engine::AttentionRequest, BackendError> {
+    let defaults = engine::AttentionRequest::defaults(config);
+    let mut asked = engine::AttentionRequest {
+        layers: spec.layers.clone().unwrap_or(defaults.layers),
+        heads: spec.heads.clone().unwrap_or(defaults.heads),
+        top_k: spec.top_k.unwrap_or(defaults.top_k),
+        positions: spec.positions.clone(),
+    };
+    asked
+        .normalize(config, request.max_tokens, spec.max_entries)
+        .map_err(|e| BackendError::invalid_param("explain", e))?;
+    Ok(asked)
+}
+
 /// An engine event in the seam's terms: token texts resolved only when logprobs were asked for.
 fn resolve(event: Event, tokenizer: &Tokenizer, logprobs: bool) -> Generated {
     match event {
@@ -334,6 +367,7 @@ fn token(t: TokenEvent, tokenizer: &Tokenizer, logprobs: bool) -> Token {
         text: t.text,
         entropy: t.entropy,
         logprobs,
+        attention: t.attention,
     }
 }
 

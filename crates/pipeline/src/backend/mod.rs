@@ -107,6 +107,27 @@ pub struct GeneratePlan {
     /// 0: asked of the model itself; 1 or 2: a step of its fallback chain (a rules model then
     /// answers only when a rule matched, so the chain can go on to a canned answer).
     pub fallback_level: u8,
+    /// The attention export asked for (`explain.attention`), resolved by the model's backend.
+    pub explain: Option<ExplainSpec>,
+}
+
+/// A request's `explain.attention` as sent: what is left out takes the model's defaults
+/// (`engine::AttentionRequest::defaults`); `max_entries` is the server's bound.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExplainSpec {
+    pub layers: Option<Vec<usize>>,
+    pub heads: Option<Vec<usize>>,
+    pub top_k: Option<usize>,
+    pub positions: Option<Vec<usize>>,
+    pub max_entries: usize,
+}
+
+/// The attention export a generation carries: the resolved request, and what identifies the
+/// kernel that computed it (a replay compares digests under the same identity).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExplainInfo {
+    pub request: engine::AttentionRequest,
+    pub kernel: String,
 }
 
 /// Inputs of an embedding request.
@@ -161,6 +182,8 @@ pub struct Generation {
     pub watch: Option<Arc<crate::watch::OutputWatch>>,
     /// A tool-calling request's session: how the encoders read calls out of the output.
     pub tools: Option<Arc<grammar::tools::ToolSession>>,
+    /// The attention export every choice's tokens carry, when the request asked for one.
+    pub explain: Option<ExplainInfo>,
 }
 
 /// The end of a choice a backend wrote at once (rules, canned answers): no prompt, no time.
@@ -197,6 +220,8 @@ pub struct Token {
     /// Entropy of the distribution it was drawn from, in nats.
     pub entropy: f32,
     pub logprobs: Option<TokenLogprobs>,
+    /// The token's attention export (see [`Generation::explain`]); empty when none.
+    pub attention: Vec<engine::Attended>,
 }
 
 #[derive(Debug, Clone)]

@@ -110,6 +110,7 @@ impl RulesBackend {
                         text: answer.clone(),
                         entropy: 0.0,
                         logprobs: None,
+                        attention: Vec::new(),
                     }),
                 ));
                 events.push((index, Generated::Finished(super::finished_at_once(1))));
@@ -124,6 +125,7 @@ impl RulesBackend {
             structured: check.map(|(_, c)| Arc::new(c) as Arc<dyn grammar::FinalCheck>),
             watch: None,
             tools: None,
+            explain: None,
         })
     }
 

@@ -377,6 +377,41 @@ impl DecodeRun {
 }
 
 /// Generates `max_tokens` greedily for a chat alone on the engine (nothing else running).
+/// Chats generated together (greedy, `max_tokens` each past end-of-sequence), with the
+/// attention export `attention` or without: the tokens generated, the wall-clock seconds from
+/// submission to the last finish, and each chat's token ids.
+pub fn decode_together(
+    engine: &Engine,
+    chats: &[Vec<crate::ChatMessage>],
+    max_tokens: usize,
+    attention: Option<&crate::AttentionRequest>,
+) -> Result<(usize, f64, Vec<Vec<u32>>), EngineError> {
+    let began = std::time::Instant::now();
+    let mut streams = Vec::with_capacity(chats.len());
+    for chat in chats {
+        let mut request = GenerateRequest::new(Prompt::Chat(chat.clone()), max_tokens);
+        request.sampling = SamplingParams::greedy();
+        request.ignore_eos = true;
+        request.attention = attention.cloned();
+        streams.push(engine.generate(request)?);
+    }
+    let mut all = Vec::with_capacity(chats.len());
+    for stream in streams {
+        let mut ids = Vec::with_capacity(max_tokens);
+        for event in stream {
+            match event {
+                Event::Token(t) => ids.push(t.id),
+                Event::Finished(_) => break,
+                Event::Failed(e) => return Err(EngineError::Failed(e)),
+                Event::Shed(_) => return Err(EngineError::Failed("shed".into())),
+            }
+        }
+        all.push(ids);
+    }
+    let tokens = all.iter().map(Vec::len).sum();
+    Ok((tokens, began.elapsed().as_secs_f64(), all))
+}
+
 pub fn decode_alone(
     engine: &Engine,
     messages: &[crate::ChatMessage],

@@ -19,12 +19,12 @@ use crate::model::ModelConfig;
 /// The most keys a head may export per token.
 pub const MAX_TOP_K: usize = 64;
 
-/// What the kernels' build, SIMD level and threads contribute to a replay's identity: the same
-/// weights through another SIMD level round differently, so a replay compares digests only
-/// under the same kernel identity.
-pub fn kernel_identity(backend: &dyn kernels::Backend) -> String {
+/// What the kernels' build, SIMD level, threads and KV element type contribute to a replay's
+/// identity: the same weights through another SIMD level, or keys kept in another type, round
+/// differently, so a replay compares digests only under the same identity.
+pub fn kernel_identity(backend: &dyn kernels::Backend, kv: kernels::KvDType) -> String {
     format!(
-        "rampart-kernels {} {}",
+        "rampart-kernels {} {}, kv {kv}",
         env!("CARGO_PKG_VERSION"),
         backend.describe()
     )
@@ -131,6 +131,87 @@ impl AttentionRequest {
     }
 }
 
+/// What a replay needs of a request besides its input (which the audit entry keeps): the
+/// sampling exactly as the engine ran it, the resolved `max_tokens`, the attention request and
+/// the prompt's kind. `prompt` is `chat`, `text` (control-token texts parsed) or `plain_text`.
+pub fn replay_settings(request: &crate::GenerateRequest) -> serde_json::Value {
+    let s = &request.sampling;
+    let a = request.attention.as_ref();
+    serde_json::json!({
+        "prompt": match request.prompt {
+            crate::Prompt::Chat(_) => "chat",
+            crate::Prompt::Text(_) => "text",
+            crate::Prompt::PlainText(_) => "plain_text",
+            crate::Prompt::Tokens(_) => "tokens",
+        },
+        "max_tokens": request.max_tokens,
+        "ignore_eos": request.ignore_eos,
+        "stop": request.stop,
+        "temperature": s.temperature.to_bits(),
+        "top_k": s.top_k,
+        "top_p": s.top_p.to_bits(),
+        "min_p": s.min_p.to_bits(),
+        "repetition_penalty": s.repetition_penalty.to_bits(),
+        "frequency_penalty": s.frequency_penalty.to_bits(),
+        "presence_penalty": s.presence_penalty.to_bits(),
+        "logit_bias": s.logit_bias.iter().map(|(id, b)| (id, b.to_bits())).collect::<Vec<_>>(),
+        "seed": s.seed,
+        "layers": a.map(|a| a.layers.clone()),
+        "heads": a.map(|a| a.heads.clone()),
+        "top_k_keys": a.map(|a| a.top_k),
+        "positions": a.and_then(|a| a.positions.clone()),
+    })
+}
+
+/// A request rebuilt from [`replay_settings`] and its prompt: what `rampart explain verify`
+/// runs again.
+pub fn replay_request(
+    settings: &serde_json::Value,
+    prompt: crate::Prompt,
+) -> Result<crate::GenerateRequest, String> {
+    let bits = |k: &str| -> Result<f32, String> {
+        settings[k]
+            .as_u64()
+            .and_then(|b| u32::try_from(b).ok())
+            .map(f32::from_bits)
+            .ok_or_else(|| format!("the replay settings lack {k}"))
+    };
+    let count = |k: &str| -> Result<usize, String> {
+        settings[k]
+            .as_u64()
+            .map(|v| v as usize)
+            .ok_or_else(|| format!("the replay settings lack {k}"))
+    };
+    let list = |k: &str| -> Result<Vec<usize>, String> {
+        serde_json::from_value(settings[k].clone())
+            .map_err(|e| format!("the replay settings' {k}: {e}"))
+    };
+    let mut request = crate::GenerateRequest::new(prompt, count("max_tokens")?);
+    request.ignore_eos = settings["ignore_eos"].as_bool().unwrap_or(false);
+    request.stop = serde_json::from_value(settings["stop"].clone()).unwrap_or_default();
+    let s = &mut request.sampling;
+    s.temperature = bits("temperature")?;
+    s.top_k = count("top_k")?;
+    s.top_p = bits("top_p")?;
+    s.min_p = bits("min_p")?;
+    s.repetition_penalty = bits("repetition_penalty")?;
+    s.frequency_penalty = bits("frequency_penalty")?;
+    s.presence_penalty = bits("presence_penalty")?;
+    s.logit_bias = serde_json::from_value::<Vec<(u32, u32)>>(settings["logit_bias"].clone())
+        .map_err(|e| format!("the replay settings' logit_bias: {e}"))?
+        .into_iter()
+        .map(|(id, b)| (id, f32::from_bits(b)))
+        .collect();
+    s.seed = settings["seed"].as_u64();
+    request.attention = Some(AttentionRequest {
+        layers: list("layers")?,
+        heads: list("heads")?,
+        top_k: count("top_k_keys")?,
+        positions: serde_json::from_value(settings["positions"].clone()).unwrap_or(None),
+    });
+    Ok(request)
+}
+
 /// The hash of one request's export, built token by token: what the audit entry keeps and a
 /// replay recomputes.
 pub struct AttentionDigest {
@@ -178,6 +259,12 @@ impl AttentionDigest {
     /// Tokens added so far.
     pub fn tokens(&self) -> usize {
         self.tokens
+    }
+
+    /// The digest so far, shortened to 16 hex digits: one per token, so a replay that differs
+    /// names the first token that does.
+    pub fn step(&self) -> String {
+        hex::encode(&self.hash.clone().finalize()[..8])
     }
 
     /// `sha256:` and the hex digest.
@@ -244,6 +331,31 @@ mod tests {
         let mut bad = r;
         bad.positions = Some(Vec::new());
         assert!(bad.normalize(&c, 10, usize::MAX).is_err());
+    }
+
+    #[test]
+    fn replay_settings_rebuild_the_request() {
+        let mut request = crate::GenerateRequest::new(crate::Prompt::Chat(Vec::new()), 17);
+        request.sampling.temperature = 0.7;
+        request.sampling.top_p = 0.9;
+        request.sampling.seed = Some(u64::MAX - 3);
+        request.sampling.logit_bias = vec![(5, -1.5)];
+        request.stop = vec!["END".into()];
+        request.attention = Some(AttentionRequest {
+            layers: vec![1, 3],
+            heads: vec![0],
+            top_k: 4,
+            positions: Some(vec![2]),
+        });
+        let settings = replay_settings(&request);
+        let text = settings.to_string();
+        let back: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let again = replay_request(&back, crate::Prompt::Chat(Vec::new())).unwrap();
+        assert_eq!(again.sampling, request.sampling);
+        assert_eq!(again.max_tokens, 17);
+        assert_eq!(again.stop, request.stop);
+        assert_eq!(again.attention, request.attention);
+        assert_eq!(back["prompt"], "chat");
     }
 
     #[test]

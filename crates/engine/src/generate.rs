@@ -681,6 +681,17 @@ impl Engine {
     }
 
     /// The KV pool's layout and size.
+    /// The element type of the cached keys and values.
+    pub fn kv_dtype(&self) -> KvDType {
+        self.kv_dtype
+    }
+
+    /// What identifies the computation of an attention export (see
+    /// [`crate::explain::kernel_identity`]).
+    pub fn kernel_identity(&self) -> String {
+        crate::explain::kernel_identity(self.backend(), self.kv_dtype)
+    }
+
     pub fn kv_capacity(&self) -> KvCapacity {
         self.capacity
     }

@@ -87,6 +87,28 @@ pub enum BenchCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Attention export on and off, alternated: tokens/s of N greedy chats generated together
+    /// (submission to last token) with every token's export (the last --layers layers, every
+    /// head, --top-k keys) and without, and whether the outputs are identical.
+    Explain {
+        #[command(flatten)]
+        model: ModelChoice,
+        /// Chats generated together, one run per value.
+        #[arg(long, value_delimiter = ',', default_value = "1,4")]
+        sequences: Vec<usize>,
+        #[arg(long, default_value_t = 2)]
+        layers: usize,
+        #[arg(long, default_value_t = 8)]
+        top_k: usize,
+        /// Tokens generated per chat.
+        #[arg(long, default_value_t = 128)]
+        max_tokens: usize,
+        #[arg(long, short = 'r', default_value_t = 4)]
+        rounds: usize,
+        /// Print the result as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Aggregate decode tokens/s of N sequences decoding together (like llama-batched-bench:
     /// distinct random prompts prefilled together, then --gen-tokens decode steps).
     Batched {
@@ -554,6 +576,19 @@ pub fn run(command: BenchCommand) -> Result<ExitCode> {
             rounds,
             json,
         } => return lookup(&mut model, guess, max_tokens, rounds, json),
+        BenchCommand::Explain {
+            mut model,
+            sequences,
+            layers,
+            top_k,
+            max_tokens,
+            rounds,
+            json,
+        } => {
+            return explain(
+                &mut model, &sequences, layers, top_k, max_tokens, rounds, json,
+            )
+        }
         BenchCommand::Batched {
             mut model,
             prompt_tokens,
@@ -1306,6 +1341,110 @@ fn lookup_workloads() -> [(&'static str, Vec<&'static str>); 2] {
             ],
         ),
     ]
+}
+
+/// `rampart bench explain`: see [`BenchCommand::Explain`].
+fn explain(
+    model: &mut ModelChoice,
+    sequences: &[usize],
+    layers: usize,
+    top_k: usize,
+    max_tokens: usize,
+    rounds: usize,
+    json: bool,
+) -> Result<ExitCode> {
+    use engine::bench::decode_together;
+    use engine::ChatMessage;
+    model.kv.speculative_tokens = 0;
+    let engine = model.load(Some(2048))?;
+    let config = engine.config().clone();
+    let mut asked = engine::AttentionRequest {
+        layers: (config.block_count.saturating_sub(layers)..config.block_count).collect(),
+        heads: (0..config.heads).collect(),
+        top_k,
+        positions: None,
+    };
+    asked
+        .normalize(&config, max_tokens, usize::MAX)
+        .map_err(anyhow::Error::msg)?;
+    let prompts: Vec<&str> = lookup_workloads()
+        .into_iter()
+        .flat_map(|(_, p)| p)
+        .collect();
+    let warm = vec![vec![ChatMessage::new("user", "Hello!")]];
+    decode_together(&engine, &warm, 8, None)?;
+    decode_together(&engine, &warm, 8, Some(&asked))?;
+    if !json {
+        println!("model    {}", model.model);
+        println!("backend  {}", engine.backend().describe());
+        println!(
+            "export   layers {:?}, {} heads, top {top_k}, every token",
+            asked.layers,
+            asked.heads.len()
+        );
+        println!(
+            "{:>4} {:>5} {:>10} {:>10} {:>7} {:>10}",
+            "seqs", "round", "off tok/s", "on tok/s", "ratio", "identical"
+        );
+    }
+    let mut results = Vec::new();
+    for &n in sequences {
+        let chats: Vec<Vec<ChatMessage>> = (0..n)
+            .map(|i| vec![ChatMessage::new("user", prompts[i % prompts.len()])])
+            .collect();
+        let (mut off, mut on) = ((0usize, 0f64), (0usize, 0f64));
+        let mut identical = true;
+        for round in 0..rounds {
+            // Alternated: off first in even rounds, on first in odd ones.
+            let (a, b) = if round % 2 == 0 {
+                let a = decode_together(&engine, &chats, max_tokens, None)?;
+                (
+                    a,
+                    decode_together(&engine, &chats, max_tokens, Some(&asked))?,
+                )
+            } else {
+                let b = decode_together(&engine, &chats, max_tokens, Some(&asked))?;
+                (decode_together(&engine, &chats, max_tokens, None)?, b)
+            };
+            identical &= a.2 == b.2;
+            if !json {
+                println!(
+                    "{:>4} {:>5} {:>10.1} {:>10.1} {:>7.3} {:>10}",
+                    n,
+                    round + 1,
+                    a.0 as f64 / a.1,
+                    b.0 as f64 / b.1,
+                    (b.0 as f64 / b.1) / (a.0 as f64 / a.1),
+                    a.2 == b.2
+                );
+            }
+            off = (off.0 + a.0, off.1 + a.1);
+            on = (on.0 + b.0, on.1 + b.1);
+        }
+        let (off_tps, on_tps) = (off.0 as f64 / off.1, on.0 as f64 / on.1);
+        if !json {
+            println!(
+                "{:>4} {:>5} {:>10.1} {:>10.1} {:>7.3} {:>10}",
+                n,
+                "all",
+                off_tps,
+                on_tps,
+                on_tps / off_tps,
+                identical
+            );
+        }
+        results.push(json!({"sequences": n, "off_tps": off_tps, "on_tps": on_tps,
+                            "ratio": on_tps / off_tps, "identical": identical}));
+    }
+    if json {
+        println!(
+            "{}",
+            json!({"model": model.model, "layers": asked.layers, "heads": asked.heads.len(),
+                   "top_k": top_k, "max_tokens": max_tokens, "rounds": rounds,
+                   "backend": engine.backend().describe(), "results": results})
+        );
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn lookup(

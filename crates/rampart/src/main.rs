@@ -5,6 +5,7 @@ mod audit_cmd;
 mod bench_cmd;
 mod doctor_cmd;
 mod engine_args;
+mod explain_cmd;
 mod feedback_cmd;
 mod fleet_cmd;
 mod generate_cmd;
@@ -81,6 +82,8 @@ enum Command {
     Audit(audit_cmd::AuditArgs),
     /// Judge texts with the input guard, and measure it on a labelled set.
     Guard(guard_cmd::GuardArgs),
+    /// Attention exports: replay one from its audit entry and compare digests.
+    Explain(explain_cmd::ExplainArgs),
     /// Check the host and Rampart's settings for serving (exit 0 ok, 1 warnings, 2 errors);
     /// print the fixes or the hardware fingerprint.
     Doctor(doctor_cmd::DoctorArgs),
@@ -124,6 +127,7 @@ fn main() -> ExitCode {
         Command::Bench(command) => bench_cmd::run(command),
         Command::Audit(args) => audit_cmd::run(args),
         Command::Guard(args) => guard_cmd::run(args),
+        Command::Explain(args) => explain_cmd::run(args),
         Command::Doctor(args) => doctor_cmd::run(args),
         Command::Metrics(args) => metrics_cmd::run(args),
         Command::Monitor(args) => monitor_cmd::run(args),

@@ -2682,12 +2682,14 @@ fn attention_export_over_http_is_bounded_deterministic_and_audited() {
         let body = format!(
             r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Name three colours."}}],"max_tokens":{max_tokens},"temperature":0,"seed":7,"stream":{stream},"explain":{explain}}}"#
         );
-        try_http(port, "POST", "/v1/chat/completions", Some(&body), Some(KEY)).unwrap_or_else(|| {
-            panic!(
-                "the server is gone: {}",
-                std::fs::read_to_string(&server.log).unwrap_or_default()
-            )
-        })
+        try_http(port, "POST", "/v1/chat/completions", Some(&body), Some(KEY)).unwrap_or_else(
+            || {
+                panic!(
+                    "the server is gone: {}",
+                    std::fs::read_to_string(&server.log).unwrap_or_default()
+                )
+            },
+        )
     };
     let (status, headers, text) = ask(r#"{"attention":{"top_k":4}}"#, 12, false);
     assert_eq!(
@@ -2702,11 +2704,17 @@ fn attention_export_over_http_is_bounded_deterministic_and_audited() {
     assert_eq!(export["heads"].as_array().unwrap().len(), 9);
     assert_eq!(export["top_k"], 4);
     let prompt_tokens = export["prompt_tokens"].as_u64().unwrap() as usize;
-    assert_eq!(prompt_tokens, answer["usage"]["prompt_tokens"].as_u64().unwrap() as usize);
+    assert_eq!(
+        prompt_tokens,
+        answer["usage"]["prompt_tokens"].as_u64().unwrap() as usize
+    );
     let tokens = export["tokens"].as_array().unwrap();
     let completion = answer["usage"]["completion_tokens"].as_u64().unwrap() as usize;
     // An end-of-sequence token is not shown, and not exported.
-    assert!(tokens.len() == completion || tokens.len() + 1 == completion, "{export}");
+    assert!(
+        tokens.len() == completion || tokens.len() + 1 == completion,
+        "{export}"
+    );
     for t in tokens {
         let index = t["index"].as_u64().unwrap() as usize;
         let layers = t["top"].as_array().unwrap();
@@ -2719,7 +2727,10 @@ fn attention_export_over_http_is_bounded_deterministic_and_audited() {
                 let mut total = 0.0;
                 for e in entries {
                     let (p, w) = (e[0].as_u64().unwrap() as usize, e[1].as_f64().unwrap());
-                    assert!(p < prompt_tokens + index, "position {p} of token {index}: {head}");
+                    assert!(
+                        p < prompt_tokens + index,
+                        "position {p} of token {index}: {head}"
+                    );
                     assert!(w <= last && w > 0.0, "{head}");
                     last = w;
                     total += w;
@@ -2732,12 +2743,18 @@ fn attention_export_over_http_is_bounded_deterministic_and_audited() {
     assert!(!positions.is_empty());
     let digest = export["digest"].as_str().unwrap().to_string();
     assert!(digest.starts_with("sha256:"), "{digest}");
-    assert!(export["kernel"].as_str().unwrap().starts_with("rampart-kernels"));
+    assert!(export["kernel"]
+        .as_str()
+        .unwrap()
+        .starts_with("rampart-kernels"));
     // Alone on the server, the same request exports the same weights.
     let (status, _, again) = ask(r#"{"attention":{"top_k":4}}"#, 12, false);
     assert_eq!(status, 200);
     let again: serde_json::Value = serde_json::from_str(&again).unwrap();
-    assert_eq!(again["choices"][0]["explain"]["attention"]["digest"], digest.as_str());
+    assert_eq!(
+        again["choices"][0]["explain"]["attention"]["digest"],
+        digest.as_str()
+    );
     // The audit entry keeps the digest.
     let audit_id = header(&headers, "x-rampart-audit-id").unwrap().to_string();
     let (status, _, entry) = http(
@@ -2749,6 +2766,43 @@ fn attention_export_over_http_is_bounded_deterministic_and_audited() {
     );
     assert_eq!(status, 200, "{entry}");
     assert!(entry.contains(&digest), "{entry}");
+    // `rampart explain verify` replays it from the entry, on the same version, and checks a
+    // client's copy of the answer; a weight changed in that copy is named.
+    let dir = server._dir.path();
+    let explain_verify = |more: &[&str]| {
+        let out = Command::new(binary())
+            .current_dir(dir)
+            .args(["explain", "verify", &audit_id])
+            .args(more)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        )
+    };
+    let (code, out) = explain_verify(&[]);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("replay choice 0: verified"), "{out}");
+    let copy = dir.join("answer.json");
+    std::fs::write(&copy, &text).unwrap();
+    let (code, out) = explain_verify(&["--response", copy.to_str().unwrap(), "--no-replay"]);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("the export is the audited one"), "{out}");
+    let mut forged = answer.clone();
+    let w = &mut forged["choices"][0]["explain"]["attention"]["tokens"][2]["top"][1][3][0][1];
+    *w = serde_json::json!(w.as_f64().unwrap() * 0.999);
+    std::fs::write(&copy, forged.to_string()).unwrap();
+    let (code, out) = explain_verify(&["--response", copy.to_str().unwrap(), "--no-replay"]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(
+        out.contains("DIFFERS") && out.contains("exported token 2"),
+        "{out}"
+    );
     // Chosen layers, heads and tokens.
     let (status, _, text) = ask(
         r#"{"attention":{"layers":[0],"heads":[2,1],"top_k":2,"positions":[1,0]}}"#,

@@ -66,6 +66,11 @@ pub struct InferenceRecord {
     /// request asked for one: what `rampart explain verify` recomputes.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub attention_sha256: Option<String>,
+    /// What `rampart explain verify` needs to replay an attention export: the kernel identity,
+    /// the request's settings (`engine::explain::replay_settings`) and, per choice, the digest
+    /// after each exported token (16 hex digits). In the audit entry; not in the log line.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attention: Option<serde_json::Value>,
     pub queue_ms: f64,
     pub prefill_ms: f64,
     pub ttft_ms: f64,
@@ -222,6 +227,7 @@ impl InferenceRecord {
             cached_prompt_tokens: 0,
             speculated_tokens: 0,
             attention_sha256: None,
+            attention: None,
             speculated_accepted: 0,
             queue_ms: 0.0,
             prefill_ms: 0.0,

@@ -443,6 +443,8 @@ struct ExplainState {
     digest: engine::AttentionDigest,
     /// Tokens seen so far (the next one's index).
     seen: usize,
+    /// The digest after each exported token (`AttentionDigest::step`).
+    steps: Vec<String>,
     tokens: Vec<ExportedToken>,
     /// Exported weight per position, summed.
     sums: std::collections::BTreeMap<u32, f64>,
@@ -454,6 +456,7 @@ impl ExplainState {
             digest: engine::AttentionDigest::new(&info.request, version_digest, seed, &info.kernel),
             info: info.clone(),
             seen: 0,
+            steps: Vec::new(),
             tokens: Vec::new(),
             sums: Default::default(),
         }
@@ -466,6 +469,7 @@ impl ExplainState {
             return;
         }
         self.digest.token(index, attention);
+        self.steps.push(self.digest.step());
         let k = self.info.request.top_k;
         let heads = self.info.request.heads.len();
         let top = attention
@@ -646,6 +650,16 @@ async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Respon
     let texts = reply.delivery.take_texts();
     let calls = read_tool_calls(&mut reply.delivery, &texts);
     // Each choice's export finished; their digests go into the record (and the audit entry).
+    let replay = reply.delivery.explain().map(|info| {
+        serde_json::json!({
+            "kernel": info.kernel,
+            "settings": info.replay,
+            "steps": states
+                .iter()
+                .map(|s| s.explain.as_ref().map(|e| e.steps.clone()).unwrap_or_default())
+                .collect::<Vec<_>>(),
+        })
+    });
     let explains: Vec<Option<ChoiceExplain>> = states
         .iter_mut()
         .map(|s| {
@@ -654,6 +668,7 @@ async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Respon
         })
         .collect();
     if explains.iter().any(Option::is_some) {
+        record.record.attention = replay;
         record.record.attention_sha256 = Some(
             explains
                 .iter()

@@ -223,13 +223,13 @@ impl LlmBackend {
                 index += 1;
             }
         }
-        let explain = prepared
-            .first()
-            .and_then(|p| p.request.attention.clone())
-            .map(|request| ExplainInfo {
+        let explain = prepared.first().and_then(|p| {
+            p.request.attention.clone().map(|request| ExplainInfo {
                 request,
-                kernel: engine::explain::kernel_identity(self.engine.backend()),
-            });
+                kernel: self.engine.kernel_identity(),
+                replay: engine::explain::replay_settings(&p.request),
+            })
+        });
         Ok(Generation {
             explain,
             events: events.boxed(),

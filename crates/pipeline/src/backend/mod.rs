@@ -128,6 +128,9 @@ pub struct ExplainSpec {
 pub struct ExplainInfo {
     pub request: engine::AttentionRequest,
     pub kernel: String,
+    /// What a replay needs besides the input (`engine::explain::replay_settings`; the seed is
+    /// the first choice's).
+    pub replay: serde_json::Value,
 }
 
 /// Inputs of an embedding request.

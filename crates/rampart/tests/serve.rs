@@ -2803,6 +2803,31 @@ fn attention_export_over_http_is_bounded_deterministic_and_audited() {
         out.contains("DIFFERS") && out.contains("exported token 2"),
         "{out}"
     );
+    // Computed in a batch with other requests, replayed alone: the same digests.
+    let others: Vec<_> = (0..3)
+        .map(|i| {
+            std::thread::spawn(move || {
+                let body = format!(
+                    r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"Count to {i}0."}}],"max_tokens":40,"temperature":0.8,"seed":{i}}}"#
+                );
+                http(port, "POST", "/v1/chat/completions", Some(&body), Some(KEY)).0
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(50));
+    let (status, headers, text) = ask(r#"{"attention":{"top_k":4}}"#, 12, false);
+    assert_eq!(status, 200, "{text}");
+    for o in others {
+        assert_eq!(o.join().unwrap(), 200);
+    }
+    let batched = header(&headers, "x-rampart-audit-id").unwrap().to_string();
+    let out = Command::new(binary())
+        .current_dir(dir)
+        .args(["explain", "verify", &batched])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && said.contains("verified"), "{said}");
     // Chosen layers, heads and tokens.
     let (status, _, text) = ask(
         r#"{"attention":{"layers":[0],"heads":[2,1],"top_k":2,"positions":[1,0]}}"#,

@@ -2828,6 +2828,21 @@ fn attention_export_over_http_is_bounded_deterministic_and_audited() {
         .unwrap();
     let said = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success() && said.contains("verified"), "{said}");
+    // Streamed: the choice's export rides its finish chunk, the same digest.
+    let (status, _, sse) = ask(r#"{"attention":{"top_k":4}}"#, 12, true);
+    assert_eq!(status, 200, "{sse}");
+    let finish: Vec<serde_json::Value> = sse
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .filter(|c| c["choices"][0]["explain"].is_object())
+        .collect();
+    assert_eq!(finish.len(), 1, "{sse}");
+    assert!(finish[0]["choices"][0]["finish_reason"].is_string());
+    assert_eq!(
+        finish[0]["choices"][0]["explain"]["attention"]["digest"],
+        digest.as_str()
+    );
     // Chosen layers, heads and tokens.
     let (status, _, text) = ask(
         r#"{"attention":{"layers":[0],"heads":[2,1],"top_k":2,"positions":[1,0]}}"#,
@@ -2853,7 +2868,6 @@ fn attention_export_over_http_is_bounded_deterministic_and_audited() {
         (r#"{"attention":{"weights":true}}"#, 4, false, "weights"),
         // 2 layers × 9 heads × 8 keys × 40 tokens = 5760 > 4096.
         (r#"{"attention":{}}"#, 40, false, "limit is 4096"),
-        (r#"{"attention":{}}"#, 4, true, "stream"),
     ] {
         let (status, _, text) = ask(explain, max_tokens, stream);
         assert_eq!(status, 400, "{explain}: {text}");

@@ -466,12 +466,6 @@ impl SamplingFields {
         let Some(attention) = self.explain.as_ref().and_then(|e| e.attention.as_ref()) else {
             return Ok(None);
         };
-        if self.stream == Some(true) {
-            return Err(ApiError::invalid_param(
-                "explain",
-                "explain.attention is answered in whole responses: set stream to false",
-            ));
-        }
         let list =
             |name: &str, values: &Option<Vec<i64>>| -> Result<Option<Vec<usize>>, ApiError> {
                 let Some(values) = values else {

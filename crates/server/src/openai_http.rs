@@ -434,7 +434,71 @@ struct ChoiceState {
     chat_logprobs: Vec<TokenLogprob>,
     completion_logprobs: CompletionLogprobs,
     finish: Option<Finished>,
-    explain: Option<ExplainState>,
+}
+
+/// Every choice's attention export while the tokens arrive, and what the record keeps of them.
+#[derive(Default)]
+struct Explains {
+    info: Option<crate::backend::ExplainInfo>,
+    states: Vec<Option<ExplainState>>,
+    /// Per finished choice: its digest and the digest after each exported token.
+    finished: Vec<Option<(String, Vec<String>)>>,
+}
+
+impl Explains {
+    /// Choice i of prompt p is the (n·p + k)-th; its seed the request's + k (as the backend
+    /// seeds it).
+    fn new(reply: &Reply, version_digest: &str) -> Self {
+        let Some(info) = reply.delivery.explain() else {
+            return Self::default();
+        };
+        let choices = reply.delivery.choices();
+        let n = reply.shape.n.max(1);
+        Self {
+            states: (0..choices)
+                .map(|i| {
+                    let seed = reply.shape.seed.map(|s| s.wrapping_add((i % n) as u64));
+                    Some(ExplainState::new(info, version_digest, seed))
+                })
+                .collect(),
+            finished: vec![None; choices],
+            info: Some(info.clone()),
+        }
+    }
+
+    fn on_token(&mut self, i: usize, attention: &[engine::Attended]) {
+        if let Some(Some(s)) = self.states.get_mut(i) {
+            s.on_token(attention);
+        }
+    }
+
+    /// Choice i's export, once it finished.
+    fn finish(&mut self, i: usize, prompt_tokens: usize) -> Option<ChoiceExplain> {
+        let state = self.states.get_mut(i)?.take()?;
+        let steps = state.steps.clone();
+        let explain = state.finish(prompt_tokens);
+        self.finished[i] = Some((explain.attention.digest.clone(), steps));
+        Some(explain)
+    }
+
+    /// The digests (`attention_sha256`) and what a replay needs (`attention`) into the record.
+    fn record(&self, record: &mut record::InferenceRecord) {
+        let Some(info) = &self.info else {
+            return;
+        };
+        let done: Vec<&(String, Vec<String>)> = self.finished.iter().flatten().collect();
+        record.attention_sha256 = Some(
+            done.iter()
+                .map(|(d, _)| d.as_str())
+                .collect::<Vec<_>>()
+                .join(","),
+        );
+        record.attention = Some(serde_json::json!({
+            "kernel": info.kernel,
+            "settings": info.replay,
+            "steps": done.iter().map(|(_, s)| s).collect::<Vec<_>>(),
+        }));
+    }
 }
 
 /// One choice's attention export while its tokens arrive.
@@ -590,17 +654,7 @@ impl Reply {
 async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Response {
     let choices = reply.delivery.choices();
     let mut states: Vec<ChoiceState> = (0..choices).map(|_| ChoiceState::default()).collect();
-    if let Some(info) = reply.delivery.explain() {
-        // Choice i of prompt p is the n·p + k-th; its seed the request's + k (the backend's).
-        let n = reply.shape.n.max(1);
-        for (i, s) in states.iter_mut().enumerate() {
-            let seed = reply
-                .shape
-                .seed
-                .map(|seed| seed.wrapping_add((i % n) as u64));
-            s.explain = Some(ExplainState::new(info, &record.record.version_digest, seed));
-        }
-    }
+    let mut explains = Explains::new(&reply, &record.record.version_digest);
     let mut done = false;
     while !done {
         let Some((i, event)) = reply.delivery.next().await else {
@@ -613,9 +667,7 @@ async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Respon
         };
         match event {
             Generated::Token(t) => {
-                if let Some(e) = states[i].explain.as_mut() {
-                    e.on_token(&t.attention);
-                }
+                explains.on_token(i, &t.attention);
                 if reply.shape.logprobs {
                     match reply.endpoint {
                         Endpoint::Chat => {
@@ -650,38 +702,16 @@ async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Respon
     let texts = reply.delivery.take_texts();
     let calls = read_tool_calls(&mut reply.delivery, &texts);
     // Each choice's export finished; their digests go into the record (and the audit entry).
-    let replay = reply.delivery.explain().map(|info| {
-        serde_json::json!({
-            "kernel": info.kernel,
-            "settings": info.replay,
-            "steps": states
-                .iter()
-                .map(|s| s.explain.as_ref().map(|e| e.steps.clone()).unwrap_or_default())
-                .collect::<Vec<_>>(),
-        })
-    });
-    let explains: Vec<Option<ChoiceExplain>> = states
-        .iter_mut()
-        .map(|s| {
-            let prompt_tokens = s.finish.as_ref().map_or(0, |f| f.prompt_tokens);
-            s.explain.take().map(|e| e.finish(prompt_tokens))
-        })
+    let finished: Vec<Option<ChoiceExplain>> = states
+        .iter()
+        .enumerate()
+        .map(|(i, s)| explains.finish(i, s.finish.as_ref().map_or(0, |f| f.prompt_tokens)))
         .collect();
-    if explains.iter().any(Option::is_some) {
-        record.record.attention = replay;
-        record.record.attention_sha256 = Some(
-            explains
-                .iter()
-                .flatten()
-                .map(|e| e.attention.digest.as_str())
-                .collect::<Vec<_>>()
-                .join(","),
-        );
-    }
+    explains.record(&mut record.record);
     let response = encode_collected(
         &reply,
         states,
-        explains,
+        finished,
         texts,
         calls,
         reply.usage(record.record.completion_tokens),
@@ -819,6 +849,8 @@ struct Streaming {
     finishes: Vec<String>,
     /// Each choice's tool-call parser (a request with tools).
     parsers: Vec<grammar::tools::ToolParser>,
+    /// Each choice's attention export (sent whole in its finish chunk).
+    explains: Explains,
 }
 
 impl Streaming {
@@ -950,6 +982,7 @@ impl Streaming {
     }
 
     fn on_token(&mut self, i: usize, t: Token) {
+        self.explains.on_token(i, &t.attention);
         self.reply.delivery.on_token(&mut self.record, i, &t);
         let want_logprobs = self.reply.shape.logprobs;
         if t.text.is_empty() && !want_logprobs {
@@ -1023,6 +1056,11 @@ impl Streaming {
                 self.chunk_completion(i, f.trailing_text.clone(), None, reason)
             }
         };
+        // The choice's attention export rides its finish chunk.
+        let chunk = match self.explains.finish(i, f.prompt_tokens) {
+            Some(explain) => with_explain(&chunk, explain),
+            None => chunk,
+        };
         // Every choice's finish goes out only with the last one, after the record is durable:
         // no choice is complete at the client before its audit entry is (fail_closed).
         self.finishes.push(chunk);
@@ -1034,6 +1072,7 @@ impl Streaming {
     }
 
     fn on_all_finished(&mut self) {
+        self.explains.record(&mut self.record.record);
         if let Err(e) = self.reply.delivery.finish(&mut self.record) {
             // The text already went out; the client learns it is not to be trusted.
             e.record(&mut self.record);
@@ -1062,13 +1101,30 @@ impl Streaming {
     }
 }
 
+/// A chunk's JSON with `explain` added to its one choice.
+fn with_explain(chunk: &str, explain: ChoiceExplain) -> String {
+    let Ok(mut v) = serde_json::from_str::<serde_json::Value>(chunk) else {
+        return chunk.to_string();
+    };
+    if let Some(choice) = v["choices"].get_mut(0) {
+        // Through its text: f32 weights keep their shortest form (a Value would widen them).
+        choice["explain"] = serde_json::to_string(&explain)
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok())
+            .unwrap_or_default();
+    }
+    v.to_string()
+}
+
 fn stream_response(reply: Reply, record: RecordBuilder) -> Response {
     let choices = reply.delivery.choices();
     let parsers = match (reply.endpoint, reply.delivery.tools()) {
         (Endpoint::Chat, Some(session)) => (0..choices).map(|_| session.parser()).collect(),
         _ => Vec::new(),
     };
+    let explains = Explains::new(&reply, &record.record.version_digest);
     let mut state = Streaming {
+        explains,
         parsers,
         text_len: vec![0; choices],
         reply,

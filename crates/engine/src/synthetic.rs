@@ -120,6 +120,16 @@ impl SyntheticShape {
         }
         out.push(("output_norm.weight".into(), vec![hidden], DType::F32));
         out.push(("output.weight".into(), vec![hidden, vocab], DType::Q6_K));
+        // Rows that are not whole K-quant blocks of 256 (Qwen2-0.5B's hidden 896) take
+        // llama.cpp's fallback types: Q4_K → Q5_0, Q6_K → Q8_0.
+        for (_, dims, dtype) in &mut out {
+            if dims[0] % dtype.block_size() as u64 != 0 {
+                *dtype = match *dtype {
+                    DType::Q6_K => DType::Q8_0,
+                    _ => DType::Q5_0,
+                };
+            }
+        }
         out
     }
 
@@ -163,7 +173,12 @@ impl SyntheticShape {
             .metadata("tokenizer.ggml.eos_token_id", eos)?
             .metadata("tokenizer.ggml.padding_token_id", eos)?
             .metadata("tokenizer.ggml.bos_token_id", eos)?
-            .metadata("tokenizer.ggml.add_bos_token", false)?;
+            .metadata("tokenizer.ggml.add_bos_token", false)?
+            // Qwen2's ChatML, so chat benchmarks run on the shape.
+            .metadata(
+                "tokenizer.chat_template",
+                "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+            )?;
         for (i, (name, dims, dtype)) in self.tensors().into_iter().enumerate() {
             let cols = dims[0] as usize;
             let rows = dims.get(1).copied().unwrap_or(1) as usize;
@@ -204,6 +219,18 @@ mod tests {
         assert_eq!((count(DType::Q4_K), count(DType::Q6_K)), (169, 29));
         let params: u64 = tensors.iter().map(|t| t.1.iter().product::<u64>()).sum();
         assert!((1_700_000_000..1_800_000_000).contains(&params), "{params}");
+    }
+
+    /// Qwen2-0.5B's hidden 896 is not whole blocks of 256: those rows take Q5_0 and Q8_0, and
+    /// every row is whole blocks of its type.
+    #[test]
+    fn qwen2_0_5b_falls_back_where_rows_are_not_whole_k_blocks() {
+        let tensors = SyntheticShape::qwen2_0_5b().tensors();
+        for (name, dims, dtype) in &tensors {
+            assert_eq!(dims[0] % dtype.block_size() as u64, 0, "{name} {dtype}");
+        }
+        assert!(tensors.iter().any(|t| t.2 == DType::Q5_0));
+        assert!(tensors.iter().any(|t| t.2 == DType::Q4_K));
     }
 
     /// A small shape loads in the engine and runs the throughput benchmark (prefill and decode).

@@ -395,6 +395,19 @@ fn gelu_tanh(x: f32) -> f32 {
         as f32
 }
 
+/// Two threads, a context of 64 and f32 keys and values (the reference keeps them exact).
+fn exact_options() -> engine::EngineOptions {
+    engine::EngineOptions {
+        threads: 2,
+        context: Some(64),
+        kv: engine::KvOptions {
+            dtype: engine::KvDType::F32,
+            ..engine::KvOptions::default()
+        },
+        ..engine::EngineOptions::default()
+    }
+}
+
 /// The reference: every position's logits, computed the slow, obvious way.
 fn reference_logits(w: &Weights, tokens: &[u32], spec: &Spec) -> Vec<Vec<f32>> {
     reference(w, tokens, spec).0
@@ -556,16 +569,7 @@ fn every_weight_type_matches_the_reference_forward() {
     let dir = std::env::temp_dir().join(format!("rampart-arch-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let tokens = [1u32, 40, 77, 200, 13, 150];
-    // f32 keys and values: the reference keeps them exact.
-    let options = engine::EngineOptions {
-        threads: 2,
-        context: Some(64),
-        kv: engine::KvOptions {
-            dtype: engine::KvDType::F32,
-            ..engine::KvOptions::default()
-        },
-        ..engine::EngineOptions::default()
-    };
+    let options = exact_options();
     let mut report = Vec::new();
     let mut failed = Vec::new();
     for arch in ["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3"] {
@@ -620,15 +624,7 @@ fn every_weight_type_matches_the_reference_forward() {
 fn exported_attention_matches_the_reference_softmax() {
     let dir = tempfile::tempdir().unwrap();
     let prompt = [1u32, 40, 77, 200, 13, 150, 9, 31, 64, 5, 120, 44];
-    let options = engine::EngineOptions {
-        threads: 2,
-        context: Some(64),
-        kv: engine::KvOptions {
-            dtype: engine::KvDType::F32,
-            ..engine::KvOptions::default()
-        },
-        ..engine::EngineOptions::default()
-    };
+    let options = exact_options();
     let top_k = 4;
     for arch in ["llama", "qwen2", "gemma3"] {
         let spec = Spec {

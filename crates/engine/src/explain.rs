@@ -212,6 +212,201 @@ pub fn replay_request(
     Ok(request)
 }
 
+/// The spans of `text` an occlusion removes one at a time: its sentences and clauses (cut after
+/// `. ! ? ; : ,`, their CJK forms and line breaks), trimmed of spaces, as byte ranges; when there
+/// are more than `max`, neighbours are joined into `max` spans of about as many pieces each.
+pub fn segments(text: &str, max: usize) -> Vec<std::ops::Range<usize>> {
+    let mut pieces = Vec::new();
+    let mut start = 0;
+    for (i, c) in text.char_indices() {
+        if matches!(
+            c,
+            '.' | '!' | '?' | ';' | ':' | ',' | '\n' | '。' | '！' | '？' | '；' | '，' | '、'
+        ) {
+            pieces.push(start..i + c.len_utf8());
+            start = i + c.len_utf8();
+        }
+    }
+    pieces.push(start..text.len());
+    let trimmed: Vec<std::ops::Range<usize>> = pieces
+        .into_iter()
+        .filter_map(|r| {
+            let s = &text[r.clone()];
+            let lead = s.len() - s.trim_start().len();
+            let trail = s.len() - s.trim_end().len();
+            let (a, b) = (r.start + lead, r.end - trail);
+            // A piece with no letter or digit (a lone comma) is no reason.
+            text[a..b.max(a)]
+                .chars()
+                .any(char::is_alphanumeric)
+                .then_some(a..b)
+        })
+        .collect();
+    let max = max.max(1);
+    if trimmed.len() <= max {
+        return trimmed;
+    }
+    let per = trimmed.len().div_ceil(max);
+    trimmed
+        .chunks(per)
+        .map(|g| g[0].start..g[g.len() - 1].end)
+        .collect()
+}
+
+/// `text` without the byte ranges `removed` (sorted, not overlapping), each replaced by a
+/// space where it separated two words.
+pub fn without(text: &str, removed: &[std::ops::Range<usize>]) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut at = 0;
+    for r in removed {
+        out.push_str(&text[at..r.start]);
+        if !out.is_empty() && !out.ends_with(char::is_whitespace) {
+            out.push(' ');
+        }
+        at = r.end;
+    }
+    out.push_str(text[at..].trim_start());
+    out.trim().to_string()
+}
+
+/// One reason: a verbatim span of the occluded message (byte offsets into its content) and how
+/// much removing it lowers the answer's log-probability (nats; negative: the answer got likelier).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reason {
+    pub start: usize,
+    pub end: usize,
+    pub text: String,
+    pub drop: f64,
+}
+
+/// The faithful reasons of an answer, by occlusion.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Occlusion {
+    /// The message whose content was occluded (the last user message).
+    pub message: usize,
+    /// Up to three, the largest drop first.
+    pub reasons: Vec<Reason>,
+    /// Spans tried (each one prompt scored).
+    pub segments: usize,
+    /// The answer's log-probability with the whole input, without the reasons, and without
+    /// as many random spans of the same lengths (the deletion check).
+    pub logprob: f64,
+    pub without_reasons: f64,
+    pub without_random: f64,
+    /// Prompts scored in all.
+    pub scored: usize,
+}
+
+/// The three spans of the last user message whose removal lowers the answer's probability most
+/// (one scoring pass per span, at most `max_segments`), and the deletion check: the answer's
+/// probability without all three against without three random spans of the same lengths
+/// (chosen with `seed`). With `labels` (the answer one of them: a classifier's), the answer's
+/// probability is its share among the labels; without, the probability of its text.
+pub fn occlusion(
+    engine: &crate::Engine,
+    messages: &[crate::ChatMessage],
+    answer: &str,
+    labels: Option<&[String]>,
+    max_segments: usize,
+    seed: u64,
+) -> Result<Occlusion, crate::EngineError> {
+    use crate::EngineError;
+    let message = messages
+        .iter()
+        .rposition(|m| m.role == "user")
+        .ok_or_else(|| EngineError::InvalidRequest("reasons need a user message".into()))?;
+    let text = messages[message].content.clone();
+    // The answer first, then the other labels.
+    let mut candidates = vec![answer.to_string()];
+    if let Some(labels) = labels {
+        if !labels.iter().any(|l| l == answer) {
+            return Err(EngineError::InvalidRequest(format!(
+                "the answer {answer:?} is not one of the labels"
+            )));
+        }
+        candidates.extend(labels.iter().filter(|l| *l != answer).cloned());
+    }
+    let continuations = candidates
+        .iter()
+        .map(|c| engine.tokenizer().encode_plain(c, false))
+        .collect::<Result<Vec<_>, _>>()?;
+    if continuations.iter().any(Vec::is_empty) {
+        return Err(EngineError::InvalidRequest(
+            "reasons need a non-empty answer".into(),
+        ));
+    }
+    let mut scored = 0;
+    let mut score = |content: &str| -> Result<f64, EngineError> {
+        let mut variant = messages.to_vec();
+        variant[message].content = content.to_string();
+        scored += 1;
+        let all = engine.score_choices(&engine.encode_chat(&variant)?, &continuations)?;
+        // log of the answer's share among the candidates (itself alone: its probability).
+        let max = all.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let norm = max + all.iter().map(|x| (x - max).exp()).sum::<f64>().ln();
+        Ok(all[0] - if all.len() > 1 { norm } else { 0.0 })
+    };
+    let logprob = score(&text)?;
+    let spans = segments(&text, max_segments);
+    let mut tried = Vec::with_capacity(spans.len());
+    for span in &spans {
+        let drop = logprob - score(&without(&text, std::slice::from_ref(span)))?;
+        tried.push(Reason {
+            start: span.start,
+            end: span.end,
+            text: text[span.clone()].to_string(),
+            drop,
+        });
+    }
+    tried.sort_by(|a, b| b.drop.total_cmp(&a.drop).then(a.start.cmp(&b.start)));
+    tried.truncate(3);
+    let mut removed: Vec<std::ops::Range<usize>> = tried.iter().map(|r| r.start..r.end).collect();
+    removed.sort_by_key(|r| r.start);
+    let without_reasons = score(&without(&text, &removed))?;
+    let random = random_spans(&text, &removed, seed);
+    let without_random = score(&without(&text, &random))?;
+    Ok(Occlusion {
+        message,
+        reasons: tried,
+        segments: spans.len(),
+        logprob,
+        without_reasons,
+        without_random,
+        scored,
+    })
+}
+
+/// Spans of `text` as long as `like`'s (bytes, moved to character boundaries), at random places
+/// that do not overlap one another, sorted.
+fn random_spans(
+    text: &str,
+    like: &[std::ops::Range<usize>],
+    seed: u64,
+) -> Vec<std::ops::Range<usize>> {
+    let mut rng = kernels::rng::SplitMix64::new(seed);
+    let mut out: Vec<std::ops::Range<usize>> = Vec::new();
+    for r in like {
+        let len = r.end - r.start;
+        for _ in 0..64 {
+            let room = text.len().saturating_sub(len);
+            let mut start = (rng.next_u64() % (room as u64 + 1)) as usize;
+            while !text.is_char_boundary(start) {
+                start -= 1;
+            }
+            let mut end = (start + len).min(text.len());
+            while !text.is_char_boundary(end) {
+                end += 1;
+            }
+            if out.iter().all(|o| end <= o.start || start >= o.end) {
+                out.push(start..end);
+                break;
+            }
+        }
+    }
+    out.sort_by_key(|r| r.start);
+    out
+}
+
 /// The hash of one request's export, built token by token: what the audit entry keeps and a
 /// replay recomputes.
 pub struct AttentionDigest {
@@ -331,6 +526,39 @@ mod tests {
         let mut bad = r;
         bad.positions = Some(Vec::new());
         assert!(bad.normalize(&c, 10, usize::MAX).is_err());
+    }
+
+    #[test]
+    fn segments_are_clauses_trimmed_and_joined_to_the_limit() {
+        let text = "My parcel is late. It was due Monday, and nobody answers!  Refund me?";
+        let s = segments(text, 10);
+        let parts: Vec<&str> = s.iter().map(|r| &text[r.clone()]).collect();
+        assert_eq!(
+            parts,
+            vec![
+                "My parcel is late.",
+                "It was due Monday,",
+                "and nobody answers!",
+                "Refund me?"
+            ]
+        );
+        let joined = segments(text, 2);
+        assert_eq!(joined.len(), 2);
+        assert_eq!(
+            &text[joined[0].clone()],
+            "My parcel is late. It was due Monday,"
+        );
+        let cjk = "包裹没到。我要退款！";
+        let parts: Vec<&str> = segments(cjk, 8).iter().map(|r| &cjk[r.clone()]).collect();
+        assert_eq!(parts, vec!["包裹没到。", "我要退款！"]);
+        assert_eq!(
+            without(text, &[s[1].clone()]),
+            "My parcel is late. and nobody answers!  Refund me?"
+        );
+        assert_eq!(
+            without(text, &[s[0].clone(), s[3].clone()]),
+            "It was due Monday, and nobody answers!"
+        );
     }
 
     #[test]

@@ -1017,6 +1017,70 @@ impl Engine {
         })
     }
 
+    /// The log-probability of `continuation` after `prompt` (teacher-forced, summed over its
+    /// tokens, natural log), from an empty context. Holds the compute lock while it runs (the
+    /// scheduler pauses for one prompt's prefill).
+    pub fn score(&self, prompt: &[u32], continuation: &[u32]) -> Result<f64, EngineError> {
+        Ok(self.score_choices(prompt, std::slice::from_ref(&continuation.to_vec()))?[0])
+    }
+
+    /// [`Engine::score`] of each continuation after one prompt, the prompt computed once (each
+    /// continuation reads its keys and values, then is cut off for the next).
+    pub fn score_choices(
+        &self,
+        prompt: &[u32],
+        continuations: &[Vec<u32>],
+    ) -> Result<Vec<f64>, EngineError> {
+        if prompt.is_empty() || continuations.iter().any(Vec::is_empty) {
+            return Err(EngineError::InvalidRequest(
+                "scoring needs a prompt and non-empty continuations".into(),
+            ));
+        }
+        self.with_session(|model, backend, cache, state| {
+            cache.clear();
+            let longest = continuations.iter().map(Vec::len).max().unwrap_or(0);
+            let total = prompt.len() + longest;
+            if total > cache.capacity() {
+                return Err(EngineError::ContextExceeded {
+                    prompt_tokens: total,
+                    max_tokens: 0,
+                    context: cache.capacity(),
+                });
+            }
+            // The prompt but its last token without logits; then, per continuation, the
+            // prompt's last token and the continuation but its last, each row's logits
+            // predicting the next token.
+            let (head, last) = prompt.split_at(prompt.len() - 1);
+            for chunk in head.chunks(self.prefill_chunk) {
+                model.forward(backend, chunk, cache, state, LogitRows::Last)?;
+            }
+            let vocab = model.config.vocab_size;
+            let mut sums = Vec::with_capacity(continuations.len());
+            for continuation in continuations {
+                cache.len = head.len();
+                let mut rows: Vec<u32> = last.to_vec();
+                rows.extend_from_slice(&continuation[..continuation.len() - 1]);
+                let mut sum = 0f64;
+                let mut done = 0;
+                for chunk in rows.chunks(self.prefill_chunk) {
+                    model.forward(backend, chunk, cache, state, LogitRows::All)?;
+                    for row in state.logits.chunks_exact(vocab) {
+                        let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                        let norm = row
+                            .iter()
+                            .map(|&x| ((x - max) as f64).exp())
+                            .sum::<f64>()
+                            .ln();
+                        sum += (row[continuation[done] as usize] - max) as f64 - norm;
+                        done += 1;
+                    }
+                }
+                sums.push(sum);
+            }
+            Ok(sums)
+        })
+    }
+
     /// Direct access to the model, backend, a one-sequence KV cache and buffers (for scoring and
     /// benchmarks that drive the forward pass themselves); holds the compute lock for the
     /// duration of `f`, so the scheduler pauses meanwhile.

@@ -2873,6 +2873,72 @@ fn attention_export_over_http_is_bounded_deterministic_and_audited() {
         assert_eq!(status, 400, "{explain}: {text}");
         assert!(text.contains(what), "{explain}: {text}");
     }
+    // Reasons by occlusion for a label answer: three verbatim spans of the ticket, with their
+    // offsets, and the deletion check; the audit entry keeps them.
+    let ticket = "My parcel was supposed to arrive on Monday. It is now Friday, and the tracking page has not changed. Please tell me where it is.";
+    let body = serde_json::json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": ticket}],
+        "guided_choice": ["logistics", "refund", "invoice", "quality", "service"],
+        "temperature": 0,
+        "explain": {"reasons": {}},
+    })
+    .to_string();
+    let (status, headers, text) =
+        http(port, "POST", "/v1/chat/completions", Some(&body), Some(KEY));
+    assert_eq!(status, 200, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let reasons = &v["choices"][0]["explain"]["reasons"];
+    eprintln!(
+        "reasons for {}: {reasons}",
+        v["choices"][0]["message"]["content"]
+    );
+    assert_eq!(reasons["method"], "occlusion", "{v}");
+    assert_eq!(reasons["segments"], 4, "{reasons}");
+    let spans = reasons["reasons"].as_array().unwrap();
+    assert_eq!(spans.len(), 3, "{reasons}");
+    for r in spans {
+        let (a, b) = (
+            r["start"].as_u64().unwrap() as usize,
+            r["end"].as_u64().unwrap() as usize,
+        );
+        assert_eq!(r["text"], &ticket[a..b], "{r}");
+    }
+    let drops: Vec<f64> = spans.iter().map(|r| r["drop"].as_f64().unwrap()).collect();
+    assert!(drops.windows(2).all(|w| w[0] >= w[1]), "{drops:?}");
+    for k in ["probability", "without_reasons", "without_random"] {
+        let p = reasons["deletion"][k].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&p), "{k}: {p}");
+    }
+    let id = header(&headers, "x-rampart-audit-id").unwrap().to_string();
+    let (_, _, entry) = http(
+        port,
+        "GET",
+        &format!("/admin/audit/{id}"),
+        None,
+        Some(AUDIT_KEY),
+    );
+    assert!(
+        entry.contains("without_random") && entry.contains("occlusion"),
+        "{entry}"
+    );
+    for (explain, extra, what) in [
+        (r#"{"reasons":{"method":"rollout"}}"#, "", "occlusion"),
+        (r#"{"reasons":{}}"#, r#","stream":true"#, "stream"),
+        (r#"{"reasons":{}}"#, r#","n":2"#, "n to 1"),
+    ] {
+        let body = format!(
+            r#"{{"model":"{MODEL}","messages":[{{"role":"user","content":"x"}}],"max_tokens":2,"explain":{explain}{extra}}}"#
+        );
+        let (status, _, text) = http(port, "POST", "/v1/chat/completions", Some(&body), Some(KEY));
+        assert_eq!(status, 400, "{explain}{extra}: {text}");
+        assert!(text.contains(what), "{text}");
+    }
+    let body = format!(
+        r#"{{"model":"{MODEL}","prompt":"x","max_tokens":2,"explain":{{"reasons":{{}}}}}}"#
+    );
+    let (status, _, text) = http(port, "POST", "/v1/completions", Some(&body), Some(KEY));
+    assert_eq!(status, 400, "{text}");
     let (status, _, _) = http(port, "GET", "/health/ready", None, None);
     assert_eq!(status, 200);
 }

@@ -71,6 +71,10 @@ pub struct InferenceRecord {
     /// after each exported token (16 hex digits). In the audit entry; not in the log line.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub attention: Option<serde_json::Value>,
+    /// `explain.reasons`: the reasons given with the answer (method, spans with their offsets
+    /// and drops, the deletion check), or why none could be given. In the audit entry.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasons: Option<serde_json::Value>,
     pub queue_ms: f64,
     pub prefill_ms: f64,
     pub ttft_ms: f64,
@@ -228,6 +232,7 @@ impl InferenceRecord {
             speculated_tokens: 0,
             attention_sha256: None,
             attention: None,
+            reasons: None,
             speculated_accepted: 0,
             queue_ms: 0.0,
             prefill_ms: 0.0,

@@ -501,6 +501,8 @@ pub struct Limits {
     /// Most attention weights one request may export (`explain.attention`: layers × heads ×
     /// top_k × exported tokens, over all its choices).
     pub max_attention_entries: usize,
+    /// Most spans `explain.reasons` tries per answer (each costs one prompt's prefill).
+    pub max_reason_segments: usize,
     /// Most prompts in one `/v1/completions` request.
     pub max_prompts: usize,
     /// Largest JSON schema, regex, choice list or grammar of a structured-output request.
@@ -553,6 +555,7 @@ impl Default for Limits {
             max_stop: 4,
             max_top_logprobs: 20,
             max_attention_entries: 131_072,
+            max_reason_segments: 12,
             max_prompts: 16,
             max_grammar_bytes: 64 * 1024,
             grammar_compile_timeout_ms: 2000,

@@ -116,6 +116,16 @@ pub struct FunctionDelta {
 #[serde(deny_unknown_fields)]
 pub struct ExplainField {
     pub attention: Option<AttentionField>,
+    /// The three spans of the last user message that most support the answer.
+    pub reasons: Option<ReasonsField>,
+}
+
+/// `explain.reasons`.
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ReasonsField {
+    /// `occlusion` (the default): each clause removed in turn and the answer scored again.
+    pub method: Option<String>,
 }
 
 /// `explain.attention`: what is left out takes the model's defaults (the last two layers,
@@ -133,10 +143,71 @@ pub struct AttentionField {
     pub positions: Option<Vec<i64>>,
 }
 
-/// One choice's attention export.
+/// One choice's explanation: its attention export and its reasons, as asked.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ChoiceExplain {
-    pub attention: AttentionExport,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attention: Option<AttentionExport>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasons: Option<ReasonsOut>,
+}
+
+/// The reasons of an answer, by occlusion.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ReasonsOut {
+    pub method: &'static str,
+    /// The message whose content the spans are of (the last user message).
+    pub message: usize,
+    /// Up to three, the strongest first.
+    pub reasons: Vec<ReasonOut>,
+    /// Spans tried.
+    pub segments: usize,
+    /// The answer's probability with the whole input, without the reasons, and without as many
+    /// random spans of the same lengths.
+    pub deletion: DeletionCheck,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ReasonOut {
+    /// The span, verbatim.
+    pub text: String,
+    /// Byte offsets into the message's content.
+    pub start: usize,
+    pub end: usize,
+    /// How much removing it lowers the answer's log-probability (nats).
+    pub drop: f64,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct DeletionCheck {
+    pub probability: f64,
+    pub without_reasons: f64,
+    pub without_random: f64,
+}
+
+impl ReasonsOut {
+    pub fn from_occlusion(o: &engine::explain::Occlusion) -> Self {
+        Self {
+            method: "occlusion",
+            message: o.message,
+            reasons: o
+                .reasons
+                .iter()
+                .map(|r| ReasonOut {
+                    text: r.text.clone(),
+                    start: r.start,
+                    end: r.end,
+                    drop: r.drop,
+                })
+                .collect(),
+            segments: o.segments,
+            deletion: DeletionCheck {
+                probability: o.logprob.exp(),
+                without_reasons: o.without_reasons.exp(),
+                without_random: o.without_random.exp(),
+            },
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -454,6 +525,30 @@ impl SamplingFields {
         };
         grammar::from_request(self.response_format.as_ref(), &guided)
             .map_err(|e| ApiError::invalid_param(param, e.to_string()))
+    }
+
+    /// `explain.reasons` checked: the segments' bound when asked (chat answers of one choice,
+    /// not streamed).
+    pub fn reasons(&self, limits: &Limits) -> Result<Option<usize>, ApiError> {
+        let Some(reasons) = self.explain.as_ref().and_then(|e| e.reasons.as_ref()) else {
+            return Ok(None);
+        };
+        let refuse = |m: &str| Err(ApiError::invalid_param("explain", m));
+        match reasons.method.as_deref() {
+            None | Some("occlusion") => {}
+            Some(other) => {
+                return refuse(&format!(
+                    "explain.reasons.method {other:?} is not supported (occlusion)"
+                ))
+            }
+        }
+        if self.stream == Some(true) {
+            return refuse("explain.reasons come in whole responses: set stream to false");
+        }
+        if self.n.is_some_and(|n| n > 1) {
+            return refuse("explain.reasons explain one choice: set n to 1");
+        }
+        Ok(Some(limits.max_reason_segments))
     }
 
     /// `explain.attention` checked for shape (the model's backend checks it against the model):

@@ -134,7 +134,7 @@ async fn start(
     record: &mut RecordBuilder,
 ) -> Result<Reply, ApiError> {
     let bytes = identity::read_body(body, state.config.limits.max_body_bytes, record).await?;
-    let (model, mut plan) = decode_generation(&bytes, endpoint, &state.config.limits)?;
+    let (model, mut plan, reasons) = decode_generation(&bytes, endpoint, &state.config.limits)?;
     plan.language = language;
     note_input(record, endpoint, &plan, state.config.monitor.enabled);
     // Who it is, for the first-token gate's bookings and fair order.
@@ -154,6 +154,7 @@ async fn start(
         logprobs: plan.logprobs,
         n: plan.n,
         seed: plan.request.sampling.seed,
+        reasons,
     };
     let work = Work::Generate(Box::new(plan));
     let admitted = front::serve(&state.front, principal, &model, work, record).await?;
@@ -248,18 +249,98 @@ fn decode_generation(
     bytes: &[u8],
     endpoint: Endpoint,
     limits: &crate::config::Limits,
-) -> Result<(ModelName, crate::backend::GeneratePlan), ApiError> {
-    let (model, plan) = match endpoint {
+) -> Result<(ModelName, crate::backend::GeneratePlan, Option<Reasons>), ApiError> {
+    let (model, plan, reasons) = match endpoint {
         Endpoint::Chat => {
             let r: ChatCompletionRequest = parse_json(bytes)?;
-            (r.model.clone(), r.plan(limits)?)
+            let plan = r.plan(limits)?;
+            let reasons = match (r.sampling.reasons(limits)?, plan.prompts.first()) {
+                (Some(max_segments), Some(engine::Prompt::Chat(messages))) => Some(Reasons {
+                    messages: messages.clone(),
+                    max_segments,
+                    labels: match &plan.structured {
+                        Some(grammar::GrammarSpec::Choice(labels)) => Some(labels.clone()),
+                        _ => None,
+                    },
+                }),
+                _ => None,
+            };
+            (r.model.clone(), plan, reasons)
         }
         Endpoint::Completions => {
             let r: CompletionRequest = parse_json(bytes)?;
-            (r.model.clone(), r.plan(limits)?)
+            if r.sampling.reasons(limits)?.is_some() {
+                return Err(ApiError::invalid_param(
+                    "explain",
+                    "explain.reasons explain chat answers (/v1/chat/completions)",
+                ));
+            }
+            (r.model.clone(), r.plan(limits)?, None)
         }
     };
-    Ok((ModelName::parse(&model), plan))
+    Ok((ModelName::parse(&model), plan, reasons))
+}
+
+/// The reasons of the first choice's answer (`explain.reasons`), by occlusion on the engine
+/// that answered, off the async workers; the record keeps them, or why there are none (a
+/// fallback that is not a language model, a failure).
+async fn give_reasons(
+    ask: Option<Reasons>,
+    engine: Option<Arc<engine::Engine>>,
+    seed: Option<u64>,
+    texts: &[String],
+    record: &mut RecordBuilder,
+) -> Option<ReasonsOut> {
+    let ask = ask?;
+    let Some(engine) = engine else {
+        record.record.reasons = Some(serde_json::json!({
+            "error": "the answer came from a backend that is not a language model"
+        }));
+        return None;
+    };
+    let (messages, max, labels, answer) = (
+        ask.messages,
+        ask.max_segments,
+        ask.labels,
+        texts.first().cloned().unwrap_or_default(),
+    );
+    // The random spans of the deletion check: the request's seed, or a fixed one.
+    let seed = seed.unwrap_or(0x5eed);
+    let began = std::time::Instant::now();
+    let done = tokio::task::spawn_blocking(move || {
+        engine::explain::occlusion(&engine, &messages, &answer, labels.as_deref(), max, seed)
+    })
+    .await;
+    let ms = began.elapsed().as_secs_f64() * 1e3;
+    match done {
+        Ok(Ok(o)) => {
+            let out = ReasonsOut::from_occlusion(&o);
+            let mut kept = serde_json::to_value(&out).unwrap_or_default();
+            kept["scored"] = o.scored.into();
+            kept["ms"] = ms.into();
+            record.record.reasons = Some(kept);
+            Some(out)
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(target: "rampart::explain", error = %e, "no reasons for this answer");
+            record.record.reasons = Some(serde_json::json!({ "error": e.to_string() }));
+            None
+        }
+        Err(e) => {
+            record.record.reasons = Some(serde_json::json!({ "error": e.to_string() }));
+            None
+        }
+    }
+}
+
+/// A chat's `explain.reasons`: the messages and the bound on spans tried.
+#[derive(Debug, Clone)]
+struct Reasons {
+    messages: Vec<engine::ChatMessage>,
+    max_segments: usize,
+    /// A label answer's labels (`guided_choice`, a `choice` response format): its probability
+    /// is then its share among them.
+    labels: Option<Vec<String>>,
 }
 
 /// Embeddings of one or more inputs (texts or token lists).
@@ -406,7 +487,7 @@ fn parse_json<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiErro
 }
 
 /// What of the plan the encoder needs.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct Shape {
     stream: bool,
     include_usage: bool,
@@ -414,6 +495,8 @@ struct Shape {
     /// Choices per prompt and the request's seed (each choice's is the seed + its number).
     n: usize,
     seed: Option<u64>,
+    /// `explain.reasons`, when asked.
+    reasons: Option<Reasons>,
 }
 
 /// An admitted generation on its way to the client.
@@ -477,7 +560,12 @@ impl Explains {
         let state = self.states.get_mut(i)?.take()?;
         let steps = state.steps.clone();
         let explain = state.finish(prompt_tokens);
-        self.finished[i] = Some((explain.attention.digest.clone(), steps));
+        let digest = explain
+            .attention
+            .as_ref()
+            .map(|a| a.digest.clone())
+            .unwrap_or_default();
+        self.finished[i] = Some((digest, steps));
         Some(explain)
     }
 
@@ -560,7 +648,8 @@ impl ExplainState {
         let r = &self.info.request;
         let rows = (self.tokens.len() * r.layers.len() * r.heads.len()).max(1) as f64;
         ChoiceExplain {
-            attention: AttentionExport {
+            reasons: None,
+            attention: Some(AttentionExport {
                 layers: r.layers.clone(),
                 heads: r.heads.clone(),
                 top_k: r.top_k,
@@ -573,7 +662,7 @@ impl ExplainState {
                 tokens: self.tokens,
                 digest: self.digest.finish(),
                 kernel: self.info.kernel,
-            },
+            }),
         }
     }
 }
@@ -702,12 +791,29 @@ async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Respon
     let texts = reply.delivery.take_texts();
     let calls = read_tool_calls(&mut reply.delivery, &texts);
     // Each choice's export finished; their digests go into the record (and the audit entry).
-    let finished: Vec<Option<ChoiceExplain>> = states
+    let mut finished: Vec<Option<ChoiceExplain>> = states
         .iter()
         .enumerate()
         .map(|(i, s)| explains.finish(i, s.finish.as_ref().map_or(0, |f| f.prompt_tokens)))
         .collect();
     explains.record(&mut record.record);
+    let (ask, engine, seed) = (
+        reply.shape.reasons.clone(),
+        reply.delivery.entry().engine.clone(),
+        reply.shape.seed,
+    );
+    if let Some(reasons) = give_reasons(ask, engine, seed, &texts, &mut record).await {
+        match finished.first_mut() {
+            Some(Some(e)) => e.reasons = Some(reasons),
+            Some(slot) => {
+                *slot = Some(ChoiceExplain {
+                    attention: None,
+                    reasons: Some(reasons),
+                })
+            }
+            None => {}
+        }
+    }
     let response = encode_collected(
         &reply,
         states,

@@ -301,12 +301,12 @@ pub struct Occlusion {
 /// (one scoring pass per span, at most `max_segments`), and the deletion check: the answer's
 /// probability without all three against without three random spans of the same lengths
 /// (chosen with `seed`). With `labels` (the answer one of them: a classifier's), the answer's
-/// probability is its share among the labels; without, the probability of its text.
+/// probability is the one a decoder held to the labels gives it (each token among those that
+/// continue a label; the labels' own tokenizations); without, the probability of its text.
 pub fn occlusion(
     engine: &crate::Engine,
     messages: &[crate::ChatMessage],
-    answer: &str,
-    labels: Option<&[String]>,
+    answer: &Answer<'_>,
     max_segments: usize,
     seed: u64,
 ) -> Result<Occlusion, crate::EngineError> {
@@ -316,21 +316,24 @@ pub fn occlusion(
         .rposition(|m| m.role == "user")
         .ok_or_else(|| EngineError::InvalidRequest("reasons need a user message".into()))?;
     let text = messages[message].content.clone();
-    // The answer first, then the other labels.
-    let mut candidates = vec![answer.to_string()];
-    if let Some(labels) = labels {
-        if !labels.iter().any(|l| l == answer) {
-            return Err(EngineError::InvalidRequest(format!(
-                "the answer {answer:?} is not one of the labels"
-            )));
+    // The tokens scored, and what each was drawn among.
+    let (path, allowed) = match answer.labels {
+        Some(labels) => {
+            if answer.ids.is_empty() {
+                return Err(EngineError::InvalidRequest(
+                    "reasons for a label need the answer's tokens".into(),
+                ));
+            }
+            let allowed = label_steps(engine.tokenizer(), answer.ids, labels)?;
+            (answer.ids.to_vec(), allowed)
         }
-        candidates.extend(labels.iter().filter(|l| *l != answer).cloned());
-    }
-    let continuations = candidates
-        .iter()
-        .map(|c| engine.tokenizer().encode_plain(c, false))
-        .collect::<Result<Vec<_>, _>>()?;
-    if continuations.iter().any(Vec::is_empty) {
+        None => {
+            let ids = engine.tokenizer().encode_plain(answer.text, false)?;
+            let all = vec![Vec::new(); ids.len()];
+            (ids, all)
+        }
+    };
+    if path.is_empty() {
         return Err(EngineError::InvalidRequest(
             "reasons need a non-empty answer".into(),
         ));
@@ -340,11 +343,7 @@ pub fn occlusion(
         let mut variant = messages.to_vec();
         variant[message].content = content.to_string();
         scored += 1;
-        let all = engine.score_choices(&engine.encode_chat(&variant)?, &continuations)?;
-        // log of the answer's share among the candidates (itself alone: its probability).
-        let max = all.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-        let norm = max + all.iter().map(|x| (x - max).exp()).sum::<f64>().ln();
-        Ok(all[0] - if all.len() > 1 { norm } else { 0.0 })
+        engine.score_path(&engine.encode_chat(&variant)?, &path, &allowed)
     };
     let logprob = score(&text)?;
     let spans = segments(&text, max_segments);
@@ -374,6 +373,67 @@ pub fn occlusion(
         without_random,
         scored,
     })
+}
+
+/// The answer whose reasons are asked.
+pub struct Answer<'a> {
+    pub text: &'a str,
+    /// The tokens the decoder drew (needed with `labels`).
+    pub ids: &'a [u32],
+    /// A label answer's labels (`guided_choice`): the answer's probability is then the one the
+    /// decoder held to them gives the tokens it drew, each among the tokens that keep the
+    /// output a prefix of some label; without, the probability of the text's own tokens.
+    pub labels: Option<&'a [String]>,
+}
+
+/// Per token of `ids` (a decoded label), the tokens a decoder held to `labels` could draw there:
+/// those whose text keeps the output so far a prefix of some label. Once one label alone fits
+/// what was drawn, the rest is forced (the constraint writes it without a draw): the step's set
+/// is the drawn token alone, probability 1.
+fn label_steps(
+    tokenizer: &crate::tokenizer::Tokenizer,
+    ids: &[u32],
+    labels: &[String],
+) -> Result<Vec<Vec<u32>>, crate::EngineError> {
+    let vocab = tokenizer.vocab_size() as u32;
+    let mut so_far: Vec<u8> = Vec::new();
+    let mut steps = Vec::with_capacity(ids.len());
+    for &id in ids {
+        let open = labels
+            .iter()
+            .filter(|l| l.as_bytes().starts_with(&so_far))
+            .count();
+        if open == 1 && !so_far.is_empty() {
+            so_far.extend_from_slice(tokenizer.token_bytes(id));
+            steps.push(vec![id]);
+            continue;
+        }
+        let allowed: Vec<u32> = (0..vocab)
+            .filter(|&t| {
+                let piece = tokenizer.token_bytes(t);
+                !piece.is_empty()
+                    && labels.iter().any(|l| {
+                        let l = l.as_bytes();
+                        l.len() >= so_far.len() + piece.len()
+                            && l.starts_with(&so_far)
+                            && l[so_far.len()..].starts_with(piece)
+                    })
+            })
+            .collect();
+        if !allowed.contains(&id) {
+            return Err(crate::EngineError::InvalidRequest(format!(
+                "the answer's token {id} does not continue any label"
+            )));
+        }
+        so_far.extend_from_slice(tokenizer.token_bytes(id));
+        steps.push(allowed);
+    }
+    if !labels.iter().any(|l| l.as_bytes() == so_far.as_slice()) {
+        return Err(crate::EngineError::InvalidRequest(
+            "the answer is not one of the labels".into(),
+        ));
+    }
+    Ok(steps)
 }
 
 /// Spans of `text` as long as `like`'s (bytes, moved to character boundaries), at random places

@@ -1021,15 +1021,19 @@ impl Engine {
     /// tokens, natural log), from an empty context. Holds the compute lock while it runs (the
     /// scheduler pauses for one prompt's prefill).
     pub fn score(&self, prompt: &[u32], continuation: &[u32]) -> Result<f64, EngineError> {
-        Ok(self.score_choices(prompt, std::slice::from_ref(&continuation.to_vec()))?[0])
+        Ok(self.score_choices(prompt, std::slice::from_ref(&continuation.to_vec()), false)?[0])
     }
 
     /// [`Engine::score`] of each continuation after one prompt, the prompt computed once (each
-    /// continuation reads its keys and values, then is cut off for the next).
+    /// continuation reads its keys and values, then is cut off for the next). With `among`,
+    /// each token's probability is taken among the tokens that continue some continuation with
+    /// the same tokens before it (what a decoder held to these choices draws from): the
+    /// results are then the choices' probabilities under that constraint.
     pub fn score_choices(
         &self,
         prompt: &[u32],
         continuations: &[Vec<u32>],
+        among: bool,
     ) -> Result<Vec<f64>, EngineError> {
         if prompt.is_empty() || continuations.iter().any(Vec::is_empty) {
             return Err(EngineError::InvalidRequest(
@@ -1066,11 +1070,23 @@ impl Engine {
                     model.forward(backend, chunk, cache, state, LogitRows::All)?;
                     for row in state.logits.chunks_exact(vocab) {
                         let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-                        let norm = row
-                            .iter()
-                            .map(|&x| ((x - max) as f64).exp())
-                            .sum::<f64>()
-                            .ln();
+                        let exp = |t: u32| ((row[t as usize] - max) as f64).exp();
+                        let norm = if among {
+                            // The next tokens of the continuations that agree so far.
+                            let mut next: Vec<u32> = continuations
+                                .iter()
+                                .filter(|c| c.len() > done && c[..done] == continuation[..done])
+                                .map(|c| c[done])
+                                .collect();
+                            next.sort_unstable();
+                            next.dedup();
+                            next.into_iter().map(exp).sum::<f64>().ln()
+                        } else {
+                            row.iter()
+                                .map(|&x| ((x - max) as f64).exp())
+                                .sum::<f64>()
+                                .ln()
+                        };
                         sum += (row[continuation[done] as usize] - max) as f64 - norm;
                         done += 1;
                     }
@@ -1078,6 +1094,60 @@ impl Engine {
                 sums.push(sum);
             }
             Ok(sums)
+        })
+    }
+
+    /// The log-probability of `path` after `prompt` when each of its tokens is drawn among
+    /// `allowed[k]` (what a decoder held to a grammar may draw at that step; an empty set: the
+    /// whole vocabulary). From an empty context, under the compute lock.
+    pub fn score_path(
+        &self,
+        prompt: &[u32],
+        path: &[u32],
+        allowed: &[Vec<u32>],
+    ) -> Result<f64, EngineError> {
+        if prompt.is_empty() || path.is_empty() || allowed.len() != path.len() {
+            return Err(EngineError::InvalidRequest(
+                "scoring a path needs a prompt, a path and an allowed set per token".into(),
+            ));
+        }
+        self.with_session(|model, backend, cache, state| {
+            cache.clear();
+            if prompt.len() + path.len() > cache.capacity() {
+                return Err(EngineError::ContextExceeded {
+                    prompt_tokens: prompt.len() + path.len(),
+                    max_tokens: 0,
+                    context: cache.capacity(),
+                });
+            }
+            let (head, last) = prompt.split_at(prompt.len() - 1);
+            for chunk in head.chunks(self.prefill_chunk) {
+                model.forward(backend, chunk, cache, state, LogitRows::Last)?;
+            }
+            let mut rows: Vec<u32> = last.to_vec();
+            rows.extend_from_slice(&path[..path.len() - 1]);
+            let vocab = model.config.vocab_size;
+            let mut sum = 0f64;
+            let mut done = 0;
+            for chunk in rows.chunks(self.prefill_chunk) {
+                model.forward(backend, chunk, cache, state, LogitRows::All)?;
+                for row in state.logits.chunks_exact(vocab) {
+                    let max = row.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                    let exp = |x: f32| ((x - max) as f64).exp();
+                    let norm = if allowed[done].is_empty() {
+                        row.iter().map(|&x| exp(x)).sum::<f64>()
+                    } else {
+                        allowed[done]
+                            .iter()
+                            .filter_map(|&t| row.get(t as usize))
+                            .map(|&x| exp(x))
+                            .sum::<f64>()
+                    };
+                    sum += (row[path[done] as usize] - max) as f64 - norm.ln();
+                    done += 1;
+                }
+            }
+            Ok(sum)
         })
     }
 

@@ -704,6 +704,45 @@ fn exported_attention_matches_the_reference_softmax() {
     }
 }
 
+/// Scoring a continuation equals summing the log-softmax of the full forward's logits at its
+/// rows; held to a set of choices, the choices' probabilities sum to 1.
+#[test]
+fn scores_are_the_forward_pass_log_probabilities() {
+    let dir = tempfile::tempdir().unwrap();
+    let spec = Spec {
+        arch: "llama",
+        dtype: DType::F32,
+    };
+    let (file, _) = build(&spec);
+    let path = dir.path().join("llama.gguf");
+    std::fs::write(&path, file).unwrap();
+    let engine = engine::Engine::load(&path, &exact_options()).unwrap();
+    let prompt = [1u32, 40, 77, 200, 13];
+    let choices = vec![vec![150u32, 9, 31], vec![150, 7], vec![64]];
+    let vocab = engine.config().vocab_size;
+    for c in &choices {
+        let all: Vec<u32> = prompt.iter().chain(c).copied().collect();
+        let logits = engine.logits(&all).unwrap();
+        let mut want = 0f64;
+        for (k, &t) in c.iter().enumerate() {
+            let row = &logits[(prompt.len() - 1 + k) * vocab..][..vocab];
+            let max = row.iter().cloned().fold(f32::MIN, f32::max);
+            let norm: f64 = row
+                .iter()
+                .map(|&x| ((x - max) as f64).exp())
+                .sum::<f64>()
+                .ln();
+            want += (row[t as usize] - max) as f64 - norm;
+        }
+        let got = engine.score(&prompt, c).unwrap();
+        assert!((got - want).abs() < 1e-4, "{c:?}: {got} vs {want}");
+    }
+    let among = engine.score_choices(&prompt, &choices, true).unwrap();
+    let total: f64 = among.iter().map(|x| x.exp()).sum();
+    assert!((total - 1.0).abs() < 1e-6, "{among:?}");
+    assert!(engine.score(&prompt, &[]).is_err());
+}
+
 #[test]
 fn unsupported_architectures_are_clear_errors() {
     let dir = std::env::temp_dir().join(format!("rampart-arch-bad-{}", std::process::id()));

@@ -70,6 +70,7 @@ impl InferenceBackend for Talker {
                         entropy: 0.5,
                         logprobs: None,
                         attention: Vec::new(),
+                        id: 0,
                     }),
                 )
             })

@@ -289,6 +289,7 @@ async fn give_reasons(
     engine: Option<Arc<engine::Engine>>,
     seed: Option<u64>,
     texts: &[String],
+    ids: Vec<u32>,
     record: &mut RecordBuilder,
 ) -> Option<ReasonsOut> {
     let ask = ask?;
@@ -308,7 +309,12 @@ async fn give_reasons(
     let seed = seed.unwrap_or(0x5eed);
     let began = std::time::Instant::now();
     let done = tokio::task::spawn_blocking(move || {
-        engine::explain::occlusion(&engine, &messages, &answer, labels.as_deref(), max, seed)
+        let answer = engine::explain::Answer {
+            text: &answer,
+            ids: &ids,
+            labels: labels.as_deref(),
+        };
+        engine::explain::occlusion(&engine, &messages, &answer, max, seed)
     })
     .await;
     let ms = began.elapsed().as_secs_f64() * 1e3;
@@ -744,6 +750,8 @@ async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Respon
     let choices = reply.delivery.choices();
     let mut states: Vec<ChoiceState> = (0..choices).map(|_| ChoiceState::default()).collect();
     let mut explains = Explains::new(&reply, &record.record.version_digest);
+    // The first choice's token ids, for its reasons.
+    let mut first_ids: Vec<u32> = Vec::new();
     let mut done = false;
     while !done {
         let Some((i, event)) = reply.delivery.next().await else {
@@ -757,6 +765,9 @@ async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Respon
         match event {
             Generated::Token(t) => {
                 explains.on_token(i, &t.attention);
+                if i == 0 && reply.shape.reasons.is_some() {
+                    first_ids.push(t.id);
+                }
                 if reply.shape.logprobs {
                     match reply.endpoint {
                         Endpoint::Chat => {
@@ -802,7 +813,7 @@ async fn collect_response(mut reply: Reply, mut record: RecordBuilder) -> Respon
         reply.delivery.entry().engine.clone(),
         reply.shape.seed,
     );
-    if let Some(reasons) = give_reasons(ask, engine, seed, &texts, &mut record).await {
+    if let Some(reasons) = give_reasons(ask, engine, seed, &texts, first_ids, &mut record).await {
         match finished.first_mut() {
             Some(Some(e)) => e.reasons = Some(reasons),
             Some(slot) => {

@@ -65,6 +65,7 @@ fn token(text: &'static str) -> Generated {
         entropy: 0.5,
         logprobs: None,
         attention: Vec::new(),
+        id: 0,
     })
 }
 

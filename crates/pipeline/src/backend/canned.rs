@@ -92,6 +92,7 @@ impl InferenceBackend for CannedBackend {
                             entropy: 0.0,
                             logprobs: None,
                             attention: Vec::new(),
+                            id: 0,
                         }),
                     ));
                     events.push((index, Generated::Finished(super::finished_at_once(1))));

@@ -368,6 +368,7 @@ fn token(t: TokenEvent, tokenizer: &Tokenizer, logprobs: bool) -> Token {
         entropy: t.entropy,
         logprobs,
         attention: t.attention,
+        id: t.id,
     }
 }
 

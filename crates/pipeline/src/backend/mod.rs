@@ -225,6 +225,8 @@ pub struct Token {
     pub logprobs: Option<TokenLogprobs>,
     /// The token's attention export (see [`Generation::explain`]); empty when none.
     pub attention: Vec<engine::Attended>,
+    /// Its id in the model's vocabulary (0 from a backend that is not a language model).
+    pub id: u32,
 }
 
 #[derive(Debug, Clone)]

@@ -111,6 +111,7 @@ impl RulesBackend {
                         entropy: 0.0,
                         logprobs: None,
                         attention: Vec::new(),
+                        id: 0,
                     }),
                 ));
                 events.push((index, Generated::Finished(super::finished_at_once(1))));

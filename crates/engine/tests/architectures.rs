@@ -705,7 +705,7 @@ fn exported_attention_matches_the_reference_softmax() {
 }
 
 /// Scoring a continuation equals summing the log-softmax of the full forward's logits at its
-/// rows; held to a set of choices, the choices' probabilities sum to 1.
+/// rows; each token drawn among the choices' next tokens, the choices' probabilities sum to 1.
 #[test]
 fn scores_are_the_forward_pass_log_probabilities() {
     let dir = tempfile::tempdir().unwrap();
@@ -737,9 +737,18 @@ fn scores_are_the_forward_pass_log_probabilities() {
         let got = engine.score(&prompt, c).unwrap();
         assert!((got - want).abs() < 1e-4, "{c:?}: {got} vs {want}");
     }
-    let among = engine.score_choices(&prompt, &choices, true).unwrap();
-    let total: f64 = among.iter().map(|x| x.exp()).sum();
-    assert!((total - 1.0).abs() < 1e-6, "{among:?}");
+    // First {150, 64}; after 150, {9, 7}; after 150 9, 31 alone.
+    let steps = [
+        vec![vec![150, 64], vec![9, 7], vec![31]],
+        vec![vec![150, 64], vec![9, 7]],
+        vec![vec![150, 64]],
+    ];
+    let total: f64 = choices
+        .iter()
+        .zip(&steps)
+        .map(|(c, s)| engine.score_path(&prompt, c, s).unwrap().exp())
+        .sum();
+    assert!((total - 1.0).abs() < 1e-6, "{total}");
     assert!(engine.score(&prompt, &[]).is_err());
 }
 

@@ -345,7 +345,7 @@ struct Reasons {
     messages: Vec<engine::ChatMessage>,
     max_segments: usize,
     /// A label answer's labels (`guided_choice`, a `choice` response format): its probability
-    /// is then its share among them.
+    /// is then the one the decoder held to them gave the tokens it drew.
     labels: Option<Vec<String>>,
 }
 

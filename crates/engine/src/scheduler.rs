@@ -906,9 +906,10 @@ impl Scheduler {
                 .resize(self.batch.len(), NOT_CAPTURED);
             for (slot, &(i, row)) in explained.iter().enumerate() {
                 self.batch.capture_slots[row] = slot as u32;
-                let asked = self.running[i].attention.as_ref().expect("explained");
-                self.batch.capture_layers.extend_from_slice(&asked.layers);
-                self.batch.capture_top_k = self.batch.capture_top_k.max(asked.top_k);
+                if let Some(asked) = &self.running[i].attention {
+                    self.batch.capture_layers.extend_from_slice(&asked.layers);
+                    self.batch.capture_top_k = self.batch.capture_top_k.max(asked.top_k);
+                }
             }
             self.batch.capture_layers.sort_unstable();
             self.batch.capture_layers.dedup();

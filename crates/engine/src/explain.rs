@@ -471,7 +471,6 @@ fn random_spans(
 /// replay recomputes.
 pub struct AttentionDigest {
     hash: Sha256,
-    tokens: usize,
 }
 
 impl AttentionDigest {
@@ -497,7 +496,7 @@ impl AttentionDigest {
             }
         }
         hash.update((request.top_k as u64).to_le_bytes());
-        Self { hash, tokens: 0 }
+        Self { hash }
     }
 
     /// Adds generated token `index`'s entries (layers × heads × top_k, as exported).
@@ -508,12 +507,6 @@ impl AttentionDigest {
             self.hash.update(e.position.to_le_bytes());
             self.hash.update(e.weight.to_bits().to_le_bytes());
         }
-        self.tokens += 1;
-    }
-
-    /// Tokens added so far.
-    pub fn tokens(&self) -> usize {
-        self.tokens
     }
 
     /// The digest so far, shortened to 16 hex digits: one per token, so a replay that differs

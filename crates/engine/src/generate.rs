@@ -681,11 +681,6 @@ impl Engine {
     }
 
     /// The KV pool's layout and size.
-    /// The element type of the cached keys and values.
-    pub fn kv_dtype(&self) -> KvDType {
-        self.kv_dtype
-    }
-
     /// What identifies the computation of an attention export (see
     /// [`crate::explain::kernel_identity`]).
     pub fn kernel_identity(&self) -> String {
